@@ -1,0 +1,90 @@
+"""The engine's one validated configuration object.
+
+``LLM(model, **overrides)`` filters its keyword arguments through these fields, so
+every option is declared exactly once, here, with vLLM's name and meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """An engine option has a value the engine cannot use."""
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine instance (vLLM's names and meanings).
+
+    ``max_model_len`` None means the model's own limit (capped by what the KV
+    cache can hold); ``kv_cache_memory_bytes`` None means a default budget on CPU
+    and ``gpu_memory_utilization`` of the GPU on CUDA.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    use_safetensors: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a hub id or a local directory, got {self.model!r}")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **overrides: Any) -> "EngineConfig":
+        """Build a config from keyword overrides, rejecting unknown option names."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                f"accepted: {', '.join(sorted(known - {'model'}))}"
+            )
+        return cls(model=model, **overrides)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,103 @@
+"""What the offline API returns: vLLM's RequestOutput, CompletionOutput and
+EmbeddingRequestOutput, with the same fields and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> Logprob (the sampled token is always present).
+SampleLogprobs = list[dict[int, "Logprob"]]
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token at one position, its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request, in seconds of time.monotonic()."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length"
+    (max_tokens or max_model_len) or "abort"; ``stop_reason`` is the stop string or
+    stop token id that ended it, None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The final state of one prompt: its tokens and its n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    lora_request: object | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingOutput:
+    data: object
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The embedding of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooled output of one prompt (``LLM.encode``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    prompt: str | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,165 @@
+"""Per-request parameters: SamplingParams for generation, PoolingParams for embeddings.
+
+Names, defaults and meanings follow vLLM's offline API so jobs move over unchanged.
+Every field is validated at construction; an invalid value raises ValueError naming
+the field and the value.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.Enum):
+    GREEDY = "greedy"
+    RANDOM = "random"
+    RANDOM_SEED = "random_seed"
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt (vLLM's SamplingParams)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Filled by the engine from the model's generation_config (EOS ids beyond the
+    # tokenizer's own), not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value != -1:
+                _check_int(name, value, minimum=0)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, minimum=0)
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+
+class PoolingTask(str, enum.Enum):
+    EMBED = "embed"
+    ENCODE = "encode"
+
+
+@dataclass
+class PoolingParams:
+    """How to turn a prompt's hidden states into an embedding (vLLM's PoolingParams).
+
+    ``dimensions`` truncates the embedding (Matryoshka style) and renormalises when
+    ``normalize`` is set; ``truncate_prompt_tokens`` keeps the last k prompt tokens.
+    """
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None:
+            _check_int("dimensions", self.dimensions, minimum=1)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+
+    def clone(self) -> "PoolingParams":
+        return copy.deepcopy(self)
+
+
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _check_range(name: str, value: Any, low: float, high: float) -> None:
+    _check_number(name, value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")

@@ -1,0 +1,89 @@
+"""Per-request state shared by the scheduler, the KV cache manager and the engine loop.
+
+There is no prefill or decode phase: each request has ``num_computed_tokens`` catching
+up with ``num_tokens`` (prompt plus generated tokens). A step computes some of the
+missing tokens; when it reaches the end, the engine samples one new token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (one sample of a request when n > 1).
+
+    ``params`` is opaque to the scheduler and the KV cache (a SamplingParams or
+    PoolingParams); ``max_tokens`` is already resolved against max_model_len.
+    ``cache_salt`` separates prefix-cache entries that must not be shared (for
+    example different LoRA adapters): it is folded into the first block hash.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+    arrival_index: int = 0
+    params: Any = None
+    cache_salt: Any = None
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache at first admission.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
