@@ -1,24 +1,32 @@
 """shardline: offline batch LLM inference over datasets, with its own engine.
 
-The public engine API mirrors vLLM's offline ``LLM`` class.
+The public engine API mirrors vLLM's offline ``LLM`` class. Names are resolved on
+first use, so importing a light submodule (the scheduler, the shard functions)
+does not import torch.
 """
 
-from shardline.engine.llm import LLM
-from shardline.engine.lora import LoRARequest
-from shardline.engine.outputs import (
-    CompletionOutput,
-    EmbeddingRequestOutput,
-    RequestOutput,
-)
-from shardline.engine.params import PoolingParams, SamplingParams
+from __future__ import annotations
 
-__all__ = [
-    "LLM",
-    "SamplingParams",
-    "PoolingParams",
-    "LoRARequest",
-    "RequestOutput",
-    "CompletionOutput",
-    "EmbeddingRequestOutput",
-]
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "shardline.engine.llm",
+    "SamplingParams": "shardline.engine.params",
+    "PoolingParams": "shardline.engine.params",
+    "LoRARequest": "shardline.engine.lora",
+    "RequestOutput": "shardline.engine.outputs",
+    "CompletionOutput": "shardline.engine.outputs",
+    "EmbeddingRequestOutput": "shardline.engine.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardline' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
