@@ -1,0 +1,197 @@
+"""The engine's paged attention, plugged into transformers' attention interface.
+
+A model loaded with ``attn_implementation="shardline"`` calls ``paged_attention_forward``
+from every attention layer. The call carries an ``AttentionContext`` (through the
+model's ``**kwargs``) describing the packed batch: all scheduled tokens of all
+requests form one sequence of T tokens. Each layer writes its new K/V into the
+paged cache at ``slot_mapping`` and then attends, per request, over that request's
+whole context read back through its block table.
+
+Masking is ours, so the mask interface entry returns None: transformers builds no
+[T, T] mask for the packed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "shardline"
+
+
+@dataclass
+class AttentionContext:
+    """Everything one forward pass needs to find and extend the paged KV cache.
+
+    Built once per step by the model runner and shared by all layers.
+    """
+
+    # [T] int64: cache slot of each new token (block_id * block_size + offset).
+    slot_mapping: torch.Tensor
+    # [B+1] int64: query tokens of request b are packed[query_start_loc[b]:query_start_loc[b+1]].
+    query_start_loc: torch.Tensor
+    # [B] int64: context length of each request after this step (cached + new tokens).
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int32: block ids of each request, padded with 0.
+    block_tables: torch.Tensor
+    # Per layer index: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    max_query_len: int
+    max_seq_len: int
+    # Torch-path gather plan, built lazily once per step and shared by all layers.
+    _plan: "TorchAttentionPlan | None" = field(default=None, repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def torch_plan(self) -> "TorchAttentionPlan":
+        if self._plan is None:
+            self._plan = TorchAttentionPlan.build(self)
+        return self._plan
+
+
+@dataclass
+class TorchAttentionPlan:
+    """Index tensors that turn the packed batch into padded per-request tensors.
+
+    Padding is to the longest query and the longest context of the step; masks
+    exclude padded keys, future keys and keys outside a sliding window.
+    """
+
+    query_index: torch.Tensor  # [B, Qmax] int64 into the packed tokens (0 where padded)
+    query_valid: torch.Tensor  # [B, Qmax] bool
+    key_slots: torch.Tensor  # [B, Lmax] int64 cache slots of each context position
+    query_pos: torch.Tensor  # [B, Qmax] int64 position of each query token
+    key_pos: torch.Tensor  # [Lmax] int64
+    key_valid: torch.Tensor  # [B, Lmax] bool
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, ctx: AttentionContext) -> "TorchAttentionPlan":
+        device = ctx.slot_mapping.device
+        block_size = ctx.kv_caches[0][0].shape[1]
+        query_lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]  # [B]
+        q_offsets = torch.arange(ctx.max_query_len, device=device)
+        query_valid = q_offsets[None, :] < query_lens[:, None]
+        query_index = torch.where(query_valid, ctx.query_start_loc[:-1, None] + q_offsets, 0)
+        query_pos = (ctx.seq_lens - query_lens)[:, None] + q_offsets
+        key_pos = torch.arange(ctx.max_seq_len, device=device)
+        key_valid = key_pos[None, :] < ctx.seq_lens[:, None]
+        block_of_key = ctx.block_tables[:, key_pos // block_size].long()  # [B, Lmax]
+        key_slots = torch.where(key_valid, block_of_key * block_size + key_pos % block_size, 0)
+        return cls(query_index, query_valid, key_slots, query_pos, key_pos, key_valid)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, Qmax, Lmax] bool, True where a query may attend to a key."""
+        if sliding_window not in self._masks:
+            allowed = self.key_valid[:, None, :] & (self.key_pos[None, None, :] <= self.query_pos[:, :, None])
+            if sliding_window is not None:
+                allowed &= self.query_pos[:, :, None] - self.key_pos[None, None, :] < sliding_window
+            # Padded query rows attend to key 0 so softmax stays finite; they are dropped.
+            allowed[:, :, 0] |= ~self.query_valid
+            self._masks[sliding_window] = allowed[:, None]
+        return self._masks[sliding_window]
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new K/V into the paged cache. key/value: [T, Hkv, D]; caches: [N, bs, Hkv, D]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: TorchAttentionPlan,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of the packed queries over each request's paged context.
+
+    query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D].
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    q = query[plan.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.key_slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.key_slots].transpose(1, 2)
+    mask = plan.mask(sliding_window)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    else:
+        group = num_heads // num_kv_heads
+        k = k.to(q.dtype).repeat_interleave(group, dim=1)
+        v = v.to(q.dtype).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    return out.transpose(1, 2)[plan.query_valid]  # [T, H, D] in packed order
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    shardline_ctx: AttentionContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention entry point. query: [1, H, T, D]; key/value: [1, Hkv, T, D]."""
+    if shardline_ctx is None:
+        raise RuntimeError(
+            "shardline attention was called without an AttentionContext: run the model "
+            "through shardline's model runner"
+        )
+    layer_idx = getattr(module, "layer_idx", None)
+    assert layer_idx is not None, f"{type(module).__name__} has no layer_idx"
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    k_cache, v_cache = shardline_ctx.kv_caches[layer_idx]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    if q.is_cuda:
+        from .kernels import paged_attention, store_kv_cache
+
+        store_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, shardline_ctx.slot_mapping)
+        out = paged_attention(
+            q.contiguous(), k_cache, v_cache, shardline_ctx.query_start_loc, shardline_ctx.seq_lens,
+            shardline_ctx.block_tables, scaling, sliding_window=sliding_window, softcap=softcap,
+            max_query_len=shardline_ctx.max_query_len,
+        )
+    else:
+        write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
+        out = torch_paged_attention(
+            q, k_cache, v_cache, shardline_ctx.torch_plan(), scaling, sliding_window, softcap
+        )
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The engine masks inside its attention; transformers must not build a mask."""
+    return None
+
+
+def register() -> str:
+    """Register the engine's attention with transformers (idempotent); return its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION

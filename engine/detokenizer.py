@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop-string detection.
+
+Text is produced by decoding a short window of recent tokens and emitting only
+what the newest token added; a window ending in an incomplete UTF-8 sequence
+("\ufffd") emits nothing until the bytes complete, so multi-byte characters split
+across tokens come out whole.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Tokens of context kept before the emitted text, so that tokenizers that strip
+# a leading space from a decode's first token still produce the right spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output tokens into text, one token at a time."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def add_token(self, token_id: int) -> str:
+        """Append one token; return the text it completed (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def find_stop_string(text: str, delta_len: int, stop: list[str]) -> tuple[str, int] | None:
+    """Earliest stop string that ends inside the newest ``delta_len`` characters.
+
+    Returns (stop string, index where it starts in ``text``) or None. Only the tail
+    that could hold a new match is searched, so strings spanning tokens are found.
+    """
+    best: tuple[str, int] | None = None
+    for stop_str in stop:
+        window_start = max(0, len(text) - delta_len - len(stop_str) + 1)
+        index = text.find(stop_str, window_start)
+        if index != -1 and (best is None or index < best[1]):
+            best = (stop_str, index)
+    return best

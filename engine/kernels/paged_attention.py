@@ -1,0 +1,271 @@
+"""Paged attention over a packed varlen batch: prefill chunks and decode in one launch.
+
+There is no prefill or decode kernel: a sequence contributes q_len >= 1 new query
+tokens, which are the last q_len positions of its context of seq_len tokens, so query
+token i sits at position seq_len - q_len + i. Every query attends causally to the
+whole context (cached prefix plus the new tokens, already stored in the cache).
+
+Kernel design: one program per (sequence, query tile, kv head). The query tile holds
+BLOCK_Q tokens x all the query heads sharing that kv head, flattened into BLOCK_M rows
+(row = token * GROUP_P + head in group), so under GQA each K/V tile is loaded once
+for the whole group and decode (q_len 1) still fills the >= 16 rows tl.dot needs.
+The program walks the context in BLOCK_N-key tiles, gathering each key's slot through
+the block table (so a tile may span pages, or a page several tiles), and keeps an
+online softmax (running max m, running sum l, unnormalised accumulator) in float32.
+Tiles entirely before the sliding window of the tile's first query are never visited.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import (
+    check_kernel_dtype,
+    interpreter_active,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
+
+MAX_HEAD_DIM = 256
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        o_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        scale, softcap, sliding_window,
+        stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+        stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+        QUERIES_PER_KV: tl.constexpr, GROUP_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        first_q = tl.program_id(1) * BLOCK_Q
+        kv_head = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if first_q >= q_len:  # the grid covers the longest query; shorter ones stop here
+            return
+        context_len = tl.load(seq_lens_ptr + seq) - q_len
+
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = first_q + rows // GROUP_P  # [M] query token within the sequence
+        head_in_group = rows % GROUP_P
+        row_valid = (q_idx < q_len) & (head_in_group < QUERIES_PER_KV)
+        q_pos = context_len + q_idx  # [M] position in the context
+        head = kv_head * QUERIES_PER_KV + head_in_group
+        dims = tl.arange(0, HEAD_DIM_P)
+        dim_valid = dims < HEAD_DIM
+
+        q_offs = ((q_start + q_idx).to(tl.int64) * stride_q_token)[:, None] \
+            + (head * stride_q_head)[:, None] + dims[None, :]
+        q_mask = row_valid[:, None] & dim_valid[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [M, Dp]
+
+        # Keys [kv_begin, kv_end) can be visible to some row of this tile.
+        kv_end = context_len + tl.minimum(q_len, first_q + BLOCK_Q)
+        kv_begin = 0
+        if USE_WINDOW:
+            kv_begin = tl.maximum(context_len + first_q - sliding_window + 1, 0)
+        kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+
+        # m starts finite so a row that sees no key in a tile gives exp2(-inf) = 0, not nan.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+        for tile_start in range(kv_begin, kv_end, BLOCK_N):
+            key_pos = tile_start + tl.arange(0, BLOCK_N)  # [N]
+            key_valid = key_pos < kv_end
+            block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+            slot_offs = block_id.to(tl.int64) * stride_cache_block \
+                + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+            k_mask = dim_valid[:, None] & key_valid[None, :]
+            k_offs = dims[:, None] + slot_offs[None, :]  # [Dp, N]: keys loaded transposed
+            k_t = tl.load(k_cache_ptr + k_offs, mask=k_mask, other=0.0).to(DOT_DTYPE)
+
+            scores = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * scale  # [M, N]
+            if USE_SOFTCAP:
+                # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow nan.
+                capped = scores / softcap
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
+            visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - key_pos[None, :] < sliding_window)
+            scores = tl.where(visible, scores * LOG2E, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])  # [M, N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_mask = key_valid[:, None] & dim_valid[None, :]
+            v_offs = slot_offs[:, None] + dims[None, :]  # [N, Dp]
+            v = tl.load(v_cache_ptr + v_offs, mask=v_mask, other=0.0).to(DOT_DTYPE)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc, input_precision=INPUT_PRECISION)
+            m_i = m_new
+
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; they are not stored
+        out = acc / l_i[:, None]
+        o_offs = ((q_start + q_idx).to(tl.int64) * stride_o_token)[:, None] \
+            + (head * stride_o_head)[:, None] + dims[None, :]
+        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, H, D] with contiguous D"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads, cache_head_dim = k_cache.shape[1:]
+    assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache {cache_head_dim}"
+    assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size} is not a power of 2"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}"
+    )
+    num_seqs = seq_lens.shape[0]
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, "seq_lens: int32 [B]"
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), (
+        f"query_start_loc must be int32 [B+1={num_seqs + 1}], got {query_start_loc.dtype} "
+        f"{tuple(query_start_loc.shape)}"
+    )
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables: int32 2-D"
+    assert block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1, (
+        f"block_tables must be [B={num_seqs}, max_blocks] with contiguous rows"
+    )
+    tensors = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    devices = {t.device for t in tensors}
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+
+
+def _check_options(sliding_window, softcap) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r}; expected None or an int >= 1")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r}; expected None or a float > 0")
+
+
+def _dot_dtype(dtype: torch.dtype):
+    # The interpreter stores bfloat16 as raw uint16 and cannot multiply it, so there
+    # bfloat16 tiles are upcast and the dots run in float32; float16 keeps its dot.
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and not interpreter_active():
+        return tl.bfloat16
+    return tl.float32
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of the packed queries over their paged contexts; returns o [T, H, D].
+
+    The new tokens' keys and values must already be in the cache (store_kv_cache).
+    max_query_len sizes the grid; when None it is read from query_start_loc (a host
+    sync). Rows of o past query_start_loc[-1] are left unwritten.
+    """
+    # q: [T, H, D]; k_cache, v_cache: [NB, BS, Hkv, D]; query_start_loc: [B+1] int32
+    # seq_lens: [B] int32; block_tables: [B, max_blocks] int32
+    require_triton()
+    check_kernel_dtype("q", q)
+    _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_options(sliding_window, softcap)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = seq_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max()) if num_seqs else 0
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return o
+
+    queries_per_kv = num_heads // num_kv_heads
+    group_p = next_power_of_2(queries_per_kv)
+    # Decode-only batches get 16-row tiles (tl.dot's minimum), prefill 64 rows.
+    target_rows = 16 if max_query_len * group_p <= 16 else 64
+    block_q = max(1, target_rows // group_p)
+    block_m = max(16, block_q * group_p)
+    head_dim_p = max(16, next_power_of_2(head_dim))
+    block_n = 64 if head_dim_p <= 128 else 32
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        o, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        float(scale), float(softcap or 0.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, GROUP_P=group_p,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+        DOT_DTYPE=_dot_dtype(q.dtype),
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m * head_dim_p >= 64 * 256 else 4,
+    )
+    return o
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch paged_attention, one sequence at a time; rows past the last query are 0."""
+    # q: [T, H, D]; k_cache, v_cache: [NB, BS, Hkv, D]
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])  # [NB * BS, Hkv, D]
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    o = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        if q_end == q_start:
+            continue
+        key_pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[seq, key_pos // block_size].long() * block_size + key_pos % block_size
+        k = flat_k[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, H, D]
+        v = flat_v[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(compute_dtype),
+                              k.to(compute_dtype)) * scale  # [H, q_len, S]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = key_pos[seq_len - (q_end - q_start):]
+        visible = key_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= q_pos[:, None] - key_pos[None, :] < sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("hqk,khd->qhd", probs, v.to(compute_dtype))
+        o[q_start:q_end] = out.to(q.dtype)
+    return o

@@ -1,0 +1,296 @@
+"""Paged KV-cache bookkeeping: blocks, block tables, ref counts and prefix caching.
+
+The model runner owns the tensors (per layer K and V of shape
+[num_blocks, block_size, num_kv_heads, head_dim]); this module only decides which
+block holds which token. Token position p of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+Invariants:
+- A block is either owned (ref_cnt > 0, held by the block tables of ref_cnt running
+  requests) or free (ref_cnt == 0, in the pool's LRU free queue). Never both.
+- A block hash covers one FULL block and, through the chain, every token before it:
+  hash_i = H(hash_{i-1}, tokens of block i); block 0 folds in request.cache_salt.
+  ``cached_blocks`` maps each hash to at most one block and that block carries it.
+- A free block keeps its hash until it is allocated again, so a later request with
+  the same prefix can take it back ("touch") before the LRU queue reuses it.
+- Hashes are registered only for blocks whose KV a finished step has written:
+  tokens below request.num_computed_tokens at the request's next allocate_slots or
+  at free. (vLLM registers at allocation, before the step runs; waiting one step
+  costs a hit only to a request admitted in the very step that computes its
+  prefix, and keeps a block from being shared before its KV exists, whatever order
+  the runner writes and reads the cache in.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .request import Request
+
+BlockHash = bytes
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: Any = None
+) -> BlockHash:
+    """Stable digest of one full block chained to the hash of the block before it.
+
+    ``cache_salt`` is folded in only for the first block (``parent_hash`` None); the
+    chain carries it to every later block. It must have a stable ``repr`` (str, int,
+    tuple of those), since Python's own ``hash`` of a str changes per process.
+    """
+    hasher = hashlib.blake2b(digest_size=16)
+    if parent_hash is None:
+        salt = repr(cache_salt).encode()
+        hasher.update(b"R" + len(salt).to_bytes(8, "little") + salt)
+    else:
+        hasher.update(b"P" + parent_hash)
+    hasher.update(array("q", token_ids).tobytes())
+    return hasher.digest()
+
+
+class KVCacheBlock:
+    """One physical KV block: its id, how many block tables hold it, its hash if cached."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """All blocks, the LRU queue of free ones and the hash -> block map of cached ones.
+
+    The free queue is ordered least recently freed first: allocation takes from the
+    front, release appends to the tail, and a prefix hit removes a block from the
+    middle in O(1) (an OrderedDict keyed by block id).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (block.block_id, block) for block in self.blocks
+        )
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the front of the free queue, evicting their hashes."""
+        assert num_blocks <= len(self.free_queue), (num_blocks, len(self.free_queue))
+        allocated = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            allocated.append(block)
+        return allocated
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks, reviving free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop a reference on each block, in order; a block at zero joins the tail."""
+        for block in blocks:
+            assert block.ref_cnt > 0, block
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def register(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Make ``block`` findable by ``block_hash`` unless another block already is."""
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+
+    def reset(self) -> int:
+        """Forget every hash; returns how many were dropped."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        num_dropped = len(self.cached_blocks)
+        self.cached_blocks.clear()
+        return num_dropped
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            assert self.cached_blocks.get(block.block_hash) is block, block
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups committed at admission, counted in requests and tokens."""
+
+    num_queries: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class KVCacheManager:
+    """Block tables of running requests over one BlockPool, with prefix caching.
+
+    The scheduler asks ``get_computed_blocks`` for a waiting request's prefix hit,
+    commits it with ``allocate_slots(request, n, hit_blocks)`` and grows the table
+    with ``allocate_slots(request, n)`` every later step; ``free`` ends the request's
+    hold on its blocks (finish, abort or preemption).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got num_blocks={num_blocks}, "
+                f"block_size={block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.stats = PrefixCacheStats()
+        self._block_tables: dict[str, list[KVCacheBlock]] = {}
+        # Chained hashes of a request's full blocks, extended as its tokens grow.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        # How many leading blocks of a request's table have been offered to the cache.
+        self._num_registered: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (empty when it holds none)."""
+        return [block.block_id for block in self._block_tables.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks matching the request's prefix.
+
+        Looks at most at request.num_tokens - 1 tokens: the last token is always
+        computed, so the model yields logits. Returns (blocks, num_hit_tokens) and
+        changes no cache state.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks = []
+        for block_hash in self._request_block_hashes(request, max_hit_blocks):
+            block = self.pool.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> bool:
+        """Grow the request's table to cover its computed tokens, the prefix hit being
+        committed (``new_computed_blocks``) and ``num_new_tokens`` more.
+
+        Returns False and changes nothing when the free pool (less the cached free
+        blocks the hit would revive) cannot supply the missing blocks.
+        """
+        request_id = request.request_id
+        table = self._block_tables.get(request_id, [])
+        assert not (table and new_computed_blocks), "prefix hits are committed only at admission"
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_missing = max(
+            0, blocks_needed(num_tokens, self.block_size) - len(table) - len(new_computed_blocks)
+        )
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_missing > self.pool.num_free_blocks - num_revived:
+            return False
+
+        if request_id not in self._block_tables:
+            self._record_admission(request, num_hit_tokens)
+            self._num_registered[request_id] = len(new_computed_blocks)
+        self.pool.touch(new_computed_blocks)
+        table = table + list(new_computed_blocks) + self.pool.allocate(num_missing)
+        self._block_tables[request_id] = table
+        self._register_computed(request)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, caching its computed full blocks first.
+
+        The table is released tail first, so the request's last blocks are the first
+        of its blocks to be reused. Calling it for a request without blocks is a no-op.
+        Call it only between steps: computed tokens must have their KV written (after
+        a step that failed at run time, call ``reset_prefix_cache`` too).
+        """
+        request_id = request.request_id
+        if request_id in self._block_tables:
+            self._register_computed(request)
+            self.pool.release(self._block_tables.pop(request_id)[::-1])
+        self._block_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (e.g. after a failed step); returns how many."""
+        return self.pool.reset()
+
+    def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.stats.num_queries += 1
+            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_hit_tokens += num_hit_tokens
+
+    def _register_computed(self, request: Request) -> None:
+        """Offer the request's full blocks below num_computed_tokens to the cache."""
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        table = self._block_tables[request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_registered = self._num_registered.get(request_id, 0)
+        if num_full <= num_registered:
+            return
+        block_hashes = self._request_block_hashes(request, num_full)
+        for index in range(num_registered, num_full):
+            self.pool.register(table[index], block_hashes[index])
+        self._num_registered[request_id] = num_full
+
+    def _request_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the request's first ``num_blocks`` full blocks (memoised per request)."""
+        block_hashes = self._block_hashes.setdefault(request.request_id, [])
+        size = self.block_size
+        assert num_blocks * size <= request.num_tokens, (num_blocks, request.num_tokens)
+        while len(block_hashes) < num_blocks:
+            index = len(block_hashes)
+            parent = block_hashes[-1] if block_hashes else None
+            tokens = request.token_ids_slice(index * size, (index + 1) * size)
+            block_hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+        return block_hashes[:num_blocks]

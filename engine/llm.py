@@ -1,0 +1,159 @@
+"""The offline API, mirroring vLLM's ``LLM`` class.
+
+Prompts are rendered one at a time and added to the engine as soon as each is
+ready (render one, add one); once a full batch is waiting, the engine starts
+stepping while the rest are still being rendered. If adding any request fails,
+every request this call already added is aborted before the error propagates, so
+the engine is left clean for the next call. Outputs come back sorted by request
+id, which is input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, PromptType
+from .lora import LoRARequest
+from .outputs import RequestOutput
+from .params import SamplingParams
+
+
+class LLM:
+    """An offline LLM over shardline's engine: ``LLM(model, **engine_options)``.
+
+    ``engine_options`` are the fields of ``EngineConfig`` (vLLM's names: dtype,
+    device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization, seed,
+    trust_remote_code, tokenizer, revision, ...).
+    """
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine_config = EngineConfig.from_kwargs(model, **engine_options)
+        self.llm_engine = LLMEngine(self.engine_config)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def close(self) -> None:
+        """Abort anything in flight and drop the model and its KV cache."""
+        engine = self.__dict__.pop("llm_engine", None)
+        if engine is not None:
+            engine.abort_request(list(engine._states))
+
+    # ----------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: PromptType | Iterable[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._run(prompts, lambda prompt: prompt, sampling_params, use_tqdm, lora_request, priority)
+
+    def _run(self, items: Iterable[Any], render: Callable[[Any], PromptType], params: Any,
+             use_tqdm: Any, lora_request: Any, priority: Any) -> list:
+        """Render, add and run ``items``; return their final outputs in order."""
+        items = list(items) if not isinstance(items, (Sequence, Iterator)) else items
+        num_items = len(items) if isinstance(items, Sequence) else None
+        per_item = _per_item_values(num_items, params=params, lora_request=lora_request, priority=priority)
+        if params is None:
+            per_item["params"] = itertools.repeat(SamplingParams())
+        added: list[str] = []
+        outputs: dict[str, Any] = {}
+        progress = _ProgressBar(use_tqdm, num_items)
+        try:
+            for item, item_params, item_lora, item_priority in zip(
+                items, per_item["params"], per_item["lora_request"], per_item["priority"]
+            ):
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(request_id, render(item), item_params, item_lora, item_priority or 0)
+                added.append(request_id)
+                if self._batch_is_full():
+                    self._step_into(outputs, progress)
+        except BaseException:
+            self.llm_engine.abort_request(added)
+            progress.close()
+            raise
+        progress.set_total(len(added))
+        try:
+            wanted = set(added)
+            while not wanted.issubset(outputs) and self.llm_engine.has_unfinished_requests():
+                self._step_into(outputs, progress)
+        except BaseException:
+            self.llm_engine.abort_request([r for r in added if r not in outputs])
+            raise
+        finally:
+            progress.close()
+        return [outputs[request_id] for request_id in sorted(added, key=int) if request_id in outputs]
+
+    def _batch_is_full(self) -> bool:
+        scheduler = self.llm_engine.scheduler
+        return scheduler.get_num_unfinished_requests() >= 2 * self.engine_config.max_num_seqs
+
+    def _step_into(self, outputs: dict[str, Any], progress: "_ProgressBar") -> None:
+        for output in self.llm_engine.step():
+            outputs[output.request_id] = output
+            progress.update(output)
+
+
+def _per_item_values(num_items: int | None, **values: Any) -> dict[str, Iterable[Any]]:
+    """Broadcast single values; check that sequences match the number of prompts."""
+    result = {}
+    for name, value in values.items():
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            if num_items is not None and len(value) != num_items:
+                raise ValueError(
+                    f"the number of prompts ({num_items}) and the length of {name} ({len(value)}) differ"
+                )
+            result[name] = value
+        else:
+            result[name] = itertools.repeat(value)
+    return result
+
+
+class _ProgressBar:
+    """tqdm "Processed prompts" with estimated input and output tokens/s (all n samples)."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., Any], total: int | None) -> None:
+        self.bar = None
+        if use_tqdm:
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True,
+                               postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def set_total(self, total: int) -> None:
+        if self.bar is not None and getattr(self.bar, "total", None) != total:
+            self.bar.total = total
+            if hasattr(self.bar, "refresh"):
+                self.bar.refresh()
+
+    def update(self, output: Any) -> None:
+        if self.bar is None:
+            return
+        self.input_tokens += len(output.prompt_token_ids)
+        completions = output.outputs if isinstance(output.outputs, list) else []
+        self.output_tokens += sum(len(c.token_ids) for c in completions)
+        elapsed = self.bar.format_dict.get("elapsed", 0) if hasattr(self.bar, "format_dict") else 0
+        if elapsed:
+            self.bar.postfix = (
+                f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                f"output: {self.output_tokens / elapsed:.2f} toks/s"
+            )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

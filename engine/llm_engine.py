@@ -1,0 +1,243 @@
+"""The engine loop: add_request / abort_request / step.
+
+A step reads in three lines: the scheduler picks the tokens to compute under the
+token budget, the runner computes them (writing their KV into the paged cache) and
+returns logits where a sequence reaches its end, and the sampler plus the output
+processor append one token to each such sequence and decide which ones stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .loader import LoadedModel, load_causal_lm
+from .model_runner import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelRunner, model_max_len, plan_kv_cache
+from .output_processor import OutputProcessor, RequestState
+from .outputs import RequestMetrics, RequestOutput
+from .params import SamplingParams
+from .request import Request, RequestStatus
+from .sampler import SampleRow, Sampler
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model; driven by ``step()``."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_causal_lm(config)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.device = loaded.device
+        self.vocab_size = int(self.hf_config.get_text_config().vocab_size)
+        spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
+        model_len = resolve_max_model_len(config, self.hf_config)
+        budget = kv_cache_budget(config, self.device, self.model, spec, model_len)
+        num_blocks = plan_kv_cache(config, spec, model_len, budget)
+        self.max_model_len = min(model_len, num_blocks * config.block_size)
+        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
+        self.sampler = Sampler(config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(loaded), self.max_model_len)
+        self._states: dict[str, RequestState] = {}
+        self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._arrivals = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a str, {"prompt": str} or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+        else:
+            raise TypeError(
+                f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {prompt!r:.200}"
+            )
+        if not text:
+            raise ValueError("the prompt is empty: an empty string has no tokens to continue")
+        return text, self.tokenizer(text).input_ids
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {token_ids!r:.200}")
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {token_id!r} is outside the model's vocabulary [0, {self.vocab_size})"
+                )
+        return list(token_ids)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: Any = None, priority: int = 0) -> None:
+        """Tokenize ``prompt`` and queue it. Raises ValueError (naming the request)
+        if it can never run; nothing is queued then."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request!r}, "
+                             "but this engine was built without enable_lora=True")
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = self._resolve_params(params)
+        state = RequestState(request_id, text, token_ids, params, lora_request, RequestMetrics(time.monotonic()))
+        arrival = next(self._arrivals)
+        sequences = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids=token_ids,
+                max_tokens=params.max_tokens,
+                priority=priority,
+                arrival_index=arrival,
+                params=params,
+                prompt=text,
+            )
+            for index in range(params.n)
+        ]
+        for index, sequence in enumerate(sequences):
+            try:
+                self.scheduler.add_request(sequence)
+            except ValueError:
+                self.scheduler.finish_requests([s.request_id for s in sequences[:index]],
+                                               RequestStatus.FINISHED_ABORTED)
+                raise
+        for index, sequence in enumerate(sequences):
+            state.samples.append(self.output_processor.new_sample(sequence, index, params))
+            self._sequence_owner[sequence.request_id] = (state, index)
+            if params.seed is not None:
+                self._generators[sequence.request_id] = torch.Generator().manual_seed(params.seed + index)
+        self._states[request_id] = state
+
+    def _resolve_params(self, params: SamplingParams) -> SamplingParams:
+        params = params.clone()
+        params.all_stop_token_ids = self.output_processor.stop_token_ids(params)
+        return params
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop requests wherever they are (waiting or running); unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            state = self._states.pop(request_id, None)
+            if state is None:
+                continue
+            sequence_ids = [s.sequence.request_id for s in state.samples]
+            self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget_sequences(sequence_ids)
+
+    def _forget_sequences(self, sequence_ids: list[str]) -> None:
+        for sequence_id in sequence_ids:
+            self._sequence_owner.pop(sequence_id, None)
+            self._generators.pop(sequence_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return the outputs of requests that finished in it."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        logits = self.runner.execute(scheduler_output)
+        return self._update(scheduler_output, logits)
+
+    def _sample_rows(self, scheduler_output: SchedulerOutput) -> list[SampleRow]:
+        rows = []
+        now = time.monotonic()
+        for item in scheduler_output.scheduled:
+            state, _ = self._sequence_owner[item.request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            if not item.is_last_chunk:
+                continue
+            params = state.params
+            blocked = ()
+            if item.request.num_output_tokens < params.min_tokens:
+                blocked = tuple(params.all_stop_token_ids)
+            rows.append(SampleRow(item.request, params, self._generators.get(item.request.request_id), blocked))
+        return rows
+
+    def _update(self, scheduler_output: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        rows = self._sample_rows(scheduler_output)
+        if not rows:
+            return []
+        sampled = self.sampler(logits, rows)
+        finished_states = []
+        for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            state, index = self._sequence_owner[row.request.request_id]
+            status = self.output_processor.append_token(state, state.samples[index], token_id, logprobs)
+            if status is not None:
+                self.scheduler.finish_requests(row.request.request_id, status)
+                if state.finished:
+                    finished_states.append(state)
+        return [self._finish(state) for state in finished_states]
+
+    def _finish(self, state: RequestState) -> RequestOutput:
+        self._states.pop(state.request_id, None)
+        self._forget_sequences([s.sequence.request_id for s in state.samples])
+        num_cached = max(state.samples[0].sequence.num_cached_tokens, 0)
+        return self.output_processor.make_output(state, num_cached)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_len = model_max_len(hf_config)
+    if config.max_model_len is None:
+        return model_len
+    if config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's maximum length {model_len}"
+        )
+    return config.max_model_len
+
+
+def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec,
+                    model_len: int) -> int:
+    """Bytes for the KV cache: kv_cache_memory_bytes if set; on CPU a default; on
+    CUDA gpu_memory_utilization of the device, less what the model uses at peak."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    from .profiling import profile_peak_bytes
+
+    _, total = torch.cuda.mem_get_info(device)
+    peak = profile_peak_bytes(model, spec, config.max_num_batched_tokens, config.block_size, device, model_len)
+    return int(total * config.gpu_memory_utilization) - peak
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation_config."""
+    ids: set[int] = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen_eos = getattr(loaded.generation_config, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(t) for t in gen_eos)
+    return ids
+

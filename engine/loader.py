@@ -1,0 +1,129 @@
+"""Loading a Hugging Face model, tokenizer and generation config from a hub id or a
+local directory, with the engine's attention plugged in."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from .attention import register as register_attention
+from .config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+class ModelLoadError(ValueError):
+    """The model, its tokenizer or its architecture cannot be used by the engine."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The architecture's attention does not go through transformers' attention interface."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: transformers.PreTrainedTokenizerBase
+    hf_config: transformers.PretrainedConfig
+    generation_config: transformers.GenerationConfig | None
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: transformers.PretrainedConfig, device: torch.device) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype on CUDA; on CPU it is float32, since
+    half-precision matmuls are slow on most CPUs."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+
+
+def _hub_kwargs(config: EngineConfig) -> dict:
+    return {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+
+
+def load_hf_config(config: EngineConfig) -> transformers.PretrainedConfig:
+    try:
+        return transformers.AutoConfig.from_pretrained(config.model, **_hub_kwargs(config))
+    except (OSError, ValueError) as exc:
+        hint = "no such local directory" if not os.path.isdir(config.model) else "not a model directory"
+        raise ModelLoadError(
+            f"cannot load model {config.model!r} ({hint}, and not a reachable hub id): {exc}"
+        ) from exc
+
+
+def load_tokenizer(config: EngineConfig) -> transformers.PreTrainedTokenizerBase:
+    name = config.tokenizer or config.model
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            name,
+            revision=config.tokenizer_revision or config.revision,
+            trust_remote_code=config.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer {name!r}: {exc}") from exc
+
+
+def load_generation_config(config: EngineConfig) -> transformers.GenerationConfig | None:
+    try:
+        return transformers.GenerationConfig.from_pretrained(config.model, **_hub_kwargs(config))
+    except (OSError, ValueError):
+        return None
+
+
+def check_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> None:
+    if not getattr(model_class, "_supports_attention_backend", False):
+        architecture = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
+        raise UnsupportedModelError(
+            f"architecture {architecture} ({hf_config.model_type}) does not route its attention "
+            "through transformers' AttentionInterface, so shardline's paged attention cannot run it"
+        )
+
+
+def load_causal_lm(config: EngineConfig) -> LoadedModel:
+    """Load a decoder-only causal LM whose attention layers call the engine's attention."""
+    hf_config = load_hf_config(config)
+    tokenizer = load_tokenizer(config)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if model_class is not None:
+        check_attention_interface(model_class, hf_config)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            config.model,
+            dtype=dtype,
+            attn_implementation=register_attention(),
+            use_safetensors=config.use_safetensors,
+            **_hub_kwargs(config),
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
+    check_attention_interface(type(model), hf_config)
+    model.to(device).eval()
+    logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
+    return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)

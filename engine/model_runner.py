@@ -1,0 +1,137 @@
+"""Turns a SchedulerOutput into tensors and runs the model on them.
+
+All scheduled tokens of all requests form one packed sequence (batch dimension 1):
+token ids, their absolute positions, and the KV-cache slot each new token writes.
+Logits are computed only at the last scheduled token of requests that reach the end
+of their known tokens this step (``is_last_chunk``); partial prefill chunks sample
+nothing. This is the only component that builds tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from .attention import AttentionContext
+from .config import EngineConfig
+from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the model's KV cache, read from its config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_hf_config(cls, hf_config: transformers.PretrainedConfig, dtype: torch.dtype) -> "KVCacheSpec":
+        text_config = hf_config.get_text_config()
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        return cls(text_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+def model_max_len(hf_config: transformers.PretrainedConfig) -> int:
+    text_config = hf_config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_bytes: int) -> int:
+    """Number of KV blocks: the memory budget, but no more than every running
+    request at full length could use."""
+    per_block = spec.bytes_per_block(config.block_size)
+    budget_blocks = free_bytes // per_block
+    max_useful = config.max_num_seqs * math.ceil(model_len / config.block_size) + 1
+    num_blocks = int(min(budget_blocks, max_useful))
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget of {free_bytes} bytes holds no block of {per_block} bytes; "
+            "raise kv_cache_memory_bytes or gpu_memory_utilization"
+        )
+    return num_blocks
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; runs one packed forward per step."""
+
+    def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, torch.Tensor]:
+        """Build the packed batch. Returns (model kwargs, indices of sampled tokens)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_index: list[int] = []
+        block_tables = []
+        bs = self.block_size
+        for item in scheduler_output.scheduled:
+            start, end = item.start, item.start + item.num_new_tokens
+            token_ids += item.request.token_ids_slice(start, end)
+            positions += range(start, end)
+            blocks = item.block_ids
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            block_tables.append(blocks)
+            if item.is_last_chunk:
+                sample_index.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(b) for b in block_tables)
+        table = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        for row, blocks in enumerate(block_tables):
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        dev = self.device
+        ctx = AttentionContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=table.to(dev),
+            kv_caches=self.kv_caches,
+            max_query_len=max(q - p for p, q in zip(query_start_loc, query_start_loc[1:])),
+            max_seq_len=max(seq_lens),
+        )
+        model_inputs = dict(
+            input_ids=torch.tensor([token_ids], dtype=torch.int64, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
+            shardline_ctx=ctx,
+        )
+        return model_inputs, torch.tensor(sample_index, dtype=torch.int64, device=dev)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Run the model on the scheduled tokens; return logits [num_sampled, V]
+        for the requests that sample this step, in scheduling order."""
+        model_inputs, sample_index = self.prepare_inputs(scheduler_output)
+        outputs = self.model(**model_inputs, use_cache=False, logits_to_keep=sample_index)
+        return outputs.logits[0]

@@ -1,0 +1,145 @@
+"""Per-request bookkeeping between steps: appending sampled tokens, detokenizing,
+deciding when a sequence stops, and assembling the final RequestOutput.
+
+A request with n > 1 is tracked as one RequestState over n sample sequences; its
+output is produced once every sample has finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .params import SamplingParams
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SampleState:
+    """One of a request's n sample sequences."""
+
+    sequence: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    """A user request as the engine tracks it until its output is returned."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: object | None
+    metrics: RequestMetrics
+    samples: list[SampleState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.sequence.is_finished for s in self.samples)
+
+
+class OutputProcessor:
+    """Applies sampled tokens to sequences and reports which ones stop."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_sample(self, sequence: Request, index: int, params: SamplingParams) -> SampleState:
+        detokenizer = None
+        if params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, sequence.prompt_token_ids,
+                params.skip_special_tokens, params.spaces_between_special_tokens,
+            )
+        return SampleState(sequence, index, detokenizer, logprobs=[] if params.logprobs is not None else None)
+
+    def stop_token_ids(self, params: SamplingParams) -> set[int]:
+        """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
+        ids = set(params.stop_token_ids)
+        return ids if params.ignore_eos else ids | self.eos_token_ids
+
+    def append_token(self, state: RequestState, sample: SampleState, token_id: int,
+                     logprobs: tuple[float, list[tuple[int, float, int]]] | None) -> RequestStatus | None:
+        """Append one sampled token; return the finished status if the sequence stops."""
+        sequence, params = sample.sequence, state.params
+        sequence.append_output_token(token_id)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+        if logprobs is not None:
+            self._record_logprobs(sample, logprobs)
+        delta_len = 0
+        if sample.detokenizer is not None:
+            delta_len = len(sample.detokenizer.add_token(token_id))
+            sample.text = sample.detokenizer.text
+        return self._check_stop(sample, params, token_id, delta_len)
+
+    def _check_stop(self, sample: SampleState, params: SamplingParams, token_id: int,
+                    delta_len: int) -> RequestStatus | None:
+        sequence = sample.sequence
+        num_output = sequence.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                sample.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop and delta_len:
+                match = find_stop_string(sample.text, delta_len, params.stop)
+                if match is not None:
+                    stop_str, index = match
+                    end = index + len(stop_str) if params.include_stop_str_in_output else index
+                    sample.text = sample.text[:end]
+                    sample.stop_reason = stop_str
+                    return RequestStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if num_output >= max_tokens or sequence.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _record_logprobs(self, sample: SampleState, logprobs: tuple[float, list[tuple[int, float, int]]]) -> None:
+        sampled_logprob, entries = logprobs
+        sample.cumulative_logprob += sampled_logprob
+        if sample.logprobs is not None:
+            position = {}
+            for token_id, value, rank in entries:
+                position[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
+            sample.logprobs.append(position)
+
+    def make_output(self, state: RequestState, num_cached_tokens: int) -> RequestOutput:
+        """The final RequestOutput of a request whose samples have all finished."""
+        completions = []
+        for sample in sorted(state.samples, key=lambda s: s.index):
+            status = sample.sequence.status
+            completions.append(CompletionOutput(
+                index=sample.index,
+                text=sample.text,
+                token_ids=list(sample.sequence.output_token_ids),
+                cumulative_logprob=sample.cumulative_logprob if state.params.logprobs is not None else None,
+                logprobs=sample.logprobs,
+                finish_reason=status.value if status.is_finished else None,
+                stop_reason=sample.stop_reason,
+            ))
+        state.metrics.finished_time = time.monotonic()
+        state.metrics.num_preemptions = sum(s.sequence.num_preemptions for s in state.samples)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=num_cached_tokens,
+            metrics=state.metrics,
+            lora_request=state.lora_request,
+        )

@@ -1,0 +1,172 @@
+"""Vectorised sampling for one step: logits of every sampling request at once.
+
+Order of operations (vLLM's): logprobs are taken from the raw model logits; then
+logit processors (allowed tokens, logit bias, bad words, min_tokens, penalties),
+then greedy rows take the argmax and random rows are tempered, truncated by top-k,
+top-p and min-p, and drawn by inverse-CDF with one uniform per row. A seeded request
+draws its uniform from its own generator, so its tokens do not depend on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams, SamplingType
+from .request import Request
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one request this step."""
+
+    request: Request
+    params: SamplingParams
+    generator: torch.Generator | None
+    # Stop token ids that must not be sampled yet (min_tokens), or empty.
+    blocked_token_ids: tuple[int, ...] = ()
+    # Token ids to ban at this position (bad words), or empty.
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled logprob, [(token_id, logprob, rank), ...]) or None.
+    logprobs: list[tuple[float, list[tuple[int, float, int]]] | None]
+    sampled_logprobs: list[float] | None
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits: [N, V] raw model logits, one row per entry of ``rows``."""
+        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logits = logits.to(work_dtype)
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = apply_logit_processors(logits, rows)
+        token_ids = self._choose_tokens(logits, rows)
+        logprobs = gather_logprobs(raw_logprobs, token_ids, rows) if want_logprobs else [None] * len(rows)
+        return SamplerOutput(token_ids.tolist(), logprobs, None)
+
+    def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.sampling_type == SamplingType.GREEDY for r in rows])
+        token_ids = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return token_ids
+        random_rows = (~greedy).nonzero().flatten()
+        sub_rows = [rows[i] for i in random_rows.tolist()]
+        sampled = sample_random(logits[random_rows], sub_rows, self._uniforms(sub_rows))
+        token_ids[random_rows] = sampled
+        return token_ids
+
+    def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
+        shared = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                shared[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
+        return shared
+
+
+def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Allowed tokens, logit bias, bad words, min_tokens and penalties. logits: [N, V]."""
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros(vocab_size, dtype=torch.bool)
+            keep[[t for t in params.allowed_token_ids if t < vocab_size]] = True
+            logits[i].masked_fill_(~keep.to(logits.device), float("-inf"))
+        if params.logit_bias:
+            ids = [t for t in params.logit_bias if t < vocab_size]
+            logits[i, ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype)
+        banned = [t for t in row.blocked_token_ids + row.banned_token_ids if t < vocab_size]
+        if banned:
+            logits[i, banned] = float("-inf")
+    if any(_has_penalties(r.params) for r in rows):
+        logits = apply_penalties(logits, rows)
+    return logits
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] occurrence counts of each token id in each row's list."""
+    max_len = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), max_len + 1), vocab_size, dtype=torch.int64)
+    for i, tokens in enumerate(token_lists):
+        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    counts = torch.zeros((len(token_lists), vocab_size + 1), dtype=torch.int64)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size].to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt and output tokens, presence and
+    frequency over output tokens only."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts([r.request.output_token_ids for r in rows], vocab_size, logits.device)
+    prompt_seen = _token_counts([r.request.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
+    dtype = logits.dtype
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype)[:, None]
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dtype)[:, None]
+    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=dtype)[:, None]
+    seen = prompt_seen | (output_counts > 0)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency * output_counts.to(dtype)
+    return logits - presence * (output_counts > 0).to(dtype)
+
+
+def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then inverse-CDF sampling. logits: [N, V]."""
+    dtype = logits.dtype
+    vocab_size = logits.shape[1]
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype)[:, None]
+    top_k = torch.tensor([r.params.top_k or vocab_size for r in rows])[:, None]
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype)[:, None]
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype)[:, None]
+    sorted_logits, sorted_ids = torch.sort(logits / temperature, dim=-1, descending=True)
+    ranks = torch.arange(vocab_size)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # top-p keeps the smallest prefix whose mass reaches top_p (always the first token).
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    outside = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
+    outside[:, 0] = False
+    probs = probs.masked_fill(outside, 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    targets = uniforms.to(dtype)[:, None] * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab_size - 1)
+    # Never land on a zero-probability token through rounding at the cdf's end.
+    last_kept = (probs > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+    picks = torch.minimum(picks, last_kept)
+    return sorted_ids.gather(1, picks).squeeze(1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]
+) -> list[tuple[float, list[tuple[int, float, int]]] | None]:
+    """Top-k logprobs plus the sampled token's logprob and rank, per row that asked."""
+    sampled = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
+    max_k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=0)
+    max_k = logprobs.shape[1] if any(r.params.logprobs == -1 for r in rows) else max_k
+    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    result = []
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
+        if k is None:
+            result.append(None)
+            continue
+        k = logprobs.shape[1] if k == -1 else k
+        entries = [(int(top_ids[i, j]), float(top_values[i, j]), j + 1) for j in range(k)] if k else []
+        result.append((float(sampled[i, 0]), entries + [(int(token_ids[i]), float(sampled[i, 0]), int(ranks[i]))]))
+    return result

@@ -1,0 +1,277 @@
+"""Continuous batching under a token budget, with priorities and preemption by recompute.
+
+There is no prefill or decode phase: each request has ``num_computed_tokens``
+catching up with ``num_tokens`` (prompt plus sampled tokens). Every step hands out
+at most ``max_num_batched_tokens`` tokens, running requests first, then waiting ones
+in (priority, arrival) order; a prompt longer than what is left of the budget is
+simply computed over several steps (chunked prefill falls out of the budget).
+
+Invariants:
+- A request is in exactly one of ``waiting`` (sorted, lower priority value first,
+  then earlier arrival) or ``running`` (admission order) until it is finished.
+- Only running requests hold KV blocks; preemption frees them all and restarts the
+  request at num_computed_tokens = 0 (its freed blocks stay in the prefix cache, so
+  the recompute is often a cache hit).
+- The request with the largest (priority, arrival) key is the only victim, so the
+  best running request always progresses: no deadlock, since one request alone
+  fits the cache (max_model_len <= num_blocks * block_size).
+- schedule() advances num_computed_tokens by what it schedules; the engine runs the
+  step, appends a sampled token to each last-chunk request, and finishes requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager, blocks_needed
+from .request import Request, RequestStatus
+
+
+class PromptTooLongError(ValueError):
+    """A prompt can never be scheduled: longer than max_model_len or the whole KV cache."""
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler's limits (taken from the engine's EngineConfig)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        # The caller sizes max_model_len to the cache, so a lone request always fits.
+        assert self.max_model_len <= self.num_blocks * self.block_size, (
+            self.max_model_len, self.num_blocks, self.block_size)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: it computes tokens [start, start + num_new_tokens).
+
+    ``start`` is where computation begins (after any prefix-cache hit) and
+    ``block_ids`` the request's whole block table after this step's allocation.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+    # request.num_tokens when scheduled, so is_last_chunk holds after the engine
+    # appends the sampled token.
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.request.num_tokens
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """The step reaches the request's last token, so the engine samples one."""
+        return self.start + self.num_new_tokens == self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: running requests first, then newly admitted ones."""
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_scheduled_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class _Step:
+    """Decisions of the schedule() call in progress; undone for a preempted victim."""
+
+    token_budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, scheduled: ScheduledRequest) -> None:
+        self.scheduled[scheduled.request.request_id] = scheduled
+        self.token_budget -= scheduled.num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        scheduled = self.scheduled.pop(request.request_id, None)
+        if scheduled is not None:
+            pass
+
+
+class Scheduler:
+    """Decides each step which requests compute which tokens, within the budget and KV cache."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        # Ties on (priority, arrival_index) fall back to the order of add_request.
+        self._add_order: dict[str, int] = {}
+        self._add_counter = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises PromptTooLongError if it could never be scheduled."""
+        self._check_prompt_fits(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        self._requests[request.request_id] = request
+        self._add_order[request.request_id] = next(self._add_counter)
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; advances num_computed_tokens."""
+        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        scheduled = list(step.scheduled.values())
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=step.preempted,
+            num_scheduled_tokens=sum(item.num_new_tokens for item in scheduled),
+        )
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (or abort) requests: remove them, free their blocks, set ``status``.
+
+        Unknown ids are ignored; returns the requests actually finished.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            self._add_order.pop(request_id)
+            (self.running if request in self.running else self.waiting).remove(request)
+            self.kv_cache.free(request)
+            request.status = status
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # -- policies ---------------------------------------------------------------
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Give each running request its missing tokens; out of blocks, preempt the
+        lowest-priority latest-arrived running request (maybe the one at hand)."""
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            if num_new_tokens <= 0:
+                continue
+            while not self.kv_cache.allocate_slots(request, num_new_tokens):
+                victim = max(self.running, key=self._order_key)
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            else:
+                self._add_to_step(step, request, request.num_computed_tokens, num_new_tokens)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in strict (priority, arrival) order; stop at the first
+        that does not fit (tokens, seq slots or blocks)."""
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request in step.preempted or not self._admit(request, step):
+                return
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        """Commit the request's prefix hit and first chunk; may preempt strictly
+        lower-priority running requests to find blocks."""
+        while True:
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, step.token_budget)
+            if self.kv_cache.allocate_slots(request, num_new_tokens, hit_blocks):
+                break
+            victim = self._priority_victim(request)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        self.waiting.pop(0)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self._add_to_step(step, request, num_hit_tokens, num_new_tokens)
+        return True
+
+    def _priority_victim(self, request: Request) -> Request | None:
+        """The lowest-priority running request, if strictly below ``request``'s priority."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=self._order_key)
+        return victim if victim.priority > request.priority else None
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Preempt by recompute: free all blocks, restart at token 0, back to waiting."""
+        self.running.remove(victim)
+        step.unschedule(victim)
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        step.preempted.append(victim)
+        self._push_waiting(victim)
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int) -> None:
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids))
+
+    def _order_key(self, request: Request) -> tuple[int, int, int]:
+        return (request.priority, request.arrival_index, self._add_order[request.request_id])
+
+    def _push_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._order_key)
+
+    def _check_prompt_fits(self, request: Request) -> None:
+        num_prompt_tokens = request.num_prompt_tokens
+        config = self.config
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt; at least one token is needed")
+        if num_prompt_tokens > config.max_model_len:
+            raise PromptTooLongError(
+                f"request {request.request_id!r}: prompt has {num_prompt_tokens} tokens, "
+                f"more than max_model_len={config.max_model_len}"
+            )
+        num_blocks = blocks_needed(num_prompt_tokens + 1, config.block_size)
+        if num_blocks > config.num_blocks:
+            raise PromptTooLongError(
+                f"request {request.request_id!r}: prompt has {num_prompt_tokens} tokens, which "
+                f"with one generated token need {num_blocks} KV blocks of {config.block_size}, "
+                f"more than the cache's {config.num_blocks} blocks "
+                f"(limit {config.num_blocks * config.block_size - 1} prompt tokens)"
+            )
