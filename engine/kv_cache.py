@@ -70,7 +70,8 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={cached})"
 
 
 class BlockPool:

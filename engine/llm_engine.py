@@ -162,8 +162,18 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        logits = self.runner.execute(scheduler_output)
+        try:
+            logits = self.runner.execute(scheduler_output)
+        except BaseException:
+            self._roll_back(scheduler_output)
+            raise
         return self._update(scheduler_output, logits)
+
+    def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
+        """A failed forward wrote no trustworthy KV: the scheduled tokens count as
+        not computed again, so they are recomputed (and never prefix-cached)."""
+        for item in scheduler_output.scheduled:
+            item.request.num_computed_tokens = item.start
 
     def _sample_rows(self, scheduler_output: SchedulerOutput) -> list[SampleRow]:
         rows = []

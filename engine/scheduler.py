@@ -46,7 +46,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+        limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
+        for name in limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -108,7 +109,7 @@ class _Step:
     def unschedule(self, request: Request) -> None:
         scheduled = self.scheduled.pop(request.request_id, None)
         if scheduled is not None:
-            pass
+            self.token_budget += scheduled.num_new_tokens
 
 
 class Scheduler:
@@ -116,7 +117,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -261,7 +264,9 @@ class Scheduler:
         num_prompt_tokens = request.num_prompt_tokens
         config = self.config
         if num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt; at least one token is needed")
+            raise ValueError(
+                f"request {request.request_id!r} has an empty prompt; at least one token is needed"
+            )
         if num_prompt_tokens > config.max_model_len:
             raise PromptTooLongError(
                 f"request {request.request_id!r}: prompt has {num_prompt_tokens} tokens, "
