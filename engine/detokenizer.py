@@ -49,6 +49,16 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """At the end of the sequence, emit what is still held back (an incomplete
+        UTF-8 tail decodes to "\ufffd", as a full decode of the tokens would)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
 
 def find_stop_string(text: str, delta_len: int, stop: list[str]) -> tuple[str, int] | None:
     """Earliest stop string that ends inside the newest ``delta_len`` characters.

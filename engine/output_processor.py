@@ -83,7 +83,12 @@ class OutputProcessor:
         if sample.detokenizer is not None:
             delta_len = len(sample.detokenizer.add_token(token_id))
             sample.text = sample.detokenizer.text
-        return self._check_stop(sample, params, token_id, delta_len)
+        status = self._check_stop(sample, params, token_id, delta_len)
+        # A stop string already cut the text; otherwise emit any held-back tail.
+        if status is not None and sample.detokenizer is not None and not isinstance(sample.stop_reason, str):
+            sample.detokenizer.flush()
+            sample.text = sample.detokenizer.text
+        return status
 
     def _check_stop(self, sample: SampleState, params: SamplingParams, token_id: int,
                     delta_len: int) -> RequestStatus | None:

@@ -43,6 +43,7 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: [N, V] raw model logits, one row per entry of ``rows``."""
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -1,0 +1,126 @@
+"""Sampling, stopping and detokenization for the engine-core issue."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from shardline import LLM, SamplingParams
+from shardline.engine.detokenizer import IncrementalDetokenizer
+from shardline.engine.tiny import build_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_request_is_independent_of_batch_and_run(tiny_llm, tiny_llama_dir):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = tiny_llm.generate("seeded prompt", seeded, use_tqdm=False)
+    noisy = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = tiny_llm.generate(
+        ["other", "seeded prompt", "more noise here"], [noisy, seeded, noisy], use_tqdm=False
+    )
+    fresh = LLM(tiny_llama_dir, dtype="float64").generate("seeded prompt", seeded, use_tqdm=False)
+    assert _tokens(alone)[0] == _tokens(mixed)[1] == _tokens(fresh)[0]
+
+
+def test_different_seeds_and_unseeded_requests_differ(tiny_llm):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
+    tokens = _tokens(tiny_llm.generate(["same"] * 4, params, use_tqdm=False))
+    assert len({tuple(t) for t in tokens}) == 4
+    unseeded = _tokens(tiny_llm.generate(["same"] * 4, SamplingParams(temperature=1.0, max_tokens=12,
+                                                                        ignore_eos=True), use_tqdm=False))
+    assert len({tuple(t) for t in unseeded}) > 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_llm):
+    greedy = _tokens(tiny_llm.generate(["alpha", "beta"], GREEDY, use_tqdm=False))
+    top_k = SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True)
+    top_p = SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=8, ignore_eos=True)
+    assert _tokens(tiny_llm.generate(["alpha", "beta"], top_k, use_tqdm=False)) == greedy
+    assert _tokens(tiny_llm.generate(["alpha", "beta"], top_p, use_tqdm=False)) == greedy
+
+
+def test_temperature_changes_the_distribution(tiny_llm):
+    cold = SamplingParams(temperature=0.05, seed=3, max_tokens=8, ignore_eos=True)
+    hot = SamplingParams(temperature=5.0, seed=3, max_tokens=8, ignore_eos=True)
+    greedy = _tokens(tiny_llm.generate("warmth", GREEDY, use_tqdm=False))
+    assert _tokens(tiny_llm.generate("warmth", cold, use_tqdm=False)) == greedy
+    assert _tokens(tiny_llm.generate("warmth", hot, use_tqdm=False)) != greedy
+
+
+def test_max_tokens_ends_with_length(tiny_llm):
+    [output] = tiny_llm.generate("count", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3 and output.outputs[0].finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(tiny_llm):
+    force_eos = {1: 100.0}
+    [stopped] = tiny_llm.generate("end", SamplingParams(max_tokens=5, logit_bias=force_eos), use_tqdm=False)
+    assert stopped.outputs[0].token_ids == [1]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason is None
+    [ignored] = tiny_llm.generate(
+        "end", SamplingParams(max_tokens=5, logit_bias=force_eos, ignore_eos=True), use_tqdm=False
+    )
+    assert ignored.outputs[0].token_ids == [1] * 5 and ignored.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids(tiny_llm):
+    params = SamplingParams(max_tokens=6, logit_bias={300: 100.0}, stop_token_ids=[300])
+    [output] = tiny_llm.generate("stop here", params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.token_ids == [300] and completion.finish_reason == "stop" and completion.stop_reason == 300
+
+
+def test_generation_config_eos_ids_stop(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "m", "llama")
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [1, 77]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(model_dir), dtype="float64")
+    [output] = llm.generate("x", SamplingParams(max_tokens=5, logit_bias={77: 100.0}), use_tqdm=False)
+    assert output.outputs[0].token_ids == [77] and output.outputs[0].finish_reason == "stop"
+
+
+def test_incremental_detokenization_keeps_multibyte_characters_whole(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    text = "東京 café 🙂🚀 Привет naïve"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text) / 2  # multi-byte characters span several tokens
+    detokenizer = IncrementalDetokenizer(tokenizer, [0])
+    deltas = [detokenizer.add_token(t) for t in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_generated_text_equals_full_decode(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    outputs = tiny_llm.generate([f"sample {i}" for i in range(16)], params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens_is_trimmed(tiny_llm, include):
+    [reference] = tiny_llm.generate("stop strings", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                    use_tqdm=False)
+    tokenizer = tiny_llm.get_tokenizer()
+    token_texts = [tokenizer.decode(reference.outputs[0].token_ids[: i + 1]) for i in range(20)]
+    full = reference.outputs[0].text
+    # A stop string straddling the boundary between tokens 5 and 6.
+    cut = len(token_texts[4])
+    stop = full[cut - 1 : cut + 1]
+    assert len(stop) == 2 and full.find(stop) == cut - 1
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    [output] = tiny_llm.generate("stop strings", params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == (full[: cut + 1] if include else full[: cut - 1])
