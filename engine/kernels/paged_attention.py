@@ -35,6 +35,48 @@ MAX_HEAD_DIM = 256
 if triton is not None:
 
     @triton.jit
+    def _attend_key_tile(
+        q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head,
+        k_cache_ptr, v_cache_ptr, block_table,
+        scale, softcap, sliding_window,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        dims, dim_valid,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):
+        """One online-softmax step over keys [tile_start, tile_start + BLOCK_N)."""
+        # q: [M, Dp]; acc: [M, Dp] float32; m_i, l_i, q_pos: [M]
+        key_pos = tile_start + tl.arange(0, BLOCK_N)  # [N]
+        key_valid = key_pos < kv_end
+        block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        slot_offs = block_id.to(tl.int64) * stride_cache_block \
+            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        k_offs = dims[:, None] + slot_offs[None, :]  # [Dp, N]: keys loaded transposed
+        k_mask = dim_valid[:, None] & key_valid[None, :]
+        k_t = tl.load(k_cache_ptr + k_offs, mask=k_mask, other=0.0).to(DOT_DTYPE)
+
+        scores = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * scale  # [M, N]
+        if USE_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow nan.
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - key_pos[None, :] < sliding_window)
+        scores = tl.where(visible, scores * 1.4426950408889634, float("-inf"))  # log2 units
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offs = slot_offs[:, None] + dims[None, :]  # [N, Dp]
+        v_mask = key_valid[:, None] & dim_valid[None, :]
+        v = tl.load(v_cache_ptr + v_offs, mask=v_mask, other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None],
+                     input_precision=INPUT_PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _paged_attention_kernel(
         o_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -56,6 +98,8 @@ if triton is not None:
             return
         context_len = tl.load(seq_lens_ptr + seq) - q_len
 
+        # Row r of the tile is query token first_q + r // GROUP_P, head r % GROUP_P of
+        # this kv head's group; rows past q_len or past the group are padding.
         rows = tl.arange(0, BLOCK_M)
         q_idx = first_q + rows // GROUP_P  # [M] query token within the sequence
         head_in_group = rows % GROUP_P
@@ -64,13 +108,13 @@ if triton is not None:
         head = kv_head * QUERIES_PER_KV + head_in_group
         dims = tl.arange(0, HEAD_DIM_P)
         dim_valid = dims < HEAD_DIM
-
         q_offs = ((q_start + q_idx).to(tl.int64) * stride_q_token)[:, None] \
             + (head * stride_q_head)[:, None] + dims[None, :]
         q_mask = row_valid[:, None] & dim_valid[None, :]
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [M, Dp]
 
-        # Keys [kv_begin, kv_end) can be visible to some row of this tile.
+        # Keys [kv_begin, kv_end) can be visible to some row of this tile; with a
+        # window, tiles wholly before the first row's window are skipped.
         kv_end = context_len + tl.minimum(q_len, first_q + BLOCK_Q)
         kv_begin = 0
         if USE_WINDOW:
@@ -81,45 +125,20 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-        LOG2E: tl.constexpr = 1.4426950408889634
         block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
         for tile_start in range(kv_begin, kv_end, BLOCK_N):
-            key_pos = tile_start + tl.arange(0, BLOCK_N)  # [N]
-            key_valid = key_pos < kv_end
-            block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-            slot_offs = block_id.to(tl.int64) * stride_cache_block \
-                + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-            k_mask = dim_valid[:, None] & key_valid[None, :]
-            k_offs = dims[:, None] + slot_offs[None, :]  # [Dp, N]: keys loaded transposed
-            k_t = tl.load(k_cache_ptr + k_offs, mask=k_mask, other=0.0).to(DOT_DTYPE)
-
-            scores = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * scale  # [M, N]
-            if USE_SOFTCAP:
-                # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow nan.
-                capped = scores / softcap
-                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
-            visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                visible = visible & (q_pos[:, None] - key_pos[None, :] < sliding_window)
-            scores = tl.where(visible, scores * LOG2E, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])  # [M, N]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_mask = key_valid[:, None] & dim_valid[None, :]
-            v_offs = slot_offs[:, None] + dims[None, :]  # [N, Dp]
-            v = tl.load(v_cache_ptr + v_offs, mask=v_mask, other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc, input_precision=INPUT_PRECISION)
-            m_i = m_new
+            acc, m_i, l_i = _attend_key_tile(
+                q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head,
+                k_cache_ptr, v_cache_ptr, block_table, scale, softcap, sliding_window,
+                stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_valid,
+                BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, INPUT_PRECISION,
+            )
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; they are not stored
         out = acc / l_i[:, None]
         o_offs = ((q_start + q_idx).to(tl.int64) * stride_o_token)[:, None] \
             + (head * stride_o_head)[:, None] + dims[None, :]
         tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
-
 
 def _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
     assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, H, D] with contiguous D"

@@ -1,0 +1,97 @@
+"""shardline vs Hugging Face transformers, side by side in one process.
+
+Same random-weight Llama-shaped model (float32), same prompts (random tokens),
+greedy, ignore_eos, fixed output length. Prints output tokens/s for transformers'
+static batched generate (left padding), optionally its continuous batching
+(generate_batch), and shardline, with the ratios and the fraction of this
+machine's fp32 matmul roofline that shardline reaches.
+
+    python bench/bench_engine.py [--num-prompts 64] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+from common import build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
+from shardline import LLM, SamplingParams
+
+
+def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
+    """Seconds for transformers' generate over left-padded batches."""
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[2] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                       do_sample=False, pad_token_id=2)
+    return time.perf_counter() - start
+
+
+def run_hf_continuous(model, prompts: list[list[int]], output_len: int) -> float:
+    config = transformers.GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=2)
+    start = time.perf_counter()
+    model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    return time.perf_counter() - start
+
+
+def run_shardline(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--continuous", action="store_true", help="also run transformers' generate_batch")
+    args = parser.parse_args()
+
+    model_dir = build_bench_model()
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, 16384)
+    output_tokens = args.num_prompts * args.output_len
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model_dir, dtype="float32")
+    llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+    results = {}
+    with torch.inference_mode():
+        results["transformers static generate"] = run_hf_static(hf_model, prompts, args.output_len,
+                                                                args.hf_batch_size)
+        if args.continuous:
+            results["transformers generate_batch"] = run_hf_continuous(hf_model, prompts, args.output_len)
+    results["shardline"] = run_shardline(llm, prompts, args.output_len)
+
+    print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
+          f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, float32, "
+          f"{torch.get_num_threads()} threads")
+    for name, seconds in results.items():
+        print(f"{name:32s} {seconds:8.2f} s  {output_tokens / seconds:9.1f} output tok/s")
+    ours = results["shardline"]
+    for name, seconds in results.items():
+        if name != "shardline":
+            print(f"shardline / {name}: {seconds / ours:.2f}x")
+    flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
+    peak = peak_matmul_flops()
+    print(f"roofline: {flops / ours / 1e9:.1f} GFLOP/s achieved of {peak / 1e9:.1f} GFLOP/s "
+          f"peak torch.mm ({100 * flops / ours / peak:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Kernel tests run on CPU tensors through Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported: triton.jit reads it
+when a function is decorated, and triton's own library functions (tl.sum, tl.max,
+...) are decorated at triton's import. So it is set here, at collection time. If
+something imported triton earlier (transformers and torch._dynamo do), the
+interpreter cannot be enabled any more and the kernel tests fail saying so; the
+fix is to set the variable in a conftest nearer the root, or in the environment.
+"""
+
+import os
+import sys
+
+TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreter():
+    if TRITON_IMPORTED_TOO_EARLY:
+        pytest.fail("triton was imported before tests/engine/kernels/conftest.py could set "
+                    "TRITON_INTERPRET=1; set it in tests/conftest.py or the environment")
+
+
+@dataclass
+class PagedBatch:
+    """A packed batch whose keys and values are already in a paged cache."""
+
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+
+    def args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
+                self.block_tables)
+
+
+def make_paged_batch(
+    context_lens: list[int],
+    query_lens: list[int],
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PagedBatch:
+    """Sequences with context_lens[b] cached tokens and query_lens[b] new ones.
+
+    Block ids are shuffled (no sequence owns a contiguous run), and every cache slot
+    that belongs to no sequence holds NaN, so a kernel reading one fails loudly.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks no sequence owns
+    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    max_blocks = max(blocks_per_seq) + 1
+    # Unused table entries point far outside the cache: reading one would fault.
+    block_tables = torch.full((len(seq_lens), max_blocks), 10**6, dtype=torch.int32)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"))
+    v_cache = torch.full(cache_shape, float("nan"))
+    for seq, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
+        owned, block_ids = block_ids[:n_blocks], block_ids[n_blocks:]
+        block_tables[seq, :n_blocks] = torch.tensor(owned, dtype=torch.int32)
+        for pos in range(seq_len):
+            block, offset = owned[pos // block_size], pos % block_size
+            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
+            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
+    query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    return PagedBatch(
+        q=q.to(dtype),
+        k_cache=k_cache.to(dtype),
+        v_cache=v_cache.to(dtype),
+        query_start_loc=query_start_loc.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+    )
+
+
+@pytest.fixture
+def paged_batch():
+    """Factory: paged_batch(context_lens, query_lens, **shape) -> PagedBatch."""
+    return make_paged_batch
