@@ -12,6 +12,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+TASKS = ("auto", "generate", "embed")
 
 
 class ConfigError(ValueError):
@@ -22,12 +23,14 @@ class ConfigError(ValueError):
 class EngineConfig:
     """Options of one engine instance (vLLM's names and meanings).
 
-    ``max_model_len`` None means the model's own limit (capped by what the KV
+    ``task`` "auto" generates with causal-LM checkpoints and embeds with the
+    others; "embed" pools a decoder's hidden states instead. ``max_model_len`` None means the model's own limit (capped by what the KV
     cache can hold); ``kv_cache_memory_bytes`` None means a default budget on CPU
     and ``gpu_memory_utilization`` of the GPU on CUDA.
     """
 
     model: str
+    task: str = "auto"
     tokenizer: str | None = None
     revision: str | None = None
     tokenizer_revision: str | None = None
@@ -51,6 +54,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a hub id or a local directory, got {self.model!r}")
+        _check_choice("task", self.task, TASKS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):

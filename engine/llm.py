@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
 from .llm_engine import LLMEngine, PromptType
 from .lora import LoRARequest
@@ -61,6 +62,41 @@ class LLM:
             prompts = [prompts]
         return self._run(prompts, lambda prompt: prompt, sampling_params, use_tqdm, lora_request, priority)
 
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the
+        tokenizer's chat template (or ``chat_template``)."""
+        options = ChatOptions(chat_template, chat_template_content_format, add_generation_prompt,
+                              continue_final_message, tools, chat_template_kwargs or {})
+        conversations = [messages] if is_conversation(messages) else list(messages)
+        if keeps_special_tokens(self.get_tokenizer(), options):
+            sampling_params = _keep_special_tokens(sampling_params)
+        render = lambda item: self._render_indexed(item, options)  # noqa: E731
+        return self._run(list(enumerate(conversations)), render, sampling_params, use_tqdm, lora_request, None)
+
+    def render_chat(self, conversation: list[dict], **chat_options: Any) -> list[int]:
+        """Token ids of one conversation rendered as ``chat`` would render it."""
+        return render_chat(self.get_tokenizer(), conversation, ChatOptions(**chat_options))
+
+    def _render_indexed(self, item: tuple[int, list[dict]], options: ChatOptions) -> PromptType:
+        index, conversation = item
+        try:
+            return {"prompt_token_ids": render_chat(self.get_tokenizer(), conversation, options)}
+        except ChatRenderError as exc:
+            raise ChatRenderError(f"conversation {index}: {exc}") from exc
+
     def _run(self, items: Iterable[Any], render: Callable[[Any], PromptType], params: Any,
              use_tqdm: Any, lora_request: Any, priority: Any) -> list:
         """Render, add and run ``items``; return their final outputs in order."""
@@ -105,6 +141,17 @@ class LLM:
         for output in self.llm_engine.step():
             outputs[output.request_id] = output
             progress.update(output)
+
+
+def _keep_special_tokens(params: Any) -> Any:
+    """Copies of ``params`` that keep special tokens in the output text."""
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = params.clone()
+        params.skip_special_tokens = False
+        return params
+    return [_keep_special_tokens(p) for p in params]
 
 
 def _per_item_values(num_items: int | None, **values: Any) -> dict[str, Iterable[Any]]:

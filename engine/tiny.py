@@ -37,8 +37,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(path: str | Path, vocab_size: int = 512) -> transformers.PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on a small built-in corpus and save it to ``path``."""
+def build_tokenizer(path: str | Path, vocab_size: int = 512,
+                    extra_special_tokens: list[str] = ()) -> transformers.PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on a small built-in corpus and save it to
+    ``path``; ``extra_special_tokens`` are appended after the trained vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -56,7 +58,7 @@ def build_tokenizer(path: str | Path, vocab_size: int = 512) -> transformers.Pre
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=SPECIAL_TOKENS[3:] + list(extra_special_tokens),
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
@@ -112,12 +114,13 @@ def build_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     vocab_size: int = 512,
+    extra_special_tokens: list[str] = (),
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random ``arch`` causal LM plus tokenizer into ``path``; return the path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(path, vocab_size=vocab_size)
+    tokenizer = build_tokenizer(path, vocab_size=vocab_size, extra_special_tokens=extra_special_tokens)
     config = _arch_config(arch, len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

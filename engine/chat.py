@@ -1,0 +1,135 @@
+"""Rendering chat conversations into prompts with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+# A template that loops over a message's content, or tests whether it is a string,
+# expects OpenAI-style content parts.
+_ITERATES_CONTENT = re.compile(
+    r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)|content['\"]?\]?\s+is\s+(not\s+)?string"
+)
+
+
+class ChatRenderError(ValueError):
+    """A conversation is malformed or the chat template cannot render it."""
+
+
+@dataclass
+class ChatOptions:
+    """How conversations are rendered (vLLM's LLM.chat keyword arguments)."""
+
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {self.chat_template_content_format!r}"
+            )
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message=True continues the last message, which cannot be combined "
+                "with add_generation_prompt=True (which starts a new assistant turn); set one of them"
+            )
+        self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+
+
+def is_conversation(value: Any) -> bool:
+    """True for one conversation (a list of message dicts), False for a list of them."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and (
+        len(value) == 0 or isinstance(value[0], dict)
+    )
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatRenderError(f"{where}: content parts must be {{'type': 'text', 'text': str}}, got {part!r:.100}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ChatRenderError(f"{where}: content must be a string or a list of text parts, got {content!r:.100}")
+
+
+def normalize_messages(conversation: Any, content_format: str) -> list[dict]:
+    """Validate messages and shape their content as the template expects."""
+    if not isinstance(conversation, Sequence) or isinstance(conversation, str) or not conversation:
+        raise ChatRenderError(f"a conversation must be a non-empty list of messages, got {conversation!r:.100}")
+    messages = []
+    for position, message in enumerate(conversation):
+        where = f"message {position}"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatRenderError(f"{where} must be a dict with a string 'role', got {message!r:.100}")
+        message = dict(message)
+        content = message.get("content")
+        text = _text_of(content, where)  # validates the parts too
+        if content_format == "string":
+            message["content"] = text
+        elif not isinstance(content, list):
+            message["content"] = [{"type": "text", "text": text}]
+        messages.append(message)
+    return messages
+
+
+def resolve_content_format(options: ChatOptions, tokenizer: PreTrainedTokenizerBase) -> str:
+    if options.chat_template_content_format != "auto":
+        return options.chat_template_content_format
+    template = options.chat_template or getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return "openai" if _ITERATES_CONTENT.search(template) else "string"
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: Any, options: ChatOptions) -> list[int]:
+    """Token ids of ``conversation`` rendered with the chat template."""
+    messages = normalize_messages(conversation, resolve_content_format(options, tokenizer))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=options.chat_template,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            tools=options.tools,
+            tokenize=False,
+            **options.chat_template_kwargs,
+        )
+    except Exception as exc:  # jinja2 raises many types; all mean "cannot render"
+        raise ChatRenderError(f"the chat template cannot render this conversation: {exc}") from exc
+    # The template already wrote any BOS it wants; do not add another.
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def structured_delimiters(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """Special tokens that come as an opening/closing pair ("<x>" and "</x>"), such as
+    thinking or tool-call markers: the model's structured output delimiters."""
+    special = {
+        token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special
+    }
+    return {t for t in special if t.startswith("<") and not t.startswith("</") and "</" + t[1:] in special} | {
+        t for t in special if t.startswith("</") and "<" + t[2:] in special
+    }
+
+
+def keeps_special_tokens(tokenizer: PreTrainedTokenizerBase, options: ChatOptions) -> bool:
+    """Whether outputs must keep special tokens so structured parts stay parseable:
+    tools or thinking are on and the tokenizer has structured delimiters."""
+    wants_structure = bool(options.tools) or bool(options.chat_template_kwargs.get("enable_thinking"))
+    return wants_structure and bool(structured_delimiters(tokenizer))
