@@ -259,6 +259,27 @@ class KVCacheManager:
         self._block_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give ``child`` (a sample sharing ``parent``'s tokens) the parent's KV.
+
+        Full blocks are shared by reference count: nobody writes them again. The
+        partially filled last block would be written by both, so the child gets a
+        fresh block and the caller copies the KV (returned as (src, dst) block ids).
+        Returns None when nothing needs copying; raises MemoryError when no block
+        is free for the copy (nothing changed then).
+        """
+        table = self._block_tables[parent.request_id]
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            raise MemoryError("no free KV block to copy the partial block into")
+        shared = table[:num_full]
+        self.pool.touch(shared)
+        copy = self.pool.allocate(1) if partial else []
+        self._block_tables[child.request_id] = list(shared) + copy
+        self._num_registered[child.request_id] = 0
+        child.num_computed_tokens = parent.num_computed_tokens
+        return (table[num_full].block_id, copy[0].block_id) if partial else None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (e.g. after a failed step); returns how many."""
         return self.pool.reset()

@@ -17,12 +17,14 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
-from .model_runner import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelRunner, model_max_len, plan_kv_cache
+from .model_runner import (
+    DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
+)
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .request import Request, RequestStatus
-from .sampler import SampleRow, Sampler
+from .sampler import SampleRow, Sampler, gather_logprobs
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 PromptType = str | dict[str, Any]
@@ -114,13 +116,14 @@ class LLMEngine:
             )
             for index in range(params.n)
         ]
-        for index, sequence in enumerate(sequences):
-            try:
-                self.scheduler.add_request(sequence)
-            except ValueError:
-                self.scheduler.finish_requests([s.request_id for s in sequences[:index]],
-                                               RequestStatus.FINISHED_ABORTED)
-                raise
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need logits at every prompt position: no prefix hits.
+            for sequence in sequences:
+                sequence.cache_salt = ("prompt_logprobs", request_id)
+        # The other samples fork from the first once its prompt is computed, so the
+        # prompt is computed once and its KV blocks are shared.
+        self.scheduler.add_request(sequences[0])
+        state.pending_forks = sequences[1:]
         for index, sequence in enumerate(sequences):
             state.samples.append(self.output_processor.new_sample(sequence, index, params))
             self._sequence_owner[sequence.request_id] = (state, index)
@@ -163,11 +166,11 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         try:
-            logits = self.runner.execute(scheduler_output)
+            model_output = self.runner.execute(scheduler_output)
         except BaseException:
             self._roll_back(scheduler_output)
             raise
-        return self._update(scheduler_output, logits)
+        return self._update(scheduler_output, model_output)
 
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
         """A failed forward wrote no trustworthy KV: the scheduled tokens count as
@@ -175,26 +178,12 @@ class LLMEngine:
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens = item.start
 
-    def _sample_rows(self, scheduler_output: SchedulerOutput) -> list[SampleRow]:
-        rows = []
-        now = time.monotonic()
-        for item in scheduler_output.scheduled:
-            state, _ = self._sequence_owner[item.request.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-            if not item.is_last_chunk:
-                continue
-            params = state.params
-            blocked = ()
-            if item.request.num_output_tokens < params.min_tokens:
-                blocked = tuple(params.all_stop_token_ids)
-            rows.append(SampleRow(item.request, params, self._generators.get(item.request.request_id), blocked))
-        return rows
-
-    def _update(self, scheduler_output: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        rows = self._sample_rows(scheduler_output)
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+        self._record_prompt_logprobs(model_output)
+        rows = self._sample_rows(scheduler_output, model_output)
         if not rows:
             return []
+        logits = model_output.logits[[row.logits_row for row in rows]]
         sampled = self.sampler(logits, rows)
         finished_states = []
         for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
@@ -202,9 +191,47 @@ class LLMEngine:
             status = self.output_processor.append_token(state, state.samples[index], token_id, logprobs)
             if status is not None:
                 self.scheduler.finish_requests(row.request.request_id, status)
-                if state.finished:
+                if state.finished and not state.pending_forks:
                     finished_states.append(state)
         return [self._finish(state) for state in finished_states]
+
+    def _sample_rows(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SampleRow]:
+        """One row per sequence that samples this step; forked samples join their
+        parent's first sampling, on the same logits row."""
+        rows = []
+        now = time.monotonic()
+        for item in scheduler_output.scheduled:
+            state, _ = self._sequence_owner[item.request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            logits_row = model_output.sample_rows.get(item.request.request_id)
+            if logits_row is None:
+                continue
+            rows.append(self._sample_row(item.request, state, logits_row))
+            if state.pending_forks:
+                rows += [self._sample_row(child, state, logits_row) for child in self._fork(item.request, state)]
+        return rows
+
+    def _sample_row(self, sequence: Request, state: RequestState, logits_row: int) -> SampleRow:
+        params = state.params
+        blocked = tuple(params.all_stop_token_ids) if sequence.num_output_tokens < params.min_tokens else ()
+        return SampleRow(sequence, params, self._generators.get(sequence.request_id), blocked,
+                         logits_row=logits_row)
+
+    def _fork(self, parent: Request, state: RequestState) -> list[Request]:
+        children, state.pending_forks = state.pending_forks, []
+        copies = [self.scheduler.fork_request(parent, child) for child in children]
+        self.runner.copy_blocks([pair for pair in copies if pair is not None])
+        return children
+
+    def _record_prompt_logprobs(self, model_output: ModelOutput) -> None:
+        for request_id, (first_row, num_rows, position) in model_output.prompt_rows.items():
+            state, _ = self._sequence_owner[request_id]
+            prompt = state.prompt_token_ids
+            logprobs = torch.log_softmax(model_output.logits[first_row : first_row + num_rows].double(), dim=-1)
+            targets = torch.tensor(prompt[position + 1 : position + 1 + num_rows], device=logprobs.device)
+            entries = gather_logprobs(logprobs, targets, [state.params.prompt_logprobs] * num_rows)
+            self.output_processor.record_prompt_logprobs(state, position, entries)
 
     def _finish(self, state: RequestState) -> RequestOutput:
         self._states.pop(state.request_id, None)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
 
 from .attention import AttentionContext
 from .config import EngineConfig
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +86,15 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, torch.Tensor]:
-        """Build the packed batch. Returns (model kwargs, indices of sampled tokens)."""
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, "LogitsPlan"]:
+        """Build the packed batch: model kwargs, and which positions need logits."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        sample_index: list[int] = []
         block_tables = []
+        plan = LogitsPlan()
         bs = self.block_size
         for item in scheduler_output.scheduled:
             start, end = item.start, item.start + item.num_new_tokens
@@ -102,11 +102,10 @@ class ModelRunner:
             positions += range(start, end)
             blocks = item.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            plan.add(item, query_start_loc[-1])
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(end)
             block_tables.append(blocks)
-            if item.is_last_chunk:
-                sample_index.append(query_start_loc[-1] - 1)
         max_blocks = max(len(b) for b in block_tables)
         table = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
         for row, blocks in enumerate(block_tables):
@@ -126,12 +125,60 @@ class ModelRunner:
             position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
             shardline_ctx=ctx,
         )
-        return model_inputs, torch.tensor(sample_index, dtype=torch.int64, device=dev)
+        return model_inputs, plan
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Run the model on the scheduled tokens; return logits [num_sampled, V]
-        for the requests that sample this step, in scheduling order."""
-        model_inputs, sample_index = self.prepare_inputs(scheduler_output)
-        outputs = self.model(**model_inputs, use_cache=False, logits_to_keep=sample_index)
-        return outputs.logits[0]
+    def execute(self, scheduler_output: SchedulerOutput) -> "ModelOutput":
+        """Run the model on the scheduled tokens; return the logits the step needs."""
+        model_inputs, plan = self.prepare_inputs(scheduler_output)
+        keep = torch.tensor(plan.keep, dtype=torch.int64, device=self.device)
+        outputs = self.model(**model_inputs, use_cache=False, logits_to_keep=keep)
+        return ModelOutput(outputs.logits[0], plan.sample_rows, plan.prompt_rows)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer (forked samples)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+
+@dataclass
+class LogitsPlan:
+    """Packed positions whose logits the step needs, in the order they are kept.
+
+    A request reaching the end of its tokens needs its last position (to sample);
+    a request asking for prompt logprobs needs every prompt position of its chunk
+    except the last prompt token (whose logits are the sampling row).
+    """
+
+    keep: list[int] = field(default_factory=list)
+    # request_id -> row in the kept logits to sample from.
+    sample_rows: dict[str, int] = field(default_factory=dict)
+    # request_id -> (first kept row, number of rows, position of the first row).
+    prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def add(self, item: ScheduledRequest, offset: int) -> None:
+        request = item.request
+        start, end = item.start, item.start + item.num_new_tokens
+        params = request.params
+        if getattr(params, "prompt_logprobs", None) is not None and start < request.num_prompt_tokens - 1:
+            stop = min(end, request.num_prompt_tokens - 1)
+            self.prompt_rows[request.request_id] = (len(self.keep), stop - start, start)
+            self.keep += range(offset, offset + stop - start)
+        if item.is_last_chunk:
+            self.sample_rows[request.request_id] = len(self.keep)
+            self.keep.append(offset + item.num_new_tokens - 1)
+
+
+@dataclass
+class ModelOutput:
+    """Logits of one step: [K, V] rows for the positions in the LogitsPlan."""
+
+    logits: torch.Tensor
+    sample_rows: dict[str, int]
+    prompt_rows: dict[str, tuple[int, int, int]]

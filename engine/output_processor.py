@@ -42,6 +42,10 @@ class RequestState:
     lora_request: object | None
     metrics: RequestMetrics
     samples: list[SampleState] = field(default_factory=list)
+    # Samples 1..n-1 until they fork from sample 0 after its prompt is computed.
+    pending_forks: list[Request] = field(default_factory=list)
+    # One entry per prompt token once computed (None for the first token).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -122,6 +126,20 @@ class OutputProcessor:
                 position[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
             sample.logprobs.append(position)
 
+    def record_prompt_logprobs(self, state: RequestState, first_position: int,
+                               entries: list[tuple[float, list[tuple[int, float, int]]]]) -> None:
+        """Record the logprobs of prompt tokens first_position+1, ... (computed chunk
+        by chunk; positions recomputed after a preemption are not recorded twice)."""
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]
+        for offset, (_, position_entries) in enumerate(entries):
+            if first_position + 1 + offset != len(state.prompt_logprobs):
+                continue
+            state.prompt_logprobs.append({
+                token_id: Logprob(value, rank, self.tokenizer.decode([token_id]))
+                for token_id, value, rank in position_entries
+            })
+
     def make_output(self, state: RequestState, num_cached_tokens: int) -> RequestOutput:
         """The final RequestOutput of a request whose samples have all finished."""
         completions = []
@@ -144,6 +162,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=num_cached_tokens,
             metrics=state.metrics,
             lora_request=state.lora_request,

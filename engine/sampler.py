@@ -29,6 +29,8 @@ class SampleRow:
     blocked_token_ids: tuple[int, ...] = ()
     # Token ids to ban at this position (bad words), or empty.
     banned_token_ids: tuple[int, ...] = ()
+    # Row of the step's logits this sequence samples from.
+    logits_row: int = 0
 
 
 @dataclass
@@ -52,7 +54,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
         token_ids = self._choose_tokens(logits, rows)
-        logprobs = gather_logprobs(raw_logprobs, token_ids, rows) if want_logprobs else [None] * len(rows)
+        num_top = [r.params.logprobs for r in rows]
+        logprobs = gather_logprobs(raw_logprobs, token_ids, num_top) if want_logprobs else [None] * len(rows)
         return SamplerOutput(token_ids.tolist(), logprobs, None)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -153,21 +156,25 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.T
 
 
 def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
 ) -> list[tuple[float, list[tuple[int, float, int]]] | None]:
-    """Top-k logprobs plus the sampled token's logprob and rank, per row that asked."""
-    sampled = logprobs.gather(1, token_ids[:, None])  # [N, 1]
-    ranks = (logprobs > sampled).sum(dim=-1) + 1
-    max_k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=0)
-    max_k = logprobs.shape[1] if any(r.params.logprobs == -1 for r in rows) else max_k
+    """Per row that asks (num_top not None): the chosen token's logprob, and the
+    top-k entries (token_id, logprob, rank) followed by the chosen token's entry.
+    logprobs: [N, V] log-softmax; token_ids: [N]; k = -1 means the whole vocabulary."""
+    vocab_size = logprobs.shape[1]
+    ks = [None if k is None else (vocab_size if k == -1 else k) for k in num_top]
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    max_k = max((k for k in ks if k is not None), default=0)
     top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    chosen_list, ranks_list, ids_list = chosen[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
+    top_values = top_values.tolist() if max_k else None
+    top_ids = top_ids.tolist() if max_k else None
     result = []
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
+    for i, k in enumerate(ks):
         if k is None:
             result.append(None)
             continue
-        k = logprobs.shape[1] if k == -1 else k
-        entries = [(int(top_ids[i, j]), float(top_values[i, j]), j + 1) for j in range(k)] if k else []
-        result.append((float(sampled[i, 0]), entries + [(int(token_ids[i]), float(sampled[i, 0]), int(ranks[i]))]))
+        entries = [(top_ids[i][j], top_values[i][j], j + 1) for j in range(k)]
+        result.append((chosen_list[i], entries + [(ids_list[i], chosen_list[i], ranks_list[i])]))
     return result

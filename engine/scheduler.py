@@ -173,6 +173,27 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def fork_request(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Run ``child`` (another sample of ``parent``'s prompt) on the parent's KV.
+
+        Called right after the parent's prompt was computed: the child joins the
+        running requests with the same computed tokens. Returns the (src, dst) block
+        copy the runner must make, or None. Without a free block for that copy the
+        child waits instead and recomputes (reusing cached prefix blocks).
+        """
+        self._requests[child.request_id] = child
+        self._add_order[child.request_id] = next(self._add_counter)
+        try:
+            copy = self.kv_cache.fork(parent, child)
+        except MemoryError:
+            child.status = RequestStatus.WAITING
+            self._push_waiting(child)
+            return None
+        child.status = RequestStatus.RUNNING
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
+        return copy
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -1,0 +1,135 @@
+"""Batched LoRA layers: each token of one packed forward uses its own adapter, or none.
+
+Every adaptable linear layer (nn.Linear or GPT-2's Conv1D, except the output
+embeddings) is wrapped once, when the LoRAManager is built, so the memory for all
+adapter slots is taken before the KV cache is sized. A wrapper holds the adapters
+of all slots stacked and zero-padded to max_lora_rank:
+
+    lora_a: [max_loras, max_lora_rank, in_features]
+    lora_b: [max_loras, out_features, max_lora_rank]   (already multiplied by scaling)
+
+and computes, for the tokens of each slot s in use this step,
+
+    y[rows_s] = base(x)[rows_s] + (x[rows_s] @ A_s[:r_s].T) @ B_s[:, :r_s].T
+
+with one pair of matmuls per slot in use (at most max_loras), never a loop over
+tokens. Tokens of no slot are left as the base layer computed them, bit for bit, and
+with no slot in use the wrapper adds nothing at all. Which rows belong to which slot
+is decided once per step by the manager in a LoRATokenGroups object that every
+wrapper shares (an explicit context object, not a module global).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+@dataclass
+class LoRATokenGroups:
+    """The packed tokens of the next forward, grouped by adapter slot.
+
+    Invariants: the slots in ``groups`` are distinct and hold an adapter; ``rows``
+    are indices into the flattened tokens [num_tokens] (None: every token); tokens
+    in no group use no adapter.
+    """
+
+    num_tokens: int = 0
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+def layer_features(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a layer LoRA can adapt, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):  # GPT-2's transposed linear: weight [in, out]
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
+class BatchedLoRALinear(nn.Module):
+    """A linear layer plus one LoRA delta per slot, applied per token group."""
+
+    def __init__(self, base_layer: nn.Module, max_loras: int, max_lora_rank: int,
+                 token_groups: LoRATokenGroups, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        features = layer_features(base_layer)
+        assert features is not None, f"{type(base_layer).__name__} is not an adaptable linear layer"
+        self.base_layer = base_layer
+        self.in_features, self.out_features = features
+        self.token_groups = token_groups
+        # ranks[s] == 0: slot s leaves this layer alone (empty, or its adapter skips it).
+        self.ranks = [0] * max_loras
+        shape_a = (max_loras, max_lora_rank, self.in_features)
+        shape_b = (max_loras, self.out_features, max_lora_rank)
+        self.register_buffer("lora_a", torch.zeros(shape_a, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(shape_b, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def set_slot(self, slot: int, lora_a: torch.Tensor | None, scaled_lora_b: torch.Tensor | None) -> None:
+        """Put one adapter's A [r, in] and scaled B [out, r] in ``slot``; None clears it."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if lora_a is None or scaled_lora_b is None:
+            self.ranks[slot] = 0
+            return
+        rank = lora_a.shape[0]
+        assert lora_a.shape == (rank, self.in_features) and scaled_lora_b.shape == (self.out_features, rank)
+        self.lora_a[slot, :rank].copy_(lora_a)
+        self.lora_b[slot, :, :rank].copy_(scaled_lora_b)
+        self.ranks[slot] = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features], flattened to the packed tokens [T, in_features]
+        out = self.base_layer(x)
+        groups = [(slot, rows) for slot, rows in self.token_groups.groups if self.ranks[slot]]
+        if not groups:
+            return out
+        flat_x = x.reshape(-1, self.in_features)
+        flat_out = out.view(-1, self.out_features)  # a view: the adds below land in ``out``
+        if flat_x.shape[0] != self.token_groups.num_tokens:
+            raise RuntimeError(
+                f"LoRA token slots were set for {self.token_groups.num_tokens} tokens, but the forward "
+                f"has {flat_x.shape[0]}; call LoRAManager.set_token_slots before each forward"
+            )
+        for slot, rows in groups:
+            rank = self.ranks[slot]
+            lora_a = self.lora_a[slot, :rank]      # [r, in]
+            lora_b = self.lora_b[slot, :, :rank]   # [out, r]
+            if rows is None:
+                flat_out.add_((flat_x @ lora_a.T) @ lora_b.T)
+            else:
+                delta = (flat_x.index_select(0, rows) @ lora_a.T) @ lora_b.T  # [n_s, out]
+                flat_out.index_add_(0, rows, delta)
+        return out
+
+
+def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, token_groups: LoRATokenGroups,
+                          device: torch.device, dtype: torch.dtype) -> dict[str, BatchedLoRALinear]:
+    """Replace every adaptable layer of ``model`` (not its output embeddings) by a
+    BatchedLoRALinear, in place; return them by module name."""
+    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = []
+    for name, module in model.named_modules():
+        if isinstance(module, BatchedLoRALinear):
+            raise ValueError(f"model already has LoRA layers (at {name!r}); build one LoRAManager per model")
+        if module is not output_embeddings and layer_features(module) is not None:
+            targets.append(name)
+    wrapped = {}
+    for name in targets:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = BatchedLoRALinear(getattr(parent, child_name), max_loras, max_lora_rank, token_groups, device, dtype)
+        setattr(parent, child_name, layer)
+        wrapped[name] = layer
+    return wrapped

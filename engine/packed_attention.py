@@ -1,0 +1,187 @@
+"""Attention over a packed batch without a KV cache, plugged into transformers.
+
+The pooling engine runs whole prompts in one forward: all sequences are concatenated
+into one [1, T] batch, with no padding between them. A model loaded with
+``attn_implementation="shardline_packed"`` calls ``packed_attention_forward`` from
+every attention layer, with a ``PackedAttentionContext`` (through the model's
+``**kwargs``) holding the sequence boundaries ``cu_seqlens``.
+
+Invariant: a token attends only to tokens of its own sequence, to all of them for
+an encoder and to those at or before it for a decoder (``module.is_causal``).
+
+The torch path gathers sequences into padded [b, L] tiles, bucketed by length (each
+bucket holds sequences whose lengths share a power of two), so padding wastes at
+most about 4x a sequence's own attention work, and only in the attention.
+
+Masking is ours, so the mask interface entry returns None: transformers builds no
+[T, T] mask for the packed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+PACKED_ATTN_IMPLEMENTATION = "shardline_packed"
+
+
+@dataclass
+class PackedBucket:
+    """Sequences of similar length, gathered into one padded tile."""
+
+    token_index: torch.Tensor  # [b, L] int64 into the packed tokens (0 where padded)
+    valid: torch.Tensor  # [b, L] bool, False on padding
+    packed_index: torch.Tensor  # [n] int64: token_index[valid], where tile rows go back
+    has_padding: bool
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, causal: bool, sliding_window: int | None) -> torch.Tensor | None:
+        """[b, 1, L, L] bool (True = may attend), or None when only causality (if any)
+        restricts attention, which SDPA's is_causal then applies."""
+        if sliding_window is None and not self.has_padding:
+            return None
+        key = (causal, sliding_window)
+        if key not in self._masks:
+            length = self.valid.shape[1]
+            pos = torch.arange(length, device=self.valid.device)
+            distance = pos[:, None] - pos[None, :]  # [L, L]: query position - key position
+            allowed = self.valid[:, None, :].expand(-1, length, -1).clone()  # [b, L, L]
+            if causal:
+                allowed &= distance >= 0
+            if sliding_window is not None:
+                # transformers' rule: a key is inside the window when it is fewer than
+                # sliding_window positions away (causal: behind; encoder: either side).
+                allowed &= distance.abs() < sliding_window
+            # Padded query rows attend to key 0 so softmax stays finite; they are dropped.
+            allowed[:, :, 0] |= ~self.valid
+            self._masks[key] = allowed[:, None]
+        return self._masks[key]
+
+
+@dataclass
+class PackedAttentionContext:
+    """Where each sequence of the packed batch starts and ends; shared by all layers."""
+
+    # [B+1] int64: sequence b is packed[cu_seqlens[b]:cu_seqlens[b+1]].
+    cu_seqlens: torch.Tensor
+    _buckets: list[PackedBucket] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_seq_lens(cls, seq_lens: list[int], device: torch.device) -> "PackedAttentionContext":
+        if not seq_lens or min(seq_lens) < 1:
+            raise ValueError(f"a packed batch needs at least one non-empty sequence, got lengths {seq_lens}")
+        offsets = [0]
+        for length in seq_lens:
+            offsets.append(offsets[-1] + length)
+        return cls(torch.tensor(offsets, dtype=torch.int64, device=device))
+
+    def buckets(self) -> list[PackedBucket]:
+        """Length buckets, built once per forward from the host copy of cu_seqlens."""
+        if self._buckets is None:
+            self._buckets = _build_buckets(self.cu_seqlens.tolist(), self.cu_seqlens.device)
+        return self._buckets
+
+
+def _build_buckets(offsets: list[int], device: torch.device) -> list[PackedBucket]:
+    groups: dict[int, list[int]] = {}
+    for index, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        groups.setdefault((end - start - 1).bit_length(), []).append(index)
+    buckets = []
+    for members in groups.values():
+        starts = torch.tensor([offsets[i] for i in members], dtype=torch.int64)
+        lens = torch.tensor([offsets[i + 1] - offsets[i] for i in members], dtype=torch.int64)
+        pos = torch.arange(int(lens.max()))
+        valid = pos[None, :] < lens[:, None]
+        token_index = torch.where(valid, starts[:, None] + pos[None, :], 0)
+        buckets.append(PackedBucket(
+            token_index.to(device), valid.to(device), token_index[valid].to(device),
+            has_padding=bool((~valid).any()),
+        ))
+    return buckets
+
+
+def packed_tile_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one padded tile. q: [b, H, L, D]; k, v: [b, Hkv, L, D]; returns [b, H, L, D]."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        length = q.shape[2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    shardline_packed_ctx: PackedAttentionContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention entry point. query: [1, H, T, D]; key/value: [1, Hkv, T, D];
+    returns ([1, T, H, D], None)."""
+    if shardline_packed_ctx is None:
+        raise RuntimeError(
+            "shardline packed attention was called without a PackedAttentionContext: run the "
+            "model through shardline's pooling engine"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed sequence (batch 1), got batch {query.shape[0]}")
+    # transformers' convention: an explicit is_causal kwarg wins, else the module's flag.
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1).to(q.dtype)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1).to(q.dtype)
+    out = torch.empty_like(q)
+    for bucket in shardline_packed_ctx.buckets():
+        tile = packed_tile_attention(
+            q[bucket.token_index].transpose(1, 2),  # [b, H, L, D]
+            k[bucket.token_index].transpose(1, 2),  # [b, Hkv, L, D]
+            v[bucket.token_index].transpose(1, 2),
+            bucket.mask(bool(causal), sliding_window), bool(causal), scaling, softcap,
+        )
+        out[bucket.packed_index] = tile.transpose(1, 2)[bucket.valid]
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The packed attention masks by sequence itself; transformers must not build a mask."""
+    return None
+
+
+def register() -> str:
+    """Register the packed attention with transformers (idempotent); return its name."""
+    AttentionInterface.register(PACKED_ATTN_IMPLEMENTATION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTN_IMPLEMENTATION, _no_mask)
+    return PACKED_ATTN_IMPLEMENTATION
