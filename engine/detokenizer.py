@@ -23,12 +23,32 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._special_ids = set(tokenizer.all_special_ids)
+        # With spaces around special tokens, a special token ending the prompt would
+        # put a space before the output: the window then starts at the output.
+        spaced = not skip_special_tokens and spaces_between_special_tokens
+        self.token_ids = [] if spaced else list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
 
     def _decode(self, token_ids: list[int]) -> str:
+        if not self.skip_special_tokens and self.spaces_between_special_tokens:
+            return " ".join(self._decode_plain(run) for run in self._special_runs(token_ids))
+        return self._decode_plain(token_ids)
+
+    def _special_runs(self, token_ids: list[int]) -> list[list[int]]:
+        """Split ids into runs: each special token alone, other tokens grouped."""
+        special = self._special_ids
+        runs: list[list[int]] = []
+        for token_id in token_ids:
+            if token_id in special or not runs or runs[-1][-1] in special:
+                runs.append([token_id])
+            else:
+                runs[-1].append(token_id)
+        return runs
+
+    def _decode_plain(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(
             token_ids,
             skip_special_tokens=self.skip_special_tokens,

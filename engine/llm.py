@@ -20,8 +20,11 @@ from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_t
 from .config import EngineConfig
 from .llm_engine import LLMEngine, PromptType
 from .lora import LoRARequest
-from .outputs import RequestOutput
-from .params import SamplingParams
+from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from .params import PoolingParams, PoolingTask, SamplingParams
+from .pooling_engine import (
+    PoolingEngine, TaskMismatchError, as_pooling_output, pooling_params_for, wants_pooling_engine,
+)
 
 
 class LLM:
@@ -35,7 +38,8 @@ class LLM:
 
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine_config = EngineConfig.from_kwargs(model, **engine_options)
-        self.llm_engine = LLMEngine(self.engine_config)
+        engine_class = PoolingEngine if wants_pooling_engine(self.engine_config) else LLMEngine
+        self.llm_engine = engine_class(self.engine_config)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -141,6 +145,57 @@ class LLM:
         for output in self.llm_engine.step():
             outputs[output.request_id] = output
             progress.update(output)
+
+    # --------------------------------------------------------------- embeddings
+    def embed(
+        self,
+        prompts: PromptType | Iterable[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt with the model's pooling; one EmbeddingRequestOutput per
+        prompt, in input order. Needs an embedding engine (see ``task``)."""
+        return self._pool("LLM.embed", prompts, pooling_params, PoolingTask.EMBED, use_tqdm, lora_request,
+                          truncate_prompt_tokens, priority)
+
+    def encode(
+        self,
+        prompts: PromptType | Iterable[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str = "encode",
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt; ``outputs.data`` is a float32 tensor: for pooling_task
+        "encode" the last hidden state of every prompt token [num_tokens, hidden]
+        (raw unless normalize=True), for "embed" the pooled embedding [hidden]."""
+        try:
+            task = PoolingTask(pooling_task)
+        except ValueError:
+            raise ValueError(f"pooling_task must be one of {', '.join(t.value for t in PoolingTask)}; "
+                             f"got {pooling_task!r}") from None
+        outputs = self._pool("LLM.encode", prompts, pooling_params, task, use_tqdm, lora_request,
+                             truncate_prompt_tokens, priority)
+        return [as_pooling_output(output) for output in outputs]
+
+    def _pool(self, method: str, prompts: Any, pooling_params: Any, task: PoolingTask, use_tqdm: Any,
+              lora_request: Any, truncate_prompt_tokens: int | None, priority: Any) -> list:
+        if not isinstance(self.llm_engine, PoolingEngine):
+            raise TaskMismatchError(
+                f"{method} needs an embedding model, but {self.engine_config.model!r} was loaded for "
+                f"generation (task={self.engine_config.task!r}); load it with task='embed'"
+            )
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params_for(pooling_params, task, truncate_prompt_tokens)
+        return self._run(prompts, lambda prompt: prompt, params, use_tqdm, lora_request, priority)
 
 
 def _keep_special_tokens(params: Any) -> Any:

@@ -24,7 +24,7 @@ from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .request import Request, RequestStatus
-from .sampler import SampleRow, Sampler, gather_logprobs
+from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 PromptType = str | dict[str, Any]
@@ -103,6 +103,7 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         params = self._resolve_params(params)
         state = RequestState(request_id, text, token_ids, params, lora_request, RequestMetrics(time.monotonic()))
+        state.bad_words_ids = self._bad_words_ids(params.bad_words or [])
         arrival = next(self._arrivals)
         sequences = [
             Request(
@@ -130,6 +131,17 @@ class LLMEngine:
             if params.seed is not None:
                 self._generators[sequence.request_id] = torch.Generator().manual_seed(params.seed + index)
         self._states[request_id] = state
+
+    def _bad_words_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and after a space (how it
+        appears mid-sentence), deduplicated."""
+        sequences = []
+        for word in bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer(variant, add_special_tokens=False).input_ids
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _resolve_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()
@@ -215,7 +227,8 @@ class LLMEngine:
     def _sample_row(self, sequence: Request, state: RequestState, logits_row: int) -> SampleRow:
         params = state.params
         blocked = tuple(params.all_stop_token_ids) if sequence.num_output_tokens < params.min_tokens else ()
-        return SampleRow(sequence, params, self._generators.get(sequence.request_id), blocked,
+        banned = bad_word_bans(sequence.output_token_ids, state.bad_words_ids) if state.bad_words_ids else ()
+        return SampleRow(sequence, params, self._generators.get(sequence.request_id), blocked, banned,
                          logits_row=logits_row)
 
     def _fork(self, parent: Request, state: RequestState) -> list[Request]:

@@ -44,6 +44,8 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     # Samples 1..n-1 until they fork from sample 0 after its prompt is computed.
     pending_forks: list[Request] = field(default_factory=list)
+    # Token sequences that must not be generated (SamplingParams.bad_words).
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     # One entry per prompt token once computed (None for the first token).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 

@@ -129,7 +129,8 @@ def packed_tile_attention(
         mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype), v)
 
 
 def packed_attention_forward(

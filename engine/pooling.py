@@ -129,8 +129,9 @@ def _is_encoder(hf_config: transformers.PretrainedConfig) -> bool:
 
 # ------------------------------------------------------------------- pooling math
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling_type: PoolingType) -> torch.Tensor:
-    """One vector per sequence. hidden: [T, H]; cu_seqlens: [B+1] int64; returns [B, H] float32."""
-    hidden = hidden.float()
+    """One vector per sequence. hidden: [T, H]; cu_seqlens: [B+1] int64; returns [B, H]
+    in float32 (float64 for a float64 model)."""
+    hidden = at_least_float32(hidden)
     if pooling_type is PoolingType.CLS:
         return hidden[cu_seqlens[:-1]]
     if pooling_type is PoolingType.LAST:
@@ -140,6 +141,11 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling_type: PoolingTy
     sums = torch.zeros(len(seq_lens), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     sums.index_add_(0, segment, hidden)
     return sums / seq_lens[:, None].to(hidden.dtype)
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Half-precision states are upcast before summing or normalising."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
 def resolve_dimensions(params: PoolingParams, hidden_size: int, request_id: str) -> int:
@@ -156,7 +162,7 @@ def resolve_dimensions(params: PoolingParams, hidden_size: int, request_id: str)
 
 def finish_embedding(vectors: torch.Tensor, dimensions: int, normalize: bool) -> torch.Tensor:
     """Truncate to ``dimensions`` (Matryoshka), then L2-normalise if asked.
-    vectors: [..., H] float32; returns [..., dimensions]."""
+    vectors: [..., H]; returns [..., dimensions]."""
     vectors = vectors[..., :dimensions]
     if normalize:
         vectors = torch.nn.functional.normalize(vectors, p=2, dim=-1)

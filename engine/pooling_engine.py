@@ -31,7 +31,7 @@ from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, Poo
 from .packed_attention import PackedAttentionContext, register as register_packed_attention
 from .params import PoolingParams, PoolingTask
 from .pooling import (
-    PoolerConfig, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
+    PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
 )
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class PoolingEngine:
     @torch.inference_mode()
     def _make_outputs(self, batch: list[PoolingRequest], hidden: torch.Tensor,
                       cu_seqlens: torch.Tensor) -> list[EmbeddingRequestOutput | PoolingRequestOutput]:
-        pooled = pool(hidden, cu_seqlens, self.pooler_config.pooling_type).cpu()  # [B, H] float32
+        pooled = pool(hidden, cu_seqlens, self.pooler_config.pooling_type).cpu()  # [B, H]
         offsets = cu_seqlens.tolist()
         outputs: list[EmbeddingRequestOutput | PoolingRequestOutput] = []
         for index, request in enumerate(batch):
@@ -272,7 +272,7 @@ class PoolingEngine:
                     prompt=request.prompt,
                 ))
             else:
-                tokens = hidden[offsets[index]:offsets[index + 1]].float().cpu()  # [n, H]
+                tokens = at_least_float32(hidden[offsets[index]:offsets[index + 1]]).cpu()  # [n, H]
                 data = finish_embedding(tokens, request.dimensions, request.normalize)
                 outputs.append(PoolingRequestOutput(
                     request.request_id, request.prompt_token_ids, PoolingOutput(data), prompt=request.prompt,
@@ -312,3 +312,33 @@ def resolve_pooling_max_len(config: EngineConfig, hf_config: transformers.Pretra
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum length {limit}")
     return config.max_model_len
+
+
+# ------------------------------------------------------------- LLM API helpers
+def pooling_params_for(params: PoolingParams | Any, task: PoolingTask,
+                       truncate_prompt_tokens: int | None) -> PoolingParams | list[PoolingParams]:
+    """Copies of ``params`` (one, or a sequence; None means defaults) carrying the
+    pooling task (vLLM's ``PoolingParams.task``) and the call's truncate_prompt_tokens."""
+    if truncate_prompt_tokens is not None:
+        PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # validates it
+    if isinstance(params, (list, tuple)):
+        return [pooling_params_for(p, task, truncate_prompt_tokens) for p in params]
+    if params is None:
+        params = PoolingParams()
+    if not isinstance(params, PoolingParams):
+        raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+    params = params.clone()
+    params.task = task.value
+    if truncate_prompt_tokens is not None:
+        params.truncate_prompt_tokens = truncate_prompt_tokens
+    return params
+
+
+def as_pooling_output(output: EmbeddingRequestOutput | PoolingRequestOutput) -> PoolingRequestOutput:
+    """``LLM.encode`` returns PoolingRequestOutput for every task: a pooled embedding
+    becomes its vector as a float32 tensor."""
+    if isinstance(output, PoolingRequestOutput):
+        return output
+    data = torch.tensor(output.outputs.embedding, dtype=torch.float32)
+    return PoolingRequestOutput(output.request_id, output.prompt_token_ids, PoolingOutput(data),
+                                output.finished, output.prompt)

@@ -78,23 +78,52 @@ class Sampler:
 
 
 def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Allowed tokens, logit bias, bad words, min_tokens and penalties. logits: [N, V]."""
+    """Allowed tokens, logit bias, bad words, min_tokens and penalties. logits: [N, V].
+
+    Per-row settings are gathered into flat (row, token) index lists first, so each
+    processor is one indexed tensor operation over the whole batch."""
     vocab_size = logits.shape[1]
+    allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values, ban_rows, ban_ids = ([] for _ in range(7))
     for i, row in enumerate(rows):
         params = row.params
         if params.allowed_token_ids is not None:
-            keep = torch.zeros(vocab_size, dtype=torch.bool)
-            keep[[t for t in params.allowed_token_ids if t < vocab_size]] = True
-            logits[i].masked_fill_(~keep.to(logits.device), float("-inf"))
+            ids = [t for t in params.allowed_token_ids if t < vocab_size]
+            allowed_rows += [i] * len(ids)
+            allowed_ids += ids
         if params.logit_bias:
             ids = [t for t in params.logit_bias if t < vocab_size]
-            logits[i, ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype)
+            bias_rows += [i] * len(ids)
+            bias_ids += ids
+            bias_values += [params.logit_bias[t] for t in ids]
         banned = [t for t in row.blocked_token_ids + row.banned_token_ids if t < vocab_size]
-        if banned:
-            logits[i, banned] = float("-inf")
+        ban_rows += [i] * len(banned)
+        ban_ids += banned
+    if allowed_rows:
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        restricted = sorted(set(allowed_rows))
+        keep[restricted] = False
+        keep[allowed_rows, allowed_ids] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if bias_rows:
+        logits = logits.index_put((torch.tensor(bias_rows), torch.tensor(bias_ids)),
+                                  torch.tensor(bias_values, dtype=logits.dtype), accumulate=True)
+    if ban_rows:
+        logits = logits.index_put((torch.tensor(ban_rows), torch.tensor(ban_ids)),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype))
     if any(_has_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
     return logits
+
+
+def bad_word_bans(output_token_ids: list[int], bad_words_ids: list[list[int]]) -> tuple[int, ...]:
+    """Token ids that would complete a bad word right now: the last token of each
+    bad word whose other tokens end the output so far (single-token words always)."""
+    banned = []
+    for word in bad_words_ids:
+        prefix = word[:-1]
+        if not prefix or output_token_ids[-len(prefix):] == prefix:
+            banned.append(word[-1])
+    return tuple(banned)
 
 
 def _has_penalties(params: SamplingParams) -> bool:

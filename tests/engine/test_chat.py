@@ -87,5 +87,5 @@ def test_structured_delimiters_are_kept_when_thinking(tmp_path):
     params = SamplingParams(max_tokens=2, logit_bias={think_id: 100.0}, ignore_eos=True)
     [kept] = llm.chat(HELLO, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})
     [plain] = llm.chat(HELLO, params, use_tqdm=False)
-    assert kept.outputs[0].text == "<think><think>"
+    assert kept.outputs[0].text == "<think> <think>"
     assert plain.outputs[0].text == ""
