@@ -58,15 +58,18 @@ class AttentionContext:
 class TorchAttentionPlan:
     """Index tensors that turn the packed batch into padded per-request tensors.
 
-    Padding is to the longest query and the longest context of the step; masks
-    exclude padded keys, future keys and keys outside a sliding window.
+    Keys are gathered a whole block at a time through the block tables (a
+    contiguous copy per block, far cheaper than a gather per token), padded to
+    the longest context of the step; masks exclude padded keys, future keys and
+    keys outside a sliding window.
     """
 
     query_index: torch.Tensor  # [B, Qmax] int64 into the packed tokens (0 where padded)
     query_valid: torch.Tensor  # [B, Qmax] bool
-    key_slots: torch.Tensor  # [B, Lmax] int64 cache slots of each context position
+    block_index: torch.Tensor  # [B * max_blocks] int64 block ids to gather
+    num_blocks: int  # max_blocks: blocks per request after padding
     query_pos: torch.Tensor  # [B, Qmax] int64 position of each query token
-    key_pos: torch.Tensor  # [Lmax] int64
+    key_pos: torch.Tensor  # [Lmax] int64, Lmax = max_blocks * block_size
     key_valid: torch.Tensor  # [B, Lmax] bool
     _masks: dict = field(default_factory=dict)
 
@@ -79,11 +82,17 @@ class TorchAttentionPlan:
         query_valid = q_offsets[None, :] < query_lens[:, None]
         query_index = torch.where(query_valid, ctx.query_start_loc[:-1, None] + q_offsets, 0)
         query_pos = (ctx.seq_lens - query_lens)[:, None] + q_offsets
-        key_pos = torch.arange(ctx.max_seq_len, device=device)
+        num_blocks = -(-ctx.max_seq_len // block_size)
+        block_index = ctx.block_tables[:, :num_blocks].long().reshape(-1)
+        key_pos = torch.arange(num_blocks * block_size, device=device)
         key_valid = key_pos[None, :] < ctx.seq_lens[:, None]
-        block_of_key = ctx.block_tables[:, key_pos // block_size].long()  # [B, Lmax]
-        key_slots = torch.where(key_valid, block_of_key * block_size + key_pos % block_size, 0)
-        return cls(query_index, query_valid, key_slots, query_pos, key_pos, key_valid)
+        return cls(query_index, query_valid, block_index, num_blocks, query_pos, key_pos, key_valid)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """cache: [N, bs, Hkv, D] -> [B, Hkv, Lmax, D] keys or values of each request."""
+        _, block_size, num_kv_heads, head_dim = cache.shape
+        gathered = cache.index_select(0, self.block_index)
+        return gathered.view(-1, self.num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, Qmax, Lmax] bool, True where a query may attend to a key."""
@@ -119,11 +128,10 @@ def torch_paged_attention(
 
     query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D].
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     q = query[plan.query_index].transpose(1, 2)  # [B, H, Qmax, D]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.key_slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.key_slots].transpose(1, 2)
+    k = plan.gather(k_cache)  # [B, Hkv, Lmax, D]
+    v = plan.gather(v_cache)
     mask = plan.mask(sliding_window)
     if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(
