@@ -1,0 +1,150 @@
+"""One batch job, described by one pydantic model.
+
+The ``batch_inference`` flow takes a ``BatchJob`` as its only parameter, so the
+Prefect UI renders it as a form (descriptions, enums, defaults); an Airflow operator
+builds the same object. Nothing here imports Prefect.
+
+``storage_options`` is a pydantic ``Secret``: Prefect stores flow-run parameters
+masked ("**********"), and ``public_fields()`` (what manifests, fingerprints and
+logs see) never includes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, Secret, field_validator, model_validator
+
+from shardline.engine.config import EngineConfig
+
+# Columns every output shard may carry; pass-through columns must not shadow them.
+OUTPUT_COLUMNS = (
+    "id", "text", "texts", "finish_reason", "prompt_tokens", "completion_tokens", "error", "embedding",
+)
+
+
+class JobTask(str, enum.Enum):
+    """What the engine does with each row."""
+
+    GENERATE = "generate"
+    CHAT = "chat"
+    EMBED = "embed"
+
+
+class InputFormat(str, enum.Enum):
+    """How input shards are parsed; ``auto`` goes by file extension."""
+
+    AUTO = "auto"
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+
+
+class SamplingDefaults(BaseModel):
+    """Job-wide sampling parameters (vLLM's names); rows may override max_tokens,
+    temperature, top_p and seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(256, ge=1, description="Most tokens generated per completion.")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 keeps all.")
+    seed: int | None = Field(None, description="Per-request sampling seed; none means the engine's generator.")
+    n: int = Field(1, ge=1, description="Completions per row; more than one writes a `texts` list column.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Above 1 discourages repeated tokens.")
+
+
+class PoolingDefaults(BaseModel):
+    """Embedding options for ``task=embed`` (vLLM's PoolingParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    normalize: bool | None = Field(None, description="L2-normalise embeddings; none uses the model's default.")
+    dimensions: int | None = Field(None, ge=1, description="Truncate embeddings to this many dimensions.")
+
+
+class BatchJob(BaseModel):
+    """Run a model over every shard under ``input``; write one ordered output shard each."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    input: str = Field(
+        ...,
+        description="Prefix or glob of Parquet / JSON Lines shards on any fsspec URL "
+        "(local path, file://, s3://, gs://, az://, memory://).",
+    )
+    output: str = Field(..., description="Prefix that receives <shard>.parquet and _manifests/<shard>.json.")
+    model: str = Field(..., description="Hugging Face hub id or local model directory.")
+    revision: str | None = Field(None, description="Model revision (branch, tag or commit); part of the fingerprint.")
+    task: JobTask = Field(JobTask.GENERATE, description="generate: complete `prompt`; chat: answer "
+                          "`messages`; embed: embed `prompt`.")
+    input_format: InputFormat = Field(InputFormat.AUTO, description="Shard format; auto goes by extension.")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Sampling defaults.")
+    pooling: PoolingDefaults = Field(default_factory=PoolingDefaults, description="Embedding options.")
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine options (vLLM names): dtype, max_model_len, max_num_seqs, "
+        "max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes, ...",
+    )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters rows may name in their `lora` column: name -> directory."
+    )
+    pass_through: list[str] = Field(default_factory=list, description="Input columns copied to the output.")
+    storage_options: Secret[dict[str, Any]] = Field(
+        default_factory=lambda: Secret({}),
+        description="fsspec storage options (credentials, endpoint); never logged or written. "
+        "Prefer environment variables or the platform's own credentials.",
+    )
+    shards_in_flight: int = Field(
+        4, ge=1, le=256, description="Shards fed to the engine at once; 2 or more keep its batch full "
+        "across shard boundaries.",
+    )
+
+    @field_validator("engine_options")
+    @classmethod
+    def _known_engine_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "revision"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}"
+            )
+        return options
+
+    @field_validator("pass_through")
+    @classmethod
+    def _no_shadowed_columns(cls, columns: list[str]) -> list[str]:
+        shadowed = sorted(set(columns) & set(OUTPUT_COLUMNS))
+        if shadowed:
+            raise ValueError(
+                f"pass_through column(s) {', '.join(map(repr, shadowed))} would overwrite output columns "
+                f"({', '.join(OUTPUT_COLUMNS)}); rename them in the input"
+            )
+        return columns
+
+    @model_validator(mode="after")
+    def _output_outside_input(self) -> "BatchJob":
+        if self.input.rstrip("/") == self.output.rstrip("/"):
+            raise ValueError(f"output {self.output!r} must differ from input {self.input!r}")
+        return self
+
+    def storage(self) -> dict[str, Any]:
+        """The fsspec storage options, credentials included: pass on, never print."""
+        return dict(self.storage_options.get_secret_value())
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword options for ``LLM(model, **engine_kwargs())``."""
+        kwargs = dict(self.engine_options)
+        if self.revision is not None:
+            kwargs["revision"] = self.revision
+        if self.lora_adapters:
+            kwargs["enable_lora"] = True
+        return kwargs
+
+    def public_fields(self) -> dict[str, Any]:
+        """The job without storage options: safe for manifests, fingerprints and logs."""
+        return self.model_dump(mode="json", exclude={"storage_options"})

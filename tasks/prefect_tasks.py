@@ -1,0 +1,73 @@
+"""Thin Prefect tasks over the plain shard functions; the only Prefect import in tasks/.
+
+Retries: storage calls already retry transient errors inside the plain functions;
+these task retries cover the rest (a worker that dies, an engine that fails to
+load). A ShardError (unreadable shard, missing column) is final and not retried.
+Caching is off: whether a shard is done is decided by its manifest, not by Prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from . import engine_cache, shard_job, shard_writer, storage
+from .job import BatchJob
+from .shard_reader import ShardError
+
+_RETRY_DELAYS = [2, 10]
+
+
+def _retriable(task_obj: Any, task_run: Any, state: Any) -> bool:
+    """Retry unless the shard itself is bad (ShardError)."""
+    try:
+        state.result()
+    except ShardError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(name="list-shards", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS)
+def list_shards_task(job: BatchJob) -> list[storage.Shard]:
+    """Every input shard of ``job``, sorted by key (outputs excluded)."""
+    return storage.list_shards(job.input, job.storage(), job.input_format.value, exclude=job.output)
+
+
+@task(name="check-shard-done", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS,
+      task_run_name="check-{shard.key}")
+def completed_manifest_task(shard: storage.Shard, job: BatchJob) -> dict[str, Any] | None:
+    """The shard's manifest when it is already done for ``job``, else None."""
+    return shard_writer.completed_manifest(shard, job)
+
+
+@task(name="read-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS,
+      retry_condition_fn=_retriable, task_run_name="read-{shard.key}")
+def read_shard_task(shard: storage.Shard, job: BatchJob) -> shard_job.PreparedShard:
+    return shard_job.read_shard(shard, job)
+
+
+@task(name="run-shard", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=_RETRY_DELAYS)
+def run_shard_task(prepared: shard_job.PreparedShard, job: BatchJob) -> shard_job.ShardRun:
+    return shard_job.run_shard(prepared, job)
+
+
+@task(name="write-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS)
+def write_shard_task(run: shard_job.ShardRun, job: BatchJob) -> dict[str, Any]:
+    return shard_job.write_shard(run, job)
+
+
+@task(name="process-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS,
+      retry_condition_fn=_retriable, task_run_name="shard-{shard.key}")
+def process_shard_task(shard: storage.Shard, job: BatchJob) -> dict[str, Any]:
+    """Read, run and write one shard; return its manifest."""
+    return shard_job.process_shard(shard, job)
+
+
+@task(name="close-engines", cache_policy=NO_CACHE)
+def close_engines_task() -> int:
+    """Free this process's engines."""
+    return engine_cache.close_engines()

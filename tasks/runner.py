@@ -1,0 +1,268 @@
+"""The shard runner: one driver thread streams the rows of many shards through one engine.
+
+Invariants:
+- Only the driver thread touches the engine (chat rendering, add_request, step,
+  abort_request). Shard callers, from any thread, hand over their rows and wait
+  for their shard's last row; nothing else needs a lock around the engine.
+- The driver keeps up to ``max_queued`` requests in the engine, taking rows from
+  shards in the order the shards arrived, so the batch stays full across shard
+  boundaries and the earliest shard finishes (and is written) first.
+- Request ids are ``<shard key>:<row>`` (``~<n>`` appended on a retry), so every
+  output maps back to its shard and row.
+
+A step that raises names no culprit. Every request in flight is aborted and those
+rows go to recovery, which runs them alone (no new rows are admitted meanwhile):
+a failing group is retried after an exponential backoff, bisected on each failure
+until the poison row stands alone, and that row becomes an error row after
+``max_row_attempts``; every other row completes normally.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("shardline.tasks.runner")
+
+# (shard work, position of the row in that shard's request list)
+_Entry = tuple["_ShardWork", int]
+
+
+@dataclass
+class RowRequest:
+    """One row ready for the engine: a prompt or a chat, and its own parameters."""
+
+    index: int
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: Any  # SamplingParams | PoolingParams
+    lora_request: Any = None
+    priority: int = 0
+
+
+@dataclass
+class RowResult:
+    """What became of one row: the engine's final output, or why it failed."""
+
+    index: int
+    output: Any = None  # RequestOutput | EmbeddingRequestOutput
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff for groups that failed in a step: delay(depth) = base * 2**(depth-1), capped."""
+
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+    max_row_attempts: int = 2
+
+    def delay(self, depth: int) -> float:
+        return min(self.max_delay, self.base_delay * 2 ** max(depth - 1, 0))
+
+
+class RunnerError(RuntimeError):
+    """The driver itself failed (not a row): every waiting shard gets this error."""
+
+
+@dataclass(eq=False)
+class _ShardWork:
+    """One shard inside the runner: rows still to add, results so far, a done event."""
+
+    key: str
+    rows: list[RowRequest]
+    next_row: int = 0
+    results: dict[int, RowResult] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    failure: BaseException | None = None
+
+    def complete(self, position: int, result: RowResult) -> None:
+        self.results[position] = result
+        if len(self.results) == len(self.rows):
+            self.done.set()
+
+
+class ShardRunner:
+    """Streams shards through one ``LLM``'s engine from a single driver thread."""
+
+    def __init__(self, llm: Any, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy()) -> None:
+        self.llm = llm
+        self._engine = llm.llm_engine
+        self._max_queued = max_queued or 2 * llm.engine_config.max_num_seqs
+        self._retry = retry
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_ShardWork] = collections.deque()
+        self._in_flight: dict[str, _Entry] = {}
+        self._active: set[_ShardWork] = set()  # submitted, not yet returned to their caller
+        self._retry_ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
+        """Run ``rows`` (of shard ``key``) and return one RowResult each, in order."""
+        work = _ShardWork(key, list(rows))
+        if not work.rows:
+            return []
+        with self._cond:
+            if self._closed:
+                raise RunnerError("the shard runner is closed")
+            self._queue.append(work)
+            self._active.add(work)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._drive, name="shardline-engine-driver", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        work.done.wait()
+        with self._cond:
+            self._active.discard(work)
+        if work.failure is not None:
+            raise RunnerError(f"the engine driver failed while running shard {key}: {work.failure}") \
+                from work.failure
+        return [work.results[position] for position in range(len(work.rows))]
+
+    def close(self) -> None:
+        """Stop the driver; shards still waiting fail with RunnerError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # ------------------------------------------------------------ driver thread
+    def _drive(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._admit()
+                if self._in_flight:
+                    self._step()
+        except BaseException as exc:  # a bug or an engine that cannot go on
+            logger.exception("engine driver failed")
+            self._fail_everything(exc)
+            return
+        self._fail_everything(RunnerError("the shard runner was closed"))
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._closed and not self._queue and not self._in_flight:
+                self._cond.wait()
+            return not self._closed
+
+    def _admit(self) -> None:
+        """Add rows, oldest shard first, until max_queued requests are in the engine."""
+        while len(self._in_flight) < self._max_queued:
+            with self._cond:
+                if not self._queue:
+                    return
+                work = self._queue[0]
+                position = work.next_row
+                work.next_row += 1
+                if work.next_row == len(work.rows):
+                    self._queue.popleft()
+            request_id = f"{work.key}:{work.rows[position].index}"
+            if self._add(request_id, work, position):
+                self._in_flight[request_id] = (work, position)
+
+    def _add(self, request_id: str, work: _ShardWork, position: int) -> bool:
+        """Add one row; a row the engine refuses becomes an error row (False)."""
+        row = work.rows[position]
+        try:
+            prompt = self._render(row)
+            self._engine.add_request(request_id, prompt, row.params, lora_request=row.lora_request,
+                                     priority=row.priority)
+            return True
+        except Exception as exc:
+            self._engine.abort_request(request_id)  # in case it got partly in
+            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            work.complete(position, RowResult(row.index, error=message))
+            return False
+
+    def _render(self, row: RowRequest) -> str | dict[str, Any]:
+        if row.messages is None:
+            return row.prompt
+        return {"prompt_token_ids": self.llm.render_chat(row.messages)}
+
+    def _step(self) -> None:
+        self._check_engine_has_work(self._in_flight)
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            self._recover(exc)
+            return
+        for output in outputs:
+            entry = self._in_flight.pop(output.request_id, None)
+            if entry is not None:  # None: the last word of an aborted request
+                work, position = entry
+                work.complete(position, RowResult(work.rows[position].index, output=output))
+
+    # ----------------------------------------------------------------- recovery
+    def _recover(self, exc: Exception) -> None:
+        suspects = list(self._in_flight.values())
+        self._engine.abort_request(list(self._in_flight))
+        self._in_flight.clear()
+        logger.warning("engine step failed (%s: %s); isolating %d in-flight row(s)",
+                       type(exc).__name__, exc, len(suspects))
+        self._isolate(suspects, depth=1)
+
+    def _isolate(self, group: list[_Entry], depth: int, row_attempt: int = 1) -> None:
+        """Run ``group`` alone after a backoff; on failure bisect, or retry a lone row."""
+        time.sleep(self._retry.delay(depth))
+        failure, unfinished = self._run_alone(group)
+        if failure is None:
+            return
+        if len(unfinished) > 1:
+            middle = len(unfinished) // 2
+            self._isolate(unfinished[:middle], depth + 1)
+            self._isolate(unfinished[middle:], depth + 1)
+        elif row_attempt < self._retry.max_row_attempts:
+            self._isolate(unfinished, depth + 1, row_attempt + 1)
+        else:
+            work, position = unfinished[0]
+            work.complete(position, RowResult(work.rows[position].index, error=(
+                f"the engine failed while running this row ({type(failure).__name__}: {failure}); "
+                f"isolated by bisection and retried {row_attempt} time(s) alone"
+            )))
+
+    def _run_alone(self, group: list[_Entry]) -> tuple[Exception | None, list[_Entry]]:
+        """Step ``group`` to completion with nothing else in the engine.
+
+        Returns (None, []) on success, else the error and the rows that had not
+        finished (their requests already aborted)."""
+        pending: dict[str, _Entry] = {}
+        suffix = next(self._retry_ids)
+        for work, position in group:
+            request_id = f"{work.key}:{work.rows[position].index}~{suffix}"
+            if self._add(request_id, work, position):
+                pending[request_id] = (work, position)
+        try:
+            while pending:
+                self._check_engine_has_work(pending)
+                for output in self._engine.step():
+                    entry = pending.pop(output.request_id, None)
+                    if entry is not None:
+                        work, position = entry
+                        work.complete(position, RowResult(work.rows[position].index, output=output))
+        except Exception as exc:
+            self._engine.abort_request(list(pending))
+            return exc, list(pending.values())
+        return None, []
+
+    def _check_engine_has_work(self, expected: dict[str, _Entry]) -> None:
+        if expected and not self._engine.has_unfinished_requests():
+            raise RunnerError(f"the engine lost {len(expected)} request(s), e.g. {next(iter(expected))!r}")
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        with self._cond:
+            waiting = [work for work in self._active if not work.done.is_set()]
+            self._queue.clear()
+        try:
+            self._engine.abort_request(list(self._in_flight))
+        finally:
+            self._in_flight.clear()
+            for work in waiting:
+                work.failure = exc
+                work.done.set()

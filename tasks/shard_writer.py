@@ -1,0 +1,157 @@
+"""Writing a shard's output and manifest, and deciding whether a shard is done.
+
+Output: ``<output>/<key>.parquet``, exactly one row per input row in input order.
+Manifest: ``<output>/_manifests/<key>.json``. Both are written atomically
+(storage.write_atomic), the manifest last: the manifest is the commit marker, so a
+shard with a manifest whose fingerprint matches the job is complete.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .fingerprint import fingerprint, fingerprint_fields
+from .job import BatchJob, JobTask
+from .rows import PreparedShard
+from .runner import RowResult
+from .shard_reader import ShardError, read_input_schema
+from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
+
+_URL_USERINFO = re.compile(r"^([a-zA-Z][\w+.-]*://)[^/@]*@")
+
+
+def output_uri(job: BatchJob, shard: Shard) -> str:
+    """Where ``shard``'s output goes, as a full URL (``file://`` for local paths)."""
+    fs, path = filesystem(job.output, job.storage())
+    return fs.unstrip_protocol(join(path, f"{shard.key}.parquet"))
+
+
+def manifest_uri(job: BatchJob, shard: Shard) -> str:
+    fs, path = filesystem(job.output, job.storage())
+    return fs.unstrip_protocol(join(path, "_manifests", f"{shard.key}.json"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part."""
+    return _URL_USERINFO.sub(r"\1", url)
+
+
+def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob) -> pa.Table:
+    """The output table: one row per input row, in input order."""
+    columns: dict[str, pa.Array] = {"id": pa.array([row.id for row in prepared.rows], pa.string())}
+    outputs = [results[row.index].output if row.index in results else None for row in prepared.rows]
+    if job.task == JobTask.EMBED:
+        columns["embedding"] = pa.array(
+            [None if o is None else list(o.outputs.embedding) for o in outputs], pa.list_(pa.float32()))
+        columns["prompt_tokens"] = _ints([None if o is None else len(o.prompt_token_ids) for o in outputs])
+    else:
+        columns.update(_completion_columns(outputs, job.sampling.n))
+    columns["error"] = pa.array([_row_error(row, results) for row in prepared.rows], pa.string())
+    for name in job.pass_through:
+        columns[name] = prepared.raw.pass_through_array(name)
+    return pa.table(columns)
+
+
+def _completion_columns(outputs: list[Any], n: int) -> dict[str, pa.Array]:
+    texts = [None if o is None else [c.text for c in o.outputs] for o in outputs]
+    reasons = [None if o is None else [c.finish_reason for c in o.outputs] for o in outputs]
+    columns: dict[str, pa.Array] = {}
+    if n == 1:
+        columns["text"] = pa.array([None if t is None else t[0] for t in texts], pa.string())
+        columns["finish_reason"] = pa.array([None if r is None else r[0] for r in reasons], pa.string())
+    else:
+        columns["texts"] = pa.array(texts, pa.list_(pa.string()))
+        columns["finish_reason"] = pa.array(reasons, pa.list_(pa.string()))
+    columns["prompt_tokens"] = _ints([None if o is None else len(o.prompt_token_ids) for o in outputs])
+    columns["completion_tokens"] = _ints(
+        [None if o is None else sum(len(c.token_ids) for c in o.outputs) for o in outputs])
+    return columns
+
+
+def _ints(values: list[int | None]) -> pa.Array:
+    return pa.array(values, pa.int64())
+
+
+def _row_error(row: Any, results: dict[int, RowResult]) -> str | None:
+    if row.error is not None:
+        return row.error
+    result = results.get(row.index)
+    if result is None:
+        return "internal error: the row never came back from the engine"
+    return result.error
+
+
+def write_shard_output(
+    prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob, seconds: dict[str, float]
+) -> dict[str, Any]:
+    """Write the output shard, then its manifest (the commit marker); return the manifest."""
+    shard = prepared.raw.shard
+    storage_options = job.storage()
+    table = build_output_table(prepared, results, job)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    started = time.perf_counter()
+    for uri in (output_uri(job, shard), manifest_uri(job, shard)):
+        remove_stale_temporaries(uri, storage_options)
+    write_atomic(output_uri(job, shard), buffer.getvalue(), storage_options)
+    fields = fingerprint_fields(job, shard, prepared.raw.schema)
+    manifest = {
+        "shard": shard.key,
+        "input": redact_url(shard.uri),
+        "output": redact_url(output_uri(job, shard)),
+        "rows": table.num_rows,
+        "errors": table.num_rows - table.column("error").null_count,
+        "prompt_tokens": _column_sum(table, "prompt_tokens"),
+        "completion_tokens": _column_sum(table, "completion_tokens"),
+        "seconds": {**seconds, "write": round(time.perf_counter() - started, 4)},
+        "written_at": datetime.now(timezone.utc).isoformat(),
+        "fingerprint": fingerprint(fields),
+        "job": fields,
+    }
+    write_atomic(manifest_uri(job, shard), json.dumps(manifest, indent=2).encode(), storage_options)
+    return manifest
+
+
+def _column_sum(table: pa.Table, name: str) -> int:
+    if name not in table.column_names:
+        return 0
+    return int(sum(value for value in table.column(name).to_pylist() if value is not None))
+
+
+def read_manifest(job: BatchJob, shard: Shard) -> dict[str, Any] | None:
+    """The shard's manifest, or None when there is none (or it is unreadable)."""
+    fs, path = filesystem(manifest_uri(job, shard), job.storage())
+    try:
+        return json.loads(retry_storage(lambda: fs.cat_file(path), f"reading {manifest_uri(job, shard)}"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # never happens to a committed manifest; redo the shard
+
+
+def completed_manifest(shard: Shard, job: BatchJob) -> dict[str, Any] | None:
+    """The manifest of ``shard`` if it is already done for ``job`` (same fingerprint
+    and its output present), else None. Does no engine work."""
+    manifest = read_manifest(job, shard)
+    if manifest is None:
+        return None
+    try:
+        schema = read_input_schema(shard, job.storage())
+    except ShardError:
+        return None  # let the run report why the shard cannot be read
+    if manifest.get("fingerprint") != fingerprint(fingerprint_fields(job, shard, schema)):
+        return None
+    return manifest if exists(output_uri(job, shard), job.storage()) else None
+
+
+def shard_is_done(shard: Shard, job: BatchJob) -> bool:
+    """Whether ``shard``'s committed output matches ``job``'s fingerprint."""
+    return completed_manifest(shard, job) is not None

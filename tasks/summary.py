@@ -1,0 +1,109 @@
+"""A job's summary: one entry per shard plus totals, as data, markdown and a text table.
+
+The flow publishes these as Prefect artifacts and returns the same dict; the CLI
+prints the text table. Nothing here holds credentials: entries come from manifests
+and error messages, which never contain storage options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHARD_COLUMNS = ("shard", "status", "rows", "errors", "prompt_tokens", "completion_tokens", "seconds")
+
+
+def shard_entry(key: str, status: str, manifest: dict[str, Any] | None = None, message: str | None = None) -> dict[str, Any]:
+    """One shard's line: status is done, skipped (already done) or failed."""
+    manifest = manifest or {}
+    seconds = manifest.get("seconds", {})
+    return {
+        "shard": key,
+        "status": status,
+        "rows": manifest.get("rows", 0),
+        "errors": manifest.get("errors", 0),
+        "prompt_tokens": manifest.get("prompt_tokens", 0),
+        "completion_tokens": manifest.get("completion_tokens", 0),
+        "seconds": round(sum(seconds.values()), 3) if status == "done" else 0.0,
+        "message": message,
+    }
+
+
+def job_summary(entries: list[dict[str, Any]], wall_seconds: float, output: str) -> dict[str, Any]:
+    """Totals over ``entries``; tokens/s counts only the shards this run processed."""
+    entries = sorted(entries, key=lambda entry: entry["shard"])
+    processed = [e for e in entries if e["status"] == "done"]
+    generated = sum(e["completion_tokens"] for e in processed)
+    prompt = sum(e["prompt_tokens"] for e in processed)
+    totals = {
+        "shards": len(entries),
+        "done": len(processed),
+        "skipped": sum(e["status"] == "skipped" for e in entries),
+        "failed": sum(e["status"] == "failed" for e in entries),
+        "rows": sum(e["rows"] for e in entries),
+        "errors": sum(e["errors"] for e in entries),
+        "prompt_tokens": sum(e["prompt_tokens"] for e in entries),
+        "completion_tokens": sum(e["completion_tokens"] for e in entries),
+        "wall_seconds": round(wall_seconds, 3),
+        "prompt_tokens_per_second": round(prompt / wall_seconds, 1) if wall_seconds > 0 else 0.0,
+        "completion_tokens_per_second": round(generated / wall_seconds, 1) if wall_seconds > 0 else 0.0,
+    }
+    return {"output": output, "totals": totals, "shards": entries}
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """Totals and failures as markdown (the flow's markdown artifact)."""
+    totals = summary["totals"]
+    lines = [
+        "# Batch inference summary",
+        "",
+        f"Output: `{summary['output']}`",
+        "",
+        "| shards | done | skipped | failed | rows | row errors | prompt tokens | completion tokens "
+        "| wall s | prompt tok/s | completion tok/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| {shards} | {done} | {skipped} | {failed} | {rows} | {errors} | {prompt_tokens} | {completion_tokens} "
+        "| {wall_seconds} | {prompt_tokens_per_second} | {completion_tokens_per_second} |".format(**totals),
+    ]
+    failed = [e for e in summary["shards"] if e["status"] == "failed"]
+    if failed:
+        lines += ["", "## Failed shards", ""] + [f"- `{e['shard']}`: {e['message']}" for e in failed]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """A plain-text table of the shards and the totals (what the CLI prints)."""
+    header = list(SHARD_COLUMNS)
+    rows = [[str(entry[name]) for name in header] for entry in summary["shards"]]
+    totals = summary["totals"]
+    rows.append(["TOTAL", f"{totals['done']} done/{totals['skipped']} skipped/{totals['failed']} failed",
+                 str(totals["rows"]), str(totals["errors"]), str(totals["prompt_tokens"]),
+                 str(totals["completion_tokens"]), str(totals["wall_seconds"])])
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
+
+    def render(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+    lines = [render(header), render(["-" * w for w in widths])] + [render(row) for row in rows]
+    for entry in summary["shards"]:
+        if entry["status"] == "failed":
+            lines.append(f"failed {entry['shard']}: {entry['message']}")
+    lines.append(f"completion tokens/s: {totals['completion_tokens_per_second']}   output: {summary['output']}")
+    return "\n".join(lines)
+
+
+class ShardsFailed(RuntimeError):
+    """Some shards failed; the others finished. ``summary`` is the job summary."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardsFailed, (self.args[0], self.summary))
+
+
+def failure_message(summary: dict[str, Any]) -> str:
+    failed = [e for e in summary["shards"] if e["status"] == "failed"]
+    first = failed[0]
+    return (f"{len(failed)} of {summary['totals']['shards']} shard(s) failed "
+            f"(the others are complete; a rerun redoes only these); first: {first['shard']}: {first['message']}")

