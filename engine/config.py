@@ -49,6 +49,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Modality -> adapter path used for prompts with that modality's data (vLLM's rule).
+    default_mm_loras: dict[str, str] | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

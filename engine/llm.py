@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
 from .llm_engine import LLMEngine, PromptType
-from .lora import LoRARequest
+from .lora import LoRARequest, resolve_lora_request
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams
 from .pooling_engine import (
@@ -117,7 +117,10 @@ class LLM:
                 items, per_item["params"], per_item["lora_request"], per_item["priority"]
             ):
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, render(item), item_params, item_lora, item_priority or 0)
+                prompt = render(item)
+                if self.engine_config.default_mm_loras:
+                    item_lora = resolve_lora_request(prompt, item_lora, self.engine_config.default_mm_loras)
+                self.llm_engine.add_request(request_id, prompt, item_params, item_lora, item_priority or 0)
                 added.append(request_id)
                 if self._batch_is_full():
                     self._step_into(outputs, progress)

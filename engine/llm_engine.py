@@ -17,6 +17,8 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
+from .lora import lora_cache_salt
+from .lora_manager import LoRAManager
 from .model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
 )
@@ -41,16 +43,21 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.device = loaded.device
         self.vocab_size = int(self.hf_config.get_text_config().vocab_size)
+        # Before sizing the KV cache: the adapter slots take device memory.
+        self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
+                                         loaded.dtype) if config.enable_lora else None)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)
         num_blocks = plan_kv_cache(config, spec, model_len, budget)
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device)
+        self.runner.lora_manager = self.lora_manager
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            max_loras=config.max_loras if config.enable_lora else None,
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -97,7 +104,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if lora_request is not None:
+        if lora_request is not None and self.lora_manager is not None:
+            self.lora_manager.check(lora_request)  # LoRAError naming the path, rank or modules
+        elif lora_request is not None:
             raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request!r}, "
                              "but this engine was built without enable_lora=True")
         text, token_ids = self.tokenize_prompt(prompt)
@@ -114,6 +123,8 @@ class LLMEngine:
                 arrival_index=arrival,
                 params=params,
                 prompt=text,
+                lora_request=lora_request,
+                cache_salt=lora_cache_salt(lora_request),
             )
             for index in range(params.n)
         ]

@@ -115,7 +115,13 @@ def load_adapter_weights(
     spec: AdapterSpec, device: torch.device, dtype: torch.dtype
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Read the adapter's tensors: module -> (A [r, in], scaling * B [out, r]) on device."""
-    tensors = load_file(spec.weights_path, device="cpu")
+    try:
+        tensors = load_file(spec.weights_path, device="cpu")
+    except Exception as exc:  # the file changed or vanished since inspect_adapter read its header
+        raise LoRAError(f"cannot load LoRA weights {spec.weights_path!r}: {exc}") from exc
+    missing = sorted({key for lora in spec.modules.values() for key in (lora.a_key, lora.b_key)} - set(tensors))
+    if missing:
+        raise LoRAError(f"LoRA weights {spec.weights_path!r} lost tensors since they were checked: {missing[:4]}")
     weights = {}
     for module, lora in spec.modules.items():
         lora_a = tensors[lora.a_key].to(device=device, dtype=dtype)
@@ -166,8 +172,8 @@ def _check_targets(target_modules: Any, layer_shapes: Mapping[str, tuple[int, in
                  if not any(name == target or name.endswith("." + target) for name in layer_shapes)]
     if unmatched:
         leaf_names = sorted({name.rsplit(".", 1)[-1] for name in layer_shapes})
-        raise LoRAError(f"LoRA adapter {path!r} targets modules not found in the model: "
-                        f"{', '.join(map(repr, unmatched))}; adaptable layers: {', '.join(leaf_names)}")
+        raise LoRAError(f"LoRA adapter {path!r} targets modules not found among the model's adaptable linear "
+                        f"layers: {', '.join(map(repr, unmatched))}; adaptable layers: {', '.join(leaf_names)}")
 
 
 def _tensor_shapes(weights_path: str) -> dict[str, tuple[int, ...]]:

@@ -78,6 +78,7 @@ class ModelRunner:
                  device: torch.device) -> None:
         self.model = model
         self.spec = spec
+        self.lora_manager = None  # a LoRAManager when enable_lora
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -132,6 +133,9 @@ class ModelRunner:
         """Run the model on the scheduled tokens; return the logits the step needs."""
         model_inputs, plan = self.prepare_inputs(scheduler_output)
         keep = torch.tensor(plan.keep, dtype=torch.int64, device=self.device)
+        if self.lora_manager is not None:
+            items = scheduler_output.scheduled
+            self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
         outputs = self.model(**model_inputs, use_cache=False, logits_to_keep=keep)
         return ModelOutput(outputs.logits[0], plan.sample_rows, plan.prompt_rows)
 

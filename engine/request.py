@@ -47,6 +47,7 @@ class Request:
     arrival_index: int = 0
     params: Any = None
     cache_salt: Any = None
+    lora_request: Any = None
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

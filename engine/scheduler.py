@@ -44,6 +44,7 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no LoRA
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
@@ -224,11 +225,24 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in strict (priority, arrival) order; stop at the first
-        that does not fit (tokens, seq slots or blocks)."""
-        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        that does not fit (tokens, seq slots or blocks). A request whose adapter would
+        exceed max_loras is passed over, not waited on: later ones may use loaded adapters."""
+        index = 0
+        while index < len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
+            if not self._lora_fits(request):
+                index += 1  # its adapter would exceed max_loras; a later request may fit
+                continue
             if request in step.preempted or not self._admit(request, step):
                 return
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Running requests never use more than max_loras distinct adapters, so every
+        step's adapters fit the LoRA slots."""
+        if self.config.max_loras is None or request.lora_request is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_request.lora_int_id in active or len(active) < self.config.max_loras
 
     def _admit(self, request: Request, step: _Step) -> bool:
         """Commit the request's prefix hit and first chunk; may preempt strictly
@@ -242,7 +256,7 @@ class Scheduler:
             if victim is None:
                 return False
             self._preempt(victim, step)
-        self.waiting.pop(0)
+        self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
