@@ -41,17 +41,32 @@ class AttentionContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     max_query_len: int
     max_seq_len: int
-    # Torch-path gather plan, built lazily once per step and shared by all layers.
-    _plan: "TorchAttentionPlan | None" = field(default=None, repr=False)
+    # Torch-path gather plans, built lazily once per step and shared by all layers.
+    _plans: "list[TorchAttentionPlan] | None" = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    def torch_plan(self) -> "TorchAttentionPlan":
-        if self._plan is None:
-            self._plan = TorchAttentionPlan.build(self)
-        return self._plan
+    def torch_plans(self) -> "list[TorchAttentionPlan]":
+        if self._plans is None:
+            self._plans = [TorchAttentionPlan.build(self, group) for group in length_groups(self.seq_lens)]
+        return self._plans
+
+
+# Requests are padded to the longest context of their group; grouping requests of
+# similar length bounds that waste without many small launches.
+MAX_LENGTH_GROUPS = 4
+MIN_GROUP_SIZE = 8
+
+
+def length_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Request indices split into up to MAX_LENGTH_GROUPS groups of similar context length."""
+    num_groups = max(1, min(MAX_LENGTH_GROUPS, len(seq_lens) // MIN_GROUP_SIZE))
+    if num_groups == 1:
+        # Packed order kept: outputs need no scatter back.
+        return [torch.arange(len(seq_lens), device=seq_lens.device)]
+    return list(torch.tensor_split(torch.argsort(seq_lens), num_groups))
 
 
 @dataclass
@@ -71,22 +86,28 @@ class TorchAttentionPlan:
     query_pos: torch.Tensor  # [B, Qmax] int64 position of each query token
     key_pos: torch.Tensor  # [Lmax] int64, Lmax = max_blocks * block_size
     key_valid: torch.Tensor  # [B, Lmax] bool
+    output_index: torch.Tensor  # [n] packed index of each valid query, in plan order
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, ctx: AttentionContext) -> "TorchAttentionPlan":
+    def build(cls, ctx: AttentionContext, requests: torch.Tensor) -> "TorchAttentionPlan":
+        """The plan for the requests at indices ``requests`` of the step."""
         device = ctx.slot_mapping.device
         block_size = ctx.kv_caches[0][0].shape[1]
-        query_lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]  # [B]
-        q_offsets = torch.arange(ctx.max_query_len, device=device)
+        query_starts = ctx.query_start_loc[:-1][requests]
+        query_lens = (ctx.query_start_loc[1:] - ctx.query_start_loc[:-1])[requests]  # [b]
+        seq_lens = ctx.seq_lens[requests]
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+        q_offsets = torch.arange(max_query_len, device=device)
         query_valid = q_offsets[None, :] < query_lens[:, None]
-        query_index = torch.where(query_valid, ctx.query_start_loc[:-1, None] + q_offsets, 0)
-        query_pos = (ctx.seq_lens - query_lens)[:, None] + q_offsets
-        num_blocks = -(-ctx.max_seq_len // block_size)
-        block_index = ctx.block_tables[:, :num_blocks].long().reshape(-1)
+        query_index = torch.where(query_valid, query_starts[:, None] + q_offsets, 0)
+        query_pos = (seq_lens - query_lens)[:, None] + q_offsets
+        num_blocks = -(-max_seq_len // block_size)
+        block_index = ctx.block_tables[requests, :num_blocks].long().reshape(-1)
         key_pos = torch.arange(num_blocks * block_size, device=device)
-        key_valid = key_pos[None, :] < ctx.seq_lens[:, None]
-        return cls(query_index, query_valid, block_index, num_blocks, query_pos, key_pos, key_valid)
+        key_valid = key_pos[None, :] < seq_lens[:, None]
+        return cls(query_index, query_valid, block_index, num_blocks, query_pos, key_pos, key_valid,
+                   query_index[query_valid])
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """cache: [N, bs, Hkv, D] -> [B, Hkv, Lmax, D] keys or values of each request."""
@@ -119,7 +140,7 @@ def torch_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: TorchAttentionPlan,
+    plans: list[TorchAttentionPlan],
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
@@ -128,6 +149,18 @@ def torch_paged_attention(
 
     query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D].
     """
+    if len(plans) == 1:  # one plan over all requests in packed order
+        return _attend(query, k_cache, v_cache, plans[0], scale, sliding_window, softcap)
+    output = torch.empty_like(query)
+    for plan in plans:
+        output.index_copy_(0, plan.output_index,
+                           _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
+    return output
+
+
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan,
+            scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """One plan's attention; returns [n, H, D] for its valid queries in plan order."""
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     q = query[plan.query_index].transpose(1, 2)  # [B, H, Qmax, D]
     k = plan.gather(k_cache)  # [B, Hkv, Lmax, D]
@@ -146,7 +179,7 @@ def torch_paged_attention(
         scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-    return out.transpose(1, 2)[plan.query_valid]  # [T, H, D] in packed order
+    return out.transpose(1, 2)[plan.query_valid]
 
 
 def paged_attention_forward(
@@ -188,7 +221,7 @@ def paged_attention_forward(
     else:
         write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
         out = torch_paged_attention(
-            q, k_cache, v_cache, shardline_ctx.torch_plan(), scaling, sliding_window, softcap
+            q, k_cache, v_cache, shardline_ctx.torch_plans(), scaling, sliding_window, softcap
         )
     return out.unsqueeze(0), None  # [1, T, H, D]
 

@@ -62,9 +62,17 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; one RequestOutput per prompt, in input order."""
+        self._require_generation("LLM.generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._run(prompts, lambda prompt: prompt, sampling_params, use_tqdm, lora_request, priority)
+
+    def _require_generation(self, method: str) -> None:
+        if isinstance(self.llm_engine, PoolingEngine):
+            raise TaskMismatchError(
+                f"{method} needs a generative model, but {self.engine_config.model!r} was loaded as an "
+                f"embedding model (task={self.engine_config.task!r}); use LLM.embed or LLM.encode"
+            )
 
     def chat(
         self,
@@ -82,6 +90,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
         tokenizer's chat template (or ``chat_template``)."""
+        self._require_generation("LLM.chat")
         options = ChatOptions(chat_template, chat_template_content_format, add_generation_prompt,
                               continue_final_message, tools, chat_template_kwargs or {})
         conversations = [messages] if is_conversation(messages) else list(messages)

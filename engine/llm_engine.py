@@ -25,11 +25,11 @@ from .model_runner import (
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
+from .prompts import PromptType, tokenize_prompt
 from .request import Request, RequestStatus
 from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-PromptType = str | dict[str, Any]
 
 
 class LLMEngine:
@@ -72,29 +72,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a str, {"prompt": str} or {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, str):
-            text = prompt
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text = prompt["prompt"]
-        else:
-            raise TypeError(
-                f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {prompt!r:.200}"
-            )
-        if not text:
-            raise ValueError("the prompt is empty: an empty string has no tokens to continue")
-        return text, self.tokenizer(text).input_ids
-
-    def _check_token_ids(self, token_ids: Any) -> list[int]:
-        if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {token_ids!r:.200}")
-        for token_id in token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"prompt token id {token_id!r} is outside the model's vocabulary [0, {self.vocab_size})"
-                )
-        return list(token_ids)
+        return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     lora_request: Any = None, priority: int = 0) -> None:

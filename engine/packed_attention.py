@@ -30,13 +30,31 @@ PACKED_ATTN_IMPLEMENTATION = "shardline_packed"
 
 @dataclass
 class PackedBucket:
-    """Sequences of similar length, gathered into one padded tile."""
+    """Sequences of similar length, gathered into one padded [b, L] tile.
 
-    token_index: torch.Tensor  # [b, L] int64 into the packed tokens (0 where padded)
+    Gathers and scatters use index_select / index_copy_ on flat row indices, which
+    copy whole [H, D] rows and are far cheaper than advanced indexing.
+    """
+
+    token_index: torch.Tensor  # [b*L] int64: packed token of each tile row (0 where padded)
     valid: torch.Tensor  # [b, L] bool, False on padding
-    packed_index: torch.Tensor  # [n] int64: token_index[valid], where tile rows go back
+    valid_rows: torch.Tensor  # [n] int64: tile rows that hold real tokens
+    packed_index: torch.Tensor  # [n] int64: token_index[valid_rows], where those rows go back
     has_padding: bool
     _masks: dict = field(default_factory=dict, repr=False)
+
+    def gather(self, packed: torch.Tensor) -> torch.Tensor:
+        """packed: [T, heads, D] -> tile [b, heads, L, D]."""
+        num_seqs, length = self.valid.shape
+        tile = packed.index_select(0, self.token_index).view(num_seqs, length, packed.shape[1], packed.shape[2])
+        return tile.transpose(1, 2)
+
+    def scatter(self, tile: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the real rows of tile [b, H, L, D] into out [T, H, D]."""
+        rows = tile.transpose(1, 2).reshape(-1, tile.shape[1], tile.shape[3])  # [b*L, H, D]
+        if self.has_padding:
+            rows = rows.index_select(0, self.valid_rows)
+        out.index_copy_(0, self.packed_index, rows.to(out.dtype))
 
     def mask(self, causal: bool, sliding_window: int | None) -> torch.Tensor | None:
         """[b, 1, L, L] bool (True = may attend), or None when only causality (if any)
@@ -65,7 +83,9 @@ class PackedBucket:
 class PackedAttentionContext:
     """Where each sequence of the packed batch starts and ends; shared by all layers."""
 
-    # [B+1] int64: sequence b is packed[cu_seqlens[b]:cu_seqlens[b+1]].
+    # Host copy of the sequence lengths, in packed order (no device sync to read them).
+    seq_lens: tuple[int, ...]
+    # [B+1] int64 on the model's device: sequence b is packed[cu_seqlens[b]:cu_seqlens[b+1]].
     cu_seqlens: torch.Tensor
     _buckets: list[PackedBucket] | None = field(default=None, repr=False)
 
@@ -76,29 +96,35 @@ class PackedAttentionContext:
         offsets = [0]
         for length in seq_lens:
             offsets.append(offsets[-1] + length)
-        return cls(torch.tensor(offsets, dtype=torch.int64, device=device))
+        return cls(tuple(seq_lens), torch.tensor(offsets, dtype=torch.int64, device=device))
 
     def buckets(self) -> list[PackedBucket]:
-        """Length buckets, built once per forward from the host copy of cu_seqlens."""
+        """Length buckets, built once per forward and shared by all layers."""
         if self._buckets is None:
-            self._buckets = _build_buckets(self.cu_seqlens.tolist(), self.cu_seqlens.device)
+            self._buckets = _build_buckets(self.seq_lens, self.cu_seqlens.device)
         return self._buckets
 
 
-def _build_buckets(offsets: list[int], device: torch.device) -> list[PackedBucket]:
+def _build_buckets(seq_lens: tuple[int, ...], device: torch.device) -> list[PackedBucket]:
+    """Group sequences by the power of two their length rounds up to."""
+    starts = [0]
+    for length in seq_lens[:-1]:
+        starts.append(starts[-1] + length)
     groups: dict[int, list[int]] = {}
-    for index, (start, end) in enumerate(zip(offsets, offsets[1:])):
-        groups.setdefault((end - start - 1).bit_length(), []).append(index)
+    for index, length in enumerate(seq_lens):
+        groups.setdefault((length - 1).bit_length(), []).append(index)
     buckets = []
     for members in groups.values():
-        starts = torch.tensor([offsets[i] for i in members], dtype=torch.int64)
-        lens = torch.tensor([offsets[i + 1] - offsets[i] for i in members], dtype=torch.int64)
+        member_starts = torch.tensor([starts[i] for i in members], dtype=torch.int64)
+        lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.int64)
         pos = torch.arange(int(lens.max()))
         valid = pos[None, :] < lens[:, None]
-        token_index = torch.where(valid, starts[:, None] + pos[None, :], 0)
+        token_index = torch.where(valid, member_starts[:, None] + pos[None, :], 0)
+        flat_valid = valid.flatten()
+        valid_rows = flat_valid.nonzero().flatten()
         buckets.append(PackedBucket(
-            token_index.to(device), valid.to(device), token_index[valid].to(device),
-            has_padding=bool((~valid).any()),
+            token_index.flatten().to(device), valid.to(device), valid_rows.to(device),
+            token_index.flatten()[valid_rows].to(device), has_padding=not bool(flat_valid.all()),
         ))
     return buckets
 
@@ -161,18 +187,18 @@ def packed_attention_forward(
         causal = getattr(module, "is_causal", True)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1).to(q.dtype)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1).to(q.dtype)
+    # Token-major and contiguous (free when the projections were only viewed as heads),
+    # so each gather copies whole rows.
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).to(q.dtype).contiguous()  # [T, Hkv, D]
+    v = value[0].transpose(0, 1).to(q.dtype).contiguous()
     out = torch.empty_like(q)
     for bucket in shardline_packed_ctx.buckets():
         tile = packed_tile_attention(
-            q[bucket.token_index].transpose(1, 2),  # [b, H, L, D]
-            k[bucket.token_index].transpose(1, 2),  # [b, Hkv, L, D]
-            v[bucket.token_index].transpose(1, 2),
+            bucket.gather(q), bucket.gather(k), bucket.gather(v),  # [b, H|Hkv, L, D]
             bucket.mask(bool(causal), sliding_window), bool(causal), scaling, softcap,
         )
-        out[bucket.packed_index] = tile.transpose(1, 2)[bucket.valid]
+        bucket.scatter(tile, out)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

@@ -136,8 +136,12 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # "embed" (the pooled vector, the default) or "encode" (per-token states).
+    task: str | None = None
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.task not in ("embed", "encode"):
+            raise ValueError(f"task must be 'embed' or 'encode', got {self.task!r}")
         if self.dimensions is not None:
             _check_int("dimensions", self.dimensions, minimum=1)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:

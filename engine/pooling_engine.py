@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine, PromptType
+from .prompts import PromptType, tokenize_prompt
 from .loader import (
     LoadedModel, ModelLoadError, check_attention_interface, load_hf_config, load_tokenizer, resolve_device,
     resolve_dtype,
@@ -138,11 +138,6 @@ class PoolingScheduler:
 class PoolingEngine:
     """Embeds prompts with an encoder or decoder base model; driven by ``step()``."""
 
-    # Prompt validation is LLMEngine's, shared as plain functions (they read only
-    # ``tokenizer`` and ``vocab_size``), so both engines accept and reject the same prompts.
-    tokenize_prompt = LLMEngine.tokenize_prompt
-    _check_token_ids = LLMEngine._check_token_ids
-
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         loaded = loaded or load_base_model(config)
@@ -182,8 +177,9 @@ class PoolingEngine:
         if lora_request is not None:
             raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request!r}, "
                              "but embedding models run without LoRA")
-        task = _resolve_task(request_id, getattr(params, "task", None))
-        text, token_ids = self.tokenize_prompt(prompt)
+        task = _resolve_task(request_id, params.task)
+        # The same validation as LLMEngine: both engines accept and reject the same prompts.
+        text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         token_ids = self._truncate(request_id, token_ids, params.truncate_prompt_tokens)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
