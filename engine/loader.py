@@ -104,20 +104,21 @@ def check_attention_interface(model_class: type, hf_config: transformers.Pretrai
         )
 
 
-def load_causal_lm(config: EngineConfig) -> LoadedModel:
-    """Load a decoder-only causal LM whose attention layers call the engine's attention."""
+def load_model(config: EngineConfig, auto_class: type, attn_implementation: str) -> LoadedModel:
+    """Load ``config.model`` through ``auto_class`` (AutoModelForCausalLM, AutoModel)
+    with its attention layers calling ``attn_implementation``."""
     hf_config = load_hf_config(config)
     tokenizer = load_tokenizer(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    model_class = auto_class._model_mapping.get(type(hf_config), None)
     if model_class is not None:
         check_attention_interface(model_class, hf_config)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             config.model,
             dtype=dtype,
-            attn_implementation=register_attention(),
+            attn_implementation=attn_implementation,
             use_safetensors=config.use_safetensors,
             **_hub_kwargs(config),
         )
@@ -127,3 +128,8 @@ def load_causal_lm(config: EngineConfig) -> LoadedModel:
     model.to(device).eval()
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
+
+
+def load_causal_lm(config: EngineConfig) -> LoadedModel:
+    """A decoder-only causal LM whose attention layers use the engine's paged attention."""
+    return load_model(config, transformers.AutoModelForCausalLM, register_attention())

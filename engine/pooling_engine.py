@@ -21,15 +21,12 @@ import torch
 import transformers
 
 from .config import EngineConfig
-from .prompts import PromptType, tokenize_prompt
-from .loader import (
-    LoadedModel, ModelLoadError, check_attention_interface, load_hf_config, load_tokenizer, resolve_device,
-    resolve_dtype,
-)
+from .loader import LoadedModel, load_hf_config, load_model
 from .model_runner import model_max_len
 from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
 from .packed_attention import PackedAttentionContext, register as register_packed_attention
 from .params import PoolingParams, PoolingTask
+from .prompts import PromptType, tokenize_prompt
 from .pooling import (
     PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
 )
@@ -54,26 +51,8 @@ def wants_pooling_engine(config: EngineConfig) -> bool:
 
 
 def load_base_model(config: EngineConfig) -> LoadedModel:
-    """Load the model without its head (transformers' AutoModel), attention packed."""
-    hf_config = load_hf_config(config)
-    tokenizer = load_tokenizer(config)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, hf_config, device)
-    model_class = transformers.AutoModel._model_mapping.get(type(hf_config), None)
-    if model_class is not None:
-        check_attention_interface(model_class, hf_config)
-    try:
-        model = transformers.AutoModel.from_pretrained(
-            config.model, dtype=dtype, attn_implementation=register_packed_attention(),
-            use_safetensors=config.use_safetensors, revision=config.revision,
-            trust_remote_code=config.trust_remote_code,
-        )
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
-    check_attention_interface(type(model), hf_config)
-    model.to(device).eval()
-    logger.info("loaded %s (%s) for pooling on %s in %s", config.model, type(model).__name__, device, dtype)
-    return LoadedModel(model, tokenizer, hf_config, None, device, dtype)
+    """The model without its head (transformers' AutoModel), attention packed."""
+    return load_model(config, transformers.AutoModel, register_packed_attention())
 
 
 @dataclass(eq=False)

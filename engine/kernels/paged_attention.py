@@ -17,7 +17,6 @@ Tiles entirely before the sliding window of the tile's first query are never vis
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.detokenizer import IncrementalDetokenizer
