@@ -5,48 +5,93 @@ fingerprint, keep ``shards_in_flight`` shard tasks running (they share this
 process's engine, which streams their rows in one continuous batch), publish the
 artifacts and return the summary. A shard that fails does not stop the others;
 the flow then fails with ShardsFailed, whose ``summary`` covers every shard.
+
+``execution`` picks where shard tasks run (this process's threads, or a Ray cluster,
+flows/ray_scale_out.py) and the global concurrency limit their engine work holds.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture, as_completed
 
+from shardline.tasks.engine_cache import engines_held
 from shardline.tasks.job import BatchJob
-from shardline.tasks.prefect_tasks import close_engines_task, completed_manifest_task, list_shards_task, \
-    process_shard_task
+from shardline.tasks.prefect_tasks import completed_manifest_task, list_shards_task, process_shard_task
 from shardline.tasks.shard_writer import redact_url
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, shard_entry
 
 from .artifacts import ShardProgress, publish_summary
+from .execution import Execution, TaskRunnerKind
+from .ray_scale_out import ray_submitter
+
+# submit(task, parameters) -> future: how a shard task reaches its task runner.
+Submit = Callable[[Any, dict[str, Any]], PrefectFuture]
+
+
+class ConcurrencyLimitMissing(ValueError):
+    """Execution.gpu_concurrency_limit names a global concurrency limit that does not exist."""
 
 
 @flow(name="batch-inference", description="Run an LLM over every prompt shard under a prefix; "
       "write one ordered output shard per input shard, resumably.")
-def batch_inference(job: BatchJob) -> dict[str, Any]:
-    """Run ``job``; return the summary (per-shard entries and totals)."""
+def batch_inference(
+    job: BatchJob, execution: Execution = Execution(), reprocess_completed: bool = False
+) -> dict[str, Any]:
+    """Run ``job``; return the summary (per-shard entries and totals).
+
+    Args:
+        job: what to run: input and output prefixes, model, sampling and engine options.
+        execution: where shard tasks run (threads or a Ray cluster) and the GPU concurrency limit.
+        reprocess_completed: rerun shards even when their manifest says they are done.
+    """
     logger = get_run_logger()
     started = time.perf_counter()
     logger.info("batch inference %s -> %s: model %s, task %s", redact_url(job.input), redact_url(job.output),
                 job.model, job.task.value)
+    if execution.gpu_concurrency_limit:
+        _require_concurrency_limit(execution.gpu_concurrency_limit)
     shards = list_shards_task(job)
-    entries, todo = _skip_done(shards, job)
+    entries, todo = ([], shards) if reprocess_completed else _skip_done(shards, job)
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
     progress = ShardProgress(total=len(shards), finished=len(entries))
-    try:
-        entries += _run_shards(todo, job, progress)
-    finally:
-        close_engines_task()
+    with engines_held(), _shard_submitter(execution) as submit:
+        entries += _run_shards(todo, job, progress, submit, execution.gpu_concurrency_limit)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
     publish_summary(summary)
     if summary["totals"]["failed"]:
         raise ShardsFailed(failure_message(summary), summary)
     return summary
+
+
+@contextlib.contextmanager
+def _shard_submitter(execution: Execution) -> Iterator[Submit]:
+    """Shard tasks go to the flow's own task runner, or to a Ray cluster."""
+    if execution.task_runner == TaskRunnerKind.RAY:
+        with ray_submitter(execution) as submit:
+            yield submit
+    else:
+        yield lambda task, parameters: task.submit(**parameters)
+
+
+def _require_concurrency_limit(name: str) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            raise ConcurrencyLimitMissing(
+                f"global concurrency limit {name!r} does not exist; create it (prefect gcl create {name} "
+                f"--limit N) or leave execution.gpu_concurrency_limit empty"
+            ) from None
 
 
 def _skip_done(shards: list[Shard], job: BatchJob) -> tuple[list[dict[str, Any]], list[Shard]]:
@@ -62,7 +107,9 @@ def _skip_done(shards: list[Shard], job: BatchJob) -> tuple[list[dict[str, Any]]
     return entries, todo
 
 
-def _run_shards(todo: list[Shard], job: BatchJob, progress: ShardProgress) -> list[dict[str, Any]]:
+def _run_shards(
+    todo: list[Shard], job: BatchJob, progress: ShardProgress, submit: Submit, gpu_limit: str | None
+) -> list[dict[str, Any]]:
     """Run ``todo`` with at most ``job.shards_in_flight`` shard tasks at once."""
     logger = get_run_logger()
     waiting = collections.deque(todo)
@@ -71,7 +118,7 @@ def _run_shards(todo: list[Shard], job: BatchJob, progress: ShardProgress) -> li
     while waiting or running:
         while waiting and len(running) < job.shards_in_flight:
             shard = waiting.popleft()
-            future = process_shard_task.submit(shard, job)
+            future = submit(process_shard_task, {"shard": shard, "job": job, "gpu_limit": gpu_limit})
             running[id(future)] = (future, shard)
         finished = next(as_completed([future for future, _ in running.values()]))
         future, shard = running.pop(id(finished))

@@ -20,4 +20,4 @@ cat > "$DATA_DIR/s3.json" <<JSON
 JSON
 echo "S3 endpoint http://127.0.0.1:$S3_PORT (data in $DATA_DIR)"
 exec "$WEED" server -ip=127.0.0.1 -ip.bind=127.0.0.1 -dir="$DATA_DIR/data" -master.volumeSizeLimitMB=256 \
-  -filer -s3 -s3.port="$S3_PORT" -s3.config="$DATA_DIR/s3.json"
+  -filer -s3 -s3.port="$S3_PORT" -s3.config="$DATA_DIR/s3.json" -s3.port.iceberg=0 -s3.port.lance=0

@@ -4,20 +4,51 @@ This is shardline's one deliberate piece of mutable module-level state (STYLE.md
 rule 5). Every shard task in a worker process asks here for the engine of its job's
 configuration: the first caller loads it (under the lock, so two tasks never load
 the same model twice), later callers share it through its ShardRunner, whose single
-driver thread is the only code that touches the engine. ``close_engines()`` stops
-the runners and frees the engines; the batch_inference flow calls it when it ends.
+driver thread is the only code that touches the engine.
+
+Lifetime:
+- A flow run holds the cache with ``engines_held()``; when the last flow run in the
+  process leaves, the engines are closed. Two flow runs in one process (a backfill's
+  children, concurrent runs under a test harness) share one engine and neither
+  closes it under the other. ``close_engines()`` closes everything at once.
+- In a Ray worker process no flow run holds the cache: the engine stays loaded for
+  the next shard task Ray sends there, and goes when the worker exits.
+
+Device binding: an engine is loaded on the accelerators visible at load time
+(``CUDA_VISIBLE_DEVICES``, which Ray sets per task). Ray may later hand a reused
+worker another GPU. A cached engine on a GPU this task was not given is closed; if
+CUDA was already initialised in this process on other devices, CUDA cannot switch,
+and ``EngineBindingError`` says so instead of running on the wrong GPU.
+
+Diagnostics: with ``SHARDLINE_ENGINE_EVENTS`` set to a file path, every engine load
+appends one JSON line (pid, host, model, binding, loads in this process), so one can
+see where engines were loaded across a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from .runner import ShardRunner
 
+ENGINE_EVENTS_ENV = "SHARDLINE_ENGINE_EVENTS"
+
 _LOCK = threading.Lock()
 _RUNNERS: dict[str, ShardRunner] = {}
+_BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
+_LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
+_HOLDERS = 0  # flow runs in this process inside engines_held()
+
+
+class EngineBindingError(RuntimeError):
+    """This process's CUDA context is bound to other GPUs than the ones this task was given."""
 
 
 def engine_key(model: str, engine_options: dict[str, Any]) -> str:
@@ -25,16 +56,30 @@ def engine_key(model: str, engine_options: dict[str, Any]) -> str:
     return json.dumps({"model": model, **engine_options}, sort_keys=True, default=str)
 
 
+def accelerator_binding() -> str | None:
+    """The GPUs this process may use now (``CUDA_VISIBLE_DEVICES``), None when unrestricted."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def get_runner(model: str, **engine_options: Any) -> ShardRunner:
     """The ShardRunner of this process's engine for ``model`` and ``engine_options``."""
     key = engine_key(model, engine_options)
+    binding = accelerator_binding()
+    stale: ShardRunner | None = None
     with _LOCK:
         runner = _RUNNERS.get(key)
+        if runner is not None and _BINDINGS[key] != binding:
+            _check_can_rebind(_BINDINGS[key], binding)
+            stale, runner = _RUNNERS.pop(key), None
         if runner is None:
+            if stale is not None:
+                _close(stale)  # free its memory before loading on the newly given device
             from shardline.engine.llm import LLM  # torch loads with the first engine only
 
             runner = ShardRunner(LLM(model, **engine_options))
-            _RUNNERS[key] = runner
+            _RUNNERS[key], _BINDINGS[key] = runner, binding
+            _LOADS[key] = _LOADS.get(key, 0) + 1
+            _record_load(model, key, binding)
         return runner
 
 
@@ -43,17 +88,64 @@ def get_engine(model: str, **engine_options: Any) -> Any:
     return get_runner(model, **engine_options).llm
 
 
+@contextlib.contextmanager
+def engines_held() -> Iterator[None]:
+    """Hold this process's engines for a flow run; the last holder to leave closes them."""
+    global _HOLDERS
+    with _LOCK:
+        _HOLDERS += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _HOLDERS -= 1
+            last = _HOLDERS == 0
+        if last:
+            close_engines()
+
+
 def close_engines() -> int:
     """Stop every runner, close every engine and empty the cache; return how many."""
     with _LOCK:
         runners = list(_RUNNERS.values())
         _RUNNERS.clear()
+        _BINDINGS.clear()
     for runner in runners:
-        runner.close()
-        runner.llm.close()
+        _close(runner)
     return len(runners)
 
 
 def num_cached_engines() -> int:
     with _LOCK:
         return len(_RUNNERS)
+
+
+def engine_loads() -> dict[str, int]:
+    """How many times each engine configuration was loaded in this process."""
+    with _LOCK:
+        return dict(_LOADS)
+
+
+def _close(runner: ShardRunner) -> None:
+    runner.close()
+    runner.llm.close()
+
+
+def _check_can_rebind(loaded_on: str | None, given: str | None) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise EngineBindingError(
+            f"this worker process initialised CUDA with CUDA_VISIBLE_DEVICES={loaded_on!r} but this task "
+            f"was given {given!r}; CUDA cannot switch devices inside a process. Let the worker exit "
+            f"after each task (Execution.reuse_ray_workers=false) or give each worker its own GPU"
+        )
+
+
+def _record_load(model: str, key: str, binding: str | None) -> None:
+    path = os.environ.get(ENGINE_EVENTS_ENV)
+    if not path:
+        return
+    event = {"event": "load", "pid": os.getpid(), "host": socket.gethostname(), "model": model,
+             "binding": binding, "loads": _LOADS[key]}
+    with open(path, "a", encoding="utf-8") as events:  # one short append per load: lines stay whole
+        events.write(json.dumps(event) + "\n")

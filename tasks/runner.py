@@ -9,6 +9,8 @@ Invariants:
   boundaries and the earliest shard finishes (and is written) first.
 - Request ids are ``<shard key>:<row>`` (``~<n>`` appended on a retry), so every
   output maps back to its shard and row.
+- ``abort_shard`` only records the key; the driver aborts that shard's requests
+  between two steps, so aborting too never touches the engine from another thread.
 
 A step that raises names no culprit. Every request in flight is aborted and those
 rows go to recovery, which runs them alone (no new rows are admitted meanwhile):
@@ -70,6 +72,10 @@ class RunnerError(RuntimeError):
     """The driver itself failed (not a row): every waiting shard gets this error."""
 
 
+class ShardAborted(RuntimeError):
+    """``abort_shard`` stopped this shard: its rows left the engine, no results."""
+
+
 @dataclass(eq=False)
 class _ShardWork:
     """One shard inside the runner: rows still to add, results so far, a done event."""
@@ -102,6 +108,7 @@ class ShardRunner:
         self._retry_ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._abort_keys: set[str] = set()  # shards to abort, handed to the driver
 
     def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
         """Run ``rows`` (of shard ``key``) and return one RowResult each, in order."""
@@ -120,10 +127,24 @@ class ShardRunner:
         work.done.wait()
         with self._cond:
             self._active.discard(work)
+        if isinstance(work.failure, ShardAborted):
+            raise work.failure
         if work.failure is not None:
             raise RunnerError(f"the engine driver failed while running shard {key}: {work.failure}") \
                 from work.failure
         return [work.results[position] for position in range(len(work.rows))]
+
+    def abort_shard(self, key: str) -> bool:
+        """Abort shard ``key``: the driver drops its queued rows and aborts its requests in
+        the engine, and its ``run_shard`` call raises ShardAborted. Other shards go on.
+        Callable from any thread (or a signal handler: the condition's lock is
+        reentrant). Returns whether the shard was running here."""
+        with self._cond:
+            if not any(work.key == key and not work.done.is_set() for work in self._active):
+                return False
+            self._abort_keys.add(key)
+            self._cond.notify()
+        return True
 
     def close(self) -> None:
         """Stop the driver; shards still waiting fail with RunnerError."""
@@ -137,6 +158,7 @@ class ShardRunner:
     def _drive(self) -> None:
         try:
             while self._wait_for_work():
+                self._abort_requested()
                 self._admit()
                 if self._in_flight:
                     self._step()
@@ -151,6 +173,25 @@ class ShardRunner:
             while not self._closed and not self._queue and not self._in_flight:
                 self._cond.wait()
             return not self._closed
+
+    def _abort_requested(self) -> None:
+        """Abort the shards ``abort_shard`` named (driver thread: it alone touches the engine)."""
+        if not self._abort_keys:  # read without the lock: a key added meanwhile waits one step
+            return
+        with self._cond:
+            keys, self._abort_keys = self._abort_keys, set()
+            aborted = [work for work in self._active if work.key in keys and not work.done.is_set()]
+            for work in aborted:
+                if work in self._queue:
+                    self._queue.remove(work)
+        request_ids = [rid for rid, (work, _) in self._in_flight.items() if work.key in keys]
+        self._engine.abort_request(request_ids)
+        for request_id in request_ids:
+            del self._in_flight[request_id]
+        for work in aborted:
+            work.failure = ShardAborted(f"shard {work.key} was aborted; {len(work.results)} of "
+                                        f"{len(work.rows)} row(s) had finished")
+            work.done.set()
 
     def _admit(self) -> None:
         """Add rows, oldest shard first, until max_queued requests are in the engine."""

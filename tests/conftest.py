@@ -107,6 +107,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
         f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=100",
         "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
         "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
+        # no Iceberg / Lance listeners: their fixed ports clash with any other weed on the machine
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
     ]
     log = open(root / "weed.log", "wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -15,7 +15,8 @@ def _source_packages() -> set[str]:
     """Every folder with an __init__.py under the mapped top-level folders."""
     packages = set()
     for top, name in (("shardline", "shardline"), ("engine", "shardline.engine"),
-                      ("tasks", "shardline.tasks"), ("flows", "shardline.flows")):
+                      ("tasks", "shardline.tasks"), ("flows", "shardline.flows"),
+                      ("providers", "shardline.providers")):
         for init in (ROOT / top).rglob("__init__.py"):
             relative = init.parent.relative_to(ROOT / top)
             packages.add(".".join([name, *relative.parts]) if relative.parts else name)

@@ -4,11 +4,12 @@ per-row refusals, and a poison row isolated by bisection."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from shardline import LLM, SamplingParams
-from shardline.tasks.runner import RetryPolicy, RowRequest, ShardRunner
+from shardline.tasks.runner import RetryPolicy, RowRequest, ShardAborted, ShardRunner
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 
@@ -118,3 +119,31 @@ def test_closed_runner_refuses_work(llm):
     runner.close()
     with pytest.raises(RuntimeError, match="closed"):
         runner.run_shard("s", _requests(["x"]))
+
+
+def test_abort_shard_drops_its_rows_and_the_other_shards_go_on(llm):
+    runner = ShardRunner(llm, max_queued=4)
+    endless = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    outcome: dict[str, object] = {}
+
+    def run(key: str, rows) -> None:
+        try:
+            outcome[key] = runner.run_shard(key, rows)
+        except Exception as exc:
+            outcome[key] = exc
+
+    slow = threading.Thread(target=run, args=("slow", _requests(_prompts(0, 10), endless)))
+    slow.start()
+    while not llm.llm_engine.has_unfinished_requests():
+        time.sleep(0.01)
+    quick = threading.Thread(target=run, args=("quick", _requests(_prompts(1, 3))))
+    quick.start()
+    assert runner.abort_shard("slow")
+    slow.join(timeout=60)
+    quick.join(timeout=60)
+    assert not slow.is_alive() and not quick.is_alive()
+    assert isinstance(outcome["slow"], ShardAborted)
+    assert [r.error is None for r in outcome["quick"]] == [True, True, True]
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert not runner.abort_shard("slow") and not runner.abort_shard("never-ran")
+    runner.close()

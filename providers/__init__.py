@@ -1,0 +1,1 @@
+"""Orchestrator providers that reuse shardline's Prefect-free shard functions."""

@@ -1,0 +1,63 @@
+"""Example DAG: batch inference over one day's prompt shards, one mapped task per shard.
+
+Trigger it with a form (the params below) or let the daily schedule and backfills
+fill ``{{ ds }}``: each run reads ``<input>/date=<ds>`` and writes ``<output>/date=<ds>``.
+Credentials come from the Airflow connection named by ``storage_conn_id``, e.g.
+
+    AIRFLOW_CONN_SHARDLINE_STORAGE='{"conn_type": "aws", "login": "KEY", "password": "SECRET",
+                                     "extra": {"endpoint_url": "http://127.0.0.1:8333"}}'
+
+Each mapped task instance runs in its own worker process and loads the model there
+once (shards_per_task > 1 amortises that over several shards). Size
+``max_active_tis_per_dag`` (or a pool) to the GPUs the workers have.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import Param, dag
+
+from shardline.providers.airflow import ShardInferenceOperator, list_shards
+
+JOB = {
+    "input": "{{ params.input }}/date={{ ds }}",
+    "output": "{{ params.output }}/date={{ ds }}",
+    "model": "{{ params.model }}",
+    "sampling": "{{ params.sampling }}",
+    "engine_options": "{{ params.engine_options }}",
+    "pass_through": "{{ params.pass_through }}",
+}
+
+
+@dag(
+    dag_id="shardline_batch",
+    schedule="@daily",
+    start_date=datetime(2025, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    render_template_as_native_obj=True,  # ints stay ints, lists stay lists
+    params={
+        "input": Param("s3://my-bucket/prompts", type="string", description="Prefix of the prompt shards."),
+        "output": Param("s3://my-bucket/completions", type="string", description="Prefix for outputs."),
+        "model": Param("Qwen/Qwen3-0.6B", type="string", description="Hub id or local model directory."),
+        "sampling": Param({"max_tokens": 256, "temperature": 0.0}, type="object",
+                          description="Sampling defaults (vLLM names); rows may override some."),
+        "engine_options": Param({}, type="object", description="Engine options (vLLM names)."),
+        "pass_through": Param([], type="array", description="Input columns copied to the output."),
+        "storage_conn_id": Param("shardline_storage", type=["null", "string"],
+                                 description="Airflow connection with the storage credentials."),
+        "shards_per_task": Param(1, type="integer", minimum=1),
+    },
+    tags=["shardline"],
+)
+def shardline_batch():
+    shards = list_shards(job=JOB, storage_conn_id="{{ params.storage_conn_id }}",
+                         shards_per_task="{{ params.shards_per_task }}")
+    ShardInferenceOperator.partial(
+        task_id="infer", job=JOB, storage_conn_id="{{ params.storage_conn_id }}", retries=2,
+        max_active_tis_per_dag=1,
+    ).expand(shards=shards)
+
+
+shardline_batch()

@@ -1,0 +1,73 @@
+"""ShardInferenceOperator: one mapped task instance runs one shard (or a few) of a job.
+
+Same parameters (BatchJob fields) and output contract (``<output>/<key>.parquet``
+and ``<output>/_manifests/<key>.json``) as the Prefect ``batch_inference`` flow; the
+work itself is ShardBatch over shardline.tasks' plain shard functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from shardline.tasks.job import BatchJob
+from shardline.tasks.shard_reader import ShardError
+
+from .connection import get_storage_options
+from .shard_batch import ShardBatch, job_fields, make_job, shard_from_xcom
+
+ShardValue = Mapping[str, Any]
+
+
+class ShardInferenceOperator(BaseOperator):
+    """Run ``job`` over ``shards``; push each shard's manifest to XCom (never outputs).
+
+    :param job: BatchJob fields (or a BatchJob without storage_options); templated, so
+        ``"input": "s3://bucket/prompts/{{ ds }}"`` makes a backfill run per partition. A
+        template of the whole job (``"{{ params.job }}"``) needs the DAG's
+        ``render_template_as_native_obj=True``.
+    :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
+    :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
+        connection: login, password, extra.endpoint_url); none for local paths.
+
+    Returns one manifest for one shard, else a list of manifests. A shard already done
+    with this job's fingerprint is skipped (its manifest is returned), so clearing a
+    task reruns only its own shards, and only what is not done. The engine comes from
+    this process's engine cache and stays loaded for later task instances of the
+    process. ``on_kill`` aborts the shards' requests in the engine and writes nothing.
+    """
+
+    template_fields: Sequence[str] = ("job", "shards", "storage_conn_id")
+    ui_color = "#e8f0fe"
+
+    def __init__(
+        self,
+        *,
+        job: BatchJob | Mapping[str, Any] | str,
+        shards: ShardValue | Sequence[ShardValue],
+        storage_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.job = job if isinstance(job, str) else job_fields(job)  # a str is a template
+        self.shards = shards
+        self.storage_conn_id = storage_conn_id
+        self._batch: ShardBatch | None = None
+
+    def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
+        job = make_job(self.job, get_storage_options(self.storage_conn_id))
+        one = isinstance(self.shards, Mapping)
+        shards = [shard_from_xcom(value) for value in ([self.shards] if one else self.shards)]
+        self._batch = ShardBatch(job)
+        try:
+            manifests = self._batch.run(shards)
+        except ShardError as exc:  # the shard itself is bad: retrying cannot help
+            raise AirflowFailException(str(exc)) from exc
+        return manifests[0] if one else manifests
+
+    def on_kill(self) -> None:
+        if self._batch is not None:
+            self._batch.abort()

@@ -1,0 +1,118 @@
+"""Killing a shard task aborts its rows in the engine and leaves no output behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+
+from shardline.providers.airflow.shard_batch import ShardBatch, make_job
+from shardline.tasks.runner import ShardAborted
+from shardline.tasks.sample_data import write_rows
+from shardline.tasks.storage import list_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+# Rows that cannot finish before the kill: many long completions, few at a time.
+ENDLESS = {"max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+FEW_AT_A_TIME = {"max_num_seqs": 4}
+
+
+def _write_long_shards(prefix: Path, num_shards: int, rows: int = 24) -> None:
+    for shard in range(num_shards):
+        write_rows(str(prefix / f"part-{shard:05d}.jsonl"),
+                   [{"id": f"{shard}-{row}", "prompt": f"Story {row} begins"} for row in range(rows)])
+
+
+def _wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# The child runs the one-shard test DAG; a watcher thread (it only reads) writes the
+# marker once the engine holds the shard's requests, which is when the test kills it.
+CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    from shardline.tasks import engine_cache
+    from tests.airflow.dag_runs import run_dag, task_states
+
+    conf, marker = json.loads(sys.argv[1]), sys.argv[2]
+
+    def watch():
+        while engine_cache.num_cached_engines() == 0:
+            time.sleep(0.02)
+        llm = engine_cache.get_engine(conf["job"]["model"], **conf["job"]["engine_options"])
+        while llm.llm_engine.get_num_unfinished_requests() == 0:
+            time.sleep(0.02)
+        open(marker, "w").close()
+
+    threading.Thread(target=watch, daemon=True).start()
+    dag_run = run_dag("shardline_one_shard", conf)
+    llm = engine_cache.get_engine(conf["job"]["model"], **conf["job"]["engine_options"])
+    print("RESULT " + json.dumps({"state": str(dag_run.state), "tasks": [str(s) for s in task_states(dag_run).values()],
+                                  "unfinished": llm.llm_engine.get_num_unfinished_requests()}), flush=True)
+""")
+
+
+def test_sigterm_runs_on_kill_which_aborts_the_shard_and_writes_nothing(airflow_db, tmp_path, tiny_model):
+    _write_long_shards(tmp_path / "in", num_shards=1)
+    [shard] = list_shards(str(tmp_path / "in"))
+    job = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "model": tiny_model,
+           "sampling": ENDLESS, "engine_options": FEW_AT_A_TIME}
+    conf = {"job": job, "shard": {"uri": shard.uri, "key": shard.key, "format": shard.format, "size": shard.size},
+            "storage_conn_id": None}
+    marker = tmp_path / "rows-in-engine"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(conf), str(marker)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: marker.exists() or child.poll() is not None, "the shard's rows to reach the engine")
+        assert child.poll() is None, "the DAG run ended before the kill"
+        child.send_signal(signal.SIGTERM)  # what Airflow's supervisor sends a task it stops
+        output, _ = child.communicate(timeout=240)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, output[-3000:]
+    [result] = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    assert result["tasks"] == ["failed"] and result["unfinished"] == 0
+    finished, total = map(int, re.search(r"was aborted; (\d+) of (\d+) row\(s\) had finished", output).groups())
+    assert finished < total == 24  # stopped mid-shard, not after it
+    assert not (tmp_path / "out").exists() or not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+
+
+def test_abort_from_another_thread_stops_every_shard_of_a_batch(tmp_path, tiny_model):
+    _write_long_shards(tmp_path / "in", num_shards=3, rows=8)
+    job = make_job({"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "model": tiny_model,
+                    "sampling": ENDLESS, "engine_options": FEW_AT_A_TIME, "shards_in_flight": 3}, {})
+    batch = ShardBatch(job)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            batch.run(list_shards(job.input))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    from shardline.tasks.engine_cache import get_engine
+
+    _wait_for(lambda: get_engine(tiny_model, **FEW_AT_A_TIME).llm_engine.get_num_unfinished_requests() > 0,
+              "rows in the engine")
+    batch.abort()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
+    assert get_engine(tiny_model, **FEW_AT_A_TIME).llm_engine.get_num_unfinished_requests() == 0
+    assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
+
