@@ -73,8 +73,6 @@ def test_n_samples_write_texts(tmp_path, make_job):
 
 
 def test_chat_rows(tmp_path, make_job, tiny_model):
-    if not hasattr(LLM, "render_chat"):
-        pytest.skip("the engine has no LLM.render_chat yet")
     messages = [{"role": "user", "content": "Hello there"}]
     shard = _one_shard(tmp_path, [{"messages": messages}, {"messages": [{"role": "user"}]}])
     process_shard(shard, make_job(task="chat"))
@@ -85,8 +83,6 @@ def test_chat_rows(tmp_path, make_job, tiny_model):
 
 
 def test_embed_rows(tmp_path, make_job, embedding_model):
-    if not hasattr(LLM, "embed"):
-        pytest.skip("the engine has no LLM.embed yet")
     shard = _one_shard(tmp_path, [{"prompt": "a sentence"}, {"prompt": ""}])
     process_shard(shard, make_job(task="embed", model=embedding_model, engine_options={}))
     table = pq.read_table(tmp_path / "out" / "part-0.parquet")
