@@ -226,13 +226,19 @@ def paged_attention_forward(
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
-def _no_mask(*args, **kwargs) -> None:
+def no_mask(*args, **kwargs) -> None:
     """The engine masks inside its attention; transformers must not build a mask."""
     return None
 
 
+def register_implementation(name: str, attention_function) -> str:
+    """Register ``attention_function`` with transformers under ``name``, with no mask
+    construction (idempotent); return the name."""
+    AttentionInterface.register(name, attention_function)
+    AttentionMaskInterface.register(name, no_mask)
+    return name
+
+
 def register() -> str:
-    """Register the engine's attention with transformers (idempotent); return its name."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-    return ATTN_IMPLEMENTATION
+    """Register the engine's paged attention; return its implementation name."""
+    return register_implementation(ATTN_IMPLEMENTATION, paged_attention_forward)

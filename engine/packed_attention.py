@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+
+from .attention import register_implementation
 
 PACKED_ATTN_IMPLEMENTATION = "shardline_packed"
 
@@ -202,13 +202,6 @@ def packed_attention_forward(
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The packed attention masks by sequence itself; transformers must not build a mask."""
-    return None
-
-
 def register() -> str:
-    """Register the packed attention with transformers (idempotent); return its name."""
-    AttentionInterface.register(PACKED_ATTN_IMPLEMENTATION, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED_ATTN_IMPLEMENTATION, _no_mask)
-    return PACKED_ATTN_IMPLEMENTATION
+    """Register the packed attention with transformers; return its implementation name."""
+    return register_implementation(PACKED_ATTN_IMPLEMENTATION, packed_attention_forward)
