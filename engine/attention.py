@@ -41,12 +41,26 @@ class AttentionContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     max_query_len: int
     max_seq_len: int
+    # "triton" runs the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1),
+    # "torch" the plain torch path; "auto" picks Triton for CUDA tensors.
+    backend: str = "auto"
+    # int32 copies of the per-request indices, which the Triton kernels take.
+    _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
     # Torch-path gather plans, built lazily once per step and shared by all layers.
     _plans: "list[TorchAttentionPlan] | None" = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def uses_triton(self, query: torch.Tensor) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
+
+    def kernel_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc, seq_lens) as int32, built once per step."""
+        if self._kernel_indices is None:
+            self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
+        return self._kernel_indices
 
     def torch_plans(self) -> "list[TorchAttentionPlan]":
         if self._plans is None:
@@ -209,12 +223,13 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    if q.is_cuda:
+    if shardline_ctx.uses_triton(q):
         from .kernels import paged_attention, store_kv_cache
 
+        query_start_loc, seq_lens = shardline_ctx.kernel_indices()
         store_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, shardline_ctx.slot_mapping)
         out = paged_attention(
-            q.contiguous(), k_cache, v_cache, shardline_ctx.query_start_loc, shardline_ctx.seq_lens,
+            q.contiguous(), k_cache, v_cache, query_start_loc, seq_lens,
             shardline_ctx.block_tables, scaling, sliding_window=sliding_window, softcap=softcap,
             max_query_len=shardline_ctx.max_query_len,
         )

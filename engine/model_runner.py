@@ -79,6 +79,7 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.lora_manager = None  # a LoRAManager when enable_lora
+        self.attention_backend = "auto"  # see AttentionContext.backend
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -120,6 +121,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             max_query_len=max(q - p for p, q in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
+            backend=self.attention_backend,
         )
         model_inputs = dict(
             input_ids=torch.tensor([token_ids], dtype=torch.int64, device=dev),
