@@ -59,7 +59,7 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs, None)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.sampling_type == SamplingType.GREEDY for r in rows])
+        greedy = torch.tensor([r.params.sampling_type == SamplingType.GREEDY for r in rows], device=logits.device)
         token_ids = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return token_ids
@@ -82,7 +82,7 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch
 
     Per-row settings are gathered into flat (row, token) index lists first, so each
     processor is one indexed tensor operation over the whole batch."""
-    vocab_size = logits.shape[1]
+    vocab_size, device = logits.shape[1], logits.device
     allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values, ban_rows, ban_ids = ([] for _ in range(7))
     for i, row in enumerate(rows):
         params = row.params
@@ -105,11 +105,12 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch
         keep[allowed_rows, allowed_ids] = True
         logits = logits.masked_fill(~keep, float("-inf"))
     if bias_rows:
-        logits = logits.index_put((torch.tensor(bias_rows), torch.tensor(bias_ids)),
-                                  torch.tensor(bias_values, dtype=logits.dtype), accumulate=True)
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+        logits = logits.index_put(index, torch.tensor(bias_values, dtype=logits.dtype, device=device),
+                                  accumulate=True)
     if ban_rows:
-        logits = logits.index_put((torch.tensor(ban_rows), torch.tensor(ban_ids)),
-                                  torch.tensor(float("-inf"), dtype=logits.dtype))
+        index = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+        logits = logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
     if any(_has_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
     return logits
@@ -148,9 +149,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     output_counts = _token_counts([r.request.output_token_ids for r in rows], vocab_size, logits.device)
     prompt_seen = _token_counts([r.request.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
     dtype = logits.dtype
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype)[:, None]
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dtype)[:, None]
-    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=dtype)[:, None]
+    device = logits.device
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype, device=device)[:, None]
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dtype, device=device)[:, None]
+    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=dtype, device=device)[:, None]
     seen = prompt_seen | (output_counts > 0)
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
@@ -162,12 +164,13 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.T
     """Temperature, top-k, top-p, min-p, then inverse-CDF sampling. logits: [N, V]."""
     dtype = logits.dtype
     vocab_size = logits.shape[1]
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype)[:, None]
-    top_k = torch.tensor([r.params.top_k or vocab_size for r in rows])[:, None]
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype)[:, None]
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype)[:, None]
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)[:, None]
+    top_k = torch.tensor([r.params.top_k or vocab_size for r in rows], device=device)[:, None]
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)[:, None]
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)[:, None]
     sorted_logits, sorted_ids = torch.sort(logits / temperature, dim=-1, descending=True)
-    ranks = torch.arange(vocab_size)[None, :]
+    ranks = torch.arange(vocab_size, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # top-p keeps the smallest prefix whose mass reaches top_p (always the first token).
@@ -176,7 +179,7 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.T
     outside[:, 0] = False
     probs = probs.masked_fill(outside, 0.0)
     cdf = torch.cumsum(probs, dim=-1)
-    targets = uniforms.to(dtype)[:, None] * cdf[:, -1:]
+    targets = uniforms.to(device=device, dtype=dtype)[:, None] * cdf[:, -1:]
     picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab_size - 1)
     # Never land on a zero-probability token through rounding at the cdf's end.
     last_kept = (probs > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)
