@@ -64,7 +64,9 @@ class AttentionContext:
 
     def torch_plans(self) -> "list[TorchAttentionPlan]":
         if self._plans is None:
-            self._plans = [TorchAttentionPlan.build(self, group) for group in length_groups(self.seq_lens)]
+            query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            self._plans = [TorchAttentionPlan.build(self, group)
+                           for group in attention_groups(query_lens, self.seq_lens)]
         return self._plans
 
 
@@ -74,13 +76,25 @@ MAX_LENGTH_GROUPS = 4
 MIN_GROUP_SIZE = 8
 
 
-def length_groups(seq_lens: torch.Tensor) -> list[torch.Tensor]:
-    """Request indices split into up to MAX_LENGTH_GROUPS groups of similar context length."""
-    num_groups = max(1, min(MAX_LENGTH_GROUPS, len(seq_lens) // MIN_GROUP_SIZE))
+def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Request indices in groups that pad little: decoding requests (one query
+    token) apart from prefill chunks, and each kind split into up to
+    MAX_LENGTH_GROUPS groups of similar context length."""
+    decoding = query_lens == 1
+    if bool(decoding.all()) or not bool(decoding.any()):
+        return length_groups(seq_lens, torch.arange(len(seq_lens), device=seq_lens.device))
+    return [group for kind in (decoding, ~decoding)
+            for group in length_groups(seq_lens, kind.nonzero().flatten())]
+
+
+def length_groups(seq_lens: torch.Tensor, requests: torch.Tensor) -> list[torch.Tensor]:
+    """``requests`` split into up to MAX_LENGTH_GROUPS groups of similar context length.
+    One group keeps the given order (all requests in packed order: no scatter back)."""
+    num_groups = max(1, min(MAX_LENGTH_GROUPS, len(requests) // MIN_GROUP_SIZE))
     if num_groups == 1:
-        # Packed order kept: outputs need no scatter back.
-        return [torch.arange(len(seq_lens), device=seq_lens.device)]
-    return list(torch.tensor_split(torch.argsort(seq_lens), num_groups))
+        return [requests]
+    order = requests[torch.argsort(seq_lens[requests])]
+    return list(torch.tensor_split(order, num_groups))
 
 
 @dataclass
