@@ -189,25 +189,44 @@ def torch_paged_attention(
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan,
             scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """One plan's attention; returns [n, H, D] for its valid queries in plan order."""
-    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     q = query[plan.query_index].transpose(1, 2)  # [B, H, Qmax, D]
-    k = plan.gather(k_cache)  # [B, Hkv, Lmax, D]
-    v = plan.gather(v_cache)
-    mask = plan.mask(sliding_window)
+    k = plan.gather(k_cache).to(q.dtype)  # [B, Hkv, Lmax, D]
+    v = plan.gather(v_cache).to(q.dtype)
+    out = padded_attention(q, k, v, plan.mask(sliding_window), False, scale, softcap)
+    return out.transpose(1, 2)[plan.query_valid]
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over padded per-request tensors, GQA by head groups, optional softcap.
+
+    q: [b, H, Q, D]; k, v: [b, Hkv, L, D]; mask: bool, broadcastable to [b, H, Q, L]
+    (True = attend), or None with ``causal``; returns [b, H, Q, D]."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if softcap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-    else:
-        group = num_heads // num_kv_heads
-        k = k.to(q.dtype).repeat_interleave(group, dim=1)
-        v = v.to(q.dtype).repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = softcap * torch.tanh(scores / softcap)
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        length = q.shape[2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-    return out.transpose(1, 2)[plan.query_valid]
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype), v)
 
 
 def paged_attention_forward(

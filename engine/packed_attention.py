@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import register_implementation
+from .attention import padded_attention, register_implementation
 
 PACKED_ATTN_IMPLEMENTATION = "shardline_packed"
 
@@ -129,36 +129,6 @@ def _build_buckets(seq_lens: tuple[int, ...], device: torch.device) -> list[Pack
     return buckets
 
 
-def packed_tile_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Attention of one padded tile. q: [b, H, L, D]; k, v: [b, Hkv, L, D]; returns [b, H, L, D]."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if softcap is None:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    if mask is None and causal:
-        length = q.shape[2]
-        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype), v)
-
-
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -194,7 +164,7 @@ def packed_attention_forward(
     v = value[0].transpose(0, 1).to(q.dtype).contiguous()
     out = torch.empty_like(q)
     for bucket in shardline_packed_ctx.buckets():
-        tile = packed_tile_attention(
+        tile = padded_attention(
             bucket.gather(q), bucket.gather(k), bucket.gather(v),  # [b, H|Hkv, L, D]
             bucket.mask(bool(causal), sliding_window), bool(causal), scaling, softcap,
         )
