@@ -42,7 +42,8 @@ class AttentionContext:
     max_query_len: int
     max_seq_len: int
     # "triton" runs the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1),
-    # "torch" the plain torch path; "auto" picks Triton for CUDA tensors.
+    # "torch" the plain torch path; "auto" picks Triton for CUDA tensors, except
+    # float64 ones (the kernels take 16- and 32-bit floats).
     backend: str = "auto"
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
@@ -54,7 +55,8 @@ class AttentionContext:
         return int(self.seq_lens.shape[0])
 
     def uses_triton(self, query: torch.Tensor) -> bool:
-        return self.backend == "triton" or (self.backend == "auto" and query.is_cuda)
+        return self.backend == "triton" or (self.backend == "auto" and query.is_cuda
+                                            and query.dtype != torch.float64)
 
     def kernel_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(query_start_loc, seq_lens) as int32, built once per step."""

@@ -26,7 +26,8 @@ class EngineConfig:
     ``task`` "auto" generates with causal-LM checkpoints and embeds with the
     others; "embed" pools a decoder's hidden states instead. ``max_model_len`` None means the model's own limit (capped by what the KV
     cache can hold); ``kv_cache_memory_bytes`` None means a default budget on CPU
-    and ``gpu_memory_utilization`` of the GPU on CUDA.
+    and ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
+    CUDA graphs that decode steps replay on a GPU.
     """
 
     model: str

@@ -53,6 +53,9 @@ class LLMEngine:
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device)
         self.runner.lora_manager = self.lora_manager
+        if (self.device.type == "cuda" and not config.enforce_eager and self.lora_manager is None
+                and loaded.dtype != torch.float64):  # float64 attention runs on the torch path
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -68,6 +71,7 @@ class LLMEngine:
         self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = itertools.count()
+        self.num_steps = 0  # forward passes run, for benchmarks and diagnostics
 
     # ----------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -166,6 +170,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self.num_steps += 1
         try:
             model_output = self.runner.execute(scheduler_output)
         except BaseException:

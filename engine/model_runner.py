@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from .attention import AttentionContext
+from .cuda_graphs import DecodeGraphs
 from .config import EngineConfig
 from .scheduler import ScheduledRequest, SchedulerOutput
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.spec = spec
         self.lora_manager = None  # a LoRAManager when enable_lora
         self.attention_backend = "auto"  # see AttentionContext.backend
+        self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -87,6 +89,22 @@ class ModelRunner:
             (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
+        (see engine/cuda_graphs.py); without capture the same path runs eagerly."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs,
+                                          max_model_len, self.device)
+        if capture:
+            self.decode_graphs.capture()
+
+    def _uses_decode_graphs(self, scheduler_output: SchedulerOutput) -> bool:
+        graphs = self.decode_graphs
+        triton = self.attention_backend == "triton" or (
+            self.attention_backend == "auto" and self.device.type == "cuda" and self.spec.dtype != torch.float64)
+        return (graphs is not None and triton and self.lora_manager is None
+                and graphs.padded_size(len(scheduler_output.scheduled)) is not None
+                and graphs.qualifies(scheduler_output))
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, "LogitsPlan"]:
         """Build the packed batch: model kwargs, and which positions need logits."""
@@ -133,6 +151,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> "ModelOutput":
         """Run the model on the scheduled tokens; return the logits the step needs."""
+        if self._uses_decode_graphs(scheduler_output):
+            logits, sample_rows = self.decode_graphs.run(scheduler_output)
+            return ModelOutput(logits, sample_rows, {})
         model_inputs, plan = self.prepare_inputs(scheduler_output)
         keep = torch.tensor(plan.keep, dtype=torch.int64, device=self.device)
         if self.lora_manager is not None:

@@ -59,14 +59,15 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs, None)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.sampling_type == SamplingType.GREEDY for r in rows], device=logits.device)
+        # Which rows sample is known on the host: deciding it from a device tensor
+        # would wait for the forward pass before any of the sampling is queued.
+        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
         token_ids = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if not random_rows:
             return token_ids
-        random_rows = (~greedy).nonzero().flatten()
-        sub_rows = [rows[i] for i in random_rows.tolist()]
-        sampled = sample_random(logits[random_rows], sub_rows, self._uniforms(sub_rows))
-        token_ids[random_rows] = sampled
+        sub_rows = [rows[i] for i in random_rows]
+        index = to_device(random_rows, torch.int64, logits.device)
+        token_ids[index] = sample_random(logits[index], sub_rows, self._uniforms(sub_rows))
         return token_ids
 
     def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
@@ -105,15 +106,20 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch
         keep[allowed_rows, allowed_ids] = True
         logits = logits.masked_fill(~keep, float("-inf"))
     if bias_rows:
-        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
-        logits = logits.index_put(index, torch.tensor(bias_values, dtype=logits.dtype, device=device),
-                                  accumulate=True)
+        index = (to_device(bias_rows, torch.int64, device), to_device(bias_ids, torch.int64, device))
+        logits = logits.index_put(index, to_device(bias_values, logits.dtype, device), accumulate=True)
     if ban_rows:
-        index = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
-        logits = logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+        index = (to_device(ban_rows, torch.int64, device), to_device(ban_ids, torch.int64, device))
+        logits = logits.index_put(index, torch.full((), float("-inf"), dtype=logits.dtype, device=device))
     if any(_has_penalties(r.params) for r in rows):
         logits = apply_penalties(logits, rows)
     return logits
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, copied without waiting for the device's
+    queued work (a blocking copy would synchronise with the forward pass)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def bad_word_bans(output_token_ids: list[int], bad_words_ids: list[list[int]]) -> tuple[int, ...]:
@@ -139,7 +145,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
         padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
     counts = torch.zeros((len(token_lists), vocab_size + 1), dtype=torch.int64)
     counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab_size].to(device)
+    return counts[:, :vocab_size].to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -150,9 +156,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     prompt_seen = _token_counts([r.request.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
     dtype = logits.dtype
     device = logits.device
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype, device=device)[:, None]
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dtype, device=device)[:, None]
-    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=dtype, device=device)[:, None]
+    repetition = to_device([r.params.repetition_penalty for r in rows], dtype, device)[:, None]
+    frequency = to_device([r.params.frequency_penalty for r in rows], dtype, device)[:, None]
+    presence = to_device([r.params.presence_penalty for r in rows], dtype, device)[:, None]
     seen = prompt_seen | (output_counts > 0)
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
@@ -165,10 +171,10 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.T
     dtype = logits.dtype
     vocab_size = logits.shape[1]
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)[:, None]
-    top_k = torch.tensor([r.params.top_k or vocab_size for r in rows], device=device)[:, None]
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)[:, None]
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)[:, None]
+    temperature = to_device([r.params.temperature for r in rows], dtype, device)[:, None]
+    top_k = to_device([r.params.top_k or vocab_size for r in rows], torch.int64, device)[:, None]
+    top_p = to_device([r.params.top_p for r in rows], dtype, device)[:, None]
+    min_p = to_device([r.params.min_p for r in rows], dtype, device)[:, None]
     sorted_logits, sorted_ids = torch.sort(logits / temperature, dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
@@ -179,7 +185,7 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.T
     outside[:, 0] = False
     probs = probs.masked_fill(outside, 0.0)
     cdf = torch.cumsum(probs, dim=-1)
-    targets = uniforms.to(device=device, dtype=dtype)[:, None] * cdf[:, -1:]
+    targets = uniforms.to(device=device, dtype=dtype, non_blocking=True)[:, None] * cdf[:, -1:]
     picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab_size - 1)
     # Never land on a zero-probability token through rounding at the cdf's end.
     last_kept = (probs > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)

@@ -1,4 +1,5 @@
-"""Kernel tests run on CPU tensors through Triton's interpreter.
+"""Kernel tests run on CPU tensors through Triton's interpreter, or, on a machine
+with CUDA, on the GPU with the kernels compiled (same tests, tensors on DEVICE).
 
 TRITON_INTERPRET must be set before triton is first imported: triton.jit reads it
 when a function is decorated, and triton's own library functions (tl.sum, tl.max,
@@ -11,13 +12,17 @@ fix is to set the variable in a conftest nearer the root, or in the environment.
 import os
 import sys
 
-TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402  (importing torch does not import triton)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_IMPORTED_TOO_EARLY = (DEVICE == "cpu" and "triton" in sys.modules
+                             and os.environ.get("TRITON_INTERPRET") != "1")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,12 +84,12 @@ def make_paged_batch(
     query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     return PagedBatch(
-        q=q.to(dtype),
-        k_cache=k_cache.to(dtype),
-        v_cache=v_cache.to(dtype),
-        query_start_loc=query_start_loc.to(torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
+        q=q.to(DEVICE, dtype),
+        k_cache=k_cache.to(DEVICE, dtype),
+        v_cache=v_cache.to(DEVICE, dtype),
+        query_start_loc=query_start_loc.to(DEVICE, torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
     )
 
 

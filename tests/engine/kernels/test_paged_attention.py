@@ -11,6 +11,8 @@ from shardline.engine.kernels import (
     triton_available,
 )
 
+from .conftest import DEVICE
+
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 # (context_lens, query_lens): cached tokens and new tokens per sequence.
@@ -107,7 +109,7 @@ def test_other_shapes(paged_batch, num_heads, num_kv_heads, head_dim, block_size
 def test_strided_q_and_empty_query(paged_batch):
     # A sequence with no new tokens is skipped; q is a view into a fused qkv tensor.
     batch = paged_batch([10, 30, 4], [5, 0, 1], num_heads=4, num_kv_heads=2)
-    qkv = torch.randn(batch.q.shape[0], 8, batch.q.shape[2])
+    qkv = torch.randn(batch.q.shape[0], 8, batch.q.shape[2], device=DEVICE)
     qkv[:, :4] = batch.q
     batch.q = qkv[:, :4]
     assert not batch.q.is_contiguous()
@@ -128,21 +130,21 @@ def test_chunked_prefill_then_decode_matches_dense_attention():
     # ordinary causal attention over the whole sequence.
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, seq_len = 4, 2, 64, 16, 45
-    q = torch.randn(seq_len, num_heads, head_dim)
-    k = torch.randn(seq_len, num_kv_heads, head_dim)
-    v = torch.randn(seq_len, num_kv_heads, head_dim)
-    k_cache = torch.zeros(6, block_size, num_kv_heads, head_dim)
+    q = torch.randn(seq_len, num_heads, head_dim, device=DEVICE)
+    k = torch.randn(seq_len, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(seq_len, num_kv_heads, head_dim, device=DEVICE)
+    k_cache = torch.zeros(6, block_size, num_kv_heads, head_dim, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    block_table = torch.tensor([[4, 0, 5]], dtype=torch.int32)
-    slots = (block_table[0].long()[torch.arange(seq_len) // block_size] * block_size
-             + torch.arange(seq_len) % block_size)
+    block_table = torch.tensor([[4, 0, 5]], dtype=torch.int32, device=DEVICE)
+    offsets = torch.arange(seq_len, device=DEVICE)
+    slots = block_table[0].long()[offsets // block_size] * block_size + offsets % block_size
     out = torch.empty_like(q)
     for start, end in [(0, 20), (20, 44), (44, 45)]:  # two prefill chunks, one decode
         store_kv_cache(k[start:end], v[start:end], k_cache, v_cache, slots[start:end])
         out[start:end] = paged_attention(
             q[start:end], k_cache, v_cache,
-            torch.tensor([0, end - start], dtype=torch.int32),
-            torch.tensor([end], dtype=torch.int32), block_table, head_dim**-0.5)
+            torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE),
+            torch.tensor([end], dtype=torch.int32, device=DEVICE), block_table, head_dim**-0.5)
     dense = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
         v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
@@ -154,7 +156,7 @@ def test_reference_matches_dense_attention(paged_batch, sliding_window):
     batch = paged_batch([0], [30], num_heads=4, num_kv_heads=1, dtype=torch.float64)
     k = batch.k_cache[batch.block_tables[0, :2].long()].reshape(-1, 1, 64)[:30]
     v = batch.v_cache[batch.block_tables[0, :2].long()].reshape(-1, 1, 64)[:30]
-    pos = torch.arange(30)
+    pos = torch.arange(30, device=DEVICE)
     visible = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         visible &= pos[:, None] - pos[None, :] < sliding_window

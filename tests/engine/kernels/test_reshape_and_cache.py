@@ -5,6 +5,8 @@ import torch
 
 from shardline.engine.kernels import store_kv_cache, store_kv_cache_reference, triton_available
 
+from .conftest import DEVICE
+
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
@@ -17,7 +19,7 @@ def make_store_case(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, nu
     v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
     slots[::3] = -1  # every third token is not stored
-    return k, v, k_cache, v_cache, slots
+    return tuple(t.to(DEVICE) for t in (k, v, k_cache, v_cache, slots))
 
 
 def assert_store_matches_reference(k, v, k_cache, v_cache, slots):
@@ -46,7 +48,7 @@ def test_reference_writes_the_slots():
 
 def test_strided_views_of_fused_qkv():
     k, v, k_cache, v_cache, slots = make_store_case(12, 2, 64, torch.bfloat16)
-    qkv = torch.randn(12, 8, 64).to(torch.bfloat16)  # [T, H + 2 * Hkv, D]
+    qkv = torch.randn(12, 8, 64, device=DEVICE).to(torch.bfloat16)  # [T, H + 2 * Hkv, D]
     qkv[:, 4:6], qkv[:, 6:8] = k, v
     assert_store_matches_reference(qkv[:, 4:6], qkv[:, 6:8], k_cache, v_cache, slots)
 

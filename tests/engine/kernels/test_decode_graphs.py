@@ -1,0 +1,61 @@
+"""The decode path over static buffers (what CUDA graphs replay) gives the same
+tokens as the packed path. Without CUDA it runs eagerly, Triton kernels through the
+interpreter, so the padding rows (no KV write, no query, no context), the int32
+indices and the block tables are checked here; a GPU replays the same buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardline import LLM, SamplingParams
+from shardline.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from shardline.engine.tiny import build_tiny_model
+
+from ..hf_reference import random_prompts
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[-3:] == [240, 248, 256]
+    assert capture_sizes(4096)[-1] == 512
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
+    runs = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, out: runs.append(len(out.scheduled)) or run(self, out))
+    model_dir = str(build_tiny_model(tmp_path / arch, arch))
+    # Five requests: padded to 8 rows; different lengths finish at different steps,
+    # so later steps pad more rows; n=2 forks share blocks.
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, (20, 70), 512, seed=5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=1)
+              for i in range(5)]
+    params[1] = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    results = {}
+    for static in (False, True):
+        llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static)
+        runner = llm.llm_engine.runner
+        runner.attention_backend = "triton"
+        if static and runner.decode_graphs is None:  # no CUDA: the same buffers, run eagerly
+            runner.enable_decode_graphs(6, llm.llm_engine.max_model_len, capture=False)
+        assert bool(static and runner.decode_graphs.graphs) == (static and torch.cuda.is_available())
+        results[static] = llm.generate(prompts, params, use_tqdm=False)
+    assert runs and max(runs) == 6 and min(runs) < 6  # the static path ran, also with padding rows
+    for packed, static in zip(results[False], results[True]):
+        for a, b in zip(packed.outputs, static.outputs):
+            assert b.token_ids == a.token_ids
+            if a.cumulative_logprob is not None:
+                assert abs(b.cumulative_logprob - a.cumulative_logprob) < 1e-3
+
+
+def test_prefill_steps_do_not_qualify(tmp_path):
+    model_dir = str(build_tiny_model(tmp_path / "llama", "llama"))
+    llm = LLM(model_dir, dtype="float32")
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+    prefill = engine.scheduler.schedule()
+    assert not DecodeGraphs.qualifies(prefill)
