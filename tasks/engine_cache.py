@@ -20,6 +20,13 @@ worker another GPU. A cached engine on a GPU this task was not given is closed; 
 CUDA was already initialised in this process on other devices, CUDA cannot switch,
 and ``EngineBindingError`` says so instead of running on the wrong GPU.
 
+Where the engine runs (``EngineHost``): in this process, driven by a ShardRunner
+thread (``thread``, the default); in a child process this process owns (``child``,
+closed with the cache); or in the host's shared engine service (``service``), a
+detached process that outlives this one and serves every process of the same user
+with the same engine configuration (tasks/engine_client.py, tasks/engine_service.py).
+For the last two the cache holds a client with the ShardRunner interface.
+
 Diagnostics: with ``SHARDLINE_ENGINE_EVENTS`` set to a file path, every engine load
 appends one JSON line (pid, host, model, binding, loads in this process), so one can
 see where engines were loaded across a cluster.
@@ -28,6 +35,7 @@ see where engines were loaded across a cluster.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import socket
@@ -40,8 +48,17 @@ from .runner import ShardRunner
 
 ENGINE_EVENTS_ENV = "SHARDLINE_ENGINE_EVENTS"
 
+
+class EngineHost(str, enum.Enum):
+    """Which process runs the engine that a process's shards go to."""
+
+    THREAD = "thread"
+    CHILD = "child"
+    SERVICE = "service"
+
+
 _LOCK = threading.Lock()
-_RUNNERS: dict[str, ShardRunner] = {}
+_RUNNERS: dict[str, Any] = {}  # cache key -> ShardRunner, or a client of an engine process
 _BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
 _LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
 _HOLDERS = 0  # flow runs in this process inside engines_held()
@@ -61,8 +78,13 @@ def accelerator_binding() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def get_runner(model: str, **engine_options: Any) -> ShardRunner:
-    """The ShardRunner of this process's engine for ``model`` and ``engine_options``."""
+def get_runner(model: str, *, engine_host: EngineHost = EngineHost.THREAD, **engine_options: Any) -> Any:
+    """The ShardRunner for ``model`` and ``engine_options``: this process's own (loaded
+    on first use), or a client of the engine process ``engine_host`` names, which
+    offers the same run_shard / abort_shard / close."""
+    host = EngineHost(engine_host)
+    if host is not EngineHost.THREAD:
+        return _get_client(host, model, engine_options)
     key = engine_key(model, engine_options)
     binding = accelerator_binding()
     stale: ShardRunner | None = None
@@ -74,13 +96,43 @@ def get_runner(model: str, **engine_options: Any) -> ShardRunner:
         if runner is None:
             if stale is not None:
                 _close(stale)  # free its memory before loading on the newly given device
-            from shardline.engine.llm import LLM  # torch loads with the first engine only
-
-            runner = ShardRunner(LLM(model, **engine_options))
+            runner = _load(model, engine_options, key, binding)
             _RUNNERS[key], _BINDINGS[key] = runner, binding
-            _LOADS[key] = _LOADS.get(key, 0) + 1
-            _record_load(model, key, binding)
         return runner
+
+
+def load_runner(model: str, engine_options: dict[str, Any], owner_drives: bool = False) -> ShardRunner:
+    """Load an engine outside the cache, for a process that owns its one engine (the
+    engine service); the load is counted and recorded as the cache's are."""
+    with _LOCK:
+        return _load(model, engine_options, engine_key(model, engine_options), accelerator_binding(),
+                     owner_drives)
+
+
+def _load(model: str, engine_options: dict[str, Any], key: str, binding: str | None,
+          owner_drives: bool = False) -> ShardRunner:
+    from shardline.engine.llm import LLM  # torch loads with the first engine only
+
+    runner = ShardRunner(LLM(model, **engine_options), owner_drives=owner_drives)
+    _LOADS[key] = _LOADS.get(key, 0) + 1
+    _record_load(model, key, binding)
+    return runner
+
+
+def _get_client(host: EngineHost, model: str, engine_options: dict[str, Any]) -> Any:
+    """A client of the engine process for this configuration and this process's GPUs:
+    the host's shared service (started on first use) or a child of this process."""
+    from . import engine_client
+
+    key = f"{host.value}|{accelerator_binding()}|{engine_key(model, engine_options)}"
+    with _LOCK:
+        client = _RUNNERS.get(key)
+        if client is None:
+            client = (engine_client.SharedServiceRunner if host is EngineHost.SERVICE
+                      else engine_client.ChildServiceRunner)(model, engine_options)
+            _RUNNERS[key] = client
+    client.ensure_started()  # outside the lock: a first start loads the model
+    return client
 
 
 def get_engine(model: str, **engine_options: Any) -> Any:
@@ -126,9 +178,10 @@ def engine_loads() -> dict[str, int]:
         return dict(_LOADS)
 
 
-def _close(runner: ShardRunner) -> None:
+def _close(runner: Any) -> None:
     runner.close()
-    runner.llm.close()
+    if isinstance(runner, ShardRunner):
+        runner.llm.close()
 
 
 def _check_can_rebind(loaded_on: str | None, given: str | None) -> None:

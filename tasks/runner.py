@@ -96,7 +96,8 @@ class _ShardWork:
 class ShardRunner:
     """Streams shards through one ``LLM``'s engine from a single driver thread."""
 
-    def __init__(self, llm: Any, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy()) -> None:
+    def __init__(self, llm: Any, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy(),
+                 owner_drives: bool = False) -> None:
         self.llm = llm
         self._engine = llm.llm_engine
         self._max_queued = max_queued or 2 * llm.engine_config.max_num_seqs
@@ -107,6 +108,7 @@ class ShardRunner:
         self._active: set[_ShardWork] = set()  # submitted, not yet returned to their caller
         self._retry_ids = itertools.count(1)
         self._thread: threading.Thread | None = None
+        self._driven_by_owner = owner_drives  # the owner calls drive(); run_shard starts no thread
         self._closed = False
         self._abort_keys: set[str] = set()  # shards to abort, handed to the driver
 
@@ -120,7 +122,7 @@ class ShardRunner:
                 raise RunnerError("the shard runner is closed")
             self._queue.append(work)
             self._active.add(work)
-            if self._thread is None or not self._thread.is_alive():
+            if not self._driven_by_owner and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._drive, name="shardline-engine-driver", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -151,8 +153,22 @@ class ShardRunner:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread() \
+                and not self._driven_by_owner:
             self._thread.join()
+
+    def drive(self) -> None:
+        """Run the driver loop in the calling thread until ``close()``.
+
+        For a runner made with ``owner_drives=True`` in a process whose main thread has
+        nothing else to do (the engine service):
+        torch runs slower on a secondary thread on some machines, so the engine loop
+        gets the main thread and shard callers stay on theirs."""
+        with self._cond:
+            if not self._driven_by_owner or self._thread is not None:
+                raise RunnerError("drive() needs a runner made with owner_drives=True, and runs once")
+            self._thread = threading.current_thread()
+        self._drive()
 
     # ------------------------------------------------------------ driver thread
     def _drive(self) -> None:

@@ -1,8 +1,10 @@
 """The work on one shard, as plain functions: read, run, write, or all three.
 
 Each is what a Prefect task (tasks/prefect_tasks.py) or an Airflow operator wraps.
-``run_shard`` hands the shard's good rows to this process's engine through the
-engine cache's ShardRunner, so shards running in other threads share one engine.
+``run_shard`` hands the shard's good rows to the engine through the engine cache's
+ShardRunner, so shards running in other threads share one engine; ``engine_host``
+says whether that engine runs in this process, a child process or the host's
+shared engine service (tasks/engine_client.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine_cache import get_runner
+from .engine_cache import EngineHost, get_runner
 from .job import BatchJob
 from .rows import PreparedShard, prepare_shard
 from .runner import RowResult
@@ -40,13 +42,13 @@ def read_shard(shard: Shard, job: BatchJob) -> PreparedShard:
     return prepared
 
 
-def run_shard(prepared: PreparedShard, job: BatchJob) -> ShardRun:
-    """Run every valid row of ``prepared`` through this process's engine for ``job``."""
+def run_shard(prepared: PreparedShard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> ShardRun:
+    """Run every valid row of ``prepared`` through the engine for ``job`` on ``engine_host``."""
     requests = [row.request for row in prepared.rows if row.request is not None]
     started = time.perf_counter()
     results: list[RowResult] = []
     if requests:
-        runner = get_runner(job.model, **job.engine_kwargs())
+        runner = get_runner(job.model, engine_host=engine_host, **job.engine_kwargs())
         results = runner.run_shard(prepared.key, requests)
     seconds = {"read": prepared.read_seconds, "run": round(time.perf_counter() - started, 4)}
     return ShardRun(prepared, {result.index: result for result in results}, seconds)
@@ -57,9 +59,9 @@ def write_shard(run: ShardRun, job: BatchJob) -> dict[str, Any]:
     return write_shard_output(run.prepared, run.results, job, run.seconds)
 
 
-def process_shard(shard: Shard, job: BatchJob) -> dict[str, Any]:
+def process_shard(shard: Shard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> dict[str, Any]:
     """Read, run and write one shard; return its manifest."""
-    manifest = write_shard(run_shard(read_shard(shard, job), job), job)
+    manifest = write_shard(run_shard(read_shard(shard, job), job, engine_host), job)
     logger.info("shard %s: %d rows, %d errors, %d completion tokens", shard.key,
                 manifest["rows"], manifest["errors"], manifest["completion_tokens"])
     return manifest

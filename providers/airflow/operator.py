@@ -32,12 +32,19 @@ class ShardInferenceOperator(BaseOperator):
     :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
     :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
         connection: login, password, extra.endpoint_url); none for local paths.
+    :param engine_service: run the shards on the worker host's shared engine service (the
+        default): the first task instance on a host starts it, later ones connect to it
+        instead of loading the model again, and it exits after
+        ``SHARDLINE_ENGINE_IDLE_TIMEOUT`` seconds (default 600) without work. Off, each
+        task instance loads its own engine in its own process.
 
     Returns one manifest for one shard, else a list of manifests. A shard already done
     with this job's fingerprint is skipped (its manifest is returned), so clearing a
     task reruns only its own shards, and only what is not done. The engine comes from
-    this process's engine cache and stays loaded for later task instances of the
-    process. ``on_kill`` aborts the shards' requests in the engine and writes nothing.
+    the engine service (or this process's engine cache) and stays loaded for later task
+    instances. ``on_kill`` aborts the shards' requests in the engine and writes nothing;
+    a task process killed outright (SIGKILL) breaks its connection, and the service
+    aborts its shards' requests the same way.
     """
 
     template_fields: Sequence[str] = ("job", "shards", "storage_conn_id")
@@ -49,19 +56,21 @@ class ShardInferenceOperator(BaseOperator):
         job: BatchJob | Mapping[str, Any] | str,
         shards: ShardValue | Sequence[ShardValue],
         storage_conn_id: str | None = None,
+        engine_service: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.job = job if isinstance(job, str) else job_fields(job)  # a str is a template
         self.shards = shards
         self.storage_conn_id = storage_conn_id
+        self.engine_service = engine_service
         self._batch: ShardBatch | None = None
 
     def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
         job = make_job(self.job, get_storage_options(self.storage_conn_id))
         one = isinstance(self.shards, Mapping)
         shards = [shard_from_xcom(value) for value in ([self.shards] if one else self.shards)]
-        self._batch = ShardBatch(job)
+        self._batch = ShardBatch(job, engine_service=self.engine_service)
         try:
             manifests = self._batch.run(shards)
         except ShardError as exc:  # the shard itself is bad: retrying cannot help

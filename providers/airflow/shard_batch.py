@@ -6,8 +6,12 @@ test) build a ShardBatch and call ``run``; Airflow's ``on_kill`` calls ``abort``
 Invariants:
 - A shard whose manifest matches the job's fingerprint is skipped (its manifest is
   returned), so a cleared or backfilled task redoes only what is not done.
-- The engine comes from this process's engine cache and is never closed here: a
-  later task instance in the same process reuses it.
+- The engine is never closed here. By default it is the host's shared engine
+  service (tasks/engine_client.py): the first task instance on a worker starts it,
+  later task instances (each a fresh process under Airflow 3) connect to it, and it
+  retires after SHARDLINE_ENGINE_IDLE_TIMEOUT idle seconds. With
+  ``engine_service=False`` it is this process's own, which only later work in the
+  same process reuses.
 - After ``abort`` no output is committed: the shard's rows leave the engine, its
   ``run_shard`` raises ShardAborted, and the check before ``write_shard`` catches an
   abort that came after the last row, or in the instant between handing the rows
@@ -25,7 +29,8 @@ from typing import Any
 
 from shardline.tasks import engine_cache
 from shardline.tasks.job import BatchJob
-from shardline.tasks.runner import ShardAborted, ShardRunner
+from shardline.tasks.engine_cache import EngineHost
+from shardline.tasks.runner import ShardAborted
 from shardline.tasks.shard_job import read_shard, run_shard, write_shard
 from shardline.tasks.shard_writer import completed_manifest
 from shardline.tasks.storage import Shard
@@ -82,12 +87,13 @@ class ShardBatch:
     """Runs shards of one job in this process, ``job.shards_in_flight`` at a time, so
     their rows share one continuous batch; ``abort`` (any thread) stops them."""
 
-    def __init__(self, job: BatchJob) -> None:
+    def __init__(self, job: BatchJob, engine_service: bool = True) -> None:
         self.job = job
+        self.engine_host = EngineHost.SERVICE if engine_service else EngineHost.THREAD
         self._aborted = threading.Event()
         self._lock = threading.RLock()  # reentrant: abort may run in a signal handler
         self._running: set[str] = set()  # shard keys handed to the runner
-        self._runner: ShardRunner | None = None
+        self._runner: Any = None  # a ShardRunner, or a client of the engine service
 
     def run(self, shards: list[Shard]) -> list[dict[str, Any]]:
         """Each shard's manifest, in order; a failed shard raises after the others finish."""
@@ -114,14 +120,15 @@ class ShardBatch:
         prepared = read_shard(shard, self.job)
         if any(row.request is not None for row in prepared.rows):
             # the cached runner that run_shard uses; loaded outside the lock, which abort takes
-            runner = engine_cache.get_runner(self.job.model, **self.job.engine_kwargs())
+            runner = engine_cache.get_runner(self.job.model, engine_host=self.engine_host,
+                                             **self.job.engine_kwargs())
             with self._lock:
                 self._runner = runner
         with self._lock:
             self._raise_if_aborted(shard)
             self._running.add(shard.key)
         try:
-            run = run_shard(prepared, self.job)
+            run = run_shard(prepared, self.job, self.engine_host)
         finally:
             with self._lock:
                 self._running.discard(shard.key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,9 @@ else:
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
         "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
+        # the operator's shared engine services: their files here, gone soon after the tests
+        "SHARDLINE_RUNTIME_DIR": str(AIRFLOW_HOME / "run"),
+        "SHARDLINE_ENGINE_IDLE_TIMEOUT": "60",
     })
 
 
@@ -48,7 +52,17 @@ def airflow_db():
 
 def pytest_sessionfinish(session, exitstatus):
     if "AIRFLOW_HOME" in globals():
+        stop_engine_services(AIRFLOW_HOME / "run")
         shutil.rmtree(AIRFLOW_HOME, ignore_errors=True)
+
+
+def stop_engine_services(runtime_dir: Path) -> None:
+    """SIGTERM every shared engine service with files in ``runtime_dir`` (they retire cleanly)."""
+    for pid_file in runtime_dir.glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass  # already gone
 
 
 @pytest.fixture(autouse=True)

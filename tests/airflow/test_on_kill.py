@@ -12,11 +12,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 
 from shardline.providers.airflow.shard_batch import ShardBatch, make_job
 from shardline.tasks.runner import ShardAborted
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.storage import list_shards
+
+from .engine_services import requests_in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
 # Rows that cannot finish before the kill: many long completions, few at a time.
@@ -38,30 +41,27 @@ def _wait_for(condition, what: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-# The child runs the one-shard test DAG; a watcher thread (it only reads) writes the
-# marker once the engine holds the shard's requests, which is when the test kills it.
+# The child runs the one-shard test DAG, whose task runs on the shared engine service;
+# a watcher thread (it only asks the service) writes the marker once the engine holds
+# the shard's requests, which is when the test kills the child.
 CHILD = textwrap.dedent("""
     import json, sys, threading, time
-    from shardline.tasks import engine_cache
     from tests.airflow.dag_runs import run_dag, task_states
+    from tests.airflow.engine_services import service_info
 
     conf, marker = json.loads(sys.argv[1]), sys.argv[2]
+    model, options = conf["job"]["model"], conf["job"]["engine_options"]
 
     def watch():
-        while engine_cache.num_cached_engines() == 0:
-            time.sleep(0.02)
-        llm = engine_cache.get_engine(conf["job"]["model"], **conf["job"]["engine_options"])
-        while llm.llm_engine.get_num_unfinished_requests() == 0:
-            time.sleep(0.02)
+        while service_info(model, options)["unfinished_requests"] == 0:
+            time.sleep(0.05)
         open(marker, "w").close()
 
     threading.Thread(target=watch, daemon=True).start()
     dag_run = run_dag("shardline_one_shard", conf)
-    llm = engine_cache.get_engine(conf["job"]["model"], **conf["job"]["engine_options"])
     print("RESULT " + json.dumps({"state": str(dag_run.state), "tasks": [str(s) for s in task_states(dag_run).values()],
-                                  "unfinished": llm.llm_engine.get_num_unfinished_requests()}), flush=True)
+                                  "service": service_info(model, options)}), flush=True)
 """)
-
 
 def test_sigterm_runs_on_kill_which_aborts_the_shard_and_writes_nothing(airflow_db, tmp_path, tiny_model):
     _write_long_shards(tmp_path / "in", num_shards=1)
@@ -84,17 +84,19 @@ def test_sigterm_runs_on_kill_which_aborts_the_shard_and_writes_nothing(airflow_
             child.wait()
     assert child.returncode == 0, output[-3000:]
     [result] = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
-    assert result["tasks"] == ["failed"] and result["unfinished"] == 0
+    assert result["tasks"] == ["failed"] and result["service"]["unfinished_requests"] == 0
+    assert result["service"]["loads"] == 1 and result["service"]["pid"] != child.pid
     finished, total = map(int, re.search(r"was aborted; (\d+) of (\d+) row\(s\) had finished", output).groups())
     assert finished < total == 24  # stopped mid-shard, not after it
     assert not (tmp_path / "out").exists() or not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
 
 
-def test_abort_from_another_thread_stops_every_shard_of_a_batch(tmp_path, tiny_model):
+@pytest.mark.parametrize("engine_service", [True, False], ids=["engine-service", "in-process"])
+def test_abort_from_another_thread_stops_every_shard_of_a_batch(tmp_path, tiny_model, engine_service):
     _write_long_shards(tmp_path / "in", num_shards=3, rows=8)
     job = make_job({"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "model": tiny_model,
                     "sampling": ENDLESS, "engine_options": FEW_AT_A_TIME, "shards_in_flight": 3}, {})
-    batch = ShardBatch(job)
+    batch = ShardBatch(job, engine_service=engine_service)
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -105,14 +107,10 @@ def test_abort_from_another_thread_stops_every_shard_of_a_batch(tmp_path, tiny_m
 
     worker = threading.Thread(target=run)
     worker.start()
-    from shardline.tasks.engine_cache import get_engine
-
-    _wait_for(lambda: get_engine(tiny_model, **FEW_AT_A_TIME).llm_engine.get_num_unfinished_requests() > 0,
-              "rows in the engine")
+    _wait_for(lambda: requests_in_flight(tiny_model, FEW_AT_A_TIME, engine_service) > 0, "rows in the engine")
     batch.abort()
     worker.join(timeout=120)
     assert not worker.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
-    assert get_engine(tiny_model, **FEW_AT_A_TIME).llm_engine.get_num_unfinished_requests() == 0
+    assert requests_in_flight(tiny_model, FEW_AT_A_TIME, engine_service) == 0
     assert not any(p.is_file() for p in (tmp_path / "out").rglob("*"))
-
