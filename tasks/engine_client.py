@@ -259,8 +259,8 @@ class _ServiceRunner:
         """A greeted connection to the service behind ``files``, or None when none listens there."""
         try:
             conn = Client(str(files.sock), family="AF_UNIX", authkey=files.key.read_bytes())
-        except (FileNotFoundError, ConnectionRefusedError):
-            return None
+        except (FileNotFoundError, ConnectionError, EOFError):
+            return None  # no listener (a stale socket), or one that died during the handshake
         try:
             if not conn.poll(GREETING_TIMEOUT):
                 raise EngineServiceError(f"the engine service at {files.sock} did not answer in "
