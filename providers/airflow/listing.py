@@ -20,9 +20,8 @@ def list_shards(
     """Every input shard of ``job`` (outputs excluded), sorted by key, as small JSON objects.
 
     With ``shards_per_task`` above 1 the shards come in groups of that many, one per
-    mapped task instance: each instance loads the engine once and streams its group
-    through one continuous batch, and fewer instances stay under Airflow's
-    ``max_map_length``. Shards already done are listed too (the operator skips them),
+    mapped task instance: each instance streams its group through one continuous
+    batch, and fewer instances stay under Airflow's ``max_map_length``. Shards already done are listed too (the operator skips them),
     so map indexes stay tied to the same shards across reruns.
     """
     if shards_per_task < 1:
