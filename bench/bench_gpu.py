@@ -75,11 +75,33 @@ def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
     return 2 * num_bytes / best
 
 
-def run_shardline(model_dir: str, prompts, output_lens, enforce_eager: bool) -> tuple[float, int]:
+class StepTimer:
+    """Seconds spent in a wrapped callable, the device synchronised at both ends."""
+
+    def __init__(self, function):
+        self.function, self.seconds, self.calls = function, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = self.function(*args, **kwargs)
+        torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return result
+
+
+def run_shardline(model_dir: str, prompts, output_lens, enforce_eager: bool,
+                  profile: bool = False) -> tuple[float, int]:
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.45,
               enforce_eager=enforce_eager)
     llm.generate({"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4), use_tqdm=False)
     engine = llm.llm_engine
+    if profile:
+        timers = {"schedule": StepTimer(engine.scheduler.schedule), "forward": StepTimer(engine.runner.execute),
+                  "sample": StepTimer(engine.sampler)}
+        engine.scheduler.schedule, engine.runner.execute, engine.sampler = (
+            timers["schedule"], timers["forward"], timers["sample"])
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     steps_before = engine.num_steps
     torch.cuda.synchronize()
@@ -87,6 +109,11 @@ def run_shardline(model_dir: str, prompts, output_lens, enforce_eager: bool) -> 
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     steps = engine.num_steps - steps_before
+    if profile:
+        parts = {name: timer.seconds for name, timer in timers.items()}
+        parts["rest (outputs, detokenization, bookkeeping)"] = elapsed - sum(parts.values())
+        print("profile (synchronised, ms per step): " + ", ".join(
+            f"{name} {1000 * seconds / steps:.2f}" for name, seconds in parts.items()), flush=True)
     assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
     llm.close()
     del llm
@@ -152,6 +179,9 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--eager", action="store_true", help="also run shardline without CUDA graphs")
+    parser.add_argument("--skip-continuous", action="store_true", help="no transformers continuous batching")
+    parser.add_argument("--profile", action="store_true",
+                        help="a second shardline run with per-phase timers (synchronised, so slower)")
     args = parser.parse_args()
 
     model_dir = build_model(Path(tempfile.mkdtemp(prefix="shardline-gpu-bench-")))
@@ -171,6 +201,8 @@ def main() -> None:
     moved = needed_bytes(model_dir, prompts, output_lens, steps)
     print(f"memory roofline: {moved / elapsed / 1e12:.2f} TB/s needed-bytes rate = "
           f"{100 * moved / elapsed / bandwidth:.1f}% of the measured copy bandwidth", flush=True)
+    if args.profile:
+        run_shardline(model_dir, prompts, output_lens, enforce_eager=False, profile=True)
     if args.eager:
         eager, _ = run_shardline(model_dir, prompts, output_lens, enforce_eager=True)
         results["shardline eager"] = (eager, output_tokens)
@@ -181,6 +213,8 @@ def main() -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
         with torch.inference_mode():
             try:
+                if args.skip_continuous:
+                    raise RuntimeError("skipped (--skip-continuous)")
                 seconds = run_hf_continuous(model, prompts, output_lens)
                 results["transformers continuous batching"] = (seconds, output_tokens)
                 print(f"transformers continuous batching   {seconds:8.2f} s  "
