@@ -65,7 +65,7 @@ def batch_inference(
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
     progress = ShardProgress(total=len(shards), finished=len(entries))
     with engines_held(), _shard_submitter(execution) as submit:
-        entries += _run_shards(todo, job, progress, submit, execution.gpu_concurrency_limit)
+        entries += _run_shards(todo, job, progress, submit, execution)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
     publish_summary(summary)
     if summary["totals"]["failed"]:
@@ -108,7 +108,7 @@ def _skip_done(shards: list[Shard], job: BatchJob) -> tuple[list[dict[str, Any]]
 
 
 def _run_shards(
-    todo: list[Shard], job: BatchJob, progress: ShardProgress, submit: Submit, gpu_limit: str | None
+    todo: list[Shard], job: BatchJob, progress: ShardProgress, submit: Submit, execution: Execution
 ) -> list[dict[str, Any]]:
     """Run ``todo`` with at most ``job.shards_in_flight`` shard tasks at once."""
     logger = get_run_logger()
@@ -118,7 +118,8 @@ def _run_shards(
     while waiting or running:
         while waiting and len(running) < job.shards_in_flight:
             shard = waiting.popleft()
-            future = submit(process_shard_task, {"shard": shard, "job": job, "gpu_limit": gpu_limit})
+            future = submit(process_shard_task, {"shard": shard, "job": job, "engine_host": execution.engine_host,
+                                                 "gpu_limit": execution.gpu_concurrency_limit})
             running[id(future)] = (future, shard)
         finished = next(as_completed([future for future, _ in running.values()]))
         future, shard = running.pop(id(finished))

@@ -2,7 +2,7 @@
 
 ``Execution`` picks the task runner for shard tasks (this process's threads, or a
 Ray cluster through prefect-ray's RayTaskRunner), what each shard task asks Ray
-for, and the Prefect global concurrency limit that caps shard tasks holding a GPU
+for, which process runs the engine, and the Prefect global concurrency limit that caps shard tasks holding a GPU
 across all runs. It is a flow parameter, so deployments and the UI form set it.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.tasks.engine_cache import EngineHost
 
 
 class TaskRunnerKind(str, enum.Enum):
@@ -45,6 +47,13 @@ class Execution(BaseModel):
         True,
         description="Let a Ray worker run many shard tasks, keeping its engine loaded (Ray's max_calls=0); "
         "off, each worker exits after one shard (max_calls=1).",
+    )
+    engine_host: EngineHost = Field(
+        EngineHost.THREAD,
+        description="Which process runs the engine of a flow process (or Ray worker): thread: that process, "
+        "driven by a thread beside Prefect's; child: a child process it owns (the engine loop gets a "
+        "process and a main thread of its own; closed with the run); service: the host's shared engine "
+        "service, which outlives the run and serves every process of the user with this engine configuration.",
     )
     gpu_concurrency_limit: str | None = Field(
         None,

@@ -63,20 +63,21 @@ def write_shard_task(run: shard_job.ShardRun, job: BatchJob) -> dict[str, Any]:
 
 @task(name="process-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS,
       retry_condition_fn=_retriable, task_run_name="shard-{shard.key}")
-def process_shard_task(shard: storage.Shard, job: BatchJob, gpu_limit: str | None = None) -> dict[str, Any]:
-    """Read, run and write one shard; return its manifest.
+def process_shard_task(shard: storage.Shard, job: BatchJob, gpu_limit: str | None = None,
+                       engine_host: engine_cache.EngineHost = engine_cache.EngineHost.THREAD) -> dict[str, Any]:
+    """Read, run and write one shard on the engine ``engine_host`` names; return its manifest.
 
     With ``gpu_limit`` (a Prefect global concurrency limit's name) the shard holds
     one slot of it while it runs on the engine, so the limit caps shard tasks on
     GPUs across every run; reading and writing hold none."""
     if gpu_limit is None:
-        return shard_job.process_shard(shard, job)
+        return shard_job.process_shard(shard, job, engine_host)
     prepared = shard_job.read_shard(shard, job)
     logger = get_run_logger()
     with concurrency(gpu_limit, occupy=1, strict=True):
         logger.info("shard %s holds a slot of %s", shard.key, gpu_limit)
         try:
-            run = shard_job.run_shard(prepared, job)
+            run = shard_job.run_shard(prepared, job, engine_host)
         finally:
             logger.info("shard %s releases its slot of %s", shard.key, gpu_limit)
     return shard_job.write_shard(run, job)
