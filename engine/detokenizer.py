@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._fast_decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._special_ids = set(tokenizer.all_special_ids)
@@ -49,6 +50,8 @@ class IncrementalDetokenizer:
         return runs
 
     def _decode_plain(self, token_ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             token_ids,
             skip_special_tokens=self.skip_special_tokens,
@@ -78,6 +81,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def fast_decoder(tokenizer: PreTrainedTokenizerBase):
+    """The Rust tokenizer's own decode, when ``tokenizer.decode`` would only wrap it.
+
+    For a fast tokenizer whose decoding is not customised, ``tokenizer.decode`` with
+    ``clean_up_tokenization_spaces=False`` returns exactly the backend's decode (and
+    ignores ``spaces_between_special_tokens``); skipping its argument handling makes
+    the two decodes per generated token several times cheaper. None otherwise."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode \
+            and hasattr(backend, "decode"):
+        return backend.decode
+    return None
 
 
 def find_stop_string(text: str, delta_len: int, stop: list[str]) -> tuple[str, int] | None:
