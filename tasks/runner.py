@@ -161,9 +161,8 @@ class ShardRunner:
         """Run the driver loop in the calling thread until ``close()``.
 
         For a runner made with ``owner_drives=True`` in a process whose main thread has
-        nothing else to do (the engine service):
-        torch runs slower on a secondary thread on some machines, so the engine loop
-        gets the main thread and shard callers stay on theirs."""
+        nothing else to do (the engine service): the engine loop gets that thread, and
+        shard callers, each on a thread of its own, only wait for their results."""
         with self._cond:
             if not self._driven_by_owner or self._thread is not None:
                 raise RunnerError("drive() needs a runner made with owner_drives=True, and runs once")
