@@ -175,6 +175,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
         self._block_tables: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, extended in place as tables grow (read every step).
+        self._block_ids: dict[str, list[int]] = {}
         # Chained hashes of a request's full blocks, extended as its tokens grow.
         self._block_hashes: dict[str, list[BlockHash]] = {}
         # How many leading blocks of a request's table have been offered to the cache.
@@ -191,7 +193,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty when it holds none)."""
-        return [block.block_id for block in self._block_tables.get(request_id, ())]
+        return list(self._block_ids.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks matching the request's prefix.
@@ -239,8 +241,9 @@ class KVCacheManager:
             self._record_admission(request, num_hit_tokens)
             self._num_registered[request_id] = len(new_computed_blocks)
         self.pool.touch(new_computed_blocks)
-        table = table + list(new_computed_blocks) + self.pool.allocate(num_missing)
-        self._block_tables[request_id] = table
+        added = [*new_computed_blocks, *self.pool.allocate(num_missing)]
+        self._block_tables.setdefault(request_id, []).extend(added)
+        self._block_ids.setdefault(request_id, []).extend(block.block_id for block in added)
         self._register_computed(request)
         return True
 
@@ -256,6 +259,7 @@ class KVCacheManager:
         if request_id in self._block_tables:
             self._register_computed(request)
             self.pool.release(self._block_tables.pop(request_id)[::-1])
+            del self._block_ids[request_id]
         self._block_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
 
@@ -276,6 +280,7 @@ class KVCacheManager:
         self.pool.touch(shared)
         copy = self.pool.allocate(1) if partial else []
         self._block_tables[child.request_id] = list(shared) + copy
+        self._block_ids[child.request_id] = [block.block_id for block in self._block_tables[child.request_id]]
         self._num_registered[child.request_id] = 0
         child.num_computed_tokens = parent.num_computed_tokens
         return (table[num_full].block_id, copy[0].block_id) if partial else None

@@ -189,7 +189,7 @@ class LLMEngine:
         rows = self._sample_rows(scheduler_output, model_output)
         if not rows:
             return []
-        logits = model_output.logits[[row.logits_row for row in rows]]
+        logits = take_rows(model_output.logits, [row.logits_row for row in rows])
         sampled = self.sampler(logits, rows)
         finished_states = []
         for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
@@ -245,6 +245,14 @@ class LLMEngine:
         self._forget_sequences([s.sequence.request_id for s in state.samples])
         num_cached = max(state.samples[0].sequence.num_cached_tokens, 0)
         return self.output_processor.make_output(state, num_cached)
+
+
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]; the common case (every row once, in order) without a copy, and
+    otherwise without a blocking host-to-device copy of the index."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
