@@ -6,7 +6,8 @@ static batched generate (left padding), optionally its continuous batching
 (generate_batch), and shardline, with the ratios and the fraction of this
 machine's fp32 matmul roofline that shardline reaches.
 
-    python bench/bench_engine.py [--num-prompts 64] [--output-len 128]
+    python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
+                                 [--skip-hf] [--profile]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 import transformers
 
-from common import build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
+from common import AttentionProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
 from shardline import LLM, SamplingParams
 
 
@@ -59,6 +60,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--continuous", action="store_true", help="also run transformers' generate_batch")
+    parser.add_argument("--skip-hf", action="store_true", help="run shardline only (no ratios)")
+    parser.add_argument("--profile", action="store_true",
+                        help="time shardline's forward and its torch attention (decode, prefill, writes)")
     args = parser.parse_args()
 
     model_dir = build_bench_model()
@@ -72,10 +76,12 @@ def main() -> None:
 
     results = {}
     with torch.inference_mode():
-        results["transformers static generate"] = run_hf_static(hf_model, prompts, args.output_len,
-                                                                args.hf_batch_size)
-        if args.continuous:
+        if not args.skip_hf:
+            results["transformers static generate"] = run_hf_static(hf_model, prompts, args.output_len,
+                                                                    args.hf_batch_size)
+        if args.continuous and not args.skip_hf:
             results["transformers generate_batch"] = run_hf_continuous(hf_model, prompts, args.output_len)
+    profile = AttentionProfile() if args.profile else None
     results["shardline"] = run_shardline(llm, prompts, args.output_len)
 
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
@@ -91,6 +97,8 @@ def main() -> None:
     peak = peak_matmul_flops()
     print(f"roofline: {flops / ours / 1e9:.1f} GFLOP/s achieved of {peak / 1e9:.1f} GFLOP/s "
           f"peak torch.mm ({100 * flops / ours / peak:.1f}%)")
+    if profile is not None:
+        print("shardline profile:\n" + profile.report(ours))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,46 @@ def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repe
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+class AttentionProfile:
+    """Wall time of the engine's model forward and of its torch attention, split into
+    decode groups, prefill groups, KV-cache writes and per-step planning.
+
+    Installed by wrapping module functions (timing only, no behaviour change); the
+    wrappers add a few microseconds per call, so profile runs are slightly slower.
+    """
+
+    def __init__(self) -> None:
+        from shardline.engine import attention, model_runner, torch_attention
+
+        self.seconds: dict[str, float] = {}
+        attend = torch_attention._attend
+
+        def attend_timed(query, k_cache, v_cache, plan, *args):
+            kind = "decode attention" if plan.query_valid.shape[1] == 1 else "prefill attention"
+            return self._time(kind, attend, query, k_cache, v_cache, plan, *args)
+
+        torch_attention._attend = attend_timed
+        for owner, name, label in ((model_runner.ModelRunner, "execute", "model forward"),
+                                   (attention, "write_kv_cache", "kv cache writes"),
+                                   (attention.AttentionContext, "torch_plans", "attention plans")):
+            function = getattr(owner, name)
+            setattr(owner, name, lambda *args, _f=function, _label=label: self._time(_label, _f, *args))
+
+    def _time(self, label: str, function, *args):
+        import time
+
+        start = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+    def report(self, total: float) -> str:
+        forward = self.seconds.get("model forward", 0.0)
+        attention = sum(v for k, v in self.seconds.items() if k != "model forward")
+        lines = [f"  {label:24s} {seconds:7.2f} s" for label, seconds in sorted(self.seconds.items())]
+        lines.append(f"  {'forward minus attention':24s} {forward - attention:7.2f} s")
+        lines.append(f"  {'outside the forward':24s} {total - forward:7.2f} s")
+        return "\n".join(lines)

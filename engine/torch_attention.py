@@ -1,0 +1,214 @@
+"""The plain-torch paged attention: the CPU path of ``attention.paged_attention_forward``.
+
+Each step's requests are split into groups (``attention_groups``). For each group the
+K/V blocks of its requests are copied out of the paged cache into a padded
+[b, Hkv, L, D] tile, a whole block at a time, and attended with SDPA.
+
+Decoding requests (one query token) dominate a long generation, and their attention
+is bound by reading the context. They are grouped DECODE_GROUP_SIZE at a time in
+order of context length, so a group's copied K/V is still in the CPU's caches when
+SDPA reads it (the context comes from memory about once per layer, not twice) and
+padding to the group's longest context stays small. Their query heads are folded
+per KV head ([b, Hkv, G, D]), so SDPA reads each key once per KV head, not once per
+query head.
+
+Prefill chunks are compute bound: they are grouped by similar context length, since
+padding costs Q x L work, and a group of fresh prompts (no cached context) uses SDPA's
+causal mode, which skips the masked upper triangle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .attention import AttentionContext
+
+# Decoding requests per group: few enough that a group's K/V copy stays in cache until
+# SDPA reads it, enough that per-group overhead stays small (measured on 2 CPU cores,
+# 64 requests of 100-640 tokens, 4 KV heads of 64: groups of 4 attend in about half
+# the time of groups of 16; 2, 6 and 8 are within 10% of 4).
+DECODE_GROUP_SIZE = 4
+# A prefill group holds requests whose context is at least this fraction of its
+# longest one's, bounding the padded Q x L work of each request.
+PREFILL_LENGTH_RATIO = 0.7
+
+
+def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Request indices in groups that pad little: decoding requests (one query token)
+    in runs of DECODE_GROUP_SIZE of similar context length; prefill chunks of fresh
+    prompts and of prompts with a cached context apart, each by similar length."""
+    query_list, seq_list = query_lens.tolist(), seq_lens.tolist()
+    by_length = sorted(range(len(seq_list)), key=seq_list.__getitem__)
+    decoding = [r for r in by_length if query_list[r] == 1]
+    groups = [decoding[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decoding), DECODE_GROUP_SIZE)]
+    for fresh in (True, False):
+        chunks = [r for r in reversed(by_length) if query_list[r] > 1 and (query_list[r] == seq_list[r]) == fresh]
+        groups += _split_by_length(chunks, seq_list)
+    device = seq_lens.device
+    return [torch.tensor(group, dtype=torch.int64, device=device) for group in groups]
+
+
+def _split_by_length(requests: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """``requests`` (longest first) cut where a context falls below PREFILL_LENGTH_RATIO
+    of its group's longest."""
+    groups: list[list[int]] = []
+    for request in requests:
+        if groups and seq_lens[request] >= PREFILL_LENGTH_RATIO * seq_lens[groups[-1][0]]:
+            groups[-1].append(request)
+        else:
+            groups.append([request])
+    return groups
+
+
+@dataclass
+class TorchAttentionPlan:
+    """Index tensors that turn one group of the packed batch into padded tensors.
+
+    Keys are gathered a whole block at a time through the block tables (a
+    contiguous copy per block, far cheaper than a gather per token), padded to
+    the longest context of the group; masks exclude padded keys, future keys and
+    keys outside a sliding window.
+    """
+
+    query_index: torch.Tensor  # [b * Qmax] int64 into the packed tokens (0 where padded)
+    query_valid: torch.Tensor  # [b, Qmax] bool
+    block_index: torch.Tensor  # [b * max_blocks] int64 block ids to gather
+    num_blocks: int  # max_blocks: blocks per request after padding
+    query_pos: torch.Tensor  # [b, Qmax] int64 position of each query token
+    key_pos: torch.Tensor  # [Lmax] int64, Lmax = max_blocks * block_size
+    key_valid: torch.Tensor  # [b, Lmax] bool
+    valid_rows: torch.Tensor | None  # [n] int64 rows of the flat [b * Qmax] queries that are real; None: all
+    output_index: torch.Tensor  # [n] packed index of each valid query, in plan order
+    # Every request's context is exactly its query tokens: causality alone masks.
+    fresh: bool
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, ctx: "AttentionContext", requests: torch.Tensor) -> "TorchAttentionPlan":
+        """The plan for the requests at indices ``requests`` of the step."""
+        device = ctx.slot_mapping.device
+        block_size = ctx.kv_caches[0][0].shape[1]
+        query_starts = ctx.query_start_loc[:-1][requests]
+        query_lens = ctx.query_start_loc[1:][requests] - query_starts  # [b]
+        seq_lens = ctx.seq_lens[requests]
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+        q_offsets = torch.arange(max_query_len, device=device)
+        query_valid = q_offsets[None, :] < query_lens[:, None]
+        query_index = torch.where(query_valid, query_starts[:, None] + q_offsets, 0)
+        query_pos = (seq_lens - query_lens)[:, None] + q_offsets
+        num_blocks = -(-max_seq_len // block_size)
+        block_index = ctx.block_tables[requests, :num_blocks].long().reshape(-1)
+        key_pos = torch.arange(num_blocks * block_size, device=device)
+        key_valid = key_pos[None, :] < seq_lens[:, None]
+        all_valid = bool(query_valid.all())
+        valid_rows = None if all_valid else query_valid.flatten().nonzero().flatten()
+        return cls(query_index.flatten(), query_valid, block_index, num_blocks, query_pos, key_pos, key_valid,
+                   valid_rows, query_index[query_valid], fresh=bool((query_lens == seq_lens).all()))
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """cache: [N, bs, Hkv, D] -> [b, Hkv, Lmax, D] keys or values of each request."""
+        _, block_size, num_kv_heads, head_dim = cache.shape
+        gathered = cache.index_select(0, self.block_index)
+        return gathered.view(-1, self.num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[b, 1, Qmax, Lmax] bool, True where a query may attend to a key."""
+        if sliding_window not in self._masks:
+            allowed = self.key_valid[:, None, :] & (self.key_pos[None, None, :] <= self.query_pos[:, :, None])
+            if sliding_window is not None:
+                allowed &= self.query_pos[:, :, None] - self.key_pos[None, None, :] < sliding_window
+            # Padded query rows attend to key 0 so softmax stays finite; they are dropped.
+            allowed[:, :, 0] |= ~self.query_valid
+            self._masks[sliding_window] = allowed[:, None]
+        return self._masks[sliding_window]
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new K/V into the paged cache. key/value: [T, Hkv, D]; caches: [N, bs, Hkv, D]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plans: list[TorchAttentionPlan],
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of the packed queries over each request's paged context.
+
+    query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D].
+    """
+    output = torch.empty_like(query)
+    for plan in plans:
+        output.index_copy_(0, plan.output_index,
+                           _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
+    return output
+
+
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan,
+            scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """One plan's attention; returns [n, H, D] for its valid queries in plan order."""
+    num_requests, max_query_len = plan.query_valid.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    q = query.index_select(0, plan.query_index).view(num_requests, max_query_len, num_heads, head_dim)
+    k = plan.gather(k_cache).to(q.dtype)  # [b, Hkv, Lmax, D]
+    v = plan.gather(v_cache).to(q.dtype)
+    causal = plan.fresh and sliding_window is None
+    mask = None if causal else plan.mask(sliding_window)
+    out = padded_attention(q.transpose(1, 2), k, v, mask, causal, scale, softcap)  # [b, H, Qmax, D]
+    out = out.transpose(1, 2).reshape(num_requests * max_query_len, num_heads, head_dim)
+    return out if plan.valid_rows is None else out.index_select(0, plan.valid_rows)
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over padded per-request tensors, GQA by head groups, optional softcap.
+
+    q: [b, H, Q, D]; k, v: [b, Hkv, L, D]; mask: bool [b | 1, 1, Q, L] (True = attend),
+    or None with ``causal`` (query i sees keys 0..i) or with no masking at all;
+    returns [b, H, Q, D].
+
+    With an explicit mask (or none at all), the G = H / Hkv query heads sharing a KV
+    head are folded into the query dimension ([b, Hkv, G * Q, D]), so keys and values
+    are read once per KV head and never repeated.
+    """
+    num_requests, num_heads, query_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    if softcap is None and causal and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+    if causal and mask is None:
+        mask = torch.ones(query_len, k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+    folded_q = q.reshape(num_requests, num_kv_heads, group * query_len, head_dim)
+    if mask is not None and group > 1:
+        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * query_len, -1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(folded_q, k.transpose(-1, -2)) * scale  # [b, Hkv, G * Q, L]
+        scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype), v)
+    # reshape, not view: CUDA's attention kernels may return a transposed layout.
+    return out.reshape(num_requests, num_heads, query_len, head_dim)

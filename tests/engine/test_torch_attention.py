@@ -1,0 +1,122 @@
+"""The plain-torch paged attention (the CPU path) against the kernels' plain reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardline.engine.attention import AttentionContext
+from shardline.engine.kernels import paged_attention_reference
+from shardline.engine.torch_attention import (
+    DECODE_GROUP_SIZE,
+    attention_groups,
+    padded_attention,
+    torch_paged_attention,
+)
+
+# (context_lens, query_lens): cached tokens and new tokens per request.
+DECODE = ([7, 33, 0, 64], [1, 1, 1, 1])
+MANY_DECODE = ([5 + 37 * i % 300 for i in range(21)], [1] * 21)  # three decode groups
+PREFILL_WITH_PREFIX = ([16, 40], [23, 9])
+PREFILL_FRESH = ([0] * 5, [19, 5, 64, 50, 47])  # 64, 50 and 47 share a group
+MIXED = ([21, 0, 50, 3, 0, 90, 17], [1, 18, 1, 12, 1, 1, 30])
+BATCHES = [DECODE, MANY_DECODE, PREFILL_WITH_PREFIX, PREFILL_FRESH, MIXED]
+BATCH_IDS = ["decode", "many-decode", "prefill-with-prefix", "prefill-fresh", "mixed"]
+
+
+def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+              dtype=torch.float64, seed=0):
+    """A step's query, paged cache and AttentionContext. Block ids are shuffled, table
+    padding is block 0 (as the model runner pads), and every slot no request owns
+    holds large values, so attending to one shows in the output."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, 1e3, dtype=dtype), torch.full(shape, -1e3, dtype=dtype)
+    block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.int32)
+    for seq, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
+        owned, block_ids = block_ids[:n_blocks], block_ids[n_blocks:]
+        block_tables[seq, :n_blocks] = torch.tensor(owned, dtype=torch.int32)
+        for pos in range(seq_len):
+            k_cache[owned[pos // block_size], pos % block_size] = torch.randn(
+                num_kv_heads, head_dim, generator=generator, dtype=dtype)
+            v_cache[owned[pos // block_size], pos % block_size] = torch.randn(
+                num_kv_heads, head_dim, generator=generator, dtype=dtype)
+    query_start_loc = torch.tensor([0, *query_lens]).cumsum(0)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator, dtype=dtype)
+    ctx = AttentionContext(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens), block_tables=block_tables, kv_caches=[(k_cache, v_cache)],
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), backend="torch",
+    )
+    return q, ctx
+
+
+def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10):
+    k_cache, v_cache = ctx.kv_caches[0]
+    scale = q.shape[-1] ** -0.5
+    out = torch_paged_attention(q, k_cache, v_cache, ctx.torch_plans(), scale, sliding_window, softcap)
+    expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
+                                         ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_matches_reference(lens, num_heads, num_kv_heads):
+    assert_matches_reference(*make_step(*lens, num_heads=num_heads, num_kv_heads=num_kv_heads))
+
+
+@pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("sliding_window", [1, 5, 40])
+def test_sliding_window(lens, sliding_window):
+    assert_matches_reference(*make_step(*lens), sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_softcap(lens, sliding_window):
+    q, ctx = make_step(*lens)
+    assert_matches_reference(q * 4, ctx, sliding_window=sliding_window, softcap=3.0)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_float32_and_block_sizes(block_size):
+    q, ctx = make_step(*MIXED, dtype=torch.float32, block_size=block_size)
+    assert_matches_reference(q, ctx, atol=2e-5, rtol=1e-5)
+
+
+def test_groups_cover_each_request_once_and_keep_kinds_apart():
+    context_lens, query_lens = MIXED[0] + MANY_DECODE[0], MIXED[1] + MANY_DECODE[1]
+    query_lens_t = torch.tensor(query_lens)
+    seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)])
+    groups = attention_groups(query_lens_t, seq_lens)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(query_lens)))
+    for group in groups:
+        decoding = query_lens_t[group] == 1
+        fresh = query_lens_t[group] == seq_lens[group]
+        assert bool(decoding.all()) or not bool(decoding.any())
+        assert bool(fresh.all()) or not bool(fresh.any()) or bool(decoding.all())
+        if bool(decoding.all()):
+            assert len(group) <= DECODE_GROUP_SIZE
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_padded_attention_folds_gqa_like_repeated_heads(causal, softcap):
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 6, 7, 16, generator=generator, dtype=torch.float64) * 3
+    k = torch.randn(3, 2, 9, 16, generator=generator, dtype=torch.float64)
+    v = torch.randn(3, 2, 9, 16, generator=generator, dtype=torch.float64)
+    scores = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25  # [3, 6, 7, 9]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        scores = scores.masked_fill(torch.ones(7, 9, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(3, dim=1)
+    out = padded_attention(q, k, v, None, causal, 0.25, softcap)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
