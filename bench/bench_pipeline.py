@@ -2,6 +2,11 @@
 
 Engine-only: ``LLM(model)`` plus one ``generate`` over every prompt of the dataset
 (after an untimed warm-up run, so first-use costs of torch count in neither).
+CPU seconds are printed beside each run (this process, the whole machine, and time
+the host stole from this machine's CPUs), to tell contention from waiting, and for
+engines in this process a step trace: start-up before the first step, time in
+steps, gaps between steps (a starved engine) and wind-down after the last.
+
 Flow: ``batch_inference`` over the same prompts split into shards (local Parquet and
 JSON Lines), under a warm Prefect API (a temporary test server, started and warmed
 before timing), including listing, done checks, reads, writes, manifests, artifacts
@@ -38,6 +43,70 @@ def build_model(kind: str, root: Path) -> str:
     from common import build_bench_model
 
     return build_bench_model(root / "bench")
+
+
+class CpuMeter:
+    """CPU seconds over a block: this process (all threads), the whole machine
+    (every process: Prefect's server, an engine child) and time stolen by the host."""
+
+    def __enter__(self) -> "CpuMeter":
+        self._start = (time.process_time(), *machine_cpu())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        end = (time.process_time(), *machine_cpu())
+        self.process_s, self.machine_busy_s, self.steal_s = (round(b - a, 2) for a, b in zip(self._start, end))
+
+    def as_dict(self) -> dict:
+        return {"process_cpu_s": self.process_s, "machine_busy_cpu_s": self.machine_busy_s, "steal_s": self.steal_s}
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of this machine since boot, from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+class StepTrace:
+    """Times of every engine step in this process (the ``thread`` engine host): when
+    the first step began, time inside steps, between steps and after the last one,
+    so a flow's overhead splits into start-up, a starved or slower engine, and wind-down."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+
+    def __enter__(self) -> "StepTrace":
+        from shardline.engine.llm_engine import LLMEngine
+
+        self._step, steps = LLMEngine.step, self.steps
+
+        def traced(engine):
+            started = time.perf_counter()
+            try:
+                return self._step(engine)
+            finally:
+                steps.append((started, time.perf_counter()))
+
+        LLMEngine.step = traced
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        from shardline.engine.llm_engine import LLMEngine
+
+        LLMEngine.step = self._step
+        self.ended = time.perf_counter()
+
+    def as_dict(self) -> dict:
+        if not self.steps:
+            return {"steps": 0}
+        gaps = sum(b[0] - a[1] for a, b in zip(self.steps, self.steps[1:]))
+        return {"steps": len(self.steps), "first_step_after_s": round(self.steps[0][0] - self.started, 2),
+                "in_steps_s": round(sum(end - start for start, end in self.steps), 2),
+                "between_steps_s": round(gaps, 2), "after_last_step_s": round(self.ended - self.steps[-1][1], 2)}
 
 
 def engine_only_seconds(model: str, prompts: list[str], max_tokens: int, engine_options: dict) -> float:
@@ -89,24 +158,29 @@ def main() -> None:
     with prefect_test_harness(server_startup_timeout=120):
         flow(lambda: None, name="warm-up")()  # the API server is up and warm before timing
         engine_only_seconds(model, prompts[: args.max_num_seqs], args.max_tokens, engine_options)  # torch warm-up
-        engine_before = engine_only_seconds(model, prompts, args.max_tokens, engine_options)
-        flows = {}
+        with CpuMeter() as engine_cpu, StepTrace() as engine_trace:
+            engine_before = engine_only_seconds(model, prompts, args.max_tokens, engine_options)
+        flows, flow_cpu, flow_trace = {}, {}, {}
         for engine_host in args.engine_hosts.split(","):
             job = BatchJob(input=str(root / "in"), output=str(root / f"out-{engine_host}"), model=model,
                            sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
                            engine_options=engine_options, shards_in_flight=args.shards_in_flight)
-            flows[engine_host] = flow_seconds(job, engine_host)
+            with CpuMeter() as flow_cpu[engine_host], StepTrace() as flow_trace[engine_host]:
+                flows[engine_host] = flow_seconds(job, engine_host)
         engine_after = engine_only_seconds(model, prompts, args.max_tokens, engine_options)
     engine = min(engine_before, engine_after)
     result = {
         "model": args.model, "shards": args.shards, "rows": len(prompts), "max_tokens": args.max_tokens,
-        "engine_only_s": [round(engine_before, 3), round(engine_after, 3)], "flows": {},
+        "engine_only_s": [round(engine_before, 3), round(engine_after, 3)],
+        "engine_only_cpu": engine_cpu.as_dict(), "engine_only_steps": engine_trace.as_dict(), "flows": {},
     }
     for engine_host, (wall, summary) in flows.items():
         assert summary["totals"]["rows"] == len(prompts) and summary["totals"]["errors"] == 0
         result["flows"][engine_host] = {
             "flow_wall_s": round(wall, 3), "overhead": round((wall - engine) / engine, 3),
             "flow_completion_tok_s": summary["totals"]["completion_tokens_per_second"],
+            "cpu": flow_cpu[engine_host].as_dict(),
+            "steps_in_this_process": flow_trace[engine_host].as_dict(),
         }
     print(json.dumps(result, indent=2))
 
