@@ -28,6 +28,7 @@ and perhaps ("abort",); the reply is ("results", rows), ("aborted", message) or
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import itertools
 import json
@@ -156,7 +157,7 @@ def _log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-class _ServiceRunner:
+class _ServiceRunner(abc.ABC):
     """run_shard / abort_shard / close over connections to one engine service."""
 
     def __init__(self, model: str, engine_options: dict[str, Any]) -> None:
@@ -248,11 +249,13 @@ class _ServiceRunner:
         except OSError:
             pass  # the connection is gone, and with it the shard (the service aborts it)
 
+    @abc.abstractmethod
     def _connect(self) -> tuple[Connection, dict[str, Any]]:
-        raise NotImplementedError
+        """A greeted connection to this runner's service, starting it if needed."""
 
+    @abc.abstractmethod
     def _log_path(self) -> Path:
-        raise NotImplementedError
+        """Where the service writes its log."""
 
     @staticmethod
     def _try_connect(files: ServiceFiles) -> tuple[Connection, dict[str, Any]] | None:
