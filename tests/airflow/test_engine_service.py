@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -23,6 +22,7 @@ from shardline.tasks.engine_client import _is_engine_service, service_files
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.storage import list_shards
 
+from ..waiting import wait_for
 from .conftest import stop_engine_services
 from .engine_services import service_info
 
@@ -53,14 +53,6 @@ def _write_shards(prefix: Path, num_shards: int, rows: int) -> None:
     for shard in range(num_shards):
         write_rows(str(prefix / f"part-{shard:05d}.jsonl"),
                    [{"id": f"{shard}-{row}", "prompt": f"Tale {shard} {row} opens"} for row in range(rows)])
-
-
-def _wait_for(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # One task instance in its own process, as Airflow 3 runs each: a dag.test() run.
@@ -122,12 +114,12 @@ def test_a_killed_task_process_leaves_no_rows_in_the_engine_and_the_service_serv
     task = subprocess.Popen([sys.executable, "-c", KILLED_TASK, json.dumps(long_job)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: service_info(tiny_model, OPTIONS)["unfinished_requests"] > 0 or task.poll() is not None,
+        wait_for(lambda: service_info(tiny_model, OPTIONS)["unfinished_requests"] > 0 or task.poll() is not None,
                   "the task's rows in the service's engine")
         assert task.poll() is None, "the task ended before the kill"
         task.kill()  # SIGKILL: no on_kill, no goodbye; only the connection breaks
         task.wait()
-        _wait_for(lambda: service_info(tiny_model, OPTIONS)["unfinished_requests"] == 0,
+        wait_for(lambda: service_info(tiny_model, OPTIONS)["unfinished_requests"] == 0,
                   "the service to abort the dead task's shard")
     finally:
         if task.poll() is None:
@@ -151,14 +143,14 @@ def test_an_idle_service_retires_and_removes_its_files(runtime_dir, monkeypatch,
     files = service_files(tiny_model, OPTIONS, os.environ.get("CUDA_VISIBLE_DEVICES"))
     assert files.sock.exists() and files.key.exists()
     assert files.key.stat().st_mode & 0o777 == 0o600
-    _wait_for(lambda: not _is_engine_service(pid), "the idle service to exit")
+    wait_for(lambda: not _is_engine_service(pid), "the idle service to exit")
     assert not files.sock.exists() and not files.key.exists() and not files.pid.exists()
 
 
 def test_a_dead_services_stale_socket_is_replaced_by_a_new_service(runtime_dir, tmp_path, tiny_model):
     first = service_info(tiny_model, OPTIONS)["pid"]
     os.kill(first, signal.SIGKILL)  # dies without removing its socket
-    _wait_for(lambda: not _is_engine_service(first), "the service to die")
+    wait_for(lambda: not _is_engine_service(first), "the service to die")
     files = service_files(tiny_model, OPTIONS, os.environ.get("CUDA_VISIBLE_DEVICES"))
     assert files.sock.exists()
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from shardline.tasks.runner import ShardAborted
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.storage import list_shards
 
+from ..waiting import wait_for
 from .engine_services import requests_in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,14 +31,6 @@ def _write_long_shards(prefix: Path, num_shards: int, rows: int = 24) -> None:
     for shard in range(num_shards):
         write_rows(str(prefix / f"part-{shard:05d}.jsonl"),
                    [{"id": f"{shard}-{row}", "prompt": f"Story {row} begins"} for row in range(rows)])
-
-
-def _wait_for(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # The child runs the one-shard test DAG, whose task runs on the shared engine service;
@@ -74,7 +66,7 @@ def test_sigterm_runs_on_kill_which_aborts_the_shard_and_writes_nothing(airflow_
     child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(conf), str(marker)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: marker.exists() or child.poll() is not None, "the shard's rows to reach the engine")
+        wait_for(lambda: marker.exists() or child.poll() is not None, "the shard's rows to reach the engine")
         assert child.poll() is None, "the DAG run ended before the kill"
         child.send_signal(signal.SIGTERM)  # what Airflow's supervisor sends a task it stops
         output, _ = child.communicate(timeout=240)
@@ -107,7 +99,7 @@ def test_abort_from_another_thread_stops_every_shard_of_a_batch(tmp_path, tiny_m
 
     worker = threading.Thread(target=run)
     worker.start()
-    _wait_for(lambda: requests_in_flight(tiny_model, FEW_AT_A_TIME, engine_service) > 0, "rows in the engine")
+    wait_for(lambda: requests_in_flight(tiny_model, FEW_AT_A_TIME, engine_service) > 0, "rows in the engine")
     batch.abort()
     worker.join(timeout=120)
     assert not worker.is_alive()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from shardline import LLM, PoolingParams, SamplingParams
 from shardline.tasks import engine_cache
 from shardline.tasks.engine_cache import EngineHost
 from shardline.tasks.runner import RowRequest, RowResult, ShardAborted
+from ..waiting import wait_for
 
 OPTIONS = {"max_num_seqs": 4}
 
@@ -23,14 +23,6 @@ def _rows(count: int, params: SamplingParams) -> list[RowRequest]:
     rows = [RowRequest(index, f"Row {index} says", None, params) for index in range(count)]
     rows.append(RowRequest(count, None, [{"role": "user", "content": "Hi there"}], params))
     return rows
-
-
-def _wait_for(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_rows_and_results_cross_a_process_boundary_intact(tiny_model):
@@ -80,7 +72,7 @@ def test_abort_stops_one_shard_in_the_child_and_another_shard_goes_on(tiny_model
 
     worker = threading.Thread(target=run)
     worker.start()
-    _wait_for(lambda: child.service_info()["unfinished_requests"] > 0, "rows in the child's engine")
+    wait_for(lambda: child.service_info()["unfinished_requests"] > 0, "rows in the child's engine")
     assert child.abort_shard("long") and not child.abort_shard("never-submitted")
     worker.join(timeout=120)
     assert len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
