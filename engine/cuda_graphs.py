@@ -112,12 +112,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, dict[str, int]]:
-        """Run a qualifying step; return its logits [n, V] (row i samples request i)
-        and the request id -> row map."""
+        """Run a step that ``qualifies`` (the caller checks); return its logits [n, V]
+        (row i samples request i) and the request id -> row map."""
         items = scheduler_output.scheduled
         num = len(items)
         size = self.padded_size(num)
-        assert size is not None and self.qualifies(scheduler_output), "not a graph-sized decode step"
+        assert size is not None, f"{num} requests exceed the largest recorded batch {self.sizes[-1]}"
         block_size = self.block_size
         tokens, positions, slots, seq_lens = [], [], [], []
         tables = []
