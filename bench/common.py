@@ -75,6 +75,8 @@ class AttentionProfile:
             return self._time(kind, attend, query, k_cache, v_cache, plan, *args)
 
         torch_attention._attend = attend_timed
+        attend_decode = torch_attention._attend_decode
+        torch_attention._attend_decode = lambda *args: self._time("decode attention", attend_decode, *args)
         for owner, name, label in ((model_runner.ModelRunner, "execute", "model forward"),
                                    (attention, "write_kv_cache", "kv cache writes"),
                                    (attention.AttentionContext, "torch_plans", "attention plans")):

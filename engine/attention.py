@@ -20,7 +20,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .torch_attention import TorchAttentionPlan, attention_groups, torch_paged_attention, write_kv_cache
+from .torch_attention import (DecodeBatch, TorchAttentionPlan, attention_groups, torch_paged_attention,
+                              write_kv_cache)
 
 ATTN_IMPLEMENTATION = "shardline"
 
@@ -46,12 +47,15 @@ class AttentionContext:
     max_seq_len: int
     # "triton" runs the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1),
     # "torch" the plain torch path; "auto" picks Triton for CUDA tensors, except
-    # float64 ones (the kernels take 16- and 32-bit floats).
+    # float64 ones (the kernels take 16- and 32-bit floats), and on CPU the torch
+    # path with decoding requests in the native kernel (kernels/cpu_attention.py)
+    # when it is built.
     backend: str = "auto"
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
-    # Torch-path gather plans, built lazily once per step and shared by all layers.
-    _plans: "list[TorchAttentionPlan] | None" = field(default=None, repr=False)
+    # Torch-path gather plans and native decode batch, built lazily once per step and
+    # shared by all layers.
+    _plans: "tuple[DecodeBatch | None, list[TorchAttentionPlan]] | None" = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -67,12 +71,26 @@ class AttentionContext:
             self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
         return self._kernel_indices
 
-    def torch_plans(self) -> "list[TorchAttentionPlan]":
+    def torch_plans(self, num_heads: int) -> "tuple[DecodeBatch | None, list[TorchAttentionPlan]]":
+        """(decoding requests for the native kernel or None, SDPA plans of the rest)."""
         if self._plans is None:
             query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-            self._plans = [TorchAttentionPlan.build(self, group)
-                           for group in attention_groups(query_lens, self.seq_lens)]
+            decode = self._native_decode_batch(query_lens, num_heads)
+            plans = [TorchAttentionPlan.build(self, group)
+                     for group in attention_groups(query_lens, self.seq_lens, group_decoding=decode is None)]
+            self._plans = (decode, plans)
         return self._plans
+
+    def _native_decode_batch(self, query_lens: torch.Tensor, num_heads: int) -> DecodeBatch | None:
+        from .kernels.cpu_attention import decode_kernel_available
+
+        if self.backend != "auto" or not decode_kernel_available(self.kv_caches[0][0], num_heads):
+            return None
+        requests = (query_lens == 1).nonzero().flatten()
+        if requests.numel() == 0:
+            return None
+        return DecodeBatch(requests, self.query_start_loc[:-1].contiguous(), self.seq_lens,
+                           self.block_tables.contiguous())
 
 
 def paged_attention_forward(
@@ -114,9 +132,8 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
-        out = torch_paged_attention(
-            q, k_cache, v_cache, shardline_ctx.torch_plans(), scaling, sliding_window, softcap
-        )
+        decode, plans = shardline_ctx.torch_plans(q.shape[1])
+        out = torch_paged_attention(q, k_cache, v_cache, plans, scaling, sliding_window, softcap, decode)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

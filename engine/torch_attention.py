@@ -38,13 +38,15 @@ DECODE_GROUP_SIZE = 4
 PREFILL_LENGTH_RATIO = 0.7
 
 
-def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                     group_decoding: bool = True) -> list[torch.Tensor]:
     """Request indices in groups that pad little: decoding requests (one query token)
-    in runs of DECODE_GROUP_SIZE of similar context length; prefill chunks of fresh
+    in runs of DECODE_GROUP_SIZE of similar context length (left out when not
+    ``group_decoding``: the native decode kernel takes them); prefill chunks of fresh
     prompts and of prompts with a cached context apart, each by similar length."""
     query_list, seq_list = query_lens.tolist(), seq_lens.tolist()
     by_length = sorted(range(len(seq_list)), key=seq_list.__getitem__)
-    decoding = [r for r in by_length if query_list[r] == 1]
+    decoding = [r for r in by_length if query_list[r] == 1] if group_decoding else []
     groups = [decoding[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decoding), DECODE_GROUP_SIZE)]
     for fresh in (True, False):
         chunks = [r for r in reversed(by_length) if query_list[r] > 1 and (query_list[r] == seq_list[r]) == fresh]
@@ -63,6 +65,17 @@ def _split_by_length(requests: list[int], seq_lens: list[int]) -> list[list[int]
         else:
             groups.append([request])
     return groups
+
+
+@dataclass
+class DecodeBatch:
+    """The step's decoding requests, attended in place by the native CPU kernel
+    (kernels/cpu_attention.py) instead of through gathered copies."""
+
+    requests: torch.Tensor  # [n] int64 indices of the decoding requests
+    query_rows: torch.Tensor  # [B] int64 packed row of each request's first query token
+    seq_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
 
 
 @dataclass
@@ -145,16 +158,29 @@ def torch_paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    decode: DecodeBatch | None = None,
 ) -> torch.Tensor:
-    """Attention of the packed queries over each request's paged context.
+    """Attention of the packed queries over each request's paged context: the
+    ``decode`` batch through the native kernel, every plan through SDPA.
 
-    query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D].
+    query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
     """
-    output = torch.empty_like(query)
+    output = query.new_empty(query.shape)
+    if decode is not None:
+        _attend_decode(query, k_cache, v_cache, decode, output, scale, sliding_window, softcap)
     for plan in plans:
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
     return output
+
+
+def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch,
+                   output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
+    """The decoding requests' rows of ``output``, by the native kernel."""
+    from .kernels.cpu_attention import decode_attention
+
+    decode_attention(query, k_cache, v_cache, decode.block_tables, decode.seq_lens, decode.query_rows,
+                     decode.requests, output, scale, sliding_window, softcap)
 
 
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan,

@@ -39,4 +39,5 @@ def test_wheel_contains_every_subpackage(tmp_path):
         init = package.replace(".", "/") + "/__init__.py"
         assert init in names, f"{package} is missing from the wheel"
     assert "shardline/engine/llm.py" in names
+    assert "shardline/engine/kernels/cpu_decode_attention.c" in names
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -58,7 +58,7 @@ def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32
 def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10):
     k_cache, v_cache = ctx.kv_caches[0]
     scale = q.shape[-1] ** -0.5
-    out = torch_paged_attention(q, k_cache, v_cache, ctx.torch_plans(), scale, sliding_window, softcap)
+    out = torch_paged_attention(q, k_cache, v_cache, ctx.torch_plans(q.shape[1])[1], scale, sliding_window, softcap)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
     assert out.dtype == q.dtype and out.shape == q.shape

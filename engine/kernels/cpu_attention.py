@@ -1,0 +1,159 @@
+"""Launcher of the CPU paged decode attention (cpu_decode_attention.c).
+
+The C source is compiled once per machine with the system's C compiler (``CC``,
+else ``cc``) into a cache directory (``SHARDLINE_CACHE_DIR``, default
+~/.cache/shardline) and called through ctypes, which releases the GIL for the call.
+Without a compiler, or if the build fails, ``decode_kernel_available`` is False and
+the engine's torch path (engine/torch_attention.py) attends decoding requests.
+
+Why a native kernel: a decode step is bound by reading every running request's
+context once per layer. Torch ops must first gather the paged blocks into a padded
+copy (or issue one SDPA call per request), which costs about five times the read
+itself on a 2-core worker; the kernel reads each K/V row once, in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_FUNCTIONS = {torch.float32: "decode_attention_f32", torch.float64: "decode_attention_f64"}
+_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, its token and head strides
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # seq_lens, query_rows, requests, num_requests
+    + [ctypes.c_void_p] + [ctypes.c_int64] * 4  # out, H, Hkv, D, block size
+    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]  # scale, window, softcap, threads
+)
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_build_failed = False
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHARDLINE_CACHE_DIR") or Path.home() / ".cache" / "shardline"
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> bytes:
+    """Compiled with -march=native: a cached library is valid only for the same CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode() + _cpu_signature()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in (["-march=native"], []):
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            output = Path(scratch) / target.name
+            command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11",
+                       str(SOURCE), "-o", str(output), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                os.replace(output, target)  # atomic: concurrent builders agree on the file
+                return target
+            errors.append(f"{' '.join(command)}:\n{result.stderr.strip()}")
+    raise RuntimeError("could not compile the CPU decode attention:\n" + "\n".join(errors))
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None when it cannot be built."""
+    global _library, _build_failed
+    with _lock:
+        if _library is None and not _build_failed:
+            compiler = _compiler()
+            try:
+                if compiler is None:
+                    raise RuntimeError("no C compiler found (set CC)")
+                library = ctypes.CDLL(str(_build(compiler)))
+                for name in _FUNCTIONS.values():
+                    getattr(library, name).argtypes = _ARGTYPES
+                    getattr(library, name).restype = None
+                for name in ("decode_attention_max_group", "decode_attention_max_head_dim",
+                             "decode_attention_max_block"):
+                    getattr(library, name).restype = ctypes.c_int64
+                _library = library
+            except (RuntimeError, OSError) as error:
+                _build_failed = True
+                logger.warning("CPU decode attention kernel unavailable, using the torch path: %s", error)
+        return _library
+
+
+def decode_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether the kernel can attend over this cache ([N, bs, Hkv, D]) for ``num_heads`` heads."""
+    if k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS:
+        return False
+    library = _load()
+    if library is None:
+        return False
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= library.decode_attention_max_group()
+            and head_dim <= library.decode_attention_max_head_dim()
+            and block_size <= library.decode_attention_max_block())
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_rows: torch.Tensor,
+    requests: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Attention of the single query token of each request in ``requests`` over its
+    paged context; writes their rows of ``out``.
+
+    query: [T, H, D] (D contiguous); k_cache, v_cache: [N, bs, Hkv, D] contiguous;
+    block_tables: [B, max_blocks] int32; seq_lens, query_rows: [B] int64 (context
+    length with the new token, packed row of the query); requests: [n] int64;
+    out: [T, H, D] contiguous, same dtype as the cache.
+    """
+    library = _load()
+    assert library is not None, "decode_attention called without decode_kernel_available"
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
+    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    for index in (seq_lens, query_rows, requests):
+        assert index.dtype == torch.int64 and index.is_contiguous()
+    function = getattr(library, _FUNCTIONS[query.dtype])
+    function(query.data_ptr(), query.stride(0), query.stride(1),
+             k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+             seq_lens.data_ptr(), query_rows.data_ptr(), requests.data_ptr(), requests.numel(),
+             out.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.shape[1],
+             float(scale), int(sliding_window or 0), float(softcap or 0.0), torch.get_num_threads())

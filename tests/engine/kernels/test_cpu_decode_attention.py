@@ -1,0 +1,88 @@
+"""The CPU paged decode attention (C, through ctypes) against the plain-torch reference."""
+
+import shutil
+
+import pytest
+import torch
+
+from shardline.engine.kernels import paged_attention_reference
+from shardline.engine.kernels.cpu_attention import decode_attention, decode_kernel_available
+
+from .conftest import make_paged_batch
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine uses its torch path")
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+
+
+def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None):
+    q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must leave alone keep 7
+    assert decode_kernel_available(k_cache, q.shape[1])
+    decode_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.seq_lens.cpu().long(),
+                     batch.query_start_loc[:-1].cpu().long(), torch.tensor(requests, dtype=torch.int64),
+                     out, scale, sliding_window, softcap)
+    return out
+
+
+def reference(batch, scale: float, sliding_window=None, softcap=None):
+    return paged_attention_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), batch.block_tables.cpu(),
+                                     scale, sliding_window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads):
+    context_lens = [0, 5, 16, 31, 100, 257]
+    batch = make_paged_batch(context_lens, [1] * len(context_lens), num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size, dtype=dtype)
+    out = run_kernel(batch, list(range(len(context_lens))), 0.17)
+    torch.testing.assert_close(out, reference(batch, 0.17), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_head_dims(head_dim):
+    batch = make_paged_batch([3, 40, 77], [1, 1, 1], head_dim=head_dim, dtype=torch.float64)
+    out = run_kernel(batch, [0, 1, 2], head_dim**-0.5)
+    torch.testing.assert_close(out, reference(batch, head_dim**-0.5), **TOLERANCE[torch.float64])
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 40, 1000])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_sliding_window_and_softcap(sliding_window, softcap):
+    batch = make_paged_batch([0, 4, 15, 16, 39, 90], [1] * 6, block_size=8, dtype=torch.float64)
+    out = run_kernel(batch, list(range(6)), 0.3, sliding_window, softcap)
+    expected = reference(batch, 0.3, sliding_window, softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+
+
+def test_only_listed_requests_are_written():
+    """A mixed step: prefill chunks (several query tokens) are left to the torch path."""
+    context_lens, query_lens = [10, 0, 33, 7], [1, 12, 1, 5]
+    batch = make_paged_batch(context_lens, query_lens, dtype=torch.float64)
+    out = run_kernel(batch, [0, 2], 0.125)
+    expected = reference(batch, 0.125)
+    starts = batch.query_start_loc.tolist()
+    for request in (0, 2):
+        torch.testing.assert_close(out[starts[request]], expected[starts[request]], **TOLERANCE[torch.float64])
+    untouched = torch.ones(out.shape[0], dtype=torch.bool)
+    untouched[[starts[0], starts[2]]] = False
+    assert (out[untouched] == 7.0).all()
+
+
+def test_strided_query():
+    """The engine hands the kernel q as a transposed view of [1, H, T, D]."""
+    batch = make_paged_batch([20, 50], [1, 1], num_heads=4, num_kv_heads=2, dtype=torch.float32)
+    expected = reference(batch, 0.2)
+    batch.q = batch.q.cpu().transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D], H-major memory
+    assert not batch.q.is_contiguous()
+    torch.testing.assert_close(run_kernel(batch, [0, 1], 0.2), expected, **TOLERANCE[torch.float32])
+
+
+def test_unsupported_shapes_fall_back():
+    cache = torch.zeros(4, 16, 1, 512)  # head_dim 512 is past the kernel's limit
+    assert not decode_kernel_available(cache, 1)
+    assert not decode_kernel_available(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), 4)

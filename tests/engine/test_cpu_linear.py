@@ -1,0 +1,52 @@
+"""oneDNN packed linears on CPU: same outputs as torch's nn.Linear, applied only where they can run."""
+
+import pytest
+import torch
+from torch import nn
+
+from shardline.engine.cpu_linear import onednn_linear_available, pack_linears
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
+
+
+def make_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 40, bias=False)).to(dtype)
+    model.embed = nn.Embedding(10, 48).to(dtype)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 300, 48), (2, 3, 48)])
+def test_packed_linear_matches_torch(dtype, tolerance, shape):
+    model = make_model(dtype)
+    x = torch.randn(*shape).to(dtype)
+    with torch.inference_mode():
+        expected = model[:3](x)
+        assert pack_linears(model, rows_hint=64) == 2
+        assert hasattr(model[0], "shardline_packed_weight")
+        out = model[:3](x)
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_float64_keeps_torch_linear():
+    model = make_model(torch.float64)
+    assert pack_linears(model, rows_hint=64) == 0
+    assert not hasattr(model[0], "shardline_packed_weight")
+
+
+def test_gradients_still_flow_through_the_original_weight():
+    model = make_model(torch.float32)
+    pack_linears(model, rows_hint=8)
+    out = model[:3](torch.randn(2, 48))
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+
+
+def test_engine_packs_linears_on_cpu(tiny_llama_dir):
+    from shardline import LLM
+
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    packed = [m for m in llm.llm_engine.model.modules() if hasattr(m, "shardline_packed_weight")]
+    assert packed and all(type(m) is nn.Linear for m in packed)
