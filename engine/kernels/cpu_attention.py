@@ -72,7 +72,7 @@ def _build(compiler: str) -> Path:
     for flags in (["-march=native"], []):
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             output = Path(scratch) / target.name
-            command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11",
+            command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
                        str(SOURCE), "-o", str(output), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:

@@ -98,12 +98,14 @@ static inline __attribute__((always_inline)) void NAME(                         
                 __builtin_prefetch(next_k + j * row_stride * (int64_t)sizeof(T) + byte);    \
                 __builtin_prefetch(next_v + j * row_stride * (int64_t)sizeof(T) + byte);    \
             }                                                                               \
-            for (int64_t i = 0; i < n; i++) {                                               \
-                const T *kr = kb + j * row_stride + (i / group) * head_dim;                 \
-                ACC s = 0;                                                                  \
-                _Pragma("omp simd reduction(+:s)")                                          \
-                for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * (ACC)kr[d];          \
-                scores[i][j] = s;                                                           \
+            for (int64_t kv = 0, i = 0; kv < num_item_heads; kv++) {                        \
+                const T *kr = kb + j * row_stride + kv * head_dim;                          \
+                for (int64_t g = 0; g < group; g++, i++) {                                  \
+                    ACC s = 0;                                                              \
+                    _Pragma("omp simd reduction(+:s)")                                      \
+                    for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * (ACC)kr[d];      \
+                    scores[i][j] = s;                                                       \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
         for (int64_t i = 0; i < n; i++) {                                                   \
@@ -124,11 +126,13 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int64_t d = 0; d < head_dim; d++) acc[i][d] *= correction;                 \
         }                                                                                   \
         for (int64_t j = lo; j < hi; j++) {                                                 \
-            for (int64_t i = 0; i < n; i++) {                                               \
-                const T *vr = vb + j * row_stride + (i / group) * head_dim;                 \
-                const ACC p = scores[i][j];                                                 \
-                _Pragma("omp simd")                                                         \
-                for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * (ACC)vr[d];         \
+            for (int64_t kv = 0, i = 0; kv < num_item_heads; kv++) {                        \
+                const T *vr = vb + j * row_stride + kv * head_dim;                          \
+                for (int64_t g = 0; g < group; g++, i++) {                                  \
+                    const ACC p = scores[i][j];                                             \
+                    _Pragma("omp simd")                                                     \
+                    for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * (ACC)vr[d];     \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
