@@ -94,9 +94,12 @@ def main() -> None:
         if name != "shardline":
             print(f"shardline / {name}: {seconds / ours:.2f}x")
     flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
-    peak = peak_matmul_flops()
+    peaks = peak_matmul_flops()
+    peak_name = max(peaks, key=peaks.get)
+    peak = peaks[peak_name]
+    print("matmul peaks: " + ", ".join(f"{name} {value / 1e9:.1f} GFLOP/s" for name, value in peaks.items()))
     print(f"roofline: {flops / ours / 1e9:.1f} GFLOP/s achieved of {peak / 1e9:.1f} GFLOP/s "
-          f"peak torch.mm ({100 * flops / ours / peak:.1f}%)")
+          f"peak {peak_name} ({100 * flops / ours / peak:.1f}%)")
     if profile is not None:
         print("shardline profile:\n" + profile.report(ours))
 

@@ -41,19 +41,30 @@ def non_embedding_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) - embedding
 
 
-def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> float:
-    """Best observed torch.mm FLOP/s on this machine's CPU: the roofline's peak."""
+def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Best observed FLOP/s of a size x size matmul on this machine's CPU, by torch.mm
+    (MKL) and by oneDNN's packed linear (what the engine's CPU linears run): the
+    roofline's peak is the larger."""
     import time
+
+    from shardline.engine.cpu_linear import onednn_linear_available
 
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    candidates = {"torch.mm": lambda: torch.mm(a, b)}
+    if onednn_linear_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        candidates["oneDNN linear"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    peaks = {}
+    for name, matmul in candidates.items():
+        matmul()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            matmul()
+            best = min(best, time.perf_counter() - start)
+        peaks[name] = 2 * size**3 / best
+    return peaks
 
 
 class AttentionProfile:
