@@ -86,3 +86,25 @@ def test_unsupported_shapes_fall_back():
     cache = torch.zeros(4, 16, 1, 512)  # head_dim 512 is past the kernel's limit
     assert not decode_kernel_available(cache, 1)
     assert not decode_kernel_available(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), 4)
+
+
+def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir):
+    """CC pointing at no compiler: a warning, no kernel, and the same greedy tokens."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from shardline import LLM, SamplingParams\n"
+        "from shardline.engine.kernels import cpu_attention\n"
+        f"llm = LLM({tiny_llama_dir!r}, dtype='float32')\n"
+        "out = llm.generate({'prompt_token_ids': [5, 6, 7, 8]}, SamplingParams(max_tokens=6), use_tqdm=False)\n"
+        "print(cpu_attention._load() is None, out[0].outputs[0].token_ids)\n"
+    )
+    runs = {}
+    for name, compiler in (("none", "/nonexistent/cc"), ("cc", os.environ.get("CC", "cc"))):
+        env = {**os.environ, "CC": compiler, "SHARDLINE_CACHE_DIR": str(tmp_path / name)}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        runs[name] = result.stdout.strip().splitlines()[-1]
+    assert runs["none"].startswith("True ") and runs["cc"].startswith("False ")
+    assert runs["none"].split(" ", 1)[1] == runs["cc"].split(" ", 1)[1]
