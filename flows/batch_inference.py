@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,9 +25,9 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture, as_completed
 
-from shardline.tasks.engine_cache import engines_held
+from shardline.tasks.engine_cache import engines_held, get_runner
 from shardline.tasks.job import BatchJob
-from shardline.tasks.prefect_tasks import completed_manifest_task, list_shards_task, process_shard_task
+from shardline.tasks.prefect_tasks import completed_manifests_task, list_shards_task, process_shard_task
 from shardline.tasks.shard_writer import redact_url
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, shard_entry
@@ -33,6 +35,8 @@ from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, 
 from .artifacts import ShardProgress, publish_summary
 from .execution import Execution, TaskRunnerKind
 from .ray_scale_out import ray_submitter
+
+_log = logging.getLogger(__name__)
 
 # submit(task, parameters) -> future: how a shard task reaches its task runner.
 Submit = Callable[[Any, dict[str, Any]], PrefectFuture]
@@ -64,7 +68,7 @@ def batch_inference(
     entries, todo = ([], shards) if reprocess_completed else _skip_done(shards, job)
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
     progress = ShardProgress(total=len(shards), finished=len(entries))
-    with engines_held(), _shard_submitter(execution) as submit:
+    with engines_held(), _engine_preloaded(job, execution, todo), _shard_submitter(execution) as submit:
         entries += _run_shards(todo, job, progress, submit, execution)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
     publish_summary(summary)
@@ -83,6 +87,34 @@ def _shard_submitter(execution: Execution) -> Iterator[Submit]:
         yield lambda task, parameters: task.submit(**parameters)
 
 
+@contextlib.contextmanager
+def _engine_preloaded(job: BatchJob, execution: Execution, todo: list[Shard]) -> Iterator[None]:
+    """Load this process's engine in the background while the first shard tasks start
+    and read their rows; their get_runner waits for this load instead of starting one.
+
+    Only for shards that run in this process (not on Ray workers) and hold no GPU
+    concurrency limit (the load would take GPU memory outside the limit). Errors are
+    left to the shard tasks, which load again and report them per shard. The load is
+    joined before the engines are released, so none outlives the flow's hold.
+    """
+    if not todo or execution.task_runner == TaskRunnerKind.RAY or execution.gpu_concurrency_limit:
+        yield
+        return
+
+    def preload() -> None:
+        try:
+            get_runner(job.model, engine_host=execution.engine_host, **job.engine_kwargs())
+        except Exception:  # reported by the shard tasks' own get_runner
+            _log.debug("engine preload failed; shard tasks will load it", exc_info=True)
+
+    loader = threading.Thread(target=preload, name="shardline-engine-preload", daemon=True)
+    loader.start()
+    try:
+        yield
+    finally:
+        loader.join()
+
+
 def _require_concurrency_limit(name: str) -> None:
     with get_client(sync_client=True) as client:
         try:
@@ -96,10 +128,8 @@ def _require_concurrency_limit(name: str) -> None:
 
 def _skip_done(shards: list[Shard], job: BatchJob) -> tuple[list[dict[str, Any]], list[Shard]]:
     """Entries for shards already done; the shards still to run."""
-    checks = [(shard, completed_manifest_task.submit(shard, job)) for shard in shards]
     entries, todo = [], []
-    for shard, check in checks:
-        manifest = check.result()
+    for shard, manifest in zip(shards, completed_manifests_task(shards, job)):
         if manifest is None:
             todo.append(shard)
         else:

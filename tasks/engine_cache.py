@@ -41,7 +41,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .runner import ShardRunner
@@ -113,10 +113,40 @@ def _load(model: str, engine_options: dict[str, Any], key: str, binding: str | N
           owner_drives: bool = False) -> ShardRunner:
     from shardline.engine.llm import LLM  # torch loads with the first engine only
 
-    runner = ShardRunner(LLM(model, **engine_options), owner_drives=owner_drives)
+    if owner_drives:  # the caller's thread loads and drives: one thread runs all torch work
+        llm = LLM(model, **engine_options)
+    else:  # the runner's driver thread will run the steps
+        llm = _in_passing_thread(lambda: LLM(model, **engine_options))
+    runner = ShardRunner(llm, owner_drives=owner_drives)
     _LOADS[key] = _LOADS.get(key, 0) + 1
     _record_load(model, key, binding)
     return runner
+
+
+def _in_passing_thread(build: Callable[[], Any]) -> Any:
+    """``build()`` on a thread that ends when it returns.
+
+    Why: GNU OpenMP (torch's CPU thread pool) keeps a pool of worker threads for
+    every thread that ever ran a parallel region, and once those pools hold more
+    threads than there are CPUs it stops spin-waiting between regions; each of the
+    thousands of parallel ops in a step then pays a futex wake-up (on 2 CPUs, steps
+    about 25% slower). Loading an engine runs parallel ops, so it runs here and its
+    pool ends with the thread; the runner's driver thread keeps the only busy pool.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = build()
+        except BaseException as exc:  # re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="shardline-engine-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _get_client(host: EngineHost, model: str, engine_options: dict[str, Any]) -> Any:

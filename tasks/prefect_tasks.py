@@ -8,6 +8,7 @@ Caching is off: whether a shard is done is decided by its manifest, not by Prefe
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -19,6 +20,8 @@ from .job import BatchJob
 from .shard_reader import ShardError
 
 _RETRY_DELAYS = [2, 10]
+# Manifest checks in flight at once (storage round trips, mostly waiting).
+_CHECK_THREADS = 16
 
 
 def _retriable(task_obj: Any, task_run: Any, state: Any) -> bool:
@@ -43,6 +46,18 @@ def list_shards_task(job: BatchJob) -> list[storage.Shard]:
 def completed_manifest_task(shard: storage.Shard, job: BatchJob) -> dict[str, Any] | None:
     """The shard's manifest when it is already done for ``job``, else None."""
     return shard_writer.completed_manifest(shard, job)
+
+
+@task(name="check-shards-done", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS)
+def completed_manifests_task(shards: list[storage.Shard], job: BatchJob) -> list[dict[str, Any] | None]:
+    """Each shard's manifest when it is already done for ``job``, else None, in order.
+
+    One task for all shards: a task run per shard costs the Prefect API more than the
+    check itself (a few storage reads), and the flow's start waits on all of them."""
+    if not shards:
+        return []
+    with ThreadPoolExecutor(max_workers=min(_CHECK_THREADS, len(shards))) as pool:
+        return list(pool.map(lambda shard: shard_writer.completed_manifest(shard, job), shards))
 
 
 @task(name="read-shard", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=_RETRY_DELAYS,

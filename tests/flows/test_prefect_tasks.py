@@ -10,6 +10,7 @@ from prefect import flow
 
 from shardline.tasks.prefect_tasks import (
     completed_manifest_task,
+    completed_manifests_task,
     list_shards_task,
     read_shard_task,
     run_shard_task,
@@ -21,10 +22,13 @@ from shardline.tasks.sample_data import write_sample_dataset
 @flow
 def step_by_step(job):
     manifests = []
-    for shard in list_shards_task(job):
+    shards = list_shards_task(job)
+    assert completed_manifests_task(shards, job) == [None] * len(shards)
+    for shard in shards:
         assert completed_manifest_task(shard, job) is None
         manifests.append(write_shard_task(run_shard_task(read_shard_task(shard, job), job), job))
         assert completed_manifest_task(shard, job) == manifests[-1]
+    assert completed_manifests_task(shards, job) == manifests
     return manifests
 
 
