@@ -61,9 +61,32 @@ def pack_linears(model: nn.Module, rows_hint: int) -> int:
     return num_packed
 
 
+# oneDNN builds and caches a kernel per distinct row count (about 0.6 MB each, up to
+# its cache's 1024 entries per layer shape), and a continuous batch sees almost every
+# row count between 1 and its token budget: the cache would grow with the run. Rows
+# are padded with zeros to a bucket instead (multiples of SMALL_ROWS up to LARGE_ROWS,
+# then multiples of LARGE_ROWS), so each layer shape meets at most a few dozen
+# row counts. Padding decode batches costs little (their matmuls are bound by
+# reading the weights); a full prefill step is already a multiple of LARGE_ROWS.
+SMALL_ROWS = 16
+LARGE_ROWS = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count oneDNN sees for ``rows`` rows."""
+    step = SMALL_ROWS if rows <= LARGE_ROWS else LARGE_ROWS
+    return -(-rows // step) * step
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in_features] -> [..., out_features]
     # Autograd does not see through the packed weight: with gradients on, use torch's linear.
     if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
         return nn.functional.linear(x, self.weight, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, self.shardline_packed_weight, self.bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(flat, self.shardline_packed_weight, self.bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])

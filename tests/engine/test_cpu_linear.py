@@ -50,3 +50,14 @@ def test_engine_packs_linears_on_cpu(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32")
     packed = [m for m in llm.llm_engine.model.modules() if hasattr(m, "shardline_packed_weight")]
     assert packed and all(type(m) is nn.Linear for m in packed)
+
+
+def test_row_counts_fall_into_few_buckets():
+    """oneDNN caches a kernel per row count: a continuous batch's row counts (any number
+    up to the token budget) must reach it as a few dozen, or its memory grows with the run."""
+    from shardline.engine.cpu_linear import row_bucket
+
+    buckets = {row_bucket(rows) for rows in range(1, 8193)}
+    assert len(buckets) <= 48
+    assert all(row_bucket(rows) >= rows for rows in range(1, 8193))
+    assert row_bucket(64) == 64 and row_bucket(8192) == 8192  # full decode and prefill steps pad nothing
