@@ -158,9 +158,12 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
     /* KV heads per item: all of them (each key row read as one contiguous run), split    \
      * while there are too few items to keep every thread busy or too many heads. */       \
     int64_t item_heads = num_kv_heads;                                                      \
-    while (item_heads % 2 == 0 && (item_heads * group > MAX_ITEM_HEADS                      \
-                                   || num_requests * (num_kv_heads / item_heads) < 4 * num_threads)) \
-        item_heads /= 2;                                                                    \
+    while (item_heads > 1 && (item_heads * group > MAX_ITEM_HEADS                           \
+                              || num_requests * (num_kv_heads / item_heads) < 4 * num_threads)) { \
+        int64_t smaller = item_heads - 1; /* the next divisor of num_kv_heads down */       \
+        while (num_kv_heads % smaller) smaller--;                                           \
+        item_heads = smaller;                                                               \
+    }                                                                                       \
     const int64_t items_per_request = num_kv_heads / item_heads;                            \
     const int64_t num_items = num_requests * items_per_request;                             \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")               \

@@ -108,3 +108,13 @@ def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir)
         runs[name] = result.stdout.strip().splitlines()[-1]
     assert runs["none"].startswith("True ") and runs["cc"].startswith("False ")
     assert runs["none"].split(" ", 1)[1] == runs["cc"].split(" ", 1)[1]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,num_requests", [(96, 3, 5), (64, 2, 1), (12, 3, 40), (5, 5, 2)])
+def test_many_heads_per_item_and_odd_head_counts(num_heads, num_kv_heads, num_requests):
+    """Work items split a request's KV heads by a divisor, within the kernel's per-item limit."""
+    context_lens = [7 + 11 * r for r in range(num_requests)]
+    batch = make_paged_batch(context_lens, [1] * num_requests, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=16, dtype=torch.float64)
+    out = run_kernel(batch, list(range(num_requests)), 0.25)
+    torch.testing.assert_close(out, reference(batch, 0.25), **TOLERANCE[torch.float64])
