@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -110,20 +109,6 @@ class StepTrace:
                 "between_steps_s": round(gaps, 2), "after_last_step_s": round(self.ended - self.steps[-1][1], 2)}
 
 
-def in_passing_thread(work):
-    """``work()`` on a thread that ends with it, so that this process's main thread never
-    runs a torch op: GNU OpenMP keeps a thread pool per thread that ran a parallel op,
-    and with more pooled threads than CPUs it stops spin-waiting, which would slow the
-    flow's engine (tasks/engine_cache.py) because of the benchmark's own earlier runs."""
-    outcome = {}
-    thread = threading.Thread(target=lambda: outcome.update(value=work()))
-    thread.start()
-    thread.join()
-    if "value" not in outcome:
-        raise RuntimeError("the benchmark step failed (its traceback is above)")
-    return outcome["value"]
-
-
 def engine_only_seconds(model: str, prompts: list[str], max_tokens: int, engine_options: dict) -> float:
     from shardline import LLM, SamplingParams
 
@@ -159,24 +144,28 @@ def main() -> None:
     from prefect import flow
     from prefect.testing.utilities import prefect_test_harness
 
+    # Torch work runs on threads that end, so this main thread holds no OpenMP pool
+    # that would slow the flow's engine (see run_on_passing_thread).
+    from shardline.tasks.engine_cache import run_on_passing_thread
     from shardline.tasks.job import BatchJob
     from shardline.tasks.sample_data import sample_prompts, write_rows
 
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-pipeline-"))
-    model = in_passing_thread(lambda: build_model(args.model, root))
+    model = run_on_passing_thread(lambda: build_model(args.model, root))
     shards = [sample_prompts(args.rows, index) for index in range(args.shards)]
     for index, rows in enumerate(shards):
         write_rows(str(root / "in" / f"part-{index:05d}.{'parquet' if index % 2 == 0 else 'jsonl'}"), rows)
     prompts = [row["prompt"] for rows in shards for row in rows]
     engine_options = {"max_num_seqs": args.max_num_seqs}
 
+    def engine_only(rows: list[str]) -> float:
+        return run_on_passing_thread(lambda: engine_only_seconds(model, rows, args.max_tokens, engine_options))
+
     with prefect_test_harness(server_startup_timeout=120):
         flow(lambda: None, name="warm-up")()  # the API server is up and warm before timing
-        in_passing_thread(lambda: engine_only_seconds(model, prompts[: args.max_num_seqs], args.max_tokens,
-                                                      engine_options))  # torch warm-up
+        engine_only(prompts[: args.max_num_seqs])  # torch warm-up
         with CpuMeter() as engine_cpu, StepTrace() as engine_trace:
-            engine_before = in_passing_thread(lambda: engine_only_seconds(model, prompts, args.max_tokens,
-                                                                          engine_options))
+            engine_before = engine_only(prompts)
         flows, flow_cpu, flow_trace = {}, {}, {}
         for engine_host in args.engine_hosts.split(","):
             job = BatchJob(input=str(root / "in"), output=str(root / f"out-{engine_host}"), model=model,
@@ -184,8 +173,7 @@ def main() -> None:
                            engine_options=engine_options, shards_in_flight=args.shards_in_flight)
             with CpuMeter() as flow_cpu[engine_host], StepTrace() as flow_trace[engine_host]:
                 flows[engine_host] = flow_seconds(job, engine_host)
-        engine_after = in_passing_thread(lambda: engine_only_seconds(model, prompts, args.max_tokens,
-                                                                     engine_options))
+        engine_after = engine_only(prompts)
     engine = min(engine_before, engine_after)
     result = {
         "model": args.model, "shards": args.shards, "rows": len(prompts), "max_tokens": args.max_tokens,

@@ -116,14 +116,14 @@ def _load(model: str, engine_options: dict[str, Any], key: str, binding: str | N
     if owner_drives:  # the caller's thread loads and drives: one thread runs all torch work
         llm = LLM(model, **engine_options)
     else:  # the runner's driver thread will run the steps
-        llm = _in_passing_thread(lambda: LLM(model, **engine_options))
+        llm = run_on_passing_thread(lambda: LLM(model, **engine_options))
     runner = ShardRunner(llm, owner_drives=owner_drives)
     _LOADS[key] = _LOADS.get(key, 0) + 1
     _record_load(model, key, binding)
     return runner
 
 
-def _in_passing_thread(build: Callable[[], Any]) -> Any:
+def run_on_passing_thread(build: Callable[[], Any]) -> Any:
     """``build()`` on a thread that ends when it returns.
 
     Why: GNU OpenMP (torch's CPU thread pool) keeps a pool of worker threads for
