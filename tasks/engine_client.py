@@ -32,6 +32,7 @@ import abc
 import hashlib
 import itertools
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -55,6 +56,8 @@ DEFAULT_IDLE_TIMEOUT = 600.0
 DEFAULT_START_TIMEOUT = 1800.0  # a large model can take many minutes to load
 GREETING_TIMEOUT = 60.0
 _SOCKET_PATH_MAX = 100  # AF_UNIX paths are limited to 107 bytes on Linux
+
+logger = logging.getLogger("shardline.tasks.engine_client")
 
 
 class EngineServiceError(RuntimeError):
@@ -292,6 +295,25 @@ class _ServiceRunner(abc.ABC):
             time.sleep(0.05)
 
 
+    @staticmethod
+    def _log_driver_stats(files: ServiceFiles, pid: int) -> None:
+        """Log what the child's engine driver did (steps, time in steps, idle time) before it goes."""
+        try:
+            connected = _ServiceRunner._try_connect(files)
+            if connected is None:
+                return
+            conn, _ = connected
+            with conn:
+                conn.send(("info",))
+                if not conn.poll(5.0):
+                    return
+                info = conn.recv()[1]
+        except (EngineServiceError, EOFError, OSError):
+            return  # only a log line is lost
+        logger.info("engine service pid %d: driver %s, %d shard(s) run", pid, info.get("driver"),
+                    info.get("shards_run", 0))
+
+
 def _is_engine_service(pid: int) -> bool:
     """Whether ``pid`` is alive and is an engine service (not a process that reused the pid)."""
     try:
@@ -381,6 +403,8 @@ class ChildServiceRunner(_ServiceRunner):
 
     def _stop(self) -> None:
         process, files, self._process, self._files = self._process, self._files, None, None
+        if process is not None and files is not None and process.poll() is None:
+            self._log_driver_stats(files, process.pid)
         if process is not None:
             process.stdin.close()
             try:

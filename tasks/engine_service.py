@@ -90,7 +90,8 @@ class EngineService:
             connections, shards_run = self._connections, self._shards_run
         return {"pid": os.getpid(), "loads": sum(engine_cache.engine_loads().values()),
                 "connections": connections, "shards_run": shards_run,
-                "unfinished_requests": self.runner.llm.llm_engine.get_num_unfinished_requests()}
+                "unfinished_requests": self.runner.llm.llm_engine.get_num_unfinished_requests(),
+                "driver": self.runner.stats()}
 
     # ------------------------------------------------------------- connections
     def _accept(self) -> None:
@@ -190,8 +191,8 @@ class EngineService:
             self._listener.close()  # removes the socket file
             for path in self.owned_files:
                 path.unlink(missing_ok=True)
-        logger.info("engine service pid %d retiring (%s)", os.getpid(),
-                    f"idle for {idle_for:.0f}s" if only_if_idle else "asked to stop")
+        logger.info("engine service pid %d retiring (%s); driver %s", os.getpid(),
+                    f"idle for {idle_for:.0f}s" if only_if_idle else "asked to stop", self.runner.stats())
         self.runner.close()  # the main thread's drive() returns
         return True
 

@@ -68,6 +68,23 @@ class RetryPolicy:
         return min(self.max_delay, self.base_delay * 2 ** max(depth - 1, 0))
 
 
+@dataclass
+class DriverStats:
+    """What the driver loop did: steps, seconds inside them, and seconds it waited for
+    rows with nothing in flight. Tells a starved engine from a slow one."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    first_step_at: float | None = None  # time.monotonic() of the first and last step
+    last_step_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3),
+                "idle_seconds": round(self.idle_seconds, 3),
+                "active_seconds": round((self.last_step_at or 0.0) - (self.first_step_at or 0.0), 3)}
+
+
 class RunnerError(RuntimeError):
     """The driver itself failed (not a row): every waiting shard gets this error."""
 
@@ -111,6 +128,7 @@ class ShardRunner:
         self._driven_by_owner = owner_drives  # the owner calls drive(); run_shard starts no thread
         self._closed = False
         self._abort_keys: set[str] = set()  # shards to abort, handed to the driver
+        self._stats = DriverStats()  # written by the driver thread only
 
     def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
         """Run ``rows`` (of shard ``key``) and return one RowResult each, in order."""
@@ -147,6 +165,10 @@ class ShardRunner:
             self._abort_keys.add(key)
             self._cond.notify()
         return True
+
+    def stats(self) -> dict[str, Any]:
+        """The driver's counters so far (DriverStats.as_dict); a snapshot, any thread."""
+        return self._stats.as_dict()
 
     def close(self) -> None:
         """Stop the driver; shards still waiting fail with RunnerError."""
@@ -185,8 +207,11 @@ class ShardRunner:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._closed and not self._queue and not self._in_flight:
-                self._cond.wait()
+            if not self._closed and not self._queue and not self._in_flight:
+                waited = time.monotonic()
+                while not self._closed and not self._queue and not self._in_flight:
+                    self._cond.wait()
+                self._stats.idle_seconds += time.monotonic() - waited
             return not self._closed
 
     def _abort_requested(self) -> None:
@@ -245,7 +270,7 @@ class ShardRunner:
     def _step(self) -> None:
         self._check_engine_has_work(self._in_flight)
         try:
-            outputs = self._engine.step()
+            outputs = self._engine_step()
         except Exception as exc:
             self._recover(exc)
             return
@@ -254,6 +279,18 @@ class ShardRunner:
             if entry is not None:  # None: the last word of an aborted request
                 work, position = entry
                 work.complete(position, RowResult(work.rows[position].index, output=output))
+
+    def _engine_step(self) -> list[Any]:
+        """One engine step, counted in the driver's stats (failed steps too)."""
+        started = time.monotonic()
+        try:
+            return self._engine.step()
+        finally:
+            stats, ended = self._stats, time.monotonic()
+            stats.steps += 1
+            stats.step_seconds += ended - started
+            stats.first_step_at = stats.first_step_at or started
+            stats.last_step_at = ended
 
     # ----------------------------------------------------------------- recovery
     def _recover(self, exc: Exception) -> None:
@@ -297,7 +334,7 @@ class ShardRunner:
         try:
             while pending:
                 self._check_engine_has_work(pending)
-                for output in self._engine.step():
+                for output in self._engine_step():
                     entry = pending.pop(output.request_id, None)
                     if entry is not None:
                         work, position = entry

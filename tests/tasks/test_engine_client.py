@@ -41,7 +41,7 @@ def test_rows_and_results_cross_a_process_boundary_intact(tiny_model):
     assert result.output.outputs[0].logprobs == output.outputs[0].logprobs
 
 
-def test_child_engine_gives_the_rows_of_an_engine_in_this_process_and_goes_with_the_cache(tiny_model):
+def test_child_engine_gives_the_rows_of_an_engine_in_this_process_and_goes_with_the_cache(tiny_model, caplog):
     rows = _rows(6, SamplingParams(max_tokens=5, temperature=0.0))
     own = engine_cache.get_runner(tiny_model, **OPTIONS).run_shard("shard-a", rows)
     child = engine_cache.get_runner(tiny_model, engine_host=EngineHost.CHILD, **OPTIONS)
@@ -52,9 +52,13 @@ def test_child_engine_gives_the_rows_of_an_engine_in_this_process_and_goes_with_
     assert [r.output.outputs[0].token_ids for r in served] == [r.output.outputs[0].token_ids for r in own]
     assert engine_cache.get_runner(tiny_model, engine_host=EngineHost.CHILD, **OPTIONS) is child
 
+    assert child.service_info()["driver"]["steps"] >= 6  # 5 tokens each, prefill included
+
     process = child._process
-    engine_cache.close_engines()
+    with caplog.at_level("INFO", logger="shardline.tasks.engine_client"):
+        engine_cache.close_engines()
     assert process.wait(timeout=60) == 0  # the child retired on its own when its stdin closed
+    assert f"engine service pid {process.pid}: driver {{'steps': " in caplog.text
     with pytest.raises(Exception, match="closed"):
         child.run_shard("shard-b", rows)
 

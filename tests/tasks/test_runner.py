@@ -60,6 +60,9 @@ def test_shards_from_many_threads_share_one_batch_and_match_generate(llm, tiny_m
     runner.close()
     assert not llm.llm_engine.has_unfinished_requests()
     assert any(len(shards) > 1 for shards in steps), "no step mixed rows of two shards"
+    stats = runner.stats()
+    assert stats["steps"] == len(steps)  # every engine step the driver took, counted once
+    assert 0 < stats["step_seconds"] <= stats["active_seconds"]
 
     reference = LLM(tiny_model, max_num_seqs=8, seed=0)
     for shard in range(4):
