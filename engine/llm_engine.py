@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
-from .cpu_linear import pack_linears
+from .cpu_linear import fuse_gated_mlps, pack_linears
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
 from .model_runner import (
@@ -43,12 +43,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.device = loaded.device
+        config.resolve_token_budget(self.device.type)
         self.vocab_size = int(self.hf_config.get_text_config().vocab_size)
         # Before sizing the KV cache: the adapter slots take device memory.
         self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
                                          loaded.dtype) if config.enable_lora else None)
         if self.device.type == "cpu":
             pack_linears(self.model, rows_hint=config.max_num_batched_tokens)
+            fuse_gated_mlps(self.model, rows_hint=config.max_num_batched_tokens)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)

@@ -124,6 +124,7 @@ class PoolingEngine:
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.device = loaded.device
+        config.resolve_token_budget(self.device.type)
         text_config = self.hf_config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)

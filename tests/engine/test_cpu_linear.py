@@ -61,3 +61,63 @@ def test_row_counts_fall_into_few_buckets():
     assert len(buckets) <= 48
     assert all(row_bucket(rows) >= rows for rows in range(1, 8193))
     assert row_bucket(64) == 64 and row_bucket(8192) == 8192  # full decode and prefill steps pad nothing
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, act: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedMLPOtherWay(GatedMLP):
+    """Same modules, another formula: must keep its own forward."""
+
+    def forward(self, x):
+        return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(approximate="tanh")])
+def test_gated_mlp_runs_gate_and_up_as_one_matmul_with_the_same_output(rows, act):
+    from shardline.engine.cpu_linear import fuse_gated_mlps
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(48, 96, act)
+    x = torch.randn(2, rows, 48)
+    with torch.no_grad():
+        expected = mlp(x)
+        pack_linears(mlp, rows_hint=16)
+        assert fuse_gated_mlps(mlp, rows_hint=16) == 1
+        got = mlp(x)
+    assert hasattr(mlp, "shardline_packed_gate_up") and not hasattr(mlp.gate_proj, "shardline_packed_weight")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    mlp(x).sum().backward()  # with gradients on, torch's own matmuls
+    assert mlp.gate_proj.weight.grad is not None
+
+
+def test_an_mlp_with_another_formula_keeps_its_forward():
+    from shardline.engine.cpu_linear import fuse_gated_mlps
+
+    torch.manual_seed(0)
+    mlp = GatedMLPOtherWay(48, 96, nn.SiLU())
+    pack_linears(mlp, rows_hint=16)
+    assert fuse_gated_mlps(mlp, rows_hint=16) == 0
+    assert not hasattr(mlp, "shardline_packed_gate_up") and "forward" not in vars(mlp)
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), GatedMLPOtherWay.forward(mlp, x))
+
+
+def test_engine_fuses_the_llama_mlp(tiny_llama_dir):
+    from shardline import LLM
+
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    mlps = [m for m in llm.llm_engine.model.modules() if hasattr(m, "shardline_packed_gate_up")]
+    assert mlps and len(mlps) == llm.llm_engine.hf_config.num_hidden_layers
+    llm.close()

@@ -72,3 +72,17 @@ def test_architecture_without_attention_interface(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="Bloom"):
         LLM(str(tmp_path))
+
+
+def test_token_budget_defaults_per_device_and_an_explicit_one_stays(tiny_llama_dir):
+    from shardline.engine.config import DEFAULT_TOKEN_BUDGETS, EngineConfig
+
+    assert EngineConfig("m").max_num_batched_tokens is None
+    assert EngineConfig("m").resolve_token_budget("cuda") == DEFAULT_TOKEN_BUDGETS["cuda"]
+    llm = LLM(tiny_llama_dir, device="cpu")
+    assert llm.engine_config.max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cpu"]
+    assert llm.llm_engine.scheduler.config.max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cpu"]
+    llm.close()
+    llm = LLM(tiny_llama_dir, device="cpu", max_num_batched_tokens=96)
+    assert llm.llm_engine.scheduler.config.max_num_batched_tokens == 96
+    llm.close()
