@@ -10,6 +10,7 @@ Why a native kernel: a decode step is bound by reading every running request's
 context once per layer. Torch ops must first gather the paged blocks into a padded
 copy (or issue one SDPA call per request), which costs about five times the read
 itself on a 2-core worker; the kernel reads each K/V row once, in place.
+float32, float64 and bfloat16 caches (bfloat16 accumulates in float32).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-_FUNCTIONS = {torch.float32: "decode_attention_f32", torch.float64: "decode_attention_f64"}
+_FUNCTIONS = {torch.float32: "decode_attention_f32", torch.float64: "decode_attention_f64",
+              torch.bfloat16: "decode_attention_bf16"}  # bfloat16 accumulates in float32
 _ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, its token and head strides
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride

@@ -8,6 +8,9 @@
  * rescaled by exp(m_old - m_new) when the max grows). Items run in parallel
  * (OpenMP, dynamic schedule: contexts differ in length).
  *
+ * float32, float64 and bfloat16 caches; bfloat16 is read into float32 and
+ * accumulates there, which halves the bytes a decode step reads.
+ *
  * Common head sizes get their own instance with the head size a compile-time
  * constant, so the compiler unrolls and vectorizes the dot products and the
  * accumulation; float32 exponentials use a vectorizable polynomial (below).
@@ -58,7 +61,25 @@ static inline float exp_f32(float x) {
     return p;
 }
 
-#define DEFINE_ITEM(NAME, T, ACC, EXP, TANH)                                                \
+/* Element loads and stores: float32 and float64 as they are; bfloat16 (stored as its
+ * 16 bits) widened to float32, and rounded back to nearest even on the way out. */
+static inline float same_f32(float x) { return x; }
+static inline double same_f64(double x) { return x; }
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#define DEFINE_ITEM(NAME, T, ACC, EXP, TANH, LOAD, STORE)                                                \
 static inline __attribute__((always_inline)) void NAME(                                     \
     const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, const T *v_cache, \
     const int32_t *table, int64_t seq_len, int64_t query_row, T *out, int64_t h0,           \
@@ -76,7 +97,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t i = 0; i < n; i++) {                                                       \
         const T *qh = q + query_row * q_stride_t + (h0 * group + i) * q_stride_h;           \
         for (int64_t d = 0; d < head_dim; d++) {                                            \
-            qs[i][d] = (ACC)qh[d] * scale;                                                  \
+            qs[i][d] = LOAD(qh[d]) * scale;                                                  \
             acc[i][d] = 0;                                                                  \
         }                                                                                   \
         m[i] = -INFINITY;                                                                   \
@@ -103,7 +124,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 for (int64_t g = 0; g < group; g++, i++) {                                  \
                     ACC s = 0;                                                              \
                     _Pragma("omp simd reduction(+:s)")                                      \
-                    for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * (ACC)kr[d];      \
+                    for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * LOAD(kr[d]);      \
                     scores[i][j] = s;                                                       \
                 }                                                                           \
             }                                                                               \
@@ -131,7 +152,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 for (int64_t g = 0; g < group; g++, i++) {                                  \
                     const ACC p = scores[i][j];                                             \
                     _Pragma("omp simd")                                                     \
-                    for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * (ACC)vr[d];     \
+                    for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * LOAD(vr[d]);     \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
@@ -139,7 +160,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t i = 0; i < n; i++) {                                                       \
         T *oh = out + (query_row * num_heads + h0 * group + i) * head_dim;                  \
         const ACC inv = l[i] > 0 ? 1 / l[i] : 0;                                            \
-        for (int64_t d = 0; d < head_dim; d++) oh[d] = (T)(acc[i][d] * inv);                \
+        for (int64_t d = 0; d < head_dim; d++) oh[d] = STORE(acc[i][d] * inv);                \
     }                                                                                       \
 }
 
@@ -191,10 +212,12 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
     }                                                                                       \
 }
 
-DEFINE_ITEM(item_f32, float, float, exp_f32, tanhf)
-DEFINE_ITEM(item_f64, double, double, exp, tanh)
+DEFINE_ITEM(item_f32, float, float, exp_f32, tanhf, same_f32, same_f32)
+DEFINE_ITEM(item_f64, double, double, exp, tanh, same_f64, same_f64)
+DEFINE_ITEM(item_bf16, uint16_t, float, exp_f32, tanhf, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE(decode_attention_f32, item_f32, float, float)
 DEFINE_DECODE(decode_attention_f64, item_f64, double, double)
+DEFINE_DECODE(decode_attention_bf16, item_bf16, uint16_t, float)
 
 /* Limits the launcher checks before calling (the work arrays live on the stack). */
 int64_t decode_attention_max_group(void) { return MAX_GROUP; }

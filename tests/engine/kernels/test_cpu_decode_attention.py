@@ -1,5 +1,6 @@
 """The CPU paged decode attention (C, through ctypes) against the plain-torch reference."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -13,7 +14,9 @@ from .conftest import make_paged_batch
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine uses its torch path")
 
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+# bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
+             torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
 def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None):
@@ -27,12 +30,16 @@ def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, so
 
 
 def reference(batch, scale: float, sliding_window=None, softcap=None):
+    if batch.q.dtype == torch.bfloat16:  # the exact answer for the stored bfloat16 values
+        widened = dataclasses.replace(batch, q=batch.q.float(), k_cache=batch.k_cache.float(),
+                                      v_cache=batch.v_cache.float())
+        return reference(widened, scale, sliding_window, softcap).to(torch.bfloat16)
     return paged_attention_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(),
                                      batch.query_start_loc.cpu(), batch.seq_lens.cpu(), batch.block_tables.cpu(),
                                      scale, sliding_window, softcap)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
 def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads):
@@ -43,20 +50,22 @@ def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads):
     torch.testing.assert_close(out, reference(batch, 0.17), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
-def test_head_dims(head_dim):
-    batch = make_paged_batch([3, 40, 77], [1, 1, 1], head_dim=head_dim, dtype=torch.float64)
+def test_head_dims(head_dim, dtype):
+    batch = make_paged_batch([3, 40, 77], [1, 1, 1], head_dim=head_dim, dtype=dtype)
     out = run_kernel(batch, [0, 1, 2], head_dim**-0.5)
-    torch.testing.assert_close(out, reference(batch, head_dim**-0.5), **TOLERANCE[torch.float64])
+    torch.testing.assert_close(out, reference(batch, head_dim**-0.5), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 40, 1000])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_sliding_window_and_softcap(sliding_window, softcap):
-    batch = make_paged_batch([0, 4, 15, 16, 39, 90], [1] * 6, block_size=8, dtype=torch.float64)
+def test_sliding_window_and_softcap(sliding_window, softcap, dtype):
+    batch = make_paged_batch([0, 4, 15, 16, 39, 90], [1] * 6, block_size=8, dtype=dtype)
     out = run_kernel(batch, list(range(6)), 0.3, sliding_window, softcap)
     expected = reference(batch, 0.3, sliding_window, softcap)
-    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
 def test_only_listed_requests_are_written():
@@ -85,7 +94,7 @@ def test_strided_query():
 def test_unsupported_shapes_fall_back():
     cache = torch.zeros(4, 16, 1, 512)  # head_dim 512 is past the kernel's limit
     assert not decode_kernel_available(cache, 1)
-    assert not decode_kernel_available(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), 4)
+    assert not decode_kernel_available(torch.zeros(4, 16, 2, 64, dtype=torch.float16), 4)
 
 
 def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir):
@@ -118,3 +127,24 @@ def test_many_heads_per_item_and_odd_head_counts(num_heads, num_kv_heads, num_re
                              head_dim=16, dtype=torch.float64)
     out = run_kernel(batch, list(range(num_requests)), 0.25)
     torch.testing.assert_close(out, reference(batch, 0.25), **TOLERANCE[torch.float64])
+
+
+def test_bfloat16_engine_decodes_with_the_kernel(tiny_llama_dir, monkeypatch):
+    """dtype bfloat16 on CPU: decode steps go through the native kernel (not the torch
+    gather path), and greedy tokens agree with the torch path's on this model."""
+    from shardline import LLM, SamplingParams
+    from shardline.engine.kernels import cpu_attention
+
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(3, 40))}]
+    llm = LLM(tiny_llama_dir, dtype="bfloat16")
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and set(calls) == {torch.bfloat16}
+    llm.llm_engine.runner.attention_backend = "torch"
+    calls.clear()
+    torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    assert not calls and native == torch_path
