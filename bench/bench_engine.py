@@ -7,7 +7,10 @@ static batched generate (left padding), optionally its continuous batching
 machine's fp32 matmul roofline that shardline reaches.
 
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
-                                 [--skip-hf] [--profile]
+                                 [--skip-hf] [--profile] [--dtype bfloat16]
+
+``--dtype bfloat16`` runs both sides in bfloat16 (the roofline then uses bfloat16
+matmul peaks); the issue's workload is float32.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--continuous", action="store_true", help="also run transformers' generate_batch")
     parser.add_argument("--skip-hf", action="store_true", help="run shardline only (no ratios)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="model dtype on both sides")
     parser.add_argument("--profile", action="store_true",
                         help="time shardline's forward and its torch attention (decode, prefill, writes)")
     args = parser.parse_args()
@@ -70,8 +75,9 @@ def main() -> None:
     output_tokens = args.num_prompts * args.output_len
     prompt_tokens = sum(len(p) for p in prompts)
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir, dtype="float32")
+    dtype = getattr(torch, args.dtype)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    llm = LLM(model_dir, dtype=args.dtype)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
 
     results = {}
@@ -85,7 +91,7 @@ def main() -> None:
     results["shardline"] = run_shardline(llm, prompts, args.output_len)
 
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
-          f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, float32, "
+          f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, {args.dtype}, "
           f"{torch.get_num_threads()} threads")
     for name, seconds in results.items():
         print(f"{name:32s} {seconds:8.2f} s  {output_tokens / seconds:9.1f} output tok/s")
@@ -94,7 +100,7 @@ def main() -> None:
         if name != "shardline":
             print(f"shardline / {name}: {seconds / ours:.2f}x")
     flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
-    peaks = peak_matmul_flops()
+    peaks = peak_matmul_flops(dtype)
     peak_name = max(peaks, key=peaks.get)
     peak = peaks[peak_name]
     print("matmul peaks: " + ", ".join(f"{name} {value / 1e9:.1f} GFLOP/s" for name, value in peaks.items()))
