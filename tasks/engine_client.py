@@ -180,13 +180,18 @@ class _ServiceRunner(abc.ABC):
         return info
 
     def service_info(self) -> dict[str, Any]:
-        """The service's info now: pid, loads, connections, shards run, unfinished requests."""
+        """The service's info now: pid, loads, connections, shards run, unfinished requests,
+        and its driver's stats."""
         conn, _ = self._connect()
-        try:
-            conn.send(("info",))
-            return conn.recv()[1]
-        finally:
-            conn.close()
+        with conn:
+            return self._ask_info(conn, GREETING_TIMEOUT)
+
+    @staticmethod
+    def _ask_info(conn: Connection, timeout: float) -> dict[str, Any]:
+        conn.send(("info",))
+        if not conn.poll(timeout):
+            raise EngineServiceError(f"the engine service did not answer an info request in {timeout:.0f}s")
+        return conn.recv()[1]
 
     def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
         """Run ``rows`` of shard ``key`` on the service; one RowResult each, in order."""
@@ -295,25 +300,6 @@ class _ServiceRunner(abc.ABC):
             time.sleep(0.05)
 
 
-    @staticmethod
-    def _log_driver_stats(files: ServiceFiles, pid: int) -> None:
-        """Log what the child's engine driver did (steps, time in steps, idle time) before it goes."""
-        try:
-            connected = _ServiceRunner._try_connect(files)
-            if connected is None:
-                return
-            conn, _ = connected
-            with conn:
-                conn.send(("info",))
-                if not conn.poll(5.0):
-                    return
-                info = conn.recv()[1]
-        except (EngineServiceError, EOFError, OSError):
-            return  # only a log line is lost
-        logger.info("engine service pid %d: driver %s, %d shard(s) run", pid, info.get("driver"),
-                    info.get("shards_run", 0))
-
-
 def _is_engine_service(pid: int) -> bool:
     """Whether ``pid`` is alive and is an engine service (not a process that reused the pid)."""
     try:
@@ -400,6 +386,19 @@ class ChildServiceRunner(_ServiceRunner):
         super().close()
         with self._start_lock:
             self._stop()
+
+    def _log_driver_stats(self, files: ServiceFiles, pid: int) -> None:
+        """Log what the child's engine driver did (steps, time in steps, idle time) before it goes."""
+        try:
+            connected = self._try_connect(files)
+            if connected is None:
+                return
+            with connected[0] as conn:
+                info = self._ask_info(conn, 5.0)
+        except (EngineServiceError, EOFError, OSError):
+            return  # only a log line is lost
+        logger.info("engine service pid %d: driver %s, %d shard(s) run", pid, info.get("driver"),
+                    info.get("shards_run", 0))
 
     def _stop(self) -> None:
         process, files, self._process, self._files = self._process, self._files, None, None

@@ -79,14 +79,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-#define DEFINE_ITEM(NAME, T, ACC, EXP, TANH, LOAD, STORE)                                                \
+#define DEFINE_ITEM(NAME, T, ACC, EXP, TANH, LOAD, STORE)                                   \
 static inline __attribute__((always_inline)) void NAME(                                     \
     const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, const T *v_cache, \
     const int32_t *table, int64_t seq_len, int64_t query_row, T *out, int64_t h0,           \
     int64_t num_item_heads, int64_t group, int64_t num_heads, int64_t row_stride,           \
     const int64_t head_dim, int64_t block_size, ACC scale, int64_t window, ACC softcap)     \
 {                                                                                           \
-    /* Rows i = 0 .. n-1 are the item's query heads h0 * group + i; query head i reads    \
+    /* Rows i = 0 .. n-1 are the item's query heads h0 * group + i; query head i reads      \
      * KV head h0 + i / group. */                                                           \
     const int64_t n = num_item_heads * group;                                               \
     const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;          \
@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t i = 0; i < n; i++) {                                                       \
         const T *qh = q + query_row * q_stride_t + (h0 * group + i) * q_stride_h;           \
         for (int64_t d = 0; d < head_dim; d++) {                                            \
-            qs[i][d] = LOAD(qh[d]) * scale;                                                  \
+            qs[i][d] = LOAD(qh[d]) * scale;                                                 \
             acc[i][d] = 0;                                                                  \
         }                                                                                   \
         m[i] = -INFINITY;                                                                   \
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const T *kb = k_cache + block * block_size * row_stride + h0 * head_dim;            \
         const T *vb = v_cache + block * block_size * row_stride + h0 * head_dim;            \
         /* Blocks lie anywhere in memory: fetch the one two ahead into L2 while this one is \
-         * computed (on a 2-core Zen worker, one ahead into L1 ran 30% slower, one ahead  \
+         * computed (on a 2-core Zen worker, one ahead into L1 ran 30% slower, one ahead    \
          * into L2 10% slower). */                                                          \
         const int64_t next = start + 2 * block_size < seq_len ? table[start / block_size + 2] : block; \
         const char *next_k = (const char *)(k_cache + next * block_size * row_stride + h0 * head_dim); \
@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 for (int64_t g = 0; g < group; g++, i++) {                                  \
                     ACC s = 0;                                                              \
                     _Pragma("omp simd reduction(+:s)")                                      \
-                    for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * LOAD(kr[d]);      \
+                    for (int64_t d = 0; d < head_dim; d++) s += qs[i][d] * LOAD(kr[d]);     \
                     scores[i][j] = s;                                                       \
                 }                                                                           \
             }                                                                               \
@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 for (int64_t g = 0; g < group; g++, i++) {                                  \
                     const ACC p = scores[i][j];                                             \
                     _Pragma("omp simd")                                                     \
-                    for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * LOAD(vr[d]);     \
+                    for (int64_t d = 0; d < head_dim; d++) acc[i][d] += p * LOAD(vr[d]);    \
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t i = 0; i < n; i++) {                                                       \
         T *oh = out + (query_row * num_heads + h0 * group + i) * head_dim;                  \
         const ACC inv = l[i] > 0 ? 1 / l[i] : 0;                                            \
-        for (int64_t d = 0; d < head_dim; d++) oh[d] = STORE(acc[i][d] * inv);                \
+        for (int64_t d = 0; d < head_dim; d++) oh[d] = STORE(acc[i][d] * inv);              \
     }                                                                                       \
 }
 
@@ -178,8 +178,8 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
 {                                                                                           \
     const int64_t group = num_heads / num_kv_heads;                                         \
     const int64_t row_stride = num_kv_heads * head_dim; /* one token in a block */          \
-    /* KV heads per item: all of them (each key row read as one contiguous run), split    \
-     * while there are too few items to keep every thread busy or too many heads. */       \
+    /* KV heads per item: all of them (each key row read as one contiguous run), split      \
+     * while there are too few items to keep every thread busy or too many heads. */        \
     int64_t item_heads = num_kv_heads;                                                      \
     while (item_heads > 1 && (item_heads * group > MAX_ITEM_HEADS                           \
                               || num_requests * (num_kv_heads / item_heads) < 4 * num_threads)) { \
