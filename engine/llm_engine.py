@@ -18,6 +18,7 @@ import torch
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
 from .cpu_linear import fuse_gated_mlps, pack_linears
+from .cpu_memory import keep_freed_memory
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
 from .model_runner import (
@@ -49,6 +50,7 @@ class LLMEngine:
         self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
                                          loaded.dtype) if config.enable_lora else None)
         if self.device.type == "cpu":
+            keep_freed_memory()
             pack_linears(self.model, rows_hint=config.max_num_batched_tokens)
             fuse_gated_mlps(self.model, rows_hint=config.max_num_batched_tokens)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
