@@ -18,6 +18,7 @@ import torch
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
 from .cpu_linear import fuse_gated_mlps, pack_linears
+from .cpu_layers import fuse_decoder_layers, fuse_rms_norms
 from .cpu_memory import keep_freed_memory
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
@@ -53,6 +54,8 @@ class LLMEngine:
             keep_freed_memory()
             pack_linears(self.model, rows_hint=config.max_num_batched_tokens)
             fuse_gated_mlps(self.model, rows_hint=config.max_num_batched_tokens)
+            fuse_rms_norms(self.model)
+            fuse_decoder_layers(self.model)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)

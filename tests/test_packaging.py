@@ -39,5 +39,6 @@ def test_wheel_contains_every_subpackage(tmp_path):
         init = package.replace(".", "/") + "/__init__.py"
         assert init in names, f"{package} is missing from the wheel"
     assert "shardline/engine/llm.py" in names
-    assert "shardline/engine/kernels/cpu_decode_attention.c" in names
+    for source in ("cpu_decode_attention.c", "cpu_fused.c", "cpu_common.h"):  # compiled on the worker
+        assert f"shardline/engine/kernels/{source}" in names
     assert any(n.endswith("entry_points.txt") for n in names)

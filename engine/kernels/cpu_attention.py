@@ -1,10 +1,9 @@
 """Launcher of the CPU paged decode attention (cpu_decode_attention.c).
 
-The C source is compiled once per machine with the system's C compiler (``CC``,
-else ``cc``) into a cache directory (``SHARDLINE_CACHE_DIR``, default
-~/.cache/shardline) and called through ctypes, which releases the GIL for the call.
-Without a compiler, or if the build fails, ``decode_kernel_available`` is False and
-the engine's torch path (engine/torch_attention.py) attends decoding requests.
+The C source is compiled once per machine and called through ctypes (see
+kernels/native.py). Without a compiler, or if the build fails,
+``decode_kernel_available`` is False and the engine's torch path
+(engine/torch_attention.py) attends decoding requests.
 
 Why a native kernel: a decode step is bound by reading every running request's
 context once per layer. Torch ops must first gather the paged blocks into a padded
@@ -16,18 +15,11 @@ float32, float64 and bfloat16 caches (bfloat16 accumulates in float32).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.float64: "decode_attention_f64",
@@ -40,71 +32,21 @@ _ARGTYPES = (
     + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]  # scale, window, softcap, threads
 )
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_build_failed = False
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name in _FUNCTIONS.values():
+        getattr(library, name).argtypes = _ARGTYPES
+        getattr(library, name).restype = None
+    for name in ("decode_attention_max_group", "decode_attention_max_head_dim", "decode_attention_max_block"):
+        getattr(library, name).restype = ctypes.c_int64
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SHARDLINE_CACHE_DIR") or Path.home() / ".cache" / "shardline"
-    return Path(root) / "kernels"
-
-
-def _cpu_signature() -> bytes:
-    """Compiled with -march=native: a cached library is valid only for the same CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return b""
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + _cpu_signature()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_decode_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in (["-march=native"], []):
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            output = Path(scratch) / target.name
-            command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                       str(SOURCE), "-o", str(output), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode == 0:
-                os.replace(output, target)  # atomic: concurrent builders agree on the file
-                return target
-            errors.append(f"{' '.join(command)}:\n{result.stderr.strip()}")
-    raise RuntimeError("could not compile the CPU decode attention:\n" + "\n".join(errors))
+_LIBRARY = NativeLibrary(SOURCE, _declare, "using the torch path for decode attention")
 
 
 def _load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None when it cannot be built."""
-    global _library, _build_failed
-    with _lock:
-        if _library is None and not _build_failed:
-            compiler = _compiler()
-            try:
-                if compiler is None:
-                    raise RuntimeError("no C compiler found (set CC)")
-                library = ctypes.CDLL(str(_build(compiler)))
-                for name in _FUNCTIONS.values():
-                    getattr(library, name).argtypes = _ARGTYPES
-                    getattr(library, name).restype = None
-                for name in ("decode_attention_max_group", "decode_attention_max_head_dim",
-                             "decode_attention_max_block"):
-                    getattr(library, name).restype = ctypes.c_int64
-                _library = library
-            except (RuntimeError, OSError) as error:
-                _build_failed = True
-                logger.warning("CPU decode attention kernel unavailable, using the torch path: %s", error)
-        return _library
+    return _LIBRARY.load()
 
 
 def decode_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:

@@ -1,0 +1,214 @@
+"""Leaner forwards for a decoder's layers on the CPU path, with fused elementwise kernels.
+
+On CPU, the ops between a layer's matmuls cost more than their arithmetic: each torch
+op is a dispatch and a fresh temporary, and transformers' RMSNorm runs seven of them,
+rotary embeddings ten. This module gives modules forwards that run
+kernels/cpu_fused.c instead, one pass each:
+
+- ``fuse_rms_norms``: every RMSNorm-like module (a 1-D ``weight`` and an epsilon)
+  whose output the fused kernel reproduces on a probe input; Gemma-style norms
+  (``1 + weight``) fail the probe and keep their own forward.
+- ``fuse_decoder_layers``: decoder layers of the Llama family (Llama, Mistral, Qwen2,
+  Qwen3) get one forward that calls the layer's own submodules (packed linears,
+  norms, LoRA wrappers, the engine's attention) but fuses the residual add into the
+  next norm and rotates q and k in place, without transformers' per-call plumbing.
+  A layer gets it only if it gives the layer's own output on a probe step; anything
+  else (training, float64, no engine attention context) goes to the layer's own
+  forward.
+
+float32 and bfloat16 only: float64 keeps the exact torch path, which the tests
+compare with transformers token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention import AttentionContext
+from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+
+logger = logging.getLogger(__name__)
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+# Decoder-layer classes whose forward is the Llama pattern (pre-norm attention and
+# MLP, residual adds), mapped to where their attention reads its sliding window.
+LAYER_WINDOWS = {
+    "LlamaDecoderLayer": lambda attention: None,
+    "MistralDecoderLayer": lambda attention: getattr(attention.config, "sliding_window", None),
+    "Qwen2DecoderLayer": lambda attention: attention.sliding_window,
+    "Qwen3DecoderLayer": lambda attention: attention.sliding_window,
+}
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 1e-4
+
+
+def _close(actual: object, expected: object) -> bool:
+    if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        return False
+    tolerance = _tolerance(expected.dtype)
+    return actual.shape == expected.shape and torch.allclose(
+        actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
+def _norm_epsilon(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and _norm_epsilon(module) is not None and "forward" not in vars(module))
+
+
+def _fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # x: [..., hidden] -> [..., hidden]
+    if x.dtype != self.weight.dtype or torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rms_norm(rows, self.weight, self.shardline_eps).view(x.shape)
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Give every RMSNorm the fused kernel forward (see the module docstring); returns
+    how many were fused."""
+    num_fused = 0
+    for module in model.modules():
+        if not _is_rms_norm(module) or module.weight.device.type != "cpu" or module.weight.dtype not in FUSED_DTYPES:
+            continue
+        if not fused_kernels_available(module.weight.dtype):
+            return num_fused
+        probe = torch.randn(5, module.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+        probe = probe.to(module.weight.dtype)
+        with torch.no_grad():
+            expected = module(probe)
+            module.shardline_eps = _norm_epsilon(module)
+            module.forward = types.MethodType(_fused_rms_norm_forward, module)
+            fused = module(probe)
+        if _close(fused, expected):
+            num_fused += 1
+        else:
+            del module.forward, module.shardline_eps
+            logger.info("%s is not weight * x / rms(x); it keeps its own forward", type(module).__name__)
+    return num_fused
+
+
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for 2-D x, through the kernel when the norm was fused."""
+    if "forward" in vars(module) and hasattr(module, "shardline_eps"):
+        return rms_norm(x, module.weight, module.shardline_eps)
+    return module(x)
+
+
+def _add_norm(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """residual += delta in place (both [T, hidden]); returns module(residual)."""
+    if "forward" in vars(module) and hasattr(module, "shardline_eps"):
+        if residual.stride(1) == 1 and delta.stride(1) == 1:
+            return add_rms_norm_(residual, delta, module.weight, module.shardline_eps)
+    residual.add_(delta)
+    return module(residual)
+
+
+def _fused_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, position_embeddings=None,
+                         shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
+    # hidden_states: [1, T, hidden] -> [1, T, hidden]
+    if (args or shardline_ctx is None or position_embeddings is None or torch.is_grad_enabled()
+            or hidden_states.dtype not in FUSED_DTYPES):
+        return type(self).forward(self, hidden_states, *args, position_embeddings=position_embeddings,
+                                  shardline_ctx=shardline_ctx, **kwargs)
+    attention = self.self_attn
+    head_dim = attention.head_dim
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    tokens = x.shape[0]
+    normed = _norm(self.input_layernorm, x)
+    query = attention.q_proj(normed).view(tokens, -1, head_dim)
+    key = attention.k_proj(normed).view(tokens, -1, head_dim)
+    value = attention.v_proj(normed).view(tokens, -1, head_dim)
+    if hasattr(attention, "q_norm"):  # Qwen3: a norm over each head before the rotation
+        query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+    cos, sin = position_embeddings
+    rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
+    attended, _ = self.shardline_attend(
+        attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
+        dropout=0.0, scaling=attention.scaling, sliding_window=self.shardline_sliding_window,
+        shardline_ctx=shardline_ctx)
+    # The residual stream: x + attention's output, summed into o_proj's fresh output.
+    residual = attention.o_proj(attended.reshape(tokens, -1))
+    normed = _add_norm(self.post_attention_layernorm, residual, x)
+    return self.mlp(normed).add_(residual).view(hidden_states.shape)
+
+
+def _has_llama_layout(layer: nn.Module) -> bool:
+    attention = getattr(layer, "self_attn", None)
+    return (type(layer).__name__ in LAYER_WINDOWS and "forward" not in vars(layer) and attention is not None
+            and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
+                                                          "scaling", "config", "layer_idx"))
+            and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")))
+
+
+def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output for one fresh 6-token request, on a throwaway paged cache."""
+    tokens, attention = 6, layer.self_attn
+    num_kv_heads = attention.k_proj.out_features // attention.head_dim
+    cache_shape = (1, 16, num_kv_heads, attention.head_dim)
+    cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    ctx = AttentionContext(
+        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
+        seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
+        kv_caches=[cache] * (attention.layer_idx + 1), max_query_len=tokens, max_seq_len=tokens)
+    hidden = (torch.randn(1, tokens, hidden_size, generator=torch.Generator().manual_seed(0))).to(dtype)
+    positions = torch.arange(3, 3 + tokens)[None]
+    return layer(hidden, attention_mask=None, position_ids=positions,
+                 position_embeddings=rotary_emb(hidden, positions), shardline_ctx=ctx)
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Give every Llama-family decoder layer the fused forward (see the module
+    docstring); returns how many were fused."""
+    num_fused = 0
+    for decoder in model.modules():
+        layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
+        if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
+            continue
+        for layer in layers:
+            if not _has_llama_layout(layer):
+                continue
+            weight = layer.self_attn.o_proj.weight
+            if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(
+                    weight.dtype):
+                continue
+            attend = ALL_ATTENTION_FUNCTIONS.get(layer.self_attn.config._attn_implementation)
+            if attend is None:
+                continue
+            expected = None
+            try:
+                with torch.no_grad():
+                    expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
+                    layer.shardline_attend = attend
+                    layer.shardline_sliding_window = LAYER_WINDOWS[type(layer).__name__](layer.self_attn)
+                    layer.forward = types.MethodType(_fused_layer_forward, layer)
+                    fused = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
+            except Exception as error:  # a layer the fused forward does not fit
+                fused = error
+            if _close(fused, expected):
+                num_fused += 1
+            else:
+                for name in ("forward", "shardline_attend", "shardline_sliding_window"):
+                    vars(layer).pop(name, None)
+                logger.info("%s does not match the fused Llama-family forward; it keeps its own",
+                            type(layer).__name__)
+    return num_fused

@@ -1,0 +1,112 @@
+/* Fused elementwise steps of a decoder layer for the CPU path, each one pass over its
+ * rows where torch runs several ops (and allocates a temporary for each):
+ *
+ *   rms_norm:      out = weight * (x / sqrt(mean(x^2) + eps)), by rows
+ *   add_rms_norm:  x += delta (the residual stream, in place), then out = rms_norm(x)
+ *   silu_mul:      out = silu(gate) * up, gate and up the halves of each row of gate_up
+ *   rotary:        q and k rotated in place by cos and sin ("rotate half": the pairs
+ *                  are (i, i + D/2))
+ *
+ * Each computes in float32 and rounds where transformers' modules round, so bfloat16
+ * results match theirs step for step: rms_norm rounds the normalized row before the
+ * weight multiplies it; silu_mul rounds silu(gate) before the product; rotary rounds
+ * q * cos and rotate_half(q) * sin before their sum. (float32 results agree to a few
+ * ulp: sums are reduced in another order.)
+ *
+ * Rows are split over OpenMP threads when there are enough of them; a decode step's
+ * few rows run on the calling thread, where a parallel region would cost more than
+ * the work.
+ *
+ * Layouts (asserted by the launcher, kernels/cpu_fused.py): rows of `cols` contiguous
+ * elements, `stride` elements apart; weights, cos and sin contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+/* Below this many elements a call runs on one thread. */
+#define PARALLEL_MIN_ELEMENTS 65536
+
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+
+#define DEFINE_FUSED(SUFFIX, T, LOAD, STORE, ROUND)                                            \
+    static inline void rms_row_##SUFFIX(const T *x, const T *weight, T *out, int64_t cols,      \
+                                        float eps) {                                            \
+        float sum = 0.0f;                                                                       \
+        _Pragma("omp simd reduction(+:sum)")                                                    \
+        for (int64_t c = 0; c < cols; c++) {                                                    \
+            const float v = LOAD(x[c]);                                                         \
+            sum += v * v;                                                                       \
+        }                                                                                       \
+        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);                                \
+        _Pragma("omp simd")                                                                     \
+        for (int64_t c = 0; c < cols; c++)                                                      \
+            out[c] = STORE(LOAD(weight[c]) * ROUND(LOAD(x[c]) * inv));                          \
+    }                                                                                           \
+                                                                                                \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out,               \
+                           int64_t out_stride, int64_t rows, int64_t cols, double eps,          \
+                           int num_threads) {                                                   \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            rms_row_##SUFFIX(x + r * x_stride, weight, out + r * out_stride, cols, (float)eps); \
+    }                                                                                           \
+                                                                                                \
+    void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *delta, int64_t delta_stride,    \
+                               const T *weight, T *out, int64_t out_stride, int64_t rows,       \
+                               int64_t cols, double eps, int num_threads) {                     \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                    \
+            T *xr = x + r * x_stride;                                                           \
+            const T *dr = delta + r * delta_stride;                                             \
+            _Pragma("omp simd")                                                                 \
+            for (int64_t c = 0; c < cols; c++) xr[c] = STORE(LOAD(xr[c]) + LOAD(dr[c]));        \
+            rms_row_##SUFFIX(xr, weight, out + r * out_stride, cols, (float)eps);               \
+        }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    void silu_mul_##SUFFIX(const T *gate_up, int64_t stride, T *out, int64_t out_stride,        \
+                           int64_t rows, int64_t cols, int num_threads) {                       \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                    \
+            const T *gate = gate_up + r * stride;                                               \
+            const T *up = gate + cols;                                                          \
+            T *o = out + r * out_stride;                                                        \
+            _Pragma("omp simd")                                                                 \
+            for (int64_t c = 0; c < cols; c++)                                                  \
+                o[c] = STORE(ROUND(silu_f32(LOAD(gate[c]))) * LOAD(up[c]));                     \
+        }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    /* One head of one token: x[i], x[i + half] -> x[i] c[i] - x[i + half] s[i],             \
+     * x[i + half] c[i + half] + x[i] s[i + half]. */                                           \
+    static inline void rotate_head_##SUFFIX(T *x, const T *cos, const T *sin, int64_t half) {   \
+        _Pragma("omp simd")                                                                     \
+        for (int64_t i = 0; i < half; i++) {                                                    \
+            const float a = LOAD(x[i]), b = LOAD(x[i + half]);                                  \
+            x[i] = STORE(ROUND(a * LOAD(cos[i])) + ROUND(-b * LOAD(sin[i])));                   \
+            x[i + half] = STORE(ROUND(b * LOAD(cos[i + half])) + ROUND(a * LOAD(sin[i + half]))); \
+        }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    void rotary_##SUFFIX(T *q, int64_t q_stride, int64_t q_heads, T *k, int64_t k_stride,       \
+                         int64_t k_heads, const T *cos, const T *sin, int64_t tokens,           \
+                         int64_t head_dim, int num_threads) {                                   \
+        const int64_t half = head_dim / 2;                                                      \
+        _Pragma("omp parallel for num_threads(num_threads) if (tokens * (q_heads + k_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t t = 0; t < tokens; t++) {                                                  \
+            const T *ct = cos + t * head_dim, *st = sin + t * head_dim;                         \
+            for (int64_t h = 0; h < q_heads; h++)                                               \
+                rotate_head_##SUFFIX(q + t * q_stride + h * head_dim, ct, st, half);            \
+            for (int64_t h = 0; h < k_heads; h++)                                               \
+                rotate_head_##SUFFIX(k + t * k_stride + h * head_dim, ct, st, half);            \
+        }                                                                                       \
+    }
+
+DEFINE_FUSED(f32, float, same_f32, same_f32, round_f32)
+DEFINE_FUSED(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)

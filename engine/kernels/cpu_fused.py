@@ -1,0 +1,121 @@
+"""Launchers of the fused elementwise kernels for the CPU path (cpu_fused.c), each
+beside its plain-torch reference (transformers' formula, op for op).
+
+float32 and bfloat16 tensors on the CPU; ``fused_kernels_available(dtype)`` says
+whether the library built here and takes the dtype. Without it the callers keep the
+torch ops (engine/cpu_layers.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .native import NativeLibrary
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _D, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm": [_P, _I, _P, _P, _I, _I, _I, _D, _N],
+    "add_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _D, _N],
+    "silu_mul": [_P, _I, _P, _I, _I, _I, _N],
+    "rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _N],
+}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIXES.values():
+            function = getattr(library, f"{name}_{suffix}")
+            function.argtypes, function.restype = argtypes, None
+
+
+_LIBRARY = NativeLibrary(SOURCE, _declare, "decoder layers keep their torch elementwise ops")
+
+
+def fused_kernels_available(dtype: torch.dtype) -> bool:
+    return dtype in _SUFFIXES and _LIBRARY.load() is not None
+
+
+def _function(name: str, dtype: torch.dtype):
+    library = _LIBRARY.load()
+    assert library is not None and dtype in _SUFFIXES, "call fused_kernels_available first"
+    return getattr(library, f"{name}_{_SUFFIXES[dtype]}")
+
+
+def _check_rows(*tensors: torch.Tensor) -> None:
+    """Each a CPU matrix with contiguous rows (any row stride), one dtype."""
+    for tensor in tensors:
+        assert tensor.device.type == "cpu" and tensor.dim() == 2 and tensor.stride(1) == 1, (
+            tensor.device, tensor.shape, tensor.stride())
+        assert tensor.dtype == tensors[0].dtype, (tensor.dtype, tensors[0].dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [rows, cols] -> new [rows, cols]: weight * x / sqrt(mean(x^2) + eps)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _check_rows(x, out)
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+    _function("rms_norm", x.dtype)(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                   x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place; returns rms_norm(x) as a new tensor. x, delta: [rows, cols]."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _check_rows(x, delta, out)
+    assert delta.shape == x.shape and weight.is_contiguous() and weight.shape == (x.shape[1],)
+    assert weight.dtype == x.dtype
+    _function("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0),
+                                       weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                                       eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 I] (gate, then up) -> new [rows, I]: silu(gate) * up."""
+    rows, width = gate_up.shape
+    assert width % 2 == 0, width
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _check_rows(gate_up, out)
+    _function("silu_mul", gate_up.dtype)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                                         rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place (heads and D contiguous within a
+    token) by cos, sin [T, D], rotating half: pairs (i, i + D / 2)."""
+    tokens, _, head_dim = q.shape
+    for x in (q, k):
+        assert x.device.type == "cpu" and x.dtype == q.dtype and x.shape[0] == tokens and x.shape[2] == head_dim
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
+    for table in (cos, sin):
+        assert table.is_contiguous() and table.shape == (tokens, head_dim) and table.dtype == q.dtype
+    assert head_dim % 2 == 0, head_dim
+    _function("rotary", q.dtype)(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                                 cos.data_ptr(), sin.data_ptr(), tokens, head_dim, torch.get_num_threads())
+
+
+# Plain-torch references: transformers' Llama-family formulas.
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

@@ -1,0 +1,85 @@
+"""The fused CPU elementwise kernels (C, through ctypes) against transformers' formulas."""
+
+import shutil
+
+import pytest
+import torch
+
+from shardline.engine.kernels.cpu_fused import (add_rms_norm_, fused_kernels_available, rms_norm,
+                                                rms_norm_reference, rotary_, rotary_reference, silu_mul,
+                                                silu_mul_reference)
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine keeps its torch ops")
+
+# float32: a few ulp (another summation order, fused multiply-adds); bfloat16: the
+# kernels round where the reference rounds, so results differ by at most one
+# bfloat16 step where a float32 intermediate falls near a rounding boundary.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 3, 64, 300]  # below and above the kernels' threshold for threads
+
+
+def generator():
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", [16, 512, 1000])
+def test_rms_norm(dtype, rows, cols):
+    assert fused_kernels_available(dtype)
+    x = (torch.randn(rows, cols, generator=generator()) * 3).to(dtype)
+    weight = torch.randn(cols, generator=generator()).to(dtype)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_strided_rows(dtype):
+    """Rows of a wider matrix (a view): the kernel follows the row stride."""
+    wide = torch.randn(7, 96, generator=generator()).to(dtype)
+    x = wide[:, 16:80]
+    weight = torch.rand(64, generator=generator()).to(dtype)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_updates_the_residual_in_place(dtype, rows):
+    x = torch.randn(rows, 512, generator=generator()).to(dtype)
+    delta = torch.randn(rows, 512, generator=generator()).to(dtype)
+    weight = torch.randn(512, generator=generator()).to(dtype)
+    expected_sum = x + delta
+    out = add_rms_norm_(x, delta, weight, 1e-6)
+    assert torch.equal(x, expected_sum)
+    torch.testing.assert_close(out, rms_norm_reference(expected_sum, weight, 1e-6), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul(dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1536, generator=generator()) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zero
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 64), (4, 4, 16), (16, 2, 128), (3, 1, 32)])
+def test_rotary(dtype, tokens, num_heads, num_kv_heads, head_dim):
+    """q and k as views of one linear output each ([T, H * D]), as a layer has them."""
+    q = torch.randn(tokens, num_heads * head_dim, generator=generator()).to(dtype).view(tokens, num_heads, head_dim)
+    k = torch.randn(tokens, num_kv_heads * head_dim, generator=generator()).to(dtype).view(
+        tokens, num_kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, generator=generator()) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected_q, expected_k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+    rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, expected_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, expected_k, **TOLERANCE[dtype])
+
+
+def test_other_dtypes_are_not_taken():
+    assert not fused_kernels_available(torch.float64)
+    assert not fused_kernels_available(torch.float16)

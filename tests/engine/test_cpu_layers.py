@@ -1,0 +1,121 @@
+"""Fused CPU forwards of norms and decoder layers: the same outputs as transformers'
+modules, applied only where they reproduce them."""
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from shardline.engine import cpu_layers
+from shardline.engine.cpu_layers import fuse_decoder_layers, fuse_rms_norms
+from shardline.engine.tiny import build_tiny_model
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine keeps its torch ops")
+
+FUSED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="module", params=FUSED_ARCHS + ("gemma2", "phi3"))
+def arch_dir(request, tmp_path_factory):
+    return request.param, str(build_tiny_model(tmp_path_factory.mktemp(request.param), request.param))
+
+
+def fused_layers(llm) -> int:
+    return sum("forward" in vars(layer) for layer in llm.llm_engine.model.model.layers)
+
+
+def unfuse(model: torch.nn.Module) -> None:
+    """Back to the modules' own norms, layers and SiLU (the packed linears stay)."""
+    for module in model.modules():
+        if hasattr(module, "shardline_eps") or hasattr(module, "shardline_attend"):
+            del module.forward
+        if hasattr(module, "shardline_silu_mul"):
+            module.shardline_silu_mul = False
+
+
+def generate(llm, prompts):
+    from shardline import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
+    """Prompts past Mistral's 48-token window and across prefill chunks and decode."""
+    from shardline import LLM
+
+    arch, model_dir = arch_dir
+    prompts = [[5, 6, 7], list(range(3, 70)), [(7 * i) % 400 + 3 for i in range(200)]]
+    llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=128)
+    assert fused_layers(llm) == (2 if arch in FUSED_ARCHS else 0)
+    fused = generate(llm, prompts)
+    unfuse(llm.llm_engine.model)
+    assert fused_layers(llm) == 0
+    reference = generate(llm, prompts)
+    llm.close()
+    assert [o.token_ids for o in fused] == [o.token_ids for o in reference]
+    tolerance = 2e-2 if dtype == "bfloat16" else 1e-4
+    for ours, theirs in zip(fused, reference):
+        for step_ours, step_theirs, token in zip(ours.logprobs, theirs.logprobs, ours.token_ids):
+            assert step_ours[token].logprob == pytest.approx(step_theirs[token].logprob, abs=tolerance)
+
+
+def test_float64_keeps_the_modules_forwards(tmp_path):
+    from shardline import LLM
+
+    llm = LLM(str(build_tiny_model(tmp_path, "llama")), dtype="float64")
+    assert fused_layers(llm) == 0
+    assert not any(hasattr(m, "shardline_eps") for m in llm.llm_engine.model.modules())
+    llm.close()
+
+
+def test_a_norm_of_another_formula_stays_unfused():
+    """Gemma's norm scales by (1 + weight): the probe tells it apart."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = torch.nn.ModuleDict({"llama": LlamaRMSNorm(32, eps=1e-5), "gemma": Gemma2RMSNorm(32, eps=1e-5)})
+    with torch.no_grad():
+        for norm in model.values():
+            norm.weight.normal_()
+    x = torch.randn(4, 7, 32)
+    expected = {name: norm(x) for name, norm in model.items()}
+    assert fuse_rms_norms(model) == 1
+    assert "forward" in vars(model["llama"]) and "forward" not in vars(model["gemma"])
+    with torch.no_grad():
+        torch.testing.assert_close(model["llama"](x), expected["llama"], atol=1e-5, rtol=1e-5)
+    # With gradients on, the module's own forward runs (autograd does not see the kernel).
+    w = torch.randn(4, 7, 32, requires_grad=True)
+    model["llama"](w).sum().backward()
+    assert w.grad is not None
+
+
+def test_a_layer_of_another_formula_stays_unfused(monkeypatch, tmp_path):
+    """Gemma2's layer has the attributes the fused forward reads but adds norms of its
+    own: if it were taken for a Llama-family layer, the probe would still refuse it."""
+    from shardline import LLM
+
+    llm = LLM(str(build_tiny_model(tmp_path, "gemma2")), dtype="float32")
+    model = llm.llm_engine.model
+    monkeypatch.setitem(cpu_layers.LAYER_WINDOWS, "Gemma2DecoderLayer", lambda attention: attention.sliding_window)
+    assert fuse_decoder_layers(model) == 0
+    assert fused_layers(llm) == 0
+    llm.close()
+
+
+def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
+    """The fused forward serves engine steps only; a plain transformers call (no paged
+    cache context) goes to the layer's own forward."""
+    import types
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(build_tiny_model(tmp_path, "llama")))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        for layer in model.model.layers:
+            layer.forward = types.MethodType(cpu_layers._fused_layer_forward, layer)
+        out = model(ids).logits
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
