@@ -51,6 +51,14 @@ class LLM:
         if engine is not None:
             engine.abort_request(list(engine._states))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: later
+        prompts compute them again (benchmarks that repeat a workload call it between
+        runs). Blocks of running requests keep their contents."""
+        self._require_generation("LLM.reset_prefix_cache")
+        self.llm_engine.scheduler.kv_cache.reset_prefix_cache()
+        return True
+
     # ----------------------------------------------------------------- generate
     def generate(
         self,

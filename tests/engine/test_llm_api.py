@@ -167,3 +167,14 @@ def test_priority_runs_lower_values_first(tiny_llama_dir):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step()]
     assert order == ["first", "second", "third", "late"]
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny_llm):
+    prompt = {"prompt_token_ids": list(range(3, 60))}
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = tiny_llm.generate(prompt, params, use_tqdm=False)[0]
+    repeated = tiny_llm.generate(prompt, params, use_tqdm=False)[0]
+    assert repeated.num_cached_tokens >= 48 and repeated.outputs[0].token_ids == first.outputs[0].token_ids
+    assert tiny_llm.reset_prefix_cache() is True
+    after_reset = tiny_llm.generate(prompt, params, use_tqdm=False)[0]
+    assert after_reset.num_cached_tokens == 0 and after_reset.outputs[0].token_ids == first.outputs[0].token_ids
