@@ -51,6 +51,14 @@ class AttentionContext:
     # path with decoding requests in the native kernel (kernels/cpu_attention.py)
     # when it is built.
     backend: str = "auto"
+    # Set when the step reads the final hidden state of sampling requests' last tokens
+    # only (no prompt logprobs, no LoRA): those packed rows in the order their logits
+    # are kept, [n] int64; the requests they end, [n] int64 indices; and per request
+    # its row in that list, [B] int64 (0 for the others). The last decoder layer then
+    # needs queries, attention and MLP at these rows alone (engine/cpu_layers.py).
+    sampled_rows: torch.Tensor | None = None
+    sampled_requests: torch.Tensor | None = None
+    sampled_query_rows: torch.Tensor | None = None
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
     # Torch-path gather plans and native decode batch, built lazily once per step and

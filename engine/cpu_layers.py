@@ -30,7 +30,9 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import AttentionContext
+from .kernels.cpu_attention import decode_attention, decode_kernel_available
 from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from .torch_attention import write_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,8 @@ def _fused_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, po
     head_dim = attention.head_dim
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     tokens = x.shape[0]
+    if self.shardline_is_last and _reads_sampled_rows_only(shardline_ctx, tokens, attention):
+        return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
     normed = _norm(self.input_layernorm, x)
     query = attention.q_proj(normed).view(tokens, -1, head_dim)
     key = attention.k_proj(normed).view(tokens, -1, head_dim)
@@ -150,6 +154,50 @@ def _fused_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, po
     residual = attention.o_proj(attended.reshape(tokens, -1))
     normed = _add_norm(self.post_attention_layernorm, residual, x)
     return self.mlp(normed).add_(residual).view(hidden_states.shape)
+
+
+def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int, attention: nn.Module) -> bool:
+    """Whether the step reads this (last) layer's output at its sampled rows alone,
+    fewer than all, and the native decode kernel can attend them."""
+    if ctx.sampled_rows is None or ctx.sampled_rows.numel() >= tokens or ctx.backend != "auto":
+        return False
+    k_cache = ctx.kv_caches[attention.layer_idx][0]
+    return decode_kernel_available(k_cache, attention.q_proj.out_features // attention.head_dim)
+
+
+def _sampled_rows_forward(self: nn.Module, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                          ctx: AttentionContext) -> torch.Tensor:
+    """The last layer when only the sampled rows' outputs are read (the final norm and
+    the LM head see nothing else): keys and values of every new token go into the
+    cache, but queries, attention, o_proj and the MLP run on the sampled rows only,
+    each a request's last token attending its whole context (one query per request,
+    as in decoding). Prefill chunks skip about an eighth of an 8-layer model's work.
+    Other rows of the result are zeros. x: [T, hidden] -> [T, hidden]."""
+    attention = self.self_attn
+    head_dim, tokens = attention.head_dim, x.shape[0]
+    rows = ctx.sampled_rows
+    normed = _norm(self.input_layernorm, x)
+    key = attention.k_proj(normed).view(tokens, -1, head_dim)
+    value = attention.v_proj(normed).view(tokens, -1, head_dim)
+    if hasattr(attention, "k_norm"):
+        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+    cos, sin = (table.reshape(tokens, head_dim) for table in position_embeddings)
+    rotary_(key, None, cos, sin)
+    k_cache, v_cache = ctx.kv_caches[attention.layer_idx]
+    write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
+    if rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
+        return x.new_zeros(x.shape)
+    query = attention.q_proj(normed.index_select(0, rows)).view(rows.numel(), -1, head_dim)
+    if hasattr(attention, "q_norm"):
+        query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+    rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
+    attended = torch.empty_like(query)
+    decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
+                     ctx.sampled_requests, attended, attention.scaling, self.shardline_sliding_window, None)
+    residual = attention.o_proj(attended.view(rows.numel(), -1))
+    normed = _add_norm(self.post_attention_layernorm, residual, x.index_select(0, rows))
+    out = x.new_zeros(x.shape)
+    return out.index_copy_(0, rows, self.mlp(normed).add_(residual))
 
 
 def _has_llama_layout(layer: nn.Module) -> bool:
@@ -184,7 +232,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
         if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
             continue
-        for layer in layers:
+        for position, layer in enumerate(layers):
             if not _has_llama_layout(layer):
                 continue
             weight = layer.self_attn.o_proj.weight
@@ -200,6 +248,8 @@ def fuse_decoder_layers(model: nn.Module) -> int:
                     expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
                     layer.shardline_attend = attend
                     layer.shardline_sliding_window = LAYER_WINDOWS[type(layer).__name__](layer.self_attn)
+                    # The decoder's last layer feeds only its final norm and the LM head.
+                    layer.shardline_is_last = position == len(layers) - 1
                     layer.forward = types.MethodType(_fused_layer_forward, layer)
                     fused = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
             except Exception as error:  # a layer the fused forward does not fit
@@ -207,7 +257,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
             if _close(fused, expected):
                 num_fused += 1
             else:
-                for name in ("forward", "shardline_attend", "shardline_sliding_window"):
+                for name in ("forward", "shardline_attend", "shardline_sliding_window", "shardline_is_last"):
                     vars(layer).pop(name, None)
                 logger.info("%s does not match the fused Llama-family forward; it keeps its own",
                             type(layer).__name__)

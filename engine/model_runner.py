@@ -141,6 +141,14 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             backend=self.attention_backend,
         )
+        if dev.type == "cpu" and not plan.prompt_rows and self.lora_manager is None:
+            sampled = [index for index, item in enumerate(scheduler_output.scheduled) if item.is_last_chunk]
+            query_rows = [0] * len(block_tables)
+            for row, index in enumerate(sampled):
+                query_rows[index] = row
+            ctx.sampled_rows = torch.tensor(plan.keep, dtype=torch.int64, device=dev)
+            ctx.sampled_requests = torch.tensor(sampled, dtype=torch.int64, device=dev)
+            ctx.sampled_query_rows = torch.tensor(query_rows, dtype=torch.int64, device=dev)
         model_inputs = dict(
             input_ids=torch.tensor([token_ids], dtype=torch.int64, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),

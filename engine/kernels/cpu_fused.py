@@ -87,17 +87,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, H, D] and k [T, Hkv, D] in place (heads and D contiguous within a
-    token) by cos, sin [T, D], rotating half: pairs (i, i + D / 2)."""
+def rotary_(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] (or no k) in place (heads and D contiguous
+    within a token) by cos, sin [T, D], rotating half: pairs (i, i + D / 2)."""
     tokens, _, head_dim = q.shape
-    for x in (q, k):
+    for x in (q, k) if k is not None else (q,):
         assert x.device.type == "cpu" and x.dtype == q.dtype and x.shape[0] == tokens and x.shape[2] == head_dim
         assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
     for table in (cos, sin):
         assert table.is_contiguous() and table.shape == (tokens, head_dim) and table.dtype == q.dtype
     assert head_dim % 2 == 0, head_dim
-    _function("rotary", q.dtype)(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+    k_args = (k.data_ptr(), k.stride(0), k.shape[1]) if k is not None else (q.data_ptr(), q.stride(0), 0)
+    _function("rotary", q.dtype)(q.data_ptr(), q.stride(0), q.shape[1], *k_args,
                                  cos.data_ptr(), sin.data_ptr(), tokens, head_dim, torch.get_num_threads())
 
 
