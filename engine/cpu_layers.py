@@ -15,6 +15,12 @@ kernels/cpu_fused.c instead, one pass each:
   A layer gets it only if it gives the layer's own output on a probe step; anything
   else (training, float64, no engine attention context) goes to the layer's own
   forward.
+- The last of those layers feeds only the final norm and the LM head, which read the
+  rows the step samples. On a step that samples fewer rows than it runs (prefill
+  chunks), it writes every token's keys and values to the cache but runs queries,
+  attention, o_proj and the MLP at the sampled rows alone (the model runner marks
+  them; not with prompt logprobs or LoRA). On the benchmark's 8-layer model that is
+  about an eighth of a prefill step's work.
 
 float32 and bfloat16 only: float64 keeps the exact torch path, which the tests
 compare with transformers token for token.
@@ -171,8 +177,7 @@ def _sampled_rows_forward(self: nn.Module, x: torch.Tensor, position_embeddings:
     the LM head see nothing else): keys and values of every new token go into the
     cache, but queries, attention, o_proj and the MLP run on the sampled rows only,
     each a request's last token attending its whole context (one query per request,
-    as in decoding). Prefill chunks skip about an eighth of an 8-layer model's work.
-    Other rows of the result are zeros. x: [T, hidden] -> [T, hidden]."""
+    as in decoding). Other rows of the result are zeros. x: [T, hidden] -> [T, hidden]."""
     attention = self.self_attn
     head_dim, tokens = attention.head_dim, x.shape[0]
     rows = ctx.sampled_rows

@@ -141,7 +141,10 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             backend=self.attention_backend,
         )
-        if dev.type == "cpu" and not plan.prompt_rows and self.lora_manager is None:
+        # Steps that sample fewer rows than they run (prefill chunks) let the CPU path's
+        # last layer skip the rest (engine/cpu_layers.py); decode steps sample every row.
+        if (dev.type == "cpu" and not plan.prompt_rows and self.lora_manager is None
+                and len(plan.keep) < len(token_ids)):
             sampled = [index for index, item in enumerate(scheduler_output.scheduled) if item.is_last_chunk]
             query_rows = [0] * len(block_tables)
             for row, index in enumerate(sampled):
