@@ -152,3 +152,37 @@ def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
             layer.forward = types.MethodType(cpu_layers._fused_layer_forward, layer)
         out = model(ids).logits
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_lora_adapters_and_prompt_logprobs_through_fused_layers(tiny_llama_dir, tmp_path):
+    """float32 (the fused path): LoRA wrappers inside fused layers, prompt logprobs
+    (every row read, so no sampled-rows shortcut), seeded n=2 sampling and penalties
+    give what the modules' own forwards give."""
+    from shardline import LLM, SamplingParams
+    from shardline.engine.lora import LoRARequest
+
+    from .test_lora import make_adapter
+
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter", seed=1, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+    llm = LLM(tiny_llama_dir, dtype="float32", enable_lora=True, max_num_batched_tokens=64)
+    assert fused_layers(llm) == 2
+    prompts = [{"prompt_token_ids": list(range(3, 90))}, {"prompt_token_ids": [5, 6, 7, 8]}]
+    lora = [LoRARequest("a", 1, adapter), None]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    sampled = SamplingParams(n=2, max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.3)
+
+    def run():
+        return (llm.generate(prompts, greedy, use_tqdm=False, lora_request=lora),
+                llm.generate(prompts, sampled, use_tqdm=False, lora_request=lora))
+
+    fused = run()
+    unfuse(llm.llm_engine.model)
+    reference = run()
+    llm.close()
+    for ours, theirs in zip(fused, reference):
+        assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
+    for ours, theirs in zip(fused[0], reference[0]):
+        for step_ours, step_theirs in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            for token, logprob in step_theirs.items():
+                assert step_ours[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
