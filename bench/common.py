@@ -67,16 +67,23 @@ def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repe
     return peaks
 
 
-class AttentionProfile:
-    """Wall time of the engine's model forward and of its torch attention, split into
-    decode groups, prefill groups, KV-cache writes and per-step planning.
+class StepProfile:
+    """Wall time of a CPU engine's steps by part: scheduling, batch preparation, the
+    model forward (its attention split into decode, prefill, the last layer's sampled
+    rows, KV-cache writes and per-step planning), sampling, and output processing
+    (detokenization, stop checks, building outputs).
 
-    Installed by wrapping module functions (timing only, no behaviour change); the
-    wrappers add a few microseconds per call, so profile runs are slightly slower.
+    Installed by wrapping functions (timing only, no behaviour change); the wrappers
+    add a few microseconds per call, so profiled runs are slightly slower. Install it
+    after the engine is built (the fused layers look their kernels up at call time).
     """
 
+    ATTENTION = ("decode attention", "prefill attention", "last layer, sampled rows", "kv cache writes",
+                 "attention plans")
+
     def __init__(self) -> None:
-        from shardline.engine import attention, model_runner, torch_attention
+        from shardline.engine import attention, cpu_layers, llm_engine, model_runner, output_processor, sampler
+        from shardline.engine import scheduler, torch_attention
 
         self.seconds: dict[str, float] = {}
         attend = torch_attention._attend
@@ -86,11 +93,21 @@ class AttentionProfile:
             return self._time(kind, attend, query, k_cache, v_cache, plan, *args)
 
         torch_attention._attend = attend_timed
-        attend_decode = torch_attention._attend_decode
-        torch_attention._attend_decode = lambda *args: self._time("decode attention", attend_decode, *args)
-        for owner, name, label in ((model_runner.ModelRunner, "execute", "model forward"),
-                                   (attention, "write_kv_cache", "kv cache writes"),
-                                   (attention.AttentionContext, "torch_plans", "attention plans")):
+        wrapped = (
+            (torch_attention, "_attend_decode", "decode attention"),
+            (cpu_layers, "decode_attention", "last layer, sampled rows"),
+            (attention, "write_kv_cache", "kv cache writes"),
+            (cpu_layers, "write_kv_cache", "kv cache writes"),
+            (attention.AttentionContext, "torch_plans", "attention plans"),
+            (model_runner.ModelRunner, "execute", "model forward"),
+            (model_runner.ModelRunner, "prepare_inputs", "batch preparation"),
+            (scheduler.Scheduler, "schedule", "scheduling"),
+            (sampler.Sampler, "__call__", "sampling"),
+            (output_processor.OutputProcessor, "append_token", "output processing"),
+            (output_processor.OutputProcessor, "make_output", "output processing"),
+            (llm_engine.LLMEngine, "step", "engine steps"),
+        )
+        for owner, name, label in wrapped:
             function = getattr(owner, name)
             setattr(owner, name, lambda *args, _f=function, _label=label: self._time(_label, _f, *args))
 
@@ -104,9 +121,16 @@ class AttentionProfile:
             self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
 
     def report(self, total: float) -> str:
-        forward = self.seconds.get("model forward", 0.0)
-        attention = sum(v for k, v in self.seconds.items() if k != "model forward")
-        lines = [f"  {label:24s} {seconds:7.2f} s" for label, seconds in sorted(self.seconds.items())]
-        lines.append(f"  {'forward minus attention':24s} {forward - attention:7.2f} s")
-        lines.append(f"  {'outside the forward':24s} {total - forward:7.2f} s")
-        return "\n".join(lines)
+        get = self.seconds.get
+        forward = get("model forward", 0.0) - get("batch preparation", 0.0)
+        attention = sum(get(label, 0.0) for label in self.ATTENTION)
+        rows = [("scheduling", get("scheduling", 0.0)), ("batch preparation", get("batch preparation", 0.0)),
+                ("model forward", forward)]
+        rows += [(f"  {label}", get(label, 0.0)) for label in self.ATTENTION]
+        rows += [("  linears, norms, MLP, rest", forward - attention),
+                 ("sampling", get("sampling", 0.0)),
+                 ("output processing", get("output processing", 0.0)),
+                 ("rest of the engine steps", get("engine steps", 0.0) - get("scheduling", 0.0)
+                  - get("model forward", 0.0) - get("sampling", 0.0) - get("output processing", 0.0)),
+                 ("outside the engine steps", total - get("engine steps", 0.0))]
+        return "\n".join(f"  {label:30s} {seconds:7.2f} s" for label, seconds in rows)
