@@ -13,6 +13,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 import transformers
 
@@ -72,6 +73,17 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_
     return num_blocks
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it comes from calloc, whose large blocks are fresh pages
+    the kernel zeroes on first write: the part of a KV cache no request reaches costs
+    neither start-up time (torch.zeros writes every page: about 0.5 s for 2 GB here)
+    nor resident memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(numpy.zeros(num_bytes, dtype=numpy.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; runs one packed forward per step."""
 
@@ -85,10 +97,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = [(zeroed(shape, spec.dtype, device), zeroed(shape, spec.dtype, device))
+                          for _ in range(spec.num_layers)]
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
