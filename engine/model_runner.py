@@ -73,6 +73,9 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_
     return num_blocks
 
 
+PAGE_BYTES = 4096
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On CPU it comes from calloc, whose large blocks are fresh pages
     the kernel zeroes on first write: the part of a KV cache no request reaches costs
@@ -81,7 +84,12 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(numpy.zeros(num_bytes, dtype=numpy.uint8)).view(dtype).view(shape)
+    raw = torch.from_numpy(numpy.zeros(num_bytes + PAGE_BYTES, dtype=numpy.uint8))
+    # Page-aligned (calloc's large blocks start 16 bytes past a page, which would put
+    # every head's row of keys across cache lines). Measured in one process, runs
+    # interleaved: steps on this cache take no longer than on torch.zeros' one.
+    start = -raw.data_ptr() % PAGE_BYTES
+    return raw[start : start + num_bytes].view(dtype).view(shape)
 
 
 class ModelRunner:
