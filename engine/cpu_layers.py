@@ -36,6 +36,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import AttentionContext
+from .cpu_linear import reproduces
 from .kernels.cpu_attention import decode_attention, decode_kernel_available
 from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from .torch_attention import write_kv_cache
@@ -54,16 +55,8 @@ LAYER_WINDOWS = {
 }
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    return 2e-2 if dtype == torch.bfloat16 else 1e-4
-
-
 def _close(actual: object, expected: object) -> bool:
-    if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
-        return False
-    tolerance = _tolerance(expected.dtype)
-    return actual.shape == expected.shape and torch.allclose(
-        actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    return reproduces(actual, expected, bfloat16_tolerance=2e-2)
 
 
 def _norm_epsilon(module: nn.Module) -> float | None:
