@@ -92,14 +92,14 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # Autograd does not see through the packed weight: with gradients on, use torch's linear.
     if _needs_torch(x, self.weight):
         return nn.functional.linear(x, self.weight, self.bias)
-    return _packed_matmul(x, self.shardline_packed_weight, self.bias)
+    return packed_matmul(x, self.shardline_packed_weight, self.bias)
 
 
 def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype != weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
-def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
@@ -115,7 +115,7 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int) -> int:
     num_fused = 0
     for module in model.modules():
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-        if not (_is_packed(gate) and _is_packed(up) and _is_packed(getattr(module, "down_proj", None))
+        if not (is_packed(gate) and is_packed(up) and is_packed(getattr(module, "down_proj", None))
                 and callable(getattr(module, "act_fn", None))):
             continue
         if gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape \
@@ -128,8 +128,7 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int) -> int:
         except Exception:  # a forward that wants more than the hidden states: not this pattern
             continue
         with torch.no_grad():
-            module.shardline_packed_gate_up = torch.ops.mkldnn._reorder_linear_weight(
-                torch.cat([gate.weight.detach(), up.weight.detach()]), rows_hint)
+            module.shardline_packed_gate_up, _ = pack_side_by_side((gate, up), rows_hint)
             module.forward = types.MethodType(_fused_gated_mlp_forward, module)
             # SiLU through the fused kernel if that reproduces act_fn, else act_fn itself.
             for use_kernel in (True, False) if fused_kernels_available(gate.weight.dtype) else (False,):
@@ -160,8 +159,21 @@ def reproduces(actual: object, expected: object, bfloat16_tolerance: float = 1e-
         actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
-def _is_packed(module: object) -> bool:
+def is_packed(module: object) -> bool:
     return isinstance(module, nn.Linear) and hasattr(module, "shardline_packed_weight")
+
+
+def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed weight, and bias or None, that computes all of ``linears`` (packed,
+    one input size and dtype, each with a bias or none with one) on the same input in
+    one matmul, their outputs side by side in the given order."""
+    assert all(is_packed(linear) for linear in linears)
+    assert len({(linear.in_features, linear.weight.dtype) for linear in linears}) == 1
+    biases = [linear.bias for linear in linears]
+    assert all(bias is None for bias in biases) or all(bias is not None for bias in biases)
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), bias
 
 
 def _fused_gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +182,7 @@ def _fused_gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _needs_torch(x, gate_proj.weight):
         gate, up = nn.functional.linear(x, gate_proj.weight), nn.functional.linear(x, up_proj.weight)
         return self.down_proj(self.act_fn(gate) * up)
-    gate_up = _packed_matmul(x, self.shardline_packed_gate_up, None)
+    gate_up = packed_matmul(x, self.shardline_packed_gate_up, None)
     if self.shardline_silu_mul:  # one pass, no temporaries (kernels/cpu_fused.c)
         return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
     gate, up = gate_up.split(gate_proj.out_features, dim=-1)

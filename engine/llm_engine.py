@@ -55,7 +55,7 @@ class LLMEngine:
             pack_linears(self.model, rows_hint=config.max_num_batched_tokens)
             fuse_gated_mlps(self.model, rows_hint=config.max_num_batched_tokens)
             fuse_rms_norms(self.model)
-            fuse_decoder_layers(self.model)
+            fuse_decoder_layers(self.model, rows_hint=config.max_num_batched_tokens)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)

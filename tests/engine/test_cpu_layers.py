@@ -51,6 +51,13 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
     prompts = [[5, 6, 7], list(range(3, 70)), [(7 * i) % 400 + 3 for i in range(200)]]
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=128)
     assert fused_layers(llm) == (2 if arch in FUSED_ARCHS else 0)
+    first, last = (layer.self_attn for layer in llm.llm_engine.model.model.layers)
+    # Fused layers project q, k and v in one matmul; the first no longer holds their
+    # packed copies, the last still projects k and v alone for its sampled rows.
+    assert hasattr(first, "shardline_packed_qkv") == (arch in FUSED_ARCHS)
+    if arch in FUSED_ARCHS:
+        assert not hasattr(first.q_proj, "shardline_packed_weight")
+        assert hasattr(last.k_proj, "shardline_packed_weight")
     fused = generate(llm, prompts)
     unfuse(llm.llm_engine.model)
     assert fused_layers(llm) == 0
@@ -134,7 +141,7 @@ def test_a_layer_of_another_formula_stays_unfused(monkeypatch, tmp_path):
     llm = LLM(str(build_tiny_model(tmp_path, "gemma2")), dtype="float32")
     model = llm.llm_engine.model
     monkeypatch.setitem(cpu_layers.LAYER_WINDOWS, "Gemma2DecoderLayer", lambda attention: attention.sliding_window)
-    assert fuse_decoder_layers(model) == 0
+    assert fuse_decoder_layers(model, rows_hint=256) == 0
     assert fused_layers(llm) == 0
     llm.close()
 
