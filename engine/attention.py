@@ -20,10 +20,19 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .torch_attention import (DecodeBatch, TorchAttentionPlan, attention_groups, torch_paged_attention,
-                              write_kv_cache)
+from .torch_attention import (DecodeBatch, TorchAttentionPlan, attention_groups, fresh_prompts,
+                              torch_paged_attention, write_kv_cache)
 
 ATTN_IMPLEMENTATION = "shardline"
+
+
+@dataclass(frozen=True)
+class TorchPlans:
+    """A step's work on the torch path (see torch_attention.torch_paged_attention)."""
+
+    decode: DecodeBatch | None
+    plans: list[TorchAttentionPlan]
+    fresh: list[tuple[int, int]]
 
 
 @dataclass
@@ -61,9 +70,8 @@ class AttentionContext:
     sampled_query_rows: torch.Tensor | None = None
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
-    # Torch-path gather plans and native decode batch, built lazily once per step and
-    # shared by all layers.
-    _plans: "tuple[DecodeBatch | None, list[TorchAttentionPlan]] | None" = field(default=None, repr=False)
+    # The torch path's work, built lazily once per step and shared by all layers.
+    _plans: "TorchPlans | None" = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -79,14 +87,15 @@ class AttentionContext:
             self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
         return self._kernel_indices
 
-    def torch_plans(self, num_heads: int) -> "tuple[DecodeBatch | None, list[TorchAttentionPlan]]":
-        """(decoding requests for the native kernel or None, SDPA plans of the rest)."""
+    def torch_plans(self, num_heads: int) -> "TorchPlans":
+        """The torch path's work for this step: decoding requests for the native
+        kernel or None, SDPA plans of grouped requests, fresh prompts' packed rows."""
         if self._plans is None:
             query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
             decode = self._native_decode_batch(query_lens, num_heads)
             plans = [TorchAttentionPlan.build(self, group)
                      for group in attention_groups(query_lens, self.seq_lens, group_decoding=decode is None)]
-            self._plans = (decode, plans)
+            self._plans = TorchPlans(decode, plans, fresh_prompts(self.query_start_loc, self.seq_lens))
         return self._plans
 
     def _native_decode_batch(self, query_lens: torch.Tensor, num_heads: int) -> DecodeBatch | None:
@@ -140,8 +149,9 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
-        decode, plans = shardline_ctx.torch_plans(q.shape[1])
-        out = torch_paged_attention(q, k_cache, v_cache, plans, scaling, sliding_window, softcap, decode)
+        work = shardline_ctx.torch_plans(q.shape[1])
+        out = torch_paged_attention(q, k, v, k_cache, v_cache, work.plans, scaling, sliding_window, softcap,
+                                    work.decode, work.fresh)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

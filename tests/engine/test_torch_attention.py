@@ -10,6 +10,7 @@ from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.torch_attention import (
     DECODE_GROUP_SIZE,
     attention_groups,
+    fresh_prompts,
     padded_attention,
     torch_paged_attention,
 )
@@ -55,10 +56,28 @@ def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32
     return q, ctx
 
 
+def new_keys_and_values(ctx):
+    """The step's new keys and values [T, Hkv, D], packed as its queries: what the
+    model wrote into the cache this step."""
+    k_cache, v_cache = ctx.kv_caches[0]
+    block_size = k_cache.shape[1]
+    starts, seq_lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
+    slots = []
+    for b, seq_len in enumerate(seq_lens):
+        table = ctx.block_tables[b].tolist()
+        for position in range(seq_len - (starts[b + 1] - starts[b]), seq_len):
+            slots.append(table[position // block_size] * block_size + position % block_size)
+    slots = torch.tensor(slots)
+    return (k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots])
+
+
 def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10):
     k_cache, v_cache = ctx.kv_caches[0]
     scale = q.shape[-1] ** -0.5
-    out = torch_paged_attention(q, k_cache, v_cache, ctx.torch_plans(q.shape[1])[1], scale, sliding_window, softcap)
+    work = ctx.torch_plans(q.shape[1])
+    key, value = new_keys_and_values(ctx)
+    out = torch_paged_attention(q, key, value, k_cache, v_cache, work.plans, scale, sliding_window, softcap,
+                                work.decode, work.fresh)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -95,12 +114,14 @@ def test_groups_cover_each_request_once_and_keep_kinds_apart():
     query_lens_t = torch.tensor(query_lens)
     seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)])
     groups = attention_groups(query_lens_t, seq_lens)
-    assert sorted(torch.cat(groups).tolist()) == list(range(len(query_lens)))
+    query_start_loc = torch.tensor([0, *query_lens]).cumsum(0)
+    fresh = [query_start_loc.tolist().index(first) for first, _ in fresh_prompts(query_start_loc, seq_lens)]
+    # Every request once: in a group, or a fresh prompt attended on its own.
+    assert sorted(torch.cat(groups).tolist() + fresh) == list(range(len(query_lens)))
+    assert fresh and all(1 < query_lens[b] == seq_lens[b] for b in fresh)
     for group in groups:
         decoding = query_lens_t[group] == 1
-        fresh = query_lens_t[group] == seq_lens[group]
         assert bool(decoding.all()) or not bool(decoding.any())
-        assert bool(fresh.all()) or not bool(fresh.any()) or bool(decoding.all())
         if bool(decoding.all()):
             assert len(group) <= DECODE_GROUP_SIZE
 
