@@ -13,10 +13,12 @@ per KV head ([b, Hkv, G, D]), so SDPA reads each key once per KV head, not once 
 query head.
 
 Prefill chunks are compute bound. A fresh prompt (no cached context: its keys and
-values are exactly the step's new ones) is attended on its own, straight from the
-step's packed queries, keys and values with SDPA's causal mode: no copy out of the
-cache and no padding (on the benchmark's prompts of 32-512 tokens, 15-20% less
-attention time than padded groups of similar length, before their copies). Chunks
+values are exactly the step's new ones) is attended straight from the step's packed
+queries, keys and values, by the native kernel (kernels/cpu_prefill_attention.py)
+in float32, else with one SDPA call per prompt in causal mode: no copy out of the
+cache and no padding (per prompt, SDPA took 15-20% less time on the benchmark's
+prompts of 32-512 tokens than padded groups of similar length, before their copies;
+the kernel about 0.6 of SDPA's). Chunks
 with a cached context are grouped by similar context length, since padding costs
 Q x L work.
 """
@@ -187,14 +189,27 @@ def torch_paged_attention(
     for plan in plans:
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
-    for first, end in fresh:
-        output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
-                                          sliding_window, softcap)
+    if fresh:
+        _attend_fresh(query, key, value, fresh, output, scale, sliding_window, softcap)
     return output
 
 
-def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fresh: list[tuple[int, int]],
+                  output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
+    """The fresh prompts' rows of ``output``: by the native kernel when it takes
+    them (kernels/cpu_prefill_attention.py), else one SDPA call per prompt."""
+    from .kernels.cpu_prefill_attention import prefill_attention, prefill_kernel_available
+
+    if prefill_kernel_available(query, key, softcap):
+        prefill_attention(query, key, value, fresh, output, scale, sliding_window)
+        return
+    for first, end in fresh:
+        output[first:end] = _attend_prompt(query[first:end], key[first:end], value[first:end], scale,
+                                           sliding_window, softcap)
+
+
+def _attend_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                   sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """One fresh prompt: query [L, H, D] over its own key, value [L, Hkv, D] at
     positions 0 .. L-1; returns [L, H, D]."""
     length = query.shape[0]

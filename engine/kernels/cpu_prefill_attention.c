@@ -1,0 +1,261 @@
+/* Causal attention of fresh prompts for the CPU path: each prompt's queries over its
+ * own keys and values (no cached context), read straight from the step's packed
+ * tensors, float32.
+ *
+ * Work item = (prompt, KV head, tile of QT consecutive query positions). The G query
+ * heads of the KV head make G * QT query rows that share every key and value read.
+ * Keys go through in blocks of KB = 16, each transposed once per item into
+ * kt[D][16], so a query row's 16 scores are one 16-lane vector built by D
+ * multiply-adds; an online softmax per row (running max m, running sum l,
+ * accumulator acc rescaled when the max grows) then adds the block's values. Rows
+ * go RB = 4 at a time, so each key and value vector loaded feeds four rows. Blocks
+ * wholly in a row block's future (or before its sliding window) are skipped. Items
+ * run in parallel (OpenMP, dynamic schedule, costliest tiles first).
+ *
+ * The 16-lane vectors are GCC vector extensions: AVX-512 registers where the CPU has
+ * them, pairs or quads of narrower ones elsewhere.
+ *
+ * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
+ *   q:      [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
+ *   k, v:   [T, Hkv, D], D contiguous, strides *_stride_t, *_stride_h
+ *   bounds: [P, 2] int64: prompt p's rows are bounds[p][0] .. bounds[p][1] - 1, at
+ *           positions 0 .. length - 1
+ *   out:    [T, H, D] contiguous; only the prompts' rows are written
+ * D is a multiple of 16, at most MAX_HEAD_DIM; window > 0 keeps the last `window`
+ * positions.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define QT 16
+#define KB 16
+#define RB 4
+#define MAX_HEAD_DIM 256
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline v16 splat(float x) { return (v16){0} + x; }
+static inline v16 blend(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
+static inline v16 vmax(v16 a, v16 b) { return blend(a > b, a, b); }
+
+static inline float hmax(v16 x) {
+    x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return x[0];
+}
+
+static inline float hsum(v16 x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* exp_f32 (cpu_common.h) on 16 lanes, except that below -87 (and -inf: masked keys)
+ * it gives exactly 0. */
+static inline v16 vexp(v16 x) {
+    const v16i underflow = x < -87.0f;
+    x = blend(x > 88.0f, splat(88.0f), x);
+    x = blend(underflow, splat(-87.0f), x);
+    const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
+    v16 p = splat(1.0f / 5040.0f);
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16i bits = (v16i)p + __builtin_convertvector(n, v16i) * (1 << 23);
+    return blend(underflow, splat(0.0f), (v16)bits);
+}
+
+/* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head size D. */
+struct scratch {
+    float *qs;   /* [rows][D] scaled queries */
+    v16 *acc;    /* [rows][D / 16] */
+    float *m, *l;
+    int64_t *pos; /* [rows] position of each row */
+    v16 *kt;     /* [D] the block's keys, transposed */
+};
+
+static inline __attribute__((always_inline)) void tile_f32(
+    const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, int64_t k_stride_t,
+    int64_t k_stride_h, const float *v, int64_t v_stride_t, int64_t v_stride_h, float *out,
+    int64_t num_heads, int64_t first, int64_t r0, int64_t r1, int64_t h, int64_t group,
+    const int64_t D, float scale, int64_t window, const struct scratch *w)
+{
+    const int64_t DV = D / 16;
+    const int64_t rows = (r1 - r0) * group;
+    const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
+    for (int64_t i = 0; i < padded_rows; i++) {
+        const int64_t row = i < rows ? i : rows - 1;
+        const float *qh = q + (first + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
+        for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = qh[d] * scale;
+        for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
+        w->m[i] = -INFINITY;
+        w->l[i] = 0;
+        w->pos[i] = r0 + row / group;
+    }
+    const float *kh = k + first * k_stride_t + h * k_stride_h;
+    const float *vh = v + first * v_stride_t + h * v_stride_h;
+    const int64_t lowest = window > 0 && r0 >= window ? r0 - window + 1 : 0;  /* first key any row sees */
+    for (int64_t kb = lowest - lowest % KB; kb < r1; kb += KB) {
+        const int64_t num_keys = r1 - kb < KB ? r1 - kb : KB;
+        for (int64_t j = 0; j < KB; j++) {  /* keys past r1 repeat key kb; the mask drops them */
+            const float *kr = kh + (kb + (j < num_keys ? j : 0)) * k_stride_t;
+            for (int64_t d = 0; d < D; d++) w->kt[d][j] = kr[d];
+        }
+        const v16 keys = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (float)kb;
+        for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
+            const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
+            if (kb > last_pos || (window > 0 && kb + KB <= first_pos - window + 1))
+                continue;  /* every row of the block sees none of these keys */
+            v16 s[RB];
+            for (int b = 0; b < RB; b++) s[b] = splat(0.0f);
+            for (int64_t d = 0; d < D; d++) {
+                const v16 kd = w->kt[d];
+                for (int b = 0; b < RB; b++) s[b] += w->qs[(i0 + b) * D + d] * kd;
+            }
+            v16 p[RB];
+            for (int b = 0; b < RB; b++) {
+                const int64_t i = i0 + b;
+                /* Keys in the row's future (which covers those past r1) or before its window. */
+                v16i masked = keys > (float)w->pos[i];
+                if (window > 0) masked |= keys < (float)(w->pos[i] - window + 1);
+                const v16 scores = blend(masked, splat(-INFINITY), s[b]);
+                const float block_max = hmax(scores);
+                const float new_max = block_max > w->m[i] ? block_max : w->m[i];
+                if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
+                    p[b] = splat(0.0f);
+                    continue;
+                }
+                const float correction = exp_f32(w->m[i] - new_max);
+                p[b] = vexp(scores - new_max);
+                w->l[i] = w->l[i] * correction + hsum(p[b]);
+                w->m[i] = new_max;
+                if (correction != 1.0f)
+                    for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
+            }
+            const int64_t num_used = last_pos - kb + 1 < num_keys ? last_pos - kb + 1 : num_keys;
+            if (DV == 4) {  /* D = 64: the four rows' accumulators stay in registers */
+                v16 a[RB][4];
+                for (int b = 0; b < RB; b++)
+                    for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * 4 + d];
+                for (int64_t j = 0; j < num_used; j++) {
+                    const float *vr = vh + (kb + j) * v_stride_t;
+                    const v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+                    for (int b = 0; b < RB; b++) {
+                        const float pj = p[b][j];
+                        a[b][0] += pj * v0;
+                        a[b][1] += pj * v1;
+                        a[b][2] += pj * v2;
+                        a[b][3] += pj * v3;
+                    }
+                }
+                for (int b = 0; b < RB; b++)
+                    for (int d = 0; d < 4; d++) w->acc[(i0 + b) * 4 + d] = a[b][d];
+            } else {
+                for (int64_t j = 0; j < num_used; j++) {
+                    const float *vr = vh + (kb + j) * v_stride_t;
+                    for (int64_t d = 0; d < DV; d++) {
+                        const v16 vd = load16(vr + 16 * d);
+                        for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        float *o = out + ((first + r0 + i / group) * num_heads + h * group + i % group) * D;
+        const float inverse = 1.0f / w->l[i];
+        for (int64_t d = 0; d < DV; d++) {
+            const v16 x = w->acc[i * DV + d] * inverse;
+            memcpy(o + 16 * d, &x, sizeof x);
+        }
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h,
+                          const float *k, int64_t k_stride_t, int64_t k_stride_h,
+                          const float *v, int64_t v_stride_t, int64_t v_stride_h,
+                          float *out, const int64_t *bounds, int64_t num_prompts,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          double scale, int64_t window, int num_threads)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t num_tiles = 0, max_tiles = 0;
+    for (int64_t p = 0; p < num_prompts; p++) {
+        const int64_t tiles = (bounds[2 * p + 1] - bounds[2 * p] + QT - 1) / QT;
+        num_tiles += tiles;
+        max_tiles = tiles > max_tiles ? tiles : max_tiles;
+    }
+    /* (prompt, tile) pairs, later (costlier) tiles first, for the dynamic schedule. */
+    int64_t *tiles = malloc((size_t)(2 * num_tiles + 1) * sizeof(int64_t));
+    if (tiles == NULL) return -1;
+    int64_t n = 0;
+    for (int64_t t = max_tiles - 1; t >= 0; t--)
+        for (int64_t p = 0; p < num_prompts; p++)
+            if (t * QT < bounds[2 * p + 1] - bounds[2 * p]) {
+                tiles[2 * n] = p;
+                tiles[2 * n + 1] = t;
+                n++;
+            }
+    const int64_t rows = (group * QT + RB - 1) / RB * RB;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        struct scratch w;
+        w.qs = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
+        w.acc = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
+        w.kt = aligned_alloc(64, (size_t)head_dim * sizeof(v16));
+        w.m = malloc((size_t)rows * sizeof(float));
+        w.l = malloc((size_t)rows * sizeof(float));
+        w.pos = malloc((size_t)rows * sizeof(int64_t));
+        const int ok = w.qs && w.acc && w.kt && w.m && w.l && w.pos;
+        if (!ok) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp barrier")
+        if (!failed) {
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t item = 0; item < n * num_kv_heads; item++) {
+                const int64_t *tile = tiles + 2 * (item / num_kv_heads);
+                const int64_t h = item % num_kv_heads, first = bounds[2 * tile[0]];
+                const int64_t length = bounds[2 * tile[0] + 1] - first;
+                const int64_t r0 = tile[1] * QT, r1 = r0 + QT < length ? r0 + QT : length;
+                if (head_dim == 64)  /* a constant head size unrolls the inner loops */
+                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
+                             out, num_heads, first, r0, r1, h, group, 64, (float)scale, window, &w);
+                else if (head_dim == 128)
+                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
+                             out, num_heads, first, r0, r1, h, group, 128, (float)scale, window, &w);
+                else
+                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
+                             out, num_heads, first, r0, r1, h, group, head_dim, (float)scale, window, &w);
+            }
+        }
+        free(w.qs);
+        free(w.acc);
+        free(w.kt);
+        free(w.m);
+        free(w.l);
+        free(w.pos);
+    }
+    free(tiles);
+    return failed ? -1 : 0;
+}
+
+int64_t prefill_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
