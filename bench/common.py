@@ -96,6 +96,7 @@ class StepProfile:
         wrapped = (
             (torch_attention, "_attend_decode", "decode attention"),
             (torch_attention, "_attend_fresh", "prefill attention"),
+            (torch_attention, "_attend_prefill", "prefill attention"),
             (cpu_layers, "decode_attention", "last layer, sampled rows"),
             (attention, "write_kv_cache", "kv cache writes"),
             (cpu_layers, "write_kv_cache", "kv cache writes"),

@@ -14,13 +14,16 @@ query head.
 
 Prefill chunks are compute bound. A fresh prompt (no cached context: its keys and
 values are exactly the step's new ones) is attended straight from the step's packed
-queries, keys and values, by the native kernel (kernels/cpu_prefill_attention.py)
-in float32, else with one SDPA call per prompt in causal mode: no copy out of the
-cache and no padding (per prompt, SDPA took 15-20% less time on the benchmark's
-prompts of 32-512 tokens than padded groups of similar length, before their copies;
-the kernel about 0.6 of SDPA's). Chunks
-with a cached context are grouped by similar context length, since padding costs
-Q x L work.
+queries, keys and values with one SDPA call in causal mode: no copy out of the
+cache and no padding (on the benchmark's prompts of 32-512 tokens, 15-20% less
+time than padded groups of similar length, before their copies). Chunks with a
+cached context are grouped by similar context length, since padding costs Q x L
+work.
+
+On the "auto" backend the native kernels take what they can, reading the paged
+cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
+chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 caches, no
+softcap; about 0.6 of the time of one SDPA call per prompt).
 """
 
 from __future__ import annotations
@@ -44,18 +47,19 @@ DECODE_GROUP_SIZE = 4
 PREFILL_LENGTH_RATIO = 0.7
 
 
-def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     group_decoding: bool = True) -> list[torch.Tensor]:
+def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor, group_decoding: bool = True,
+                     group_chunks: bool = True) -> list[torch.Tensor]:
     """Request indices in groups that pad little: decoding requests (one query token)
     in runs of DECODE_GROUP_SIZE of similar context length (left out when not
     ``group_decoding``: the native decode kernel takes them); prefill chunks with a
-    cached context by similar length. Fresh prompts are left out (``fresh_prompts``)."""
+    cached context by similar length (left out when not ``group_chunks``: the native
+    prefill kernel takes them). Fresh prompts are left out (``fresh_prompts``)."""
     query_list, seq_list = query_lens.tolist(), seq_lens.tolist()
     by_length = sorted(range(len(seq_list)), key=seq_list.__getitem__)
     decoding = [r for r in by_length if query_list[r] == 1] if group_decoding else []
     groups = [decoding[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decoding), DECODE_GROUP_SIZE)]
-    chunks = [r for r in reversed(by_length) if 1 < query_list[r] < seq_list[r]]
-    groups += _split_by_length(chunks, seq_list)
+    if group_chunks:
+        groups += _split_by_length([r for r in reversed(by_length) if 1 < query_list[r] < seq_list[r]], seq_list)
     device = seq_lens.device
     return [torch.tensor(group, dtype=torch.int64, device=device) for group in groups]
 
@@ -87,6 +91,17 @@ class DecodeBatch:
 
     requests: torch.Tensor  # [n] int64 indices of the decoding requests
     query_rows: torch.Tensor  # [B] int64 packed row of each request's first query token
+    seq_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+
+
+@dataclass
+class PrefillBatch:
+    """The step's prefill chunks (several query tokens), attended in place by the
+    native CPU kernel (kernels/cpu_prefill_attention.py)."""
+
+    requests: torch.Tensor  # [n] int64 indices of the requests
+    query_start_loc: torch.Tensor  # [B+1] int64
     seq_lens: torch.Tensor  # [B] int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
 
@@ -175,10 +190,12 @@ def torch_paged_attention(
     softcap: float | None,
     decode: DecodeBatch | None = None,
     fresh: list[tuple[int, int]] = (),
+    prefill: PrefillBatch | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries over each request's paged context: the
-    ``decode`` batch through the native kernel, every plan through SDPA, and each
-    ``fresh`` prompt's rows through SDPA on the step's own keys and values.
+    ``decode`` and ``prefill`` batches through the native kernels, every plan through
+    SDPA, and each ``fresh`` prompt's rows through SDPA on the step's own keys and
+    values.
 
     query: [T, H, D]; key, value: [T, Hkv, D], the step's new ones (already in the
     cache); k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
@@ -189,27 +206,25 @@ def torch_paged_attention(
     for plan in plans:
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
-    if fresh:
-        _attend_fresh(query, key, value, fresh, output, scale, sliding_window, softcap)
+    if prefill is not None:
+        _attend_prefill(query, k_cache, v_cache, prefill, output, scale, sliding_window)
+    for first, end in fresh:
+        output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
+                                          sliding_window, softcap)
     return output
 
 
-def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fresh: list[tuple[int, int]],
-                  output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
-    """The fresh prompts' rows of ``output``: by the native kernel when it takes
-    them (kernels/cpu_prefill_attention.py), else one SDPA call per prompt."""
-    from .kernels.cpu_prefill_attention import prefill_attention, prefill_kernel_available
+def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillBatch,
+                    output: torch.Tensor, scale: float, sliding_window: int | None) -> None:
+    """The prefill chunks' rows of ``output``, by the native kernel."""
+    from .kernels.cpu_prefill_attention import prefill_attention
 
-    if prefill_kernel_available(query, key, softcap):
-        prefill_attention(query, key, value, fresh, output, scale, sliding_window)
-        return
-    for first, end in fresh:
-        output[first:end] = _attend_prompt(query[first:end], key[first:end], value[first:end], scale,
-                                           sliding_window, softcap)
+    prefill_attention(query, k_cache, v_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens,
+                      prefill.requests, output, scale, sliding_window)
 
 
-def _attend_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                   sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """One fresh prompt: query [L, H, D] over its own key, value [L, Hkv, D] at
     positions 0 .. L-1; returns [L, H, D]."""
     length = query.shape[0]

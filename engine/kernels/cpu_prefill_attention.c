@@ -1,8 +1,8 @@
-/* Causal attention of fresh prompts for the CPU path: each prompt's queries over its
- * own keys and values (no cached context), read straight from the step's packed
- * tensors, float32.
+/* Causal attention of prefill chunks for the CPU path: each chunk's query tokens
+ * over its request's context, read straight out of the paged KV cache through the
+ * block tables (the step's own keys and values are already there), float32.
  *
- * Work item = (prompt, KV head, tile of QT consecutive query positions). The G query
+ * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
  * Keys go through in blocks of KB = 16, each transposed once per item into
  * kt[D][16], so a query row's 16 scores are one 16-lane vector built by D
@@ -10,17 +10,21 @@
  * accumulator acc rescaled when the max grows) then adds the block's values. Rows
  * go RB = 4 at a time, so each key and value vector loaded feeds four rows. Blocks
  * wholly in a row block's future (or before its sliding window) are skipped. Items
- * run in parallel (OpenMP, dynamic schedule, costliest tiles first).
+ * run in parallel (OpenMP, dynamic schedule, the longest contexts first).
  *
  * The 16-lane vectors are GCC vector extensions: AVX-512 registers where the CPU has
  * them, pairs or quads of narrower ones elsewhere.
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
- *   q:      [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
- *   k, v:   [T, Hkv, D], D contiguous, strides *_stride_t, *_stride_h
- *   bounds: [P, 2] int64: prompt p's rows are bounds[p][0] .. bounds[p][1] - 1, at
- *           positions 0 .. length - 1
- *   out:    [T, H, D] contiguous; only the prompts' rows are written
+ *   q:               [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
+ *   k/v_cache:       [num_blocks, block_size, Hkv, D] contiguous
+ *   block_tables:    [B, table_stride] int32
+ *   query_start_loc: [B + 1] int64: request b's query tokens are packed rows
+ *                    query_start_loc[b] .. query_start_loc[b + 1] - 1, the last ones
+ *                    of its context of seq_lens[b] tokens
+ *   seq_lens:        [B] int64
+ *   requests:        [n] int64: which of the B requests to attend
+ *   out:             [T, H, D] contiguous; only the listed requests' rows are written
  * D is a multiple of 16, at most MAX_HEAD_DIM; window > 0 keeps the last `window`
  * positions.
  */
@@ -89,31 +93,38 @@ struct scratch {
     v16 *kt;     /* [D] the block's keys, transposed */
 };
 
+/* Where the context's key or value at `position` lies in a cache. */
+static inline const float *cached_row(const float *cache, const int32_t *table, int64_t position,
+                                      int64_t block_size, int64_t row_stride) {
+    return cache + ((int64_t)table[position / block_size] * block_size + position % block_size) * row_stride;
+}
+
 static inline __attribute__((always_inline)) void tile_f32(
-    const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k, int64_t k_stride_t,
-    int64_t k_stride_h, const float *v, int64_t v_stride_t, int64_t v_stride_h, float *out,
-    int64_t num_heads, int64_t first, int64_t r0, int64_t r1, int64_t h, int64_t group,
+    const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k_cache, const float *v_cache,
+    const int32_t *table, int64_t block_size, int64_t row_stride, float *out, int64_t num_heads,
+    int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
     const int64_t D, float scale, int64_t window, const struct scratch *w)
 {
+    /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
     const int64_t DV = D / 16;
     const int64_t rows = (r1 - r0) * group;
     const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
     for (int64_t i = 0; i < padded_rows; i++) {
         const int64_t row = i < rows ? i : rows - 1;
-        const float *qh = q + (first + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
+        const float *qh = q + (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
         for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = qh[d] * scale;
         for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
         w->m[i] = -INFINITY;
         w->l[i] = 0;
-        w->pos[i] = r0 + row / group;
+        w->pos[i] = context + r0 + row / group;
     }
-    const float *kh = k + first * k_stride_t + h * k_stride_h;
-    const float *vh = v + first * v_stride_t + h * v_stride_h;
-    const int64_t lowest = window > 0 && r0 >= window ? r0 - window + 1 : 0;  /* first key any row sees */
-    for (int64_t kb = lowest - lowest % KB; kb < r1; kb += KB) {
-        const int64_t num_keys = r1 - kb < KB ? r1 - kb : KB;
-        for (int64_t j = 0; j < KB; j++) {  /* keys past r1 repeat key kb; the mask drops them */
-            const float *kr = kh + (kb + (j < num_keys ? j : 0)) * k_stride_t;
+    const float *kh = k_cache + h * D, *vh = v_cache + h * D;
+    const int64_t end = context + r1;  /* keys 0 .. end - 1 are the tile's */
+    const int64_t lowest = window > 0 && w->pos[0] >= window ? w->pos[0] - window + 1 : 0;  /* first key seen */
+    for (int64_t kb = lowest - lowest % KB; kb < end; kb += KB) {
+        const int64_t num_keys = end - kb < KB ? end - kb : KB;
+        for (int64_t j = 0; j < KB; j++) {  /* keys past the end repeat key kb; the mask drops them */
+            const float *kr = cached_row(kh, table, kb + (j < num_keys ? j : 0), block_size, row_stride);
             for (int64_t d = 0; d < D; d++) w->kt[d][j] = kr[d];
         }
         const v16 keys = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (float)kb;
@@ -153,7 +164,7 @@ static inline __attribute__((always_inline)) void tile_f32(
                 for (int b = 0; b < RB; b++)
                     for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * 4 + d];
                 for (int64_t j = 0; j < num_used; j++) {
-                    const float *vr = vh + (kb + j) * v_stride_t;
+                    const float *vr = cached_row(vh, table, kb + j, block_size, row_stride);
                     const v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
                     for (int b = 0; b < RB; b++) {
                         const float pj = p[b][j];
@@ -167,7 +178,7 @@ static inline __attribute__((always_inline)) void tile_f32(
                     for (int d = 0; d < 4; d++) w->acc[(i0 + b) * 4 + d] = a[b][d];
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
-                    const float *vr = vh + (kb + j) * v_stride_t;
+                    const float *vr = cached_row(vh, table, kb + j, block_size, row_stride);
                     for (int64_t d = 0; d < DV; d++) {
                         const v16 vd = load16(vr + 16 * d);
                         for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
@@ -177,7 +188,7 @@ static inline __attribute__((always_inline)) void tile_f32(
         }
     }
     for (int64_t i = 0; i < rows; i++) {
-        float *o = out + ((first + r0 + i / group) * num_heads + h * group + i % group) * D;
+        float *o = out + ((first_row + r0 + i / group) * num_heads + h * group + i % group) * D;
         const float inverse = 1.0f / w->l[i];
         for (int64_t d = 0; d < DV; d++) {
             const v16 x = w->acc[i * DV + d] * inverse;
@@ -186,32 +197,39 @@ static inline __attribute__((always_inline)) void tile_f32(
     }
 }
 
+struct tile { int64_t request, index, cost; };
+
+static int costlier_first(const void *a, const void *b) {
+    const int64_t x = ((const struct tile *)a)->cost, y = ((const struct tile *)b)->cost;
+    return (x < y) - (x > y);
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
 int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h,
-                          const float *k, int64_t k_stride_t, int64_t k_stride_h,
-                          const float *v, int64_t v_stride_t, int64_t v_stride_h,
-                          float *out, const int64_t *bounds, int64_t num_prompts,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          double scale, int64_t window, int num_threads)
+                          const float *k_cache, const float *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int64_t *query_start_loc, const int64_t *seq_lens,
+                          const int64_t *requests, int64_t num_requests,
+                          float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, double scale, int64_t window, int num_threads)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    int64_t num_tiles = 0, max_tiles = 0;
-    for (int64_t p = 0; p < num_prompts; p++) {
-        const int64_t tiles = (bounds[2 * p + 1] - bounds[2 * p] + QT - 1) / QT;
-        num_tiles += tiles;
-        max_tiles = tiles > max_tiles ? tiles : max_tiles;
+    const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
+    int64_t num_tiles = 0;
+    for (int64_t n = 0; n < num_requests; n++) {
+        const int64_t b = requests[n];
+        num_tiles += (query_start_loc[b + 1] - query_start_loc[b] + QT - 1) / QT;
     }
-    /* (prompt, tile) pairs, later (costlier) tiles first, for the dynamic schedule. */
-    int64_t *tiles = malloc((size_t)(2 * num_tiles + 1) * sizeof(int64_t));
+    struct tile *tiles = malloc((size_t)(num_tiles + 1) * sizeof(struct tile));
     if (tiles == NULL) return -1;
-    int64_t n = 0;
-    for (int64_t t = max_tiles - 1; t >= 0; t--)
-        for (int64_t p = 0; p < num_prompts; p++)
-            if (t * QT < bounds[2 * p + 1] - bounds[2 * p]) {
-                tiles[2 * n] = p;
-                tiles[2 * n + 1] = t;
-                n++;
-            }
+    int64_t count = 0;
+    for (int64_t n = 0; n < num_requests; n++) {
+        const int64_t b = requests[n], length = query_start_loc[b + 1] - query_start_loc[b];
+        for (int64_t t = 0; t * QT < length; t++) {
+            const int64_t keys = seq_lens[b] - length + (t * QT + QT < length ? t * QT + QT : length);
+            tiles[count++] = (struct tile){b, t, window > 0 && keys > window ? window : keys};
+        }
+    }
+    qsort(tiles, (size_t)count, sizeof(struct tile), costlier_first);
     const int64_t rows = (group * QT + RB - 1) / RB * RB;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
@@ -223,28 +241,29 @@ int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h
         w.m = malloc((size_t)rows * sizeof(float));
         w.l = malloc((size_t)rows * sizeof(float));
         w.pos = malloc((size_t)rows * sizeof(int64_t));
-        const int ok = w.qs && w.acc && w.kt && w.m && w.l && w.pos;
-        if (!ok) {
+        if (!(w.qs && w.acc && w.kt && w.m && w.l && w.pos)) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp barrier")
         if (!failed) {
             _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t item = 0; item < n * num_kv_heads; item++) {
-                const int64_t *tile = tiles + 2 * (item / num_kv_heads);
-                const int64_t h = item % num_kv_heads, first = bounds[2 * tile[0]];
-                const int64_t length = bounds[2 * tile[0] + 1] - first;
-                const int64_t r0 = tile[1] * QT, r1 = r0 + QT < length ? r0 + QT : length;
+            for (int64_t item = 0; item < count * num_kv_heads; item++) {
+                const struct tile *tile = &tiles[item / num_kv_heads];
+                const int64_t b = tile->request, h = item % num_kv_heads;
+                const int64_t first_row = query_start_loc[b], length = query_start_loc[b + 1] - first_row;
+                const int64_t context = seq_lens[b] - length;
+                const int64_t r0 = tile->index * QT, r1 = r0 + QT < length ? r0 + QT : length;
+                const int32_t *table = block_tables + b * table_stride;
                 if (head_dim == 64)  /* a constant head size unrolls the inner loops */
-                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
-                             out, num_heads, first, r0, r1, h, group, 64, (float)scale, window, &w);
+                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
+                             num_heads, first_row, context, r0, r1, h, group, 64, (float)scale, window, &w);
                 else if (head_dim == 128)
-                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
-                             out, num_heads, first, r0, r1, h, group, 128, (float)scale, window, &w);
+                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
+                             num_heads, first_row, context, r0, r1, h, group, 128, (float)scale, window, &w);
                 else
-                    tile_f32(q, q_stride_t, q_stride_h, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
-                             out, num_heads, first, r0, r1, h, group, head_dim, (float)scale, window, &w);
+                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
+                             num_heads, first_row, context, r0, r1, h, group, head_dim, (float)scale, window, &w);
             }
         }
         free(w.qs);

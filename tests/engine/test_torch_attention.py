@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+
 import pytest
 import torch
 
@@ -77,7 +80,7 @@ def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-
     work = ctx.torch_plans(q.shape[1])
     key, value = new_keys_and_values(ctx)
     out = torch_paged_attention(q, key, value, k_cache, v_cache, work.plans, scale, sliding_window, softcap,
-                                work.decode, work.fresh)
+                                work.decode, work.fresh, work.prefill)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -101,6 +104,25 @@ def test_sliding_window(lens, sliding_window):
 def test_softcap(lens, sliding_window):
     q, ctx = make_step(*lens)
     assert_matches_reference(q * 4, ctx, sliding_window=sliding_window, softcap=3.0)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_native_kernels_where_they_apply(lens, sliding_window):
+    """The "auto" backend on CPU in float32: decoding requests through the native
+    decode kernel, every prefill chunk through the native prefill kernel."""
+    q, ctx = make_step(*lens, dtype=torch.float32)
+    ctx = dataclasses.replace(ctx, backend="auto")
+    work = ctx.torch_plans(q.shape[1])
+    query_lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]
+    assert work.plans == [] and work.fresh == []
+    assert (work.decode is not None) == bool((query_lens == 1).any())
+    assert (work.prefill is not None) == bool((query_lens > 1).any())
+    assert_matches_reference(q, ctx, sliding_window, atol=2e-5, rtol=2e-5)
+    # A softcap keeps prefill chunks with SDPA.
+    softcapped = ctx.torch_plans(q.shape[1], softcap=3.0)
+    assert softcapped.prefill is None and (softcapped.plans or softcapped.fresh or not bool((query_lens > 1).any()))
 
 
 @pytest.mark.parametrize("block_size", [8, 32])

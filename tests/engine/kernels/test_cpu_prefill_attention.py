@@ -1,75 +1,86 @@
-"""The CPU causal attention of fresh prompts (C, through ctypes) against its plain-torch reference."""
+"""The CPU causal attention of prefill chunks (C, through ctypes) against the plain-torch reference."""
 
 import shutil
 
 import pytest
 import torch
 
-from shardline.engine.kernels.cpu_prefill_attention import (prefill_attention, prefill_attention_reference,
-                                                           prefill_kernel_available)
+from shardline.engine.kernels import paged_attention_reference
+from shardline.engine.kernels.cpu_prefill_attention import prefill_attention, prefill_kernel_available
+
+from .conftest import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: fresh prompts attend through SDPA")
+                                reason="no C compiler: prefill chunks attend through SDPA")
 
 
-def packed_step(lengths: list[int], num_heads: int, num_kv_heads: int, head_dim: int, gap: int = 3, seed: int = 0):
-    """Queries, keys and values as views of one packed projection output ([T, (H +
-    2 Hkv) D], as the fused layers make them), the prompts separated by ``gap`` rows
-    of other requests; returns them with each prompt's (first, end) rows."""
-    generator = torch.Generator().manual_seed(seed)
-    bounds, row = [], 0
-    for length in lengths:
-        row += gap
-        bounds.append((row, row + length))
-        row += length
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    packed = torch.randn(row + gap, width, generator=generator) * 2
-    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
-    split = (packed[:, :q_end], packed[:, q_end:k_end], packed[:, k_end:])
-    query, key, value = (part.view(row + gap, -1, head_dim) for part in split)
-    return query, key, value, bounds
-
-
-def run_kernel(query, key, value, bounds, scale, sliding_window=None):
-    out = torch.full(query.shape, 7.0)  # rows of other requests must keep 7
-    assert prefill_kernel_available(query, key, None)
-    prefill_attention(query, key, value, bounds, out, scale, sliding_window)
+def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, strided=False):
+    q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
+    if strided:  # queries as a view of a wider projection output, as the fused layers make them
+        wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2])
+        wide[:, 1 : 1 + q.shape[1]] = q
+        q = wide[:, 1 : 1 + q.shape[1]]
+    out = torch.full(q.shape, 7.0)  # rows the kernel must leave alone keep 7
+    assert prefill_kernel_available(k_cache, q.shape[1], None)
+    prefill_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.query_start_loc.cpu().long(),
+                      batch.seq_lens.cpu().long(), torch.tensor(requests, dtype=torch.int64), out, scale,
+                      sliding_window)
     return out
 
 
-def check(lengths, num_heads=8, num_kv_heads=4, head_dim=64, sliding_window=None):
-    query, key, value, bounds = packed_step(lengths, num_heads, num_kv_heads, head_dim)
-    scale = head_dim**-0.5
-    out = run_kernel(query, key, value, bounds, scale, sliding_window)
-    expected = prefill_attention_reference(query, key, value, bounds, scale, sliding_window)
-    prompt_rows = torch.zeros(query.shape[0], dtype=torch.bool)
-    for first, end in bounds:
-        prompt_rows[first:end] = True
-    torch.testing.assert_close(out[prompt_rows].double(), expected[prompt_rows], atol=2e-5, rtol=2e-5)
-    assert bool((out[~prompt_rows] == 7.0).all())
+def check(context_lens, query_lens, requests=None, sliding_window=None, strided=False, **batch_options):
+    batch = make_paged_batch(context_lens, query_lens, **batch_options)
+    requests = list(range(len(query_lens))) if requests is None else requests
+    scale = batch.q.shape[-1] ** -0.5
+    out = run_kernel(batch, requests, scale, sliding_window, strided)
+    expected = paged_attention_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(),
+                                         batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                                         batch.block_tables.cpu(), scale, sliding_window)
+    starts = batch.query_start_loc.tolist()
+    written = torch.zeros(out.shape[0], dtype=torch.bool)
+    for request in requests:
+        written[starts[request] : starts[request + 1]] = True
+    torch.testing.assert_close(out[written], expected[written], atol=2e-5, rtol=2e-5)
+    assert bool((out[~written] == 7.0).all())
 
 
-@pytest.mark.parametrize("lengths", [[1], [2, 17], [16, 15, 33], [100, 7, 64, 250], [513]])
+FRESH = ([0, 0, 0, 0], [2, 17, 64, 250])
+WITH_CONTEXT = ([16, 5, 300, 31], [23, 40, 9, 2])
+LONG = ([0, 700], [513, 100])
+
+
+@pytest.mark.parametrize("lens", [FRESH, WITH_CONTEXT, LONG], ids=["fresh", "with-context", "long"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2), (16, 2), (6, 1)])
-def test_matches_reference(lengths, num_heads, num_kv_heads):
-    check(lengths, num_heads, num_kv_heads)
+def test_matches_reference(lens, num_heads, num_kv_heads):
+    check(*lens, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_block_sizes(block_size):
+    check(*WITH_CONTEXT, block_size=block_size, strided=True)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 128, 256])
 def test_head_dims(head_dim):
-    check([5, 40, 77], head_dim=head_dim)
+    check([0, 20], [40, 77], head_dim=head_dim)
 
 
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 17, 40, 1000])
 def test_sliding_window(sliding_window):
-    check([3, 16, 39, 90, 200], sliding_window=sliding_window)
+    check([0, 0, 50, 7, 300], [3, 90, 39, 16, 200], sliding_window=sliding_window, block_size=8)
+
+
+def test_only_listed_requests_are_written():
+    """A mixed step: decoding requests (one query token) are the decode kernel's."""
+    check([10, 0, 33, 7], [1, 12, 1, 5], requests=[1, 3])
 
 
 def test_takes_only_what_it_computes():
-    query, key, value, _ = packed_step([4], 8, 4, 64)
-    assert prefill_kernel_available(query, key, None)
-    assert not prefill_kernel_available(query, key, 30.0)  # softcap: SDPA's path
-    assert not prefill_kernel_available(query.double(), key.double(), None)
-    assert not prefill_kernel_available(query.bfloat16(), key.bfloat16(), None)
-    assert not prefill_kernel_available(query[..., :40], key[..., :40], None)  # head size not a multiple of 16
-    assert not prefill_kernel_available(torch.zeros(3, 8, 512), torch.zeros(3, 4, 512), None)  # above the maximum
+    cache = torch.zeros(4, 16, 4, 64)
+    assert prefill_kernel_available(cache, 8, None)
+    assert not prefill_kernel_available(cache, 8, 30.0)  # softcap: SDPA's path
+    assert not prefill_kernel_available(cache.double(), 8, None)
+    assert not prefill_kernel_available(cache.bfloat16(), 8, None)
+    assert not prefill_kernel_available(cache[..., :40], 8, None)  # head size not a multiple of 16
+    assert not prefill_kernel_available(torch.zeros(4, 16, 4, 512), 8, None)  # above the maximum
+    assert not prefill_kernel_available(cache, 6, None)  # 6 query heads over 4 KV heads
