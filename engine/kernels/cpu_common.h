@@ -6,6 +6,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The steps of exp_f32 below, as macros that also serve GCC vector types (lane by lane). */
+#define EXP_F32_ROUND(x) (((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f)
+#define EXP_F32_REMAINDER(x, n) (((x) - (n) * 0.693145751953125f) - (n) * 1.428606820309417232e-6f)
+#define EXP_F32_SERIES(r) /* Horner's rule, degree 7 */ \
+    ((((((((r) * (1.0f / 5040.0f) + 1.0f / 720.0f) * (r) + 1.0f / 120.0f) * (r) + 1.0f / 24.0f) * (r) \
+       + 1.0f / 6.0f) * (r) + 0.5f) * (r) + 1.0f) * (r) + 1.0f)
+
 /* exp(x) for float32 within about 2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2,
  * exp(r) by its Taylor series to degree 7 (remainder below 6e-9 relative), times
  * 2^n built in the exponent bits. Inputs below -87 (including -inf) return about
@@ -14,16 +21,8 @@ static inline float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     /* Round to nearest by the float32 magic number 1.5 * 2^23 (no libm call, so it
      * vectorizes); |x * log2(e)| < 2^22 after the clamp. */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float n = EXP_F32_ROUND(x);
+    float p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
     bits += (int32_t)n << 23;

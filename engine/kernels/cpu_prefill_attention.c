@@ -70,16 +70,8 @@ static inline v16 vexp(v16 x) {
     const v16i underflow = x < -87.0f;
     x = blend(x > 88.0f, splat(88.0f), x);
     x = blend(underflow, splat(-87.0f), x);
-    const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const v16 r = (x - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
-    v16 p = splat(1.0f / 5040.0f);
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const v16 n = EXP_F32_ROUND(x);
+    const v16 p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
     const v16i bits = (v16i)p + __builtin_convertvector(n, v16i) * (1 << 23);
     return blend(underflow, splat(0.0f), (v16)bits);
 }
