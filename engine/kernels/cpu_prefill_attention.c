@@ -1,6 +1,7 @@
 /* Causal attention of prefill chunks for the CPU path: each chunk's query tokens
  * over its request's context, read straight out of the paged KV cache through the
- * block tables (the step's own keys and values are already there), float32.
+ * block tables (the step's own keys and values are already there). float32, and
+ * bfloat16 read into float32, accumulated there and rounded once on the way out.
  *
  * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
@@ -42,8 +43,33 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+/* Element access to float32 or (bf16 != 0) bfloat16 tensors, as float32. The callers
+ * pass bf16 as a constant, so each instance keeps one branch. */
+static inline float load1(const void *base, int64_t index, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+static inline v16 load16(const void *base, int64_t index, int bf16) {
+    v16 x;
+    if (bf16) {
+        v16h half;
+        memcpy(&half, (const uint16_t *)base + index, sizeof half);
+        x = (v16)(__builtin_convertvector(half, v16i) << 16);
+    } else {
+        memcpy(&x, (const float *)base + index, sizeof x);
+    }
+    return x;
+}
+
+static inline void store16(void *base, int64_t index, v16 x, int bf16) {
+    if (bf16) {
+        for (int lane = 0; lane < 16; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
+    } else {
+        memcpy((float *)base + index, &x, sizeof x);
+    }
+}
 static inline v16 splat(float x) { return (v16){0} + x; }
 static inline v16 blend(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
 static inline v16 vmax(v16 a, v16 b) { return blend(a > b, a, b); }
@@ -85,17 +111,17 @@ struct scratch {
     v16 *kt;     /* [D] the block's keys, transposed */
 };
 
-/* Where the context's key or value at `position` lies in a cache. */
-static inline const float *cached_row(const float *cache, const int32_t *table, int64_t position,
-                                      int64_t block_size, int64_t row_stride) {
-    return cache + ((int64_t)table[position / block_size] * block_size + position % block_size) * row_stride;
+/* Where the context's key or value at `position` starts in a cache, in elements. */
+static inline int64_t cached_row(const int32_t *table, int64_t position, int64_t block_size,
+                                 int64_t row_stride) {
+    return ((int64_t)table[position / block_size] * block_size + position % block_size) * row_stride;
 }
 
-static inline __attribute__((always_inline)) void tile_f32(
-    const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k_cache, const float *v_cache,
-    const int32_t *table, int64_t block_size, int64_t row_stride, float *out, int64_t num_heads,
+static inline __attribute__((always_inline)) void attend_tile(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
+    const int32_t *table, int64_t block_size, int64_t row_stride, void *out, int64_t num_heads,
     int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
-    const int64_t D, float scale, int64_t window, const struct scratch *w)
+    const int64_t D, float scale, int64_t window, const struct scratch *w, const int bf16)
 {
     /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
     const int64_t DV = D / 16;
@@ -103,21 +129,20 @@ static inline __attribute__((always_inline)) void tile_f32(
     const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
     for (int64_t i = 0; i < padded_rows; i++) {
         const int64_t row = i < rows ? i : rows - 1;
-        const float *qh = q + (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
-        for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = qh[d] * scale;
+        const int64_t qh = (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
+        for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = load1(q, qh + d, bf16) * scale;
         for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
         w->m[i] = -INFINITY;
         w->l[i] = 0;
         w->pos[i] = context + r0 + row / group;
     }
-    const float *kh = k_cache + h * D, *vh = v_cache + h * D;
     const int64_t end = context + r1;  /* keys 0 .. end - 1 are the tile's */
     const int64_t lowest = window > 0 && w->pos[0] >= window ? w->pos[0] - window + 1 : 0;  /* first key seen */
     for (int64_t kb = lowest - lowest % KB; kb < end; kb += KB) {
         const int64_t num_keys = end - kb < KB ? end - kb : KB;
         for (int64_t j = 0; j < KB; j++) {  /* keys past the end repeat key kb; the mask drops them */
-            const float *kr = cached_row(kh, table, kb + (j < num_keys ? j : 0), block_size, row_stride);
-            for (int64_t d = 0; d < D; d++) w->kt[d][j] = kr[d];
+            const int64_t kr = cached_row(table, kb + (j < num_keys ? j : 0), block_size, row_stride) + h * D;
+            for (int64_t d = 0; d < D; d++) w->kt[d][j] = load1(k_cache, kr + d, bf16);
         }
         const v16 keys = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (float)kb;
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
@@ -156,8 +181,9 @@ static inline __attribute__((always_inline)) void tile_f32(
                 for (int b = 0; b < RB; b++)
                     for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * 4 + d];
                 for (int64_t j = 0; j < num_used; j++) {
-                    const float *vr = cached_row(vh, table, kb + j, block_size, row_stride);
-                    const v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+                    const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
+                    const v16 v0 = load16(v_cache, vr, bf16), v1 = load16(v_cache, vr + 16, bf16);
+                    const v16 v2 = load16(v_cache, vr + 32, bf16), v3 = load16(v_cache, vr + 48, bf16);
                     for (int b = 0; b < RB; b++) {
                         const float pj = p[b][j];
                         a[b][0] += pj * v0;
@@ -170,9 +196,9 @@ static inline __attribute__((always_inline)) void tile_f32(
                     for (int d = 0; d < 4; d++) w->acc[(i0 + b) * 4 + d] = a[b][d];
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
-                    const float *vr = cached_row(vh, table, kb + j, block_size, row_stride);
+                    const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
                     for (int64_t d = 0; d < DV; d++) {
-                        const v16 vd = load16(vr + 16 * d);
+                        const v16 vd = load16(v_cache, vr + 16 * d, bf16);
                         for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
                     }
                 }
@@ -180,12 +206,9 @@ static inline __attribute__((always_inline)) void tile_f32(
         }
     }
     for (int64_t i = 0; i < rows; i++) {
-        float *o = out + ((first_row + r0 + i / group) * num_heads + h * group + i % group) * D;
+        const int64_t o = ((first_row + r0 + i / group) * num_heads + h * group + i % group) * D;
         const float inverse = 1.0f / w->l[i];
-        for (int64_t d = 0; d < DV; d++) {
-            const v16 x = w->acc[i * DV + d] * inverse;
-            memcpy(o + 16 * d, &x, sizeof x);
-        }
+        for (int64_t d = 0; d < DV; d++) store16(out, o + 16 * d, w->acc[i * DV + d] * inverse, bf16);
     }
 }
 
@@ -197,13 +220,11 @@ static int costlier_first(const void *a, const void *b) {
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
-int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h,
-                          const float *k_cache, const float *v_cache,
-                          const int32_t *block_tables, int64_t table_stride,
-                          const int64_t *query_start_loc, const int64_t *seq_lens,
-                          const int64_t *requests, int64_t num_requests,
-                          float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, double scale, int64_t window, int num_threads)
+static inline __attribute__((always_inline)) int prefill_attention(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens,
+    const int64_t *requests, int64_t num_requests, void *out, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, double scale, int64_t window, int num_threads, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
     int64_t num_tiles = 0;
@@ -247,15 +268,20 @@ int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h
                 const int64_t context = seq_lens[b] - length;
                 const int64_t r0 = tile->index * QT, r1 = r0 + QT < length ? r0 + QT : length;
                 const int32_t *table = block_tables + b * table_stride;
-                if (head_dim == 64)  /* a constant head size unrolls the inner loops */
-                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
-                             num_heads, first_row, context, r0, r1, h, group, 64, (float)scale, window, &w);
-                else if (head_dim == 128)
-                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
-                             num_heads, first_row, context, r0, r1, h, group, 128, (float)scale, window, &w);
+                /* A constant head size unrolls the inner loops. */
+                const int64_t size = head_dim == 64 || head_dim == 128 ? head_dim : 0;
+                if (size == 64)
+                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
+                                out, num_heads, first_row, context, r0, r1, h, group, 64, (float)scale, window,
+                                &w, bf16);
+                else if (size == 128)
+                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
+                                out, num_heads, first_row, context, r0, r1, h, group, 128, (float)scale, window,
+                                &w, bf16);
                 else
-                    tile_f32(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride, out,
-                             num_heads, first_row, context, r0, r1, h, group, head_dim, (float)scale, window, &w);
+                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
+                                out, num_heads, first_row, context, r0, r1, h, group, head_dim, (float)scale,
+                                window, &w, bf16);
             }
         }
         free(w.qs);
@@ -267,6 +293,32 @@ int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h
     }
     free(tiles);
     return failed ? -1 : 0;
+}
+
+int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h,
+                          const float *k_cache, const float *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int64_t *query_start_loc, const int64_t *seq_lens,
+                          const int64_t *requests, int64_t num_requests,
+                          float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, double scale, int64_t window, int num_threads)
+{
+    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, table_stride,
+                             query_start_loc, seq_lens, requests, num_requests, out, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, window, num_threads, 0);
+}
+
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_t, int64_t q_stride_h,
+                           const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *block_tables, int64_t table_stride,
+                           const int64_t *query_start_loc, const int64_t *seq_lens,
+                           const int64_t *requests, int64_t num_requests,
+                           uint16_t *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, double scale, int64_t window, int num_threads)
+{
+    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, table_stride,
+                             query_start_loc, seq_lens, requests, num_requests, out, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, window, num_threads, 1);
 }
 
 int64_t prefill_attention_max_head_dim(void) { return MAX_HEAD_DIM; }

@@ -8,9 +8,9 @@ prompts, which needs one call per prompt or copies of the context padded into
 groups, on the benchmark's fresh prompts (32-512 tokens, 8 heads of 64 over 4 KV
 heads, 2 cores) it takes about 0.6 of the time of one SDPA call per prompt.
 
-float32 caches, head sizes a multiple of 16, sliding windows but no softcap;
-everything else stays with SDPA (engine/torch_attention.py), as it does when the
-library cannot be built.
+float32 and bfloat16 caches (bfloat16 accumulates in float32), head sizes a multiple
+of 16, sliding windows but no softcap; everything else stays with SDPA
+(engine/torch_attention.py), as it does when the library cannot be built.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from .native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
+_FUNCTIONS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
 _ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, its token and head strides
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride
@@ -33,8 +34,9 @@ _ARGTYPES = (
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    library.prefill_attention_f32.argtypes = _ARGTYPES
-    library.prefill_attention_f32.restype = ctypes.c_int
+    for name in _FUNCTIONS.values():
+        getattr(library, name).argtypes = _ARGTYPES
+        getattr(library, name).restype = ctypes.c_int
     library.prefill_attention_max_head_dim.restype = ctypes.c_int64
 
 
@@ -45,7 +47,7 @@ def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int, softcap: flo
     """Whether the kernel attends over this cache ([N, bs, Hkv, D]) for ``num_heads``
     query heads, with this softcap."""
     head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
-    if (k_cache.device.type != "cpu" or k_cache.dtype != torch.float32 or softcap is not None
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS or softcap is not None
             or head_dim % 16 or num_heads % num_kv_heads):
         return False
     library = _LIBRARY.load()
@@ -68,14 +70,14 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     assert library is not None, "prefill_attention called without prefill_kernel_available"
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32, (query.dtype, out.dtype)
+    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
     assert num_heads % num_kv_heads == 0 and head_dim % 16 == 0, (num_heads, num_kv_heads, head_dim)
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     for index in (query_start_loc, seq_lens, requests):
         assert index.dtype == torch.int64 and index.is_contiguous()
-    status = library.prefill_attention_f32(
+    status = getattr(library, _FUNCTIONS[query.dtype])(
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,

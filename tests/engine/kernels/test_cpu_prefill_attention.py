@@ -10,6 +10,9 @@ from shardline.engine.kernels.cpu_prefill_attention import prefill_attention, pr
 
 from .conftest import make_paged_batch
 
+# bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: prefill chunks attend through SDPA")
 
@@ -17,10 +20,10 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, strided=False):
     q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
     if strided:  # queries as a view of a wider projection output, as the fused layers make them
-        wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2])
+        wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
         wide[:, 1 : 1 + q.shape[1]] = q
         q = wide[:, 1 : 1 + q.shape[1]]
-    out = torch.full(q.shape, 7.0)  # rows the kernel must leave alone keep 7
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must leave alone keep 7
     assert prefill_kernel_available(k_cache, q.shape[1], None)
     prefill_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.query_start_loc.cpu().long(),
                       batch.seq_lens.cpu().long(), torch.tensor(requests, dtype=torch.int64), out, scale,
@@ -33,14 +36,15 @@ def check(context_lens, query_lens, requests=None, sliding_window=None, strided=
     requests = list(range(len(query_lens))) if requests is None else requests
     scale = batch.q.shape[-1] ** -0.5
     out = run_kernel(batch, requests, scale, sliding_window, strided)
-    expected = paged_attention_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(),
-                                         batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
-                                         batch.block_tables.cpu(), scale, sliding_window)
+    # float32 in, so a bfloat16 batch's answer is the exact one for its stored values.
+    expected = paged_attention_reference(batch.q.cpu().float(), batch.k_cache.cpu().float(),
+                                         batch.v_cache.cpu().float(), batch.query_start_loc.cpu(),
+                                         batch.seq_lens.cpu(), batch.block_tables.cpu(), scale, sliding_window)
     starts = batch.query_start_loc.tolist()
     written = torch.zeros(out.shape[0], dtype=torch.bool)
     for request in requests:
         written[starts[request] : starts[request + 1]] = True
-    torch.testing.assert_close(out[written], expected[written], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out[written], expected[written].to(out.dtype), **TOLERANCE[out.dtype])
     assert bool((out[~written] == 7.0).all())
 
 
@@ -49,10 +53,11 @@ WITH_CONTEXT = ([16, 5, 300, 31], [23, 40, 9, 2])
 LONG = ([0, 700], [513, 100])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [FRESH, WITH_CONTEXT, LONG], ids=["fresh", "with-context", "long"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (8, 2), (16, 2), (6, 1)])
-def test_matches_reference(lens, num_heads, num_kv_heads):
-    check(*lens, num_heads=num_heads, num_kv_heads=num_kv_heads)
+def test_matches_reference(lens, num_heads, num_kv_heads, dtype):
+    check(*lens, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
@@ -60,14 +65,16 @@ def test_block_sizes(block_size):
     check(*WITH_CONTEXT, block_size=block_size, strided=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 128, 256])
-def test_head_dims(head_dim):
-    check([0, 20], [40, 77], head_dim=head_dim)
+def test_head_dims(head_dim, dtype):
+    check([0, 20], [40, 77], head_dim=head_dim, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 17, 40, 1000])
-def test_sliding_window(sliding_window):
-    check([0, 0, 50, 7, 300], [3, 90, 39, 16, 200], sliding_window=sliding_window, block_size=8)
+def test_sliding_window(sliding_window, dtype):
+    check([0, 0, 50, 7, 300], [3, 90, 39, 16, 200], sliding_window=sliding_window, block_size=8, dtype=dtype)
 
 
 def test_only_listed_requests_are_written():
@@ -79,8 +86,9 @@ def test_takes_only_what_it_computes():
     cache = torch.zeros(4, 16, 4, 64)
     assert prefill_kernel_available(cache, 8, None)
     assert not prefill_kernel_available(cache, 8, 30.0)  # softcap: SDPA's path
-    assert not prefill_kernel_available(cache.double(), 8, None)
-    assert not prefill_kernel_available(cache.bfloat16(), 8, None)
+    assert prefill_kernel_available(cache.bfloat16(), 8, None)
+    assert not prefill_kernel_available(cache.double(), 8, None)  # float64: SDPA, the exact reference path
+    assert not prefill_kernel_available(cache.half(), 8, None)
     assert not prefill_kernel_available(cache[..., :40], 8, None)  # head size not a multiple of 16
     assert not prefill_kernel_available(torch.zeros(4, 16, 4, 512), 8, None)  # above the maximum
     assert not prefill_kernel_available(cache, 6, None)  # 6 query heads over 4 KV heads
