@@ -295,30 +295,21 @@ static inline __attribute__((always_inline)) int prefill_attention(
     return failed ? -1 : 0;
 }
 
-int prefill_attention_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h,
-                          const float *k_cache, const float *v_cache,
-                          const int32_t *block_tables, int64_t table_stride,
-                          const int64_t *query_start_loc, const int64_t *seq_lens,
-                          const int64_t *requests, int64_t num_requests,
-                          float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, double scale, int64_t window, int num_threads)
-{
-    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, table_stride,
-                             query_start_loc, seq_lens, requests, num_requests, out, num_heads, num_kv_heads,
-                             head_dim, block_size, scale, window, num_threads, 0);
+/* The exported entry points, one per element type T (bf16: bfloat16 stored as its bits). */
+#define DEFINE_ENTRY(NAME, T, BF16)                                                               \
+int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, const T *v_cache,  \
+         const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc,       \
+         const int64_t *seq_lens, const int64_t *requests, int64_t num_requests, T *out,          \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,            \
+         double scale, int64_t window, int num_threads)                                           \
+{                                                                                                 \
+    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables,          \
+                             table_stride, query_start_loc, seq_lens, requests, num_requests,    \
+                             out, num_heads, num_kv_heads, head_dim, block_size, scale, window,  \
+                             num_threads, BF16);                                                  \
 }
 
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride_t, int64_t q_stride_h,
-                           const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int32_t *block_tables, int64_t table_stride,
-                           const int64_t *query_start_loc, const int64_t *seq_lens,
-                           const int64_t *requests, int64_t num_requests,
-                           uint16_t *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, double scale, int64_t window, int num_threads)
-{
-    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, table_stride,
-                             query_start_loc, seq_lens, requests, num_requests, out, num_heads, num_kv_heads,
-                             head_dim, block_size, scale, window, num_threads, 1);
-}
+DEFINE_ENTRY(prefill_attention_f32, float, 0)
+DEFINE_ENTRY(prefill_attention_bf16, uint16_t, 1)
 
 int64_t prefill_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
