@@ -71,9 +71,8 @@ class AttentionContext:
     sampled_query_rows: torch.Tensor | None = None
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
-    # The torch path's work, built lazily once per step and shared by all layers (by
-    # whether the native prefill kernel takes the layer: a softcap keeps SDPA).
-    _plans: "dict[bool, TorchPlans]" = field(default_factory=dict, repr=False)
+    # The torch path's work, built lazily once per step and shared by all layers.
+    _plans: "TorchPlans | None" = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -89,13 +88,13 @@ class AttentionContext:
             self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
         return self._kernel_indices
 
-    def torch_plans(self, num_heads: int, softcap: float | None = None) -> "TorchPlans":
+    def torch_plans(self, num_heads: int) -> "TorchPlans":
         """The torch path's work for this step: decoding requests for the native decode
         kernel, prefill chunks for the native prefill kernel (each None when the kernel
         does not take them), SDPA plans of grouped requests, and the packed rows of
         fresh prompts SDPA attends one by one."""
-        native_prefill = self._native_prefill(num_heads, softcap)
-        if native_prefill not in self._plans:
+        if self._plans is None:
+            native_prefill = self._native_prefill(num_heads)
             query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
             decode = self._native_decode_batch(query_lens, num_heads)
             prefill = None
@@ -105,14 +104,14 @@ class AttentionContext:
             groups = attention_groups(query_lens, self.seq_lens, group_decoding=decode is None,
                                       group_chunks=not native_prefill)
             fresh = [] if native_prefill else fresh_prompts(self.query_start_loc, self.seq_lens)
-            self._plans[native_prefill] = TorchPlans(decode, prefill, [TorchAttentionPlan.build(self, group)
-                                                                      for group in groups], fresh)
-        return self._plans[native_prefill]
+            self._plans = TorchPlans(decode, prefill, [TorchAttentionPlan.build(self, group) for group in groups],
+                                     fresh)
+        return self._plans
 
-    def _native_prefill(self, num_heads: int, softcap: float | None) -> bool:
+    def _native_prefill(self, num_heads: int) -> bool:
         from .kernels.cpu_prefill_attention import prefill_kernel_available
 
-        return self.backend == "auto" and prefill_kernel_available(self.kv_caches[0][0], num_heads, softcap)
+        return self.backend == "auto" and prefill_kernel_available(self.kv_caches[0][0], num_heads)
 
     def _native_decode_batch(self, query_lens: torch.Tensor, num_heads: int) -> DecodeBatch | None:
         from .kernels.cpu_attention import decode_kernel_available
@@ -165,7 +164,7 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
-        work = shardline_ctx.torch_plans(q.shape[1], softcap)
+        work = shardline_ctx.torch_plans(q.shape[1])
         out = torch_paged_attention(q, k, v, k_cache, v_cache, work.plans, scaling, sliding_window, softcap,
                                     work.decode, work.fresh, work.prefill)
     return out.unsqueeze(0), None  # [1, T, H, D]

@@ -22,8 +22,8 @@ work.
 
 On the "auto" backend the native kernels take what they can, reading the paged
 cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
-chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 caches, no
-softcap; about 0.6 of the time of one SDPA call per prompt).
+chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 and bfloat16
+caches; about 0.6 of the time of one SDPA call per prompt).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def torch_paged_attention(
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
     if prefill is not None:
-        _attend_prefill(query, k_cache, v_cache, prefill, output, scale, sliding_window)
+        _attend_prefill(query, k_cache, v_cache, prefill, output, scale, sliding_window, softcap)
     for first, end in fresh:
         output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
                                           sliding_window, softcap)
@@ -215,12 +215,12 @@ def torch_paged_attention(
 
 
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillBatch,
-                    output: torch.Tensor, scale: float, sliding_window: int | None) -> None:
+                    output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
     """The prefill chunks' rows of ``output``, by the native kernel."""
     from .kernels.cpu_prefill_attention import prefill_attention
 
     prefill_attention(query, k_cache, v_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens,
-                      prefill.requests, output, scale, sliding_window)
+                      prefill.requests, output, scale, sliding_window, softcap)
 
 
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -27,7 +27,7 @@
  *   requests:        [n] int64: which of the B requests to attend
  *   out:             [T, H, D] contiguous; only the listed requests' rows are written
  * D is a multiple of 16, at most MAX_HEAD_DIM; window > 0 keeps the last `window`
- * positions.
+ * positions; softcap > 0 applies softcap * tanh(score / softcap) before the softmax.
  */
 #include <math.h>
 #include <stdint.h>
@@ -102,6 +102,10 @@ static inline v16 vexp(v16 x) {
     return blend(underflow, splat(0.0f), (v16)bits);
 }
 
+/* tanh on 16 lanes, as 1 - 2 / (exp(2x) + 1): within about 1e-7 of tanhf, and
+ * exactly +-1 where exp(2x) leaves vexp's range. */
+static inline v16 vtanh(v16 x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
+
 /* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head size D. */
 struct scratch {
     float *qs;   /* [rows][D] scaled queries */
@@ -121,7 +125,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *table, int64_t block_size, int64_t row_stride, void *out, int64_t num_heads,
     int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
-    const int64_t D, float scale, int64_t window, const struct scratch *w, const int bf16)
+    const int64_t D, float scale, int64_t window, float softcap, const struct scratch *w, const int bf16)
 {
     /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
     const int64_t DV = D / 16;
@@ -161,7 +165,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 /* Keys in the row's future (which covers those past r1) or before its window. */
                 v16i masked = keys > (float)w->pos[i];
                 if (window > 0) masked |= keys < (float)(w->pos[i] - window + 1);
-                const v16 scores = blend(masked, splat(-INFINITY), s[b]);
+                const v16 capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
+                const v16 scores = blend(masked, splat(-INFINITY), capped);
                 const float block_max = hmax(scores);
                 const float new_max = block_max > w->m[i] ? block_max : w->m[i];
                 if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
@@ -224,7 +229,8 @@ static inline __attribute__((always_inline)) int prefill_attention(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens,
     const int64_t *requests, int64_t num_requests, void *out, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, double scale, int64_t window, int num_threads, const int bf16)
+    int64_t head_dim, int64_t block_size, double scale, int64_t window, double softcap, int num_threads,
+    const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
     int64_t num_tiles = 0;
@@ -273,15 +279,15 @@ static inline __attribute__((always_inline)) int prefill_attention(
                 if (size == 64)
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
                                 out, num_heads, first_row, context, r0, r1, h, group, 64, (float)scale, window,
-                                &w, bf16);
+                                (float)softcap, &w, bf16);
                 else if (size == 128)
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
                                 out, num_heads, first_row, context, r0, r1, h, group, 128, (float)scale, window,
-                                &w, bf16);
+                                (float)softcap, &w, bf16);
                 else
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
                                 out, num_heads, first_row, context, r0, r1, h, group, head_dim, (float)scale,
-                                window, &w, bf16);
+                                window, (float)softcap, &w, bf16);
             }
         }
         free(w.qs);
@@ -301,12 +307,12 @@ int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, c
          const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc,       \
          const int64_t *seq_lens, const int64_t *requests, int64_t num_requests, T *out,          \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,            \
-         double scale, int64_t window, int num_threads)                                           \
+         double scale, int64_t window, double softcap, int num_threads)                           \
 {                                                                                                 \
     return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables,          \
                              table_stride, query_start_loc, seq_lens, requests, num_requests,    \
                              out, num_heads, num_kv_heads, head_dim, block_size, scale, window,  \
-                             num_threads, BF16);                                                  \
+                             softcap, num_threads, BF16);                                         \
 }
 
 DEFINE_ENTRY(prefill_attention_f32, float, 0)

@@ -9,7 +9,7 @@ groups, on the benchmark's fresh prompts (32-512 tokens, 8 heads of 64 over 4 KV
 heads, 2 cores) it takes about 0.6 of the time of one SDPA call per prompt.
 
 float32 and bfloat16 caches (bfloat16 accumulates in float32), head sizes a multiple
-of 16, sliding windows but no softcap; everything else stays with SDPA
+of 16, sliding windows and softcaps; everything else stays with SDPA
 (engine/torch_attention.py), as it does when the library cannot be built.
 """
 
@@ -29,7 +29,7 @@ _ARGTYPES = (
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # query_start_loc, seq_lens, requests, num_requests
     + [ctypes.c_void_p] + [ctypes.c_int64] * 4  # out, H, Hkv, D, block size
-    + [ctypes.c_double, ctypes.c_int64, ctypes.c_int]  # scale, window, threads
+    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]  # scale, window, softcap, threads
 )
 
 
@@ -43,12 +43,12 @@ def _declare(library: ctypes.CDLL) -> None:
 _LIBRARY = NativeLibrary(SOURCE, _declare, "prefill chunks attend through SDPA")
 
 
-def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int, softcap: float | None) -> bool:
+def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether the kernel attends over this cache ([N, bs, Hkv, D]) for ``num_heads``
-    query heads, with this softcap."""
+    query heads."""
     head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
-    if (k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS or softcap is not None
-            or head_dim % 16 or num_heads % num_kv_heads):
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS or head_dim % 16
+            or num_heads % num_kv_heads):
         return False
     library = _LIBRARY.load()
     return library is not None and head_dim <= library.prefill_attention_max_head_dim()
@@ -57,7 +57,7 @@ def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int, softcap: flo
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       requests: torch.Tensor, out: torch.Tensor, scale: float,
-                      sliding_window: int | None = None) -> None:
+                      sliding_window: int | None = None, softcap: float | None = None) -> None:
     """Causal attention of the query tokens of each request in ``requests`` over its
     paged context; writes their rows of ``out``.
 
@@ -81,6 +81,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,
-        k_cache.shape[1], float(scale), int(sliding_window or 0), torch.get_num_threads())
+        k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0), torch.get_num_threads())
     if status != 0:
         raise MemoryError("prefill_attention: no memory for the kernel's scratch buffers")

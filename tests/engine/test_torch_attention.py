@@ -108,8 +108,8 @@ def test_softcap(lens, sliding_window):
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 @pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
-@pytest.mark.parametrize("sliding_window", [None, 24])
-def test_native_kernels_where_they_apply(lens, sliding_window):
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (24, None), (None, 3.0)])
+def test_native_kernels_where_they_apply(lens, sliding_window, softcap):
     """The "auto" backend on CPU in float32: decoding requests through the native
     decode kernel, every prefill chunk through the native prefill kernel."""
     q, ctx = make_step(*lens, dtype=torch.float32)
@@ -119,10 +119,7 @@ def test_native_kernels_where_they_apply(lens, sliding_window):
     assert work.plans == [] and work.fresh == []
     assert (work.decode is not None) == bool((query_lens == 1).any())
     assert (work.prefill is not None) == bool((query_lens > 1).any())
-    assert_matches_reference(q, ctx, sliding_window, atol=2e-5, rtol=2e-5)
-    # A softcap keeps prefill chunks with SDPA.
-    softcapped = ctx.torch_plans(q.shape[1], softcap=3.0)
-    assert softcapped.prefill is None and (softcapped.plans or softcapped.fresh or not bool((query_lens > 1).any()))
+    assert_matches_reference(q * 4 if softcap else q, ctx, sliding_window, softcap, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("block_size", [8, 32])

@@ -17,29 +17,31 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: prefill chunks attend through SDPA")
 
 
-def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, strided=False):
+def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, strided=False):
     q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
     if strided:  # queries as a view of a wider projection output, as the fused layers make them
         wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
         wide[:, 1 : 1 + q.shape[1]] = q
         q = wide[:, 1 : 1 + q.shape[1]]
     out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must leave alone keep 7
-    assert prefill_kernel_available(k_cache, q.shape[1], None)
+    assert prefill_kernel_available(k_cache, q.shape[1])
     prefill_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.query_start_loc.cpu().long(),
                       batch.seq_lens.cpu().long(), torch.tensor(requests, dtype=torch.int64), out, scale,
-                      sliding_window)
+                      sliding_window, softcap)
     return out
 
 
-def check(context_lens, query_lens, requests=None, sliding_window=None, strided=False, **batch_options):
+def check(context_lens, query_lens, requests=None, sliding_window=None, softcap=None, strided=False,
+          scale=None, **batch_options):
     batch = make_paged_batch(context_lens, query_lens, **batch_options)
     requests = list(range(len(query_lens))) if requests is None else requests
-    scale = batch.q.shape[-1] ** -0.5
-    out = run_kernel(batch, requests, scale, sliding_window, strided)
+    scale = scale or batch.q.shape[-1] ** -0.5
+    out = run_kernel(batch, requests, scale, sliding_window, softcap, strided)
     # float32 in, so a bfloat16 batch's answer is the exact one for its stored values.
     expected = paged_attention_reference(batch.q.cpu().float(), batch.k_cache.cpu().float(),
                                          batch.v_cache.cpu().float(), batch.query_start_loc.cpu(),
-                                         batch.seq_lens.cpu(), batch.block_tables.cpu(), scale, sliding_window)
+                                         batch.seq_lens.cpu(), batch.block_tables.cpu(), scale, sliding_window,
+                                         softcap)
     starts = batch.query_start_loc.tolist()
     written = torch.zeros(out.shape[0], dtype=torch.bool)
     for request in requests:
@@ -77,6 +79,15 @@ def test_sliding_window(sliding_window, dtype):
     check([0, 0, 50, 7, 300], [3, 90, 39, 16, 200], sliding_window=sliding_window, block_size=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("softcap", [2.0, 5.0, 50.0])
+def test_softcap(softcap, sliding_window, dtype):
+    """Scores of both signs well past the cap (scale 1 on head size 64), and near 0."""
+    check([0, 0, 50, 7], [3, 90, 39, 16], sliding_window=sliding_window, softcap=softcap, scale=1.0,
+          dtype=dtype)
+
+
 def test_only_listed_requests_are_written():
     """A mixed step: decoding requests (one query token) are the decode kernel's."""
     check([10, 0, 33, 7], [1, 12, 1, 5], requests=[1, 3])
@@ -84,11 +95,9 @@ def test_only_listed_requests_are_written():
 
 def test_takes_only_what_it_computes():
     cache = torch.zeros(4, 16, 4, 64)
-    assert prefill_kernel_available(cache, 8, None)
-    assert not prefill_kernel_available(cache, 8, 30.0)  # softcap: SDPA's path
-    assert prefill_kernel_available(cache.bfloat16(), 8, None)
-    assert not prefill_kernel_available(cache.double(), 8, None)  # float64: SDPA, the exact reference path
-    assert not prefill_kernel_available(cache.half(), 8, None)
-    assert not prefill_kernel_available(cache[..., :40], 8, None)  # head size not a multiple of 16
-    assert not prefill_kernel_available(torch.zeros(4, 16, 4, 512), 8, None)  # above the maximum
-    assert not prefill_kernel_available(cache, 6, None)  # 6 query heads over 4 KV heads
+    assert prefill_kernel_available(cache, 8) and prefill_kernel_available(cache.bfloat16(), 8)
+    assert not prefill_kernel_available(cache.double(), 8)  # float64: SDPA, the exact reference path
+    assert not prefill_kernel_available(cache.half(), 8)
+    assert not prefill_kernel_available(cache[..., :40], 8)  # head size not a multiple of 16
+    assert not prefill_kernel_available(torch.zeros(4, 16, 4, 512), 8)  # above the maximum
+    assert not prefill_kernel_available(cache, 6)  # 6 query heads over 4 KV heads
