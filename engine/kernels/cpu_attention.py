@@ -19,26 +19,17 @@ from pathlib import Path
 
 import torch
 
-from .native import NativeLibrary
+from .native import PAGED_ATTENTION_ARGTYPES, NativeLibrary, call_paged_attention, declare
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.float64: "decode_attention_f64",
               torch.bfloat16: "decode_attention_bf16"}  # bfloat16 accumulates in float32
-_ARGTYPES = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, its token and head strides
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # seq_lens, query_rows, requests, num_requests
-    + [ctypes.c_void_p] + [ctypes.c_int64] * 4  # out, H, Hkv, D, block size
-    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]  # scale, window, softcap, threads
-)
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    for name in _FUNCTIONS.values():
-        getattr(library, name).argtypes = _ARGTYPES
-        getattr(library, name).restype = None
-    for name in ("decode_attention_max_group", "decode_attention_max_head_dim", "decode_attention_max_block"):
-        getattr(library, name).restype = ctypes.c_int64
+    declare(library, _FUNCTIONS.values(), PAGED_ATTENTION_ARGTYPES, None)
+    declare(library, ("decode_attention_max_group", "decode_attention_max_head_dim", "decode_attention_max_block"),
+            None, ctypes.c_int64)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "using the torch path for decode attention")
@@ -86,18 +77,5 @@ def decode_attention(
     """
     library = _load()
     assert library is not None, "decode_attention called without decode_kernel_available"
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
-    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    for index in (seq_lens, query_rows, requests):
-        assert index.dtype == torch.int64 and index.is_contiguous()
-    function = getattr(library, _FUNCTIONS[query.dtype])
-    function(query.data_ptr(), query.stride(0), query.stride(1),
-             k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-             seq_lens.data_ptr(), query_rows.data_ptr(), requests.data_ptr(), requests.numel(),
-             out.data_ptr(), num_heads, num_kv_heads, head_dim, k_cache.shape[1],
-             float(scale), int(sliding_window or 0), float(softcap or 0.0), torch.get_num_threads())
+    call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
+                         (seq_lens, query_rows), requests, out, scale, sliding_window, softcap)

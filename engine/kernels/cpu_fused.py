@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .native import NativeLibrary
+from .native import NativeLibrary, declare
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -28,9 +28,7 @@ _SIGNATURES = {
 
 def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIXES.values():
-            function = getattr(library, f"{name}_{suffix}")
-            function.argtypes, function.restype = argtypes, None
+        declare(library, [f"{name}_{suffix}" for suffix in _SUFFIXES.values()], argtypes, None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "decoder layers keep their torch elementwise ops")

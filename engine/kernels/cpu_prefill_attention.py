@@ -20,24 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .native import NativeLibrary
+from .native import PAGED_ATTENTION_ARGTYPES, NativeLibrary, call_paged_attention, declare
 
 SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 _FUNCTIONS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
-_ARGTYPES = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # q, its token and head strides
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # k_cache, v_cache, block_tables, table stride
-    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]  # query_start_loc, seq_lens, requests, num_requests
-    + [ctypes.c_void_p] + [ctypes.c_int64] * 4  # out, H, Hkv, D, block size
-    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]  # scale, window, softcap, threads
-)
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    for name in _FUNCTIONS.values():
-        getattr(library, name).argtypes = _ARGTYPES
-        getattr(library, name).restype = ctypes.c_int
-    library.prefill_attention_max_head_dim.restype = ctypes.c_int64
+    declare(library, _FUNCTIONS.values(), PAGED_ATTENTION_ARGTYPES, ctypes.c_int)  # 0, or -1: no scratch memory
+    declare(library, ("prefill_attention_max_head_dim",), None, ctypes.c_int64)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "prefill chunks attend through SDPA")
@@ -68,19 +59,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     library = _LIBRARY.load()
     assert library is not None, "prefill_attention called without prefill_kernel_available"
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
-    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
-    assert num_heads % num_kv_heads == 0 and head_dim % 16 == 0, (num_heads, num_kv_heads, head_dim)
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    for index in (query_start_loc, seq_lens, requests):
-        assert index.dtype == torch.int64 and index.is_contiguous()
-    status = getattr(library, _FUNCTIONS[query.dtype])(
-        query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,
-        k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0), torch.get_num_threads())
+    assert query.shape[2] % 16 == 0, query.shape
+    status = call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
+                                  (query_start_loc, seq_lens), requests, out, scale, sliding_window, softcap)
     if status != 0:
         raise MemoryError("prefill_attention: no memory for the kernel's scratch buffers")

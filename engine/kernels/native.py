@@ -18,8 +18,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,55 @@ def _build(source: Path, compiler: str) -> Path:
                 return target
             errors.append(f"{' '.join(command)}:\n{result.stderr.strip()}")
     raise RuntimeError(f"could not compile {source.name}:\n" + "\n".join(errors))
+
+
+# The paged attention kernels' common C signature (cpu_decode_attention.c and
+# cpu_prefill_attention.c): q and its token and head strides; k_cache, v_cache,
+# block_tables and the table's stride; two int64 index arrays (which ones: each
+# kernel's header comment), the int64 indices of the requests to attend and their
+# number; out, H, Hkv, D, block size; scale, window, softcap and threads.
+PAGED_ATTENTION_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    + [ctypes.c_void_p] + [ctypes.c_int64] * 4
+    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+)
+
+
+def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor],
+                         requests: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
+                         softcap: float | None) -> object:
+    """Check the tensors a paged attention kernel reads and writes and call it (see
+    PAGED_ATTENTION_ARGTYPES); returns what it returns. query: [T, H, D] (D
+    contiguous); k_cache, v_cache: [N, bs, Hkv, D] contiguous; block_tables:
+    [B, max_blocks] int32; indices: the kernel's two int64 index arrays over the B
+    requests; requests: [n] int64, which to attend; out: [T, H, D] contiguous; one
+    dtype throughout."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
+    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    for index in (*indices, requests):
+        assert index.dtype == torch.int64 and index.is_contiguous()
+    return function(query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                    block_tables.data_ptr(), block_tables.stride(0), *(index.data_ptr() for index in indices),
+                    requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,
+                    k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
+                    torch.get_num_threads())
+
+
+def declare(library: ctypes.CDLL, names: Iterable[str], argtypes: list | None, restype: object) -> None:
+    """Set the ctypes signature of each function ``names`` of ``library``."""
+    for name in names:
+        function = getattr(library, name)
+        if argtypes is not None:
+            function.argtypes = argtypes
+        function.restype = restype
 
 
 class NativeLibrary:
