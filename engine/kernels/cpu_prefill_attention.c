@@ -181,24 +181,26 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
             }
             const int64_t num_used = last_pos - kb + 1 < num_keys ? last_pos - kb + 1 : num_keys;
-            if (DV == 4) {  /* D = 64: the four rows' accumulators stay in registers */
-                v16 a[RB][4];
-                for (int b = 0; b < RB; b++)
-                    for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * 4 + d];
-                for (int64_t j = 0; j < num_used; j++) {
-                    const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
-                    const v16 v0 = load16(v_cache, vr, bf16), v1 = load16(v_cache, vr + 16, bf16);
-                    const v16 v2 = load16(v_cache, vr + 32, bf16), v3 = load16(v_cache, vr + 48, bf16);
-                    for (int b = 0; b < RB; b++) {
-                        const float pj = p[b][j];
-                        a[b][0] += pj * v0;
-                        a[b][1] += pj * v1;
-                        a[b][2] += pj * v2;
-                        a[b][3] += pj * v3;
+            if (DV % 4 == 0) {  /* 64 columns at a time: the four rows' accumulators stay in registers */
+                for (int64_t c = 0; c < DV; c += 4) {
+                    v16 a[RB][4];
+                    for (int b = 0; b < RB; b++)
+                        for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
+                    for (int64_t j = 0; j < num_used; j++) {
+                        const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D + 16 * c;
+                        const v16 v0 = load16(v_cache, vr, bf16), v1 = load16(v_cache, vr + 16, bf16);
+                        const v16 v2 = load16(v_cache, vr + 32, bf16), v3 = load16(v_cache, vr + 48, bf16);
+                        for (int b = 0; b < RB; b++) {
+                            const float pj = p[b][j];
+                            a[b][0] += pj * v0;
+                            a[b][1] += pj * v1;
+                            a[b][2] += pj * v2;
+                            a[b][3] += pj * v3;
+                        }
                     }
+                    for (int b = 0; b < RB; b++)
+                        for (int d = 0; d < 4; d++) w->acc[(i0 + b) * DV + c + d] = a[b][d];
                 }
-                for (int b = 0; b < RB; b++)
-                    for (int d = 0; d < 4; d++) w->acc[(i0 + b) * 4 + d] = a[b][d];
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
                     const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
