@@ -20,20 +20,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .torch_attention import (DecodeBatch, PrefillBatch, TorchAttentionPlan, attention_groups, fresh_prompts,
-                              torch_paged_attention, write_kv_cache)
+from .torch_attention import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
+                              fresh_prompts, torch_paged_attention, write_kv_cache)
 
 ATTN_IMPLEMENTATION = "shardline"
-
-
-@dataclass(frozen=True)
-class TorchPlans:
-    """A step's work on the torch path (see torch_attention.torch_paged_attention)."""
-
-    decode: DecodeBatch | None
-    prefill: PrefillBatch | None
-    plans: list[TorchAttentionPlan]
-    fresh: list[tuple[int, int]]
 
 
 @dataclass
@@ -72,7 +62,7 @@ class AttentionContext:
     # int32 copies of the per-request indices, which the Triton kernels take.
     _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
     # The torch path's work, built lazily once per step and shared by all layers.
-    _plans: "TorchPlans | None" = field(default=None, repr=False)
+    _plans: TorchPlans | None = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -88,11 +78,8 @@ class AttentionContext:
             self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
         return self._kernel_indices
 
-    def torch_plans(self, num_heads: int) -> "TorchPlans":
-        """The torch path's work for this step: decoding requests for the native decode
-        kernel, prefill chunks for the native prefill kernel (each None when the kernel
-        does not take them), SDPA plans of grouped requests, and the packed rows of
-        fresh prompts SDPA attends one by one."""
+    def torch_plans(self, num_heads: int) -> TorchPlans:
+        """The torch path's work for this step (see TorchPlans)."""
         if self._plans is None:
             native_prefill = self._native_prefill(num_heads)
             query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
@@ -164,9 +151,8 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
-        work = shardline_ctx.torch_plans(q.shape[1])
-        out = torch_paged_attention(q, k, v, k_cache, v_cache, work.plans, scaling, sliding_window, softcap,
-                                    work.decode, work.fresh, work.prefill)
+        out = torch_paged_attention(q, k, v, k_cache, v_cache, shardline_ctx.torch_plans(q.shape[1]), scaling,
+                                    sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

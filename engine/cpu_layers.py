@@ -40,7 +40,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import AttentionContext
-from .cpu_linear import is_packed, pack_side_by_side, packed_matmul, reproduces
+from .cpu_linear import pack_side_by_side, packable_side_by_side, packed_matmul, reproduces
 from .kernels.cpu_attention import decode_attention, decode_kernel_available
 from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from .torch_attention import write_kv_cache
@@ -175,8 +175,7 @@ def _pack_qkv(attention: nn.Module, rows_hint: int) -> bool:
     """Pack q_proj, k_proj and v_proj side by side for ``_project_qkv`` when all three
     are packed plain linears (not LoRA wrappers) with biases alike; returns whether."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    if not all(is_packed(p) for p in projections) or len({p.bias is None for p in projections}) != 1 \
-            or len({(p.in_features, p.weight.dtype) for p in projections}) != 1:
+    if not packable_side_by_side(projections):
         return False
     attention.shardline_packed_qkv, attention.shardline_qkv_bias = pack_side_by_side(projections, rows_hint)
     attention.shardline_qkv_sizes = [p.out_features for p in projections]

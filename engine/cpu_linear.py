@@ -163,14 +163,19 @@ def is_packed(module: object) -> bool:
     return isinstance(module, nn.Linear) and hasattr(module, "shardline_packed_weight")
 
 
+def packable_side_by_side(linears: tuple[object, ...]) -> bool:
+    """Whether ``pack_side_by_side`` takes these: packed linears of one input size and
+    dtype, each with a bias or none with one."""
+    return (all(is_packed(linear) for linear in linears)
+            and len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) == 1)
+
+
 def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One packed weight, and bias or None, that computes all of ``linears`` (packed,
-    one input size and dtype, each with a bias or none with one) on the same input in
-    one matmul, their outputs side by side in the given order."""
-    assert all(is_packed(linear) for linear in linears)
-    assert len({(linear.in_features, linear.weight.dtype) for linear in linears}) == 1
+    """One packed weight, and bias or None, that computes all of ``linears`` (see
+    ``packable_side_by_side``) on the same input in one matmul, their outputs side by
+    side in the given order."""
+    assert packable_side_by_side(linears)
     biases = [linear.bias for linear in linears]
-    assert all(bias is None for bias in biases) or all(bias is not None for bias in biases)
     weight = torch.cat([linear.weight.detach() for linear in linears])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), bias

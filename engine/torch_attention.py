@@ -106,6 +106,19 @@ class PrefillBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int32
 
 
+@dataclass(frozen=True)
+class TorchPlans:
+    """A step's work on the torch path, for ``torch_paged_attention``: decoding
+    requests for the native decode kernel and prefill chunks for the native prefill
+    kernel (each None when its kernel does not take them), SDPA plans of grouped
+    requests, and the packed rows of fresh prompts SDPA attends one by one."""
+
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+    plans: list[TorchAttentionPlan]
+    fresh: list[tuple[int, int]]
+
+
 @dataclass
 class TorchAttentionPlan:
     """Index tensors that turn one group of the packed batch into padded tensors.
@@ -184,31 +197,28 @@ def torch_paged_attention(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plans: list[TorchAttentionPlan],
+    work: TorchPlans,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-    decode: DecodeBatch | None = None,
-    fresh: list[tuple[int, int]] = (),
-    prefill: PrefillBatch | None = None,
 ) -> torch.Tensor:
-    """Attention of the packed queries over each request's paged context: the
-    ``decode`` and ``prefill`` batches through the native kernels, every plan through
-    SDPA, and each ``fresh`` prompt's rows through SDPA on the step's own keys and
+    """Attention of the packed queries over each request's paged context: ``work``'s
+    decode and prefill batches through the native kernels, its plans through SDPA,
+    and each of its fresh prompts' rows through SDPA on the step's own keys and
     values.
 
     query: [T, H, D]; key, value: [T, Hkv, D], the step's new ones (already in the
     cache); k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
     """
     output = query.new_empty(query.shape)
-    if decode is not None:
-        _attend_decode(query, k_cache, v_cache, decode, output, scale, sliding_window, softcap)
-    for plan in plans:
+    if work.decode is not None:
+        _attend_decode(query, k_cache, v_cache, work.decode, output, scale, sliding_window, softcap)
+    for plan in work.plans:
         output.index_copy_(0, plan.output_index,
                            _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
-    if prefill is not None:
-        _attend_prefill(query, k_cache, v_cache, prefill, output, scale, sliding_window, softcap)
-    for first, end in fresh:
+    if work.prefill is not None:
+        _attend_prefill(query, k_cache, v_cache, work.prefill, output, scale, sliding_window, softcap)
+    for first, end in work.fresh:
         output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
                                           sliding_window, softcap)
     return output

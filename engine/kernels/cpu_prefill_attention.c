@@ -70,6 +70,7 @@ static inline void store16(void *base, int64_t index, v16 x, int bf16) {
         memcpy((float *)base + index, &x, sizeof x);
     }
 }
+
 static inline v16 splat(float x) { return (v16){0} + x; }
 static inline v16 blend(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
 static inline v16 vmax(v16 a, v16 b) { return blend(a > b, a, b); }

@@ -79,8 +79,7 @@ def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-
     scale = q.shape[-1] ** -0.5
     work = ctx.torch_plans(q.shape[1])
     key, value = new_keys_and_values(ctx)
-    out = torch_paged_attention(q, key, value, k_cache, v_cache, work.plans, scale, sliding_window, softcap,
-                                work.decode, work.fresh, work.prefill)
+    out = torch_paged_attention(q, key, value, k_cache, v_cache, work, scale, sliding_window, softcap)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
     assert out.dtype == q.dtype and out.shape == q.shape
