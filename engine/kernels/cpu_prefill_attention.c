@@ -5,16 +5,20 @@
  *
  * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
- * Keys go through in blocks of KB = 16, each transposed once per item into
- * kt[D][16], so a query row's 16 scores are one 16-lane vector built by D
- * multiply-adds; an online softmax per row (running max m, running sum l,
+ * Keys go through in blocks of KB = VL (the target's vector width in floats: 16
+ * with AVX-512, 8 otherwise), each transposed once per item into kt[D][VL], so a
+ * query row's VL scores are one vector built by D multiply-adds; an online softmax per row (running max m, running sum l,
  * accumulator acc rescaled when the max grows) then adds the block's values. Rows
- * go RB = 4 at a time, so each key and value vector loaded feeds four rows. Blocks
+ * go RB = 4 at a time, so each key and value vector loaded feeds four rows, and the
+ * values are added COLS vectors of columns at a time with the four rows'
+ * accumulators in registers (4 x 4 of AVX-512's 32 registers, 4 x 2 of AVX2's 16:
+ * more would spill to the stack, which costs AVX2 ten times the time). Blocks
  * wholly in a row block's future (or before its sliding window) are skipped. Items
  * run in parallel (OpenMP, dynamic schedule, the longest contexts first).
  *
- * The 16-lane vectors are GCC vector extensions: AVX-512 registers where the CPU has
- * them, pairs or quads of narrower ones elsewhere.
+ * The vectors are GCC vector extensions, sized to the registers of the target the
+ * library is built for (kernels/native.py): zmm with AVX-512, ymm with AVX2, pairs
+ * of NEON registers on ARM.
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
  *   q:               [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
@@ -26,7 +30,7 @@
  *   seq_lens:        [B] int64
  *   requests:        [n] int64: which of the B requests to attend
  *   out:             [T, H, D] contiguous; only the listed requests' rows are written
- * D is a multiple of 16, at most MAX_HEAD_DIM; window > 0 keeps the last `window`
+ * D is a multiple of 16 (so of VL), at most MAX_HEAD_DIM; window > 0 keeps the last `window`
  * positions; softcap > 0 applies softcap * tanh(score / softcap) before the softmax.
  */
 #include <math.h>
@@ -36,14 +40,21 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX512F__)
+#define VL 16
+#define COLS 4
+#else
+#define VL 8
+#define COLS 2
+#endif
 #define QT 16
-#define KB 16
+#define KB VL
 #define RB 4
 #define MAX_HEAD_DIM 256
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
 
 /* Element access to float32 or (bf16 != 0) bfloat16 tensors, as float32. The callers
  * pass bf16 as a constant, so each instance keeps one branch. */
@@ -51,76 +62,79 @@ static inline float load1(const void *base, int64_t index, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
 }
 
-static inline v16 load16(const void *base, int64_t index, int bf16) {
-    v16 x;
+static inline vf loadv(const void *base, int64_t index, int bf16) {
+    vf x;
     if (bf16) {
-        v16h half;
+        vh half;
         memcpy(&half, (const uint16_t *)base + index, sizeof half);
-        x = (v16)(__builtin_convertvector(half, v16i) << 16);
+        x = (vf)(__builtin_convertvector(half, vi) << 16);
     } else {
         memcpy(&x, (const float *)base + index, sizeof x);
     }
     return x;
 }
 
-static inline void store16(void *base, int64_t index, v16 x, int bf16) {
+static inline void storev(void *base, int64_t index, vf x, int bf16) {
     if (bf16) {
-        for (int lane = 0; lane < 16; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
+        for (int lane = 0; lane < VL; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
     } else {
         memcpy((float *)base + index, &x, sizeof x);
     }
 }
 
-static inline v16 splat(float x) { return (v16){0} + x; }
-static inline v16 blend(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
-static inline v16 vmax(v16 a, v16 b) { return blend(a > b, a, b); }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf blend(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+static inline vf vmax(vf a, vf b) { return blend(a > b, a, b); }
 
 /* Lanes of x in the given order (GCC before 12 has only __builtin_shuffle). */
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
 #else
-#define SHUFFLE(x, ...) __builtin_shuffle(x, (v16i){__VA_ARGS__})
+#define SHUFFLE(x, ...) __builtin_shuffle(x, (vi){__VA_ARGS__})
 #endif
 
-static inline float hmax(v16 x) {
-    x = vmax(x, SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    x = vmax(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    x = vmax(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    x = vmax(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return x[0];
-}
+/* A horizontal reduction: log2(VL) steps, each combining lanes half as far apart. */
+#if VL == 16
+#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#define REDUCE(x, OP)                                                                       \
+    x = OP(x, SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));            \
+    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));            \
+    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));            \
+    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#else
+#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7}
+#define REDUCE(x, OP)                                                                       \
+    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3));                                          \
+    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5));                                          \
+    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6))
+#endif
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline float hmax(vf x) { REDUCE(x, vmax); return x[0]; }
+static inline float hsum(vf x) { REDUCE(x, vadd); return x[0]; }
 
-static inline float hsum(v16 x) {
-    x += SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x += SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return x[0];
-}
-
-/* exp_f32 (cpu_common.h) on 16 lanes, except that below -87 (and -inf: masked keys)
+/* exp_f32 (cpu_common.h) on VL lanes, except that below -87 (and -inf: masked keys)
  * it gives exactly 0. */
-static inline v16 vexp(v16 x) {
-    const v16i underflow = x < -87.0f;
+static inline vf vexp(vf x) {
+    const vi underflow = x < -87.0f;
     x = blend(x > 88.0f, splat(88.0f), x);
     x = blend(underflow, splat(-87.0f), x);
-    const v16 n = EXP_F32_ROUND(x);
-    const v16 p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
-    const v16i bits = (v16i)p + __builtin_convertvector(n, v16i) * (1 << 23);
-    return blend(underflow, splat(0.0f), (v16)bits);
+    const vf n = EXP_F32_ROUND(x);
+    const vf p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
+    const vi bits = (vi)p + __builtin_convertvector(n, vi) * (1 << 23);
+    return blend(underflow, splat(0.0f), (vf)bits);
 }
 
-/* tanh on 16 lanes, as 1 - 2 / (exp(2x) + 1): within about 1e-7 of tanhf, and
+/* tanh on VL lanes, as 1 - 2 / (exp(2x) + 1): within about 1e-7 of tanhf, and
  * exactly +-1 where exp(2x) leaves vexp's range. */
-static inline v16 vtanh(v16 x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
+static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
 
 /* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head size D. */
 struct scratch {
     float *qs;   /* [rows][D] scaled queries */
-    v16 *acc;    /* [rows][D / 16] */
+    vf *acc;     /* [rows][D / VL] */
     float *m, *l;
     int64_t *pos; /* [rows] position of each row */
-    v16 *kt;     /* [D] the block's keys, transposed */
+    vf *kt;      /* [D] the block's keys, transposed */
 };
 
 /* Where the context's key or value at `position` starts in a cache, in elements. */
@@ -136,7 +150,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t D, float scale, int64_t window, float softcap, const struct scratch *w, const int bf16)
 {
     /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
-    const int64_t DV = D / 16;
+    const int64_t DV = D / VL;
     const int64_t rows = (r1 - r0) * group;
     const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
     for (int64_t i = 0; i < padded_rows; i++) {
@@ -156,25 +170,25 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int64_t kr = cached_row(table, kb + (j < num_keys ? j : 0), block_size, row_stride) + h * D;
             for (int64_t d = 0; d < D; d++) w->kt[d][j] = load1(k_cache, kr + d, bf16);
         }
-        const v16 keys = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (float)kb;
+        const vf keys = (vf)LANE_INDICES + (float)kb;
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
             const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
             if (kb > last_pos || (window > 0 && kb + KB <= first_pos - window + 1))
                 continue;  /* every row of the block sees none of these keys */
-            v16 s[RB];
+            vf s[RB];
             for (int b = 0; b < RB; b++) s[b] = splat(0.0f);
             for (int64_t d = 0; d < D; d++) {
-                const v16 kd = w->kt[d];
+                const vf kd = w->kt[d];
                 for (int b = 0; b < RB; b++) s[b] += w->qs[(i0 + b) * D + d] * kd;
             }
-            v16 p[RB];
+            vf p[RB];
             for (int b = 0; b < RB; b++) {
                 const int64_t i = i0 + b;
                 /* Keys in the row's future (which covers those past r1) or before its window. */
-                v16i masked = keys > (float)w->pos[i];
+                vi masked = keys > (float)w->pos[i];
                 if (window > 0) masked |= keys < (float)(w->pos[i] - window + 1);
-                const v16 capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
-                const v16 scores = blend(masked, splat(-INFINITY), capped);
+                const vf capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
+                const vf scores = blend(masked, splat(-INFINITY), capped);
                 const float block_max = hmax(scores);
                 const float new_max = block_max > w->m[i] ? block_max : w->m[i];
                 if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
@@ -189,31 +203,28 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
             }
             const int64_t num_used = last_pos - kb + 1 < num_keys ? last_pos - kb + 1 : num_keys;
-            if (DV % 4 == 0) {  /* 64 columns at a time: the four rows' accumulators stay in registers */
-                for (int64_t c = 0; c < DV; c += 4) {
-                    v16 a[RB][4];
+            if (DV % COLS == 0) {  /* COLS vectors of columns at a time, accumulators in registers */
+                for (int64_t c = 0; c < DV; c += COLS) {
+                    vf a[RB][COLS];
                     for (int b = 0; b < RB; b++)
-                        for (int d = 0; d < 4; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
+                        for (int d = 0; d < COLS; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
                     for (int64_t j = 0; j < num_used; j++) {
-                        const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D + 16 * c;
-                        const v16 v0 = load16(v_cache, vr, bf16), v1 = load16(v_cache, vr + 16, bf16);
-                        const v16 v2 = load16(v_cache, vr + 32, bf16), v3 = load16(v_cache, vr + 48, bf16);
+                        const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D + VL * c;
+                        vf v[COLS];
+                        for (int d = 0; d < COLS; d++) v[d] = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) {
                             const float pj = p[b][j];
-                            a[b][0] += pj * v0;
-                            a[b][1] += pj * v1;
-                            a[b][2] += pj * v2;
-                            a[b][3] += pj * v3;
+                            for (int d = 0; d < COLS; d++) a[b][d] += pj * v[d];
                         }
                     }
                     for (int b = 0; b < RB; b++)
-                        for (int d = 0; d < 4; d++) w->acc[(i0 + b) * DV + c + d] = a[b][d];
+                        for (int d = 0; d < COLS; d++) w->acc[(i0 + b) * DV + c + d] = a[b][d];
                 }
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
                     const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
                     for (int64_t d = 0; d < DV; d++) {
-                        const v16 vd = load16(v_cache, vr + 16 * d, bf16);
+                        const vf vd = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
                     }
                 }
@@ -223,7 +234,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int64_t i = 0; i < rows; i++) {
         const int64_t o = ((first_row + r0 + i / group) * num_heads + h * group + i % group) * D;
         const float inverse = 1.0f / w->l[i];
-        for (int64_t d = 0; d < DV; d++) store16(out, o + 16 * d, w->acc[i * DV + d] * inverse, bf16);
+        for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, w->acc[i * DV + d] * inverse, bf16);
     }
 }
 
@@ -266,7 +277,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
         struct scratch w;
         w.qs = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
         w.acc = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
-        w.kt = aligned_alloc(64, (size_t)head_dim * sizeof(v16));
+        w.kt = aligned_alloc(64, (size_t)head_dim * sizeof(vf));
         w.m = malloc((size_t)rows * sizeof(float));
         w.l = malloc((size_t)rows * sizeof(float));
         w.pos = malloc((size_t)rows * sizeof(int64_t));

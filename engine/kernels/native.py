@@ -1,19 +1,24 @@
 """Building and loading the engine's C kernels for the CPU path.
 
-Each C source is compiled once per machine with the system's C compiler (``CC``,
-else ``cc``) into a cache directory (``SHARDLINE_CACHE_DIR``, default
-~/.cache/shardline), first with ``-march=native`` and then without, and called
-through ctypes, which releases the GIL for the call. A library that cannot be built
-(no compiler, a failed build) loads as None, once, with a warning; its callers then
-use their torch path.
+Each C source is compiled once per machine and target with the system's C compiler
+(``CC``, else ``cc``) into a cache directory (``SHARDLINE_CACHE_DIR``, default
+~/.cache/shardline) and called through ctypes, which releases the GIL for the call.
+The target is the host's own instruction set (``-march=native``, and the compiler's
+default when it knows no ``native``) unless ``SHARDLINE_CPU_TARGET`` names one (for
+example ``x86-64-v3``: AVX2 and FMA, ``x86-64-v4``: AVX-512), which is how the
+kernels are built and tested for a narrower host than the one at hand. A library
+that cannot be built (no compiler, a failed build) loads as None, once, with a
+warning; its callers then use their torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -33,12 +38,34 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("SHARDLINE_CACHE_DIR") or Path.home() / ".cache" / "shardline"
     return Path(root) / "kernels"
 
 
-def _cpu_signature() -> bytes:
+def kernel_target() -> str:
+    """The ``-march`` the kernels are built for: ``SHARDLINE_CPU_TARGET``, else native."""
+    return os.environ.get("SHARDLINE_CPU_TARGET") or "native"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_vector_isa(compiler: str, target: str) -> str:
+    """The widest vector instruction set ``compiler`` emits for ``-march=target``, by
+    its own predefined macros: "avx512", "avx2", "neon", "sse2" or "scalar" (also
+    when the compiler does not take the target)."""
+    command = [compiler, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 and target == "native":
+        result = subprocess.run(command[:1] + command[2:], capture_output=True, text=True)
+    macros = set(re.findall(r"^#define (\w+)", result.stdout, flags=re.MULTILINE))
+    for isa, macro in (("avx512", "__AVX512F__"), ("avx2", "__AVX2__"), ("neon", "__ARM_NEON"),
+                       ("sse2", "__SSE2__")):
+        if macro in macros:
+            return isa
+    return "scalar"
+
+
+def cpu_signature() -> bytes:
     """Compiled with -march=native: a cached library is valid only for the same CPU."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -47,22 +74,24 @@ def _cpu_signature() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
 
 
-def _build(source: Path, compiler: str) -> Path:
-    key_material = source.read_bytes() + COMMON_HEADER.read_bytes() + compiler.encode() + _cpu_signature()
-    target = _cache_dir() / f"{source.stem}-{hashlib.sha256(key_material).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _build(source: Path, compiler: str, target: str) -> Path:
+    key_material = (source.read_bytes() + COMMON_HEADER.read_bytes() + compiler.encode() + target.encode()
+                    + cpu_signature())
+    library_path = cache_dir() / f"{source.stem}-{hashlib.sha256(key_material).hexdigest()[:16]}.so"
+    if library_path.exists():
+        return library_path
+    library_path.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for flags in (["-march=native"], []):
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            output = Path(scratch) / target.name
+    # A compiler that knows no -march=native (some ARM ones) builds for its default.
+    for flags in ([f"-march={target}"], []) if target == "native" else ([f"-march={target}"],):
+        with tempfile.TemporaryDirectory(dir=library_path.parent) as scratch:
+            output = Path(scratch) / library_path.name
             command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
                        str(source), "-o", str(output), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
-                os.replace(output, target)  # atomic: concurrent builders agree on the file
-                return target
+                os.replace(output, library_path)  # atomic: concurrent builders agree on the file
+                return library_path
             errors.append(f"{' '.join(command)}:\n{result.stderr.strip()}")
     raise RuntimeError(f"could not compile {source.name}:\n" + "\n".join(errors))
 
@@ -117,29 +146,42 @@ def declare(library: ctypes.CDLL, names: Iterable[str], argtypes: list | None, r
 
 
 class NativeLibrary:
-    """One C source, built and loaded on first use; ``declare`` sets its functions'
-    ctypes signatures."""
+    """One C source, built and loaded on first use for each target (``kernel_target``);
+    ``declare`` sets its functions' ctypes signatures."""
 
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], fallback: str) -> None:
         self.source = source
         self.declare = declare
         self.fallback = fallback  # what runs instead, for the warning
         self._lock = threading.Lock()
-        self._library: ctypes.CDLL | None = None
-        self._failed = False
+        self._libraries: dict[str, ctypes.CDLL | None] = {}  # by target; None: cannot be built
 
     def load(self) -> ctypes.CDLL | None:
-        """The loaded library, or None when it cannot be built here."""
+        """The library built for the current target, or None when it cannot be built here."""
+        target = kernel_target()
+        library = self._libraries.get(target, False)
+        if library is not False:
+            return library
         with self._lock:
-            if self._library is None and not self._failed:
-                compiler = _compiler()
-                try:
-                    if compiler is None:
-                        raise RuntimeError("no C compiler found (set CC)")
-                    library = ctypes.CDLL(str(_build(self.source, compiler)))
-                    self.declare(library)
-                    self._library = library
-                except (RuntimeError, OSError) as error:
-                    self._failed = True
-                    logger.warning("%s unavailable, %s: %s", self.source.name, self.fallback, error)
-            return self._library
+            if target not in self._libraries:
+                self._libraries[target] = self._build_and_load(target)
+            return self._libraries[target]
+
+    def _build_and_load(self, target: str) -> ctypes.CDLL | None:
+        compiler = _compiler()
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler found (set CC)")
+            library = ctypes.CDLL(str(_build(self.source, compiler, target)))
+            self.declare(library)
+            return library
+        except (RuntimeError, OSError) as error:
+            logger.warning("%s unavailable for -march=%s, %s: %s", self.source.name, target, self.fallback, error)
+            return None
+
+
+def built_vector_isa() -> str | None:
+    """The vector instruction set the kernels are built with for the current target
+    (see ``compiler_vector_isa``), or None without a C compiler."""
+    compiler = _compiler()
+    return None if compiler is None else compiler_vector_isa(compiler, kernel_target())
