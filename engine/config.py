@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 TASKS = ("auto", "generate", "embed")
@@ -36,7 +38,9 @@ class EngineConfig:
     and ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
     CUDA graphs that decode steps replay on a GPU. ``max_num_batched_tokens`` None
     means a per-device default (DEFAULT_TOKEN_BUDGETS), set by the engine once it
-    knows its device.
+    knows its device. ``reasoning_parser`` ("qwen3" or "deepseek_r1", vLLM's names)
+    splits a reasoning model's thinking from its answer (CompletionOutput.reasoning)
+    and holds structured-output constraints back until the thinking ends.
     """
 
     model: str
@@ -62,6 +66,7 @@ class EngineConfig:
     # Modality -> adapter path used for prompts with that modality's data (vLLM's rule).
     default_mm_loras: dict[str, str] | None = None
     enforce_eager: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,6 +85,8 @@ class EngineConfig:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 

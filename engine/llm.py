@@ -50,6 +50,8 @@ class LLM:
         engine = self.__dict__.pop("llm_engine", None)
         if engine is not None:
             engine.abort_request(list(engine._states))
+            if hasattr(engine, "structured"):  # a generation engine: stop its grammar thread
+                engine.structured.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: later
@@ -158,8 +160,9 @@ class LLM:
         return [outputs[request_id] for request_id in sorted(added, key=int) if request_id in outputs]
 
     def _batch_is_full(self) -> bool:
-        scheduler = self.llm_engine.scheduler
-        return scheduler.get_num_unfinished_requests() >= 2 * self.engine_config.max_num_seqs
+        # The engine's count, not the scheduler's: requests waiting for their grammar
+        # to compile are not in the scheduler yet, but they are added work.
+        return self.llm_engine.get_num_unfinished_requests() >= 2 * self.engine_config.max_num_seqs
 
     def _step_into(self, outputs: dict[str, Any], progress: "_ProgressBar") -> None:
         for output in self.llm_engine.step():

@@ -25,13 +25,15 @@ from .lora_manager import LoRAManager
 from .model_runner import (
     DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
 )
-from .output_processor import OutputProcessor, RequestState
+from .output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .prompts import PromptType, tokenize_prompt
+from .reasoning import make_reasoning_parser
 from .request import Request, RequestStatus
 from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .structured_outputs import StructuredOutputError, StructuredOutputManager, is_allowed
 
 
 
@@ -76,7 +78,14 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         ))
         self.sampler = Sampler(config.seed)
-        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(loaded), self.max_model_len)
+        self.reasoning_parser = (make_reasoning_parser(config.reasoning_parser, self.tokenizer)
+                                 if config.reasoning_parser is not None else None)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(loaded), self.max_model_len,
+                                                self.reasoning_parser)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.output_processor.eos_token_ids)
+        # Outputs finished in a step that then raised; returned by the next step.
+        self._finished_outputs: list[RequestOutput] = []
         self._states: dict[str, RequestState] = {}
         self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -101,9 +110,15 @@ class LLMEngine:
         elif lora_request is not None:
             raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request!r}, "
                              "but this engine was built without enable_lora=True")
+        if params.max_reasoning_tokens is not None and self.reasoning_parser is None:
+            raise ValueError(f"request {request_id!r} sets max_reasoning_tokens={params.max_reasoning_tokens}, "
+                             "but this engine was built without a reasoning_parser")
+        # A constraint that cannot compile fails here, before anything is queued.
+        grammar = self.structured.submit(request_id, params.structured_outputs)
         text, token_ids = self.tokenize_prompt(prompt)
         params = self._resolve_params(params)
         state = RequestState(request_id, text, token_ids, params, lora_request, RequestMetrics(time.monotonic()))
+        state.grammar = grammar
         state.bad_words_ids = self._bad_words_ids(params.bad_words or [])
         arrival = next(self._arrivals)
         sequences = [
@@ -167,6 +182,7 @@ class LLMEngine:
         for sequence_id in sequence_ids:
             self._sequence_owner.pop(sequence_id, None)
             self._generators.pop(sequence_id, None)
+            self.structured.forget(sequence_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -179,7 +195,8 @@ class LLMEngine:
         """Run one engine iteration; return the outputs of requests that finished in it."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            # Nothing to compute; sequences held for their grammar sample once it compiles.
+            return self._sample([], None) if self.structured.has_held() else self._take_finished_outputs()
         self.num_steps += 1
         try:
             model_output = self.runner.execute(scheduler_output)
@@ -197,19 +214,58 @@ class LLMEngine:
     def _update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
         self._record_prompt_logprobs(model_output)
         rows = self._sample_rows(scheduler_output, model_output)
-        if not rows:
-            return []
-        logits = take_rows(model_output.logits, [row.logits_row for row in rows])
-        sampled = self.sampler(logits, rows)
+        logits = take_rows(model_output.logits, [row.logits_row for row in rows]) if rows else None
+        return self._sample(rows, logits)
+
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> list[RequestOutput]:
+        """Sample one token for each row (logits: [len(rows), V]) and for each held
+        sequence whose grammar has compiled since; hold the rows whose grammar has not.
+        A request whose grammar fails to compile, or whose sampled token its grammar
+        rejects, is aborted and a StructuredOutputError raised after the others' tokens
+        are appended (their finished outputs come from the next step)."""
+        failures: dict[str, StructuredOutputError] = {}
+        rows, logits = self.structured.hold(rows, logits, self._state_of, failures)
+        rows, logits = self.structured.release(rows, logits, self._state_of, self._held_row, failures)
         finished_states = []
-        for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
-            state, index = self._sequence_owner[row.request.request_id]
-            status = self.output_processor.append_token(state, state.samples[index], token_id, logprobs)
-            if status is not None:
-                self.scheduler.finish_requests(row.request.request_id, status)
-                if state.finished and not state.pending_forks:
-                    finished_states.append(state)
-        return [self._finish(state) for state in finished_states]
+        if rows:
+            bitmask, restricted = self.structured.bitmask(rows, [self._sample_state(row.request) for row in rows])
+            sampled = self.sampler(logits, rows, bitmask)
+            for i, (row, token_id, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
+                state, index = self._sequence_owner[row.request.request_id]
+                try:
+                    if i in restricted and not is_allowed(bitmask, i, token_id):
+                        raise StructuredOutputError(
+                            f"request {state.request_id!r}: no token satisfies both its structured output (or "
+                            "reasoning budget) and its other sampling constraints (allowed_token_ids, bad_words, "
+                            "logit_bias, min_tokens)")
+                    status = self.output_processor.append_token(state, state.samples[index], token_id, logprobs)
+                except StructuredOutputError as exc:
+                    failures.setdefault(state.request_id, exc)
+                    continue
+                if status is not None:
+                    self.scheduler.finish_requests(row.request.request_id, status)
+                    if state.finished and not state.pending_forks:
+                        finished_states.append(state)
+        self._finished_outputs += [self._finish(s) for s in finished_states if s.request_id not in failures]
+        if failures:
+            self.abort_request(list(failures))
+            raise next(iter(failures.values()))
+        return self._take_finished_outputs()
+
+    def _take_finished_outputs(self) -> list[RequestOutput]:
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs
+
+    def _sample_state(self, sequence: Request) -> SampleState:
+        state, index = self._sequence_owner[sequence.request_id]
+        return state.samples[index]
+
+    def _state_of(self, sequence_id: str) -> RequestState:
+        return self._sequence_owner[sequence_id][0]
+
+    def _held_row(self, sequence_id: str) -> SampleRow:
+        """The sample row of a sequence held for its grammar (its logits come separately)."""
+        return self._sample_row(self.scheduler.get_request(sequence_id), self._state_of(sequence_id), 0)
 
     def _sample_rows(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SampleRow]:
         """One row per sequence that samples this step; forked samples join their

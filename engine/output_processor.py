@@ -3,11 +3,17 @@ deciding when a sequence stops, and assembling the final RequestOutput.
 
 A request with n > 1 is tracked as one RequestState over n sample sequences; its
 output is produced once every sample has finished.
+
+With a reasoning parser, each sampled token is first classified (reasoning, answer
+or think tag): reasoning tokens are detokenized into ``reasoning_text``, answer
+tokens into ``text``; stop strings and the structured-output grammar see the answer
+only.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -15,7 +21,9 @@ from transformers import PreTrainedTokenizerBase
 from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .params import SamplingParams
+from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
 from .request import Request, RequestStatus
+from .structured_outputs import GrammarState, StructuredOutputError
 
 
 @dataclass
@@ -29,6 +37,12 @@ class SampleState:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None
+    # The structured-output matcher (set once the request's grammar is compiled).
+    grammar: GrammarState | None = None
+    # With a reasoning parser: the phase, and the reasoning tokens' own text.
+    reasoning: ReasoningTracker | None = None
+    reasoning_detokenizer: IncrementalDetokenizer | None = None
+    reasoning_text: str = ""
 
 
 @dataclass
@@ -48,6 +62,9 @@ class RequestState:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # One entry per prompt token once computed (None for the first token).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The structured-output grammar while it compiles (None once its samples have
+    # their matchers, and for requests without a constraint).
+    grammar: Future | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,19 +74,27 @@ class RequestState:
 class OutputProcessor:
     """Applies sampled tokens to sequences and reports which ones stop."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.reasoning_parser = reasoning_parser
 
     def new_sample(self, sequence: Request, index: int, params: SamplingParams) -> SampleState:
-        detokenizer = None
-        if params.detokenize:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer, sequence.prompt_token_ids,
-                params.skip_special_tokens, params.spaces_between_special_tokens,
-            )
-        return SampleState(sequence, index, detokenizer, logprobs=[] if params.logprobs is not None else None)
+        sample = SampleState(sequence, index, self._detokenizer(sequence, params),
+                             logprobs=[] if params.logprobs is not None else None)
+        if self.reasoning_parser is not None:
+            sample.reasoning = ReasoningTracker(self.reasoning_parser, sequence.prompt_token_ids,
+                                                params.max_reasoning_tokens)
+            sample.reasoning_detokenizer = self._detokenizer(sequence, params)
+        return sample
+
+    def _detokenizer(self, sequence: Request, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids,
+                                      params.skip_special_tokens, params.spaces_between_special_tokens)
 
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
@@ -85,21 +110,51 @@ class OutputProcessor:
             state.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
             self._record_logprobs(sample, logprobs)
+        role = sample.reasoning.feed(token_id) if sample.reasoning is not None else TokenRole.ANSWER
         delta_len = 0
-        if sample.detokenizer is not None:
-            delta_len = len(sample.detokenizer.add_token(token_id))
-            sample.text = sample.detokenizer.text
+        if role is TokenRole.ANSWER:
+            self._accept_by_grammar(state, sample, token_id)
+            if sample.detokenizer is not None:
+                delta_len = len(sample.detokenizer.add_token(token_id))
+                sample.text = sample.detokenizer.text
+        elif role is TokenRole.REASONING and sample.reasoning_detokenizer is not None:
+            sample.reasoning_detokenizer.add_token(token_id)
+            sample.reasoning_text = sample.reasoning_detokenizer.text
         status = self._check_stop(sample, params, token_id, delta_len)
+        if status is not None or (role is TokenRole.TAG and sample.reasoning.phase is Phase.ANSWER):
+            self._flush_reasoning(sample)
         # A stop string already cut the text; otherwise emit any held-back tail.
         if status is not None and sample.detokenizer is not None and not isinstance(sample.stop_reason, str):
             sample.detokenizer.flush()
             sample.text = sample.detokenizer.text
         return status
 
+    def _accept_by_grammar(self, state: RequestState, sample: SampleState, token_id: int) -> None:
+        grammar = sample.grammar
+        if grammar is None or grammar.is_terminated:
+            return
+        if not grammar.accept(token_id):
+            raise StructuredOutputError(
+                f"request {state.request_id!r}: sampled token {token_id} "
+                f"({self.tokenizer.convert_ids_to_tokens(token_id)!r}) does not continue its {grammar.kind} "
+                "constraint")
+
+    @staticmethod
+    def _flush_reasoning(sample: SampleState) -> None:
+        if sample.reasoning_detokenizer is not None:
+            sample.reasoning_detokenizer.flush()
+            sample.reasoning_text = sample.reasoning_detokenizer.text
+
     def _check_stop(self, sample: SampleState, params: SamplingParams, token_id: int,
                     delta_len: int) -> RequestStatus | None:
         sequence = sample.sequence
         num_output = sequence.num_output_tokens
+        if sample.grammar is not None and sample.grammar.is_terminated:
+            # The grammar is complete and took its stop token: nothing can follow,
+            # even under ignore_eos or before min_tokens.
+            if token_id in params.stop_token_ids:
+                sample.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -142,6 +197,15 @@ class OutputProcessor:
                 for token_id, value, rank in position_entries
             })
 
+    @staticmethod
+    def _reasoning_of(sample: SampleState, params: SamplingParams) -> str | None:
+        """The reasoning text; None without a parser, without detokenization, or when
+        the sample never reasoned."""
+        tracker = sample.reasoning
+        if tracker is None or not params.detokenize:
+            return None
+        return sample.reasoning_text if tracker.reasoned else None
+
     def make_output(self, state: RequestState, num_cached_tokens: int) -> RequestOutput:
         """The final RequestOutput of a request whose samples have all finished."""
         completions = []
@@ -155,6 +219,7 @@ class OutputProcessor:
                 logprobs=sample.logprobs,
                 finish_reason=status.value if status.is_finished else None,
                 stop_reason=sample.stop_reason,
+                reasoning=self._reasoning_of(sample, state.params),
             ))
         state.metrics.finished_time = time.monotonic()
         state.metrics.num_preemptions = sum(s.sequence.num_preemptions for s in state.samples)

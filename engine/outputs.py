@@ -34,9 +34,18 @@ class RequestMetrics:
 class CompletionOutput:
     """One sample of a request.
 
-    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length"
-    (max_tokens or max_model_len) or "abort"; ``stop_reason`` is the stop string or
-    stop token id that ended it, None for EOS or length.
+    ``finish_reason`` is "stop" (EOS, a stop token, a stop string, or a structured
+    output's grammar complete), "length" (max_tokens or max_model_len, also when
+    that cut a structured output short, so it will not parse) or "abort";
+    ``stop_reason`` is the stop string or stop token id that ended it, None for EOS
+    or length.
+
+    ``reasoning`` (shardline's field; vLLM's offline CompletionOutput has none) is
+    the thinking of a reasoning model when the engine has a ``reasoning_parser``:
+    the text between the think tags, tags excluded, while ``text`` is the answer
+    after them. It is None when the engine has no parser or the sample did not
+    reason. ``token_ids`` and ``logprobs`` cover every generated token, both parts
+    and the tags.
     """
 
     index: int
@@ -46,6 +55,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    reasoning: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

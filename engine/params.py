@@ -1,8 +1,10 @@
-"""Per-request parameters: SamplingParams for generation, PoolingParams for embeddings.
+"""Per-request parameters: SamplingParams for generation (with its
+StructuredOutputsParams), PoolingParams for embeddings.
 
 Names, defaults and meanings follow vLLM's offline API so jobs move over unchanged.
 Every field is validated at construction; an invalid value raises ValueError naming
-the field and the value.
+the field and the value. Whether a schema, regex or grammar compiles is checked when
+the engine adds the request (it needs the grammar engine), not here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,67 @@ class SamplingType(enum.Enum):
     GREEDY = "greedy"
     RANDOM = "random"
     RANDOM_SEED = "random_seed"
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a completion to a JSON schema, a regex, a list of choices, an EBNF
+    grammar or any JSON object (vLLM's ``StructuredOutputsParams``); exactly one of
+    them is set.
+
+    ``json`` is a JSON schema (a dict or its JSON text); ``grammar`` is an EBNF
+    grammar in xgrammar's dialect (GBNF, rule ``root`` first); ``structural_tag`` is
+    the JSON text of an xgrammar structural tag. ``disable_any_whitespace`` makes JSON
+    output compact (no whitespace between tokens); ``disable_additional_properties``
+    forbids object keys the schema does not list (the default already does, as
+    vLLM's xgrammar backend does). ``disable_fallback`` is accepted for vLLM
+    compatibility: shardline has one backend, so it never falls back.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        count = sum(value is not None for value in (
+            self.json, self.regex, self.choice, self.grammar, self.json_object, self.structural_tag))
+        if count > 1:
+            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {self._constraints()}")
+        if count < 1:
+            raise ValueError("You must use one kind of structured outputs constraint but none are specified: "
+                             f"{self._constraints()}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True when set, got {self.json_object!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError(f"whitespace_pattern={self.whitespace_pattern!r} is not supported by the xgrammar "
+                             "backend; use disable_any_whitespace=True for compact JSON")
+
+    def _constraints(self) -> dict[str, Any]:
+        names = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar", "json_object" or "structural_tag"."""
+        return next(name for name, value in self._constraints().items() if value is not None)
 
 
 @dataclass
@@ -48,6 +111,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Most tokens a reasoning model may think for before its answer is forced to
+    # begin (the end-of-reasoning token is sampled next); needs the engine's
+    # reasoning_parser. shardline's own option: vLLM's offline API has none.
+    max_reasoning_tokens: int | None = None
     # Filled by the engine from the model's generation_config (EOS ids beyond the
     # tokenizer's own), not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -109,6 +177,11 @@ class SamplingParams:
                 _check_int("allowed_token_ids", token_id, minimum=0)
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings {self.stop!r} need detokenize=True")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.max_reasoning_tokens is not None:
+            _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -1,7 +1,8 @@
 """Vectorised sampling for one step: logits of every sampling request at once.
 
-Order of operations (vLLM's): logprobs are taken from the raw model logits; then
-logit processors (allowed tokens, logit bias, bad words, min_tokens, penalties),
+Order of operations (vLLM's): a structured-output bitmask, when any row has one,
+sets the tokens its grammar forbids to -inf; logprobs are taken from these logits
+(the model's own where no row is restricted); then logit processors (allowed tokens, logit bias, bad words, min_tokens, penalties),
 then greedy rows take the argmax and random rows are tempered, truncated by top-k,
 top-p and min-p, and drawn by inverse-CDF with one uniform per row. A seeded request
 draws its uniform from its own generator, so its tokens do not depend on what else
@@ -16,6 +17,7 @@ import torch
 
 from .params import SamplingParams, SamplingType
 from .request import Request
+from .structured_outputs import apply_token_bitmask
 
 
 @dataclass
@@ -46,10 +48,14 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """logits: [N, V] raw model logits, one row per entry of ``rows``."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [N, V] raw model logits, one row per entry of ``rows``; bitmask:
+        [N, ceil(V / 32)] int32 allowed tokens (all bits set in unrestricted rows) or None."""
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         logits = logits.to(work_dtype)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)

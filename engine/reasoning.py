@@ -1,0 +1,120 @@
+"""Reasoning parsers: which generated tokens are a model's thinking and which its answer.
+
+A reasoning model wraps its thinking in tags that are single special tokens
+(``<think>`` ... ``</think>`` for Qwen3 and DeepSeek-R1 style models). The split is
+decided token by token as tokens are sampled, not by parsing text afterwards,
+because the engine needs it while generating: a structured-output constraint
+applies only to the answer, and ``max_reasoning_tokens`` forces the end tag.
+
+Invariants:
+- A sequence is in one phase at a time: UNDECIDED (only before its first token),
+  REASONING or ANSWER; it never goes back from ANSWER.
+- The tags themselves belong to neither the reasoning nor the answer text.
+- ``num_reasoning_tokens`` counts the tokens generated in REASONING, tags excluded.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the config imports this module; it stays free of transformers
+    from transformers import PreTrainedTokenizerBase
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ReasoningParserError(ValueError):
+    """A reasoning parser that this tokenizer or request cannot use."""
+
+
+class Phase(enum.Enum):
+    UNDECIDED = "undecided"  # Qwen3 with no tag in the prompt: the first token decides
+    REASONING = "reasoning"
+    ANSWER = "answer"
+
+
+class TokenRole(enum.Enum):
+    REASONING = "reasoning"
+    ANSWER = "answer"
+    TAG = "tag"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A think-tag parser, chosen once per engine (``EngineConfig.reasoning_parser``).
+
+    ``starts_reasoning``: whether generation that follows a prompt without any think
+    tag begins in reasoning. DeepSeek-R1 style models always reason first (their
+    chat template may or may not have written ``<think>``); a Qwen3 model chooses,
+    by emitting ``<think>`` or not as its first token.
+    """
+
+    name: str
+    start_token_id: int
+    end_token_id: int
+    starts_reasoning: bool
+
+    def initial_phase(self, prompt_token_ids: list[int]) -> Phase:
+        """The phase generation starts in: the last think tag in the prompt decides
+        (a template that disables thinking writes ``<think></think>`` itself)."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self.end_token_id:
+                return Phase.ANSWER
+            if token_id == self.start_token_id:
+                return Phase.REASONING
+        return Phase.REASONING if self.starts_reasoning else Phase.UNDECIDED
+
+
+def make_reasoning_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser:
+    """The parser ``name`` for ``tokenizer``; ReasoningParserError if the name is
+    unknown or the tokenizer has no single-token ``<think>`` and ``</think>``."""
+    if name not in REASONING_PARSERS:
+        raise ReasoningParserError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {name!r}")
+    vocab = tokenizer.get_vocab()
+    missing = [tag for tag in ("<think>", "</think>") if tag not in vocab]
+    if missing:
+        raise ReasoningParserError(f"reasoning_parser {name!r} needs the tokens <think> and </think>, but the "
+                                   f"tokenizer has no {' or '.join(missing)}")
+    return ReasoningParser(name, vocab["<think>"], vocab["</think>"], starts_reasoning=name == "deepseek_r1")
+
+
+class ReasoningTracker:
+    """One sample's phase, advanced by each sampled token."""
+
+    def __init__(self, parser: ReasoningParser, prompt_token_ids: list[int], max_reasoning_tokens: int | None) -> None:
+        self.parser = parser
+        self.phase = parser.initial_phase(prompt_token_ids)
+        self.max_reasoning_tokens = max_reasoning_tokens
+        self.num_reasoning_tokens = 0
+        # Whether the sample was ever in REASONING (its output then has a reasoning part).
+        self.reasoned = self.phase is Phase.REASONING
+        self._at_reasoning_start = self.reasoned
+
+    def feed(self, token_id: int) -> TokenRole:
+        """Advance by one sampled token; return what the token is part of."""
+        parser = self.parser
+        if self.phase == Phase.UNDECIDED:
+            if token_id == parser.start_token_id:
+                self.phase = Phase.REASONING
+                self.reasoned = True
+                return TokenRole.TAG
+            self.phase = Phase.ANSWER
+            return TokenRole.ANSWER
+        if self.phase == Phase.REASONING:
+            at_start, self._at_reasoning_start = self._at_reasoning_start, False
+            if token_id == parser.end_token_id:
+                self.phase = Phase.ANSWER
+                return TokenRole.TAG
+            if at_start and token_id == parser.start_token_id:
+                return TokenRole.TAG  # the model opened the tag its template did not write
+            self.num_reasoning_tokens += 1
+            return TokenRole.REASONING
+        return TokenRole.ANSWER
+
+    @property
+    def must_end_reasoning(self) -> bool:
+        """The reasoning budget is spent: the next token must be the end tag."""
+        return (self.phase == Phase.REASONING and self.max_reasoning_tokens is not None
+                and self.num_reasoning_tokens >= self.max_reasoning_tokens)
