@@ -1,10 +1,14 @@
 """The batch_inference flow: every shard under a prefix through one model, in order.
 
-Orchestration only: list the shards, skip those whose manifest matches the job's
-fingerprint, keep ``shards_in_flight`` shard tasks running (they share this
-process's engine, which streams their rows in one continuous batch), publish the
+Orchestration only: run the pre-flight checks (model, output, input: each fails in
+seconds, tasks/preflight.py), skip shards whose manifest matches the job's
+fingerprint, keep ``shards_in_flight`` shard tasks running (flows/shard_loop.py;
+they share this process's engine, which streams their rows in one continuous
+batch), settle the outcome of failed shards against their manifests, publish the
 artifacts and return the summary. A shard that fails does not stop the others;
-the flow then fails with ShardsFailed, whose ``summary`` covers every shard.
+the flow then fails with ShardsFailed, whose ``summary`` covers every shard. A
+stopped run (SIGTERM, a cancelled flow run) aborts its engine work and commits
+nothing partial.
 
 ``execution`` picks where shard tasks run (this process's threads, or a Ray cluster,
 flows/ray_scale_out.py) and the global concurrency limit their engine work holds.
@@ -12,34 +16,31 @@ flows/ray_scale_out.py) and the global concurrency limit their engine work holds
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
-from prefect.futures import PrefectFuture, as_completed
 
 from shardline.tasks.engine_cache import engines_held, get_runner
 from shardline.tasks.job import BatchJob
-from shardline.tasks.prefect_tasks import completed_manifests_task, list_shards_task, process_shard_task
-from shardline.tasks.shard_writer import redact_url
+from shardline.tasks.errors import redact_url
+from shardline.tasks.outcomes import settle_failed
+from shardline.tasks.prefect_tasks import completed_manifests_task, preflight_task
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, shard_entry
 
 from .artifacts import ShardProgress, publish_summary
 from .execution import Execution, TaskRunnerKind
 from .ray_scale_out import ray_submitter
+from .shard_loop import Submit, run_shards
 
 _log = logging.getLogger(__name__)
-
-# submit(task, parameters) -> future: how a shard task reaches its task runner.
-Submit = Callable[[Any, dict[str, Any]], PrefectFuture]
 
 
 class ConcurrencyLimitMissing(ValueError):
@@ -64,12 +65,13 @@ def batch_inference(
                 job.model, job.task.value)
     if execution.gpu_concurrency_limit:
         _require_concurrency_limit(execution.gpu_concurrency_limit)
-    shards = list_shards_task(job)
+    shards = preflight_task(job)
     entries, todo = ([], shards) if reprocess_completed else _skip_done(shards, job)
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
     progress = ShardProgress(total=len(shards), finished=len(entries))
     with engines_held(), _engine_preloaded(job, execution, todo), _shard_submitter(execution) as submit:
-        entries += _run_shards(todo, job, progress, submit, execution)
+        entries += run_shards(todo, job, progress, submit, execution)
+    entries = settle_failed(entries, shards, job)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
     publish_summary(summary)
     if summary["totals"]["failed"]:
@@ -135,30 +137,3 @@ def _skip_done(shards: list[Shard], job: BatchJob) -> tuple[list[dict[str, Any]]
         else:
             entries.append(shard_entry(shard.key, "skipped", manifest))
     return entries, todo
-
-
-def _run_shards(
-    todo: list[Shard], job: BatchJob, progress: ShardProgress, submit: Submit, execution: Execution
-) -> list[dict[str, Any]]:
-    """Run ``todo`` with at most ``job.shards_in_flight`` shard tasks at once."""
-    logger = get_run_logger()
-    waiting = collections.deque(todo)
-    running: dict[int, tuple[PrefectFuture, Shard]] = {}
-    entries = []
-    while waiting or running:
-        while waiting and len(running) < job.shards_in_flight:
-            shard = waiting.popleft()
-            future = submit(process_shard_task, {"shard": shard, "job": job, "engine_host": execution.engine_host,
-                                                 "gpu_limit": execution.gpu_concurrency_limit})
-            running[id(future)] = (future, shard)
-        finished = next(as_completed([future for future, _ in running.values()]))
-        future, shard = running.pop(id(finished))
-        try:
-            entries.append(shard_entry(shard.key, "done", future.result()))
-            logger.info("shard %s done (%d of %d finished)", shard.key, progress.finished + 1, progress.total)
-        except Exception as exc:  # the task failed for good; the other shards go on
-            message = f"{type(exc).__name__}: {exc}"
-            logger.error("shard %s failed: %s", shard.key, message)
-            entries.append(shard_entry(shard.key, "failed", message=message))
-        progress.advance()
-    return entries

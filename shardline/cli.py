@@ -3,23 +3,53 @@
 Both run the batch_inference Prefect flow. With no PREFECT_API_URL configured,
 Prefect runs it against a temporary local API server that lives as long as the
 command (Prefect's ephemeral mode); with one configured, the run shows up there.
+
+``run`` checks the job first (its fields, the model, the input, the output) and
+stops in seconds with one line per problem. Expected errors print one line and
+no traceback; ``--debug`` (or SHARDLINE_DEBUG=1) shows tracebacks. SIGTERM or
+SIGINT stops the run cleanly (engine work aborted, nothing partial committed,
+every child process stopped). Exit codes: 0 done, 1 some shards failed, 2 the
+job could not run (invalid, or a pre-flight check failed), 130 / 143 stopped by
+SIGINT / SIGTERM (a rerun resumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 DEMO_DIR = "shardline-demo"
+DEBUG_ENV = "SHARDLINE_DEBUG"
+SHUTDOWN_TIMEOUT_ENV = "SHARDLINE_SHUTDOWN_TIMEOUT"
+EXIT_SHARDS_FAILED, EXIT_JOB_FAILED = 1, 2
+# How ``run``'s flags name the BatchJob fields (for one-line field errors).
+_FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": "--revision", "task": "--task",
+          "input_format": "--input-format", "engine_options": "--engine-options", "pass_through": "--pass-through",
+          "storage_options": "--storage-options", "lora_adapters": "--lora", "shards_in_flight": "--shards-in-flight",
+          "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
+          "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop"}
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT reached ``shardline``; ``signum`` says which (exit code 128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description="Offline batch LLM inference over prompt shards.")
+    parser.add_argument("--debug", action="store_true", help=f"show tracebacks of errors (or set {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run a model over every shard under INPUT, writing to OUTPUT")
@@ -88,35 +118,95 @@ def job_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _flag(loc: tuple[Any, ...]) -> str:
+    """The command-line name of a BatchJob field (``sampling.max_tokens`` -> ``--max-tokens``)."""
+    dotted = ".".join(str(part) for part in loc)
+    if dotted in _FLAGS:
+        return _FLAGS[dotted]
+    top = str(loc[0]) if loc else ""
+    return f"{_FLAGS[top]} ({dotted})" if top in _FLAGS else dotted or "the job"
+
+
 def run_job(job: Any) -> tuple[int, dict[str, Any] | None]:
-    """Run the flow; (exit code, summary). Exit 1 when shards failed, 2 when the job could not start."""
+    """Run the flow; (exit code, summary). Exit 1 when shards failed, 2 when the job could not run."""
     from shardline.flows.batch_inference import batch_inference
     from shardline.tasks.summary import ShardsFailed
 
+    if not _debug():
+        _quiet_console_tracebacks()
     state = batch_inference(job, return_state=True)
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, ShardsFailed):
-        return 1, outcome.summary
+        return EXIT_SHARDS_FAILED, outcome.summary
     if isinstance(outcome, BaseException):
-        print(f"shardline: the job failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
-        return 2, None
+        _report(outcome, "the job failed")
+        return EXIT_JOB_FAILED, None
     return 0, outcome
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from shardline.tasks.errors import PipelineError
+    from shardline.tasks.preflight import field_errors, preflight
     from shardline.tasks.summary import summary_table
 
     try:
         job = job_from_args(args)
-    except (ValidationError, ValueError) as exc:
-        print(f"shardline run: invalid job: {exc}", file=sys.stderr)
-        return 2
+    except ValidationError as exc:
+        for line in field_errors(exc, _flag):
+            print(f"shardline run: {line}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    except ValueError as exc:
+        print(f"shardline run: {exc}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    try:
+        preflight(job)  # in seconds, before Prefect starts; the flow checks again (UI runs)
+    except PipelineError as exc:
+        _report(exc, "pre-flight check failed")
+        return EXIT_JOB_FAILED
     code, summary = run_job(job)
     if summary is not None:
         print(summary_table(summary))
     return code
+
+
+def _report(exc: BaseException, what: str) -> None:
+    """One line per error (a pre-flight failure may hold several); the traceback only in debug mode."""
+    from shardline.tasks.errors import PipelineError, describe
+
+    lines = str(exc).splitlines() if isinstance(exc, PipelineError) else [describe(exc)]
+    for line in lines or [type(exc).__name__]:
+        print(f"shardline: {what}: {line}", file=sys.stderr)
+    if _debug():
+        traceback.print_exception(exc, file=sys.stderr)
+
+
+class _NoTraceback(logging.Filter):
+    """Drops a record's traceback (the one-line message stays): what console handlers show
+    unless in debug mode. Prefect's API handler keeps it, so the UI still has it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_console_tracebacks() -> None:
+    """Keep tracebacks off the terminal: add _NoTraceback to every console log handler
+    (Prefect's configured ones included, which is why prefect is imported first)."""
+    import prefect  # noqa: F401  (configures Prefect's log handlers)
+
+    loggers = [logging.getLogger()] + [logger for logger in logging.root.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler).__name__ != "APILogHandler" and isinstance(handler, logging.StreamHandler) \
+                    and not any(isinstance(f, _NoTraceback) for f in handler.filters):
+                handler.addFilter(_NoTraceback())
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").lower() not in ("", "0", "false", "no")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -163,11 +253,75 @@ def _print_sample(output_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
     # Prefect's anonymous usage report needs the internet; a batch job should not try.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if args.command == "run":
-        return cmd_run(args)
-    return cmd_demo(args)
+    previous = _handle_signals()
+    try:
+        return cmd_run(args) if args.command == "run" else cmd_demo(args)
+    except Interrupted as stop:
+        print(f"shardline: stopped by {stop}: running requests aborted, nothing partial written; "
+              "shards already committed are kept and rerunning the same command resumes", file=sys.stderr)
+        return 128 + stop.signum
+    except Exception as exc:  # not an expected error: one line, the traceback with --debug
+        _report(exc, "internal error (rerun with --debug for the traceback)")
+        return EXIT_JOB_FAILED
+    finally:
+        _restore_signals(previous)
+
+
+def _handle_signals() -> dict[int, Any]:
+    """SIGTERM and SIGINT stop the run cleanly (see _on_signal); returns the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """First signal: abort all engine work and stop the run (raise Interrupted in the main
+    thread, where the flow or its start-up is waiting), with a watchdog that ends every
+    child process and exits if the orderly stop overruns. A second signal exits now.
+
+    While a flow runs, Prefect's own SIGTERM handler raises its TerminationSignal in
+    the flow first (the flow then aborts its shards) and passes the signal on here."""
+    from shardline.tasks.shutdown import request_shutdown, shutdown_reason
+
+    name = signal.Signals(signum).name
+    if shutdown_reason() is not None and _STOPPING.is_set():
+        _exit_now(signum)
+    _STOPPING.set()
+    request_shutdown(name)
+    threading.Thread(target=_watchdog, args=(signum,), name="shardline-shutdown-watchdog", daemon=True).start()
+    raise Interrupted(signum)
+
+
+_STOPPING = threading.Event()  # set by the first signal; a second one exits at once
+
+
+def _watchdog(signum: int) -> None:
+    try:
+        timeout = float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "20"))
+    except ValueError:
+        timeout = 20.0
+    time.sleep(timeout)
+    print(f"shardline: the orderly stop took over {timeout:.0f}s ({SHUTDOWN_TIMEOUT_ENV}); exiting now",
+          file=sys.stderr)
+    _exit_now(signum)
+
+
+def _exit_now(signum: int) -> None:
+    """End every child process (Prefect's server, an engine child) and exit without cleanup."""
+    from shardline.tasks.process_tree import terminate_descendants
+
+    terminate_descendants(os.getpid())
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":

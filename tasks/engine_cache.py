@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .runner import ShardRunner
+from .shutdown import clear_shutdown, raise_if_shutting_down
 
 ENGINE_EVENTS_ENV = "SHARDLINE_ENGINE_EVENTS"
 
@@ -62,6 +63,7 @@ _RUNNERS: dict[str, Any] = {}  # cache key -> ShardRunner, or a client of an eng
 _BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
 _LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
 _HOLDERS = 0  # flow runs in this process inside engines_held()
+_CLOSED_REQUESTS = [0]  # engine requests added by this process's closed runners
 
 
 class EngineBindingError(RuntimeError):
@@ -82,6 +84,7 @@ def get_runner(model: str, *, engine_host: EngineHost = EngineHost.THREAD, **eng
     """The ShardRunner for ``model`` and ``engine_options``: this process's own (loaded
     on first use), or a client of the engine process ``engine_host`` names, which
     offers the same run_shard / abort_shard / close."""
+    raise_if_shutting_down(f"loading model {model}")  # a stopping run loads no engine
     host = EngineHost(engine_host)
     if host is not EngineHost.THREAD:
         return _get_client(host, model, engine_options)
@@ -184,6 +187,17 @@ def engines_held() -> Iterator[None]:
             last = _HOLDERS == 0
         if last:
             close_engines()
+            clear_shutdown()  # a stopped run's engines are closed; a later run starts afresh
+
+
+def abort_all() -> int:
+    """Abort every shard running on every cached engine (their run_shard calls raise
+    ShardAborted); return how many engines were asked. Safe in a signal handler: it
+    takes no lock the interrupted thread might hold."""
+    runners = list(_RUNNERS.values())  # a snapshot without _LOCK, which is not reentrant
+    for runner in runners:
+        runner.abort_all()
+    return len(runners)
 
 
 def close_engines() -> int:
@@ -208,9 +222,17 @@ def engine_loads() -> dict[str, int]:
         return dict(_LOADS)
 
 
+def engine_requests() -> int:
+    """Engine requests this process's own engines were given so far (retries included),
+    over every engine it loaded, closed ones too: the engine work a run cost."""
+    live = [runner for runner in list(_RUNNERS.values()) if isinstance(runner, ShardRunner)]
+    return _CLOSED_REQUESTS[0] + sum(runner.stats()["requests_added"] for runner in live)
+
+
 def _close(runner: Any) -> None:
     runner.close()
     if isinstance(runner, ShardRunner):
+        _CLOSED_REQUESTS[0] += runner.stats()["requests_added"]
         runner.llm.close()
 
 

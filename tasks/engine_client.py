@@ -242,6 +242,14 @@ class _ServiceRunner(abc.ABC):
                 return True
         return False
 
+    def abort_all(self) -> int:
+        """Abort every shard this client runs on the service; return how many."""
+        with self._lock:
+            keys = set(self._calls) | set(self._starting)
+        for key in keys:
+            self.abort_shard(key)
+        return len(keys)
+
     def close(self) -> None:
         """Refuse new shards and abort those running; the service itself lives on (see subclasses)."""
         with self._lock:

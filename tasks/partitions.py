@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .job import BatchJob
 from .shard_writer import completed_manifest
-from .storage import StorageError, filesystem, join, list_shards, retry_storage, write_atomic
+from .storage import NoShardsFound, filesystem, join, list_shards, retry_storage, write_atomic
 
 RECORDS_DIR = "_backfill"
 
@@ -106,7 +106,7 @@ def read_run_record(job: BatchJob, partition: str) -> dict[str, Any] | None:
     """The partition's last run record for this job, or None."""
     fs, path = filesystem(record_uri(job, partition), job.storage())
     try:
-        record = json.loads(retry_storage(lambda: fs.cat_file(path), f"reading {record_uri(job, partition)}"))
+        record = json.loads(retry_storage(lambda: fs.cat_file(path), "read", record_uri(job, partition), fs))
     except FileNotFoundError:
         return None
     return record if record.get("job_digest") == job_digest(job) else None
@@ -125,7 +125,7 @@ def partition_status(job: BatchJob, partition: str) -> tuple[PartitionStatus, st
     part = partition_job(job, partition)
     try:
         shards = list_shards(part.input, part.storage(), part.input_format.value, exclude=part.output)
-    except StorageError:
+    except NoShardsFound:
         return PartitionStatus.NO_INPUT, f"no shards under {part.input}"
     done = sum(completed_manifest(shard, part) is not None for shard in shards)
     if done == len(shards):

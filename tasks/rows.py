@@ -68,16 +68,12 @@ def _check_columns(raw: RawShard, job: BatchJob) -> None:
     needed = "messages" if job.task == JobTask.CHAT else "prompt"
     columns = sorted(raw.schema)
     if raw.records and needed not in raw.schema:
-        raise ShardError(
-            f"{raw.shard.uri}: no {needed!r} column, which task={job.task.value} needs "
-            f"(columns: {', '.join(columns) or 'none'})"
-        )
+        raise ShardError(raw.shard.uri, f"no {needed!r} column, which task={job.task.value} needs "
+                                        f"(columns: {', '.join(columns) or 'none'})")
     missing = [name for name in job.pass_through if name not in raw.schema]
     if raw.records and missing:
-        raise ShardError(
-            f"{raw.shard.uri}: pass-through column(s) {', '.join(map(repr, missing))} not in the shard "
-            f"(columns: {', '.join(columns) or 'none'})"
-        )
+        raise ShardError(raw.shard.uri, f"pass-through column(s) {', '.join(map(repr, missing))} not in the "
+                                        f"shard (columns: {', '.join(columns) or 'none'})")
 
 
 def _row_id(raw: RawShard, index: int, record: Any) -> str:

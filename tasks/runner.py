@@ -74,13 +74,14 @@ class DriverStats:
     rows with nothing in flight. Tells a starved engine from a slow one."""
 
     steps: int = 0
+    requests_added: int = 0  # engine requests, retries included: the engine work asked for
     step_seconds: float = 0.0
     idle_seconds: float = 0.0
     first_step_at: float | None = None  # time.monotonic() of the first and last step
     last_step_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "step_seconds": round(self.step_seconds, 3),
+        return {"steps": self.steps, "requests_added": self.requests_added, "step_seconds": round(self.step_seconds, 3),
                 "idle_seconds": round(self.idle_seconds, 3),
                 "active_seconds": round((self.last_step_at or 0.0) - (self.first_step_at or 0.0), 3)}
 
@@ -165,6 +166,14 @@ class ShardRunner:
             self._abort_keys.add(key)
             self._cond.notify()
         return True
+
+    def abort_all(self) -> int:
+        """Abort every shard this runner holds (as ``abort_shard`` does each); return how many."""
+        with self._cond:
+            keys = {work.key for work in self._active if not work.done.is_set()}
+            self._abort_keys |= keys
+            self._cond.notify()
+        return len(keys)
 
     def stats(self) -> dict[str, Any]:
         """The driver's counters so far (DriverStats.as_dict); a snapshot, any thread."""
@@ -255,6 +264,7 @@ class ShardRunner:
             prompt = self._render(row)
             self._engine.add_request(request_id, prompt, row.params, lora_request=row.lora_request,
                                      priority=row.priority)
+            self._stats.requests_added += 1
             return True
         except Exception as exc:
             self._engine.abort_request(request_id)  # in case it got partly in

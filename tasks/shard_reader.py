@@ -1,7 +1,10 @@
 """Reading one input shard (Parquet or JSON Lines) into records and a schema.
 
-A shard that cannot be read at all (not Parquet, not JSON Lines, no usable column)
-raises ShardError: that shard fails with the message, the others go on. A single bad
+A shard that cannot be read at all (not Parquet, not JSON Lines, a truncated or
+corrupt compressed file, no usable column) raises ShardError, a permanent error
+naming the shard's URL: that shard fails with the message, the others go on. The
+object's bytes are fetched first (storage errors are retried there) and decoded
+after, so a corrupt object is never retried as if the store had failed. A single bad
 JSON line does not fail its shard: it becomes a record carrying a ``RecordProblem``,
 which turns into an error row, so the output still has one row per input line.
 """
@@ -17,11 +20,21 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
+
+from .errors import PipelineError
 from .storage import Shard, filesystem, read_bytes, retry_storage
 
 
-class ShardError(Exception):
-    """A whole shard cannot be processed; the message says which shard and why."""
+class ShardError(PipelineError):
+    """A whole shard cannot be processed (permanent): ``read <shard URL> failed: <why>``."""
+
+    def __init__(self, uri: str, reason: str) -> None:
+        super().__init__("read", uri, reason)
+
+    def __reduce__(self) -> tuple:
+        return (ShardError, (self.target, self.reason))
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ def read_shard_records(shard: Shard, storage_options: dict[str, Any] | None = No
         return _read_parquet(shard, storage_options)
     if shard.format == "jsonl":
         return _read_jsonl(shard, storage_options)
-    raise ShardError(f"{shard.uri}: unknown shard format {shard.format!r}; expected parquet or jsonl")
+    raise ShardError(shard.uri, f"unknown shard format {shard.format!r}; expected parquet or jsonl")
 
 
 def read_input_schema(shard: Shard, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
@@ -73,12 +86,14 @@ def read_input_schema(shard: Shard, storage_options: dict[str, Any] | None = Non
 
         def read_schema() -> pa.Schema:
             with fs.open(path, "rb") as handle:
-                return pq.read_schema(handle)
+                try:
+                    return pq.read_schema(handle)
+                except OSError:
+                    raise  # the store failed (ArrowIOError too): retried or reported as storage
+                except (pa.ArrowException, ValueError) as exc:  # the bytes came; they are not Parquet
+                    raise ShardError(shard.uri, f"not a readable Parquet file ({exc})") from exc
 
-        try:
-            return _arrow_schema(retry_storage(read_schema, f"reading the schema of {shard.uri}"))
-        except (pa.ArrowException, ValueError) as exc:
-            raise ShardError(f"{shard.uri}: not a readable Parquet file ({exc})") from exc
+        return _arrow_schema(retry_storage(read_schema, "read", shard.uri, fs))
     return read_shard_records(shard, storage_options).schema
 
 
@@ -91,7 +106,7 @@ def _read_parquet(shard: Shard, storage_options: dict[str, Any] | None) -> RawSh
     try:
         table = pq.read_table(io.BytesIO(data))
     except (pa.ArrowException, ValueError, OSError) as exc:
-        raise ShardError(f"{shard.uri}: not a readable Parquet file ({exc})") from exc
+        raise ShardError(shard.uri, f"not a readable Parquet file ({exc})") from exc
     records = [_drop_nans(record) for record in table.to_pylist()]
     columns = {name: table.column(name) for name in table.column_names}
     return RawShard(shard, records, _arrow_schema(table.schema), columns)
@@ -103,7 +118,7 @@ def _drop_nans(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_jsonl(shard: Shard, storage_options: dict[str, Any] | None) -> RawShard:
-    data = read_bytes(shard.uri, storage_options, compression="infer")
+    data = _decompressed(shard.uri, read_bytes(shard.uri, storage_options))
     lines = data.split(b"\n")
     if lines and not lines[-1].strip():
         lines.pop()  # the file's final newline ends the last row; it does not start one
@@ -116,12 +131,23 @@ def _read_jsonl(shard: Shard, storage_options: dict[str, Any] | None) -> RawShar
             for key, value in record.items():
                 types.setdefault(key, set()).add(_json_type(value))
     if records and not types:
-        raise ShardError(
-            f"{shard.uri}: not JSON Lines: none of its {len(records)} line(s) is a JSON object "
-            f"(line 1: {records[0].message})"
-        )
+        raise ShardError(shard.uri, f"not JSON Lines: none of its {len(records)} line(s) is a JSON object "
+                         f"(line 1: {records[0].message})")
     schema = {key: "|".join(sorted(names)) for key, names in sorted(types.items())}
     return RawShard(shard, records, schema)
+
+
+def _decompressed(uri: str, data: bytes) -> bytes:
+    """``data`` decompressed as the name's suffix says (.gz, .zst, ...); as is otherwise."""
+    codec = infer_compression(uri)
+    if codec is None:
+        return data
+    try:
+        with compr[codec](io.BytesIO(data), mode="rb") as stream:
+            return stream.read()
+    except Exception as exc:  # EOFError (truncated), BadGzipFile, zstd errors: all mean corrupt
+        raise ShardError(uri, f"not a readable {codec} file, truncated or corrupt "
+                              f"({type(exc).__name__}: {exc})") from exc
 
 
 def _parse_line(line: bytes, number: int) -> dict[str, Any] | RecordProblem:

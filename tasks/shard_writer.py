@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -18,15 +17,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import redact_url
 from .fingerprint import fingerprint, fingerprint_fields
 from .job import BatchJob, JobTask
 from .rows import PreparedShard
 from .runner import RowResult
 from .shard_reader import ShardError, read_input_schema
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
-
-_URL_USERINFO = re.compile(r"^([a-zA-Z][\w+.-]*://)[^/@]*@")
-
 
 def output_uri(job: BatchJob, shard: Shard) -> str:
     """Where ``shard``'s output goes, as a full URL (``file://`` for local paths)."""
@@ -37,11 +34,6 @@ def output_uri(job: BatchJob, shard: Shard) -> str:
 def manifest_uri(job: BatchJob, shard: Shard) -> str:
     fs, path = filesystem(job.output, job.storage())
     return fs.unstrip_protocol(join(path, "_manifests", f"{shard.key}.json"))
-
-
-def redact_url(url: str) -> str:
-    """``url`` without any ``user:password@`` part."""
-    return _URL_USERINFO.sub(r"\1", url)
 
 
 def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob) -> pa.Table:
@@ -130,7 +122,7 @@ def read_manifest(job: BatchJob, shard: Shard) -> dict[str, Any] | None:
     """The shard's manifest, or None when there is none (or it is unreadable)."""
     fs, path = filesystem(manifest_uri(job, shard), job.storage())
     try:
-        return json.loads(retry_storage(lambda: fs.cat_file(path), f"reading {manifest_uri(job, shard)}"))
+        return json.loads(retry_storage(lambda: fs.cat_file(path), "read", manifest_uri(job, shard), fs))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -8,30 +8,24 @@ on object stores a server-side copy (which is atomic per key) plus a delete.
 
 from __future__ import annotations
 
-import logging
 import re
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-logger = logging.getLogger("shardline.tasks.storage")
+from .errors import NoShardsFound, StorageError, StorageNotFound
+from .retrying import retry_storage
 
-T = TypeVar("T")
+__all__ = ["NoShardsFound", "Shard", "StorageError", "exists", "filesystem", "join", "list_shards", "read_bytes",
+           "remove_stale_temporaries", "retry_storage", "write_atomic"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 _GLOB_CHARS = re.compile(r"[*?\[]")
-# Errors a retry cannot fix: the object is not there, or we may not touch it.
-_PERMANENT_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-class StorageError(RuntimeError):
-    """Storage could not be listed or written, with the URL and what went wrong."""
 
 
 @dataclass(frozen=True)
@@ -49,25 +43,14 @@ class Shard:
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """The fsspec filesystem for ``url`` and the path inside it."""
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    """The fsspec filesystem for ``url`` and the path inside it.
 
-
-def retry_storage(operation: Callable[[], T], what: str, attempts: int = 4, base_delay: float = 0.2) -> T:
-    """Run a storage operation, retrying transient errors with exponential backoff."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return operation()
-        except _PERMANENT_ERRORS:
-            raise
-        except (OSError, TimeoutError, ConnectionError) as exc:
-            if attempt == attempts:
-                raise
-            delay = base_delay * 2 ** (attempt - 1)
-            logger.warning("%s failed (%s: %s); retry %d of %d in %.1fs",
-                           what, type(exc).__name__, exc, attempt, attempts - 1, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    A URL fsspec cannot open (an unknown protocol, a missing s3fs) is a permanent
+    StorageError naming it."""
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError, TypeError) as exc:
+        raise StorageError("open", url, f"{type(exc).__name__}: {exc}") from exc
 
 
 def shard_format(path: str, input_format: str = "auto") -> str | None:
@@ -98,18 +81,23 @@ def list_shards(
     exclude: str | None = None,
 ) -> list[Shard]:
     """Every Parquet / JSON Lines shard under a prefix, a glob or a single file,
-    sorted by key (a stable order). ``exclude`` is a prefix to skip (the output)."""
+    sorted by key (a stable order). ``exclude`` is a prefix to skip (the output).
+
+    Raises NoShardsFound when there is none, StorageError when listing fails."""
     fs, path = filesystem(input_url, storage_options)
     excluded = filesystem(exclude, storage_options)[1].rstrip("/") + "/" if exclude else None
     if _GLOB_CHARS.search(path):
         root = _GLOB_CHARS.split(path, 1)[0].rsplit("/", 1)[0]
-        found = retry_storage(lambda: fs.glob(path, detail=True), f"listing {input_url}")
-    elif retry_storage(lambda: fs.isfile(path), f"checking {input_url}"):
+        found = retry_storage(lambda: fs.glob(path, detail=True), "list", input_url, fs)
+    elif retry_storage(lambda: fs.isfile(path), "list", input_url, fs):
         root = path.rsplit("/", 1)[0]
-        found = {path: fs.info(path)}
+        found = {path: retry_storage(lambda: fs.info(path), "list", input_url, fs)}
     else:
         root = path.rstrip("/")
-        found = retry_storage(lambda: fs.find(path, detail=True), f"listing {input_url}")
+        try:
+            found = retry_storage(lambda: fs.find(path, detail=True), "list", input_url, fs)
+        except StorageNotFound:
+            found = {}  # a prefix with nothing under it (or no such bucket): reported below
     shards = []
     for found_path, info in found.items():
         found_path = found_path.rstrip("/")
@@ -121,8 +109,8 @@ def list_shards(
             continue
         shards.append(Shard(fs.unstrip_protocol(found_path), _strip_suffix(relative), fmt, int(info.get("size") or 0)))
     if not shards:
-        raise StorageError(
-            f"no shards found at {input_url}: expected Parquet ({', '.join(PARQUET_SUFFIXES)}) "
+        raise NoShardsFound(
+            "list", input_url, f"no shards under it: expected Parquet ({', '.join(PARQUET_SUFFIXES)}) "
             f"or JSON Lines ({', '.join(JSONL_SUFFIXES)}) files under that prefix or glob"
         )
     _check_unique_keys(shards)
@@ -136,9 +124,8 @@ def _check_unique_keys(shards: list[Shard]) -> None:
     clashes = {key: uris for key, uris in by_key.items() if len(uris) > 1}
     if clashes:
         key, uris = next(iter(sorted(clashes.items())))
-        raise StorageError(
-            f"shards {', '.join(sorted(uris))} would all write output {key!r}; rename one of them"
-        )
+        raise StorageError("list", key, f"shards {', '.join(sorted(uris))} would all write output {key!r}; "
+                           "rename one of them")
 
 
 def join(prefix: str, *parts: str) -> str:
@@ -146,15 +133,11 @@ def join(prefix: str, *parts: str) -> str:
     return "/".join([prefix.rstrip("/"), *(p.strip("/") for p in parts)])
 
 
-def read_bytes(uri: str, storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bytes:
-    """The whole object at ``uri`` (decompressed when ``compression='infer'``), retried."""
+def read_bytes(uri: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The whole object at ``uri``, as stored (no decompression: a corrupt object
+    must fail as corrupt, not be retried as a storage error)."""
     fs, path = filesystem(uri, storage_options)
-
-    def read() -> bytes:
-        with fs.open(path, "rb", compression=compression) as handle:
-            return handle.read()
-
-    return retry_storage(read, f"reading {uri}")
+    return retry_storage(lambda: fs.cat_file(path), "read", uri, fs)
 
 
 def write_atomic(uri: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
@@ -162,29 +145,43 @@ def write_atomic(uri: str, data: bytes, storage_options: dict[str, Any] | None =
 
     The bytes go to ``<dir>/_tmp/<name>.<uuid>`` first and are moved into place once
     whole; a crash leaves at most a stray temporary object, never a partial one.
+    Each step is retried on its own and is idempotent (a commit whose reply was lost
+    is not redone from scratch), so an outage mid-write costs a wait, never the data.
     """
     fs, path = filesystem(uri, storage_options)
     directory, name = path.rsplit("/", 1)
     temp_path = f"{directory}/_tmp/{name}.{uuid.uuid4().hex}"
-    retry_storage(lambda: fs.makedirs(f"{directory}/_tmp", exist_ok=True), f"creating {directory}/_tmp")
-    retry_storage(lambda: fs.pipe_file(temp_path, data), f"writing {fs.unstrip_protocol(temp_path)}")
+    retry_storage(lambda: fs.makedirs(f"{directory}/_tmp", exist_ok=True), "write", uri, fs)
+    retry_storage(lambda: fs.pipe_file(temp_path, data), "write", uri, fs)
+    if isinstance(fs, LocalFileSystem):
+        retry_storage(lambda: fs.mv(temp_path, path), "commit", uri, fs)  # a rename
+    else:  # a server-side copy, atomic per key, then the temporary's removal
+        retry_storage(lambda: fs.copy(temp_path, path), "commit", uri, fs)
+        _remove_quietly(fs, temp_path, uri)
+
+
+def _remove_quietly(fs: AbstractFileSystem, path: str, uri: str) -> None:
+    """Delete ``path`` if it is there; a failure leaves a stray temporary, never an error."""
     try:
-        retry_storage(lambda: fs.mv(temp_path, path), f"committing {uri}")
-    finally:
-        if retry_storage(lambda: fs.exists(temp_path), "checking temporary object"):
-            fs.rm(temp_path)
+        retry_storage(lambda: fs.rm_file(path), "delete", uri, fs)
+    except StorageError:
+        pass  # gone already (committed by rename), or the store refuses: remove_stale_temporaries sweeps it
 
 
 def remove_stale_temporaries(uri: str, storage_options: dict[str, Any] | None = None) -> int:
     """Delete temporary objects a killed run left for ``uri``; return how many."""
     fs, path = filesystem(uri, storage_options)
     directory, name = path.rsplit("/", 1)
-    stale = retry_storage(lambda: fs.glob(f"{directory}/_tmp/{name}.*"), f"listing {directory}/_tmp")
+    try:
+        stale = retry_storage(lambda: fs.glob(f"{directory}/_tmp/{name}.*"), "list", f"{uri} temporaries", fs)
+    except StorageNotFound:
+        return 0
     for temp_path in stale:
-        fs.rm(temp_path)
+        _remove_quietly(fs, temp_path, uri)
     return len(stale)
 
 
 def exists(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether an object is at ``uri`` (retried like every storage call)."""
     fs, path = filesystem(uri, storage_options)
-    return retry_storage(lambda: fs.exists(path), f"checking {uri}")
+    return retry_storage(lambda: fs.exists(path), "check", uri, fs)

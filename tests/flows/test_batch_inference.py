@@ -71,7 +71,7 @@ def test_unreadable_and_schemaless_shards_fail_alone(tmp_path, make_job):
     summary = failure.value.summary
     by_shard = {entry["shard"]: entry for entry in summary["shards"]}
     assert [k for k, e in by_shard.items() if e["status"] == "done"] == ["part-00000", "part-00001", "part-00002"]
-    assert "part-corrupt.parquet: not a readable Parquet file" in by_shard["part-corrupt"]["message"]
+    assert "part-corrupt.parquet failed: not a readable Parquet file" in by_shard["part-corrupt"]["message"]
     assert "no 'prompt' column, which task=generate needs (columns: question)" in by_shard["part-noprompt"]["message"]
     assert "2 of 5 shard(s) failed" in str(failure.value)
     assert not (tmp_path / "out" / "part-corrupt.parquet").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,10 +48,25 @@ def test_gzipped_jsonl_and_mixed_pass_through(tmp_path):
 
 def test_unreadable_shards_raise_shard_error(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet at all")
-    with pytest.raises(ShardError, match=r"bad.parquet: not a readable Parquet file"):
+    with pytest.raises(ShardError, match=r"^read \S*bad.parquet failed: not a readable Parquet file"):
         read_shard_records(_shard(tmp_path / "bad.parquet"))
-    with pytest.raises(ShardError, match=r"bad.parquet: not a readable Parquet file"):
+    with pytest.raises(ShardError, match=r"^read \S*bad.parquet failed: not a readable Parquet file"):
         read_input_schema(_shard(tmp_path / "bad.parquet"))
     (tmp_path / "bin.jsonl").write_bytes(b"\x00\x01garbage\nmore garbage\n")
-    with pytest.raises(ShardError, match=r"bin.jsonl: not JSON Lines"):
+    with pytest.raises(ShardError, match=r"^read \S*bin.jsonl failed: not JSON Lines"):
         read_shard_records(_shard(tmp_path / "bin.jsonl"))
+
+
+def test_truncated_and_corrupt_gzip_name_the_file_and_fail_at_once(tmp_path):
+    whole = gzip.compress(b"".join(json.dumps({"prompt": f"p{i}"}).encode() + b"\n" for i in range(200)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "junk.jsonl.gz").write_bytes(b"not gzip at all")
+    for name in ("cut.jsonl.gz", "junk.jsonl.gz"):
+        started = time.monotonic()
+        with pytest.raises(ShardError) as raised:
+            read_shard_records(_shard(tmp_path / name))
+        assert time.monotonic() - started < 2  # corrupt is permanent: no storage retries
+        message = str(raised.value)
+        assert message.startswith(f"read {tmp_path / name}") or message.startswith(f"read file://{tmp_path / name}")
+        assert "not a readable gzip file, truncated or corrupt" in message and "\n" not in message
+    assert "EOFError" in str(raised.value) or "BadGzipFile" in str(raised.value)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import fsspec
 import pytest
 
 from shardline.tasks.sample_data import write_rows
+from shardline.tasks.errors import ErrorKind, StorageNotFound
+from shardline.tasks.retrying import StorageRetry
 from shardline.tasks.storage import StorageError, list_shards, read_bytes, retry_storage, write_atomic
 
 
@@ -44,7 +47,7 @@ def test_forced_format_and_errors(tmp_path):
     _touch(prefix, "a.parquet", "a.jsonl")
     with pytest.raises(StorageError, match="would all write output 'a'"):
         list_shards(prefix)
-    with pytest.raises(StorageError, match="no shards found at .*empty.*Parquet"):
+    with pytest.raises(StorageError, match="list .*empty failed: no shards under it.*Parquet"):
         list_shards(str(tmp_path / "empty"))
 
 
@@ -58,6 +61,7 @@ def test_write_atomic_leaves_only_the_object(tmp_path):
 
 def test_retry_storage_retries_transient_errors_only():
     calls = []
+    quick = StorageRetry(total_seconds=5, base_delay=0.001)
 
     def flaky() -> str:
         calls.append(1)
@@ -65,13 +69,38 @@ def test_retry_storage_retries_transient_errors_only():
             raise ConnectionError("connection reset")
         return "ok"
 
-    assert retry_storage(flaky, "flaky call", base_delay=0.001) == "ok" and len(calls) == 3
+    assert retry_storage(flaky, "read", "memory://x", policy=quick) == "ok" and len(calls) == 3
 
     def missing() -> None:
         calls.append(1)
         raise FileNotFoundError("nope")
 
     calls.clear()
-    with pytest.raises(FileNotFoundError):
-        retry_storage(missing, "missing", base_delay=0.001)
-    assert len(calls) == 1
+    with pytest.raises(StorageNotFound, match="^read memory://x failed: FileNotFoundError: nope") as raised:
+        retry_storage(missing, "read", "memory://x", policy=quick)
+    assert len(calls) == 1 and raised.value.kind is ErrorKind.PERMANENT
+    assert isinstance(raised.value, FileNotFoundError)  # callers may still catch it as such
+
+
+def test_retry_storage_gives_up_after_its_time_budget_naming_the_object():
+    calls = []
+
+    def down() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with pytest.raises(StorageError) as raised:
+        retry_storage(down, "write", "s3://bucket/out/a.parquet", policy=StorageRetry(total_seconds=0.5,
+                                                                                        base_delay=0.05))
+    assert raised.value.kind is ErrorKind.TRANSIENT and len(calls) > 2
+    assert calls[-1] - calls[0] <= 0.5
+    assert str(raised.value).startswith("write s3://bucket/out/a.parquet failed: ConnectionRefusedError")
+    assert "SHARDLINE_STORAGE_RETRY_SECONDS" in str(raised.value)
+
+
+def test_storage_retry_budget_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "90")
+    assert StorageRetry.from_env().total_seconds == 90
+    monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "soon")
+    with pytest.raises(ValueError, match="SHARDLINE_STORAGE_RETRY_SECONDS must be .* got 'soon'"):
+        StorageRetry.from_env()

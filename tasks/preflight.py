@@ -1,0 +1,180 @@
+"""Pre-flight checks: before any shard starts, fail in seconds with one line per problem.
+
+- the job's fields: pydantic validates a BatchJob; ``field_errors`` turns its
+  ValidationError into one line per invalid field, named as the caller names them
+  (``--max-tokens must be >= 1, got -5`` on the command line);
+- the model: its config and tokenizer resolve (a local directory, or a hub id),
+  and its architecture routes attention through transformers' AttentionInterface,
+  which the engine's paged attention needs (checked with transformers alone: no
+  weights are loaded, no engine is built);
+- the input: listable, with at least one shard;
+- the output: writable (a probe object is written under ``_tmp/`` and deleted).
+
+Every check runs, so one report names every problem at once (PreflightFailed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .errors import JobError, ModelUnusable, PipelineError, describe
+from .job import BatchJob, JobTask
+from .retrying import retry_storage
+from .storage import Shard, filesystem, join, list_shards
+
+_PATH_PREFIXES = ("/", "./", "../", "~", "file://")
+
+
+class PreflightFailed(JobError):
+    """One or more pre-flight checks failed; ``errors`` holds each, one line apiece."""
+
+    def __init__(self, errors: list[PipelineError]) -> None:
+        self.errors = list(errors)
+        Exception.__init__(self, "\n".join(str(error) for error in self.errors))
+        self.operation, self.target, self.reason = "check", "job", str(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PreflightFailed, (self.errors,))
+
+
+def preflight(job: BatchJob, check_input: bool = True) -> list[Shard]:
+    """Check the model, the output and (``check_input``) the input of ``job``; return
+    the input's shards (empty when not checked). Raises PreflightFailed naming every
+    problem found."""
+    errors: list[PipelineError] = []
+    shards: list[Shard] = []
+    for check in (check_model, check_output):
+        try:
+            check(job)
+        except PipelineError as exc:
+            errors.append(exc)
+    if check_input:
+        try:
+            shards = list_shards(job.input, job.storage(), job.input_format.value, exclude=job.output)
+        except PipelineError as exc:
+            errors.append(exc)
+    if errors:
+        raise PreflightFailed(errors)
+    return shards
+
+
+def check_model(job: BatchJob) -> str:
+    """Resolve the model's config and tokenizer and check its architecture; return the
+    architecture's class name. Raises ModelUnusable."""
+    import transformers  # here: a pre-flight check is the first thing that needs it
+
+    options = job.engine_options
+    trust = bool(options.get("trust_remote_code", False))
+    _check_local_path(job.model)
+    config = _resolve(transformers.AutoConfig, "model", job.model, revision=job.revision, trust_remote_code=trust)
+    tokenizer = options.get("tokenizer") or job.model
+    _check_local_path(tokenizer, what="tokenizer")
+    _resolve(transformers.AutoTokenizer, "tokenizer", tokenizer,
+             revision=options.get("tokenizer_revision") or job.revision, trust_remote_code=trust)
+    architecture = _architecture(transformers, config, job.task)
+    for name, path in job.lora_adapters.items():
+        if _looks_local(path) and not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
+            raise ModelUnusable("load", f"LoRA adapter {name} at {path}", "no adapter_config.json there")
+    return architecture
+
+
+def _resolve(auto: Any, what: str, name: str, **kwargs: Any) -> Any:
+    """``auto.from_pretrained(name)``: from a local directory or the Hugging Face cache
+    first, and from the hub only when it answers (an unreachable hub would otherwise
+    be retried for half a minute before failing)."""
+    try:
+        return auto.from_pretrained(name, local_files_only=True, **kwargs)
+    except Exception as local_exc:  # OSError, ValueError, the hub's own errors: all mean "not here"
+        if os.path.isdir(os.path.expanduser(name)) or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+            raise ModelUnusable("load", f"{what} {name}", describe(local_exc)) from local_exc
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        if not _reachable(endpoint):
+            raise ModelUnusable("load", f"{what} {name}", f"not a local directory, not in the Hugging Face cache, "
+                                f"and the hub ({endpoint}) is unreachable") from local_exc
+    try:
+        return auto.from_pretrained(name, **kwargs)
+    except Exception as exc:
+        raise ModelUnusable("load", f"{what} {name}", describe(exc)) from exc
+
+
+def _reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to ``url``'s host opens within ``timeout`` seconds."""
+    parsed = urllib.parse.urlsplit(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith(_PATH_PREFIXES) or os.path.exists(os.path.expanduser(model))
+
+
+def _check_local_path(model: str, what: str = "model") -> None:
+    """A model named by a path must be a directory (a hub id is resolved by transformers)."""
+    if model.startswith(_PATH_PREFIXES) and not os.path.isdir(os.path.expanduser(model.removeprefix("file://"))):
+        raise ModelUnusable("load", f"{what} {model}", "no such local directory (and a path is not a hub id)")
+
+
+def _architecture(transformers: Any, config: Any, task: JobTask) -> str:
+    """The model class the engine would load for ``task``, checked to route its
+    attention through transformers' AttentionInterface (what the engine plugs into)."""
+    auto = transformers.AutoModel if task == JobTask.EMBED else transformers.AutoModelForCausalLM
+    model_class = auto._model_mapping.get(type(config), None)
+    declared = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
+    if model_class is None:
+        kind = "an embedding model" if task == JobTask.EMBED else "a causal language model"
+        raise ModelUnusable("load", f"model architecture {declared}",
+                            f"transformers has no {kind} class for model_type {config.model_type!r} "
+                            f"(task={task.value})")
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelUnusable("load", f"model architecture {model_class.__name__}",
+                            "its attention does not go through transformers' AttentionInterface, so "
+                            "shardline's paged attention cannot run it")
+    return model_class.__name__
+
+
+def check_output(job: BatchJob) -> None:
+    """Write a probe object under ``<output>/_tmp/`` and delete it. Raises StorageError
+    (``write <probe URL> failed: ...``) when the output is not writable."""
+    fs, path = filesystem(job.output, job.storage())
+    probe = join(path, "_tmp", f".shardline-probe-{uuid.uuid4().hex}")
+    probe_url = fs.unstrip_protocol(probe)
+    retry_storage(lambda: fs.makedirs(join(path, "_tmp"), exist_ok=True), "write", probe_url, fs)
+    retry_storage(lambda: fs.pipe_file(probe, b"shardline write probe"), "write", probe_url, fs)
+    retry_storage(lambda: fs.rm_file(probe), "delete", probe_url, fs)
+
+
+def field_errors(error: Any, name_of: Callable[[tuple[Any, ...]], str] | None = None) -> list[str]:
+    """One line per invalid field of a pydantic ValidationError: ``<name> <problem>, got <value>``.
+
+    ``name_of(loc)`` names a field as the caller's user knows it (a CLI flag);
+    by default the dotted field path."""
+    name_of = name_of or (lambda loc: ".".join(str(part) for part in loc) or "job")
+    return [_field_line(item, name_of) for item in error.errors(include_url=False)]
+
+
+def _field_line(item: dict[str, Any], name_of: Callable[[tuple[Any, ...]], str]) -> str:
+    context = item.get("ctx") or {}
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+              "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+    if item["type"] in bounds:
+        symbol, key = bounds[item["type"]]
+        problem = f"must be {symbol} {context.get(key)}"
+    elif item["type"] == "value_error":
+        problem = str(context.get("error") or item["msg"]).removeprefix("Value error, ")
+        return f"{name_of(tuple(item['loc']))}: {problem}"
+    elif item["type"] == "missing":
+        return f"{name_of(tuple(item['loc']))} is required"
+    else:
+        problem = item["msg"][:1].lower() + item["msg"][1:]
+    value = item.get("input")
+    shown = f", got {value!r:.80}" if not isinstance(value, dict) else ""
+    return f"{name_of(tuple(item['loc']))} {problem}{shown}"
