@@ -52,7 +52,7 @@ def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repe
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     candidates = {"torch.mm": lambda: torch.mm(a, b)}
-    if onednn_linear_available():
+    if onednn_linear_available(dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
         candidates["oneDNN linear"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
     peaks = {}

@@ -48,9 +48,14 @@ class AttentionContext:
     # "triton" runs the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1),
     # "torch" the plain torch path; "auto" picks Triton for CUDA tensors, except
     # float64 ones (the kernels take 16- and 32-bit floats), and on CPU the torch
-    # path with decoding requests in the native kernel (kernels/cpu_attention.py)
-    # when it is built.
+    # path with the native kernels below where the engine chose them.
     backend: str = "auto"
+    # On CPU, on the "auto" backend: decoding requests attend through the native decode
+    # kernel (kernels/cpu_attention.py) and prefill chunks through the native prefill
+    # kernel (kernels/cpu_prefill_attention.py), as the engine chose at load
+    # (engine/cpu_paths.py) and where the kernel takes the cache's layout.
+    native_decode: bool = False
+    native_prefill: bool = False
     # Set when the step reads the final hidden state of sampling requests' last tokens
     # only (no prompt logprobs, no LoRA): those packed rows in the order their logits
     # are kept, [n] int64; the requests they end, [n] int64 indices; and per request
@@ -98,12 +103,14 @@ class AttentionContext:
     def _native_prefill(self, num_heads: int) -> bool:
         from .kernels.cpu_prefill_attention import prefill_kernel_available
 
-        return self.backend == "auto" and prefill_kernel_available(self.kv_caches[0][0], num_heads)
+        return (self.backend == "auto" and self.native_prefill
+                and prefill_kernel_available(self.kv_caches[0][0], num_heads))
 
     def _native_decode_batch(self, query_lens: torch.Tensor, num_heads: int) -> DecodeBatch | None:
         from .kernels.cpu_attention import decode_kernel_available
 
-        if self.backend != "auto" or not decode_kernel_available(self.kv_caches[0][0], num_heads):
+        if (self.backend != "auto" or not self.native_decode
+                or not decode_kernel_available(self.kv_caches[0][0], num_heads)):
             return None
         requests = (query_lens == 1).nonzero().flatten()
         if requests.numel() == 0:

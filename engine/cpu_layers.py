@@ -185,7 +185,8 @@ def _pack_qkv(attention: nn.Module, rows_hint: int) -> bool:
 def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int, attention: nn.Module) -> bool:
     """Whether the step reads this (last) layer's output at its sampled rows alone,
     fewer than all, and the native decode kernel can attend them."""
-    if ctx.sampled_rows is None or ctx.sampled_rows.numel() >= tokens or ctx.backend != "auto":
+    if (ctx.sampled_rows is None or ctx.sampled_rows.numel() >= tokens or ctx.backend != "auto"
+            or not ctx.native_decode):
         return False
     k_cache = ctx.kv_caches[attention.layer_idx][0]
     return decode_kernel_available(k_cache, attention.q_proj.out_features // attention.head_dim)

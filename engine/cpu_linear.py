@@ -8,8 +8,10 @@ oneDNN tensor held beside the module's own weight, which stays untouched for
 everything else that reads it (tied embeddings, LoRA, state dicts): on CPU the
 linear weights are held twice.
 
-Only float32 and bfloat16 pack (oneDNN has no float64 matmul); float64 keeps
-torch's exact-reference path.
+Only float32 and bfloat16 pack (oneDNN has no float64 matmul), bfloat16 only where
+oneDNN reports support for it; float64 keeps torch's exact-reference path. Whether
+the engine packs at all is its CPU path choice (engine/cpu_paths.py), measured
+against torch's matmul on the host.
 
 Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the Llama family's)
 run their gate and up projections as one matmul over both weights packed together,
@@ -21,6 +23,7 @@ forward's output on a probe input, so a model whose MLP differs keeps its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -34,33 +37,38 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def onednn_linear_available() -> bool:
-    """Whether this torch build runs oneDNN's packed linear on this CPU."""
-    if not torch.backends.mkldnn.is_available():
+@functools.lru_cache(maxsize=None)
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build runs oneDNN's packed linear in ``dtype`` on this CPU:
+    oneDNN's own support query (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT),
+    then a probe that must give torch's own answer."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:
-        x, weight = torch.ones(2, 8), torch.ones(4, 8)
+        x = torch.arange(16, dtype=torch.float32).view(2, 8).to(dtype)
+        weight = torch.ones(4, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.equal(out, torch.full((2, 4), 8.0)))
+        return bool(torch.equal(out, nn.functional.linear(x, weight)))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
 
 
-def pack_linears(model: nn.Module, rows_hint: int) -> int:
-    """Run every CPU nn.Linear of ``model`` in float32 or bfloat16 through oneDNN on a
-    packed copy of its weight; returns how many were packed (0 when unavailable).
+def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ...] = PACKABLE_DTYPES) -> int:
+    """Run every CPU nn.Linear of ``model`` whose weight is of one of ``dtypes`` through
+    oneDNN on a packed copy of its weight, where oneDNN runs that dtype here; returns
+    how many were packed.
 
     ``rows_hint`` is the number of rows oneDNN tunes the packed layout for; any number
     of rows runs on it.
     """
-    if not onednn_linear_available():
-        logger.info("oneDNN packed linear unavailable; CPU linears run through torch's matmul")
-        return 0
+    dtypes = tuple(dtype for dtype in dtypes if onednn_linear_available(dtype))
     num_packed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+        if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         if module.bias is not None and module.bias.dtype != weight.dtype:
             continue
@@ -109,9 +117,10 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
-def fuse_gated_mlps(model: nn.Module, rows_hint: int) -> int:
+def fuse_gated_mlps(model: nn.Module, rows_hint: int, silu_kernel: bool = True) -> int:
     """Give every gated MLP whose projections were packed one matmul for gate and up
-    (see the module docstring); returns how many were fused."""
+    (see the module docstring), and SiLU times up through the fused kernel when
+    ``silu_kernel`` and that reproduces ``act_fn``; returns how many were fused."""
     num_fused = 0
     for module in model.modules():
         gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
@@ -131,7 +140,8 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int) -> int:
             module.shardline_packed_gate_up, _ = pack_side_by_side((gate, up), rows_hint)
             module.forward = types.MethodType(_fused_gated_mlp_forward, module)
             # SiLU through the fused kernel if that reproduces act_fn, else act_fn itself.
-            for use_kernel in (True, False) if fused_kernels_available(gate.weight.dtype) else (False,):
+            kernel = silu_kernel and fused_kernels_available(gate.weight.dtype)
+            for use_kernel in (True, False) if kernel else (False,):
                 module.shardline_silu_mul = use_kernel
                 fused = module(probe)
                 if reproduces(fused, expected):

@@ -17,8 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
-from .cpu_linear import fuse_gated_mlps, pack_linears
-from .cpu_layers import fuse_decoder_layers, fuse_rms_norms
+from .cpu_paths import NO_CPU_PATHS, ModelShape, choose_cpu_paths, optimize_for_cpu
 from .cpu_memory import keep_freed_memory
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
@@ -52,18 +51,19 @@ class LLMEngine:
         # Before sizing the KV cache: the adapter slots take device memory.
         self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
                                          loaded.dtype) if config.enable_lora else None)
+        spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
+        self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu_paths.py)
         if self.device.type == "cpu":
             keep_freed_memory()
-            pack_linears(self.model, rows_hint=config.max_num_batched_tokens)
-            fuse_gated_mlps(self.model, rows_hint=config.max_num_batched_tokens)
-            fuse_rms_norms(self.model)
-            fuse_decoder_layers(self.model, rows_hint=config.max_num_batched_tokens)
-        spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
+            num_heads = self.hf_config.get_text_config().num_attention_heads
+            shape = ModelShape.of(self.model, num_heads, spec.num_kv_heads, spec.head_dim)
+            self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
+            optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)
         num_blocks = plan_kv_cache(config, spec, model_len, budget)
         self.max_model_len = min(model_len, num_blocks * config.block_size)
-        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device, self.cpu_paths)
         self.runner.lora_manager = self.lora_manager
         if (self.device.type == "cuda" and not config.enforce_eager and self.lora_manager is None
                 and loaded.dtype != torch.float64):  # float64 attention runs on the torch path

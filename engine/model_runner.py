@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from .attention import AttentionContext
+from .cpu_paths import NO_CPU_PATHS, CpuPaths
 from .cuda_graphs import DecodeGraphs
 from .config import EngineConfig
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -76,8 +77,9 @@ class ModelRunner:
     """Owns the model and its paged KV cache; runs one packed forward per step."""
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cpu_paths: CpuPaths = NO_CPU_PATHS) -> None:
         self.model = model
+        self.cpu_paths = cpu_paths  # the native attention kernels the engine chose (CPU only)
         self.spec = spec
         self.lora_manager = None  # a LoRAManager when enable_lora
         self.attention_backend = "auto"  # see AttentionContext.backend
@@ -143,6 +145,8 @@ class ModelRunner:
             max_query_len=max(q - p for p, q in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             backend=self.attention_backend,
+            native_decode=self.cpu_paths.decode_kernel,
+            native_prefill=self.cpu_paths.prefill_kernel,
         )
         # Steps that sample fewer rows than they run (prefill chunks) let the CPU path's
         # last layer skip the rest (engine/cpu_layers.py); decode steps sample every row.

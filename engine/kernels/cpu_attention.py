@@ -35,7 +35,10 @@ def _declare(library: ctypes.CDLL) -> None:
 _LIBRARY = NativeLibrary(SOURCE, _declare, "using the torch path for decode attention")
 
 
-def _load() -> ctypes.CDLL | None:
+DTYPES = tuple(_FUNCTIONS)
+
+
+def load_library() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None when it cannot be built."""
     return _LIBRARY.load()
 
@@ -44,7 +47,7 @@ def decode_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether the kernel can attend over this cache ([N, bs, Hkv, D]) for ``num_heads`` heads."""
     if k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS:
         return False
-    library = _load()
+    library = load_library()
     if library is None:
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -75,7 +78,7 @@ def decode_attention(
     length with the new token, packed row of the query); requests: [n] int64;
     out: [T, H, D] contiguous, same dtype as the cache.
     """
-    library = _load()
+    library = load_library()
     assert library is not None, "decode_attention called without decode_kernel_available"
     call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
                          (seq_lens, query_rows), requests, out, scale, sliding_window, softcap)

@@ -32,6 +32,12 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "prefill chunks attend through SDPA")
+DTYPES = tuple(_FUNCTIONS)
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None when it cannot be built."""
+    return _LIBRARY.load()
 
 
 def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:

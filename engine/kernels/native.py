@@ -54,9 +54,12 @@ def compiler_vector_isa(compiler: str, target: str) -> str:
     its own predefined macros: "avx512", "avx2", "neon", "sse2" or "scalar" (also
     when the compiler does not take the target)."""
     command = [compiler, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 and target == "native":
-        result = subprocess.run(command[:1] + command[2:], capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 and target == "native":
+            result = subprocess.run(command[:1] + command[2:], capture_output=True, text=True)
+    except OSError:  # no such compiler
+        return "scalar"
     macros = set(re.findall(r"^#define (\w+)", result.stdout, flags=re.MULTILINE))
     for isa, macro in (("avx512", "__AVX512F__"), ("avx2", "__AVX2__"), ("neon", "__ARM_NEON"),
                        ("sse2", "__SSE2__")):
@@ -182,6 +185,8 @@ class NativeLibrary:
 
 def built_vector_isa() -> str | None:
     """The vector instruction set the kernels are built with for the current target
-    (see ``compiler_vector_isa``), or None without a C compiler."""
+    (see ``compiler_vector_isa``), or None without a working C compiler."""
     compiler = _compiler()
-    return None if compiler is None else compiler_vector_isa(compiler, kernel_target())
+    if compiler is None or shutil.which(compiler) is None:
+        return None
+    return compiler_vector_isa(compiler, kernel_target())

@@ -9,6 +9,7 @@ import transformers
 
 from shardline.engine import cpu_layers
 from shardline.engine.cpu_layers import fuse_decoder_layers, fuse_rms_norms
+from shardline.engine.cpu_linear import onednn_linear_available
 from shardline.engine.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -52,10 +53,13 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=128)
     assert fused_layers(llm) == (2 if arch in FUSED_ARCHS else 0)
     first, last = (layer.self_attn for layer in llm.llm_engine.model.model.layers)
-    # Fused layers project q, k and v in one matmul; the first no longer holds their
-    # packed copies, the last still projects k and v alone for its sampled rows.
-    assert hasattr(first, "shardline_packed_qkv") == (arch in FUSED_ARCHS)
-    if arch in FUSED_ARCHS:
+    # Where oneDNN packs this dtype, fused layers project q, k and v in one matmul; the
+    # first no longer holds their packed copies, the last still projects k and v alone
+    # for its sampled rows.
+    packed = llm.llm_engine.cpu_paths.packed_linears
+    assert packed == onednn_linear_available(getattr(torch, dtype))
+    assert hasattr(first, "shardline_packed_qkv") == (arch in FUSED_ARCHS and packed)
+    if arch in FUSED_ARCHS and packed:
         assert not hasattr(first.q_proj, "shardline_packed_weight")
         assert hasattr(last.k_proj, "shardline_packed_weight")
     fused = generate(llm, prompts)

@@ -112,7 +112,7 @@ def test_native_kernels_where_they_apply(lens, sliding_window, softcap):
     """The "auto" backend on CPU in float32: decoding requests through the native
     decode kernel, every prefill chunk through the native prefill kernel."""
     q, ctx = make_step(*lens, dtype=torch.float32)
-    ctx = dataclasses.replace(ctx, backend="auto")
+    ctx = dataclasses.replace(ctx, backend="auto", native_decode=True, native_prefill=True)
     work = ctx.torch_plans(q.shape[1])
     query_lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]
     assert work.plans == [] and work.fresh == []

@@ -108,7 +108,7 @@ def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir)
         "from shardline.engine.kernels import cpu_attention\n"
         f"llm = LLM({tiny_llama_dir!r}, dtype='float32')\n"
         "out = llm.generate({'prompt_token_ids': [5, 6, 7, 8]}, SamplingParams(max_tokens=6), use_tqdm=False)\n"
-        "print(cpu_attention._load() is None, out[0].outputs[0].token_ids)\n"
+        "print(cpu_attention.load_library() is None, out[0].outputs[0].token_ids)\n"
     )
     runs = {}
     for name, compiler in (("none", "/nonexistent/cc"), ("cc", os.environ.get("CC", "cc"))):
