@@ -47,12 +47,12 @@ MAX_CACHED_GRAMMARS = 256
 _XGRAMMAR_THREADS = 2
 # xgrammar's errors start with "[time] file.cc:line: "; the rest is the reason.
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-# xgrammar (0.2.9, its issue 800) writes a string with minLength/maxLength as a
-# repetition of this character class, which admits raw control characters that JSON
-# forbids (json.loads rejects them); the class of JSON's unescaped characters
-# replaces it in the grammar's EBNF text.
-_LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
-_JSON_UNESCAPED_CHAR = r'[^\0-\x1f\"\\]'
+# The character classes xgrammar (0.2.9) writes for an unescaped character of a JSON
+# string: the one of length-bounded strings admits raw control characters (its issue
+# 800), and all admit UTF-8-encoded surrogates (U+D800-U+DFFF); JSON parsers reject
+# both. The grammar's EBNF text gets JSON's own class instead.
+_XGRAMMAR_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\0-\x1f]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 class StructuredOutputError(ValueError):
@@ -98,13 +98,12 @@ def parse_grammar(key: GrammarKey) -> Any:
     try:
         if key.kind == "json":
             _check_schema_supported(json.loads(key.spec))
-            grammar = xgr.Grammar.from_json_schema(key.spec, any_whitespace=key.any_whitespace, strict_mode=True)
-            text = str(grammar)
-            if _LENGTH_BOUNDED_CHAR in text:
-                grammar = xgr.Grammar.from_ebnf(text.replace(_LENGTH_BOUNDED_CHAR, _JSON_UNESCAPED_CHAR))
-            return grammar
+            return _json_strings_fixed(
+                xgr.Grammar.from_json_schema(key.spec, any_whitespace=key.any_whitespace, strict_mode=True))
         if key.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            # Any JSON object (as OpenAI's json_object mode), not any JSON value.
+            return _json_strings_fixed(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=key.any_whitespace, strict_mode=False))
         if key.kind == "regex":
             return xgr.Grammar.from_regex(key.spec)
         if key.kind == "choice":
@@ -119,6 +118,19 @@ def parse_grammar(key: GrammarKey) -> Any:
         reason = _XGRAMMAR_ERROR_PREFIX.sub("", str(exc).strip()).splitlines()[0]
         raise StructuredOutputError(f"the {key.kind} constraint does not compile: {reason}") from None
     raise AssertionError(f"unknown constraint kind {key.kind!r}")
+
+
+def _json_strings_fixed(grammar: Any) -> Any:
+    """``grammar`` with JSON's class of unescaped string characters wherever xgrammar
+    wrote a looser one (see _XGRAMMAR_STRING_CHARS)."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if not any(chars in text for chars in _XGRAMMAR_STRING_CHARS):
+        return grammar
+    for chars in _XGRAMMAR_STRING_CHARS:
+        text = text.replace(chars, _JSON_STRING_CHAR)
+    return xgr.Grammar.from_ebnf(text)
 
 
 def _check_schema_supported(schema: Any) -> None:
