@@ -15,6 +15,12 @@ runs, and the best run of each side is its least disturbed one. Every run is pri
 
 ``--dtype bfloat16`` runs both sides in bfloat16 (the roofline then uses bfloat16
 matmul peaks); the issue's workload is float32.
+
+The host's CPU and instruction-set levels (torch's kernels, the C kernels' build,
+oneDNN) and the CPU paths the engine chose are printed with the results, so figures
+from different hosts are not compared blindly. To run an AVX-512 host as an AVX2 one:
+``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+SHARDLINE_CPU_TARGET=x86-64-v3``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import transformers
 
 from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
 from shardline import LLM, SamplingParams
+from shardline.engine.cpu_paths import host_cpu
 
 
 def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
@@ -104,6 +111,8 @@ def main() -> None:
             with torch.inference_mode():
                 results[name].append(run())
 
+    print(f"host: {host_cpu().describe()}")
+    print(f"shardline CPU paths: {llm.llm_engine.cpu_paths.describe()}")
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
           f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, {args.dtype}, "
           f"{torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each compared")

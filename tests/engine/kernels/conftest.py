@@ -97,3 +97,24 @@ def make_paged_batch(
 def paged_batch():
     """Factory: paged_batch(context_lens, query_lens, **shape) -> PagedBatch."""
     return make_paged_batch
+
+
+def _kernel_targets() -> list[str]:
+    """The host's own target, and narrower ones this compiler builds for the host's
+    architecture: AVX2 (x86-64-v3) and the SSE2 baseline on x86, plain ARMv8 on ARM."""
+    import platform
+
+    from shardline.engine.kernels import native
+
+    narrower = {"x86_64": ["x86-64-v3", "x86-64"], "aarch64": ["armv8-a"]}.get(platform.machine(), [])
+    compiler = native._compiler()
+    return ["native"] + [target for target in narrower
+                         if compiler is not None and native.compiler_vector_isa(compiler, target) != "scalar"]
+
+
+@pytest.fixture(params=_kernel_targets())
+def kernel_target(request, monkeypatch) -> str:
+    """Every test using it runs with the C kernels built for each target in turn
+    (SHARDLINE_CPU_TARGET), so the code paths of narrower hosts are tested here too."""
+    monkeypatch.setenv("SHARDLINE_CPU_TARGET", request.param)
+    return request.param

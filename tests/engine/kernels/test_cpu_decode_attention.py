@@ -13,6 +13,8 @@ from .conftest import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine uses its torch path")
+# The kernel against its reference, built for each target in turn.
+each_target = pytest.mark.usefixtures("kernel_target")
 
 # bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
@@ -39,6 +41,7 @@ def reference(batch, scale: float, sliding_window=None, softcap=None):
                                      scale, sliding_window, softcap)
 
 
+@each_target
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
@@ -50,6 +53,7 @@ def test_decode_matches_reference(dtype, block_size, num_heads, num_kv_heads):
     torch.testing.assert_close(out, reference(batch, 0.17), **TOLERANCE[dtype])
 
 
+@each_target
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 def test_head_dims(head_dim, dtype):
@@ -58,6 +62,7 @@ def test_head_dims(head_dim, dtype):
     torch.testing.assert_close(out, reference(batch, head_dim**-0.5), **TOLERANCE[dtype])
 
 
+@each_target
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 40, 1000])
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -68,6 +73,7 @@ def test_sliding_window_and_softcap(sliding_window, softcap, dtype):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@each_target
 def test_only_listed_requests_are_written():
     """A mixed step: prefill chunks (several query tokens) are left to the torch path."""
     context_lens, query_lens = [10, 0, 33, 7], [1, 12, 1, 5]
@@ -82,6 +88,7 @@ def test_only_listed_requests_are_written():
     assert (out[untouched] == 7.0).all()
 
 
+@each_target
 def test_strided_query():
     """The engine hands the kernel q as a transposed view of [1, H, T, D]."""
     batch = make_paged_batch([20, 50], [1, 1], num_heads=4, num_kv_heads=2, dtype=torch.float32)
@@ -119,6 +126,7 @@ def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir)
     assert runs["none"].split(" ", 1)[1] == runs["cc"].split(" ", 1)[1]
 
 
+@each_target
 @pytest.mark.parametrize("num_heads,num_kv_heads,num_requests", [(96, 3, 5), (64, 2, 1), (12, 3, 40), (5, 5, 2)])
 def test_many_heads_per_item_and_odd_head_counts(num_heads, num_kv_heads, num_requests):
     """Work items split a request's KV heads by a divisor, within the kernel's per-item limit."""

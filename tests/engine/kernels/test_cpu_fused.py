@@ -9,8 +9,9 @@ from shardline.engine.kernels.cpu_fused import (add_rms_norm_, fused_kernels_ava
                                                 rms_norm_reference, rotary_, rotary_reference, silu_mul,
                                                 silu_mul_reference)
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the engine keeps its torch ops")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine keeps its torch ops"),
+              pytest.mark.usefixtures("kernel_target")]  # each build target in turn
 
 # float32: a few ulp (another summation order, fused multiply-adds); bfloat16: the
 # kernels round where the reference rounds, so results differ by at most one

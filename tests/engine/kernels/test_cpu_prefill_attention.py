@@ -13,8 +13,9 @@ from .conftest import make_paged_batch
 # bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: prefill chunks attend through SDPA")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: prefill chunks attend through SDPA"),
+              pytest.mark.usefixtures("kernel_target")]  # each build target in turn
 
 
 def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, strided=False):

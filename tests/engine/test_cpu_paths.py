@@ -1,0 +1,162 @@
+"""The CPU paths chosen at load: only what the host can run, raced where two correct
+paths exist, every fallback giving transformers' greedy tokens."""
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from shardline.engine import cpu_paths
+from shardline.engine.cpu_paths import PATH_NAMES, ModelShape, choose_cpu_paths, host_cpu, path_settings
+from shardline.engine.kernels import native
+
+SHAPE = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=2, head_dim=16)
+PROMPTS = [[5, 6, 7], list(range(3, 60)), [(7 * i) % 200 + 3 for i in range(90)]]
+
+
+def greedy(llm, max_tokens: int = 8) -> list[list[int]]:
+    from shardline import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def hf_float32_tokens(tiny_llama_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tokens = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False, pad_token_id=2)
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+def test_host_is_described_by_what_the_libraries_report():
+    host = host_cpu()
+    assert host.torch_isa == torch.backends.cpu.get_cpu_capability()
+    assert host.onednn == torch.backends.mkldnn.is_available()
+    assert host.onednn_bfloat16 == (host.onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert host.machine in host.describe() and host.torch_isa in host.describe()
+
+
+@pytest.mark.parametrize("path", PATH_NAMES + ("all",))
+def test_each_fallback_gives_transformers_tokens(tiny_llama_dir, hf_float32_tokens, monkeypatch, path):
+    """With one path off (or all of them), the engine loads in float32 and bfloat16,
+    says why, and float32 gives transformers' own greedy tokens."""
+    from shardline import LLM
+
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"{path}=off")
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    paths = llm.llm_engine.cpu_paths
+    off = PATH_NAMES if path == "all" else (path,)
+    assert not any(getattr(paths, name) for name in off)
+    assert all(why == "turned off by SHARDLINE_CPU_PATHS" for name, why in paths.reasons if name in off)
+    model = llm.llm_engine.model
+    if "packed_linears" in off:
+        assert not any(hasattr(m, "shardline_packed_weight") or hasattr(m, "shardline_packed_gate_up")
+                       for m in model.modules())
+    if "fused_kernels" in off:
+        assert not any("forward" in vars(layer) for layer in model.model.layers)
+    assert greedy(llm) == hf_float32_tokens
+    llm.close()
+    llm = LLM(tiny_llama_dir, dtype="bfloat16")
+    assert all(len(tokens) == 8 for tokens in greedy(llm))
+    llm.close()
+
+
+def test_unknown_path_setting_names_the_item(monkeypatch):
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "prefill_kernel=off, decode=on")
+    with pytest.raises(ValueError, match="'decode=on'"):
+        path_settings()
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=off,decode_kernel=on")
+    assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
+                               "prefill_kernel": False}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,
+                    reason="needs oneDNN and a C compiler to race anything")
+def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
+    """Without settings, packed linears and the prefill kernel race their torch
+    alternatives; the result is cached per host and shape, and a cached ratio below
+    the margin keeps the torch path."""
+    monkeypatch.delenv("SHARDLINE_CPU_PATHS")
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
+    paths = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
+    reasons = dict(paths.reasons)
+    assert reasons["packed_linears"].startswith("measured ") and reasons["prefill_kernel"].startswith("measured ")
+    cache = tmp_path / "cpu_paths.json"
+    measured = json.loads(cache.read_text())
+    assert len(measured) == 2 and all(isinstance(ratio, float) and ratio > 0 for ratio in measured.values())
+    # Ratios the other side of the margin, as a host where torch wins would measure.
+    cache.write_text(json.dumps({key: 0.5 for key in measured}))
+    slower = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
+    assert not slower.packed_linears and not slower.prefill_kernel
+    assert dict(slower.reasons)["packed_linears"] == "measured 0.50x torch's matmul"
+    assert dict(slower.reasons)["prefill_kernel"] == "measured 0.50x SDPA"
+    assert slower.decode_kernel == paths.decode_kernel  # not raced
+    cache.write_text(json.dumps({key: 2.0 for key in measured}))
+    faster = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
+    assert faster.packed_linears and faster.prefill_kernel
+
+
+def test_float64_takes_no_packed_or_fused_path():
+    paths = choose_cpu_paths(torch.float64, SHAPE, rows_hint=64)
+    assert not paths.packed_linears and not paths.fused_kernels and not paths.prefill_kernel
+    assert dict(paths.reasons)["packed_linears"] == "oneDNN has no float64 matmul"
+
+
+def test_the_choice_is_logged_once_at_load(tiny_llama_dir, caplog):
+    from shardline import LLM
+
+    with caplog.at_level("INFO", logger=cpu_paths.__name__):
+        LLM(tiny_llama_dir, dtype="float32").close()
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_paths.__name__]
+    assert len(lines) == 1 and lines[0].startswith("CPU paths for float32 on ")
+    assert all(name in lines[0] for name in PATH_NAMES)
+
+
+AVX2_HOST = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "SHARDLINE_CPU_TARGET": "x86-64-v3"}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None
+                    or native.compiler_vector_isa(native._compiler(), "x86-64-v3") != "avx2",
+                    reason="an AVX2 configuration needs an x86-64 host and a compiler that targets AVX2")
+def test_an_avx2_host_loads_bfloat16_and_gives_the_same_tokens(tiny_llama_dir, hf_float32_tokens):
+    """oneDNN limited to AVX2, torch's kernels at AVX2 and the C kernels built for
+    x86-64-v3, as on an AVX2 host: bfloat16 loads (its linears through torch's
+    matmul, since oneDNN has no bfloat16 there) and float32 gives transformers'
+    tokens. oneDNN reads its limit once per process, hence a child process."""
+    script = (
+        "import json, sys\n"
+        "from shardline import LLM, SamplingParams\n"
+        "prompts = json.loads(sys.argv[2])\n"
+        "params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)\n"
+        "result = {}\n"
+        "for dtype in ('float32', 'bfloat16'):\n"
+        "    llm = LLM(sys.argv[1], dtype=dtype)\n"
+        "    outputs = llm.generate([{'prompt_token_ids': p} for p in prompts], params, use_tqdm=False)\n"
+        "    paths = llm.llm_engine.cpu_paths\n"
+        "    result[dtype] = {'tokens': [list(o.outputs[0].token_ids) for o in outputs],\n"
+        "                     'reasons': dict(paths.reasons), 'prefill': paths.prefill_kernel}\n"
+        "print(json.dumps(result))\n"
+    )
+    env = {**os.environ, **AVX2_HOST}
+    run = subprocess.run([sys.executable, "-c", script, tiny_llama_dir, json.dumps(PROMPTS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["float32"]["tokens"] == hf_float32_tokens
+    assert result["float32"]["prefill"]  # the AVX2 build of the prefill kernel runs
+    assert result["bfloat16"]["reasons"]["packed_linears"] == "oneDNN reports no bfloat16 support on this CPU"
+    assert all(len(tokens) == 8 for tokens in result["bfloat16"]["tokens"])
