@@ -25,7 +25,7 @@ from typing import Any
 from .errors import JobError, ModelUnusable, PipelineError, describe
 from .job import BatchJob, JobTask
 from .retrying import retry_storage
-from .storage import Shard, filesystem, join, list_shards
+from .storage import Shard, filesystem, join, list_shards, make_directory
 
 _PATH_PREFIXES = ("/", "./", "../", "~", "file://")
 
@@ -147,7 +147,7 @@ def check_output(job: BatchJob) -> None:
     fs, path = filesystem(job.output, job.storage())
     probe = join(path, "_tmp", f".shardline-probe-{uuid.uuid4().hex}")
     probe_url = fs.unstrip_protocol(probe)
-    retry_storage(lambda: fs.makedirs(join(path, "_tmp"), exist_ok=True), "write", probe_url, fs)
+    make_directory(fs, join(path, "_tmp"), probe_url)
     retry_storage(lambda: fs.pipe_file(probe, b"shardline write probe"), "write", probe_url, fs)
     retry_storage(lambda: fs.rm_file(probe), "delete", probe_url, fs)
 

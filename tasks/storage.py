@@ -20,8 +20,8 @@ from fsspec.spec import AbstractFileSystem
 from .errors import NoShardsFound, StorageError, StorageNotFound
 from .retrying import retry_storage
 
-__all__ = ["NoShardsFound", "Shard", "StorageError", "exists", "filesystem", "join", "list_shards", "read_bytes",
-           "remove_stale_temporaries", "retry_storage", "write_atomic"]
+__all__ = ["NoShardsFound", "Shard", "StorageError", "exists", "filesystem", "join", "list_shards", "make_directory",
+           "read_bytes", "remove_stale_temporaries", "retry_storage", "write_atomic"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
@@ -94,10 +94,7 @@ def list_shards(
         found = {path: retry_storage(lambda: fs.info(path), "list", input_url, fs)}
     else:
         root = path.rstrip("/")
-        try:
-            found = retry_storage(lambda: fs.find(path, detail=True), "list", input_url, fs)
-        except StorageNotFound:
-            found = {}  # a prefix with nothing under it (or no such bucket): reported below
+        found = retry_storage(lambda: fs.find(path, detail=True), "list", input_url, fs)  # no bucket: raises
     shards = []
     for found_path, info in found.items():
         found_path = found_path.rstrip("/")
@@ -151,13 +148,20 @@ def write_atomic(uri: str, data: bytes, storage_options: dict[str, Any] | None =
     fs, path = filesystem(uri, storage_options)
     directory, name = path.rsplit("/", 1)
     temp_path = f"{directory}/_tmp/{name}.{uuid.uuid4().hex}"
-    retry_storage(lambda: fs.makedirs(f"{directory}/_tmp", exist_ok=True), "write", uri, fs)
+    make_directory(fs, f"{directory}/_tmp", uri)
     retry_storage(lambda: fs.pipe_file(temp_path, data), "write", uri, fs)
     if isinstance(fs, LocalFileSystem):
         retry_storage(lambda: fs.mv(temp_path, path), "commit", uri, fs)  # a rename
     else:  # a server-side copy, atomic per key, then the temporary's removal
         retry_storage(lambda: fs.copy(temp_path, path), "commit", uri, fs)
         _remove_quietly(fs, temp_path, uri)
+
+
+def make_directory(fs: AbstractFileSystem, path: str, uri: str) -> None:
+    """Create ``path`` on a local disk. Object stores have no directories, and s3fs's
+    makedirs would create a missing bucket: a job must fail on one, not make it."""
+    if isinstance(fs, LocalFileSystem):
+        retry_storage(lambda: fs.makedirs(path, exist_ok=True), "write", uri, fs)
 
 
 def _remove_quietly(fs: AbstractFileSystem, path: str, uri: str) -> None:

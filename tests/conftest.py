@@ -160,3 +160,93 @@ def make_job(tiny_model: str, tmp_path):
         return BatchJob(**values)
 
     return make
+
+
+# --- A SeaweedFS server the fault tests may stop and restart (issue 19) -----------------
+
+S3_READER_ACCESS_KEY = "shardline-test-reader"
+S3_READER_SECRET_KEY = "shardline-test-READER-SECRET-2b8e"  # a read-only identity
+S3_WRITER_ACCESS_KEY = "shardline-test-writer"
+S3_WRITER_SECRET_KEY = "shardline-test-WRITER-SECRET-5c1d"  # reads and writes, no admin: creates no bucket
+
+
+@dataclass
+class ControlledS3Server(S3Server):
+    """A SeaweedFS server of a test's own: ``stop()`` and ``start()`` it (same ports, same
+    data) to cause a real outage; a second, read-only identity for permission faults."""
+
+    command: list = None
+    root: Path = None
+    process: subprocess.Popen | None = None
+
+    def reader_options(self) -> dict:
+        """Storage options of the identity that may read and list, but not write."""
+        return {"key": S3_READER_ACCESS_KEY, "secret": S3_READER_SECRET_KEY,
+                "client_kwargs": {"endpoint_url": self.endpoint_url}}
+
+    def writer_options(self) -> dict:
+        """Storage options of an ordinary identity: read, write, list; no bucket creation
+        (SeaweedFS lets an admin's write create a missing bucket)."""
+        return {"key": S3_WRITER_ACCESS_KEY, "secret": S3_WRITER_SECRET_KEY,
+                "client_kwargs": {"endpoint_url": self.endpoint_url}}
+
+    def start(self) -> None:
+        log = open(self.root / "weed.log", "ab")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait_until_serving()
+
+    def stop(self) -> None:
+        """Take the whole server down at once (as a crash or a network cut would)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def _wait_until_serving(self, timeout: float = 90) -> None:
+        import s3fs
+
+        deadline = time.monotonic() + timeout
+        fs = s3fs.S3FileSystem(**self.storage_options(), skip_instance_cache=True)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed exited: {(self.root / 'weed.log').read_text()[-2000:]}")
+            try:
+                if not fs.exists(TEST_BUCKET):
+                    fs.mkdir(TEST_BUCKET)
+                fs.pipe_file(f"{TEST_BUCKET}/ready-probe", b"ok")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not come up: {(self.root / 'weed.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+
+
+@pytest.fixture(scope="session")
+def controlled_s3(tmp_path_factory: pytest.TempPathFactory) -> ControlledS3Server:
+    """A SeaweedFS server that fault tests stop and restart; always running between tests."""
+    root = tmp_path_factory.mktemp("seaweedfs-faults")
+    (root / "data").mkdir()
+    config = {"identities": [
+        {"name": "tester", "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+         "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+        {"name": "reader", "credentials": [{"accessKey": S3_READER_ACCESS_KEY, "secretKey": S3_READER_SECRET_KEY}],
+         "actions": ["Read", "List"]},
+        {"name": "writer", "credentials": [{"accessKey": S3_WRITER_ACCESS_KEY, "secretKey": S3_WRITER_SECRET_KEY}],
+         "actions": ["Read", "Write", "List"]}]}
+    (root / "s3.json").write_text(json.dumps(config))
+    master, volume, filer, s3, master_grpc, volume_grpc, filer_grpc, s3_grpc = _free_ports(8)
+    command = [
+        _weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=100",
+        "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+    ]
+    server = ControlledS3Server(f"http://127.0.0.1:{s3}", S3_ACCESS_KEY, S3_SECRET_KEY, command=command, root=root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
