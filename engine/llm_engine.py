@@ -32,7 +32,7 @@ from .reasoning import make_reasoning_parser
 from .request import Request, RequestStatus
 from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .structured_outputs import StructuredOutputError, StructuredOutputManager, is_allowed
+from .structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
 
 
 
@@ -230,10 +230,11 @@ class LLMEngine:
         if rows:
             bitmask, restricted = self.structured.bitmask(rows, [self._sample_state(row.request) for row in rows])
             sampled = self.sampler(logits, rows, bitmask)
+            forbidden = forbidden_picks(bitmask, restricted, sampled.token_ids)
             for i, (row, token_id, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
                 state, index = self._sequence_owner[row.request.request_id]
                 try:
-                    if i in restricted and not is_allowed(bitmask, i, token_id):
+                    if i in forbidden:
                         raise StructuredOutputError(
                             f"request {state.request_id!r}: no token satisfies both its structured output (or "
                             "reasoning budget) and its other sampling constraints (allowed_token_ids, bad_words, "

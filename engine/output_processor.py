@@ -23,7 +23,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
 from .request import Request, RequestStatus
-from .structured_outputs import GrammarState, StructuredOutputError
+from .structured import GrammarState, StructuredOutputError
 
 
 @dataclass

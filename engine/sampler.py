@@ -17,7 +17,7 @@ import torch
 
 from .params import SamplingParams, SamplingType
 from .request import Request
-from .structured_outputs import apply_token_bitmask
+from .structured import apply_token_bitmask
 
 
 @dataclass

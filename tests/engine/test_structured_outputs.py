@@ -13,8 +13,9 @@ import torch
 
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
-from shardline.engine.structured_outputs import (
-    StructuredOutputError, apply_token_bitmask, grammar_key, new_bitmask, allow_only, is_allowed,
+from shardline.engine.structured import (
+    StructuredOutputError, allow_only, allow_token, apply_token_bitmask, apply_token_bitmask_reference,
+    forbidden_picks, grammar_key, new_bitmask,
 )
 
 PERSON = {
@@ -272,10 +273,25 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_llama_dir):
 def test_bitmask_application_masks_only_restricted_rows():
     logits = torch.randn(3, 70, dtype=torch.float64)
     bitmask = new_bitmask(3, 70)
-    allow_only(bitmask, 1, 63)
+    allow_only(bitmask, 1, 63)  # bit 31 of a word: its sign bit
     allow_only(bitmask, 2, 69)
+    allow_token(bitmask, 2, 0)
     masked = apply_token_bitmask(logits, bitmask)
     assert torch.equal(masked[0], logits[0])
     assert masked[1].isfinite().nonzero().flatten().tolist() == [63]
-    assert masked[2].isfinite().nonzero().flatten().tolist() == [69]
-    assert is_allowed(bitmask, 1, 63) and not is_allowed(bitmask, 1, 62)
+    assert masked[2].isfinite().nonzero().flatten().tolist() == [0, 69]
+    assert forbidden_picks(bitmask, {1, 2}, [5, 63, 69]) == set()
+    assert forbidden_picks(bitmask, {1, 2}, [5, 62, 1]) == {1, 2}
+    assert forbidden_picks(bitmask, {0}, [5, 62, 1]) == set()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_xgrammar_bitmask_kernel_matches_the_reference(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=generator).to(dtype)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 32), dtype=torch.int32, generator=generator)
+    bitmask[0] = -1  # an unrestricted row
+    expected = apply_token_bitmask_reference(logits, bitmask)
+    masked = apply_token_bitmask(logits.clone(), bitmask)
+    assert torch.equal(masked, expected)
+    assert torch.equal(masked[0], logits[0]) and not masked[1:].isfinite().all()

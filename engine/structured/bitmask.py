@@ -1,0 +1,123 @@
+"""Token bitmasks: one [N, ceil(V / 32)] int32 tensor per step for the whole batch
+(xgrammar's layout: bit j of word w allows token 32 * w + j), filled on the host and
+applied to the logits as one operation.
+
+Invariant: a row that nothing restricts is all ones, so applying the batch's bitmask
+leaves its logits bit for bit as they were: constrained and unconstrained rows of
+one batch do not affect each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reasoning import Phase, ReasoningTracker
+from .grammar import GrammarCompiler, GrammarState
+
+
+def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(V / 32)] int32, every token allowed. Bit j of word w is token
+    32 * w + j (xgrammar's layout)."""
+    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Restrict ``row`` to the single token ``token_id``."""
+    bitmask[row] = 0
+    allow_token(bitmask, row, token_id)
+
+
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    word, bit = divmod(token_id, 32)
+    bitmask[row, word] |= _bit(bit)
+
+
+def allows_only(bitmask: torch.Tensor, row: int, token_ids: set[int]) -> bool:
+    """Whether ``row`` allows no token outside ``token_ids``."""
+    remaining = bitmask[row].clone()
+    for token_id in token_ids:
+        word, bit = divmod(token_id, 32)
+        if word < remaining.shape[0]:
+            remaining[word] &= ~_bit(bit)
+    return not bool(remaining.any())
+
+
+def _bit(bit: int) -> int:
+    """The int32 value with only ``bit`` set (bit 31 is the sign bit)."""
+    return -(1 << 31) if bit == 31 else 1 << bit
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with every token the bitmask forbids set to -inf, as one operation over
+    the whole batch. logits: [N, V]; bitmask: [N, ceil(V / 32)] int32 on the host.
+
+    On CPU, float32/bfloat16/float16 logits are masked in place by xgrammar's kernel
+    (several times faster than the reference there); anything else, CUDA included,
+    goes through ``apply_token_bitmask_reference``, which tests compare it with.
+    """
+    num_rows, vocab_size = logits.shape
+    assert bitmask.shape == (num_rows, (vocab_size + 31) // 32) and bitmask.dtype == torch.int32, (
+        bitmask.shape, bitmask.dtype, logits.shape)
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
+        return logits
+    return apply_token_bitmask_reference(logits, bitmask)
+
+
+# The bit of each of a byte's 8 tokens (the bitmask's int32 words, little-endian, are
+# 4 such bytes: token 32 * w + 8 * k + j is bit j of byte k of word w).
+_BYTE_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Plain-torch ``apply_token_bitmask`` on any device and dtype: the bitmask is
+    unpacked bytewise into a [N, V] forbidden mask and applied by one masked fill."""
+    num_rows, vocab_size = logits.shape
+    packed = bitmask.to(logits.device, non_blocking=True).contiguous().view(torch.uint8)  # [N, 4W]
+    bits = torch.tensor(_BYTE_BITS, dtype=torch.uint8).to(logits.device, non_blocking=True)
+    forbidden = ((packed[:, :, None] & bits) == 0).view(num_rows, -1)[:, :vocab_size]
+    return logits.masked_fill(forbidden, float("-inf"))
+
+
+def forbidden_picks(bitmask: torch.Tensor | None, rows: set[int], token_ids: list[int]) -> set[int]:
+    """The rows among ``rows`` whose sampled token the (host) bitmask forbids, in one
+    gather: rows where the other sampling constraints left no allowed token."""
+    if bitmask is None or not rows:
+        return set()
+    ordered = sorted(rows)
+    tokens = torch.tensor([token_ids[row] for row in ordered], dtype=torch.int64)
+    words = bitmask[torch.tensor(ordered, dtype=torch.int64), tokens // 32].to(torch.int64)
+    allowed = ((words >> (tokens % 32)) & 1).tolist()
+    return {row for row, bit in zip(ordered, allowed) if not bit}
+
+
+def step_bitmask(compiler: GrammarCompiler, grammars: list[GrammarState | None],
+                 trackers: list[ReasoningTracker | None], vocab_size: int) -> tuple[torch.Tensor | None, set[int]]:
+    """The bitmask of one step's rows and the set of rows it restricts (None and an
+    empty set when it restricts none).
+
+    A row whose reasoning budget is spent may only end its reasoning; a row with a
+    grammar follows it once its reasoning is over (before its first token, a Qwen3
+    style row may also open its reasoning instead); every other row is free.
+    """
+    grammar_rows, row_grammars, open_tags, forced = [], [], [], []
+    for row, (grammar, tracker) in enumerate(zip(grammars, trackers)):
+        if tracker is not None and tracker.must_end_reasoning:
+            forced.append((row, tracker.parser.end_token_id))
+        elif grammar is not None and (tracker is None or tracker.phase is not Phase.REASONING):
+            grammar_rows.append(row)
+            row_grammars.append(grammar)
+            if tracker is not None and tracker.phase is Phase.UNDECIDED:
+                open_tags.append((row, tracker.parser.start_token_id))
+    if not grammar_rows and not forced:
+        return None, set()
+    bitmask = new_bitmask(len(grammars), vocab_size)
+    if grammar_rows:
+        compiler.fill_bitmask(row_grammars, bitmask, grammar_rows)
+    for row, token_id in open_tags:
+        allow_token(bitmask, row, token_id)
+    for row, token_id in forced:
+        allow_only(bitmask, row, token_id)
+    return bitmask, set(grammar_rows) | {row for row, _ in forced}
