@@ -93,6 +93,21 @@ def test_json_object_and_ebnf_grammar(tiny_llm):
         assert re.fullmatch(r"\((?:[0-9]|x)(?:,(?:[0-9]|x))*\)", output.outputs[0].text)
 
 
+def test_structural_tag_wraps_a_schema(tiny_llm):
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<answer>"},
+        {"type": "json_schema", "json_schema": LABELS},
+        {"type": "const_string", "value": "</answer>"}]}}
+    outputs = tiny_llm.generate(PROMPTS[:4], [structured(seed=i, structural_tag=json.dumps(tag), max_tokens=200)
+                                              for i in range(4)], use_tqdm=False)
+    for output in outputs:
+        if output.outputs[0].finish_reason == "stop":
+            text = output.outputs[0].text
+            assert text.startswith("<answer>") and text.endswith("</answer>")
+            jsonschema.validate(json.loads(text[len("<answer>"):-len("</answer>")]), LABELS)
+    assert any(o.outputs[0].finish_reason == "stop" for o in outputs)
+
+
 def test_choice_outputs_are_always_one_of_the_choices(tiny_llm):
     choices = ["yes", "no", "maybe so", 'say "hi"', "東京", "a\nb"]
     greedy = tiny_llm.generate(PROMPTS, structured(temperature=0.0, seed=None, choice=choices), use_tqdm=False)
