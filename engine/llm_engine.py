@@ -195,8 +195,8 @@ class LLMEngine:
         """Run one engine iteration; return the outputs of requests that finished in it."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            # Nothing to compute; sequences held for their grammar sample once it compiles.
-            return self._sample([], None) if self.structured.has_held() else self._take_finished_outputs()
+            # Nothing to compute: wait for a held sequence's grammar, then sample it.
+            return self._sample([], None, wait=True) if self.structured.has_held() else self._take_finished_outputs()
         self.num_steps += 1
         try:
             model_output = self.runner.execute(scheduler_output)
@@ -217,15 +217,16 @@ class LLMEngine:
         logits = take_rows(model_output.logits, [row.logits_row for row in rows]) if rows else None
         return self._sample(rows, logits)
 
-    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None, wait: bool = False) -> list[RequestOutput]:
         """Sample one token for each row (logits: [len(rows), V]) and for each held
-        sequence whose grammar has compiled since; hold the rows whose grammar has not.
+        sequence whose grammar has compiled since (``wait``: wait for one first); hold
+        the rows whose grammar has not.
         A request whose grammar fails to compile, or whose sampled token its grammar
         rejects, is aborted and a StructuredOutputError raised after the others' tokens
         are appended (their finished outputs come from the next step)."""
         failures: dict[str, StructuredOutputError] = {}
         rows, logits = self.structured.hold(rows, logits, self._state_of, failures)
-        rows, logits = self.structured.release(rows, logits, self._state_of, self._held_row, failures)
+        rows, logits = self.structured.release(rows, logits, self._state_of, self._held_row, failures, wait)
         finished_states = []
         if rows:
             bitmask, restricted = self.structured.bitmask(rows, [self._sample_state(row.request) for row in rows])

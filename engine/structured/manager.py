@@ -67,12 +67,13 @@ class StructuredOutputManager:
 
     def release(self, rows: list[SampleRow], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
                 row_of: Callable[[str], SampleRow], failures: dict[str, StructuredOutputError],
-                ) -> tuple[list[SampleRow], torch.Tensor | None]:
+                wait_first: bool = False) -> tuple[list[SampleRow], torch.Tensor | None]:
         """``rows`` plus the held sequences whose grammar has compiled, with their
-        logits appended; with no other row to sample, first waits for a grammar."""
+        logits appended. ``wait_first`` (when the engine has nothing else to compute):
+        first wait until one of their grammars is ready."""
         if not self._held_logits:
             return rows, logits
-        if not rows:
+        if wait_first:
             wait({state_of(s).grammar for s in self._held_logits} - {None}, return_when=FIRST_COMPLETED)
         released, released_logits = [], []
         for sequence_id in list(self._held_logits):

@@ -235,6 +235,19 @@ def test_invalid_constraint_is_an_add_time_error_naming_the_request(tiny_llm):
         assert not engine.has_unfinished_requests()
 
 
+def test_constraints_that_leave_no_token_are_an_error_naming_the_request(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    only_digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    contradictory = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=only_digits,
+                                   structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    fine = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(StructuredOutputError, match=r"request '\d+': no token satisfies"):
+        tiny_llm.generate(PROMPTS[:3], [fine, contradictory, fine], use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+    [after] = tiny_llm.generate(PROMPTS[0], fine, use_tqdm=False)
+    assert len(after.outputs[0].token_ids) == 8
+
+
 def test_params_need_exactly_one_constraint():
     with pytest.raises(ValueError, match="only use one kind"):
         StructuredOutputsParams(json=PERSON, regex="a")
