@@ -65,7 +65,7 @@ def batch_inference(
                 job.model, job.task.value)
     if execution.gpu_concurrency_limit:
         _require_concurrency_limit(execution.gpu_concurrency_limit)
-    shards = preflight_task(job)
+    shards = preflight_task(job, model_here=execution.task_runner != TaskRunnerKind.RAY)
     entries, todo = ([], shards) if reprocess_completed else _skip_done(shards, job)
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
     progress = ShardProgress(total=len(shards), finished=len(entries))

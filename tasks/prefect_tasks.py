@@ -37,10 +37,10 @@ def _retriable(task_obj: Any, task_run: Any, state: Any) -> bool:
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight_task(job: BatchJob) -> list[storage.Shard]:
+def preflight_task(job: BatchJob, model_here: bool = True) -> list[storage.Shard]:
     """The pre-flight checks (model, output, input); the input's shards. Never retried:
     what it finds is permanent, and transient storage errors are retried inside."""
-    return preflight.preflight(job)
+    return preflight.preflight(job, model_here=model_here)
 
 
 @task(name="list-shards", cache_policy=NO_CACHE, retries=2,

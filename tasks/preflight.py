@@ -42,13 +42,14 @@ class PreflightFailed(JobError):
         return (PreflightFailed, (self.errors,))
 
 
-def preflight(job: BatchJob, check_input: bool = True) -> list[Shard]:
-    """Check the model, the output and (``check_input``) the input of ``job``; return
-    the input's shards (empty when not checked). Raises PreflightFailed naming every
-    problem found."""
+def preflight(job: BatchJob, check_input: bool = True, model_here: bool = True) -> list[Shard]:
+    """Check the model (``model_here``: when this host has it, unlike a Ray driver whose
+    workers hold the model), the output and (``check_input``) the input of ``job``;
+    return the input's shards (empty when not checked). Raises PreflightFailed naming
+    every problem found."""
     errors: list[PipelineError] = []
     shards: list[Shard] = []
-    for check in (check_model, check_output):
+    for check in (check_model, check_output) if model_here else (check_output,):
         try:
             check(job)
         except PipelineError as exc:

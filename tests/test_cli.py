@@ -90,6 +90,16 @@ def test_an_unknown_model_fails_in_seconds_with_one_line(tmp_path, capsys):
             print(f"\nunknown model {model}: exit {code} in {elapsed:.1f}s: {lines}")
 
 
+def test_debug_shows_the_traceback_of_an_expected_error(tmp_path, capsys, monkeypatch):
+    write_sample_dataset(str(tmp_path / "in"), num_shards=1, rows_per_shard=2)
+    argv = ["run", str(tmp_path / "in"), str(tmp_path / "out"), "--model", str(tmp_path / "none")]
+    assert main(["--debug", *argv]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("SHARDLINE_DEBUG", "0")
+    assert main(argv) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def _s3_faults(server, prefix: str) -> dict[str, tuple[str, str, dict, str]]:
     """name -> (input URL, output URL, storage options, what one of the lines must say)."""
     wrong = {**server.storage_options(), "secret": "a-wrong-SECRET-value-9d1"}

@@ -86,6 +86,26 @@ def test_corrupt_and_truncated_shards_fail_alone_in_one_line_and_cost_no_engine_
     assert all("\n" not in e["message"] for e in by_shard.values() if e["message"])
     record = flow_run_record(state.state_details.flow_run_id)
     text = everything_as_text(record)
+    assert not any("Retry" in line for line in record["logs"])  # corrupt input is never retried
     assert controlled_s3.secret_key not in text and controlled_s3.secret_key not in repr(summary)
     assert elapsed < 120  # no storage retries for corrupt objects (a flow run of 5 small shards)
     print(f"\ncorrupt shards: flow finished in {elapsed:.1f}s; engine requests {engine_requests() - before}")
+
+
+def test_a_flow_run_from_the_ui_fails_its_pre_flight_check_before_any_shard(controlled_s3, make_job):
+    prefix = controlled_s3.new_prefix()
+    write_sample_dataset(f"s3://{prefix}/in", num_shards=2, rows_per_shard=2,
+                         storage_options=controlled_s3.storage_options())
+    job = make_job(input=f"s3://{prefix}/in", output=f"s3://{prefix}/out", storage_options=controlled_s3.reader_options())
+    before = engine_requests()
+    started = time.monotonic()
+    state = batch_inference(job, return_state=True)
+    elapsed = time.monotonic() - started
+    error = state.result(raise_on_failure=False)
+    assert state.is_failed() and type(error).__name__ == "PreflightFailed"
+    assert str(error).startswith(f"write s3://{prefix}/out/_tmp/.shardline-probe-")
+    assert "PermissionError: Access Denied." in str(error) and "\n" not in str(error)
+    assert engine_requests() == before and elapsed < 30
+    record = flow_run_record(state.state_details.flow_run_id)
+    assert not any("Retry" in line for line in record["logs"])  # a permanent error is never retried
+    assert "S3_READER" not in everything_as_text(record) and "READER-SECRET" not in everything_as_text(record)
