@@ -14,7 +14,8 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from shardline.tasks.job import BatchJob
-from shardline.tasks.shard_reader import ShardError
+from shardline.tasks.errors import PipelineError
+from shardline.tasks.shard_job import task_may_retry
 
 from .connection import get_storage_options
 from .shard_batch import ShardBatch, job_fields, make_job, shard_from_xcom
@@ -73,7 +74,11 @@ class ShardInferenceOperator(BaseOperator):
         self._batch = ShardBatch(job, engine_service=self.engine_service)
         try:
             manifests = self._batch.run(shards)
-        except ShardError as exc:  # the shard itself is bad: retrying cannot help
+        except PipelineError as exc:  # one line naming operation and object (tasks/errors.py)
+            if task_may_retry(exc):
+                raise  # an engine that failed: Airflow's retries may run the task again
+            # permanent (a bad shard, access denied, a missing bucket) or a write that failed after
+            # its own retries: an Airflow retry would only repeat it, or recompute the engine's work
             raise AirflowFailException(str(exc)) from exc
         return manifests[0] if one else manifests
 
