@@ -167,7 +167,7 @@ def classify(exc: BaseException) -> ErrorKind:
 
 
 def _library_kind(exc: BaseException) -> ErrorKind | None:
-    """The kind of a botocore, aiohttp or fsspec exception; None for anything else."""
+    """The kind of a botocore, aiohttp, Ray or fsspec exception; None for anything else."""
     fsspec_exceptions = sys.modules.get("fsspec.exceptions")
     if fsspec_exceptions is not None and isinstance(exc, fsspec_exceptions.FSTimeoutError):
         return ErrorKind.TRANSIENT
@@ -181,6 +181,12 @@ def _library_kind(exc: BaseException) -> ErrorKind | None:
         if isinstance(exc, (botocore.HTTPClientError, botocore.ConnectionError, botocore.IncompleteReadError,
                             botocore.ResponseStreamingError)):
             return ErrorKind.TRANSIENT  # EndpointConnectionError, ConnectionClosedError, timeouts
+    ray = sys.modules.get("ray.exceptions")
+    if ray is not None and isinstance(exc, ray.RayError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, ray.RayTaskError) and isinstance(cause, BaseException) and cause is not exc:
+            return classify(cause)  # the task's own exception, carried across
+        return ErrorKind.ENGINE  # a worker, node or object lost: the shard may run again elsewhere
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
         if isinstance(exc, aiohttp.ClientResponseError):

@@ -57,6 +57,9 @@ def test_library_and_python_errors_are_sorted_by_kind():
     assert classify(ConnectionResetError()) is ErrorKind.TRANSIENT and classify(TimeoutError()) is ErrorKind.TRANSIENT
     assert classify(MemoryError()) is ErrorKind.ENGINE
     assert classify(TypeError("a bug")) is ErrorKind.PERMANENT
+    from ray.exceptions import WorkerCrashedError
+
+    assert classify(WorkerCrashedError()) is ErrorKind.ENGINE  # a worker that died: the shard may run again
 
 
 def test_messages_are_one_line_and_carry_no_secret():
