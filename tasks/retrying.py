@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import ErrorKind, PipelineError, classify, describe, redact, secret_values, storage_error
+from .errors import ErrorKind, JobError, PipelineError, classify, describe, redact, secret_values, storage_error
 
 logger = logging.getLogger("shardline.tasks.storage")
 
@@ -54,7 +54,7 @@ class StorageRetry:
         except ValueError:
             seconds = -1.0
         if seconds < 0:
-            raise ValueError(f"{RETRY_SECONDS_ENV} must be a number of seconds >= 0, got {raw!r}")
+            raise JobError("check", RETRY_SECONDS_ENV, f"must be a number of seconds >= 0, got {raw!r}")
         return cls(total_seconds=seconds)
 
 

@@ -9,7 +9,7 @@ import fsspec
 import pytest
 
 from shardline.tasks.sample_data import write_rows
-from shardline.tasks.errors import ErrorKind, StorageNotFound
+from shardline.tasks.errors import ErrorKind, JobError, StorageNotFound
 from shardline.tasks.retrying import StorageRetry
 from shardline.tasks.storage import StorageError, list_shards, read_bytes, retry_storage, write_atomic
 
@@ -102,5 +102,5 @@ def test_storage_retry_budget_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "90")
     assert StorageRetry.from_env().total_seconds == 90
     monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "soon")
-    with pytest.raises(ValueError, match="SHARDLINE_STORAGE_RETRY_SECONDS must be .* got 'soon'"):
+    with pytest.raises(JobError, match="^check SHARDLINE_STORAGE_RETRY_SECONDS failed: must be .* got 'soon'"):
         StorageRetry.from_env()
