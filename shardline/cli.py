@@ -253,8 +253,9 @@ def _print_sample(output_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug_before = os.environ.get(DEBUG_ENV)
     if args.debug:
-        os.environ[DEBUG_ENV] = "1"
+        os.environ[DEBUG_ENV] = "1"  # for this command (and its children) only: restored below
     # Prefect's anonymous usage report needs the internet; a batch job should not try.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     previous = _handle_signals()
@@ -269,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_JOB_FAILED
     finally:
         _restore_signals(previous)
+        if debug_before is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = debug_before
 
 
 def _handle_signals() -> dict[int, Any]:
