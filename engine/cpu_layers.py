@@ -1,24 +1,24 @@
-"""Leaner forwards for a decoder's layers on the CPU path, with fused elementwise kernels.
+"""Leaner modules for a decoder's layers on the CPU path, with fused elementwise kernels.
 
 On CPU, the ops between a layer's matmuls cost more than their arithmetic: each torch
 op is a dispatch and a fresh temporary, and transformers' RMSNorm runs seven of them,
-rotary embeddings ten. This module gives modules forwards that run
+rotary embeddings ten. This module replaces modules by ones that run
 kernels/cpu_fused.c instead, one pass each:
 
 - ``fuse_rms_norms``: every RMSNorm-like module (a 1-D ``weight`` and an epsilon)
-  whose output the fused kernel reproduces on a probe input; Gemma-style norms
-  (``1 + weight``) fail the probe and keep their own forward.
+  whose output the fused kernel reproduces on a probe input becomes a FusedRMSNorm;
+  Gemma-style norms (``1 + weight``) fail the probe and stay as they are.
 - ``fuse_decoder_layers``: decoder layers of the Llama family (Llama, Mistral, Qwen2,
-  Qwen3) get one forward that calls the layer's own submodules (packed linears,
+  Qwen3) become FusedDecoderLayers, whose forward calls the layer's own submodules (packed linears,
   norms, LoRA wrappers, the engine's attention) but fuses the residual add into the
   next norm and rotates q and k in place, without transformers' per-call plumbing.
   Query, key and value projections run as one matmul over their weights packed side
   by side (unless LoRA wraps them): a decode step's three small matmuls each read
   their weights cold from memory, after attention has streamed the KV cache through
   the caches (64 rows: 0.55 ms for the three packed against 1.0 ms apart).
-  A layer gets it only if it gives the layer's own output on a probe step; anything
-  else (training, float64, no engine attention context) goes to the layer's own
-  forward.
+  A layer is replaced only if the replacement gives the layer's own output on a probe
+  step; anything else (training, float64, no engine attention context) goes to the
+  layer's own forward.
 - The last of those layers feeds only the final norm and the LM head, which read the
   rows the step samples. On a step that samples fewer rows than it runs (prefill
   chunks), it writes every token's keys and values to the cache but runs queries,
@@ -33,15 +33,15 @@ compare with transformers token for token.
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import AttentionContext
-from .cpu_linear import pack_side_by_side, packable_side_by_side, packed_matmul, reproduces
-from .kernels.cpu_attention import decode_attention, decode_kernel_available
+from .cpu_linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul, replace_module, \
+    reproduces
+from .kernels.cpu_attention import decode_attention
 from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from .torch_attention import write_kv_cache
 
@@ -74,135 +74,155 @@ def _norm_epsilon(module: nn.Module) -> float | None:
 def _is_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and _norm_epsilon(module) is not None and "forward" not in vars(module))
+            and _norm_epsilon(module) is not None and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES)
 
 
-def _fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # x: [..., hidden] -> [..., hidden]
-    if x.dtype != self.weight.dtype or torch.is_grad_enabled():
-        return type(self).forward(self, x)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rms_norm(rows, self.weight, self.shardline_eps).view(x.shape)
+class FusedRMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` in one pass of the fused kernel; ``norm``
+    is the original module, whose forward runs with gradients on or another dtype."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.eps = _norm_epsilon(norm)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden] -> [..., hidden]
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled():
+            return self.norm(x)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return rms_norm(rows, self.weight, self.eps).view(x.shape)
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
-    """Give every RMSNorm the fused kernel forward (see the module docstring); returns
-    how many were fused."""
+    """Replace every RMSNorm the fused kernel reproduces by a FusedRMSNorm (see the
+    module docstring); returns how many were replaced."""
+    targets = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
     num_fused = 0
-    for module in model.modules():
-        if not _is_rms_norm(module) or module.weight.device.type != "cpu" or module.weight.dtype not in FUSED_DTYPES:
-            continue
-        if not fused_kernels_available(module.weight.dtype):
-            return num_fused
-        probe = torch.randn(5, module.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
-        probe = probe.to(module.weight.dtype)
+    for name, norm in targets:
+        if not fused_kernels_available(norm.weight.dtype):
+            break
+        fused = FusedRMSNorm(norm)
+        probe = (torch.randn(5, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3)
+        probe = probe.to(norm.weight.dtype)
         with torch.no_grad():
-            expected = module(probe)
-            module.shardline_eps = _norm_epsilon(module)
-            module.forward = types.MethodType(_fused_rms_norm_forward, module)
-            fused = module(probe)
-        if _close(fused, expected):
+            same = _close(fused(probe), norm(probe))
+        if same:
+            replace_module(model, name, fused)
             num_fused += 1
         else:
-            del module.forward, module.shardline_eps
-            logger.info("%s is not weight * x / rms(x); it keeps its own forward", type(module).__name__)
+            logger.info("%s is not weight * x / rms(x); it keeps its own forward", type(norm).__name__)
     return num_fused
 
 
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for 2-D x, through the kernel when the norm was fused."""
-    if "forward" in vars(module) and hasattr(module, "shardline_eps"):
-        return rms_norm(x, module.weight, module.shardline_eps)
+    if isinstance(module, FusedRMSNorm):
+        return rms_norm(x, module.weight, module.eps)
     return module(x)
 
 
 def _add_norm(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """residual += delta in place (both [T, hidden]); returns module(residual)."""
-    if "forward" in vars(module) and hasattr(module, "shardline_eps"):
-        if residual.stride(1) == 1 and delta.stride(1) == 1:
-            return add_rms_norm_(residual, delta, module.weight, module.shardline_eps)
+    if isinstance(module, FusedRMSNorm) and residual.stride(1) == 1 and delta.stride(1) == 1:
+        return add_rms_norm_(residual, delta, module.weight, module.eps)
     residual.add_(delta)
     return module(residual)
 
 
-def _fused_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, position_embeddings=None,
-                         shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
-    # hidden_states: [1, T, hidden] -> [1, T, hidden]
-    if (args or shardline_ctx is None or position_embeddings is None or torch.is_grad_enabled()
-            or hidden_states.dtype not in FUSED_DTYPES):
-        return type(self).forward(self, hidden_states, *args, position_embeddings=position_embeddings,
-                                  shardline_ctx=shardline_ctx, **kwargs)
-    attention = self.self_attn
-    head_dim = attention.head_dim
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    tokens = x.shape[0]
-    if self.shardline_is_last and _reads_sampled_rows_only(shardline_ctx, tokens, attention):
-        return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
-    normed = _norm(self.input_layernorm, x)
-    query, key, value = _project_qkv(attention, normed)
-    if hasattr(attention, "q_norm"):  # Qwen3: a norm over each head before the rotation
-        query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
-        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
-    cos, sin = position_embeddings
-    rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
-    attended, _ = self.shardline_attend(
-        attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
-        dropout=0.0, scaling=attention.scaling, sliding_window=self.shardline_sliding_window,
-        shardline_ctx=shardline_ctx)
-    # The residual stream: x + attention's output, summed into o_proj's fresh output.
-    residual = attention.o_proj(attended.reshape(tokens, -1))
-    normed = _add_norm(self.post_attention_layernorm, residual, x)
-    return self.mlp(normed).add_(residual).view(hidden_states.shape)
+class FusedDecoderLayer(nn.Module):
+    """A Llama-family decoder layer's forward with the fused kernels, fused residual
+    adds and in-place rotation (see the module docstring). ``layer`` is the original,
+    whose submodules it calls, whose forward runs whatever this one does not take,
+    and whose other attributes (those the decoder reads, such as ``attention_type``)
+    it answers for."""
+
+    def __init__(self, layer: nn.Module, attend, is_last: bool, rows_hint: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attend = attend  # the engine's attention function, as registered with transformers
+        self.sliding_window = LAYER_WINDOWS[type(layer).__name__](layer.self_attn)
+        self.is_last = is_last  # the decoder's last layer feeds only its final norm and the LM head
+        attention = layer.self_attn
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        # q, k and v as one matmul over their weights packed side by side (not LoRA wrappers).
+        self.packed_qkv, self.qkv_bias, self.qkv_sizes = None, None, [p.out_features for p in projections]
+        if packable_side_by_side(projections):
+            self.packed_qkv, self.qkv_bias = pack_side_by_side(projections, rows_hint)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None,
+                shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
+        # hidden_states: [1, T, hidden] -> [1, T, hidden]
+        if (args or shardline_ctx is None or position_embeddings is None or torch.is_grad_enabled()
+                or hidden_states.dtype not in FUSED_DTYPES):
+            return self.layer(hidden_states, *args, position_embeddings=position_embeddings,
+                              shardline_ctx=shardline_ctx, **kwargs)
+        layer, attention = self.layer, self.layer.self_attn
+        head_dim = attention.head_dim
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = x.shape[0]
+        if self.is_last and _reads_sampled_rows_only(shardline_ctx, tokens):
+            return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
+        normed = _norm(layer.input_layernorm, x)
+        query, key, value = self._project_qkv(normed)
+        if hasattr(attention, "q_norm"):  # Qwen3: a norm over each head before the rotation
+            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+        cos, sin = position_embeddings
+        rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
+        attended, _ = self.attend(
+            attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
+            dropout=0.0, scaling=attention.scaling, sliding_window=self.sliding_window,
+            shardline_ctx=shardline_ctx)
+        # The residual stream: x + attention's output, summed into o_proj's fresh output.
+        residual = attention.o_proj(attended.reshape(tokens, -1))
+        normed = _add_norm(layer.post_attention_layernorm, residual, x)
+        return layer.mlp(normed).add_(residual).view(hidden_states.shape)
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H, D], keys and values [T, Hkv, D] of x [T, hidden]: one matmul over
+        the three weights packed side by side when they were (views of its output, rows
+        of D contiguous), else the three projections."""
+        attention = self.layer.self_attn
+        tokens, head_dim = x.shape[0], attention.head_dim
+        if self.packed_qkv is None or x.dtype != attention.o_proj.weight.dtype:
+            projections = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
+        else:
+            projections = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        return tuple(projection.view(tokens, -1, head_dim) for projection in projections)
 
 
-def _project_qkv(attention: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries [T, H, D], keys and values [T, Hkv, D] of x [T, hidden]: one matmul over
-    the three weights packed side by side when they were (views of its output, rows
-    of D contiguous), else the three projections."""
-    tokens, head_dim = x.shape[0], attention.head_dim
-    packed = getattr(attention, "shardline_packed_qkv", None)
-    if packed is None or x.dtype != attention.o_proj.weight.dtype:
-        projections = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
-    else:
-        projections = packed_matmul(x, packed, attention.shardline_qkv_bias).split(
-            attention.shardline_qkv_sizes, dim=-1)
-    return tuple(projection.view(tokens, -1, head_dim) for projection in projections)
-
-
-def _pack_qkv(attention: nn.Module, rows_hint: int) -> bool:
-    """Pack q_proj, k_proj and v_proj side by side for ``_project_qkv`` when all three
-    are packed plain linears (not LoRA wrappers) with biases alike; returns whether."""
-    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    if not packable_side_by_side(projections):
-        return False
-    attention.shardline_packed_qkv, attention.shardline_qkv_bias = pack_side_by_side(projections, rows_hint)
-    attention.shardline_qkv_sizes = [p.out_features for p in projections]
-    return True
-
-
-def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int, attention: nn.Module) -> bool:
+def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int) -> bool:
     """Whether the step reads this (last) layer's output at its sampled rows alone,
-    fewer than all, and the native decode kernel can attend them."""
-    if (ctx.sampled_rows is None or ctx.sampled_rows.numel() >= tokens or ctx.backend != "auto"
-            or not ctx.native_decode):
-        return False
-    k_cache = ctx.kv_caches[attention.layer_idx][0]
-    return decode_kernel_available(k_cache, attention.q_proj.out_features // attention.head_dim)
+    fewer than all, and the native decode kernel attends them."""
+    return (ctx.sampled_rows is not None and ctx.sampled_rows.numel() < tokens and ctx.backend == "auto"
+            and ctx.native_decode)
 
 
-def _sampled_rows_forward(self: nn.Module, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
+                          position_embeddings: tuple[torch.Tensor, torch.Tensor],
                           ctx: AttentionContext) -> torch.Tensor:
     """The last layer when only the sampled rows' outputs are read (the final norm and
     the LM head see nothing else): keys and values of every new token go into the
     cache, but queries, attention, o_proj and the MLP run on the sampled rows only,
     each a request's last token attending its whole context (one query per request,
     as in decoding). Other rows of the result are zeros. x: [T, hidden] -> [T, hidden]."""
-    attention = self.self_attn
+    layer, attention = self.layer, self.layer.self_attn
     head_dim, tokens = attention.head_dim, x.shape[0]
     rows = ctx.sampled_rows
-    normed = _norm(self.input_layernorm, x)
+    normed = _norm(layer.input_layernorm, x)
     key = attention.k_proj(normed).view(tokens, -1, head_dim)
     value = attention.v_proj(normed).view(tokens, -1, head_dim)
     if hasattr(attention, "k_norm"):
@@ -219,16 +239,16 @@ def _sampled_rows_forward(self: nn.Module, x: torch.Tensor, position_embeddings:
     rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
     attended = torch.empty_like(query)
     decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
-                     ctx.sampled_requests, attended, attention.scaling, self.shardline_sliding_window, None)
+                     ctx.sampled_requests, attended, attention.scaling, self.sliding_window, None)
     residual = attention.o_proj(attended.view(rows.numel(), -1))
-    normed = _add_norm(self.post_attention_layernorm, residual, x.index_select(0, rows))
+    normed = _add_norm(layer.post_attention_layernorm, residual, x.index_select(0, rows))
     out = x.new_zeros(x.shape)
-    return out.index_copy_(0, rows, self.mlp(normed).add_(residual))
+    return out.index_copy_(0, rows, layer.mlp(normed).add_(residual))
 
 
 def _has_llama_layout(layer: nn.Module) -> bool:
     attention = getattr(layer, "self_attn", None)
-    return (type(layer).__name__ in LAYER_WINDOWS and "forward" not in vars(layer) and attention is not None
+    return (type(layer).__name__ in LAYER_WINDOWS and attention is not None
             and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
                                                           "scaling", "config", "layer_idx"))
             and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")))
@@ -251,50 +271,48 @@ def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtyp
 
 
 def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:
-    """Give every Llama-family decoder layer the fused forward (see the module
-    docstring); returns how many were fused. ``rows_hint`` is the row count oneDNN
-    tunes the packed query, key and value weights for (see cpu_linear.pack_linears)."""
+    """Replace every Llama-family decoder layer by a FusedDecoderLayer where that gives
+    the layer's own output on a probe step (see the module docstring); returns how
+    many were replaced. ``rows_hint`` is the row count oneDNN tunes the packed query,
+    key and value weights for (see cpu_linear.pack_linears)."""
     num_fused = 0
     for decoder in model.modules():
         layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
         if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
             continue
         for position, layer in enumerate(layers):
-            if not _has_llama_layout(layer):
-                continue
-            weight = layer.self_attn.o_proj.weight
-            if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(
-                    weight.dtype):
-                continue
-            attend = ALL_ATTENTION_FUNCTIONS.get(layer.self_attn.config._attn_implementation)
-            if attend is None:
-                continue
-            expected = None
-            try:
-                with torch.no_grad():
-                    expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
-                    _pack_qkv(layer.self_attn, rows_hint)
-                    layer.shardline_attend = attend
-                    layer.shardline_sliding_window = LAYER_WINDOWS[type(layer).__name__](layer.self_attn)
-                    # The decoder's last layer feeds only its final norm and the LM head.
-                    layer.shardline_is_last = position == len(layers) - 1
-                    layer.forward = types.MethodType(_fused_layer_forward, layer)
-                    fused = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
-            except Exception as error:  # a layer the fused forward does not fit
-                fused = error
-            if _close(fused, expected):
+            fused = _fused_layer(layer, rotary_emb, is_last=position == len(layers) - 1, rows_hint=rows_hint)
+            if fused is not None:
+                layers[position] = fused
                 num_fused += 1
-                if hasattr(layer.self_attn, "shardline_packed_qkv") and not layer.shardline_is_last:
-                    # Their own packed copies are no longer read (the last layer's
-                    # sampled rows still project keys and values alone, queries at
-                    # fewer rows).
-                    for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                        del projection.shardline_packed_weight, projection.forward
-            else:
-                for name in ("forward", "shardline_attend", "shardline_sliding_window", "shardline_is_last"):
-                    vars(layer).pop(name, None)
-                for name in ("shardline_packed_qkv", "shardline_qkv_bias", "shardline_qkv_sizes"):
-                    vars(layer.self_attn).pop(name, None)
-                logger.info("%s does not match the fused Llama-family forward; it keeps its own",
-                            type(layer).__name__)
     return num_fused
+
+
+def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hint: int) -> FusedDecoderLayer | None:
+    """The layer's replacement, or None where it does not fit or would differ."""
+    if not _has_llama_layout(layer):
+        return None
+    weight = layer.self_attn.o_proj.weight
+    if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(weight.dtype):
+        return None
+    attend = ALL_ATTENTION_FUNCTIONS.get(layer.self_attn.config._attn_implementation)
+    if attend is None:
+        return None
+    try:
+        with torch.no_grad():
+            expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
+            fused = FusedDecoderLayer(layer, attend, is_last, rows_hint)
+            same = _close(_probe_layer(fused, rotary_emb, weight.shape[0], weight.dtype), expected)
+    except Exception:  # a layer the fused forward does not fit
+        same = False
+    if not same:
+        logger.info("%s does not match the fused Llama-family forward; it keeps its own", type(layer).__name__)
+        return None
+    attention = layer.self_attn
+    if fused.packed_qkv is not None and not is_last:
+        # Their own packed copies are no longer read (the last layer's sampled rows
+        # still project keys and values alone, queries at fewer rows).
+        attention.q_proj, attention.k_proj, attention.v_proj = (
+            projection.unpacked() if isinstance(projection, PackedLinear) else projection
+            for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+    return fused

@@ -1,12 +1,13 @@
-"""oneDNN matmuls for the CPU path: each nn.Linear runs on a weight packed once.
+"""oneDNN matmuls for the CPU path: linears replaced by modules that run on a weight packed once.
 
 torch's CPU ``nn.Linear`` calls MKL's sgemm. oneDNN's linear over a weight reordered
 once into its blocked layout is faster on the shapes a decoder runs (2-core AVX-512
 worker, hidden 512, float32: about 200 GFLOP/s against MKL's 120-140, for 64 to
-2048 rows; bench/bench_engine.py prints both peaks). The packed weight is an opaque
-oneDNN tensor held beside the module's own weight, which stays untouched for
-everything else that reads it (tied embeddings, LoRA, state dicts): on CPU the
-linear weights are held twice.
+2048 rows; bench/bench_engine.py prints both peaks). ``PackedLinear`` replaces an
+``nn.Linear`` in its parent: an ``nn.Linear`` itself, sharing the original weight and
+bias (tied embeddings, LoRA wrappers and state dicts see the same parameters), plus
+the packed copy, an opaque oneDNN tensor: on CPU the packed linear weights are held
+twice.
 
 Only float32 and bfloat16 pack (oneDNN has no float64 matmul), bfloat16 only where
 oneDNN reports support for it; float64 keeps torch's exact-reference path. Whether
@@ -17,15 +18,14 @@ Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the Llama family's
 run their gate and up projections as one matmul over both weights packed together,
 which pays on prefill steps (a 2048-row step: 47 against 55 ms per MLP), and SiLU
 times up in one pass of the fused kernel (kernels/cpu_fused.c) when that reproduces
-the module's ``act_fn``. A module gets the fused forward only if it gives its own
-forward's output on a probe input, so a model whose MLP differs keeps its own.
+the module's ``act_fn``: ``FusedGatedMLP`` replaces such an MLP only if it gives the
+MLP's own output on a probe input, so a model whose MLP differs keeps its own.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import types
 
 import torch
 from torch import nn
@@ -56,26 +56,56 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
+def replace_module(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    """Put ``replacement`` where ``model``'s submodule ``name`` is."""
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, replacement)
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear run by oneDNN on a copy of its weight packed once for ``rows_hint``
+    rows (any row count runs on it). With gradients on, or an input of another dtype,
+    torch's own linear runs: autograd does not see through the packed copy."""
+
+    def __init__(self, linear: nn.Linear, rows_hint: int) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same parameters
+        self.register_parameter("bias", linear.bias)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        if _needs_torch(x, self.weight):
+            return nn.functional.linear(x, self.weight, self.bias)
+        return packed_matmul(x, self.packed_weight, self.bias)
+
+    def unpacked(self) -> nn.Linear:
+        """A plain nn.Linear on the same parameters, for a linear whose packed copy is
+        no longer read (its weights went into a wider packed matmul)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+
 def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ...] = PACKABLE_DTYPES) -> int:
-    """Run every CPU nn.Linear of ``model`` whose weight is of one of ``dtypes`` through
-    oneDNN on a packed copy of its weight, where oneDNN runs that dtype here; returns
-    how many were packed.
+    """Replace every CPU nn.Linear of ``model`` whose weight is of one of ``dtypes`` by
+    a PackedLinear, where oneDNN runs that dtype here; returns how many were replaced.
 
     ``rows_hint`` is the number of rows oneDNN tunes the packed layout for; any number
     of rows runs on it.
     """
     dtypes = tuple(dtype for dtype in dtypes if onednn_linear_available(dtype))
-    num_packed = 0
-    for module in model.modules():
+    targets = []
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
-        if module.bias is not None and module.bias.dtype != weight.dtype:
-            continue
-        module.shardline_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-        module.forward = types.MethodType(_packed_forward, module)
-        num_packed += 1
-    return num_packed
+        if module.bias is None or module.bias.dtype == weight.dtype:
+            targets.append((name, module))
+    for name, module in targets:
+        replace_module(model, name, PackedLinear(module, rows_hint))
+    return len(targets)
 
 
 # oneDNN builds and caches a kernel per distinct row count (about 0.6 MB each, up to
@@ -95,14 +125,6 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # x: [..., in_features] -> [..., out_features]
-    # Autograd does not see through the packed weight: with gradients on, use torch's linear.
-    if _needs_torch(x, self.weight):
-        return nn.functional.linear(x, self.weight, self.bias)
-    return packed_matmul(x, self.shardline_packed_weight, self.bias)
-
-
 def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype != weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
@@ -117,45 +139,66 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
+class FusedGatedMLP(nn.Module):
+    """A gated MLP, ``down(act(gate(x)) * up(x))``, with gate and up as one matmul over
+    both weights packed side by side, and SiLU times up through the fused kernel when
+    ``silu_kernel``. ``mlp`` is the original module, whose projections it reads."""
+
+    def __init__(self, mlp: nn.Module, rows_hint: int, silu_kernel: bool) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.packed_gate_up, _ = pack_side_by_side((mlp.gate_proj, mlp.up_proj), rows_hint)
+        self.silu_kernel = silu_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., hidden] -> [..., hidden]; gate and up are the two halves of one matmul's output.
+        mlp = self.mlp
+        if _needs_torch(x, mlp.gate_proj.weight):
+            gate, up = nn.functional.linear(x, mlp.gate_proj.weight), nn.functional.linear(x, mlp.up_proj.weight)
+            return mlp.down_proj(mlp.act_fn(gate) * up)
+        gate_up = packed_matmul(x, self.packed_gate_up, None)
+        if self.silu_kernel:  # one pass, no temporaries (kernels/cpu_fused.c)
+            return mlp.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
+        gate, up = gate_up.split(mlp.gate_proj.out_features, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate).mul_(up))
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+    return (isinstance(gate, PackedLinear) and isinstance(up, PackedLinear)
+            and isinstance(getattr(module, "down_proj", None), PackedLinear)
+            and callable(getattr(module, "act_fn", None)) and gate.bias is None and up.bias is None
+            and gate.weight.shape == up.weight.shape and gate.weight.dtype == up.weight.dtype)
+
+
 def fuse_gated_mlps(model: nn.Module, rows_hint: int, silu_kernel: bool = True) -> int:
-    """Give every gated MLP whose projections were packed one matmul for gate and up
-    (see the module docstring), and SiLU times up through the fused kernel when
-    ``silu_kernel`` and that reproduces ``act_fn``; returns how many were fused."""
+    """Replace every gated MLP whose projections are packed by a FusedGatedMLP where it
+    reproduces the MLP's output on a probe input, with SiLU through the fused kernel
+    when ``silu_kernel`` and that reproduces ``act_fn``; returns how many were fused."""
+    targets = [(name, module) for name, module in model.named_modules() if _is_gated_mlp(module)]
     num_fused = 0
-    for module in model.modules():
-        gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-        if not (is_packed(gate) and is_packed(up) and is_packed(getattr(module, "down_proj", None))
-                and callable(getattr(module, "act_fn", None))):
-            continue
-        if gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape \
-                or gate.weight.dtype != up.weight.dtype or "forward" in vars(module):  # a hooked forward stays
-            continue
+    for name, mlp in targets:
+        gate = mlp.gate_proj
         probe = torch.randn(3, gate.in_features, dtype=gate.weight.dtype, generator=torch.Generator().manual_seed(0))
         try:
             with torch.no_grad():
-                expected = module(probe)
+                expected = mlp(probe)
         except Exception:  # a forward that wants more than the hidden states: not this pattern
             continue
+        kernel = silu_kernel and fused_kernels_available(gate.weight.dtype)
+        fused = None
         with torch.no_grad():
-            module.shardline_packed_gate_up, _ = pack_side_by_side((gate, up), rows_hint)
-            module.forward = types.MethodType(_fused_gated_mlp_forward, module)
-            # SiLU through the fused kernel if that reproduces act_fn, else act_fn itself.
-            kernel = silu_kernel and fused_kernels_available(gate.weight.dtype)
             for use_kernel in (True, False) if kernel else (False,):
-                module.shardline_silu_mul = use_kernel
-                fused = module(probe)
-                if reproduces(fused, expected):
+                candidate = FusedGatedMLP(mlp, rows_hint, silu_kernel=use_kernel)
+                if reproduces(candidate(probe), expected):
+                    fused = candidate
                     break
-            else:
-                fused = None
-        if fused is not None:
-            for projection in (gate, up):  # their own packed copies are no longer read
-                del projection.shardline_packed_weight, projection.forward
-            num_fused += 1
-        else:
-            del module.shardline_packed_gate_up, module.forward, module.shardline_silu_mul
-            logger.info("%s does not compute down(act(gate(x)) * up(x)); its MLP stays unfused",
-                        type(module).__name__)
+        if fused is None:
+            logger.info("%s does not compute down(act(gate(x)) * up(x)); its MLP stays unfused", type(mlp).__name__)
+            continue
+        mlp.gate_proj, mlp.up_proj = mlp.gate_proj.unpacked(), mlp.up_proj.unpacked()  # read only by the pair
+        replace_module(model, name, fused)
+        num_fused += 1
     return num_fused
 
 
@@ -169,14 +212,10 @@ def reproduces(actual: object, expected: object, bfloat16_tolerance: float = 1e-
         actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
-def is_packed(module: object) -> bool:
-    return isinstance(module, nn.Linear) and hasattr(module, "shardline_packed_weight")
-
-
 def packable_side_by_side(linears: tuple[object, ...]) -> bool:
     """Whether ``pack_side_by_side`` takes these: packed linears of one input size and
     dtype, each with a bias or none with one."""
-    return (all(is_packed(linear) for linear in linears)
+    return (all(isinstance(linear, PackedLinear) for linear in linears)
             and len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) == 1)
 
 
@@ -189,16 +228,3 @@ def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[t
     weight = torch.cat([linear.weight.detach() for linear in linears])
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), bias
-
-
-def _fused_gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # x: [..., hidden] -> [..., hidden]; gate and up are the two halves of one matmul's output.
-    gate_proj, up_proj = self.gate_proj, self.up_proj
-    if _needs_torch(x, gate_proj.weight):
-        gate, up = nn.functional.linear(x, gate_proj.weight), nn.functional.linear(x, up_proj.weight)
-        return self.down_proj(self.act_fn(gate) * up)
-    gate_up = packed_matmul(x, self.shardline_packed_gate_up, None)
-    if self.shardline_silu_mul:  # one pass, no temporaries (kernels/cpu_fused.c)
-        return self.down_proj(silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
-    gate, up = gate_up.split(gate_proj.out_features, dim=-1)
-    return self.down_proj(self.act_fn(gate).mul_(up))

@@ -226,19 +226,35 @@ def _cache_probe(dtype: torch.dtype, shape: ModelShape) -> torch.Tensor:
     return torch.empty((1, 16, shape.num_kv_heads, shape.head_dim), dtype=dtype)
 
 
-def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) -> None:
-    """Give ``model`` the forwards of the chosen paths: packed linears and fused gated
-    MLPs, then fused norms and decoder layers (which read the packed weights). Each
-    rewrite keeps a module's own forward where a probe shows it would differ."""
+@dataclass(frozen=True)
+class CpuRewrites:
+    """How many modules ``optimize_for_cpu`` replaced, by kind."""
+
+    packed_linears: int = 0
+    fused_mlps: int = 0
+    fused_norms: int = 0
+    fused_layers: int = 0
+
+
+def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) -> CpuRewrites:
+    """Replace ``model``'s modules by those of the chosen paths: linears by packed ones
+    and gated MLPs by fused ones, then norms and decoder layers by fused ones (which
+    read the packed weights). A module whose replacement would give another output on
+    a probe input keeps its own (each such refusal is logged with its class); LoRA
+    wrappers, already in place, keep wrapping the packed linears inside them."""
     from .cpu_layers import fuse_decoder_layers, fuse_rms_norms
     from .cpu_linear import fuse_gated_mlps, pack_linears
 
+    packed = mlps = norms = layers = 0
     if paths.packed_linears:
-        pack_linears(model, rows_hint, dtypes=(paths.dtype,))
-        fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
+        packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,))
+        mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
     if paths.fused_kernels:
-        fuse_rms_norms(model)
-        fuse_decoder_layers(model, rows_hint)
+        norms = fuse_rms_norms(model)
+        layers = fuse_decoder_layers(model, rows_hint)
+    rewrites = CpuRewrites(packed, mlps, norms, layers)
+    logger.info("CPU modules replaced: %s", rewrites)
+    return rewrites
 
 
 # -------------------------------------------------------------- measurements

@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
-from .cpu_paths import NO_CPU_PATHS, ModelShape, choose_cpu_paths, optimize_for_cpu
+from .cpu_paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
 from .cpu_memory import keep_freed_memory
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
@@ -53,12 +53,13 @@ class LLMEngine:
                                          loaded.dtype) if config.enable_lora else None)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu_paths.py)
+        self.cpu_rewrites = CpuRewrites()  # and the modules they replaced
         if self.device.type == "cpu":
             keep_freed_memory()
             num_heads = self.hf_config.get_text_config().num_attention_heads
             shape = ModelShape.of(self.model, num_heads, spec.num_kv_heads, spec.head_dim)
             self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
-            optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
+            self.cpu_rewrites = optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, spec, model_len)
         num_blocks = plan_kv_cache(config, spec, model_len, budget)

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from shardline.engine import cpu_layers
-from shardline.engine.cpu_layers import fuse_decoder_layers, fuse_rms_norms
-from shardline.engine.cpu_linear import onednn_linear_available
+from shardline.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
+from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear, onednn_linear_available, replace_module
 from shardline.engine.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -24,16 +24,19 @@ def arch_dir(request, tmp_path_factory):
 
 
 def fused_layers(llm) -> int:
-    return sum("forward" in vars(layer) for layer in llm.llm_engine.model.model.layers)
+    return sum(isinstance(layer, FusedDecoderLayer) for layer in llm.llm_engine.model.model.layers)
 
 
 def unfuse(model: torch.nn.Module) -> None:
-    """Back to the modules' own norms, layers and SiLU (the packed linears stay)."""
+    """Back to the original norms and layers, and SiLU by ``act_fn`` (the packed
+    linears stay)."""
+    for kind, original in ((FusedDecoderLayer, "layer"), (FusedRMSNorm, "norm")):
+        for name, module in list(model.named_modules()):
+            if isinstance(module, kind):
+                replace_module(model, name, getattr(module, original))
     for module in model.modules():
-        if hasattr(module, "shardline_eps") or hasattr(module, "shardline_attend"):
-            del module.forward
-        if hasattr(module, "shardline_silu_mul"):
-            module.shardline_silu_mul = False
+        if isinstance(module, FusedGatedMLP):
+            module.silu_kernel = False
 
 
 def generate(llm, prompts):
@@ -52,16 +55,17 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
     prompts = [[5, 6, 7], list(range(3, 70)), [(7 * i) % 400 + 3 for i in range(200)]]
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=128)
     assert fused_layers(llm) == (2 if arch in FUSED_ARCHS else 0)
-    first, last = (layer.self_attn for layer in llm.llm_engine.model.model.layers)
+    first_layer, last_layer = llm.llm_engine.model.model.layers
+    first, last = first_layer.self_attn, last_layer.self_attn
     # Where oneDNN packs this dtype, fused layers project q, k and v in one matmul; the
     # first no longer holds their packed copies, the last still projects k and v alone
     # for its sampled rows.
     packed = llm.llm_engine.cpu_paths.packed_linears
     assert packed == onednn_linear_available(getattr(torch, dtype))
-    assert hasattr(first, "shardline_packed_qkv") == (arch in FUSED_ARCHS and packed)
+    assert (getattr(first_layer, "packed_qkv", None) is not None) == (arch in FUSED_ARCHS and packed)
     if arch in FUSED_ARCHS and packed:
-        assert not hasattr(first.q_proj, "shardline_packed_weight")
-        assert hasattr(last.k_proj, "shardline_packed_weight")
+        assert not isinstance(first.q_proj, PackedLinear)
+        assert isinstance(last.k_proj, PackedLinear)
     fused = generate(llm, prompts)
     unfuse(llm.llm_engine.model)
     assert fused_layers(llm) == 0
@@ -112,7 +116,7 @@ def test_float64_keeps_the_modules_forwards(tmp_path):
 
     llm = LLM(str(build_tiny_model(tmp_path, "llama")), dtype="float64")
     assert fused_layers(llm) == 0
-    assert not any(hasattr(m, "shardline_eps") for m in llm.llm_engine.model.modules())
+    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP, PackedLinear)) for m in llm.llm_engine.model.modules())
     llm.close()
 
 
@@ -128,7 +132,7 @@ def test_a_norm_of_another_formula_stays_unfused():
     x = torch.randn(4, 7, 32)
     expected = {name: norm(x) for name, norm in model.items()}
     assert fuse_rms_norms(model) == 1
-    assert "forward" in vars(model["llama"]) and "forward" not in vars(model["gemma"])
+    assert isinstance(model["llama"], FusedRMSNorm) and not isinstance(model["gemma"], FusedRMSNorm)
     with torch.no_grad():
         torch.testing.assert_close(model["llama"](x), expected["llama"], atol=1e-5, rtol=1e-5)
     # With gradients on, the module's own forward runs (autograd does not see the kernel).
@@ -153,14 +157,15 @@ def test_a_layer_of_another_formula_stays_unfused(monkeypatch, tmp_path):
 def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
     """The fused forward serves engine steps only; a plain transformers call (no paged
     cache context) goes to the layer's own forward."""
-    import types
+    from shardline.engine.attention import paged_attention_forward
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(build_tiny_model(tmp_path, "llama")))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = model(ids).logits
-        for layer in model.model.layers:
-            layer.forward = types.MethodType(cpu_layers._fused_layer_forward, layer)
+        layers = model.model.layers
+        for position, layer in enumerate(layers):
+            layers[position] = FusedDecoderLayer(layer, paged_attention_forward, is_last=False, rows_hint=16)
         out = model(ids).logits
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 

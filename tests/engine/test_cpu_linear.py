@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardline.engine.cpu_linear import onednn_linear_available, pack_linears
+from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear, onednn_linear_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -22,11 +22,12 @@ def test_packed_linear_matches_torch(dtype, tolerance, shape):
     if not onednn_linear_available(dtype):
         pytest.skip(f"oneDNN runs no {dtype} linear on this CPU (test_cpu_paths covers the fallback)")
     model = make_model(dtype)
+    weight = model[0].weight
     x = torch.randn(*shape).to(dtype)
     with torch.inference_mode():
         expected = model[:3](x)
         assert pack_linears(model, rows_hint=64) == 2
-        assert hasattr(model[0], "shardline_packed_weight")
+        assert isinstance(model[0], PackedLinear) and model[0].weight is weight  # the same parameter
         out = model[:3](x)
     assert out.shape == expected.shape and out.dtype == dtype
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
@@ -35,7 +36,7 @@ def test_packed_linear_matches_torch(dtype, tolerance, shape):
 def test_float64_keeps_torch_linear():
     model = make_model(torch.float64)
     assert pack_linears(model, rows_hint=64) == 0
-    assert not hasattr(model[0], "shardline_packed_weight")
+    assert type(model[0]) is nn.Linear
 
 
 def test_gradients_still_flow_through_the_original_weight():
@@ -50,8 +51,9 @@ def test_engine_packs_linears_on_cpu(tiny_llama_dir):
     from shardline import LLM
 
     llm = LLM(tiny_llama_dir, dtype="float32")
-    packed = [m for m in llm.llm_engine.model.modules() if hasattr(m, "shardline_packed_weight")]
-    assert packed and all(type(m) is nn.Linear for m in packed)
+    packed = [m for m in llm.llm_engine.model.modules() if isinstance(m, PackedLinear)]
+    model = llm.llm_engine.model
+    assert packed and isinstance(model.lm_head, PackedLinear) and model.lm_head.weight.dtype == torch.float32
 
 
 def test_row_counts_fall_into_few_buckets():
@@ -90,16 +92,18 @@ def test_gated_mlp_runs_gate_and_up_as_one_matmul_with_the_same_output(rows, act
     from shardline.engine.cpu_linear import fuse_gated_mlps
 
     torch.manual_seed(0)
-    mlp = GatedMLP(48, 96, act)
+    holder = nn.Module()
+    holder.mlp = mlp = GatedMLP(48, 96, act)
     x = torch.randn(2, rows, 48)
     with torch.no_grad():
         expected = mlp(x)
-        pack_linears(mlp, rows_hint=16)
-        assert fuse_gated_mlps(mlp, rows_hint=16) == 1
-        got = mlp(x)
-    assert hasattr(mlp, "shardline_packed_gate_up") and not hasattr(mlp.gate_proj, "shardline_packed_weight")
+        pack_linears(holder, rows_hint=16)
+        assert fuse_gated_mlps(holder, rows_hint=16) == 1
+        got = holder.mlp(x)
+    # The pair's own packed copies are dropped: only the side-by-side one is read.
+    assert isinstance(holder.mlp, FusedGatedMLP) and not isinstance(mlp.gate_proj, PackedLinear)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    mlp(x).sum().backward()  # with gradients on, torch's own matmuls
+    holder.mlp(x).sum().backward()  # with gradients on, torch's own matmuls
     assert mlp.gate_proj.weight.grad is not None
 
 
@@ -107,10 +111,11 @@ def test_an_mlp_with_another_formula_keeps_its_forward():
     from shardline.engine.cpu_linear import fuse_gated_mlps
 
     torch.manual_seed(0)
-    mlp = GatedMLPOtherWay(48, 96, nn.SiLU())
-    pack_linears(mlp, rows_hint=16)
-    assert fuse_gated_mlps(mlp, rows_hint=16) == 0
-    assert not hasattr(mlp, "shardline_packed_gate_up") and "forward" not in vars(mlp)
+    holder = nn.Module()
+    holder.mlp = mlp = GatedMLPOtherWay(48, 96, nn.SiLU())
+    pack_linears(holder, rows_hint=16)
+    assert fuse_gated_mlps(holder, rows_hint=16) == 0
+    assert holder.mlp is mlp
     x = torch.randn(3, 48)
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), GatedMLPOtherWay.forward(mlp, x))
@@ -120,6 +125,6 @@ def test_engine_fuses_the_llama_mlp(tiny_llama_dir):
     from shardline import LLM
 
     llm = LLM(tiny_llama_dir, dtype="float32")
-    mlps = [m for m in llm.llm_engine.model.modules() if hasattr(m, "shardline_packed_gate_up")]
+    mlps = [m for m in llm.llm_engine.model.modules() if isinstance(m, FusedGatedMLP)]
     assert mlps and len(mlps) == llm.llm_engine.hf_config.num_hidden_layers
     llm.close()

@@ -13,6 +13,8 @@ import torch
 import transformers
 
 from shardline.engine import cpu_paths
+from shardline.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm
+from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear
 from shardline.engine.cpu_paths import PATH_NAMES, ModelShape, choose_cpu_paths, host_cpu, path_settings
 from shardline.engine.kernels import native
 
@@ -63,10 +65,9 @@ def test_each_fallback_gives_transformers_tokens(tiny_llama_dir, hf_float32_toke
     assert all(why == "turned off by SHARDLINE_CPU_PATHS" for name, why in paths.reasons if name in off)
     model = llm.llm_engine.model
     if "packed_linears" in off:
-        assert not any(hasattr(m, "shardline_packed_weight") or hasattr(m, "shardline_packed_gate_up")
-                       for m in model.modules())
+        assert not any(isinstance(m, (PackedLinear, FusedGatedMLP)) for m in model.modules())
     if "fused_kernels" in off:
-        assert not any("forward" in vars(layer) for layer in model.model.layers)
+        assert not any(isinstance(m, (FusedDecoderLayer, FusedRMSNorm)) for m in model.modules())
     assert greedy(llm) == hf_float32_tokens
     llm.close()
     llm = LLM(tiny_llama_dir, dtype="bfloat16")
