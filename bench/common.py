@@ -82,7 +82,7 @@ class StepProfile:
                  "attention plans")
 
     def __init__(self) -> None:
-        from shardline.engine import attention, cpu_layers, llm_engine, model_runner, output_processor, sampler
+        from shardline.engine import attention_backends, cpu_layers, llm_engine, model_runner, output_processor, sampler
         from shardline.engine import scheduler, torch_attention
 
         self.seconds: dict[str, float] = {}
@@ -98,9 +98,9 @@ class StepProfile:
             (torch_attention, "_attend_fresh", "prefill attention"),
             (torch_attention, "_attend_prefill", "prefill attention"),
             (cpu_layers, "decode_attention", "last layer, sampled rows"),
-            (attention, "write_kv_cache", "kv cache writes"),
+            (attention_backends, "write_kv_cache", "kv cache writes"),
             (cpu_layers, "write_kv_cache", "kv cache writes"),
-            (attention.AttentionContext, "torch_plans", "attention plans"),
+            (attention_backends.TorchBackend, "build_context", "attention plans"),
             (model_runner.ModelRunner, "execute", "model forward"),
             (model_runner.ModelRunner, "prepare_inputs", "batch preparation"),
             (scheduler.Scheduler, "schedule", "scheduling"),

@@ -14,23 +14,25 @@ Masking is ours, so the mask interface entry returns None: transformers builds n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .torch_attention import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
-                              fresh_prompts, torch_paged_attention, write_kv_cache)
+if TYPE_CHECKING:
+    from .attention_backends import AttentionBackend
 
 ATTN_IMPLEMENTATION = "shardline"
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionContext:
     """Everything one forward pass needs to find and extend the paged KV cache.
 
-    Built once per step by the model runner and shared by all layers.
+    Built once per step by the engine's attention backend (engine/attention_backends.py)
+    and shared by all layers.
     """
 
     # [T] int64: cache slot of each new token (block_id * block_size + offset).
@@ -45,78 +47,23 @@ class AttentionContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     max_query_len: int
     max_seq_len: int
-    # "triton" runs the Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1),
-    # "torch" the plain torch path; "auto" picks Triton for CUDA tensors, except
-    # float64 ones (the kernels take 16- and 32-bit floats), and on CPU the torch
-    # path with the native kernels below where the engine chose them.
-    backend: str = "auto"
-    # On CPU, on the "auto" backend: decoding requests attend through the native decode
-    # kernel (kernels/cpu_attention.py) and prefill chunks through the native prefill
-    # kernel (kernels/cpu_prefill_attention.py), as the engine chose at load
-    # (engine/cpu_paths.py) and where the kernel takes the cache's layout.
-    native_decode: bool = False
-    native_prefill: bool = False
     # Set when the step reads the final hidden state of sampling requests' last tokens
-    # only (no prompt logprobs, no LoRA): those packed rows in the order their logits
-    # are kept, [n] int64; the requests they end, [n] int64 indices; and per request
-    # its row in that list, [B] int64 (0 for the others). The last decoder layer then
-    # needs queries, attention and MLP at these rows alone (engine/cpu_layers.py).
+    # only and the backend attends them alone: those packed rows in the order their
+    # logits are kept, [n] int64; the requests they end, [n] int64 indices; and per
+    # request its row in that list, [B] int64 (0 for the others). The last decoder
+    # layer then needs queries, attention and MLP at these rows alone
+    # (engine/cpu_layers.py).
     sampled_rows: torch.Tensor | None = None
     sampled_requests: torch.Tensor | None = None
     sampled_query_rows: torch.Tensor | None = None
-    # int32 copies of the per-request indices, which the Triton kernels take.
-    _kernel_indices: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False)
-    # The torch path's work, built lazily once per step and shared by all layers.
-    _plans: TorchPlans | None = field(default=None, repr=False)
+    # The backend that built the context, and its own work for the step (the torch
+    # path's plans, the Triton kernels' int32 indices).
+    backend: "AttentionBackend | None" = None
+    work: object = None
 
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
-
-    def uses_triton(self, query: torch.Tensor) -> bool:
-        return self.backend == "triton" or (self.backend == "auto" and query.is_cuda
-                                            and query.dtype != torch.float64)
-
-    def kernel_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query_start_loc, seq_lens) as int32, built once per step."""
-        if self._kernel_indices is None:
-            self._kernel_indices = (self.query_start_loc.to(torch.int32), self.seq_lens.to(torch.int32))
-        return self._kernel_indices
-
-    def torch_plans(self, num_heads: int) -> TorchPlans:
-        """The torch path's work for this step (see TorchPlans)."""
-        if self._plans is None:
-            native_prefill = self._native_prefill(num_heads)
-            query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-            decode = self._native_decode_batch(query_lens, num_heads)
-            prefill = None
-            if native_prefill and bool((query_lens > 1).any()):
-                prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), self.query_start_loc.contiguous(),
-                                       self.seq_lens, self.block_tables.contiguous())
-            groups = attention_groups(query_lens, self.seq_lens, group_decoding=decode is None,
-                                      group_chunks=not native_prefill)
-            fresh = [] if native_prefill else fresh_prompts(self.query_start_loc, self.seq_lens)
-            self._plans = TorchPlans(decode, prefill, [TorchAttentionPlan.build(self, group) for group in groups],
-                                     fresh)
-        return self._plans
-
-    def _native_prefill(self, num_heads: int) -> bool:
-        from .kernels.cpu_prefill_attention import prefill_kernel_available
-
-        return (self.backend == "auto" and self.native_prefill
-                and prefill_kernel_available(self.kv_caches[0][0], num_heads))
-
-    def _native_decode_batch(self, query_lens: torch.Tensor, num_heads: int) -> DecodeBatch | None:
-        from .kernels.cpu_attention import decode_kernel_available
-
-        if (self.backend != "auto" or not self.native_decode
-                or not decode_kernel_available(self.kv_caches[0][0], num_heads)):
-            return None
-        requests = (query_lens == 1).nonzero().flatten()
-        if requests.numel() == 0:
-            return None
-        return DecodeBatch(requests, self.query_start_loc[:-1].contiguous(), self.seq_lens,
-                           self.block_tables.contiguous())
 
 
 def paged_attention_forward(
@@ -142,24 +89,10 @@ def paged_attention_forward(
     assert layer_idx is not None, f"{type(module).__name__} has no layer_idx"
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    k_cache, v_cache = shardline_ctx.kv_caches[layer_idx]
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    if shardline_ctx.uses_triton(q):
-        from .kernels import paged_attention, store_kv_cache
-
-        query_start_loc, seq_lens = shardline_ctx.kernel_indices()
-        store_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, shardline_ctx.slot_mapping)
-        out = paged_attention(
-            q.contiguous(), k_cache, v_cache, query_start_loc, seq_lens,
-            shardline_ctx.block_tables, scaling, sliding_window=sliding_window, softcap=softcap,
-            max_query_len=shardline_ctx.max_query_len,
-        )
-    else:
-        write_kv_cache(k, v, k_cache, v_cache, shardline_ctx.slot_mapping)
-        out = torch_paged_attention(q, k, v, k_cache, v_cache, shardline_ctx.torch_plans(q.shape[1]), scaling,
-                                    sliding_window, softcap)
+    out = shardline_ctx.backend.attend(shardline_ctx, layer_idx, q, k, v, scaling, sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

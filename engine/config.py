@@ -67,6 +67,9 @@ class EngineConfig:
     default_mm_loras: dict[str, str] | None = None
     enforce_eager: bool = False
     reasoning_parser: str | None = None
+    # None picks by device and dtype (engine/attention_backends.py); "triton", "cpu"
+    # (torch with the native CPU kernels chosen for the host) or "torch" (torch ops alone).
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -87,6 +90,8 @@ class EngineConfig:
             )
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.attention_backend is not None:
+            _check_choice("attention_backend", self.attention_backend, ("cpu", "torch", "triton"))
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 

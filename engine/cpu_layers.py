@@ -39,6 +39,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import AttentionContext
+from .attention_backends import StepBatch, TorchBackend
 from .cpu_linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul, replace_module, \
     reproduces
 from .kernels.cpu_attention import decode_attention
@@ -206,9 +207,9 @@ class FusedDecoderLayer(nn.Module):
 
 def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int) -> bool:
     """Whether the step reads this (last) layer's output at its sampled rows alone,
-    fewer than all, and the native decode kernel attends them."""
-    return (ctx.sampled_rows is not None and ctx.sampled_rows.numel() < tokens and ctx.backend == "auto"
-            and ctx.native_decode)
+    fewer than all (the runner marks them only where the backend attends them, with
+    the native decode kernel)."""
+    return ctx.sampled_rows is not None and ctx.sampled_rows.numel() < tokens
 
 
 def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
@@ -260,10 +261,11 @@ def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtyp
     num_kv_heads = attention.k_proj.out_features // attention.head_dim
     cache_shape = (1, 16, num_kv_heads, attention.head_dim)
     cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-    ctx = AttentionContext(
+    num_heads = attention.q_proj.out_features // attention.head_dim
+    ctx = TorchBackend(num_heads).build_context(StepBatch(
         slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
         seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
-        kv_caches=[cache] * (attention.layer_idx + 1), max_query_len=tokens, max_seq_len=tokens)
+        kv_caches=[cache] * (attention.layer_idx + 1), max_query_len=tokens, max_seq_len=tokens))
     hidden = (torch.randn(1, tokens, hidden_size, generator=torch.Generator().manual_seed(0))).to(dtype)
     positions = torch.arange(3, 3 + tokens)[None]
     return layer(hidden, attention_mask=None, position_ids=positions,

@@ -27,6 +27,7 @@ import math
 import torch
 
 from .attention import AttentionContext
+from .attention_backends import AttentionBackend, StepBatch, TritonIndices
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Static input buffers for decode steps, and the graphs recorded over them."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, attention: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
+                 max_model_len: int, device: torch.device) -> None:
+        assert attention.replays_decode_graphs, f"the {attention.name} backend replays no decode graphs"
         self.model = model
+        self.attention = attention
         self.block_size = block_size
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
@@ -67,7 +71,7 @@ class DecodeGraphs:
     def _context(self, size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionContext:
         """The attention context of a ``size``-row step: views of the static buffers."""
         query_start_loc, seq_lens = self.query_start_loc[: size + 1], self.seq_lens[:size]
-        context = AttentionContext(
+        step = StepBatch(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -75,10 +79,9 @@ class DecodeGraphs:
             kv_caches=kv_caches,
             max_query_len=1,
             max_seq_len=self.block_tables.shape[1] * self.block_size,
-            backend="triton",
         )
-        context._kernel_indices = (query_start_loc, seq_lens)
-        return context
+        # The kernels read the static int32 buffers themselves, which each step refills.
+        return self.attention.build_context(step, TritonIndices(query_start_loc, seq_lens))
 
     def padded_size(self, num_requests: int) -> int | None:
         """The smallest recorded size that holds ``num_requests`` rows, None if none does."""

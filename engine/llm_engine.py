@@ -17,6 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_causal_lm
+from .attention_backends import AttentionBackend, choose_attention_backend
 from .cpu_paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
 from .cpu_memory import keep_freed_memory
 from .lora import lora_cache_salt
@@ -60,14 +61,19 @@ class LLMEngine:
             shape = ModelShape.of(self.model, num_heads, spec.num_kv_heads, spec.head_dim)
             self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
             self.cpu_rewrites = optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
+        # One attention backend for the engine's life: the runner, the CPU layers and the
+        # CUDA-graph path ask it how attention runs.
+        self.attention = choose_attention_backend(
+            config.attention_backend, self.device, loaded.dtype, self.hf_config.get_text_config().num_attention_heads,
+            native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel)
         model_len = resolve_max_model_len(config, self.hf_config)
-        budget = kv_cache_budget(config, self.device, self.model, spec, model_len)
+        budget = kv_cache_budget(config, self.device, self.model, self.attention, spec, model_len)
         num_blocks = plan_kv_cache(config, spec, model_len, budget)
         self.max_model_len = min(model_len, num_blocks * config.block_size)
-        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device, self.cpu_paths)
+        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device, self.attention)
         self.runner.lora_manager = self.lora_manager
         if (self.device.type == "cuda" and not config.enforce_eager and self.lora_manager is None
-                and loaded.dtype != torch.float64):  # float64 attention runs on the torch path
+                and self.attention.replays_decode_graphs):
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -335,8 +341,8 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     return config.max_model_len
 
 
-def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.Module, spec: KVCacheSpec,
-                    model_len: int) -> int:
+def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.Module,
+                    attention: AttentionBackend, spec: KVCacheSpec, model_len: int) -> int:
     """Bytes for the KV cache: kv_cache_memory_bytes if set; on CPU a default; on
     CUDA gpu_memory_utilization of the device, less what the model uses at peak."""
     if config.kv_cache_memory_bytes is not None:
@@ -346,7 +352,8 @@ def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.
     from .profiling import profile_peak_bytes
 
     _, total = torch.cuda.mem_get_info(device)
-    peak = profile_peak_bytes(model, spec, config.max_num_batched_tokens, config.block_size, device, model_len)
+    peak = profile_peak_bytes(model, attention, spec, config.max_num_batched_tokens, config.block_size, device,
+                              model_len)
     return int(total * config.gpu_memory_utilization) - peak
 
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from .attention import AttentionContext
-from .cpu_paths import NO_CPU_PATHS, CpuPaths
+from .attention_backends import AttentionBackend, StepBatch
 from .cuda_graphs import DecodeGraphs
 from .config import EngineConfig
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -77,12 +76,11 @@ class ModelRunner:
     """Owns the model and its paged KV cache; runs one packed forward per step."""
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                 device: torch.device, cpu_paths: CpuPaths = NO_CPU_PATHS) -> None:
+                 device: torch.device, attention: AttentionBackend) -> None:
         self.model = model
-        self.cpu_paths = cpu_paths  # the native attention kernels the engine chose (CPU only)
+        self.attention = attention  # how attention runs, chosen once (engine/attention_backends.py)
         self.spec = spec
         self.lora_manager = None  # a LoRAManager when enable_lora
-        self.attention_backend = "auto"  # see AttentionContext.backend
         self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
         self.block_size = block_size
         self.device = device
@@ -98,16 +96,14 @@ class ModelRunner:
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
         (see engine/cuda_graphs.py); without capture the same path runs eagerly."""
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs,
-                                          max_model_len, self.device)
+        self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size,
+                                          max_num_seqs, max_model_len, self.device)
         if capture:
             self.decode_graphs.capture()
 
     def _uses_decode_graphs(self, scheduler_output: SchedulerOutput) -> bool:
         graphs = self.decode_graphs
-        triton = self.attention_backend == "triton" or (
-            self.attention_backend == "auto" and self.device.type == "cuda" and self.spec.dtype != torch.float64)
-        return (graphs is not None and triton and self.lora_manager is None
+        return (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
                 and graphs.qualifies(scheduler_output))
 
@@ -136,7 +132,8 @@ class ModelRunner:
         for row, blocks in enumerate(block_tables):
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         dev = self.device
-        ctx = AttentionContext(
+        sampled = self._sampled_rows(scheduler_output, plan, len(token_ids))
+        ctx = self.attention.build_context(StepBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
@@ -144,27 +141,31 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             max_query_len=max(q - p for p, q in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
-            backend=self.attention_backend,
-            native_decode=self.cpu_paths.decode_kernel,
-            native_prefill=self.cpu_paths.prefill_kernel,
-        )
-        # Steps that sample fewer rows than they run (prefill chunks) let the CPU path's
-        # last layer skip the rest (engine/cpu_layers.py); decode steps sample every row.
-        if (dev.type == "cpu" and not plan.prompt_rows and self.lora_manager is None
-                and len(plan.keep) < len(token_ids)):
-            sampled = [index for index, item in enumerate(scheduler_output.scheduled) if item.is_last_chunk]
-            query_rows = [0] * len(block_tables)
-            for row, index in enumerate(sampled):
-                query_rows[index] = row
-            ctx.sampled_rows = torch.tensor(plan.keep, dtype=torch.int64, device=dev)
-            ctx.sampled_requests = torch.tensor(sampled, dtype=torch.int64, device=dev)
-            ctx.sampled_query_rows = torch.tensor(query_rows, dtype=torch.int64, device=dev)
+            **sampled,
+        ))
         model_inputs = dict(
             input_ids=torch.tensor([token_ids], dtype=torch.int64, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
             shardline_ctx=ctx,
         )
         return model_inputs, plan
+
+    def _sampled_rows(self, scheduler_output: SchedulerOutput, plan: "LogitsPlan", num_tokens: int) -> dict:
+        """Steps that sample fewer rows than they run (prefill chunks) let a backend that
+        attends sampled rows alone skip the rest in the last layer (engine/cpu_layers.py);
+        decode steps sample every row. The StepBatch fields, or none."""
+        if (not self.attention.attends_sampled_rows or plan.prompt_rows or self.lora_manager is not None
+                or len(plan.keep) >= num_tokens):
+            return {}
+        scheduled = scheduler_output.scheduled
+        sampled = [index for index, item in enumerate(scheduled) if item.is_last_chunk]
+        query_rows = [0] * len(scheduled)
+        for row, index in enumerate(sampled):
+            query_rows[index] = row
+        dev = self.device
+        return dict(sampled_rows=torch.tensor(plan.keep, dtype=torch.int64, device=dev),
+                    sampled_requests=torch.tensor(sampled, dtype=torch.int64, device=dev),
+                    sampled_query_rows=torch.tensor(query_rows, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> "ModelOutput":

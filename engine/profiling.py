@@ -6,12 +6,13 @@ import math
 
 import torch
 
-from .attention import AttentionContext
+from .attention_backends import AttentionBackend, StepBatch
 from .model_runner import KVCacheSpec
 
 
 @torch.inference_mode()
-def profile_peak_bytes(model: torch.nn.Module, spec: KVCacheSpec, num_tokens: int, block_size: int,
+def profile_peak_bytes(model: torch.nn.Module, backend: AttentionBackend, spec: KVCacheSpec, num_tokens: int,
+                       block_size: int,
                        device: torch.device, max_model_len: int) -> int:
     """Peak bytes allocated (weights included) by one forward over ``num_tokens``
     tokens, the largest batch the scheduler can build, on a throwaway cache."""
@@ -21,7 +22,7 @@ def profile_peak_bytes(model: torch.nn.Module, spec: KVCacheSpec, num_tokens: in
                torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    ctx = AttentionContext(
+    ctx = backend.build_context(StepBatch(
         slot_mapping=torch.arange(num_tokens, device=device),
         query_start_loc=torch.tensor([0, num_tokens], device=device),
         seq_lens=torch.tensor([num_tokens], device=device),
@@ -29,7 +30,7 @@ def profile_peak_bytes(model: torch.nn.Module, spec: KVCacheSpec, num_tokens: in
         kv_caches=caches,
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
-    )
+    ))
     ids = torch.zeros((1, num_tokens), dtype=torch.int64, device=device)
     positions = (torch.arange(num_tokens, device=device) % max_model_len)[None]
     model(input_ids=ids, position_ids=positions, use_cache=False, shardline_ctx=ctx,

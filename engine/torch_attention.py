@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .attention import AttentionContext
+    from .attention_backends import StepBatch
 
 # Decoding requests per group: few enough that a group's K/V copy stays in cache until
 # SDPA reads it, enough that per-group overhead stays small (measured on 2 CPU cores,
@@ -143,20 +143,19 @@ class TorchAttentionPlan:
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, ctx: "AttentionContext", requests: torch.Tensor) -> "TorchAttentionPlan":
+    def build(cls, step: "StepBatch", requests: torch.Tensor, block_size: int) -> "TorchAttentionPlan":
         """The plan for the requests at indices ``requests`` of the step."""
-        device = ctx.slot_mapping.device
-        block_size = ctx.kv_caches[0][0].shape[1]
-        query_starts = ctx.query_start_loc[:-1][requests]
-        query_lens = ctx.query_start_loc[1:][requests] - query_starts  # [b]
-        seq_lens = ctx.seq_lens[requests]
+        device = step.slot_mapping.device
+        query_starts = step.query_start_loc[:-1][requests]
+        query_lens = step.query_start_loc[1:][requests] - query_starts  # [b]
+        seq_lens = step.seq_lens[requests]
         max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
         q_offsets = torch.arange(max_query_len, device=device)
         query_valid = q_offsets[None, :] < query_lens[:, None]
         query_index = torch.where(query_valid, query_starts[:, None] + q_offsets, 0)
         query_pos = (seq_lens - query_lens)[:, None] + q_offsets
         num_blocks = -(-max_seq_len // block_size)
-        block_index = ctx.block_tables[requests, :num_blocks].long().reshape(-1)
+        block_index = step.block_tables[requests, :num_blocks].long().reshape(-1)
         key_pos = torch.arange(num_blocks * block_size, device=device)
         key_valid = key_pos[None, :] < seq_lens[:, None]
         all_valid = bool(query_valid.all())

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import pytest
 import torch
 
-from shardline.engine.attention import AttentionContext
+from shardline.engine.attention_backends import StepBatch, TorchBackend
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.torch_attention import (
     DECODE_GROUP_SIZE,
@@ -51,12 +50,12 @@ def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32
                 num_kv_heads, head_dim, generator=generator, dtype=dtype)
     query_start_loc = torch.tensor([0, *query_lens]).cumsum(0)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator, dtype=dtype)
-    ctx = AttentionContext(
+    step = StepBatch(
         slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64), query_start_loc=query_start_loc,
         seq_lens=torch.tensor(seq_lens), block_tables=block_tables, kv_caches=[(k_cache, v_cache)],
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), backend="torch",
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
     )
-    return q, ctx
+    return q, TorchBackend(num_heads).build_context(step)
 
 
 def new_keys_and_values(ctx):
@@ -77,7 +76,7 @@ def new_keys_and_values(ctx):
 def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10):
     k_cache, v_cache = ctx.kv_caches[0]
     scale = q.shape[-1] ** -0.5
-    work = ctx.torch_plans(q.shape[1])
+    work = ctx.work
     key, value = new_keys_and_values(ctx)
     out = torch_paged_attention(q, key, value, k_cache, v_cache, work, scale, sliding_window, softcap)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
@@ -112,8 +111,9 @@ def test_native_kernels_where_they_apply(lens, sliding_window, softcap):
     """The "auto" backend on CPU in float32: decoding requests through the native
     decode kernel, every prefill chunk through the native prefill kernel."""
     q, ctx = make_step(*lens, dtype=torch.float32)
-    ctx = dataclasses.replace(ctx, backend="auto", native_decode=True, native_prefill=True)
-    work = ctx.torch_plans(q.shape[1])
+    backend = TorchBackend(q.shape[1], native_decode=True, native_prefill=True)
+    ctx = backend.build_context(StepBatch(**{name: getattr(ctx, name) for name in StepBatch.__dataclass_fields__}))
+    work = ctx.work
     query_lens = ctx.query_start_loc[1:] - ctx.query_start_loc[:-1]
     assert work.plans == [] and work.fresh == []
     assert (work.decode is not None) == bool((query_lens == 1).any())

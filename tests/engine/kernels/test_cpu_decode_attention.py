@@ -150,9 +150,10 @@ def test_bfloat16_engine_decodes_with_the_kernel(tiny_llama_dir, monkeypatch):
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(3, 40))}]
     llm = LLM(tiny_llama_dir, dtype="bfloat16")
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
     assert calls and set(calls) == {torch.bfloat16}
-    llm.llm_engine.runner.attention_backend = "torch"
     calls.clear()
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", attention_backend="torch")
     torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     assert not calls and native == torch_path

@@ -37,9 +37,8 @@ def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
     params[1] = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
     results = {}
     for static in (False, True):
-        llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static)
+        llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static, attention_backend="triton")
         runner = llm.llm_engine.runner
-        runner.attention_backend = "triton"
         if static and runner.decode_graphs is None:  # no CUDA: the same buffers, run eagerly
             runner.enable_decode_graphs(6, llm.llm_engine.max_model_len, capture=False)
         assert bool(static and runner.decode_graphs.graphs) == (static and torch.cuda.is_available())

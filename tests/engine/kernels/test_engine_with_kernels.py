@@ -25,8 +25,8 @@ def test_triton_backend_matches_torch_backend(tmp_path, arch, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
     results = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64)
-        llm.llm_engine.runner.attention_backend = backend
+        llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64, attention_backend=backend)
+        assert llm.llm_engine.runner.attention.name == backend
         results[backend] = llm.generate(prompts, params, use_tqdm=False)
     assert launches  # the Triton path really ran
     for torch_out, triton_out in zip(results["torch"], results["triton"]):

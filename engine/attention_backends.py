@@ -1,0 +1,166 @@
+"""The attention backends: one is chosen when the engine is built, and everything that
+depends on how attention runs asks it.
+
+- ``TritonBackend``: the Triton kernels on CUDA (16- and 32-bit floats); its decode
+  steps may replay CUDA graphs.
+- ``TorchBackend``: torch ops on whatever device (the exact reference path for
+  float64), with the native CPU kernels the engine chose for this host
+  (engine/cpu_paths.py): decoding requests through kernels/cpu_attention.py,
+  prefill chunks through kernels/cpu_prefill_attention.py.
+
+A backend builds one frozen ``AttentionContext`` per step from the packed batch
+(``build_context``), with its own per-step work in it (the torch path's plans, the
+kernels' int32 indices), and attends one layer of that step (``attend``). Adding an
+attention feature (a sink, a bias, another cache layout) means changing a backend and
+its kernels, not the model runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .attention import AttentionContext
+from .torch_attention import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
+                              fresh_prompts, torch_paged_attention, write_kv_cache)
+
+BACKEND_NAMES = ("cpu", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    """How the engine's paged attention runs; chosen once per engine."""
+
+    name: str
+    # Decode steps may replay CUDA graphs recorded over static buffers (cuda_graphs.py).
+    replays_decode_graphs: bool
+    # A step's last layer may attend its sampled rows alone (engine/cpu_layers.py).
+    attends_sampled_rows: bool
+
+    def build_context(self, step: "StepBatch") -> AttentionContext:
+        """The frozen per-step context every layer of the step reads."""
+
+    def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scale: float, sliding_window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """Write the layer's new keys and values into its cache and attend.
+        query: [T, H, D]; key, value: [T, Hkv, D]; returns [T, H, D]."""
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The packed batch of one step, as the model runner lays it out."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int64
+    seq_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    max_query_len: int
+    max_seq_len: int
+    # The rows the step samples, where the backend attends them alone (see AttentionContext).
+    sampled_rows: torch.Tensor | None = None
+    sampled_requests: torch.Tensor | None = None
+    sampled_query_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TorchBackend:
+    """torch ops, with the native CPU kernels the engine chose where they take the
+    step's requests. ``num_heads`` is the model's query heads (the kernels' limits
+    depend on the grouping)."""
+
+    num_heads: int
+    native_decode: bool = False
+    native_prefill: bool = False
+    name: str = "torch"
+    replays_decode_graphs: bool = False
+
+    @property
+    def attends_sampled_rows(self) -> bool:
+        return self.native_decode
+
+    def build_context(self, step: StepBatch) -> AttentionContext:
+        return AttentionContext(**vars(step), backend=self, work=self._plans(step))
+
+    def _plans(self, step: StepBatch) -> TorchPlans:
+        from .kernels.cpu_attention import decode_kernel_available
+        from .kernels.cpu_prefill_attention import prefill_kernel_available
+
+        k_cache = step.kv_caches[0][0]
+        query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
+        decode = prefill = None
+        if self.native_decode and decode_kernel_available(k_cache, self.num_heads):
+            requests = (query_lens == 1).nonzero().flatten()
+            if requests.numel():
+                decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
+                                     step.block_tables.contiguous())
+        native_prefill = self.native_prefill and prefill_kernel_available(k_cache, self.num_heads)
+        if native_prefill and bool((query_lens > 1).any()):
+            prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
+                                   step.seq_lens, step.block_tables.contiguous())
+        groups = attention_groups(query_lens, step.seq_lens, group_decoding=decode is None,
+                                  group_chunks=not native_prefill)
+        fresh = [] if native_prefill else fresh_prompts(step.query_start_loc, step.seq_lens)
+        block_size = k_cache.shape[1]
+        return TorchPlans(decode, prefill, [TorchAttentionPlan.build(step, group, block_size) for group in groups],
+                          fresh)
+
+    def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scale: float, sliding_window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        k_cache, v_cache = ctx.kv_caches[layer_idx]
+        write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
+        return torch_paged_attention(query, key, value, k_cache, v_cache, ctx.work, scale, sliding_window, softcap)
+
+
+@dataclass(frozen=True)
+class TritonIndices:
+    """The int32 per-request indices the Triton kernels read."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+
+
+@dataclass(frozen=True)
+class TritonBackend:
+    """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
+
+    name: str = "triton"
+    replays_decode_graphs: bool = True
+    attends_sampled_rows: bool = False
+
+    def build_context(self, step: StepBatch, indices: TritonIndices | None = None) -> AttentionContext:
+        """``indices``: int32 buffers already holding the step's indices (the CUDA
+        graphs' static ones); else they are converted from the step's."""
+        indices = indices or TritonIndices(step.query_start_loc.to(torch.int32), step.seq_lens.to(torch.int32))
+        return AttentionContext(**vars(step), backend=self, work=indices)
+
+    def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scale: float, sliding_window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        from .kernels import paged_attention, store_kv_cache
+
+        k_cache, v_cache = ctx.kv_caches[layer_idx]
+        store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
+        return paged_attention(query.contiguous(), k_cache, v_cache, ctx.work.query_start_loc, ctx.work.seq_lens,
+                               ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap,
+                               max_query_len=ctx.max_query_len)
+
+
+def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, num_heads: int,
+                             native_decode: bool, native_prefill: bool) -> AttentionBackend:
+    """The engine's backend: ``requested`` ("triton", "cpu": torch with the native CPU
+    kernels the engine chose, "torch": torch ops alone), else Triton on CUDA except in
+    float64 (the kernels take 16- and 32-bit floats), and torch with the chosen
+    native kernels elsewhere."""
+    if requested is None:
+        requested = "triton" if device.type == "cuda" and dtype != torch.float64 else "cpu"
+    if requested == "triton":
+        return TritonBackend()
+    if requested == "cpu":
+        return TorchBackend(num_heads, native_decode=native_decode, native_prefill=native_prefill, name="cpu")
+    if requested == "torch":
+        return TorchBackend(num_heads)
+    raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {requested!r}")
