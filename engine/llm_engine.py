@@ -20,10 +20,11 @@ from .loader import LoadedModel, load_causal_lm
 from .attention_backends import AttentionBackend, choose_attention_backend
 from .cpu_paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
 from .cpu_memory import keep_freed_memory
+from .kv_cache_spec import KVCacheSpec
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
 from .model_runner import (
-    DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
+    DEFAULT_CPU_KV_CACHE_BYTES, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
 )
 from .output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import RequestMetrics, RequestOutput
@@ -58,7 +59,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
             num_heads = self.hf_config.get_text_config().num_attention_heads
-            shape = ModelShape.of(self.model, num_heads, spec.num_kv_heads, spec.head_dim)
+            first = spec.layers[0]
+            shape = ModelShape.of(self.model, num_heads, first.num_kv_heads, first.head_dim)
             self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
             self.cpu_rewrites = optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
         # One attention backend for the engine's life: the runner, the CPU layers and the

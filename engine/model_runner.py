@@ -10,7 +10,6 @@ nothing. This is the only component that builds tensors.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,34 +17,13 @@ import transformers
 
 from .attention_backends import AttentionBackend, StepBatch
 from .cuda_graphs import DecodeGraphs
+from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 from .config import EngineConfig
 from .scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the model's KV cache, read from its config."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def from_hf_config(cls, hf_config: transformers.PretrainedConfig, dtype: torch.dtype) -> "KVCacheSpec":
-        text_config = hf_config.get_text_config()
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        return cls(text_config.num_hidden_layers, num_kv_heads, head_dim, dtype)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
 
 
 def model_max_len(hf_config: transformers.PretrainedConfig) -> int:
@@ -58,18 +36,8 @@ def model_max_len(hf_config: transformers.PretrainedConfig) -> int:
 
 
 def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_bytes: int) -> int:
-    """Number of KV blocks: the memory budget, but no more than every running
-    request at full length could use."""
-    per_block = spec.bytes_per_block(config.block_size)
-    budget_blocks = free_bytes // per_block
-    max_useful = config.max_num_seqs * math.ceil(model_len / config.block_size) + 1
-    num_blocks = int(min(budget_blocks, max_useful))
-    if num_blocks < 1:
-        raise ValueError(
-            f"the KV cache budget of {free_bytes} bytes holds no block of {per_block} bytes; "
-            "raise kv_cache_memory_bytes or gpu_memory_utilization"
-        )
-    return num_blocks
+    """Number of KV blocks for ``config``'s sequences (see kv_cache_spec.plan_num_blocks)."""
+    return plan_num_blocks(spec, config.block_size, config.max_num_seqs, model_len, free_bytes)
 
 
 class ModelRunner:
@@ -84,14 +52,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Written in full now, not left to the first write of each page: the free queue
         # is least recently freed first, so a long job cycles through every block, and
         # a step that writes to fresh pages pays their faults (in one process, runs
         # interleaved: 1.2-1.45 s of KV writes per benchmark run on a calloc'd cache,
         # against 0.2 s on this one, whose zeroing costs about 1 s at load for 2 GB).
-        self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
-                           torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
+        self.kv_caches = spec.allocate(num_blocks, block_size, device)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``

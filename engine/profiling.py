@@ -7,7 +7,7 @@ import math
 import torch
 
 from .attention_backends import AttentionBackend, StepBatch
-from .model_runner import KVCacheSpec
+from .kv_cache_spec import KVCacheSpec
 
 
 @torch.inference_mode()
@@ -17,9 +17,7 @@ def profile_peak_bytes(model: torch.nn.Module, backend: AttentionBackend, spec: 
     """Peak bytes allocated (weights included) by one forward over ``num_tokens``
     tokens, the largest batch the scheduler can build, on a throwaway cache."""
     num_blocks = math.ceil(num_tokens / block_size)
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [(torch.zeros(shape, dtype=spec.dtype, device=device),
-               torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
+    caches = spec.allocate(num_blocks, block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     ctx = backend.build_context(StepBatch(
