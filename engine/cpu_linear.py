@@ -1,9 +1,9 @@
 """oneDNN matmuls for the CPU path: linears replaced by modules that run on a weight packed once.
 
 torch's CPU ``nn.Linear`` calls MKL's sgemm. oneDNN's linear over a weight reordered
-once into its blocked layout is faster on the shapes a decoder runs (2-core AVX-512
-worker, hidden 512, float32: about 200 GFLOP/s against MKL's 120-140, for 64 to
-2048 rows; bench/bench_engine.py prints both peaks). ``PackedLinear`` replaces an
+once into its blocked layout is often faster on the shapes a decoder runs (the
+engine races the two on the model's shapes at load; bench/bench_engine.py prints
+both peaks). ``PackedLinear`` replaces an
 ``nn.Linear`` in its parent: an ``nn.Linear`` itself, sharing the original weight and
 bias (tied embeddings, LoRA wrappers and state dicts see the same parameters), plus
 the packed copy, an opaque oneDNN tensor: on CPU the packed linear weights are held
@@ -16,7 +16,7 @@ against torch's matmul on the host.
 
 Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the Llama family's)
 run their gate and up projections as one matmul over both weights packed together,
-which pays on prefill steps (a 2048-row step: 47 against 55 ms per MLP), and SiLU
+one pass over the input instead of two, and SiLU
 times up in one pass of the fused kernel (kernels/cpu_fused.c) when that reproduces
 the module's ``act_fn``: ``FusedGatedMLP`` replaces such an MLP only if it gives the
 MLP's own output on a probe input, so a model whose MLP differs keeps its own.

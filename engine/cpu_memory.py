@@ -5,9 +5,8 @@ Every step of a CPU engine allocates and frees the same few large temporaries: a
 glibc serves a request above its mmap threshold with a fresh mapping and unmaps it on
 free, so each of those tensors page-faults on every page it touches, every step. The
 threshold adapts upward on its own, but not reliably: once a library such as
-tokenizers has been imported, a [2048, 1536] SiLU-and-multiply was measured faulting
-on all 6112 pages of its two outputs on every call (10.6 ms, against 2.1 ms without
-the faults).
+tokenizers has been imported, a step's temporaries can keep faulting on every page
+of every call.
 
 ``keep_freed_memory`` fixes the threshold at glibc's largest (32 MB on 64-bit) and
 raises the trim threshold, so freed step temporaries stay in the heap for the next

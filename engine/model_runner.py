@@ -54,9 +54,7 @@ class ModelRunner:
         self.device = device
         # Written in full now, not left to the first write of each page: the free queue
         # is least recently freed first, so a long job cycles through every block, and
-        # a step that writes to fresh pages pays their faults (in one process, runs
-        # interleaved: 1.2-1.45 s of KV writes per benchmark run on a calloc'd cache,
-        # against 0.2 s on this one, whose zeroing costs about 1 s at load for 2 GB).
+        # a step that wrote to fresh pages would pay their faults.
         self.kv_caches = spec.allocate(num_blocks, block_size, device)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:

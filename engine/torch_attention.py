@@ -15,15 +15,14 @@ query head.
 Prefill chunks are compute bound. A fresh prompt (no cached context: its keys and
 values are exactly the step's new ones) is attended straight from the step's packed
 queries, keys and values with one SDPA call in causal mode: no copy out of the
-cache and no padding (on the benchmark's prompts of 32-512 tokens, 15-20% less
-time than padded groups of similar length, before their copies). Chunks with a
+cache and no padding. Chunks with a
 cached context are grouped by similar context length, since padding costs Q x L
 work.
 
 On the "auto" backend the native kernels take what they can, reading the paged
 cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
 chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 and bfloat16
-caches; about 0.6 of the time of one SDPA call per prompt).
+caches), as the engine's backend chose at load (engine/attention_backends.py).
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ if TYPE_CHECKING:
     from .attention_backends import StepBatch
 
 # Decoding requests per group: few enough that a group's K/V copy stays in cache until
-# SDPA reads it, enough that per-group overhead stays small (measured on 2 CPU cores,
-# 64 requests of 100-640 tokens, 4 KV heads of 64: groups of 4 attend in about half
-# the time of groups of 16; 2, 6 and 8 are within 10% of 4).
+# SDPA reads it, enough that per-group overhead stays small.
 DECODE_GROUP_SIZE = 4
 # A prefill group holds requests whose context is at least this fraction of its
 # longest one's, bounding the padded Q x L work of each request.

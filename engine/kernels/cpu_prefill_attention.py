@@ -3,10 +3,9 @@
 Each chunk's query tokens attend over its request's context read in place from the
 paged KV cache (the step's own keys and values are written there first), as the
 decode kernel (kernels/cpu_attention.py) does for single tokens; its plain-torch
-reference is ``kernels.paged_attention_reference``. Against SDPA on the same
-prompts, which needs one call per prompt or copies of the context padded into
-groups, on the benchmark's fresh prompts (32-512 tokens, 8 heads of 64 over 4 KV
-heads, 2 cores) it takes about 0.6 of the time of one SDPA call per prompt.
+reference is ``kernels.paged_attention_reference``. SDPA, its alternative, needs one
+call per prompt or copies of the context padded into groups; the engine races the
+two on the model's heads at load (engine/cpu_paths.py).
 
 float32 and bfloat16 caches (bfloat16 accumulates in float32), head sizes a multiple
 of 16, sliding windows and softcaps; everything else stays with SDPA
