@@ -17,12 +17,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-# transformers' config.layer_types values this cache holds, and their kind here.
-LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window"}
-
-
-class UnsupportedLayerError(ValueError):
-    """A model layer keeps state the engine's cache has no place for."""
+from .loader import LAYER_KINDS, layer_types
 
 
 @dataclass(frozen=True)
@@ -57,15 +52,9 @@ class KVCacheSpec:
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        num_layers = text_config.num_hidden_layers
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
         layers = []
-        for index, layer_type in enumerate(layer_types[:num_layers]):
-            kind = LAYER_KINDS.get(layer_type)
-            if kind is None:
-                raise UnsupportedLayerError(
-                    f"{type(hf_config).__name__} layer {index} is a {layer_type!r} layer, whose state is not "
-                    f"keys and values; shardline runs layers of types {', '.join(LAYER_KINDS)} only")
+        for index, layer_type in enumerate(layer_types(hf_config)):
+            kind = LAYER_KINDS[layer_type]
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, head_dim, window))
         return cls(tuple(layers), dtype)

@@ -21,6 +21,7 @@ from .attention_backends import AttentionBackend, choose_attention_backend
 from .cpu_paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
 from .cpu_memory import keep_freed_memory
 from .kv_cache_spec import KVCacheSpec
+from .load_check import check_model
 from .lora import lora_cache_salt
 from .lora_manager import LoRAManager
 from .model_runner import (
@@ -86,6 +87,8 @@ class LLMEngine:
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
         ))
+        if config.check_model:
+            check_model(self.runner, self.vocab_size, self.max_model_len, type(self.model).__name__)
         self.sampler = Sampler(config.seed)
         self.reasoning_parser = (make_reasoning_parser(config.reasoning_parser, self.tokenizer)
                                  if config.reasoning_parser is not None else None)

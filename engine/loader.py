@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,33 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
         return None
 
 
+# transformers' config.layer_types values the engine's paged KV cache holds, and their
+# kind there (engine/kv_cache_spec.py).
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window"}
+
+
+class UnsupportedLayerError(UnsupportedModelError):
+    """A model layer keeps state the engine's cache has no place for, or attends in a
+    way its paged attention does not."""
+
+
+def layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
+    """Each decoder layer's type (transformers' ``layer_types``; full attention where
+    the config names none). Raises UnsupportedLayerError, naming the first layer this
+    cache cannot hold."""
+    text_config = hf_config.get_text_config()
+    num_layers = text_config.num_hidden_layers
+    types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    for index, layer_type in enumerate(types):
+        if layer_type not in LAYER_KINDS:
+            architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+            raise UnsupportedLayerError(
+                f"{architecture} ({hf_config.model_type}) layer {index} is a {layer_type!r} layer, which keeps "
+                f"state that is not keys and values or attends differently; shardline runs layers of types "
+                f"{', '.join(LAYER_KINDS)} only")
+    return types
+
+
 def check_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> None:
     if not getattr(model_class, "_supports_attention_backend", False):
         architecture = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
@@ -104,10 +132,14 @@ def check_attention_interface(model_class: type, hf_config: transformers.Pretrai
         )
 
 
-def load_model(config: EngineConfig, auto_class: type, attn_implementation: str) -> LoadedModel:
+def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
+               check_config: Callable[[transformers.PretrainedConfig], object] | None = None) -> LoadedModel:
     """Load ``config.model`` through ``auto_class`` (AutoModelForCausalLM, AutoModel)
-    with its attention layers calling ``attn_implementation``."""
+    with its attention layers calling ``attn_implementation``; ``check_config`` may
+    refuse the model from its config before any weight is read."""
     hf_config = load_hf_config(config)
+    if check_config is not None:
+        check_config(hf_config)
     tokenizer = load_tokenizer(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
@@ -132,4 +164,4 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str)
 
 def load_causal_lm(config: EngineConfig) -> LoadedModel:
     """A decoder-only causal LM whose attention layers use the engine's paged attention."""
-    return load_model(config, transformers.AutoModelForCausalLM, register_attention())
+    return load_model(config, transformers.AutoModelForCausalLM, register_attention(), check_config=layer_types)

@@ -100,7 +100,12 @@ def _arch_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.P
             bos_token_id=0, eos_token_id=1, pad_token_id=2,
         )
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHS)}")
+        # Any other transformers model type, from the same small sizes; ``overrides``
+        # supply what its config needs beyond them.
+        try:
+            return transformers.AutoConfig.for_model(arch, **{**common, **overrides})
+        except ValueError as error:
+            raise ValueError(f"unknown tiny architecture {arch!r}: {error}") from None
     for key, value in overrides.items():
         setattr(config, key, value)
     return config

@@ -1,0 +1,168 @@
+"""The load-time check that the engine computes what the model itself computes.
+
+Before an engine serves, a few short prompts go through its real paged path: prefilled
+in chunks of a few tokens (so later chunks attend a cached context), then decoded a
+few steps, on a scheduler of the check's own over the engine's KV cache (the blocks
+are free again afterwards and no prefix is remembered). Each decoder layer's output
+and the logits at every row the engine reads are compared with the model's own
+forward over the same whole sequences without a cache, in transformers' eager
+attention (module replacements stay in place: each was checked against the module it
+replaced when it was made).
+
+Where they differ, the model is refused with ModelMismatchError naming the
+architecture, the first layer (and its class) whose output differs, and the first
+position. Tolerances, relative to the reference's largest value at the position:
+float64 1e-6, float32 1e-3, and 0.1 in bfloat16 and float16, whose rounding over a
+few layers reaches a few percent while an ignored attention feature or dropped state
+moves outputs by their own size.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .loader import ModelLoadError
+from .model_runner import ModelRunner
+from .params import SamplingParams
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerConfig
+
+TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+PROMPT_LENGTHS = (9, 14, 3)
+CHUNK_TOKENS = 8  # the check's token budget per step: prompts cross chunk boundaries
+DECODE_STEPS = 3
+
+
+class ModelMismatchError(ModelLoadError):
+    """The engine's paged path computes something other than the model's own forward."""
+
+
+@dataclass
+class _Trace:
+    """What the paged path computed for one request, by absolute position."""
+
+    layers: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> position -> [hidden]
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
+
+
+def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, architecture: str) -> None:
+    """Run the check (see the module docstring); raise ModelMismatchError on a mismatch."""
+    layers = _decoder_layers(runner.model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
+    with torch.inference_mode():
+        requests, traces = _run_paged(runner, layers, prompts, max_model_len)
+        for request in requests:
+            _compare(runner.model, layers, request.all_token_ids[:-1], traces[request.request_id],
+                     runner.spec.dtype, architecture)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layer list (the longest ModuleList of the model)."""
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    return max(lists, key=len, default=nn.ModuleList())
+
+
+def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):
+    """Forward hooks keeping each layer's output hidden states ([1, T, hidden])."""
+    def hook(index):
+        return lambda module, args, output: sink.__setitem__(index, output[0] if isinstance(output, tuple) else output)
+    return [layer.register_forward_hook(hook(index)) for index, layer in enumerate(layers)]
+
+
+def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[int]],
+               max_model_len: int) -> tuple[list[Request], dict[str, _Trace]]:
+    """The prompts through the engine's paged path, greedy; each request's trace."""
+    num_blocks = runner.kv_caches[0][0].shape[0]
+    scheduler = Scheduler(SchedulerConfig(
+        max_num_seqs=len(prompts), max_num_batched_tokens=CHUNK_TOKENS, max_model_len=max_model_len,
+        block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0)
+    requests = [Request(f"load-check-{i}", prompt, DECODE_STEPS, params=params) for i, prompt in enumerate(prompts)]
+    for request in requests:
+        scheduler.add_request(request)
+    traces = {request.request_id: _Trace() for request in requests}
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = _record_layers(layers, outputs)
+    try:
+        while scheduler.has_unfinished_requests():
+            step = scheduler.schedule()
+            inputs, plan = runner.prepare_inputs(step)
+            if runner.lora_manager is not None:  # LoRA layers in place, no adapter in use
+                runner.lora_manager.prepare_step([None] * len(step.scheduled),
+                                                 [item.num_new_tokens for item in step.scheduled])
+            keep = torch.tensor(plan.keep, dtype=torch.int64, device=runner.device)
+            logits = runner.model(**inputs, use_cache=False, logits_to_keep=keep).logits[0]
+            ctx = inputs["shardline_ctx"]
+            # The last layer computes only the sampled rows where the backend attends them alone.
+            last_rows = None if ctx.sampled_rows is None else set(ctx.sampled_rows.tolist())
+            offset = 0
+            for item in step.scheduled:
+                trace = traces[item.request.request_id]
+                for row in range(item.num_new_tokens):
+                    position = item.start + row
+                    for index, hidden in outputs.items():
+                        if index == len(layers) - 1 and last_rows is not None and offset + row not in last_rows:
+                            continue
+                        trace.layers.setdefault(index, {})[position] = hidden[0, offset + row].float()
+                if item.is_last_chunk:
+                    row_logits = logits[plan.sample_rows[item.request.request_id]].float()
+                    trace.logits[item.start + item.num_new_tokens - 1] = row_logits
+                    item.request.append_output_token(int(row_logits.argmax()))
+                    if item.request.num_output_tokens >= DECODE_STEPS:
+                        scheduler.finish_requests(item.request.request_id, RequestStatus.FINISHED_LENGTH)
+                offset += item.num_new_tokens
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for request in requests:  # frees the blocks if the loop stopped early
+            scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    return requests, traces
+
+
+def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
+             architecture: str) -> None:
+    """The model's own forward over ``token_ids`` against ``trace``."""
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = _record_layers(layers, outputs)
+    implementation = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("eager")
+        ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+        reference_logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(implementation)
+        for hook in hooks:
+            hook.remove()
+    tolerance = TOLERANCES.get(dtype, 0.1)
+    for index in sorted(trace.layers):
+        for position in sorted(trace.layers[index]):
+            expected = outputs[index][0, position].float()
+            if _differs(trace.layers[index][position], expected, tolerance):
+                raise ModelMismatchError(
+                    f"{architecture}: the engine's paged attention computes layer {index} "
+                    f"({type(_unwrapped(layers[index])).__name__}) differently from the model's own forward, "
+                    f"first at position {position} of a {len(token_ids)}-token probe; shardline cannot run "
+                    f"this model exactly (LLM(..., check_model=False) skips this check at your own risk)")
+    for position, logits in sorted(trace.logits.items()):
+        if _differs(logits, reference_logits[position], tolerance):
+            raise ModelMismatchError(
+                f"{architecture}: the engine's logits differ from the model's own forward at position "
+                f"{position} of a {len(token_ids)}-token probe (its layers agree: the difference is after "
+                f"them); shardline cannot run this model exactly "
+                f"(LLM(..., check_model=False) skips this check at your own risk)")
+
+
+def _differs(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
+    scale = float(expected.abs().max()) + 1e-30
+    return not bool(torch.isfinite(actual).all()) or float((actual - expected).abs().max()) > tolerance * scale
+
+
+def _unwrapped(layer: nn.Module) -> nn.Module:
+    """The transformers layer behind an engine replacement (its ``layer``), else itself."""
+    inner = getattr(layer, "layer", None)
+    return inner if isinstance(inner, nn.Module) else layer

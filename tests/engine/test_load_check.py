@@ -1,0 +1,41 @@
+"""The load check: the engine refuses a model whose paged path it would run wrongly,
+and loads those it runs exactly."""
+
+import pytest
+
+from shardline import LLM
+from shardline.engine.loader import UnsupportedLayerError
+from shardline.engine.load_check import ModelMismatchError
+from shardline.engine.tiny import build_tiny_model
+
+# gpt-oss: a learned sink logit per head joins every softmax (attention sinks).
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)
+
+
+def test_models_the_engine_runs_exactly_pass(tiny_llama_dir):
+    for dtype in ("float64", "float32", "bfloat16"):
+        llm = LLM(tiny_llama_dir, dtype=dtype)
+        assert llm.llm_engine.config.check_model
+        llm.close()
+
+
+def test_ignored_attention_sinks_are_refused_naming_the_layer(tmp_path):
+    model_dir = str(build_tiny_model(tmp_path, "gpt_oss", **GPT_OSS))
+    with pytest.raises(ModelMismatchError, match=r"GptOssForCausalLM: .* layer 0 \(GptOssDecoderLayer\)"):
+        LLM(model_dir, dtype="float32")
+
+
+def test_the_check_can_be_turned_off(tmp_path):
+    model_dir = str(build_tiny_model(tmp_path, "gpt_oss", **GPT_OSS))
+    LLM(model_dir, dtype="float32", check_model=False).close()
+
+
+@pytest.mark.parametrize("arch,layer_type,overrides", [
+    ("llama4_text", "chunked_attention", dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
+                                              intermediate_size_mlp=128, no_rope_layers=[1, 1])),
+    ("qwen3_next", "linear_attention", dict(head_dim=16)),
+])
+def test_layers_the_cache_cannot_hold_are_refused_by_name(tmp_path, arch, layer_type, overrides):
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
+    with pytest.raises((UnsupportedLayerError, ValueError), match=layer_type):
+        LLM(model_dir, dtype="float32")
