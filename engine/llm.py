@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
+from .engine_protocol import Engine
 from .llm_engine import LLMEngine, PromptType
 from .lora import LoRARequest, resolve_lora_request
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
@@ -39,7 +40,7 @@ class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine_config = EngineConfig.from_kwargs(model, **engine_options)
         engine_class = PoolingEngine if wants_pooling_engine(self.engine_config) else LLMEngine
-        self.llm_engine = engine_class(self.engine_config)
+        self.llm_engine: Engine = engine_class(self.engine_config)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -49,16 +50,14 @@ class LLM:
         """Abort anything in flight and drop the model and its KV cache."""
         engine = self.__dict__.pop("llm_engine", None)
         if engine is not None:
-            engine.abort_request(list(engine._states))
-            if hasattr(engine, "structured"):  # a generation engine: stop its grammar thread
-                engine.structured.close()
+            engine.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: later
         prompts compute them again (benchmarks that repeat a workload call it between
         runs). Blocks of running requests keep their contents."""
         self._require_generation("LLM.reset_prefix_cache")
-        self.llm_engine.scheduler.kv_cache.reset_prefix_cache()
+        self.llm_engine.reset_prefix_cache()
         return True
 
     # ----------------------------------------------------------------- generate
@@ -78,7 +77,7 @@ class LLM:
         return self._run(prompts, lambda prompt: prompt, sampling_params, use_tqdm, lora_request, priority)
 
     def _require_generation(self, method: str) -> None:
-        if isinstance(self.llm_engine, PoolingEngine):
+        if self.llm_engine.task != "generate":
             raise TaskMismatchError(
                 f"{method} needs a generative model, but {self.engine_config.model!r} was loaded as an "
                 f"embedding model (task={self.engine_config.task!r}); use LLM.embed or LLM.encode"
@@ -157,12 +156,14 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [outputs[request_id] for request_id in sorted(added, key=int) if request_id in outputs]
+        missing = [request_id for request_id in added if request_id not in outputs]
+        if missing:  # the engine lost requests: an engine bug, never a silently shorter result
+            raise RuntimeError(f"the engine finished without an output for requests {missing[:10]} "
+                               f"({len(missing)} of {len(added)})")
+        return [outputs[request_id] for request_id in sorted(added, key=int)]
 
     def _batch_is_full(self) -> bool:
-        # The engine's count, not the scheduler's: requests waiting for their grammar
-        # to compile are not in the scheduler yet, but they are added work.
-        return self.llm_engine.get_num_unfinished_requests() >= 2 * self.engine_config.max_num_seqs
+        return not self.llm_engine.has_capacity()
 
     def _step_into(self, outputs: dict[str, Any], progress: "_ProgressBar") -> None:
         for output in self.llm_engine.step():
@@ -210,7 +211,7 @@ class LLM:
 
     def _pool(self, method: str, prompts: Any, pooling_params: Any, task: PoolingTask, use_tqdm: Any,
               lora_request: Any, truncate_prompt_tokens: int | None, priority: Any) -> list:
-        if not isinstance(self.llm_engine, PoolingEngine):
+        if self.llm_engine.task != "embed":
             raise TaskMismatchError(
                 f"{method} needs an embedding model, but {self.engine_config.model!r} was loaded for "
                 f"generation (task={self.engine_config.task!r}); load it with task='embed'"

@@ -40,7 +40,10 @@ from .structured import StructuredOutputError, StructuredOutputManager, forbidde
 
 
 class LLMEngine:
-    """Continuous-batching engine over one model; driven by ``step()``."""
+    """Continuous-batching engine over one model; driven by ``step()`` (an
+    engine_protocol.Engine)."""
+
+    task = "generate"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -196,11 +199,27 @@ class LLMEngine:
             self._generators.pop(sequence_id, None)
             self.structured.forget(sequence_id)
 
+    def abort_all(self) -> None:
+        self.abort_request(list(self._states))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
+
+    def has_capacity(self) -> bool:
+        """Whether to add more requests before the next step (see engine_protocol.Engine).
+        Requests waiting for their grammar to compile count: they are added work."""
+        return len(self._states) < 2 * self.config.max_num_seqs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; blocks of running requests keep their contents."""
+        self.scheduler.kv_cache.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.abort_all()
+        self.structured.close()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -115,7 +115,10 @@ class PoolingScheduler:
 
 
 class PoolingEngine:
-    """Embeds prompts with an encoder or decoder base model; driven by ``step()``."""
+    """Embeds prompts with an encoder or decoder base model; driven by ``step()`` (an
+    engine_protocol.Engine)."""
+
+    task = "embed"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -196,11 +199,20 @@ class PoolingEngine:
             if self._states.pop(request_id, None) is not None:
                 self.scheduler.abort(request_id)
 
+    def abort_all(self) -> None:
+        self.abort_request(list(self._states))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
+
+    def has_capacity(self) -> bool:
+        return len(self._states) < 2 * self.config.max_num_seqs
+
+    def close(self) -> None:
+        self.abort_all()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[EmbeddingRequestOutput | PoolingRequestOutput]:

@@ -178,3 +178,31 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny_llm):
     assert tiny_llm.reset_prefix_cache() is True
     after_reset = tiny_llm.generate(prompt, params, use_tqdm=False)[0]
     assert after_reset.num_cached_tokens == 0 and after_reset.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_llm_drives_either_engine_through_the_engine_protocol(tiny_llama_dir, embedding_model):
+    """LLM reaches no engine internals: both engines answer the same calls."""
+    from shardline.engine.engine_protocol import Engine
+
+    for llm, task in ((LLM(tiny_llama_dir, dtype="float32"), "generate"), (LLM(embedding_model), "embed")):
+        engine = llm.llm_engine
+        members = [name for name in vars(Engine) if not name.startswith("_")]
+        assert engine.task == task and all(hasattr(engine, name) for name in members)
+        assert engine.has_capacity() and not engine.has_unfinished_requests()
+        llm.close()
+
+
+def test_a_request_lost_by_the_engine_is_an_error_not_a_shorter_result(tiny_llama_dir, monkeypatch):
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    engine = llm.llm_engine
+    real_step = engine.step
+
+    def step_dropping_request_1():
+        outputs = real_step()
+        engine.abort_request("1")  # as if the engine had lost it
+        return [output for output in outputs if output.request_id != "1"]
+
+    monkeypatch.setattr(engine, "step", step_dropping_request_1)
+    with pytest.raises(RuntimeError, match=r"without an output for requests \['1'\]"):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.close()
