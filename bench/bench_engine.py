@@ -33,7 +33,7 @@ import transformers
 
 from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
 from shardline import LLM, SamplingParams
-from shardline.engine.cpu_paths import host_cpu
+from shardline.engine.cpu.paths import host_cpu
 
 
 def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> float:

@@ -47,7 +47,7 @@ def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repe
     roofline's peak is the larger."""
     import time
 
-    from shardline.engine.cpu_linear import onednn_linear_available
+    from shardline.engine.cpu.linear import onednn_linear_available
 
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
@@ -82,8 +82,12 @@ class StepProfile:
                  "attention plans")
 
     def __init__(self) -> None:
-        from shardline.engine import attention_backends, cpu_layers, llm_engine, model_runner, output_processor, sampler
-        from shardline.engine import scheduler, torch_attention
+        from shardline.engine import llm_engine, output_processor, sampler
+        from shardline.engine.attention import backends as attention_backends
+        from shardline.engine.attention import torch_path as torch_attention
+        from shardline.engine.core import scheduler
+        from shardline.engine.cpu import layers as cpu_layers
+        from shardline.engine.model import runner as model_runner
 
         self.seconds: dict[str, float] = {}
         attend = torch_attention._attend

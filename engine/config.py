@@ -67,11 +67,11 @@ class EngineConfig:
     default_mm_loras: dict[str, str] | None = None
     enforce_eager: bool = False
     reasoning_parser: str | None = None
-    # None picks by device and dtype (engine/attention_backends.py); "triton", "cpu"
+    # None picks by device and dtype (engine/attention/backends.py); "triton", "cpu"
     # (torch with the native CPU kernels chosen for the host) or "torch" (torch ops alone).
     attention_backend: str | None = None
     # Compare the engine's paged path with the model's own forward at load and refuse a
-    # model it would run wrongly (engine/load_check.py).
+    # model it would run wrongly (engine/model/load_check.py).
     check_model: bool = True
 
     def __post_init__(self) -> None:

@@ -20,10 +20,10 @@ from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_t
 from .config import EngineConfig
 from .engine_protocol import Engine
 from .llm_engine import LLMEngine, PromptType
-from .lora import LoRARequest, resolve_lora_request
+from .lora.request import LoRARequest, resolve_lora_request
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams
-from .pooling_engine import (
+from .pooling.engine import (
     PoolingEngine, TaskMismatchError, as_pooling_output, pooling_params_for, wants_pooling_engine,
 )
 

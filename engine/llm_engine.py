@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .loader import LoadedModel, load_causal_lm
-from .attention_backends import AttentionBackend, choose_attention_backend
-from .cpu_paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
-from .cpu_memory import keep_freed_memory
-from .kv_cache_spec import KVCacheSpec
-from .load_check import check_model
-from .lora import lora_cache_salt
-from .lora_manager import LoRAManager
-from .model_runner import (
+from .model.loader import LoadedModel, load_causal_lm
+from .attention.backends import AttentionBackend, choose_attention_backend
+from .cpu.paths import NO_CPU_PATHS, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
+from .cpu.memory import keep_freed_memory
+from .model.kv_cache_spec import KVCacheSpec
+from .model.load_check import check_model
+from .lora.request import lora_cache_salt
+from .lora.manager import LoRAManager
+from .model.runner import (
     DEFAULT_CPU_KV_CACHE_BYTES, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
 )
 from .output_processor import OutputProcessor, RequestState, SampleState
@@ -32,9 +32,9 @@ from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .prompts import PromptType, tokenize_prompt
 from .reasoning import make_reasoning_parser
-from .request import Request, RequestStatus
+from .core.request import Request, RequestStatus
 from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
 
 
@@ -58,7 +58,7 @@ class LLMEngine:
         self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
                                          loaded.dtype) if config.enable_lora else None)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
-        self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu_paths.py)
+        self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu/paths.py)
         self.cpu_rewrites = CpuRewrites()  # and the modules they replaced
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -373,7 +373,7 @@ def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.
         return config.kv_cache_memory_bytes
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
-    from .profiling import profile_peak_bytes
+    from .model.profiling import profile_peak_bytes
 
     _, total = torch.cuda.mem_get_info(device)
     peak = profile_peak_bytes(model, attention, spec, config.max_num_batched_tokens, config.block_size, device,

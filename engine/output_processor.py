@@ -22,7 +22,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
-from .request import Request, RequestStatus
+from .core.request import Request, RequestStatus
 from .structured import GrammarState, StructuredOutputError
 
 

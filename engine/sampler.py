@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .params import SamplingParams, SamplingType
-from .request import Request
+from .core.request import Request
 from .structured import apply_token_bitmask
 
 

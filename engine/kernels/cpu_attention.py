@@ -3,7 +3,7 @@
 The C source is compiled once per machine and called through ctypes (see
 kernels/native.py). Without a compiler, or if the build fails,
 ``decode_kernel_available`` is False and the engine's torch path
-(engine/torch_attention.py) attends decoding requests.
+(engine/attention/torch_path.py) attends decoding requests.
 
 Why a native kernel: a decode step is bound by reading every running request's
 context once per layer. Torch ops must first gather the paged blocks into a padded

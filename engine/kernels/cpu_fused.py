@@ -3,7 +3,7 @@ beside its plain-torch reference (transformers' formula, op for op).
 
 float32 and bfloat16 tensors on the CPU; ``fused_kernels_available(dtype)`` says
 whether the library built here and takes the dtype. Without it the callers keep the
-torch ops (engine/cpu_layers.py).
+torch ops (engine/cpu/layers.py).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ paged KV cache (the step's own keys and values are written there first), as the
 decode kernel (kernels/cpu_attention.py) does for single tokens; its plain-torch
 reference is ``kernels.paged_attention_reference``. SDPA, its alternative, needs one
 call per prompt or copies of the context padded into groups; the engine races the
-two on the model's heads at load (engine/cpu_paths.py).
+two on the model's heads at load (engine/cpu/paths.py).
 
 float32 and bfloat16 caches (bfloat16 accumulates in float32), head sizes a multiple
 of 16, sliding windows and softcaps; everything else stays with SDPA
-(engine/torch_attention.py), as it does when the library cannot be built.
+(engine/attention/torch_path.py), as it does when the library cannot be built.
 """
 
 from __future__ import annotations

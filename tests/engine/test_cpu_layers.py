@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
-from shardline.engine import cpu_layers
-from shardline.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
-from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear, onednn_linear_available, replace_module
+from shardline.engine.cpu import layers as cpu_layers
+from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
+from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available, replace_module
 from shardline.engine.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -157,7 +157,7 @@ def test_a_layer_of_another_formula_stays_unfused(monkeypatch, tmp_path):
 def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
     """The fused forward serves engine steps only; a plain transformers call (no paged
     cache context) goes to the layer's own forward."""
-    from shardline.engine.attention import paged_attention_forward
+    from shardline.engine.attention.context import paged_attention_forward
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(build_tiny_model(tmp_path, "llama")))
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -175,7 +175,7 @@ def test_lora_adapters_and_prompt_logprobs_through_fused_layers(tiny_llama_dir, 
     (every row read, so no sampled-rows shortcut), seeded n=2 sampling and penalties
     give what the modules' own forwards give."""
     from shardline import LLM, SamplingParams
-    from shardline.engine.lora import LoRARequest
+    from shardline.engine.lora.request import LoRARequest
 
     from .test_lora import make_adapter
 

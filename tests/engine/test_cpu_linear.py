@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear, onednn_linear_available, pack_linears
+from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -59,7 +59,7 @@ def test_engine_packs_linears_on_cpu(tiny_llama_dir):
 def test_row_counts_fall_into_few_buckets():
     """oneDNN caches a kernel per row count: a continuous batch's row counts (any number
     up to the token budget) must reach it as a few dozen, or its memory grows with the run."""
-    from shardline.engine.cpu_linear import row_bucket
+    from shardline.engine.cpu.linear import row_bucket
 
     buckets = {row_bucket(rows) for rows in range(1, 8193)}
     assert len(buckets) <= 48
@@ -89,7 +89,7 @@ class GatedMLPOtherWay(GatedMLP):
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(approximate="tanh")])
 def test_gated_mlp_runs_gate_and_up_as_one_matmul_with_the_same_output(rows, act):
-    from shardline.engine.cpu_linear import fuse_gated_mlps
+    from shardline.engine.cpu.linear import fuse_gated_mlps
 
     torch.manual_seed(0)
     holder = nn.Module()
@@ -108,7 +108,7 @@ def test_gated_mlp_runs_gate_and_up_as_one_matmul_with_the_same_output(rows, act
 
 
 def test_an_mlp_with_another_formula_keeps_its_forward():
-    from shardline.engine.cpu_linear import fuse_gated_mlps
+    from shardline.engine.cpu.linear import fuse_gated_mlps
 
     torch.manual_seed(0)
     holder = nn.Module()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardline.engine import cpu_memory
+from shardline.engine.cpu import memory as cpu_memory
 
 # A fresh interpreter: the thresholds are process-wide and set once. torch and then
 # tokenizers are imported as in an engine process: measured, glibc's own adaptive
@@ -19,7 +19,7 @@ SCRIPT = """
 import resource, sys
 import torch
 import tokenizers  # noqa: F401
-from shardline.engine.cpu_memory import keep_freed_memory
+from shardline.engine.cpu.memory import keep_freed_memory
 applied = keep_freed_memory()
 a, b = torch.randn(2048, 1536), torch.randn(2048, 1536)
 def faults_per_call():

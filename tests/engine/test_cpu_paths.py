@@ -12,10 +12,10 @@ import pytest
 import torch
 import transformers
 
-from shardline.engine import cpu_paths
-from shardline.engine.cpu_layers import FusedDecoderLayer, FusedRMSNorm
-from shardline.engine.cpu_linear import FusedGatedMLP, PackedLinear
-from shardline.engine.cpu_paths import PATH_NAMES, ModelShape, choose_cpu_paths, host_cpu, path_settings
+from shardline.engine.cpu import paths as cpu_paths
+from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm
+from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
+from shardline.engine.cpu.paths import PATH_NAMES, ModelShape, choose_cpu_paths, host_cpu, path_settings
 from shardline.engine.kernels import native
 
 SHAPE = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=2, head_dim=16)

@@ -19,9 +19,9 @@ import transformers
 
 from shardline import LLM, PoolingParams, SamplingParams
 from shardline.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput
-from shardline.engine.packed_attention import PackedAttentionContext, packed_attention_forward
-from shardline.engine.pooling import PoolingType, UnsupportedPoolingError, pool, read_pooler_config
-from shardline.engine.pooling_engine import PoolingRequest, PoolingScheduler, TaskMismatchError
+from shardline.engine.pooling.packed_attention import PackedAttentionContext, packed_attention_forward
+from shardline.engine.pooling.pooler import PoolingType, UnsupportedPoolingError, pool, read_pooler_config
+from shardline.engine.pooling.engine import PoolingRequest, PoolingScheduler, TaskMismatchError
 from shardline.engine.params import PoolingTask
 from shardline.engine.tiny import build_tiny_model
 

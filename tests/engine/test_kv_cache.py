@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from shardline.engine.kv_cache import KVCacheManager, blocks_needed, hash_block_tokens
-from shardline.engine.request import Request
+from shardline.engine.core.kv_cache import KVCacheManager, blocks_needed, hash_block_tokens
+from shardline.engine.core.request import Request
 
 BLOCK_SIZE = 4
 
@@ -120,7 +120,7 @@ def test_block_hash_chains_over_the_prefix():
 
 def test_block_hash_is_stable_across_processes():
     code = (
-        "from shardline.engine.kv_cache import hash_block_tokens;"
+        "from shardline.engine.core.kv_cache import hash_block_tokens;"
         "print(hash_block_tokens(None, [1, 2, 3, 4], 'lora-a').hex())"
     )
     digests = {

@@ -4,8 +4,8 @@ and loads those it runs exactly."""
 import pytest
 
 from shardline import LLM
-from shardline.engine.loader import UnsupportedLayerError
-from shardline.engine.load_check import ModelMismatchError
+from shardline.engine.model.loader import UnsupportedLayerError
+from shardline.engine.model.load_check import ModelMismatchError
 from shardline.engine.tiny import build_tiny_model
 
 # gpt-oss: a learned sink logit per head joins every softmax (attention sinks).

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from shardline import LLM, SamplingParams
-from shardline.engine.loader import ModelLoadError
+from shardline.engine.model.loader import ModelLoadError
 from shardline.engine.tiny import build_tiny_model
 
 

@@ -22,9 +22,9 @@ import torch
 import transformers
 
 from shardline import LLM, SamplingParams
-from shardline.engine.lora import LoRAError, LoRARequest, lora_cache_salt, resolve_lora_request
-from shardline.engine.lora_adapter import ADAPTER_CONFIG
-from shardline.engine.lora_manager import LoRAManager
+from shardline.engine.lora.request import LoRAError, LoRARequest, lora_cache_salt, resolve_lora_request
+from shardline.engine.lora.adapter import ADAPTER_CONFIG
+from shardline.engine.lora.manager import LoRAManager
 from shardline.engine.tiny import build_tiny_model
 
 from .hf_reference import hf_greedy, load_hf_model, random_prompts
@@ -366,19 +366,19 @@ def test_prompts_without_a_registered_modality_keep_the_explicit_request():
 
 def test_explicit_request_wins_with_a_warning(caplog):
     explicit = LoRARequest("mine", 7, "/loras/mine")
-    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora"):
+    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora.request"):
         assert resolve_lora_request(mm_prompt("image"), explicit, DEFAULTS) is explicit
     assert "explicit" in caplog.text
     caplog.clear()
     same_id = LoRARequest("img", 2, "/loras/image")
-    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora"):
+    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora.request"):
         assert resolve_lora_request(mm_prompt("image"), same_id, DEFAULTS) is same_id
     assert caplog.text == ""
 
 
 def test_several_matching_modalities_fall_back_with_a_warning(caplog):
     explicit = LoRARequest("mine", 7, "/loras/mine")
-    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora"):
+    with caplog.at_level(logging.WARNING, logger="shardline.engine.lora.request"):
         assert resolve_lora_request(mm_prompt("image", "audio"), None, DEFAULTS) is None
         assert resolve_lora_request(mm_prompt("image", "audio"), explicit, DEFAULTS) is explicit
     assert caplog.text.count("audio") == 2

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from shardline.engine.request import Request, RequestStatus
-from shardline.engine.scheduler import (
+from shardline.engine.core.request import Request, RequestStatus
+from shardline.engine.core.scheduler import (
     PromptTooLongError,
     Scheduler,
     SchedulerConfig,

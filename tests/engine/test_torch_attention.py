@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from shardline.engine.attention_backends import StepBatch, TorchBackend
+from shardline.engine.attention.backends import StepBatch, TorchBackend
 from shardline.engine.kernels import paged_attention_reference
-from shardline.engine.torch_attention import (
+from shardline.engine.attention.torch_path import (
     DECODE_GROUP_SIZE,
     attention_groups,
     fresh_prompts,

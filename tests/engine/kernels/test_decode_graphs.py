@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardline import LLM, SamplingParams
-from shardline.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from shardline.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
 from shardline.engine.tiny import build_tiny_model
 
 from ..hf_reference import random_prompts

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .attention_backends import AttentionBackend, StepBatch
+from ..attention.backends import AttentionBackend, StepBatch
 from .kv_cache_spec import KVCacheSpec
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import native
+from ..kernels import native
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
 
 
 def _packed_linears(host: HostCpu, dtype: torch.dtype) -> tuple[bool, str]:
-    from .cpu_linear import onednn_linear_available
+    from .linear import onednn_linear_available
 
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"oneDNN has no {str(dtype).removeprefix('torch.')} matmul"
@@ -187,7 +187,7 @@ def _packed_linears(host: HostCpu, dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
-    from .kernels.cpu_fused import SOURCE, fused_kernels_available
+    from ..kernels.cpu_fused import SOURCE, fused_kernels_available
 
     if dtype not in (torch.float32, torch.bfloat16):
         return False, "float32 and bfloat16 only"
@@ -197,7 +197,7 @@ def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def _decode_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from .kernels.cpu_attention import DTYPES, SOURCE, decode_kernel_available, load_library
+    from ..kernels.cpu_attention import DTYPES, SOURCE, decode_kernel_available, load_library
 
     if dtype not in DTYPES:
         return False, "float32, float64 and bfloat16 only"
@@ -210,7 +210,7 @@ def _decode_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
 
 
 def _prefill_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from .kernels.cpu_prefill_attention import DTYPES, SOURCE, load_library, prefill_kernel_available
+    from ..kernels.cpu_prefill_attention import DTYPES, SOURCE, load_library, prefill_kernel_available
 
     if dtype not in DTYPES:
         return False, "float32 and bfloat16 only"
@@ -242,8 +242,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     read the packed weights). A module whose replacement would give another output on
     a probe input keeps its own (each such refusal is logged with its class); LoRA
     wrappers, already in place, keep wrapping the packed linears inside them."""
-    from .cpu_layers import fuse_decoder_layers, fuse_rms_norms
-    from .cpu_linear import fuse_gated_mlps, pack_linears
+    from .layers import fuse_decoder_layers, fuse_rms_norms
+    from .linear import fuse_gated_mlps, pack_linears
 
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
@@ -313,7 +313,7 @@ MEASURED_ROWS = (16, 256)
 
 @torch.inference_mode()
 def _linear_speedup(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> float:
-    from .cpu_linear import packed_matmul
+    from .linear import packed_matmul
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(min(shape.widest_linear, MEASURED_OUTPUTS), shape.hidden_size, generator=generator)
@@ -330,7 +330,7 @@ MEASURED_PROMPTS = (48, 160, 300)
 
 @torch.inference_mode()
 def _prefill_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
-    from .kernels.cpu_prefill_attention import prefill_attention
+    from ..kernels.cpu_prefill_attention import prefill_attention
 
     block_size, generator = 16, torch.Generator().manual_seed(0)
     tokens = sum(MEASURED_PROMPTS)

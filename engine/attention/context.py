@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 if TYPE_CHECKING:
-    from .attention_backends import AttentionBackend
+    from .backends import AttentionBackend
 
 ATTN_IMPLEMENTATION = "shardline"
 
@@ -31,7 +31,7 @@ ATTN_IMPLEMENTATION = "shardline"
 class AttentionContext:
     """Everything one forward pass needs to find and extend the paged KV cache.
 
-    Built once per step by the engine's attention backend (engine/attention_backends.py)
+    Built once per step by the engine's attention backend (engine/attention/backends.py)
     and shared by all layers.
     """
 
@@ -52,7 +52,7 @@ class AttentionContext:
     # logits are kept, [n] int64; the requests they end, [n] int64 indices; and per
     # request its row in that list, [B] int64 (0 for the others). The last decoder
     # layer then needs queries, attention and MLP at these rows alone
-    # (engine/cpu_layers.py).
+    # (engine/cpu/layers.py).
     sampled_rows: torch.Tensor | None = None
     sampled_requests: torch.Tensor | None = None
     sampled_query_rows: torch.Tensor | None = None

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import register_implementation
-from .torch_attention import padded_attention
+from ..attention.context import register_implementation
+from ..attention.torch_path import padded_attention
 
 PACKED_ATTN_IMPLEMENTATION = "shardline_packed"
 

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import transformers
 
-from .config import EngineConfig
-from .loader import LoadedModel, load_hf_config, load_model
-from .model_runner import model_max_len
-from .outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
+from ..config import EngineConfig
+from ..model.loader import LoadedModel, load_hf_config, load_model
+from ..model.runner import model_max_len
+from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
 from .packed_attention import PackedAttentionContext, register as register_packed_attention
-from .params import PoolingParams, PoolingTask
-from .prompts import PromptType, tokenize_prompt
-from .pooling import (
+from ..params import PoolingParams, PoolingTask
+from ..prompts import PromptType, tokenize_prompt
+from .pooler import (
     PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
 )
 

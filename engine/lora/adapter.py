@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from .lora import LoRAError, LoRARequest
+from .request import LoRAError, LoRARequest
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -22,7 +22,7 @@ work.
 On the "auto" backend the native kernels take what they can, reading the paged
 cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
 chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 and bfloat16
-caches), as the engine's backend chose at load (engine/attention_backends.py).
+caches), as the engine's backend chose at load (engine/attention/backends.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .attention_backends import StepBatch
+    from .backends import StepBatch
 
 # Decoding requests per group: few enough that a group's K/V copy stays in cache until
 # SDPA reads it, enough that per-group overhead stays small.
@@ -223,7 +223,7 @@ def torch_paged_attention(
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillBatch,
                     output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
     """The prefill chunks' rows of ``output``, by the native kernel."""
-    from .kernels.cpu_prefill_attention import prefill_attention
+    from ..kernels.cpu_prefill_attention import prefill_attention
 
     prefill_attention(query, k_cache, v_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens,
                       prefill.requests, output, scale, sliding_window, softcap)
@@ -247,7 +247,7 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch,
                    output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
     """The decoding requests' rows of ``output``, by the native kernel."""
-    from .kernels.cpu_attention import decode_attention
+    from ..kernels.cpu_attention import decode_attention
 
     decode_attention(query, k_cache, v_cache, decode.block_tables, decode.seq_lens, decode.query_rows,
                      decode.requests, output, scale, sliding_window, softcap)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from .attention_backends import AttentionBackend, StepBatch
+from ..attention.backends import AttentionBackend, StepBatch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache_spec import KVCacheSpec, plan_num_blocks
-from .config import EngineConfig
-from .scheduler import ScheduledRequest, SchedulerOutput
+from ..config import EngineConfig
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
                  device: torch.device, attention: AttentionBackend) -> None:
         self.model = model
-        self.attention = attention  # how attention runs, chosen once (engine/attention_backends.py)
+        self.attention = attention  # how attention runs, chosen once (engine/attention/backends.py)
         self.spec = spec
         self.lora_manager = None  # a LoRAManager when enable_lora
         self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
@@ -59,7 +59,7 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
-        (see engine/cuda_graphs.py); without capture the same path runs eagerly."""
+        (see engine/model/cuda_graphs.py); without capture the same path runs eagerly."""
         self.decode_graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.block_size,
                                           max_num_seqs, max_model_len, self.device)
         if capture:
@@ -116,7 +116,7 @@ class ModelRunner:
 
     def _sampled_rows(self, scheduler_output: SchedulerOutput, plan: "LogitsPlan", num_tokens: int) -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that
-        attends sampled rows alone skip the rest in the last layer (engine/cpu_layers.py);
+        attends sampled rows alone skip the rest in the last layer (engine/cpu/layers.py);
         decode steps sample every row. The StepBatch fields, or none."""
         if (not self.attention.attends_sampled_rows or plan.prompt_rows or self.lora_manager is not None
                 or len(plan.keep) >= num_tokens):

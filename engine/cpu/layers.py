@@ -38,13 +38,13 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import AttentionContext
-from .attention_backends import StepBatch, TorchBackend
-from .cpu_linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul, replace_module, \
+from ..attention.context import AttentionContext
+from ..attention.backends import StepBatch, TorchBackend
+from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul, replace_module, \
     reproduces
-from .kernels.cpu_attention import decode_attention
-from .kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
-from .torch_attention import write_kv_cache
+from ..kernels.cpu_attention import decode_attention
+from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from ..attention.torch_path import write_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:
     """Replace every Llama-family decoder layer by a FusedDecoderLayer where that gives
     the layer's own output on a probe step (see the module docstring); returns how
     many were replaced. ``rows_hint`` is the row count oneDNN tunes the packed query,
-    key and value weights for (see cpu_linear.pack_linears)."""
+    key and value weights for (see cpu/linear.py, pack_linears)."""
     num_fused = 0
     for decoder in model.modules():
         layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)

@@ -11,7 +11,7 @@ twice.
 
 Only float32 and bfloat16 pack (oneDNN has no float64 matmul), bfloat16 only where
 oneDNN reports support for it; float64 keeps torch's exact-reference path. Whether
-the engine packs at all is its CPU path choice (engine/cpu_paths.py), measured
+the engine packs at all is its CPU path choice (engine/cpu/paths.py), measured
 against torch's matmul on the host.
 
 Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the Llama family's)
@@ -30,7 +30,7 @@ import logging
 import torch
 from torch import nn
 
-from .kernels.cpu_fused import fused_kernels_available, silu_mul
+from ..kernels.cpu_fused import fused_kernels_available, silu_mul
 
 logger = logging.getLogger(__name__)
 

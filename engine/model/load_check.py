@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from .loader import ModelLoadError
-from .model_runner import ModelRunner
-from .params import SamplingParams
-from .request import Request, RequestStatus
-from .scheduler import Scheduler, SchedulerConfig
+from .runner import ModelRunner
+from ..params import SamplingParams
+from ..core.request import Request, RequestStatus
+from ..core.scheduler import Scheduler, SchedulerConfig
 
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
 PROMPT_LENGTHS = (9, 14, 3)

@@ -26,9 +26,9 @@ import math
 
 import torch
 
-from .attention import AttentionContext
-from .attention_backends import AttentionBackend, StepBatch, TritonIndices
-from .scheduler import SchedulerOutput
+from ..attention.context import AttentionContext
+from ..attention.backends import AttentionBackend, StepBatch, TritonIndices
+from ..core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

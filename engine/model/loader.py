@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from .attention import register as register_attention
-from .config import EngineConfig
+from ..attention.context import register as register_attention
+from ..config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
 
 
 # transformers' config.layer_types values the engine's paged KV cache holds, and their
-# kind there (engine/kv_cache_spec.py).
+# kind there (engine/model/kv_cache_spec.py).
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window"}
 
 

@@ -5,7 +5,7 @@ depends on how attention runs asks it.
   steps may replay CUDA graphs.
 - ``TorchBackend``: torch ops on whatever device (the exact reference path for
   float64), with the native CPU kernels the engine chose for this host
-  (engine/cpu_paths.py): decoding requests through kernels/cpu_attention.py,
+  (engine/cpu/paths.py): decoding requests through kernels/cpu_attention.py,
   prefill chunks through kernels/cpu_prefill_attention.py.
 
 A backend builds one frozen ``AttentionContext`` per step from the packed batch
@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionContext
-from .torch_attention import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
+from .context import AttentionContext
+from .torch_path import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
                               fresh_prompts, torch_paged_attention, write_kv_cache)
 
 BACKEND_NAMES = ("cpu", "torch", "triton")
@@ -35,7 +35,7 @@ class AttentionBackend(Protocol):
     name: str
     # Decode steps may replay CUDA graphs recorded over static buffers (cuda_graphs.py).
     replays_decode_graphs: bool
-    # A step's last layer may attend its sampled rows alone (engine/cpu_layers.py).
+    # A step's last layer may attend its sampled rows alone (engine/cpu/layers.py).
     attends_sampled_rows: bool
 
     def build_context(self, step: "StepBatch") -> AttentionContext:
@@ -85,8 +85,8 @@ class TorchBackend:
         return AttentionContext(**vars(step), backend=self, work=self._plans(step))
 
     def _plans(self, step: StepBatch) -> TorchPlans:
-        from .kernels.cpu_attention import decode_kernel_available
-        from .kernels.cpu_prefill_attention import prefill_kernel_available
+        from ..kernels.cpu_attention import decode_kernel_available
+        from ..kernels.cpu_prefill_attention import prefill_kernel_available
 
         k_cache = step.kv_caches[0][0]
         query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
@@ -140,7 +140,7 @@ class TritonBackend:
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scale: float, sliding_window: int | None,
                softcap: float | None) -> torch.Tensor:
-        from .kernels import paged_attention, store_kv_cache
+        from ..kernels import paged_attention, store_kv_cache
 
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)

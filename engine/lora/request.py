@@ -2,7 +2,7 @@
 
 This module imports no torch: the pipeline's row parsing and the engine's request
 validation use it. The adapter files are read in ``lora_adapter.py``, the batched
-layers live in ``lora_layers.py`` and the slot cache in ``lora_manager.py``.
+layers live in ``lora/layers.py`` and the slot cache in ``lora/manager.py``.
 """
 
 from __future__ import annotations

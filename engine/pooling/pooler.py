@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers.utils import cached_file
 
-from .params import PoolingParams
+from ..params import PoolingParams
 
 
 class PoolingType(str, enum.Enum):

@@ -1,0 +1,1 @@
+"""The engine core: requests, the continuous-batching scheduler and the paged KV-cache block manager (pure Python, no torch)."""

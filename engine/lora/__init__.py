@@ -1,0 +1,1 @@
+"""LoRA: adapter requests, loading, batched LoRA layers and the adapter slot cache."""

@@ -1,0 +1,1 @@
+"""Embeddings: the pooling engine, poolers and packed attention over whole prompts."""
