@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from .context import AttentionContext
+from .context import AttentionContext, StepBatch
 from .torch_path import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
                               fresh_prompts, torch_paged_attention, write_kv_cache)
 
@@ -46,23 +46,6 @@ class AttentionBackend(Protocol):
                softcap: float | None) -> torch.Tensor:
         """Write the layer's new keys and values into its cache and attend.
         query: [T, H, D]; key, value: [T, Hkv, D]; returns [T, H, D]."""
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """The packed batch of one step, as the model runner lays it out."""
-
-    slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B+1] int64
-    seq_lens: torch.Tensor  # [B] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    max_query_len: int
-    max_seq_len: int
-    # The rows the step samples, where the backend attends them alone (see AttentionContext).
-    sampled_rows: torch.Tensor | None = None
-    sampled_requests: torch.Tensor | None = None
-    sampled_query_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,9 @@ ATTN_IMPLEMENTATION = "shardline"
 
 
 @dataclass(frozen=True)
-class AttentionContext:
-    """Everything one forward pass needs to find and extend the paged KV cache.
-
-    Built once per step by the engine's attention backend (engine/attention/backends.py)
-    and shared by all layers.
-    """
+class StepBatch:
+    """The packed batch of one step, as the model runner lays it out: all scheduled
+    tokens of all requests form one sequence of T tokens."""
 
     # [T] int64: cache slot of each new token (block_id * block_size + offset).
     slot_mapping: torch.Tensor
@@ -56,14 +53,21 @@ class AttentionContext:
     sampled_rows: torch.Tensor | None = None
     sampled_requests: torch.Tensor | None = None
     sampled_query_rows: torch.Tensor | None = None
-    # The backend that built the context, and its own work for the step (the torch
-    # path's plans, the Triton kernels' int32 indices).
-    backend: "AttentionBackend | None" = None
-    work: object = None
 
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+@dataclass(frozen=True)
+class AttentionContext(StepBatch):
+    """Everything one forward pass needs to find and extend the paged KV cache: the
+    step's batch, the backend that built it (engine/attention/backends.py) and that
+    backend's own work for the step (the torch path's plans, the Triton kernels'
+    int32 indices). Built once per step and shared by all layers."""
+
+    backend: "AttentionBackend | None" = None
+    work: object = None
 
 
 def paged_attention_forward(

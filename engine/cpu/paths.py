@@ -197,29 +197,32 @@ def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def _decode_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from ..kernels.cpu_attention import DTYPES, SOURCE, decode_kernel_available, load_library
+    from ..kernels import cpu_attention
 
-    if dtype not in DTYPES:
-        return False, "float32, float64 and bfloat16 only"
-    if load_library() is None:
-        return False, f"{SOURCE.name} could not be built (see its warning)"
-    if not decode_kernel_available(_cache_probe(dtype, shape), shape.num_heads):
-        return False, f"the kernel does not take {shape.num_heads} heads over {shape.num_kv_heads} of size " \
-                      f"{shape.head_dim}"
-    return True, "reads each context row once"
+    return _attention_kernel(cpu_attention, cpu_attention.decode_kernel_available, dtype, shape,
+                             "reads each context row once")
 
 
 def _prefill_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from ..kernels.cpu_prefill_attention import DTYPES, SOURCE, load_library, prefill_kernel_available
+    from ..kernels import cpu_prefill_attention
 
-    if dtype not in DTYPES:
-        return False, "float32 and bfloat16 only"
-    if load_library() is None:
-        return False, f"{SOURCE.name} could not be built (see its warning)"
-    if not prefill_kernel_available(_cache_probe(dtype, shape), shape.num_heads):
-        return False, f"the kernel does not take {shape.num_heads} heads over {shape.num_kv_heads} of size " \
-                      f"{shape.head_dim}"
-    return True, "built"
+    return _attention_kernel(cpu_prefill_attention, cpu_prefill_attention.prefill_kernel_available, dtype, shape,
+                             "built")
+
+
+def _attention_kernel(kernel: object, available: Callable[[torch.Tensor, int], bool], dtype: torch.dtype,
+                      shape: ModelShape, why: str) -> tuple[bool, str]:
+    """Whether a native attention kernel (a module with SOURCE, DTYPES and
+    load_library) runs this model's dtype and heads here, and why."""
+    if dtype not in kernel.DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in kernel.DTYPES)
+        return False, f"{names} only"
+    if kernel.load_library() is None:
+        return False, f"{kernel.SOURCE.name} could not be built (see its warning)"
+    if not available(_cache_probe(dtype, shape), shape.num_heads):
+        return False, (f"the kernel does not take {shape.num_heads} heads over {shape.num_kv_heads} of size "
+                       f"{shape.head_dim}")
+    return True, why
 
 
 def _cache_probe(dtype: torch.dtype, shape: ModelShape) -> torch.Tensor:
