@@ -3,23 +3,19 @@
 Engine-only: ``LLM(model)`` plus one ``generate`` over every prompt of the dataset
 (after an untimed warm-up run, so first-use costs of torch count in neither).
 CPU seconds are printed beside each run (this process, the whole machine, and time
-the host stole from this machine's CPUs), to tell contention from waiting, and for
-engines in this process a step trace: start-up before the first step, time in
-steps, gaps between steps (a starved engine) and wind-down after the last.
+the host stole from this machine's CPUs), to tell contention from waiting, and a
+step trace: start-up before the first step, time in steps, gaps between steps (a
+starved engine) and wind-down after the last.
 
 Flow: ``batch_inference`` over the same prompts split into shards (local Parquet and
 JSON Lines), under a warm Prefect API (a temporary test server, started and warmed
 before timing), including listing, done checks, reads, writes, manifests, artifacts
 and the engine load. Same engine options, greedy, fixed output length.
 
-The flow runs once per ``--engine-hosts`` entry (Execution.engine_host: ``thread``,
-the engine driven by a thread of the flow process; ``child``, the engine in a child
-process with its own main thread), each into its own output prefix, interleaved
-with the engine-only baseline, ``--repeat`` times. The overhead compares best with
-best (this machine's speed swings between runs; the best run is the least
-disturbed). A child's own figures (steps, seconds in steps) come from the line its
-runner logs when it stops the child; its fresh interpreter's imports and engine
-load count in the flow's time, not in the baseline's.
+The flow (its engine driven by a thread of the flow process, the default engine
+host) runs into a fresh output prefix each time, interleaved with the engine-only
+baseline, ``--repeat`` times. The overhead compares best with best (this machine's
+speed swings between runs; the best run is the least disturbed).
 
 Beside the wall-time overhead it prints the overhead outside engine steps (the
 flow's wall time less its time inside engine steps, against the same for the
@@ -27,10 +23,8 @@ baseline: listing, done checks, reads, writes, task and flow start and end), whi
 the machine's speed swings barely move, and the ratio of time inside steps (steps
 slowed by Prefect's threads and server sharing the CPUs).
 
-Shards hold 128 rows by default (2048 prompts, about 45 s of engine time here):
-Prefect's own cost per flow run is fixed (about 1.1 s here for an empty flow), so at
-32 rows a shard (about 13 s of engine time) it alone is 8% of the run; ``--rows 32``
-measures that case.
+Prefect's own cost per flow run is fixed, so with small shards it weighs more;
+``--rows 32`` measures that case against the default 128 rows a shard.
 
     python bench/bench_pipeline.py                  # the benchmark model (8 layers, 512 wide)
     python bench/bench_pipeline.py --model tiny     # the 2-layer test model: Prefect-bound
@@ -40,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -62,7 +55,7 @@ def build_model(kind: str, root: Path) -> str:
 
 class CpuMeter:
     """CPU seconds over a block: this process (all threads), the whole machine
-    (every process: Prefect's server, an engine child) and time stolen by the host."""
+    (every process: Prefect's server too) and time stolen by the host."""
 
     def __enter__(self) -> "CpuMeter":
         self._start = (time.process_time(), *machine_cpu())
@@ -86,9 +79,9 @@ def machine_cpu() -> tuple[float, float]:
 
 
 class StepTrace:
-    """Times of every engine step in this process (the ``thread`` engine host): when
-    the first step began, time inside steps, between steps and after the last one,
-    so a flow's overhead splits into start-up, a starved or slower engine, and wind-down."""
+    """Times of every engine step in this process: when the first step began, time
+    inside steps, between steps and after the last one, so a flow's overhead splits
+    into start-up, a starved or slower engine, and wind-down."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, float]] = []
@@ -124,28 +117,6 @@ class StepTrace:
                 "between_steps_s": round(gaps, 2), "after_last_step_s": round(self.ended - self.steps[-1][1], 2)}
 
 
-class ChildDriverLog(logging.Handler):
-    """Collects the driver statistics a child engine service reports when it is
-    stopped (steps, seconds in steps, idle seconds): the child's side of a flow."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "driver" in record.getMessage() and isinstance(record.args, tuple):
-            self.records.append(record.args[1])  # the driver's stats dict
-
-    def __enter__(self) -> "ChildDriverLog":
-        source = logging.getLogger("shardline.tasks.engine_client")
-        source.addHandler(self)
-        source.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        logging.getLogger("shardline.tasks.engine_client").removeHandler(self)
-
-
 def engine_only_seconds(model: str, prompts: list[str], max_tokens: int, engine_options: dict) -> float:
     from shardline import LLM, SamplingParams
 
@@ -157,12 +128,11 @@ def engine_only_seconds(model: str, prompts: list[str], max_tokens: int, engine_
     return seconds
 
 
-def flow_seconds(job, engine_host: str) -> tuple[float, dict]:
+def flow_seconds(job) -> tuple[float, dict]:
     from shardline.flows.batch_inference import batch_inference
-    from shardline.flows.execution import Execution
 
     started = time.perf_counter()
-    summary = batch_inference(job, Execution(engine_host=engine_host))
+    summary = batch_inference(job)
     return time.perf_counter() - started, summary
 
 
@@ -174,10 +144,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--shards-in-flight", type=int, default=4)
-    parser.add_argument("--engine-hosts", default="thread,child", help="comma-separated Execution.engine_host values")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; best against best")
     args = parser.parse_args()
-    engine_hosts = args.engine_hosts.split(",")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
     from prefect import flow
@@ -200,10 +168,10 @@ def main() -> None:
     def engine_only(rows: list[str]) -> float:
         return run_on_passing_thread(lambda: engine_only_seconds(model, rows, args.max_tokens, engine_options))
 
-    with prefect_test_harness(server_startup_timeout=120), ChildDriverLog() as child_log:
+    with prefect_test_harness(server_startup_timeout=120):
         flow(lambda: None, name="warm-up")()  # the API server is up and warm before timing
         engine_only(prompts[: args.max_num_seqs])  # torch warm-up
-        engine_runs, flow_runs = [], {host: [] for host in engine_hosts}
+        engine_runs, flow_runs = [], []
         for attempt in range(args.repeat):  # interleaved, so a slow spell of the machine hits both
             with CpuMeter() as cpu, StepTrace() as trace:
                 seconds = engine_only(prompts)
@@ -211,39 +179,33 @@ def main() -> None:
             engine_runs.append({"wall_s": round(seconds, 3), "in_engine_steps_s": steps["in_steps_s"],
                                 "outside_steps_s": round(seconds - steps["in_steps_s"], 3), "cpu": cpu.as_dict(),
                                 "steps": steps})
-            for engine_host in engine_hosts:
-                job = BatchJob(input=str(root / "in"), output=str(root / f"out-{engine_host}-{attempt}"),
-                               model=model,
-                               sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
-                               engine_options=engine_options, shards_in_flight=args.shards_in_flight)
-                child_log.records.clear()
-                with CpuMeter() as cpu, StepTrace() as trace:
-                    wall, summary = flow_seconds(job, engine_host)
-                assert summary["totals"]["rows"] == len(prompts) and summary["totals"]["errors"] == 0
-                steps = trace.as_dict()
-                step_seconds = steps.get("in_steps_s") or sum(stats["step_seconds"] for stats in child_log.records)
-                flow_runs[engine_host].append({
-                    "wall_s": round(wall, 3), "completion_tok_s": summary["totals"]["completion_tokens_per_second"],
-                    "in_engine_steps_s": round(step_seconds, 3), "outside_steps_s": round(wall - step_seconds, 3),
-                    "cpu": cpu.as_dict(), "steps_in_this_process": steps, "child_driver": list(child_log.records)})
+            job = BatchJob(input=str(root / "in"), output=str(root / f"out-{attempt}"), model=model,
+                           sampling={"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
+                           engine_options=engine_options, shards_in_flight=args.shards_in_flight)
+            with CpuMeter() as cpu, StepTrace() as trace:
+                wall, summary = flow_seconds(job)
+            assert summary["totals"]["rows"] == len(prompts) and summary["totals"]["errors"] == 0
+            steps = trace.as_dict()
+            flow_runs.append({
+                "wall_s": round(wall, 3), "completion_tok_s": summary["totals"]["completion_tokens_per_second"],
+                "in_engine_steps_s": steps["in_steps_s"], "outside_steps_s": round(wall - steps["in_steps_s"], 3),
+                "cpu": cpu.as_dict(), "steps": steps})
     engine = min(run["wall_s"] for run in engine_runs)
+    best = min(run["wall_s"] for run in flow_runs)
+    engine_outside = min(run["outside_steps_s"] for run in engine_runs)
+    flow_outside = min(run["outside_steps_s"] for run in flow_runs)
     result = {
         "model": args.model, "shards": args.shards, "rows": len(prompts), "max_tokens": args.max_tokens,
-        "repeat": args.repeat, "engine_only_best_s": engine, "engine_only_runs": engine_runs, "flows": {},
+        "repeat": args.repeat, "engine_only_best_s": engine, "flow_best_wall_s": best,
+        "overhead": round((best - engine) / engine, 3),
+        # Orchestration alone: the flow's time outside engine steps beyond the baseline's,
+        # over the baseline's time; machine speed swings barely touch it.
+        "overhead_outside_steps": round((flow_outside - engine_outside) / engine, 3),
+        # The steps themselves, slower while Prefect's threads and server share the CPUs.
+        "steps_time_ratio": round(min(run["in_engine_steps_s"] for run in flow_runs)
+                                  / min(run["in_engine_steps_s"] for run in engine_runs), 3),
+        "engine_only_runs": engine_runs, "flow_runs": flow_runs,
     }
-    engine_outside = min(run["outside_steps_s"] for run in engine_runs)
-    engine_steps = min(run["in_engine_steps_s"] for run in engine_runs)
-    for engine_host, runs in flow_runs.items():
-        best = min(run["wall_s"] for run in runs)
-        outside = min(run["outside_steps_s"] for run in runs)
-        result["flows"][engine_host] = {
-            "best_wall_s": best, "overhead": round((best - engine) / engine, 3),
-            # Orchestration alone: the flow's time outside engine steps beyond the baseline's,
-            # over the baseline's time; machine speed swings barely touch it.
-            "overhead_outside_steps": round((outside - engine_outside) / engine, 3),
-            # The steps themselves, slower while Prefect's threads and server share the CPUs.
-            "steps_time_ratio": round(min(run["in_engine_steps_s"] for run in runs) / engine_steps, 3),
-            "runs": runs}
     print(json.dumps(result, indent=2))
 
 

@@ -27,7 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
-from shardline.tasks.engine_cache import engines_held, get_runner
+from shardline.tasks.engine_cache import engines_held, get_executor
 from shardline.tasks.job import BatchJob
 from shardline.tasks.errors import redact_url
 from shardline.tasks.outcomes import settle_failed
@@ -92,7 +92,7 @@ def _shard_submitter(execution: Execution) -> Iterator[Submit]:
 @contextlib.contextmanager
 def _engine_preloaded(job: BatchJob, execution: Execution, todo: list[Shard]) -> Iterator[None]:
     """Load this process's engine in the background while the first shard tasks start
-    and read their rows; their get_runner waits for this load instead of starting one.
+    and read their rows; their get_executor waits for this load instead of starting one.
 
     Only for shards that run in this process (not on Ray workers) and hold no GPU
     concurrency limit (the load would take GPU memory outside the limit). Errors are
@@ -105,8 +105,8 @@ def _engine_preloaded(job: BatchJob, execution: Execution, todo: list[Shard]) ->
 
     def preload() -> None:
         try:
-            get_runner(job.model, engine_host=execution.engine_host, **job.engine_kwargs())
-        except Exception:  # reported by the shard tasks' own get_runner
+            get_executor(job.model, execution.engine_host, **job.engine_kwargs())
+        except Exception:  # reported by the shard tasks' own load
             _log.debug("engine preload failed; shard tasks will load it", exc_info=True)
 
     loader = threading.Thread(target=preload, name="shardline-engine-preload", daemon=True)

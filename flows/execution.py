@@ -2,8 +2,8 @@
 
 ``Execution`` picks the task runner for shard tasks (this process's threads, or a
 Ray cluster through prefect-ray's RayTaskRunner), what each shard task asks Ray
-for, which process runs the engine, and the Prefect global concurrency limit that caps shard tasks holding a GPU
-across all runs. It is a flow parameter, so deployments and the UI form set it.
+for, which process runs the engine, and the Prefect global concurrency limit that
+caps shard tasks holding a GPU across all runs. It is a flow parameter, so deployments and the UI form set it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ class Execution(BaseModel):
     engine_host: EngineHost = Field(
         EngineHost.THREAD,
         description="Which process runs the engine of a flow process (or Ray worker): thread: that process, "
-        "driven by a thread beside Prefect's; child: a child process it owns (the engine loop gets a "
-        "process and a main thread of its own; closed with the run); service: the host's shared engine "
-        "service, which outlives the run and serves every process of the user with this engine configuration.",
+        "driven by a thread beside Prefect's; service: the host's shared engine service, which outlives the "
+        "run and serves every process of the user with this engine configuration.",
     )
     gpu_concurrency_limit: str | None = Field(
         None,

@@ -20,10 +20,11 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 
+from shardline.tasks.engine_cache import request_shutdown
 from shardline.tasks.errors import PipelineError, describe
 from shardline.tasks.job import BatchJob
 from shardline.tasks.prefect_tasks import process_shard_task
-from shardline.tasks.shutdown import request_shutdown, shutdown_reason
+from shardline.tasks.shutdown import shutdown_reason
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import shard_entry
 

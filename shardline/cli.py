@@ -295,7 +295,8 @@ def _on_signal(signum: int, frame: Any) -> None:
 
     While a flow runs, Prefect's own SIGTERM handler raises its TerminationSignal in
     the flow first (the flow then aborts its shards) and passes the signal on here."""
-    from shardline.tasks.shutdown import request_shutdown, shutdown_reason
+    from shardline.tasks.engine_cache import request_shutdown
+    from shardline.tasks.shutdown import shutdown_reason
 
     name = signal.Signals(signum).name
     if shutdown_reason() is not None and _STOPPING.is_set():

@@ -1,10 +1,10 @@
 """The per-process engine cache: one engine per engine configuration, loaded once.
 
-This is shardline's one deliberate piece of mutable module-level state (STYLE.md,
-rule 5). Every shard task in a worker process asks here for the engine of its job's
-configuration: the first caller loads it (under the lock, so two tasks never load
-the same model twice), later callers share it through its ShardRunner, whose single
-driver thread is the only code that touches the engine.
+This is shardline's one deliberate piece of mutable module-level state, with an
+explicit close. Every shard task in a worker process asks here for the engine of
+its job's configuration: the first caller loads it (under the lock, so two tasks
+never load the same model twice), later callers share it through its ShardRunner,
+whose single driver thread is the only code that touches the engine.
 
 Lifetime:
 - A flow run holds the cache with ``engines_held()``; when the last flow run in the
@@ -21,11 +21,11 @@ CUDA was already initialised in this process on other devices, CUDA cannot switc
 and ``EngineBindingError`` says so instead of running on the wrong GPU.
 
 Where the engine runs (``EngineHost``): in this process, driven by a ShardRunner
-thread (``thread``, the default); in a child process this process owns (``child``,
-closed with the cache); or in the host's shared engine service (``service``), a
-detached process that outlives this one and serves every process of the same user
-with the same engine configuration (tasks/engine_client.py, tasks/engine_service.py).
-For the last two the cache holds a client with the ShardRunner interface.
+thread (``thread``, the default); or in the host's shared engine service
+(``service``), a detached process that outlives this one and serves every process
+of the same user with the same engine configuration (tasks/engine_client.py,
+tasks/engine_service.py). Either way the pipeline gets a ShardExecutor
+(tasks/executor.py).
 
 Diagnostics: with ``SHARDLINE_ENGINE_EVENTS`` set to a file path, every engine load
 appends one JSON line (pid, host, model, binding, loads in this process), so one can
@@ -42,10 +42,15 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import engine_client
+from .executor import ShardExecutor
 from .runner import ShardRunner
-from .shutdown import clear_shutdown, raise_if_shutting_down
+from .shutdown import clear_shutdown, mark_shutdown, raise_if_shutting_down
+
+if TYPE_CHECKING:
+    from shardline import LLM
 
 ENGINE_EVENTS_ENV = "SHARDLINE_ENGINE_EVENTS"
 
@@ -54,12 +59,12 @@ class EngineHost(str, enum.Enum):
     """Which process runs the engine that a process's shards go to."""
 
     THREAD = "thread"
-    CHILD = "child"
     SERVICE = "service"
 
 
 _LOCK = threading.Lock()
-_RUNNERS: dict[str, Any] = {}  # cache key -> ShardRunner, or a client of an engine process
+_RUNNERS: dict[str, ShardRunner] = {}  # engine key -> this process's runner of that engine
+_CLIENTS: dict[str, engine_client.ServiceClient] = {}  # binding and engine key -> a client of the service
 _BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
 _LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
 _HOLDERS = 0  # flow runs in this process inside engines_held()
@@ -80,14 +85,17 @@ def accelerator_binding() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def get_runner(model: str, *, engine_host: EngineHost = EngineHost.THREAD, **engine_options: Any) -> Any:
-    """The ShardRunner for ``model`` and ``engine_options``: this process's own (loaded
-    on first use), or a client of the engine process ``engine_host`` names, which
-    offers the same run_shard / abort_shard / close."""
+def get_executor(model: str, engine_host: EngineHost = EngineHost.THREAD, **engine_options: Any) -> ShardExecutor:
+    """The ShardExecutor for ``model`` and ``engine_options`` on ``engine_host``: this
+    process's own ShardRunner, or a client of the engine process the host names."""
+    if EngineHost(engine_host) is EngineHost.THREAD:
+        return get_runner(model, **engine_options)
+    return _get_client(model, engine_options)
+
+
+def get_runner(model: str, **engine_options: Any) -> ShardRunner:
+    """This process's ShardRunner for ``model`` and ``engine_options``, loaded on first use."""
     raise_if_shutting_down(f"loading model {model}")  # a stopping run loads no engine
-    host = EngineHost(engine_host)
-    if host is not EngineHost.THREAD:
-        return _get_client(host, model, engine_options)
     key = engine_key(model, engine_options)
     binding = accelerator_binding()
     stale: ShardRunner | None = None
@@ -114,7 +122,7 @@ def load_runner(model: str, engine_options: dict[str, Any], owner_drives: bool =
 
 def _load(model: str, engine_options: dict[str, Any], key: str, binding: str | None,
           owner_drives: bool = False) -> ShardRunner:
-    from shardline.engine.llm import LLM  # torch loads with the first engine only
+    from shardline import LLM  # torch loads with the first engine only
 
     if owner_drives:  # the caller's thread loads and drives: one thread runs all torch work
         llm = LLM(model, **engine_options)
@@ -152,23 +160,20 @@ def run_on_passing_thread(build: Callable[[], Any]) -> Any:
     return outcome["value"]
 
 
-def _get_client(host: EngineHost, model: str, engine_options: dict[str, Any]) -> Any:
-    """A client of the engine process for this configuration and this process's GPUs:
-    the host's shared service (started on first use) or a child of this process."""
-    from . import engine_client
-
-    key = f"{host.value}|{accelerator_binding()}|{engine_key(model, engine_options)}"
+def _get_client(model: str, engine_options: dict[str, Any]) -> engine_client.ServiceClient:
+    """A client of the host's shared service for this configuration and this process's
+    GPUs (the service is started on first use)."""
+    raise_if_shutting_down(f"loading model {model}")
+    key = f"{accelerator_binding()}|{engine_key(model, engine_options)}"
     with _LOCK:
-        client = _RUNNERS.get(key)
+        client = _CLIENTS.get(key)
         if client is None:
-            client = (engine_client.SharedServiceRunner if host is EngineHost.SERVICE
-                      else engine_client.ChildServiceRunner)(model, engine_options)
-            _RUNNERS[key] = client
+            client = _CLIENTS[key] = engine_client.ServiceClient(model, engine_options)
     client.ensure_started()  # outside the lock: a first start loads the model
     return client
 
 
-def get_engine(model: str, **engine_options: Any) -> Any:
+def get_engine(model: str, **engine_options: Any) -> LLM:
     """This process's ``LLM`` for ``model`` and ``engine_options`` (loaded on first use)."""
     return get_runner(model, **engine_options).llm
 
@@ -190,30 +195,44 @@ def engines_held() -> Iterator[None]:
             clear_shutdown()  # a stopped run's engines are closed; a later run starts afresh
 
 
+def request_shutdown(reason: str) -> None:
+    """Stop the run: set the shutdown flag (tasks/shutdown.py: no shard starts, no engine
+    loads, nothing more is written) and abort every shard on every cached engine.
+    Safe in a signal handler."""
+    mark_shutdown(reason)
+    abort_all()
+
+
 def abort_all() -> int:
     """Abort every shard running on every cached engine (their run_shard calls raise
     ShardAborted); return how many engines were asked. Safe in a signal handler: it
     takes no lock the interrupted thread might hold."""
-    runners = list(_RUNNERS.values())  # a snapshot without _LOCK, which is not reentrant
-    for runner in runners:
-        runner.abort_all()
-    return len(runners)
+    executors = _executors()  # a snapshot without _LOCK, which is not reentrant
+    for executor in executors:
+        executor.abort_all()
+    return len(executors)
 
 
 def close_engines() -> int:
-    """Stop every runner, close every engine and empty the cache; return how many."""
+    """Stop every runner, close every engine and empty the cache; return how many.
+    (The shared service lives on until idle: only its clients close.)"""
     with _LOCK:
-        runners = list(_RUNNERS.values())
+        executors = _executors()
         _RUNNERS.clear()
+        _CLIENTS.clear()
         _BINDINGS.clear()
-    for runner in runners:
-        _close(runner)
-    return len(runners)
+    for executor in executors:
+        _close(executor)
+    return len(executors)
 
 
 def num_cached_engines() -> int:
     with _LOCK:
-        return len(_RUNNERS)
+        return len(_RUNNERS) + len(_CLIENTS)
+
+
+def _executors() -> list[ShardExecutor]:
+    return [*_RUNNERS.values(), *_CLIENTS.values()]
 
 
 def engine_loads() -> dict[str, int]:
@@ -225,15 +244,14 @@ def engine_loads() -> dict[str, int]:
 def engine_requests() -> int:
     """Engine requests this process's own engines were given so far (retries included),
     over every engine it loaded, closed ones too: the engine work a run cost."""
-    live = [runner for runner in list(_RUNNERS.values()) if isinstance(runner, ShardRunner)]
-    return _CLOSED_REQUESTS[0] + sum(runner.stats()["requests_added"] for runner in live)
+    return _CLOSED_REQUESTS[0] + sum(runner.stats()["requests_added"] for runner in list(_RUNNERS.values()))
 
 
-def _close(runner: Any) -> None:
-    runner.close()
-    if isinstance(runner, ShardRunner):
-        _CLOSED_REQUESTS[0] += runner.stats()["requests_added"]
-        runner.llm.close()
+def _close(executor: ShardExecutor) -> None:
+    executor.close()
+    if isinstance(executor, ShardRunner):
+        _CLOSED_REQUESTS[0] += executor.stats()["requests_added"]
+        executor.llm.close()
 
 
 def _check_can_rebind(loaded_on: str | None, given: str | None) -> None:

@@ -1,15 +1,11 @@
-"""Clients of an engine service process, with the ShardRunner interface.
+"""The client of the host's shared engine service: a ShardExecutor (tasks/executor.py).
 
 The engine can run in a process of its own (tasks/engine_service.py) and serve the
-shards of other processes over a Unix socket. Two kinds:
-
-- The host's shared service (``SharedServiceRunner``): detached, one per user,
-  engine configuration and GPU binding on a host. The first process that needs it
-  starts it; later processes connect instead of loading the model (Airflow 3 runs
-  every task instance in a fresh process). It retires after
-  ``SHARDLINE_ENGINE_IDLE_TIMEOUT`` seconds (default 600) without connections.
-- A child service (``ChildServiceRunner``): one process's own engine in a child
-  process, gone when the client closes or its owner dies.
+shards of other processes over a Unix socket: detached, one per user, engine
+configuration and GPU binding on a host. The first process that needs it starts
+it; later processes connect instead of loading the model (Airflow 3 runs every
+task instance in a fresh process). It retires after
+``SHARDLINE_ENGINE_IDLE_TIMEOUT`` seconds (default 600) without connections.
 
 Runtime files of a shared service live in ``SHARDLINE_RUNTIME_DIR`` (default
 ``/tmp/shardline-<uid>``, mode 0700, refused if another user owns it or may write
@@ -28,26 +24,25 @@ and perhaps ("abort",); the reply is ("results", rows), ("aborted", message) or
 
 from __future__ import annotations
 
-import abc
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
-import logging
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from .engine_service import file_lock
-from .runner import RowRequest, RowResult, RunnerError, ShardAborted
+from .executor import RowRequest, RowResult, RunnerError, ShardAborted
 
 RUNTIME_DIR_ENV = "SHARDLINE_RUNTIME_DIR"
 IDLE_TIMEOUT_ENV = "SHARDLINE_ENGINE_IDLE_TIMEOUT"
@@ -56,8 +51,6 @@ DEFAULT_IDLE_TIMEOUT = 600.0
 DEFAULT_START_TIMEOUT = 1800.0  # a large model can take many minutes to load
 GREETING_TIMEOUT = 60.0
 _SOCKET_PATH_MAX = 100  # AF_UNIX paths are limited to 107 bytes on Linux
-
-logger = logging.getLogger("shardline.tasks.engine_client")
 
 
 class EngineServiceError(RuntimeError):
@@ -92,6 +85,17 @@ class ServiceFiles:
 
     def _with_suffix(self, suffix: str) -> Path:
         return self.base.with_name(f"{self.base.name}.{suffix}")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (created 0600 if missing); released on exit or death."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def runtime_dir() -> Path:
@@ -134,16 +138,12 @@ def _absolute_if_local(model: str) -> str:
     return str(Path(model).resolve()) if Path(model).exists() else model
 
 
-def _service_command(model: str, engine_options: dict[str, Any], files: ServiceFiles, idle_timeout: float,
-                     shared: bool) -> list[str]:
-    command = [sys.executable, "-m", "shardline.tasks.engine_service", "--model", _absolute_if_local(model),
-               "--engine-options", json.dumps(engine_options, default=str), "--socket", str(files.sock),
-               "--authkey-file", str(files.key), "--idle-timeout", str(idle_timeout)]
-    if shared:
-        command += ["--lock-file", str(files.lock), "--owned-file", str(files.pid)]
-    else:
-        command += ["--watch-stdin"]
-    return command
+def _service_command(model: str, engine_options: dict[str, Any], files: ServiceFiles,
+                     idle_timeout: float) -> list[str]:
+    return [sys.executable, "-m", "shardline.tasks.engine_service", "--model", _absolute_if_local(model),
+            "--engine-options", json.dumps(engine_options, default=str), "--socket", str(files.sock),
+            "--authkey-file", str(files.key), "--idle-timeout", str(idle_timeout),
+            "--lock-file", str(files.lock), "--owned-file", str(files.pid)]
 
 
 def _write_authkey(path: Path) -> None:
@@ -160,12 +160,14 @@ def _log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-class _ServiceRunner(abc.ABC):
-    """run_shard / abort_shard / close over connections to one engine service."""
+class ServiceClient:
+    """A ShardExecutor (tasks/executor.py) over connections to the host's shared engine
+    service for one configuration and GPU binding, started on first use."""
 
     def __init__(self, model: str, engine_options: dict[str, Any]) -> None:
         self.model = model
         self.engine_options = dict(engine_options)
+        self.files = service_files(model, self.engine_options, os.environ.get("CUDA_VISIBLE_DEVICES"))
         self._lock = threading.RLock()  # reentrant: abort_shard may run in a signal handler
         self._calls: dict[str, tuple[Connection, str]] = {}  # shard key -> (its connection, service id)
         self._starting: set[str] = set()  # shard keys connecting or sending their rows
@@ -220,7 +222,7 @@ class _ServiceRunner(abc.ABC):
                 conn.close()
         except (EOFError, OSError) as exc:
             raise RunnerError(f"the engine service (pid {info.get('pid', '?')}) went away while running shard "
-                              f"{key} ({type(exc).__name__}: {exc}); its log: {self._log_path()}") from exc
+                              f"{key} ({type(exc).__name__}: {exc}); its log: {self.files.log}") from exc
         finally:
             with self._lock:
                 self._starting.discard(key)
@@ -251,7 +253,7 @@ class _ServiceRunner(abc.ABC):
         return len(keys)
 
     def close(self) -> None:
-        """Refuse new shards and abort those running; the service itself lives on (see subclasses)."""
+        """Refuse new shards and abort those running; the service itself lives on until idle."""
         with self._lock:
             self._closed = True
             calls = list(self._calls.values())
@@ -264,14 +266,6 @@ class _ServiceRunner(abc.ABC):
             conn.send(("abort",))
         except OSError:
             pass  # the connection is gone, and with it the shard (the service aborts it)
-
-    @abc.abstractmethod
-    def _connect(self) -> tuple[Connection, dict[str, Any]]:
-        """A greeted connection to this runner's service, starting it if needed."""
-
-    @abc.abstractmethod
-    def _log_path(self) -> Path:
-        """Where the service writes its log."""
 
     @staticmethod
     def _try_connect(files: ServiceFiles) -> tuple[Connection, dict[str, Any]] | None:
@@ -295,7 +289,7 @@ class _ServiceRunner(abc.ABC):
                             timeout: float) -> tuple[Connection, dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:
-            connected = _ServiceRunner._try_connect(files) if files.sock.exists() else None
+            connected = ServiceClient._try_connect(files) if files.sock.exists() else None
             if connected is not None:
                 return connected
             exited = process.poll() is not None if process is not None else not _is_engine_service(pid)
@@ -307,24 +301,6 @@ class _ServiceRunner(abc.ABC):
                                          f"{timeout:.0f}s ({START_TIMEOUT_ENV}); its log: {files.log}")
             time.sleep(0.05)
 
-
-def _is_engine_service(pid: int) -> bool:
-    """Whether ``pid`` is alive and is an engine service (not a process that reused the pid)."""
-    try:
-        return b"shardline.tasks.engine_service" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-class SharedServiceRunner(_ServiceRunner):
-    """A client of the host's shared engine service for one configuration, started on first use."""
-
-    def __init__(self, model: str, engine_options: dict[str, Any]) -> None:
-        super().__init__(model, engine_options)
-        self.files = service_files(model, self.engine_options, os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-    def _log_path(self) -> Path:
-        return self.files.log
 
     def _connect(self) -> tuple[Connection, dict[str, Any]]:
         with file_lock(self.files.lock):
@@ -346,7 +322,7 @@ class SharedServiceRunner(_ServiceRunner):
             stale.unlink(missing_ok=True)
         _write_authkey(files.key)
         command = _service_command(self.model, self.engine_options, files,
-                                   _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT), shared=True)
+                                   _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT))
         with open(files.log, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True, close_fds=True)  # detached: outlives this process
@@ -354,70 +330,9 @@ class SharedServiceRunner(_ServiceRunner):
         return self._wait_until_serving(files, process, process.pid, timeout)
 
 
-class ChildServiceRunner(_ServiceRunner):
-    """A client of this process's own engine service, a child process closed with the client."""
-
-    def __init__(self, model: str, engine_options: dict[str, Any]) -> None:
-        super().__init__(model, engine_options)
-        self._start_lock = threading.Lock()
-        self._process: subprocess.Popen | None = None
-        self._files: ServiceFiles | None = None
-
-    def _log_path(self) -> Path:
-        return self._files.log if self._files else Path("(not started)")
-
-    def _connect(self) -> tuple[Connection, dict[str, Any]]:
-        with self._start_lock:
-            if self._process is not None and self._process.poll() is None:
-                connected = self._try_connect(self._files)
-                if connected is not None:
-                    return connected
-            self._stop()
-            return self._start()
-
-    def _start(self) -> tuple[Connection, dict[str, Any]]:
-        if self._closed:
-            raise RunnerError("the shard runner is closed")
-        self._files = files = ServiceFiles(Path(tempfile.mkdtemp(prefix="shardline-engine-", dir=runtime_dir()))
-                                           / "engine")
-        _write_authkey(files.key)
-        command = _service_command(self.model, self.engine_options, files, 0.0, shared=False)
-        with open(files.log, "ab") as log:
-            # stdin is the lifeline: the child retires when this process closes it or dies
-            self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                             close_fds=True)
-        return self._wait_until_serving(files, self._process, self._process.pid,
-                                        _seconds_from_env(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT))
-
-    def close(self) -> None:
-        """Abort running shards, then stop the child and remove its files."""
-        super().close()
-        with self._start_lock:
-            self._stop()
-
-    def _log_driver_stats(self, files: ServiceFiles, pid: int) -> None:
-        """Log what the child's engine driver did (steps, time in steps, idle time) before it goes."""
-        try:
-            connected = self._try_connect(files)
-            if connected is None:
-                return
-            with connected[0] as conn:
-                info = self._ask_info(conn, 5.0)
-        except (EngineServiceError, EOFError, OSError):
-            return  # only a log line is lost
-        logger.info("engine service pid %d: driver %s, %d shard(s) run", pid, info.get("driver"),
-                    info.get("shards_run", 0))
-
-    def _stop(self) -> None:
-        process, files, self._process, self._files = self._process, self._files, None, None
-        if process is not None and files is not None and process.poll() is None:
-            self._log_driver_stats(files, process.pid)
-        if process is not None:
-            process.stdin.close()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if files is not None:
-            shutil.rmtree(files.base.parent, ignore_errors=True)
+def _is_engine_service(pid: int) -> bool:
+    """Whether ``pid`` is alive and is an engine service (not a process that reused the pid)."""
+    try:
+        return b"shardline.tasks.engine_service" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -21,45 +21,32 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import gc
 import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
 from . import engine_cache
-from .runner import ShardAborted, ShardRunner
+from .engine_client import file_lock
+from .executor import ShardAborted
+from .runner import ShardRunner
 
 logger = logging.getLogger("shardline.tasks.engine_service")
 
 ABORT_POLL_SECONDS = 0.2  # how soon a finished shard's hang-up watcher notices
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock on ``path`` (created 0600 if missing); released on exit or death."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
 class EngineService:
     """Serves one ShardRunner over a Unix socket until it retires."""
 
     def __init__(self, runner: ShardRunner, socket_path: Path, authkey: bytes, idle_timeout: float,
-                 lock_path: Path | None, owned_files: list[Path]) -> None:
+                 lock_path: Path, owned_files: list[Path]) -> None:
         self.runner = runner
         self.socket_path = socket_path
         self.idle_timeout = idle_timeout  # 0: never retire when idle
@@ -73,14 +60,11 @@ class EngineService:
         self._shards_run = 0
         self._retiring = False
 
-    def serve(self, watch_stdin: bool) -> None:
+    def serve(self) -> None:
         """Accept connections and drive the engine (on this thread) until retiring."""
         threading.Thread(target=self._accept, name="shardline-service-accept", daemon=True).start()
         if self.idle_timeout > 0:
             threading.Thread(target=self._retire_when_idle, name="shardline-service-idle", daemon=True).start()
-        if watch_stdin:
-            threading.Thread(target=self._retire_when_owner_leaves, name="shardline-service-owner",
-                             daemon=True).start()
         logger.info("engine service pid %d listening on %s (idle timeout %ss)", os.getpid(),
                     self.socket_path, self.idle_timeout or "none")
         self.runner.drive()
@@ -91,7 +75,7 @@ class EngineService:
             connections, shards_run = self._connections, self._shards_run
         return {"pid": os.getpid(), "loads": sum(engine_cache.engine_loads().values()),
                 "connections": connections, "shards_run": shards_run,
-                "unfinished_requests": self.runner.llm.llm_engine.get_num_unfinished_requests(),
+                "unfinished_requests": self.runner.unfinished_requests(),
                 "driver": self.runner.stats()}
 
     # ------------------------------------------------------------- connections
@@ -173,17 +157,13 @@ class EngineService:
             if self._retire(only_if_idle=True):
                 return
 
-    def _retire_when_owner_leaves(self) -> None:
-        sys.stdin.buffer.read()  # the owner holds the pipe's other end: EOF when it closes or dies
-        self.retire()
-
     def retire(self) -> None:
         """Retire now: running shards fail, files are removed, the process exits."""
         self._retire(only_if_idle=False)
 
     def _retire(self, only_if_idle: bool) -> bool:
         """Remove the socket and key (so no client finds this service), then stop the driver."""
-        with file_lock(self.lock_path) if self.lock_path else contextlib.nullcontext():
+        with file_lock(self.lock_path):
             with self._state:
                 idle_for = time.monotonic() - self._idle_since if self._connections == 0 else 0.0
                 if only_if_idle and idle_for < self.idle_timeout:
@@ -204,14 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-options", default="{}", help="JSON object of engine options")
     parser.add_argument("--socket", required=True, type=Path)
     parser.add_argument("--authkey-file", required=True, type=Path)
-    parser.add_argument("--lock-file", type=Path, help="flock taken while retiring (a shared service)")
+    parser.add_argument("--lock-file", required=True, type=Path, help="flock taken while retiring")
     parser.add_argument("--owned-file", type=Path, action="append", default=[], help="removed on retiring")
     parser.add_argument("--idle-timeout", type=float, default=0.0, help="seconds without connections; 0: never")
-    parser.add_argument("--watch-stdin", action="store_true", help="retire when stdin closes (a child service)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.watch_stdin:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides when its child goes (stdin EOF)
     retire_now = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: retire_now.set())
     authkey = args.authkey_file.read_bytes()
@@ -222,13 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=lambda: retire_now.wait() and service.retire(), daemon=True,
                      name="shardline-service-sigterm").start()
     try:
-        service.serve(args.watch_stdin)
+        service.serve()
     finally:
         runner.llm.close()
     logger.info("engine service pid %d exited", os.getpid())
     # The interpreter's last garbage collections would walk every object of torch,
-    # transformers and the model (about 1.1 s on a 2-core worker, which a flow stopping
-    # its child waits for); nothing needs them collected now. Exit handlers still run.
+    # transformers and the model, delaying the exit a stopping host waits for; nothing
+    # needs them collected now. Exit handlers still run.
     gc.freeze()
 
 

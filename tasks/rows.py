@@ -13,11 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.engine.lora import LoRARequest
-from shardline.engine.params import PoolingParams, SamplingParams
+from shardline import LoRARequest, PoolingParams, SamplingParams
 
 from .job import BatchJob, JobTask
-from .runner import RowRequest
+from .executor import RowRequest
 from .shard_reader import RawShard, RecordProblem, ShardError
 
 SAMPLING_OVERRIDES = ("max_tokens", "temperature", "top_p", "seed")

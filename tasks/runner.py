@@ -27,33 +27,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .executor import RowRequest, RowResult, RunnerError, ShardAborted
+
+if TYPE_CHECKING:
+    from shardline import LLM
 
 logger = logging.getLogger("shardline.tasks.runner")
 
 # (shard work, position of the row in that shard's request list)
 _Entry = tuple["_ShardWork", int]
-
-
-@dataclass
-class RowRequest:
-    """One row ready for the engine: a prompt or a chat, and its own parameters."""
-
-    index: int
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
-    params: Any  # SamplingParams | PoolingParams
-    lora_request: Any = None
-    priority: int = 0
-
-
-@dataclass
-class RowResult:
-    """What became of one row: the engine's final output, or why it failed."""
-
-    index: int
-    output: Any = None  # RequestOutput | EmbeddingRequestOutput
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,14 +70,6 @@ class DriverStats:
                 "active_seconds": round((self.last_step_at or 0.0) - (self.first_step_at or 0.0), 3)}
 
 
-class RunnerError(RuntimeError):
-    """The driver itself failed (not a row): every waiting shard gets this error."""
-
-
-class ShardAborted(RuntimeError):
-    """``abort_shard`` stopped this shard: its rows left the engine, no results."""
-
-
 @dataclass(eq=False)
 class _ShardWork:
     """One shard inside the runner: rows still to add, results so far, a done event."""
@@ -112,11 +88,16 @@ class _ShardWork:
 
 
 class ShardRunner:
-    """Streams shards through one ``LLM``'s engine from a single driver thread."""
+    """Streams shards through one ``LLM``'s engine from a single driver thread: the
+    in-process ShardExecutor (tasks/executor.py)."""
 
-    def __init__(self, llm: Any, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy(),
+    def __init__(self, llm: LLM, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy(),
                  owner_drives: bool = False) -> None:
         self.llm = llm
+        # The pipeline's only reach past the LLM API, kept in this class: the driver steps the engine
+        # itself (llm.llm_engine: add_request / abort_request / step / has_unfinished_requests,
+        # vLLM's public engine object) so many shards share one batch, and sizes its queue
+        # from the engine's batch size (llm.engine_config.max_num_seqs, no LLM accessor yet).
         self._engine = llm.llm_engine
         self._max_queued = max_queued or 2 * llm.engine_config.max_num_seqs
         self._retry = retry
@@ -174,6 +155,10 @@ class ShardRunner:
             self._abort_keys |= keys
             self._cond.notify()
         return len(keys)
+
+    def unfinished_requests(self) -> int:
+        """Requests in the engine now (a read of a counter, any thread)."""
+        return self._engine.get_num_unfinished_requests()
 
     def stats(self) -> dict[str, Any]:
         """The driver's counters so far (DriverStats.as_dict); a snapshot, any thread."""

@@ -1,10 +1,19 @@
-"""The work on one shard, as plain functions: read, run, write, or all three.
+"""The shard pipeline: read, run and write one shard, abortably; the one place a shard is processed.
 
-Each is what a Prefect task (tasks/prefect_tasks.py) or an Airflow operator wraps.
-``run_shard`` hands the shard's good rows to the engine through the engine cache's
-ShardRunner, so shards running in other threads share one engine; ``engine_host``
-says whether that engine runs in this process, a child process or the host's
-shared engine service (tasks/engine_client.py).
+The Prefect shard task (tasks/prefect_tasks.py) and the Airflow operator
+(providers/airflow/shard_batch.py) both run shards through a ShardPipeline. It
+hands a shard's good rows to the ShardExecutor of the job's engine configuration
+on the chosen engine host (tasks/engine_cache.py), so shards running in other
+threads share one engine.
+
+Invariants:
+- After ``abort()`` or a shutdown of the run (tasks/shutdown.py), no shard starts
+  and no output is committed: a running shard's rows leave the engine and its
+  ``run_shard`` raises ShardAborted, and the check before writing catches a stop
+  that came after its last row, or in the instant between handing the rows over
+  and the executor taking them (those rows then run to their end, unwritten).
+  Outputs are committed atomically anyway, so a reader never sees a partial one.
+- The executor is never closed here: the engine cache owns it.
 
 Failures come out as the pipeline's typed errors (tasks/errors.py): reading and
 writing raise StorageError or ShardError naming the object; the engine raises
@@ -15,22 +24,29 @@ never by running the shard again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine_cache import EngineHost, get_runner
+from .engine_cache import EngineHost, get_executor
 from .errors import EngineError, ErrorKind, ModelUnusable, PipelineError, classify, describe
+from .executor import RowResult, RunnerError, ShardAborted, ShardExecutor
 from .job import BatchJob
 from .rows import PreparedShard, prepare_shard
-from .runner import RowResult, RunnerError, ShardAborted
 from .shard_reader import read_shard_records
-from .shard_writer import write_shard_output
+from .shard_writer import completed_manifest, write_shard_output
 from .shutdown import raise_if_shutting_down, shutdown_reason
 from .storage import Shard
 
 logger = logging.getLogger("shardline.tasks.shard_job")
+
+# engine_slot(shard): held while the shard's rows are on the engine (a GPU concurrency slot)
+EngineSlot = Callable[[Shard], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -50,39 +66,96 @@ def read_shard(shard: Shard, job: BatchJob) -> PreparedShard:
     return prepared
 
 
-def run_shard(prepared: PreparedShard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> ShardRun:
-    """Run every valid row of ``prepared`` through the engine for ``job`` on ``engine_host``."""
-    requests = [row.request for row in prepared.rows if row.request is not None]
-    started = time.perf_counter()
-    results: list[RowResult] = []
-    if requests:
-        runner = _load_runner(job, engine_host)
-        try:
-            results = runner.run_shard(prepared.key, requests)
-        except ShardAborted:
-            raise  # stopped on purpose: no output, no retry
-        except (RunnerError, RuntimeError, MemoryError) as exc:  # the engine itself failed, not a row
-            raise EngineError("run", f"shard {prepared.key} on model {job.model}", describe(exc)) from exc
-    seconds = {"read": prepared.read_seconds, "run": round(time.perf_counter() - started, 4)}
-    return ShardRun(prepared, {result.index: result for result in results}, seconds)
-
-
-def _load_runner(job: BatchJob, engine_host: EngineHost) -> Any:
-    """The engine's ShardRunner for ``job``; a failed load is an EngineError naming the model
-    (a model that cannot be used at all is permanent: the pre-flight check should have said so)."""
-    try:
-        return get_runner(job.model, engine_host=engine_host, **job.engine_kwargs())
-    except ShardAborted:
-        raise
-    except ValueError as exc:  # the engine's ModelLoadError: this model cannot run, retrying cannot help
-        raise ModelUnusable("load", f"model {job.model}", describe(exc)) from exc
-    except Exception as exc:  # out of memory, a device or service that failed: may pass on a retry
-        raise EngineError("load", f"model {job.model}", describe(exc)) from exc
-
-
 def write_shard(run: ShardRun, job: BatchJob) -> dict[str, Any]:
     """Commit the output shard and its manifest; return the manifest."""
     return write_shard_output(run.prepared, run.results, job, run.seconds)
+
+
+class ShardPipeline:
+    """Processes shards of one job on one engine host, from any number of threads at
+    once; ``abort`` (any thread, or a signal handler) stops every one of them."""
+
+    def __init__(self, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD,
+                 engine_slot: EngineSlot | None = None) -> None:
+        self.job = job
+        self.engine_host = EngineHost(engine_host)
+        self._engine_slot = engine_slot
+        self._aborted = threading.Event()
+        self._lock = threading.RLock()  # reentrant: abort may run in a signal handler
+        self._running: dict[str, ShardExecutor] = {}  # shard key -> the executor running its rows
+
+    def process(self, shard: Shard, skip_done: bool = False) -> dict[str, Any]:
+        """Read, run and write ``shard``; its manifest. With ``skip_done``, a shard whose
+        manifest matches the job's fingerprint is not run again (its manifest is returned)."""
+        self._raise_if_stopped(f"shard {shard.key}")
+        if skip_done:
+            done = completed_manifest(shard, self.job)
+            if done is not None:
+                logger.info("shard %s already done with this job's fingerprint: skipped", shard.key)
+                return done
+        prepared = read_shard(shard, self.job)
+        with self._engine_slot(shard) if self._engine_slot else contextlib.nullcontext():
+            run = self._run(prepared)
+        self._raise_if_stopped(f"the write of shard {shard.key}")
+        manifest = write_shard(run, self.job)
+        logger.info("shard %s: %d rows, %d errors, %d completion tokens", shard.key,
+                    manifest["rows"], manifest["errors"], manifest["completion_tokens"])
+        return manifest
+
+    def abort(self) -> None:
+        """Stop every shard: abort their rows in the engine, commit no output."""
+        self._aborted.set()
+        with self._lock:
+            running = sorted(self._running.items())
+        for key, executor in running:
+            if executor.abort_shard(key):
+                logger.warning("shard %s aborted: its requests left the engine, no output written", key)
+
+    def _run(self, prepared: PreparedShard) -> ShardRun:
+        """Every valid row of ``prepared`` through the engine."""
+        requests = [row.request for row in prepared.rows if row.request is not None]
+        started = time.perf_counter()
+        results: list[RowResult] = []
+        if requests:
+            executor = self._load_executor()  # outside the lock, which abort takes
+            with self._lock:
+                self._raise_if_stopped(f"shard {prepared.key}")
+                self._running[prepared.key] = executor
+            try:
+                results = executor.run_shard(prepared.key, requests)
+            except ShardAborted:
+                raise  # stopped on purpose: no output, no retry
+            except (RunnerError, RuntimeError, MemoryError) as exc:  # the engine itself failed, not a row
+                raise EngineError("run", f"shard {prepared.key} on model {self.job.model}", describe(exc)) from exc
+            finally:
+                with self._lock:
+                    self._running.pop(prepared.key, None)
+        seconds = {"read": prepared.read_seconds, "run": round(time.perf_counter() - started, 4)}
+        return ShardRun(prepared, {result.index: result for result in results}, seconds)
+
+    def _load_executor(self) -> ShardExecutor:
+        """The job's ShardExecutor; a failed load is an EngineError naming the model (a model
+        that cannot be used at all is permanent: the pre-flight check should have said so)."""
+        job = self.job
+        try:
+            return get_executor(job.model, self.engine_host, **job.engine_kwargs())
+        except ShardAborted:
+            raise
+        except ValueError as exc:  # the engine's ModelLoadError: this model cannot run, retrying cannot help
+            raise ModelUnusable("load", f"model {job.model}", describe(exc)) from exc
+        except Exception as exc:  # out of memory, a device or service that failed: may pass on a retry
+            raise EngineError("load", f"model {job.model}", describe(exc)) from exc
+
+    def _raise_if_stopped(self, what: str) -> None:
+        """Raise ShardAborted (ShutdownRequested for a stopping run) saying ``what`` did not start."""
+        raise_if_shutting_down(what)
+        if self._aborted.is_set():
+            raise ShardAborted(f"{what} not started: it was aborted; no output written")
+
+
+def process_shard(shard: Shard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> dict[str, Any]:
+    """Read, run and write one shard; return its manifest."""
+    return ShardPipeline(job, engine_host).process(shard)
 
 
 def task_may_retry(exc: BaseException) -> bool:
@@ -95,13 +168,3 @@ def task_may_retry(exc: BaseException) -> bool:
     if isinstance(exc, PipelineError):
         return exc.task_retry
     return classify(exc) in (ErrorKind.TRANSIENT, ErrorKind.ENGINE)
-
-
-def process_shard(shard: Shard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> dict[str, Any]:
-    """Read, run and write one shard; return its manifest."""
-    raise_if_shutting_down(f"shard {shard.key}")
-    run = run_shard(read_shard(shard, job), job, engine_host)
-    manifest = write_shard(run, job)
-    logger.info("shard %s: %d rows, %d errors, %d completion tokens", shard.key,
-                manifest["rows"], manifest["errors"], manifest["completion_tokens"])
-    return manifest

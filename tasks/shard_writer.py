@@ -21,7 +21,7 @@ from .errors import redact_url
 from .fingerprint import fingerprint, fingerprint_fields
 from .job import BatchJob, JobTask
 from .rows import PreparedShard
-from .runner import RowResult
+from .executor import RowResult
 from .shard_reader import ShardError, read_input_schema
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
 

@@ -2,27 +2,28 @@
 
 Set when ``shardline run`` gets SIGTERM or SIGINT, or when a flow run is stopped
 (Prefect raises its TerminationSignal in the flow when a run is cancelled from
-the UI, or the process is terminated). This is deliberate per-process state
-(STYLE.md, rule 5), beside the engine cache it acts on:
+the UI, or the process is terminated). Deliberate per-process state, like the
+engine cache it acts on:
 
 - once set, no shard starts, no engine loads and no shard task is retried;
-- ``request_shutdown`` aborts every request in every cached engine at once, so
-  each running shard's ``run_shard`` raises ShardAborted and writes nothing;
+- ``engine_cache.request_shutdown`` sets it and aborts every request in every
+  cached engine at once, so each running shard's ``run_shard`` raises
+  ShardAborted, and a shard whose rows had all finished is not written either
+  (the pipeline checks the flag before writing, tasks/shard_job.py);
 - shards already writing finish their (atomic) commit, so what was computed and
   written is kept, and a rerun skips it;
 - the flag is cleared when the last flow run in the process has closed its
   engines (engine_cache.engines_held), so a later run in a long-lived process
   (a test session, a worker) starts afresh.
 
-``request_shutdown`` may run in a signal handler: it takes no lock that the
-interrupted thread could hold (runner locks are reentrant).
+Setting the flag may happen in a signal handler: it takes no lock.
 """
 
 from __future__ import annotations
 
 import threading
 
-from .runner import ShardAborted
+from .executor import ShardAborted
 
 _REQUESTED = threading.Event()
 _REASON: list[str] = []  # why, as set by the first request
@@ -32,14 +33,12 @@ class ShutdownRequested(ShardAborted):
     """The run is stopping (a signal, a cancelled flow run): this shard was not run, or was aborted."""
 
 
-def request_shutdown(reason: str) -> None:
-    """Stop the run: refuse new shards and abort every request in every engine."""
-    from . import engine_cache  # here: engine_cache imports this module
-
+def mark_shutdown(reason: str) -> None:
+    """Set the flag (the first reason is kept); engine_cache.request_shutdown also aborts
+    the engines' work."""
     if not _REQUESTED.is_set():
         _REASON[:] = [reason]
         _REQUESTED.set()
-    engine_cache.abort_all()
 
 
 def shutdown_reason() -> str | None:

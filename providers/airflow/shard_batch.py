@@ -1,7 +1,9 @@
 """The Airflow operator's work, as plain code: run a few shards of one job, abortably.
 
-No Airflow here, only shardline.tasks' plain shard functions: the operator (and a
-test) build a ShardBatch and call ``run``; Airflow's ``on_kill`` calls ``abort``.
+No Airflow here: the operator (and a test) build a ShardBatch and call ``run``;
+Airflow's ``on_kill`` calls ``abort``. Each shard goes through the same
+ShardPipeline as a Prefect shard task (tasks/shard_job.py), so after ``abort`` no
+output is committed.
 
 Invariants:
 - A shard whose manifest matches the job's fingerprint is skipped (its manifest is
@@ -12,30 +14,18 @@ Invariants:
   retires after SHARDLINE_ENGINE_IDLE_TIMEOUT idle seconds. With
   ``engine_service=False`` it is this process's own, which only later work in the
   same process reuses.
-- After ``abort`` no output is committed: the shard's rows leave the engine, its
-  ``run_shard`` raises ShardAborted, and the check before ``write_shard`` catches an
-  abort that came after the last row, or in the instant between handing the rows
-  to ``run_shard`` and the runner taking them (those rows then run to their end).
-  Outputs are committed atomically anyway, so a reader never sees a partial one.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shardline.tasks import engine_cache
-from shardline.tasks.job import BatchJob
 from shardline.tasks.engine_cache import EngineHost
-from shardline.tasks.runner import ShardAborted
-from shardline.tasks.shard_job import read_shard, run_shard, write_shard
-from shardline.tasks.shard_writer import completed_manifest
+from shardline.tasks.job import BatchJob
+from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard
-
-logger = logging.getLogger("shardline.providers.airflow")
 
 
 class CredentialsInDagError(ValueError):
@@ -89,55 +79,16 @@ class ShardBatch:
 
     def __init__(self, job: BatchJob, engine_service: bool = True) -> None:
         self.job = job
-        self.engine_host = EngineHost.SERVICE if engine_service else EngineHost.THREAD
-        self._aborted = threading.Event()
-        self._lock = threading.RLock()  # reentrant: abort may run in a signal handler
-        self._running: set[str] = set()  # shard keys handed to the runner
-        self._runner: Any = None  # a ShardRunner, or a client of the engine service
+        self._pipeline = ShardPipeline(job, EngineHost.SERVICE if engine_service else EngineHost.THREAD)
 
     def run(self, shards: list[Shard]) -> list[dict[str, Any]]:
         """Each shard's manifest, in order; a failed shard raises after the others finish."""
-        if len(shards) <= 1:
-            return [self._run_one(shard) for shard in shards]  # in this thread: a signal reaches it
+        if len(shards) <= 1:  # in this thread: a signal reaches it
+            return [self._pipeline.process(shard, skip_done=True) for shard in shards]
         with ThreadPoolExecutor(min(len(shards), self.job.shards_in_flight), "shardline-shard") as pool:
-            futures = [pool.submit(self._run_one, shard) for shard in shards]
+            futures = [pool.submit(self._pipeline.process, shard, True) for shard in shards]
             return [future.result() for future in futures]
 
     def abort(self) -> None:
         """Stop every shard: abort the rows in the engine, commit no output."""
-        self._aborted.set()
-        with self._lock:
-            keys, runner = sorted(self._running), self._runner
-        for key in keys:
-            if runner is not None and runner.abort_shard(key):
-                logger.warning("shard %s aborted: its requests left the engine, no output written", key)
-
-    def _run_one(self, shard: Shard) -> dict[str, Any]:
-        done = completed_manifest(shard, self.job)
-        if done is not None:
-            logger.info("shard %s already done with this job's fingerprint: skipped", shard.key)
-            return done
-        prepared = read_shard(shard, self.job)
-        if any(row.request is not None for row in prepared.rows):
-            # the cached runner that run_shard uses; loaded outside the lock, which abort takes
-            runner = engine_cache.get_runner(self.job.model, engine_host=self.engine_host,
-                                             **self.job.engine_kwargs())
-            with self._lock:
-                self._runner = runner
-        with self._lock:
-            self._raise_if_aborted(shard)
-            self._running.add(shard.key)
-        try:
-            run = run_shard(prepared, self.job, self.engine_host)
-        finally:
-            with self._lock:
-                self._running.discard(shard.key)
-        self._raise_if_aborted(shard)
-        manifest = write_shard(run, self.job)
-        logger.info("shard %s: %d rows, %d errors, %d completion tokens", shard.key,
-                    manifest["rows"], manifest["errors"], manifest["completion_tokens"])
-        return manifest
-
-    def _raise_if_aborted(self, shard: Shard) -> None:
-        if self._aborted.is_set():
-            raise ShardAborted(f"shard {shard.key} was aborted; no output written")
+        self._pipeline.abort()

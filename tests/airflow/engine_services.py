@@ -8,9 +8,9 @@ from typing import Any
 def service_info(model: str, engine_options: dict[str, Any]) -> dict[str, Any]:
     """pid, loads, connections, shards_run and unfinished_requests of the service for this
     configuration (started if none runs, as a task instance would)."""
-    from shardline.tasks.engine_client import SharedServiceRunner
+    from shardline.tasks.engine_client import ServiceClient
 
-    return SharedServiceRunner(model, engine_options).service_info()
+    return ServiceClient(model, engine_options).service_info()
 
 
 def requests_in_flight(model: str, engine_options: dict[str, Any], engine_service: bool) -> int:

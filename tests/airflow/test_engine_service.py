@@ -138,7 +138,7 @@ def test_a_killed_task_process_leaves_no_rows_in_the_engine_and_the_service_serv
 
 def test_an_idle_service_retires_and_removes_its_files(runtime_dir, monkeypatch, tiny_model):
     monkeypatch.setenv("SHARDLINE_ENGINE_IDLE_TIMEOUT", "1")
-    client = engine_cache.get_runner(tiny_model, engine_host=EngineHost.SERVICE, **OPTIONS)
+    client = engine_cache.get_executor(tiny_model, EngineHost.SERVICE, **OPTIONS)
     pid = client.service_info()["pid"]
     files = service_files(tiny_model, OPTIONS, os.environ.get("CUDA_VISIBLE_DEVICES"))
     assert files.sock.exists() and files.key.exists()

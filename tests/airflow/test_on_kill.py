@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardline.providers.airflow.shard_batch import ShardBatch, make_job
-from shardline.tasks.runner import ShardAborted
+from shardline.tasks.executor import ShardAborted
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.storage import list_shards
 

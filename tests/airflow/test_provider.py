@@ -10,7 +10,8 @@ import importlib.util
 import pytest
 
 PREFECT_FREE_MODULES = (
-    "shardline.tasks", "shardline.tasks.engine_cache", "shardline.tasks.fingerprint", "shardline.tasks.job",
+    "shardline.tasks", "shardline.tasks.engine_cache", "shardline.tasks.engine_client",
+    "shardline.tasks.engine_service", "shardline.tasks.executor", "shardline.tasks.fingerprint", "shardline.tasks.job",
     "shardline.tasks.rows", "shardline.tasks.runner", "shardline.tasks.sample_data",
     "shardline.tasks.shard_job", "shardline.tasks.shard_reader", "shardline.tasks.shard_writer",
     "shardline.tasks.storage", "shardline.tasks.summary", "shardline.engine.llm",

@@ -99,15 +99,3 @@ def test_poison_row_is_isolated_inside_the_flow(tmp_path, make_job):
     assert "illegal memory access" in out[3]["error"] and "bisection" in out[3]["error"]
     assert all(r["error"] is None and r["completion_tokens"] == 4 for i, r in enumerate(out) if i != 3)
     assert engine_cache.num_cached_engines() == 0  # the flow closed it
-
-
-def test_engine_in_a_child_process_writes_the_same_outputs(tmp_path, make_job):
-    write_sample_dataset(str(tmp_path / "in"), num_shards=3, rows_per_shard=4)
-    loads_here = engine_cache.engine_loads()
-    summary = batch_inference(make_job(), Execution(engine_host="child"))
-    assert summary["totals"]["done"] == 3 and engine_cache.engine_loads() == loads_here  # none in this process
-    own = batch_inference(make_job(output=str(tmp_path / "own")))
-    assert own["totals"]["done"] == 3
-    for shard in list_shards(str(tmp_path / "in")):
-        served = pq.read_table(tmp_path / "out" / f"{shard.key}.parquet").to_pylist()
-        assert served == pq.read_table(tmp_path / "own" / f"{shard.key}.parquet").to_pylist()

@@ -1,4 +1,4 @@
-"""The thin Prefect tasks, composed step by step inside a tiny flow, on memory://."""
+"""The thin Prefect tasks the flows use, composed inside a tiny flow, on memory://."""
 
 from __future__ import annotations
 
@@ -8,26 +8,15 @@ import fsspec
 import pyarrow.parquet as pq
 from prefect import flow
 
-from shardline.tasks.prefect_tasks import (
-    completed_manifest_task,
-    completed_manifests_task,
-    list_shards_task,
-    read_shard_task,
-    run_shard_task,
-    write_shard_task,
-)
+from shardline.tasks.prefect_tasks import completed_manifests_task, preflight_task, process_shard_task
 from shardline.tasks.sample_data import write_sample_dataset
 
 
 @flow
-def step_by_step(job):
-    manifests = []
-    shards = list_shards_task(job)
+def shard_by_shard(job):
+    shards = preflight_task(job)
     assert completed_manifests_task(shards, job) == [None] * len(shards)
-    for shard in shards:
-        assert completed_manifest_task(shard, job) is None
-        manifests.append(write_shard_task(run_shard_task(read_shard_task(shard, job), job), job))
-        assert completed_manifest_task(shard, job) == manifests[-1]
+    manifests = [process_shard_task(shard, job) for shard in shards]
     assert completed_manifests_task(shards, job) == manifests
     return manifests
 
@@ -36,7 +25,7 @@ def test_tasks_compose_in_a_flow_on_memory_storage(make_job):
     prefix = f"memory://tasks-{uuid.uuid4().hex}"
     write_sample_dataset(f"{prefix}/in", num_shards=2, rows_per_shard=2)
     job = make_job(input=f"{prefix}/in", output=f"{prefix}/out")
-    manifests = step_by_step(job)
+    manifests = shard_by_shard(job)
     assert [m["rows"] for m in manifests] == [3, 3] and [m["errors"] for m in manifests] == [1, 1]
     fs = fsspec.filesystem("memory")
     with fs.open(f"{prefix}/out/part-00001.parquet".removeprefix("memory://"), "rb") as handle:

@@ -1,5 +1,5 @@
 """A flow process stopped with SIGTERM (what Prefect's runner sends a cancelled run):
-engine work aborted, its engine child process gone, nothing partial, a rerun resumes."""
+engine work aborted, the process gone in seconds, nothing partial, a rerun resumes."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ SHARDS, ROWS = 6, 8
 SAMPLING = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
 
 
-def test_sigterm_to_a_flow_process_stops_its_engine_child_and_a_rerun_resumes(tmp_path, make_job):
+def test_sigterm_to_a_flow_process_stops_its_engine_work_and_a_rerun_resumes(tmp_path, make_job):
     write_sample_dataset(str(tmp_path / "in"), num_shards=SHARDS, rows_per_shard=ROWS, with_bad_rows=False)
     job = make_job(sampling=SAMPLING, engine_options={"max_num_seqs": 4}, shards_in_flight=2)
     script = textwrap.dedent(f"""
         from shardline.flows.batch_inference import batch_inference
-        from shardline.flows.execution import Execution
         from shardline.tasks.job import BatchJob
-        batch_inference(BatchJob(**{job.public_fields()!r}), Execution(engine_host="child"))
+        batch_inference(BatchJob(**{job.public_fields()!r}))
     """)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     log = open(tmp_path / "flow.log", "wb")
@@ -40,13 +39,12 @@ def test_sigterm_to_a_flow_process_stops_its_engine_child_and_a_rerun_resumes(tm
         assert time.monotonic() < deadline, "no shard committed in time"
         time.sleep(0.05)
     tree = {pid: command_line(pid) for pid in descendants(process.pid)}
-    assert any("shardline.tasks.engine_service" in command for command in tree.values()), tree
     started = time.monotonic()
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
     stop_seconds = time.monotonic() - started
     time.sleep(0.5)
-    assert [pid for pid in tree if is_alive(pid)] == [], tree  # the engine child went with its run
+    assert [pid for pid in tree if is_alive(pid)] == [], tree  # nothing it started outlives it
     assert stop_seconds < 20, stop_seconds
     committed = sorted(p.stem for p in manifests.glob("*.json"))
     assert sorted(p.stem for p in (tmp_path / "out").glob("*.parquet")) == committed  # nothing partial

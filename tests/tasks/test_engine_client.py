@@ -1,22 +1,41 @@
-"""An engine in a child process (engine_host=child): same rows as this process's own
-engine, per-shard abort, and the child goes with close_engines(). (The host's shared
-service is tested with the Airflow provider, tests/airflow/test_engine_service.py.)"""
+"""The client of the host's shared engine service, a ShardExecutor like this process's own
+runner: the same rows, per-shard abort. (Sharing one service between task processes,
+idle retirement and stale sockets are tested with the Airflow provider,
+tests/airflow/test_engine_service.py.)"""
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
 from shardline import LLM, PoolingParams, SamplingParams
 from shardline.tasks import engine_cache
 from shardline.tasks.engine_cache import EngineHost
-from shardline.tasks.runner import RowRequest, RowResult, ShardAborted
+from shardline.tasks.engine_client import ServiceClient, _is_engine_service
+from shardline.tasks.executor import RowRequest, RowResult, ShardAborted, ShardExecutor
 from ..waiting import wait_for
 
 OPTIONS = {"max_num_seqs": 4}
+
+
+@pytest.fixture
+def service(monkeypatch, tiny_model):
+    """A client of a shared service in a private runtime directory; the service is stopped after."""
+    monkeypatch.setenv("SHARDLINE_RUNTIME_DIR", tempfile.mkdtemp(prefix="sl-run-"))  # short: socket paths
+    client = engine_cache.get_executor(tiny_model, EngineHost.SERVICE, **OPTIONS)
+    assert isinstance(client, ServiceClient) and isinstance(client, ShardExecutor)
+    pid = client.service_info()["pid"]
+    yield client
+    engine_cache.close_engines()
+    os.kill(pid, signal.SIGTERM)  # it retires cleanly, removing its files
+    wait_for(lambda: not _is_engine_service(pid), "the service to retire")
+    assert not client.files.sock.exists() and not Path(client.files.key).exists()
 
 
 def _rows(count: int, params: SamplingParams) -> list[RowRequest]:
@@ -41,46 +60,38 @@ def test_rows_and_results_cross_a_process_boundary_intact(tiny_model):
     assert result.output.outputs[0].logprobs == output.outputs[0].logprobs
 
 
-def test_child_engine_gives_the_rows_of_an_engine_in_this_process_and_goes_with_the_cache(tiny_model, caplog):
+def test_service_gives_the_rows_of_an_engine_in_this_process(service, tiny_model):
     rows = _rows(6, SamplingParams(max_tokens=5, temperature=0.0))
-    own = engine_cache.get_runner(tiny_model, **OPTIONS).run_shard("shard-a", rows)
-    child = engine_cache.get_runner(tiny_model, engine_host=EngineHost.CHILD, **OPTIONS)
-    info = child.service_info()
+    own = engine_cache.get_executor(tiny_model, **OPTIONS).run_shard("shard-a", rows)
+    info = service.service_info()
     assert info["pid"] != os.getpid() and info["loads"] == 1
-    served = child.run_shard("shard-a", rows)
+    served = service.run_shard("shard-a", rows)
     assert [result.index for result in served] == [row.index for row in rows]
     assert [r.output.outputs[0].token_ids for r in served] == [r.output.outputs[0].token_ids for r in own]
-    assert engine_cache.get_runner(tiny_model, engine_host=EngineHost.CHILD, **OPTIONS) is child
-
-    assert child.service_info()["driver"]["steps"] >= 6  # 5 tokens each, prefill included
-
-    process = child._process
-    with caplog.at_level("INFO", logger="shardline.tasks.engine_client"):
-        engine_cache.close_engines()
-    assert process.wait(timeout=60) == 0  # the child retired on its own when its stdin closed
-    assert f"engine service pid {process.pid}: driver {{'steps': " in caplog.text
+    assert engine_cache.get_executor(tiny_model, EngineHost.SERVICE, **OPTIONS) is service
+    assert service.service_info()["driver"]["steps"] >= 6  # 5 tokens each, prefill included
+    service.close()
     with pytest.raises(Exception, match="closed"):
-        child.run_shard("shard-b", rows)
+        service.run_shard("shard-b", rows)
 
 
-def test_abort_stops_one_shard_in_the_child_and_another_shard_goes_on(tiny_model):
-    child = engine_cache.get_runner(tiny_model, engine_host=EngineHost.CHILD, **OPTIONS)
+def test_abort_stops_one_shard_on_the_service_and_another_shard_goes_on(service):
     endless = _rows(8, SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
     outcome: list[BaseException] = []
 
     def run() -> None:
         try:
-            child.run_shard("long", endless)
+            service.run_shard("long", endless)
         except BaseException as exc:
             outcome.append(exc)
 
     worker = threading.Thread(target=run)
     worker.start()
-    wait_for(lambda: child.service_info()["unfinished_requests"] > 0, "rows in the child's engine")
-    assert child.abort_shard("long") and not child.abort_shard("never-submitted")
+    wait_for(lambda: service.service_info()["unfinished_requests"] > 0, "rows in the service's engine")
+    assert service.abort_shard("long") and not service.abort_shard("never-submitted")
     worker.join(timeout=120)
     assert len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
     assert "shard long was aborted" in str(outcome[0])  # the client's key, not the service's id
-    assert child.service_info()["unfinished_requests"] == 0
-    short = child.run_shard("short", _rows(2, SamplingParams(max_tokens=2, temperature=0.0)))
+    assert service.service_info()["unfinished_requests"] == 0
+    short = service.run_shard("short", _rows(2, SamplingParams(max_tokens=2, temperature=0.0)))
     assert [len(result.output.outputs[0].token_ids) for result in short] == [2, 2, 2]

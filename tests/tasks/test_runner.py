@@ -9,7 +9,8 @@ import time
 import pytest
 
 from shardline import LLM, SamplingParams
-from shardline.tasks.runner import RetryPolicy, RowRequest, ShardAborted, ShardRunner
+from shardline.tasks.executor import RowRequest, ShardAborted
+from shardline.tasks.runner import RetryPolicy, ShardRunner
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 

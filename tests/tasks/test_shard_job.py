@@ -1,17 +1,23 @@
-"""One shard end to end without Prefect: the output contract, the manifest, resume checks."""
+"""One shard end to end without Prefect: the output contract, the manifest, resume checks, aborts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 
 import pyarrow.parquet as pq
 import pytest
 
 from shardline import LLM, SamplingParams
+from shardline.tasks import engine_cache
+from shardline.tasks.executor import ShardAborted
 from shardline.tasks.sample_data import write_rows
-from shardline.tasks.shard_job import process_shard
+from shardline.tasks.shard_job import ShardPipeline, process_shard
 from shardline.tasks.shard_writer import completed_manifest, shard_is_done
+from shardline.tasks.shutdown import ShutdownRequested, clear_shutdown, mark_shutdown
 from shardline.tasks.storage import list_shards
+from ..waiting import wait_for
 
 ROWS = [
     {"id": "r0", "prompt": "Write one line about the sea.", "topic": "sea"},
@@ -91,3 +97,55 @@ def test_embed_rows(tmp_path, make_job, embedding_model):
     expected = LLM(embedding_model).embed(["a sentence"])[0].outputs.embedding
     assert rows[0]["embedding"] == pytest.approx(expected, abs=1e-5) and len(rows[0]["embedding"]) == 384
     assert rows[1]["error"] and rows[1]["embedding"] is None
+
+
+def test_abort_stops_a_running_shard_and_commits_nothing(tmp_path, make_job):
+    shard = _one_shard(tmp_path, [{"prompt": f"Row {index}"} for index in range(4)])
+    job = make_job(sampling={"max_tokens": 900, "temperature": 0.0, "ignore_eos": True})
+    engine = engine_cache.get_engine(job.model, **job.engine_kwargs()).llm_engine  # the one the pipeline uses
+    pipeline, outcome = ShardPipeline(job), []
+
+    def run() -> None:
+        try:
+            pipeline.process(shard)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_for(engine.has_unfinished_requests, "rows in the engine")
+    pipeline.abort()
+    worker.join(timeout=120)
+    assert len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
+    assert not engine.has_unfinished_requests() and not (tmp_path / "out" / "part-0.parquet").exists()
+    with pytest.raises(ShardAborted, match="aborted"):  # an aborted pipeline starts no shard
+        pipeline.process(shard)
+
+
+@pytest.mark.parametrize("stop", ["abort", "shutdown"])
+def test_a_stop_after_the_last_row_commits_nothing(tmp_path, make_job, stop):
+    """The check before writing: the rows came back, but the pipeline was stopped meanwhile."""
+    shard = _one_shard(tmp_path)
+    pipeline: ShardPipeline
+
+    @contextlib.contextmanager
+    def stopped_on_release(_shard):
+        yield
+        pipeline.abort() if stop == "abort" else mark_shutdown("a test")
+
+    pipeline = ShardPipeline(make_job(), engine_slot=stopped_on_release)
+    try:
+        with pytest.raises(ShutdownRequested if stop == "shutdown" else ShardAborted, match="write of shard part-0"):
+            pipeline.process(shard)
+    finally:
+        clear_shutdown()
+    assert not (tmp_path / "out" / "_manifests").exists() and not (tmp_path / "out" / "part-0.parquet").exists()
+
+
+def test_skip_done_returns_the_committed_manifest_without_engine_work(tmp_path, make_job):
+    shard = _one_shard(tmp_path)
+    job = make_job()
+    manifest = process_shard(shard, job)
+    requests = engine_cache.engine_requests()
+    assert ShardPipeline(job).process(shard, skip_done=True) == manifest
+    assert engine_cache.engine_requests() == requests
