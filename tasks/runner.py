@@ -4,8 +4,8 @@ Invariants:
 - Only the driver thread touches the engine (chat rendering, add_request, step,
   abort_request). Shard callers, from any thread, hand over their rows and wait
   for their shard's last row; nothing else needs a lock around the engine.
-- The driver keeps up to ``max_queued`` requests in the engine, taking rows from
-  shards in the order the shards arrived, so the batch stays full across shard
+- The driver adds rows while the engine reports capacity (or up to ``max_queued``
+  requests when given), taking rows from shards in the order the shards arrived, so the batch stays full across shard
   boundaries and the earliest shard finishes (and is written) first.
 - Request ids are ``<shard key>:<row>`` (``~<n>`` appended on a retry), so every
   output maps back to its shard and row.
@@ -94,12 +94,11 @@ class ShardRunner:
     def __init__(self, llm: LLM, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy(),
                  owner_drives: bool = False) -> None:
         self.llm = llm
-        # The pipeline's only reach past the LLM API, kept in this class: the driver steps the engine
-        # itself (llm.llm_engine: add_request / abort_request / step / has_unfinished_requests,
-        # vLLM's public engine object) so many shards share one batch, and sizes its queue
-        # from the engine's batch size (llm.engine_config.max_num_seqs, no LLM accessor yet).
+        # The pipeline's only reach past the LLM API, kept in this class: the driver steps the
+        # engine itself (llm.llm_engine, vLLM's public engine object, engine_protocol.Engine)
+        # so the rows of many shards share one batch.
         self._engine = llm.llm_engine
-        self._max_queued = max_queued or 2 * llm.engine_config.max_num_seqs
+        self._max_queued = max_queued
         self._retry = retry
         self._cond = threading.Condition()
         self._queue: collections.deque[_ShardWork] = collections.deque()
@@ -228,8 +227,8 @@ class ShardRunner:
             work.done.set()
 
     def _admit(self) -> None:
-        """Add rows, oldest shard first, until max_queued requests are in the engine."""
-        while len(self._in_flight) < self._max_queued:
+        """Add rows, oldest shard first, while the engine has room for them."""
+        while self._has_room():
             with self._cond:
                 if not self._queue:
                     return
@@ -241,6 +240,11 @@ class ShardRunner:
             request_id = f"{work.key}:{work.rows[position].index}"
             if self._add(request_id, work, position):
                 self._in_flight[request_id] = (work, position)
+
+    def _has_room(self) -> bool:
+        if self._max_queued is not None:
+            return len(self._in_flight) < self._max_queued
+        return not self._in_flight or self._engine.has_capacity()  # never stall with nothing to step
 
     def _add(self, request_id: str, work: _ShardWork, position: int) -> bool:
         """Add one row; a row the engine refuses becomes an error row (False)."""
