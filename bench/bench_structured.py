@@ -50,8 +50,9 @@ class GrammarProfile:
     only; the wrappers add about a microsecond per call)."""
 
     def __init__(self) -> None:
-        from shardline.engine import llm_engine, sampler
-        from shardline.engine.structured import grammar, manager
+        from shardline.engine import llm_engine
+        from shardline.engine.sampling import sampler
+        from shardline.engine.sampling.structured import grammar, manager
 
         self.seconds = 0.0
         wrapped = ((manager.StructuredOutputManager, "hold"), (manager.StructuredOutputManager, "release"),

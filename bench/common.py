@@ -82,7 +82,8 @@ class StepProfile:
                  "attention plans")
 
     def __init__(self) -> None:
-        from shardline.engine import llm_engine, output_processor, sampler
+        from shardline.engine import llm_engine
+        from shardline.engine.sampling import output_processor, sampler
         from shardline.engine.attention import backends as attention_backends
         from shardline.engine.attention import torch_path as torch_attention
         from shardline.engine.core import scheduler

@@ -27,15 +27,15 @@ from .lora.manager import LoRAManager
 from .model.runner import (
     DEFAULT_CPU_KV_CACHE_BYTES, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
 )
-from .output_processor import OutputProcessor, RequestState, SampleState
+from .sampling.output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
 from .prompts import PromptType, tokenize_prompt
-from .reasoning import make_reasoning_parser
+from .sampling.reasoning import make_reasoning_parser
 from .core.request import Request, RequestStatus
-from .sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
+from .sampling.sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
+from .sampling.structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
 
 
 

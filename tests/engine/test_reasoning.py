@@ -11,7 +11,7 @@ import pytest
 from shardline import LLM, SamplingParams
 from shardline.engine.config import ConfigError
 from shardline.engine.params import StructuredOutputsParams
-from shardline.engine.reasoning import (
+from shardline.engine.sampling.reasoning import (
     Phase, ReasoningParserError, ReasoningTracker, TokenRole, make_reasoning_parser,
 )
 from shardline.engine.tiny import build_tiny_model

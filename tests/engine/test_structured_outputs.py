@@ -13,7 +13,7 @@ import torch
 
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
-from shardline.engine.structured import (
+from shardline.engine.sampling.structured import (
     StructuredOutputError, allow_only, allow_token, apply_token_bitmask, apply_token_bitmask_reference,
     forbidden_picks, grammar_key, new_bitmask,
 )

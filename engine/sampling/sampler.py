@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .params import SamplingParams, SamplingType
-from .core.request import Request
+from ..params import SamplingParams, SamplingType
+from ..core.request import Request
 from .structured import apply_token_bitmask
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from .detokenizer import IncrementalDetokenizer, find_stop_string
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .params import SamplingParams
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..params import SamplingParams
 from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
-from .core.request import Request, RequestStatus
+from ..core.request import Request, RequestStatus
 from .structured import GrammarState, StructuredOutputError
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..params import StructuredOutputsParams
+from ...params import StructuredOutputsParams
 
 # Distinct constraints whose parsed and compiled grammars an engine keeps (least
 # recently used dropped first); a job usually has one.

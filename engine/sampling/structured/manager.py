@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..params import StructuredOutputsParams
+from ...params import StructuredOutputsParams
 from .bitmask import allows_only, step_bitmask
 from .grammar import GrammarCompiler, GrammarState, StructuredOutputError
 

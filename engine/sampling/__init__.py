@@ -1,0 +1,1 @@
+"""Sampling: the vectorised sampler, structured-output grammars, reasoning parsers, detokenization and the output processor that turns sampled tokens into outputs."""
