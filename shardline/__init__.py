@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLM": "shardline.engine.llm",
     "SamplingParams": "shardline.engine.params",
     "PoolingParams": "shardline.engine.params",
+    "StructuredOutputsParams": "shardline.engine.params",
     "LoRARequest": "shardline.engine.lora.request",
     "RequestOutput": "shardline.engine.outputs",
     "CompletionOutput": "shardline.engine.outputs",

@@ -326,3 +326,10 @@ def test_xgrammar_bitmask_kernel_matches_the_reference(dtype):
     masked = apply_token_bitmask(logits.clone(), bitmask)
     assert torch.equal(masked, expected)
     assert torch.equal(masked[0], logits[0]) and not masked[1:].isfinite().all()
+
+
+def test_structured_outputs_params_is_public():
+    import shardline
+    from shardline.engine.params import StructuredOutputsParams
+
+    assert shardline.StructuredOutputsParams is StructuredOutputsParams
