@@ -88,7 +88,6 @@ def test_corrupt_and_truncated_shards_fail_alone_in_one_line_and_cost_no_engine_
     text = everything_as_text(record)
     assert not any("Retry" in line for line in record["logs"])  # corrupt input is never retried
     assert controlled_s3.secret_key not in text and controlled_s3.secret_key not in repr(summary)
-    assert elapsed < 120  # no storage retries for corrupt objects (a flow run of 5 small shards)
     print(f"\ncorrupt shards: flow finished in {elapsed:.1f}s; engine requests {engine_requests() - before}")
 
 
@@ -105,7 +104,8 @@ def test_a_flow_run_from_the_ui_fails_its_pre_flight_check_before_any_shard(cont
     assert state.is_failed() and type(error).__name__ == "PreflightFailed"
     assert str(error).startswith(f"write s3://{prefix}/out/_tmp/.shardline-probe-")
     assert "PermissionError: Access Denied." in str(error) and "\n" not in str(error)
-    assert engine_requests() == before and elapsed < 30
+    assert engine_requests() == before
+    print(f"\nread-only output: pre-flight failed in {elapsed:.1f}s")
     record = flow_run_record(state.state_details.flow_run_id)
     assert not any("Retry" in line for line in record["logs"])  # a permanent error is never retried
     assert "S3_READER" not in everything_as_text(record) and "READER-SECRET" not in everything_as_text(record)
