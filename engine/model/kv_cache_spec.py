@@ -48,13 +48,17 @@ class KVCacheSpec:
 
     @classmethod
     def from_hf_config(cls, hf_config: transformers.PretrainedConfig, dtype: torch.dtype) -> "KVCacheSpec":
+        """Each layer's spec from the config: its own sub-config where the config has
+        per-layer attributes (``per_layer_config``), else the config's common ones."""
         text_config = hf_config.get_text_config()
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        per_layer = getattr(text_config, "per_layer_config", None)
         layers = []
         for index, layer_type in enumerate(layer_types(hf_config)):
             kind = LAYER_KINDS[layer_type]
+            layer_config = per_layer[index] if per_layer is not None else text_config
+            num_heads = layer_config.num_attention_heads
+            num_kv_heads = getattr(layer_config, "num_key_value_heads", None) or num_heads
+            head_dim = getattr(layer_config, "head_dim", None) or text_config.hidden_size // num_heads
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, head_dim, window))
         return cls(tuple(layers), dtype)

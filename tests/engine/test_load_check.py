@@ -39,3 +39,24 @@ def test_layers_the_cache_cannot_hold_are_refused_by_name(tmp_path, arch, layer_
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
     with pytest.raises((UnsupportedLayerError, ValueError), match=layer_type):
         LLM(model_dir, dtype="float32")
+
+
+def test_per_layer_head_sizes_run_exactly(tmp_path):
+    """gemma4: sliding layers of head size 16, full ones of 32, each cached at its own
+    size; the check passes and greedy tokens equal transformers' in float64."""
+    from shardline import SamplingParams
+    from shardline.engine.model.kv_cache_spec import KVCacheSpec
+
+    from .hf_reference import hf_greedy, load_hf_model
+
+    model_dir = str(build_tiny_model(tmp_path, "gemma4_text", head_dim=16, global_head_dim=32, sliding_window=8))
+    llm = LLM(model_dir, dtype="float64")
+    spec = llm.llm_engine.runner.spec
+    assert isinstance(spec, KVCacheSpec) and {layer.head_dim for layer in spec.layers} == {16, 32}
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                 use_tqdm=False)]
+    llm.close()
+    reference = load_hf_model(model_dir)
+    assert ours == [hf_greedy(reference, prompt, 8) for prompt in prompts]
