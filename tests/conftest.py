@@ -91,16 +91,10 @@ def _weed_binary() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
-    """SeaweedFS (master, volume, filer and S3 gateway) on free 127.0.0.1 ports, with
-    one identity whose key/secret the tests use."""
-    root = tmp_path_factory.mktemp("seaweedfs")
-    (root / "data").mkdir()
-    config = {"identities": [{"name": "tester", "credentials": [
-        {"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
-    (root / "s3.json").write_text(json.dumps(config))
+def _weed_command(root: Path, identities: dict) -> tuple[list[str], int]:
+    """The command that runs SeaweedFS (master, volume, filer, S3 gateway) on free
+    127.0.0.1 ports over ``root``/data with ``identities`` as its S3 config; and the S3 port."""
+    (root / "s3.json").write_text(json.dumps(identities))
     master, volume, filer, s3, master_grpc, volume_grpc, filer_grpc, s3_grpc = _free_ports(8)
     command = [
         _weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
@@ -111,6 +105,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
         # no Iceberg / Lance listeners: their fixed ports clash with any other weed on the machine
         "-s3.port.iceberg=0", "-s3.port.lance=0",
     ]
+    return command, s3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
+    """SeaweedFS (master, volume, filer and S3 gateway) on free 127.0.0.1 ports, with
+    one identity whose key/secret the tests use."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    (root / "data").mkdir()
+    config = {"identities": [{"name": "tester", "credentials": [
+        {"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    command, s3 = _weed_command(root, config)
     log = open(root / "weed.log", "wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     server = S3Server(f"http://127.0.0.1:{s3}", S3_ACCESS_KEY, S3_SECRET_KEY)
@@ -234,16 +241,7 @@ def controlled_s3(tmp_path_factory: pytest.TempPathFactory) -> ControlledS3Serve
          "actions": ["Read", "List"]},
         {"name": "writer", "credentials": [{"accessKey": S3_WRITER_ACCESS_KEY, "secretKey": S3_WRITER_SECRET_KEY}],
          "actions": ["Read", "Write", "List"]}]}
-    (root / "s3.json").write_text(json.dumps(config))
-    master, volume, filer, s3, master_grpc, volume_grpc, filer_grpc, s3_grpc = _free_ports(8)
-    command = [
-        _weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-        f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=100",
-        "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={root / 's3.json'}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",
-    ]
+    command, s3 = _weed_command(root, config)
     server = ControlledS3Server(f"http://127.0.0.1:{s3}", S3_ACCESS_KEY, S3_SECRET_KEY, command=command, root=root)
     server.start()
     try:
