@@ -1,0 +1,88 @@
+"""The contract between the engine and a recurrent layer kind.
+
+A recurrent layer (gated delta-net, Mamba, short convolution, linear attention...)
+keeps per-request state that is not a KV cache. The engine owns that state: each
+running request holds a slot in per-layer state tensors, and before a layer runs the
+engine gathers the step's requests' states from their slots (and scatters them back
+after). A layer kind therefore never sees slots, blocks or the scheduler; it sees the
+step's packed batch and the gathered states:
+
+- ``hidden_states`` [T, hidden]: all scheduled tokens of all requests, packed as
+  StepBatch (engine/attention/context.py) lays them out;
+- ``cu_seqlens`` [B+1] int64: request b's tokens are hidden_states[cu_seqlens[b]:cu_seqlens[b+1]]
+  (StepBatch.query_start_loc);
+- ``has_initial_state`` [B] bool: False for a request's first chunk (start from zero
+  state), True when it continues from the state its previous step left;
+- ``states[name]`` [B, *shape]: the gathered state of each request in batch order,
+  shapes as ``state_shapes`` declares them. ``forward`` reads them where
+  has_initial_state is True and writes, in place, the state after each request's
+  last scheduled token.
+
+Invariants: ``forward`` is exact for any split of a request's tokens into chunks
+(chunk boundaries never change the output); it runs a chunk of many tokens without a
+per-token Python loop where the math allows, and single-token decode.
+
+Kinds are registered by the Hugging Face module class they replace (e.g.
+"Qwen3NextGatedDeltaNet"), and by the config ``layer_types`` names that mark a layer
+of that kind, so the load check can accept or refuse a config before weights load.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+# name -> (shape without the slot dimension, dtype)
+StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class RecurrentKind(Protocol):
+    """One kind of recurrent layer: what state a request keeps, and how a step runs."""
+
+    name: str
+
+    def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
+        """Per-request state tensors of this layer, shapes without the slot dimension."""
+        ...
+
+    def forward(
+        self,
+        hf_module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        states: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """hidden_states: [T, hidden]; returns the layer's output [T, hidden] (what the
+        HF module returns, without its batch dimension). Updates ``states`` in place."""
+        ...
+
+
+# Deliberate per-process registries, filled at import of each kind's module.
+_BY_MODULE_CLASS: dict[str, RecurrentKind] = {}
+_BY_LAYER_TYPE: dict[str, RecurrentKind] = {}
+
+
+def register_kind(kind: RecurrentKind, module_classes: tuple[str, ...], layer_types: tuple[str, ...] = ()) -> RecurrentKind:
+    """Register ``kind`` for the HF module classes it replaces and the config layer_types
+    names that mark it (idempotent); return it."""
+    for name in module_classes:
+        _BY_MODULE_CLASS[name] = kind
+    for name in layer_types:
+        _BY_LAYER_TYPE[name] = kind
+    return kind
+
+
+def kind_for_module(module: torch.nn.Module) -> RecurrentKind | None:
+    """The kind registered for this HF module's class, or None."""
+    return _BY_MODULE_CLASS.get(type(module).__name__)
+
+
+def kind_for_layer_type(layer_type: str) -> RecurrentKind | None:
+    """The kind registered for a config layer_types entry, or None."""
+    return _BY_LAYER_TYPE.get(layer_type)
+
+
+def registered_module_classes() -> tuple[str, ...]:
+    return tuple(sorted(_BY_MODULE_CLASS))
