@@ -23,8 +23,10 @@ Invariants: ``forward`` is exact for any split of a request's tokens into chunks
 per-token Python loop where the math allows, and single-token decode.
 
 Kinds are registered by the Hugging Face module class they replace (e.g.
-"Qwen3NextGatedDeltaNet"), and by the config ``layer_types`` names that mark a layer
-of that kind, so the load check can accept or refuse a config before weights load.
+"Qwen3NextGatedDeltaNet"), and by the (model type, config ``layer_types`` name) pairs
+that mark a layer of that kind (e.g. ("qwen3_next", "linear_attention")), so a config
+is accepted or refused before weights load: many model types call different layer
+kinds "linear_attention", so the name alone says nothing.
 """
 
 from __future__ import annotations
@@ -61,16 +63,18 @@ class RecurrentKind(Protocol):
 
 # Deliberate per-process registries, filled at import of each kind's module.
 _BY_MODULE_CLASS: dict[str, RecurrentKind] = {}
-_BY_LAYER_TYPE: dict[str, RecurrentKind] = {}
+_BY_LAYER_TYPE: dict[tuple[str, str], RecurrentKind] = {}
 
 
-def register_kind(kind: RecurrentKind, module_classes: tuple[str, ...], layer_types: tuple[str, ...] = ()) -> RecurrentKind:
-    """Register ``kind`` for the HF module classes it replaces and the config layer_types
-    names that mark it (idempotent); return it."""
+def register_kind(kind: RecurrentKind, module_classes: tuple[str, ...], model_types: tuple[str, ...] = (),
+                  layer_types: tuple[str, ...] = ()) -> RecurrentKind:
+    """Register ``kind`` for the HF module classes it replaces and, for each of
+    ``model_types``, the config layer_types names that mark it (idempotent); return it."""
     for name in module_classes:
         _BY_MODULE_CLASS[name] = kind
-    for name in layer_types:
-        _BY_LAYER_TYPE[name] = kind
+    for model_type in model_types:
+        for layer_type in layer_types:
+            _BY_LAYER_TYPE[(model_type, layer_type)] = kind
     return kind
 
 
@@ -79,9 +83,9 @@ def kind_for_module(module: torch.nn.Module) -> RecurrentKind | None:
     return _BY_MODULE_CLASS.get(type(module).__name__)
 
 
-def kind_for_layer_type(layer_type: str) -> RecurrentKind | None:
-    """The kind registered for a config layer_types entry, or None."""
-    return _BY_LAYER_TYPE.get(layer_type)
+def kind_for_layer_type(model_type: str, layer_type: str) -> RecurrentKind | None:
+    """The kind registered for a config layer_types entry of ``model_type``, or None."""
+    return _BY_LAYER_TYPE.get((model_type, layer_type))
 
 
 def registered_module_classes() -> tuple[str, ...]:
