@@ -17,12 +17,12 @@ its kernels, not the model runner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
-from .context import AttentionContext, StepBatch
+from .context import AttentionContext, AttentionOptions, StepBatch
 from .torch_path import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
                               fresh_prompts, torch_paged_attention, write_kv_cache)
 
@@ -42,21 +42,30 @@ class AttentionBackend(Protocol):
         """The frozen per-step context every layer of the step reads."""
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, scale: float, sliding_window: int | None,
-               softcap: float | None) -> torch.Tensor:
+               value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """Write the layer's new keys and values into its cache and attend.
-        query: [T, H, D]; key, value: [T, Hkv, D]; returns [T, H, D]."""
+        query: [T, H, D]; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [T, H, Dv]."""
+
+
+def layer_options(options: AttentionOptions, chunk_sizes: tuple[int | None, ...], layer_idx: int) -> AttentionOptions:
+    """``options`` with the layer's chunk size from its cache spec (``chunk_sizes``, by
+    layer; empty when no layer is chunked)."""
+    if chunk_sizes and chunk_sizes[layer_idx] is not None:
+        return replace(options, chunk_size=chunk_sizes[layer_idx])
+    return options
 
 
 @dataclass(frozen=True)
 class TorchBackend:
     """torch ops, with the native CPU kernels the engine chose where they take the
     step's requests. ``num_heads`` is the model's query heads (the kernels' limits
-    depend on the grouping)."""
+    depend on the grouping); ``chunk_sizes``: each layer's chunk size for chunked
+    local attention (None: not chunked), empty when no layer is chunked."""
 
     num_heads: int
     native_decode: bool = False
     native_prefill: bool = False
+    chunk_sizes: tuple[int | None, ...] = ()
     name: str = "torch"
     replays_decode_graphs: bool = False
 
@@ -91,11 +100,11 @@ class TorchBackend:
                           fresh)
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, scale: float, sliding_window: int | None,
-               softcap: float | None) -> torch.Tensor:
+               value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
-        return torch_paged_attention(query, key, value, k_cache, v_cache, ctx.work, scale, sliding_window, softcap)
+        return torch_paged_attention(query, key, value, k_cache, v_cache, ctx.work,
+                                     layer_options(options, self.chunk_sizes, layer_idx))
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,10 @@ class TritonIndices:
 
 @dataclass(frozen=True)
 class TritonBackend:
-    """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
+    """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1). ``chunk_sizes``
+    as TorchBackend's."""
 
+    chunk_sizes: tuple[int | None, ...] = ()
     name: str = "triton"
     replays_decode_graphs: bool = True
     attends_sampled_rows: bool = False
@@ -121,29 +132,33 @@ class TritonBackend:
         return AttentionContext(**vars(step), backend=self, work=indices)
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, scale: float, sliding_window: int | None,
-               softcap: float | None) -> torch.Tensor:
+               value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         from ..kernels import paged_attention, store_kv_cache
 
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
+        options = layer_options(options, self.chunk_sizes, layer_idx)
         return paged_attention(query.contiguous(), k_cache, v_cache, ctx.work.query_start_loc, ctx.work.seq_lens,
-                               ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap,
-                               max_query_len=ctx.max_query_len)
+                               ctx.block_tables, options.scale, sliding_window=options.sliding_window,
+                               softcap=options.softcap, sinks=options.sinks, alibi_slopes=options.alibi_slopes,
+                               chunk_size=options.chunk_size, max_query_len=ctx.max_query_len)
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, num_heads: int,
-                             native_decode: bool, native_prefill: bool) -> AttentionBackend:
+                             native_decode: bool, native_prefill: bool,
+                             chunk_sizes: tuple[int | None, ...] = ()) -> AttentionBackend:
     """The engine's backend: ``requested`` ("triton", "cpu": torch with the native CPU
     kernels the engine chose, "torch": torch ops alone), else Triton on CUDA except in
     float64 (the kernels take 16- and 32-bit floats), and torch with the chosen
-    native kernels elsewhere."""
+    native kernels elsewhere. ``chunk_sizes``: each layer's chunked-attention chunk
+    size (KVCacheSpec.chunk_sizes)."""
     if requested is None:
         requested = "triton" if device.type == "cuda" and dtype != torch.float64 else "cpu"
     if requested == "triton":
-        return TritonBackend()
+        return TritonBackend(chunk_sizes)
     if requested == "cpu":
-        return TorchBackend(num_heads, native_decode=native_decode, native_prefill=native_prefill, name="cpu")
+        return TorchBackend(num_heads, native_decode=native_decode, native_prefill=native_prefill,
+                            chunk_sizes=chunk_sizes, name="cpu")
     if requested == "torch":
-        return TorchBackend(num_heads)
+        return TorchBackend(num_heads, chunk_sizes=chunk_sizes)
     raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {requested!r}")

@@ -9,7 +9,16 @@ whole context read back through its block table: with the Triton kernels on CUDA
 else with the plain-torch path of ``torch_attention``.
 
 Masking is ours, so the mask interface entry returns None: transformers builds no
-[T, T] mask for the packed batch.
+[T, T] mask for the packed batch. What a layer's attention does beyond causal
+softmax(q.k * scale) is one ``AttentionOptions`` (a sliding window, a softcap,
+attention sinks, ALiBi slopes, chunked local attention), which every attention path
+takes: the torch path, the CPU C kernels and the Triton kernel.
+
+Calling the paged attention from a module transformers does not route through its
+AttentionInterface (an adapter of one's own): call ``paged_attention_forward(module,
+query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` with
+``module.layer_idx`` set, query [1, H, T, D], key [1, Hkv, T, D], value
+[1, Hkv, T, Dv]; it returns ([1, T, H, Dv], None).
 """
 
 from __future__ import annotations
@@ -70,6 +79,39 @@ class AttentionContext(StepBatch):
     work: object = None
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one attention layer weighs its keys beyond causal softmax(q.k * scale).
+    Every attention path takes all of them; each is off when None and then costs
+    nothing. Positions are absolute positions in the request's context."""
+
+    scale: float
+    # A query at position p sees keys p - sliding_window + 1 .. p.
+    sliding_window: int | None = None
+    # Scores become softcap * tanh(score / softcap) (after scaling and ALiBi).
+    softcap: float | None = None
+    # [H] one learned logit per query head that joins the softmax's denominator and
+    # attends to no value (attention sinks: gpt_oss, granite_swa, flint; transformers
+    # passes them as ``s_aux``).
+    sinks: torch.Tensor | None = None
+    # [H] ALiBi: slope_h * (key position - query position) is added to each scaled score
+    # (bloom, mpt, falcon with alibi). Differs from the models' slope_h * key position
+    # by a constant per query, which the softmax cancels.
+    alibi_slopes: torch.Tensor | None = None
+    # Chunked local attention: a query at p sees keys p - p % chunk_size .. p, its own
+    # aligned chunk (llama4's chunked layers). Set per layer from the cache spec.
+    chunk_size: int | None = None
+
+    def first_visible_key(self, position: int) -> int:
+        """The first key position a query at ``position`` sees (window and chunk)."""
+        first = 0
+        if self.sliding_window is not None:
+            first = max(first, position - self.sliding_window + 1)
+        if self.chunk_size is not None:
+            first = max(first, position - position % self.chunk_size)
+        return first
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -81,9 +123,17 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     shardline_ctx: AttentionContext | None = None,
+    s_aux: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention entry point. query: [1, H, T, D]; key/value: [1, Hkv, T, D]."""
+    """transformers attention entry point, and the one entry for adapters of modules
+    transformers does not route here. query: [1, H, T, D]; key: [1, Hkv, T, D];
+    value: [1, Hkv, T, Dv]; returns ([1, T, H, Dv], None).
+
+    ``s_aux``: [H] attention-sink logits (transformers' name for them); ``alibi_slopes``:
+    [H] ALiBi slopes (see AttentionOptions). The layer's chunk size, if any, comes
+    from its cache spec through the backend."""
     if shardline_ctx is None:
         raise RuntimeError(
             "shardline attention was called without an AttentionContext: run the model "
@@ -96,8 +146,9 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    out = shardline_ctx.backend.attend(shardline_ctx, layer_idx, q, k, v, scaling, sliding_window, softcap)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+    options = AttentionOptions(scaling, sliding_window, softcap, s_aux, alibi_slopes)
+    out = shardline_ctx.backend.attend(shardline_ctx, layer_idx, q, k, v, options)
+    return out.unsqueeze(0), None  # [1, T, H, Dv]
 
 
 def no_mask(*args, **kwargs) -> None:

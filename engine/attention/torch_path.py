@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .context import AttentionOptions
+
 if TYPE_CHECKING:
     from .backends import StepBatch
 
@@ -166,25 +168,45 @@ class TorchAttentionPlan:
         gathered = cache.index_select(0, self.block_index)
         return gathered.view(-1, self.num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
+    def mask(self, options: AttentionOptions) -> torch.Tensor:
         """[b, 1, Qmax, Lmax] bool, True where a query may attend to a key."""
-        if sliding_window not in self._masks:
-            allowed = self.key_valid[:, None, :] & (self.key_pos[None, None, :] <= self.query_pos[:, :, None])
-            if sliding_window is not None:
-                allowed &= self.query_pos[:, :, None] - self.key_pos[None, None, :] < sliding_window
+        key = (options.sliding_window, options.chunk_size)
+        if key not in self._masks:
+            allowed = self.key_valid[:, None, :] & visible_keys(self.query_pos[:, :, None],
+                                                                self.key_pos[None, None, :], options)
             # Padded query rows attend to key 0 so softmax stays finite; they are dropped.
             allowed[:, :, 0] |= ~self.query_valid
-            self._masks[sliding_window] = allowed[:, None]
-        return self._masks[sliding_window]
+            self._masks[key] = allowed[:, None]
+        return self._masks[key]
+
+
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+    """Bool, True where a query at ``query_pos`` sees the key at ``key_pos`` (broadcast):
+    causal, within the sliding window and within the query's chunk."""
+    allowed = key_pos <= query_pos
+    if options.sliding_window is not None:
+        allowed = allowed & (query_pos - key_pos < options.sliding_window)
+    if options.chunk_size is not None:
+        allowed = allowed & (key_pos >= query_pos - query_pos % options.chunk_size)
+    return allowed
+
+
+def alibi_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, slopes: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi's score bias. query_pos: [b, Q] or [Q]; key_pos: [L]; slopes: [H];
+    returns [b, H, Q, L] (or [1, H, Q, L]): slope_h * (key position - query position)."""
+    query_pos = query_pos if query_pos.dim() == 2 else query_pos[None]
+    distance = (key_pos[None, None, :] - query_pos[:, :, None]).to(dtype)  # [b, Q, L]
+    return slopes.to(dtype)[None, :, None, None] * distance[:, None]
 
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store new K/V into the paged cache. key/value: [T, Hkv, D]; caches: [N, bs, Hkv, D]."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Store new K/V into the paged cache. key: [T, Hkv, D], value: [T, Hkv, Dv];
+    caches: [N, bs, Hkv, D] and [N, bs, Hkv, Dv]."""
+    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def torch_paged_attention(
@@ -194,77 +216,82 @@ def torch_paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     work: TorchPlans,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Attention of the packed queries over each request's paged context: ``work``'s
     decode and prefill batches through the native kernels, its plans through SDPA,
     and each of its fresh prompts' rows through SDPA on the step's own keys and
     values.
 
-    query: [T, H, D]; key, value: [T, Hkv, D], the step's new ones (already in the
-    cache); k_cache, v_cache: [N, bs, Hkv, D]; returns [T, H, D] contiguous.
+    query: [T, H, D]; key: [T, Hkv, D], value: [T, Hkv, Dv], the step's new ones
+    (already in the cache); k_cache: [N, bs, Hkv, D], v_cache: [N, bs, Hkv, Dv];
+    returns [T, H, Dv] contiguous.
     """
-    output = query.new_empty(query.shape)
+    output = query.new_empty((*query.shape[:2], v_cache.shape[3]))
     if work.decode is not None:
-        _attend_decode(query, k_cache, v_cache, work.decode, output, scale, sliding_window, softcap)
+        _attend_decode(query, k_cache, v_cache, work.decode, output, options)
     for plan in work.plans:
-        output.index_copy_(0, plan.output_index,
-                           _attend(query, k_cache, v_cache, plan, scale, sliding_window, softcap))
+        output.index_copy_(0, plan.output_index, _attend(query, k_cache, v_cache, plan, options))
     if work.prefill is not None:
-        _attend_prefill(query, k_cache, v_cache, work.prefill, output, scale, sliding_window, softcap)
+        _attend_prefill(query, k_cache, v_cache, work.prefill, output, options)
     for first, end in work.fresh:
-        output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], scale,
-                                          sliding_window, softcap)
+        output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], options)
     return output
 
 
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillBatch,
-                    output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
+                    output: torch.Tensor, options: AttentionOptions) -> None:
     """The prefill chunks' rows of ``output``, by the native kernel."""
     from ..kernels.cpu_prefill_attention import prefill_attention
 
     prefill_attention(query, k_cache, v_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens,
-                      prefill.requests, output, scale, sliding_window, softcap)
+                      prefill.requests, output, options.scale, options.sliding_window, options.softcap,
+                      sinks=options.sinks, alibi_slopes=options.alibi_slopes, chunk_size=options.chunk_size)
 
 
-def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """One fresh prompt: query [L, H, D] over its own key, value [L, Hkv, D] at
-    positions 0 .. L-1; returns [L, H, D]."""
+def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  options: AttentionOptions) -> torch.Tensor:
+    """One fresh prompt: query [L, H, D] over its own key [L, Hkv, D] and value
+    [L, Hkv, Dv] at positions 0 .. L-1; returns [L, H, Dv]."""
     length = query.shape[0]
-    mask = None
-    if sliding_window is not None and sliding_window < length:
-        positions = torch.arange(length, device=query.device)
-        distance = positions[:, None] - positions[None, :]
-        mask = ((distance >= 0) & (distance < sliding_window))[None, None]
+    mask = bias = None
+    positions = torch.arange(length, device=query.device)
+    if options.first_visible_key(length - 1) > 0:  # the window or a chunk cuts the context
+        mask = visible_keys(positions[:, None], positions[None, :], options)[None, None]
+    if options.alibi_slopes is not None:
+        bias = alibi_bias(positions, positions, options.alibi_slopes, query.dtype)
     out = padded_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None].to(query.dtype),
-                           value.transpose(0, 1)[None].to(query.dtype), mask, mask is None, scale, softcap)
+                           value.transpose(0, 1)[None].to(query.dtype), mask, mask is None, options.scale,
+                           options.softcap, bias, options.sinks)
     return out[0].transpose(0, 1)
 
 
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeBatch,
-                   output: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None) -> None:
+                   output: torch.Tensor, options: AttentionOptions) -> None:
     """The decoding requests' rows of ``output``, by the native kernel."""
     from ..kernels.cpu_attention import decode_attention
 
     decode_attention(query, k_cache, v_cache, decode.block_tables, decode.seq_lens, decode.query_rows,
-                     decode.requests, output, scale, sliding_window, softcap)
+                     decode.requests, output, options.scale, options.sliding_window, options.softcap,
+                     sinks=options.sinks, alibi_slopes=options.alibi_slopes, chunk_size=options.chunk_size)
 
 
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan,
-            scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """One plan's attention; returns [n, H, D] for its valid queries in plan order."""
+            options: AttentionOptions) -> torch.Tensor:
+    """One plan's attention; returns [n, H, Dv] for its valid queries in plan order."""
     num_requests, max_query_len = plan.query_valid.shape
     num_heads, head_dim = query.shape[1], query.shape[2]
     q = query.index_select(0, plan.query_index).view(num_requests, max_query_len, num_heads, head_dim)
     k = plan.gather(k_cache).to(q.dtype)  # [b, Hkv, Lmax, D]
-    v = plan.gather(v_cache).to(q.dtype)
-    causal = plan.fresh and sliding_window is None
-    mask = None if causal else plan.mask(sliding_window)
-    out = padded_attention(q.transpose(1, 2), k, v, mask, causal, scale, softcap)  # [b, H, Qmax, D]
-    out = out.transpose(1, 2).reshape(num_requests * max_query_len, num_heads, head_dim)
+    v = plan.gather(v_cache).to(q.dtype)  # [b, Hkv, Lmax, Dv]
+    causal = plan.fresh and options.sliding_window is None and options.chunk_size is None
+    mask = None if causal else plan.mask(options)
+    bias = None
+    if options.alibi_slopes is not None:
+        bias = alibi_bias(plan.query_pos, plan.key_pos, options.alibi_slopes, q.dtype)
+    out = padded_attention(q.transpose(1, 2), k, v, mask, causal, options.scale, options.softcap, bias,
+                           options.sinks)  # [b, H, Qmax, Dv]
+    out = out.transpose(1, 2).reshape(num_requests * max_query_len, num_heads, v.shape[3])
     return out if plan.valid_rows is None else out.index_select(0, plan.valid_rows)
 
 
@@ -276,12 +303,16 @@ def padded_attention(
     causal: bool,
     scale: float,
     softcap: float | None,
+    bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over padded per-request tensors, GQA by head groups, optional softcap.
+    """Attention over padded per-request tensors, GQA by head groups, optional softcap,
+    score bias and attention sinks.
 
-    q: [b, H, Q, D]; k, v: [b, Hkv, L, D]; mask: bool [b | 1, 1, Q, L] (True = attend),
-    or None with ``causal`` (query i sees keys 0..i) or with no masking at all;
-    returns [b, H, Q, D].
+    q: [b, H, Q, D]; k: [b, Hkv, L, D]; v: [b, Hkv, L, Dv]; mask: bool [b | 1, 1, Q, L]
+    (True = attend), or None with ``causal`` (query i sees keys 0..i) or with no
+    masking at all; bias: [b | 1, H, Q, L] added to the scaled scores (ALiBi); sinks:
+    [H] logits joining each softmax's denominator; returns [b, H, Q, Dv].
 
     With an explicit mask (or none at all), the G = H / Hkv query heads sharing a KV
     head are folded into the query dimension ([b, Hkv, G * Q, D]), so keys and values
@@ -290,21 +321,43 @@ def padded_attention(
     num_requests, num_heads, query_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if softcap is None and causal and mask is None:
+    plain = softcap is None and bias is None and sinks is None
+    if plain and causal and mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     if causal and mask is None:
         mask = torch.ones(query_len, k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
     folded_q = q.reshape(num_requests, num_kv_heads, group * query_len, head_dim)
     if mask is not None and group > 1:
         mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * query_len, -1)
-    if softcap is None:
+    if plain:
         out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=mask, scale=scale)
     else:
-        scores = torch.matmul(folded_q, k.transpose(-1, -2)) * scale  # [b, Hkv, G * Q, L]
-        scores = softcap * torch.tanh(scores / softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype), v)
+        out = _explicit_attention(folded_q, k, v, mask, scale, softcap, bias, sinks)
     # reshape, not view: CUDA's attention kernels may return a transposed layout.
-    return out.reshape(num_requests, num_heads, query_len, head_dim)
+    return out.reshape(num_requests, num_heads, query_len, v.shape[3])
+
+
+def _explicit_attention(folded_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float, softcap: float | None, bias: torch.Tensor | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scores, then softmax, written out: for what SDPA does not take (softcap, bias,
+    sinks). folded_q: [b, Hkv, G * Q, D] (heads folded as in padded_attention); bias:
+    [b | 1, H, Q, L]; sinks: [H]; returns [b, Hkv, G * Q, Dv]."""
+    num_requests, num_kv_heads, rows, _ = folded_q.shape
+    softmax_dtype = torch.float64 if folded_q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(folded_q, k.transpose(-1, -2)) * scale  # [b, Hkv, G * Q, L]
+    if bias is not None:  # [b, H, Q, L] folds as the queries do: head h = kv * G + g
+        scores = scores + bias.reshape(bias.shape[0], num_kv_heads, rows, -1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(folded_q.dtype), v)
+    # The sink is one more logit per row, attending to no value: softmax over
+    # [scores, sink], then the sink's column dropped.
+    group_rows = sinks.to(scores.dtype).view(num_kv_heads, -1, 1)  # [Hkv, G, 1]
+    sink_column = group_rows.expand(-1, -1, rows // group_rows.shape[1]).reshape(1, num_kv_heads, rows, 1)
+    logits = torch.cat([scores, sink_column.expand(num_requests, -1, -1, -1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=softmax_dtype)[..., :-1]
+    return torch.matmul(probs.to(folded_q.dtype), v)

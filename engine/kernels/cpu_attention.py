@@ -69,6 +69,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None, chunk_size: int | None = None,
 ) -> None:
     """Attention of the single query token of each request in ``requests`` over its
     paged context; writes their rows of ``out``.
@@ -78,6 +79,8 @@ def decode_attention(
     length with the new token, packed row of the query); requests: [n] int64;
     out: [T, H, D] contiguous, same dtype as the cache.
     """
+    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
+        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the C kernels yet")
     library = load_library()
     assert library is not None, "decode_attention called without decode_kernel_available"
     call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,

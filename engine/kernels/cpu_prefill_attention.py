@@ -53,7 +53,9 @@ def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       requests: torch.Tensor, out: torch.Tensor, scale: float,
-                      sliding_window: int | None = None, softcap: float | None = None) -> None:
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                      chunk_size: int | None = None) -> None:
     """Causal attention of the query tokens of each request in ``requests`` over its
     paged context; writes their rows of ``out``.
 
@@ -62,6 +64,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     int32; query_start_loc: [B+1] int64; seq_lens: [B] int64 (context length after
     the step); requests: [n] int64; out: [T, H, D] contiguous.
     """
+    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
+        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the C kernels yet")
     library = _LIBRARY.load()
     assert library is not None, "prefill_attention called without prefill_kernel_available"
     assert query.shape[2] % 16 == 0, query.shape

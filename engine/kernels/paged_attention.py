@@ -199,6 +199,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk_size: int | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries over their paged contexts; returns o [T, H, D].
@@ -209,6 +212,8 @@ def paged_attention(
     """
     # q: [T, H, D]; k_cache, v_cache: [NB, BS, Hkv, D]; query_start_loc: [B+1] int32
     # seq_lens: [B] int32; block_tables: [B, max_blocks] int32
+    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
+        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the Triton kernel yet")
     require_triton()
     check_kernel_dtype("q", q)
     _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -257,15 +262,22 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch paged_attention, one sequence at a time; rows past the last query are 0."""
-    # q: [T, H, D]; k_cache, v_cache: [NB, BS, Hkv, D]
+    """Plain-torch paged_attention, one sequence at a time; rows past the last query are 0.
+    The options as engine/attention/context.py's AttentionOptions: ALiBi's
+    slope_h * (key - query position) is added to the scaled score before the softcap;
+    a sink is one more softmax logit per head attending to no value; a chunked query
+    sees keys from the start of its aligned chunk."""
+    # q: [T, H, D]; k_cache: [NB, BS, Hkv, D]; v_cache: [NB, BS, Hkv, Dv]; returns [T, H, Dv]
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     flat_k = k_cache.reshape(-1, *k_cache.shape[2:])  # [NB * BS, Hkv, D]
     flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    o = torch.zeros_like(q)
+    o = q.new_zeros((*q.shape[:2], v_cache.shape[3]))
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
@@ -277,13 +289,23 @@ def paged_attention_reference(
         v = flat_v[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].to(compute_dtype),
                               k.to(compute_dtype)) * scale  # [H, q_len, S]
+        q_pos = key_pos[seq_len - (q_end - q_start):]
+        if alibi_slopes is not None:
+            distance = (key_pos[None, :] - q_pos[:, None]).to(compute_dtype)
+            scores = scores + alibi_slopes.to(compute_dtype)[:, None, None] * distance
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        q_pos = key_pos[seq_len - (q_end - q_start):]
         visible = key_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             visible &= q_pos[:, None] - key_pos[None, :] < sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        if chunk_size is not None:
+            visible &= key_pos[None, :] >= (q_pos - q_pos % chunk_size)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink_column = sinks.to(compute_dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v.to(compute_dtype))
         o[q_start:q_end] = out.to(q.dtype)
     return o

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardline.engine.attention.backends import StepBatch, TorchBackend
+from shardline.engine.attention.context import AttentionOptions
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.attention.torch_path import (
     DECODE_GROUP_SIZE,
@@ -28,7 +29,7 @@ BATCH_IDS = ["decode", "many-decode", "prefill-with-prefix", "prefill-fresh", "m
 
 
 def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
-              dtype=torch.float64, seed=0):
+              dtype=torch.float64, seed=0, value_head_dim=None):
     """A step's query, paged cache and AttentionContext. Block ids are shuffled, table
     padding is block 0 (as the model runner pads), and every slot no request owns
     holds large values, so attending to one shows in the output."""
@@ -37,8 +38,10 @@ def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     block_ids = torch.randperm(num_blocks, generator=generator).tolist()
+    value_head_dim = value_head_dim or head_dim
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, 1e3, dtype=dtype), torch.full(shape, -1e3, dtype=dtype)
+    value_shape = (num_blocks, block_size, num_kv_heads, value_head_dim)
+    k_cache, v_cache = torch.full(shape, 1e3, dtype=dtype), torch.full(value_shape, -1e3, dtype=dtype)
     block_tables = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.int32)
     for seq, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
         owned, block_ids = block_ids[:n_blocks], block_ids[n_blocks:]
@@ -47,7 +50,7 @@ def make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32
             k_cache[owned[pos // block_size], pos % block_size] = torch.randn(
                 num_kv_heads, head_dim, generator=generator, dtype=dtype)
             v_cache[owned[pos // block_size], pos % block_size] = torch.randn(
-                num_kv_heads, head_dim, generator=generator, dtype=dtype)
+                num_kv_heads, value_head_dim, generator=generator, dtype=dtype)
     query_start_loc = torch.tensor([0, *query_lens]).cumsum(0)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator, dtype=dtype)
     step = StepBatch(
@@ -73,15 +76,18 @@ def new_keys_and_values(ctx):
     return (k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots])
 
 
-def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10):
+def assert_matches_reference(q, ctx, sliding_window=None, softcap=None, atol=1e-10, rtol=1e-10, **features):
+    """``features``: sinks, alibi_slopes, chunk_size (AttentionOptions)."""
     k_cache, v_cache = ctx.kv_caches[0]
     scale = q.shape[-1] ** -0.5
     work = ctx.work
     key, value = new_keys_and_values(ctx)
-    out = torch_paged_attention(q, key, value, k_cache, v_cache, work, scale, sliding_window, softcap)
+    options = AttentionOptions(scale, sliding_window, softcap, **features)
+    out = torch_paged_attention(q, key, value, k_cache, v_cache, work, options)
     expected = paged_attention_reference(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens,
-                                         ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap)
-    assert out.dtype == q.dtype and out.shape == q.shape
+                                         ctx.block_tables, scale, sliding_window=sliding_window, softcap=softcap,
+                                         **features)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:2], v_cache.shape[3])
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
 
 
@@ -119,6 +125,40 @@ def test_native_kernels_where_they_apply(lens, sliding_window, softcap):
     assert (work.decode is not None) == bool((query_lens == 1).any())
     assert (work.prefill is not None) == bool((query_lens > 1).any())
     assert_matches_reference(q * 4 if softcap else q, ctx, sliding_window, softcap, atol=2e-5, rtol=2e-5)
+
+
+def feature_options(feature: str, num_heads: int) -> dict:
+    """One attention feature's options (AttentionOptions' fields), with values large
+    enough to change every output: sink logits around the scores' size, ALiBi slopes
+    of transformers' geometric series, chunks that cut the longer contexts."""
+    generator = torch.Generator().manual_seed(7)
+    if feature == "sinks":
+        return dict(sinks=torch.randn(num_heads, generator=generator) * 2)
+    if feature == "alibi":
+        return dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, num_heads + 1) / num_heads))
+    if feature == "chunked":
+        return dict(chunk_size=12)
+    if feature == "all":
+        return {**feature_options("sinks", num_heads), **feature_options("alibi", num_heads), "chunk_size": 20}
+    raise ValueError(feature)
+
+
+FEATURES = ["sinks", "alibi", "chunked", "all"]
+
+
+@pytest.mark.parametrize("lens", BATCHES, ids=BATCH_IDS)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_attention_features(lens, feature):
+    q, ctx = make_step(*lens)
+    assert_matches_reference(q * 3, ctx, **feature_options(feature, q.shape[1]))
+
+
+@pytest.mark.parametrize("lens", [MIXED, PREFILL_FRESH], ids=["mixed", "prefill-fresh"])
+@pytest.mark.parametrize("feature", [None, "sinks", "alibi"])
+def test_value_head_size_differs_from_key_head_size(lens, feature):
+    """Multi-head latent attention's layout: keys of 48, values of 32 per head."""
+    q, ctx = make_step(*lens, head_dim=48, value_head_dim=32)
+    assert_matches_reference(q, ctx, **(feature_options(feature, q.shape[1]) if feature else {}))
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
