@@ -41,6 +41,7 @@ class RowRequest:
     params: SamplingParams | PoolingParams
     lora_request: LoRARequest | None = None
     priority: int = 0
+    chat_options: dict[str, Any] | None = None  # LLM.render_chat keywords (tools, chat_template_kwargs, ...)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from .job import BatchJob, JobTask
+from .job import BatchJob, JobTask, OutputFormat
 from .storage import Shard
 
 # Bumped when the output layout changes, so old outputs are redone.
@@ -41,6 +41,9 @@ def fingerprint_fields(job: BatchJob, shard: Shard, input_schema: dict[str, str]
         fields["pooling"] = job.pooling.model_dump(mode="json")
     else:
         fields["sampling"] = job.sampling.model_dump(mode="json")
+    if job.output_format != OutputFormat.PARQUET or job.served_model_name is not None:  # OpenAI Batch output
+        fields["output_format"] = job.output_format.value
+        fields["served_model_name"] = job.served_model_name
     return fields
 
 

@@ -34,11 +34,23 @@ class JobTask(str, enum.Enum):
 
 
 class InputFormat(str, enum.Enum):
-    """How input shards are parsed; ``auto`` goes by file extension."""
+    """How input shards are parsed; ``auto`` goes by file extension, and reads JSON Lines
+    whose lines are OpenAI Batch requests as ``openai`` (tasks/openai_requests.py)."""
 
     AUTO = "auto"
     PARQUET = "parquet"
     JSONL = "jsonl"
+    OPENAI = "openai"
+
+
+class OutputFormat(str, enum.Enum):
+    """What each shard's output is: ``<stem>.parquet`` rows, or OpenAI Batch output lines
+    in ``<stem>.jsonl`` plus ``<stem>.errors.jsonl`` (tasks/openai_responses.py)."""
+
+    PARQUET = "parquet"
+    OPENAI = "openai"
+
+
 
 
 class SamplingDefaults(BaseModel):
@@ -81,8 +93,14 @@ class BatchJob(BaseModel):
     model: str = Field(..., description="Hugging Face hub id or local model directory.")
     revision: str | None = Field(None, description="Model revision (branch, tag or commit); part of the fingerprint.")
     task: JobTask = Field(JobTask.GENERATE, description="generate: complete `prompt`; chat: answer "
-                          "`messages`; embed: embed `prompt`.")
-    input_format: InputFormat = Field(InputFormat.AUTO, description="Shard format; auto goes by extension.")
+                          "`messages`; embed: embed `prompt` (OpenAI Batch requests: their url picks chat or "
+                          "completion; embed serves /v1/embeddings).")
+    input_format: InputFormat = Field(InputFormat.AUTO, description="Shard format; auto goes by extension "
+                                      "(JSON Lines of OpenAI Batch requests are read as openai).")
+    output_format: OutputFormat = Field(OutputFormat.PARQUET, description="parquet: <shard>.parquet rows; "
+                                        "openai: OpenAI Batch output lines in <shard>.jsonl.")
+    served_model_name: str | None = Field(
+        None, description="The model name OpenAI Batch requests may give (besides `model`) and responses carry.")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Sampling defaults.")
     pooling: PoolingDefaults = Field(default_factory=PoolingDefaults, description="Embedding options.")
     engine_options: dict[str, Any] = Field(

@@ -264,7 +264,7 @@ class ShardRunner:
     def _render(self, row: RowRequest) -> str | dict[str, Any]:
         if row.messages is None:
             return row.prompt
-        return {"prompt_token_ids": self.llm.render_chat(row.messages)}
+        return {"prompt_token_ids": self.llm.render_chat(row.messages, **(row.chat_options or {}))}
 
     def _step(self) -> None:
         self._check_engine_has_work(self._in_flight)

@@ -37,6 +37,7 @@ from .engine_cache import EngineHost, get_executor
 from .errors import EngineError, ErrorKind, ModelUnusable, PipelineError, classify, describe
 from .executor import RowResult, RunnerError, ShardAborted, ShardExecutor
 from .job import BatchJob
+from .openai_requests import is_openai_batch, prepare_openai_shard
 from .rows import PreparedShard, prepare_shard
 from .shard_reader import read_shard_records
 from .shard_writer import completed_manifest, write_shard_output
@@ -61,7 +62,8 @@ class ShardRun:
 def read_shard(shard: Shard, job: BatchJob) -> PreparedShard:
     """Read and validate ``shard``; bad rows carry errors, an unreadable shard raises ShardError."""
     started = time.perf_counter()
-    prepared = prepare_shard(read_shard_records(shard, job.storage()), job)
+    raw = read_shard_records(shard, job.storage())
+    prepared = prepare_openai_shard(raw, job) if is_openai_batch(raw, job) else prepare_shard(raw, job)
     prepared.read_seconds = round(time.perf_counter() - started, 4)
     return prepared
 

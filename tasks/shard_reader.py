@@ -74,9 +74,9 @@ def read_shard_records(shard: Shard, storage_options: dict[str, Any] | None = No
     """Read ``shard`` into a RawShard; raise ShardError when it is unreadable."""
     if shard.format == "parquet":
         return _read_parquet(shard, storage_options)
-    if shard.format == "jsonl":
+    if shard.format in ("jsonl", "openai"):  # OpenAI Batch request files are JSON Lines
         return _read_jsonl(shard, storage_options)
-    raise ShardError(shard.uri, f"unknown shard format {shard.format!r}; expected parquet or jsonl")
+    raise ShardError(shard.uri, f"unknown shard format {shard.format!r}; expected parquet, jsonl or openai")
 
 
 def read_input_schema(shard: Shard, storage_options: dict[str, Any] | None = None) -> dict[str, str]:

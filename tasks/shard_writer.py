@@ -1,6 +1,7 @@
 """Writing a shard's output and manifest, and deciding whether a shard is done.
 
-Output: ``<output>/<key>.parquet``, exactly one row per input row in input order.
+Output: ``<output>/<key>.parquet``, exactly one row per input row in input order, or
+with output_format openai ``<key>.jsonl`` and ``<key>.errors.jsonl`` (tasks/openai_responses.py).
 Manifest: ``<output>/_manifests/<key>.json``. Both are written atomically
 (storage.write_atomic), the manifest last: the manifest is the commit marker, so a
 shard with a manifest whose fingerprint matches the job is complete.
@@ -19,16 +20,25 @@ import pyarrow.parquet as pq
 
 from .errors import redact_url
 from .fingerprint import fingerprint, fingerprint_fields
-from .job import BatchJob, JobTask
+from .job import BatchJob, JobTask, OutputFormat
+from .openai_responses import openai_lines
 from .rows import PreparedShard
 from .executor import RowResult
 from .shard_reader import ShardError, read_input_schema
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
+from .usage import usage_fields
 
 def output_uri(job: BatchJob, shard: Shard) -> str:
     """Where ``shard``'s output goes, as a full URL (``file://`` for local paths)."""
     fs, path = filesystem(job.output, job.storage())
-    return fs.unstrip_protocol(join(path, f"{shard.key}.parquet"))
+    suffix = ".jsonl" if job.output_format == OutputFormat.OPENAI else ".parquet"
+    return fs.unstrip_protocol(join(path, f"{shard.key}{suffix}"))
+
+
+def errors_uri(job: BatchJob, shard: Shard) -> str:
+    """Where an OpenAI-format output's error file goes: ``<output>/<key>.errors.jsonl``."""
+    fs, path = filesystem(job.output, job.storage())
+    return fs.unstrip_protocol(join(path, f"{shard.key}.errors.jsonl"))
 
 
 def manifest_uri(job: BatchJob, shard: Shard) -> str:
@@ -87,22 +97,27 @@ def write_shard_output(
     """Write the output shard, then its manifest (the commit marker); return the manifest."""
     shard = prepared.raw.shard
     storage_options = job.storage()
-    table = build_output_table(prepared, results, job)
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer)
+    counts = usage_fields(prepared, results, job)  # requests and tokens (tasks/usage.py)
+    if job.output_format == OutputFormat.OPENAI:
+        output, errors = openai_lines(prepared, results, job)
+        files = {errors_uri(job, shard): errors, output_uri(job, shard): output}
+    else:
+        table = build_output_table(prepared, results, job)
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        files = {output_uri(job, shard): buffer.getvalue()}
+        counts.update(_table_counts(table))
     started = time.perf_counter()
-    for uri in (output_uri(job, shard), manifest_uri(job, shard)):
+    for uri in (*files, manifest_uri(job, shard)):
         remove_stale_temporaries(uri, storage_options)
-    write_atomic(output_uri(job, shard), buffer.getvalue(), storage_options)
+    for uri, data in files.items():  # the output shard last: only the manifest comes after it
+        write_atomic(uri, data, storage_options)
     fields = fingerprint_fields(job, shard, prepared.raw.schema)
     manifest = {
         "shard": shard.key,
         "input": redact_url(shard.uri),
         "output": redact_url(output_uri(job, shard)),
-        "rows": table.num_rows,
-        "errors": table.num_rows - table.column("error").null_count,
-        "prompt_tokens": _column_sum(table, "prompt_tokens"),
-        "completion_tokens": _column_sum(table, "completion_tokens"),
+        **counts,
         "seconds": {**seconds, "write": round(time.perf_counter() - started, 4)},
         "written_at": datetime.now(timezone.utc).isoformat(),
         "fingerprint": fingerprint(fields),
@@ -110,6 +125,15 @@ def write_shard_output(
     }
     write_atomic(manifest_uri(job, shard), json.dumps(manifest, indent=2).encode(), storage_options)
     return manifest
+
+
+def _table_counts(table: pa.Table) -> dict[str, int]:
+    return {
+        "rows": table.num_rows,
+        "errors": table.num_rows - table.column("error").null_count,
+        "prompt_tokens": _column_sum(table, "prompt_tokens"),
+        "completion_tokens": _column_sum(table, "completion_tokens"),
+    }
 
 
 def _column_sum(table: pa.Table, name: str) -> int:

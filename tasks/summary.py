@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SHARD_COLUMNS = ("shard", "status", "rows", "errors", "prompt_tokens", "completion_tokens", "seconds")
+SHARD_COLUMNS = ("shard", "status", "rows", "errors", "prompt_tokens", "completion_tokens", "cached_prompt_tokens",
+                 "seconds")
 
 
 def shard_entry(key: str, status: str, manifest: dict[str, Any] | None = None, message: str | None = None) -> dict[str, Any]:
@@ -23,6 +24,8 @@ def shard_entry(key: str, status: str, manifest: dict[str, Any] | None = None, m
         "errors": manifest.get("errors", 0),
         "prompt_tokens": manifest.get("prompt_tokens", 0),
         "completion_tokens": manifest.get("completion_tokens", 0),
+        "cached_prompt_tokens": manifest.get("cached_prompt_tokens", 0),  # prompt tokens the prefix cache held
+        "endpoints": manifest.get("endpoints", []),  # the OpenAI endpoints its requests are answered as
         "seconds": round(sum(seconds.values()), 3) if status == "done" else 0.0,
         "message": message,
     }
@@ -43,6 +46,7 @@ def job_summary(entries: list[dict[str, Any]], wall_seconds: float, output: str)
         "errors": sum(e["errors"] for e in entries),
         "prompt_tokens": sum(e["prompt_tokens"] for e in entries),
         "completion_tokens": sum(e["completion_tokens"] for e in entries),
+        "cached_prompt_tokens": sum(e["cached_prompt_tokens"] for e in entries),
         "wall_seconds": round(wall_seconds, 3),
         "prompt_tokens_per_second": round(prompt / wall_seconds, 1) if wall_seconds > 0 else 0.0,
         "completion_tokens_per_second": round(generated / wall_seconds, 1) if wall_seconds > 0 else 0.0,
@@ -59,10 +63,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"Output: `{summary['output']}`",
         "",
         "| shards | done | skipped | failed | rows | row errors | prompt tokens | completion tokens "
-        "| wall s | prompt tok/s | completion tok/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cached prompt tokens | wall s | prompt tok/s | completion tok/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         "| {shards} | {done} | {skipped} | {failed} | {rows} | {errors} | {prompt_tokens} | {completion_tokens} "
-        "| {wall_seconds} | {prompt_tokens_per_second} | {completion_tokens_per_second} |".format(**totals),
+        "| {cached_prompt_tokens} | {wall_seconds} | {prompt_tokens_per_second} | {completion_tokens_per_second} |"
+        .format(**totals),
     ]
     failed = [e for e in summary["shards"] if e["status"] == "failed"]
     if failed:
@@ -77,7 +82,7 @@ def summary_table(summary: dict[str, Any]) -> str:
     totals = summary["totals"]
     rows.append(["TOTAL", f"{totals['done']} done/{totals['skipped']} skipped/{totals['failed']} failed",
                  str(totals["rows"]), str(totals["errors"]), str(totals["prompt_tokens"]),
-                 str(totals["completion_tokens"]), str(totals["wall_seconds"])])
+                 str(totals["completion_tokens"]), str(totals["cached_prompt_tokens"]), str(totals["wall_seconds"])])
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
 
     def render(cells: list[str]) -> str:

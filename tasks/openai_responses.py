@@ -1,0 +1,171 @@
+"""OpenAI Batch API output: one response line per request line, in input order.
+
+``<output>/<key>.jsonl`` holds a line per input row,
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``,
+whose body is a chat.completion, text_completion or embedding list object as the
+OpenAI API returns it (usage included, logprobs when asked). ``<key>.errors.jsonl``
+holds the failed rows' lines again, as OpenAI's error file does (empty when none
+failed, so a rerun never leaves an earlier run's errors beside a new output).
+
+A failed row's line has an ``error`` ``{"code", "message"}``; a request the job
+refused (a bad field, another model) also has a 400 response whose body carries
+OpenAI's error object, while a line that was no request (not JSON, no custom_id)
+and a row the engine failed have ``response: null``. Rows of Parquet or plain
+JSON Lines input get the response of the job's task, their ``id`` as custom_id.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from .executor import RowResult
+from .job import BatchJob, JobTask
+from .openai_requests import CHAT, COMPLETION, EMBEDDING, OpenAIRow
+from .rows import PreparedRow, PreparedShard
+
+_TASK_KINDS = {JobTask.CHAT: CHAT, JobTask.GENERATE: COMPLETION, JobTask.EMBED: EMBEDDING}
+
+
+def openai_lines(prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob) -> tuple[bytes, bytes]:
+    """The output file and the error file of one shard, as JSON Lines bytes."""
+    created = int(time.time())
+    lines, error_lines = [], []
+    for row in prepared.rows:
+        row = row if isinstance(row, OpenAIRow) else _as_openai_row(row, job)
+        line = _line(row, results.get(row.index), created)
+        text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+        lines.append(text)
+        if line["error"] is not None:
+            error_lines.append(text)
+    return _joined(lines), _joined(error_lines)
+
+
+def _joined(lines: list[str]) -> bytes:
+    return "".join(line + "\n" for line in lines).encode()
+
+
+def _as_openai_row(row: PreparedRow, job: BatchJob) -> OpenAIRow:
+    """A row of Parquet or plain JSON Lines input, answered as the job's task's endpoint."""
+    return OpenAIRow(row.index, row.id, row.request, row.error, custom_id=row.id, kind=_TASK_KINDS[job.task],
+                     model_name=job.served_model_name or job.model,
+                     error_code=None if row.error is None else "invalid_request",
+                     status_code=None if row.error is None else 400)
+
+
+def _line(row: OpenAIRow, result: RowResult | None, created: int) -> dict[str, Any]:
+    line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row.custom_id,
+                            "response": None, "error": None}
+    if row.error is not None:
+        line["error"] = {"code": row.error_code or "invalid_request", "message": row.error}
+        if row.status_code is not None:
+            line["response"] = {"status_code": row.status_code, "request_id": _request_id(), "body": {"error": {
+                "message": row.error, "type": "invalid_request_error", "param": row.param,
+                "code": row.error_code}}}
+    elif result is None or result.output is None:
+        message = "internal error: the row never came back from the engine" if result is None else result.error
+        line["error"] = {"code": "request_failed", "message": message}
+    else:
+        line["response"] = {"status_code": 200, "request_id": _request_id(), "body": response_body(row, result.output,
+                                                                                                   created)}
+    return line
+
+
+def _request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+def response_body(row: OpenAIRow, output: Any, created: int) -> dict[str, Any]:
+    """The API's response object for one finished row."""
+    if row.kind == EMBEDDING:
+        return _embedding_body(row, output)
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+    if row.kind == CHAT:
+        choices = [_chat_choice(row, sample) for sample in output.outputs]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": CHAT, "created": created, "model": row.model_name,
+                "choices": choices, "usage": usage}
+    choices = [{"index": sample.index, "text": sample.text, "finish_reason": sample.finish_reason,
+                "logprobs": None if row.logprobs is None else _completion_logprobs(sample, row.logprobs)}
+               for sample in output.outputs]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": COMPLETION, "created": created, "model": row.model_name,
+            "choices": choices, "usage": usage}
+
+
+def _chat_choice(row: OpenAIRow, sample: Any) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+    finish_reason = sample.finish_reason
+    calls = _tool_calls(row, sample.text)
+    if calls is not None:
+        message["content"], message["tool_calls"] = None, calls
+        if row.tool_mode == "required" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+    if sample.reasoning is not None:
+        message["reasoning_content"] = sample.reasoning
+    logprobs = None if row.logprobs is None else {"content": _chat_logprobs(sample, row.logprobs), "refusal": None}
+    return {"index": sample.index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def _tool_calls(row: OpenAIRow, text: str) -> list[dict[str, Any]] | None:
+    """The forced tool calls of a sample (None when the row forced none, or when a
+    ``required`` sample was cut before its JSON closed: its text stays the content)."""
+    if row.tool_mode == "named":
+        return [_call(row.tool_name, text)]
+    if row.tool_mode != "required":
+        return None
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+
+
+def _call(name: str | None, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _positions(sample: Any, top: int) -> list[tuple[Any, list[Any]]]:
+    """Each generated position's sampled Logprob and its ``top`` most likely, by rank."""
+    positions = []
+    for token_id, candidates in zip(sample.token_ids, sample.logprobs or []):
+        ranked = sorted((lp for lp in candidates.values() if lp.rank is not None and lp.rank <= top),
+                        key=lambda lp: lp.rank)
+        positions.append((candidates[token_id], ranked))
+    return positions
+
+
+def _chat_logprobs(sample: Any, top: int) -> list[dict[str, Any]]:
+    def entry(logprob: Any) -> dict[str, Any]:
+        token = logprob.decoded_token or ""
+        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode())}
+
+    return [{**entry(chosen), "top_logprobs": [entry(lp) for lp in ranked]}
+            for chosen, ranked in _positions(sample, top)]
+
+
+def _completion_logprobs(sample: Any, top: int) -> dict[str, Any]:
+    positions = _positions(sample, top)
+    tokens = [chosen.decoded_token or "" for chosen, _ in positions]
+    offsets = np.cumsum([0] + [len(token) for token in tokens[:-1]]).tolist() if tokens else []
+    return {"tokens": tokens, "token_logprobs": [chosen.logprob for chosen, _ in positions],
+            "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in ranked} for _, ranked in positions],
+            "text_offset": offsets}
+
+
+def _embedding_body(row: OpenAIRow, output: Any) -> dict[str, Any]:
+    vector = list(output.outputs.embedding)
+    if row.encoding_format == "base64":
+        vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    tokens = len(output.prompt_token_ids)
+    return {"object": "list", "model": row.model_name,
+            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
