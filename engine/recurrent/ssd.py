@@ -1,0 +1,149 @@
+"""Mamba-2's state-space dual (SSD) scan over a packed batch, in plain torch.
+
+Per head h the state S [P, N] evolves token by token as
+    S_t = exp(dt_t * A_h) * S_{t-1} + dt_t * x_t B_t^T,    y_t = S_t C_t + D_h x_t
+(B and C are shared by the heads of a group). The chunked form computes the same
+thing a chunk of Q tokens at a time: inside a chunk, an attention-like product masked
+by the decays; across chunks, a recurrence over chunk boundary states.
+
+Invariants: every request's chunks start at its own first token (chunk c of request
+b covers its tokens c*Q .. c*Q+Q-1), so no chunk holds two requests' tokens; padded
+positions carry dt = 0 (decay 1, no input), so they change no state and no output;
+each request's scan starts from its initial state (zero on a first chunk). The
+arithmetic follows the Hugging Face torch path's dtypes: the scan runs in float32 at
+least, dt and D in their own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segment_sum(values: torch.Tensor) -> torch.Tensor:
+    """[..., Q] -> [..., Q, Q]: out[..., l, s] = sum of values[s+1 .. l] for s <= l, -inf above."""
+    size = values.shape[-1]
+    expanded = values[..., None].expand(*values.shape, size)  # [..., r, s] = values[r]
+    strictly_lower = torch.tril(torch.ones(size, size, dtype=torch.bool, device=values.device), -1)
+    sums = torch.cumsum(expanded.masked_fill(~strictly_lower, 0), dim=-2)
+    lower = torch.tril(torch.ones(size, size, dtype=torch.bool, device=values.device), 0)
+    return sums.masked_fill(~lower, -torch.inf)
+
+
+class ChunkLayout:
+    """Where each request's chunks sit: chunk k is chunk ``position[k]`` of request
+    ``request[k]``; ``token_index`` [K, Q] gives each chunk slot's token (num_tokens for
+    padding)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_tokens: int):
+        device = cu_seqlens.device
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        chunks_per_request = (lengths + chunk_size - 1) // chunk_size
+        self.num_requests = lengths.numel()
+        self.num_chunks = int(chunks_per_request.sum())
+        self.max_chunks = int(chunks_per_request.max()) if self.num_requests else 0
+        self.request = torch.repeat_interleave(
+            torch.arange(self.num_requests, device=device), chunks_per_request, output_size=self.num_chunks
+        )
+        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
+        self.position = torch.arange(self.num_chunks, device=device) - first_chunk[self.request]
+        offsets = self.position[:, None] * chunk_size + torch.arange(chunk_size, device=device)
+        valid = offsets < lengths[self.request][:, None]
+        self.valid = valid.reshape(-1)
+        self.token_index = torch.where(valid, cu_seqlens[:-1][self.request][:, None] + offsets, num_tokens)
+
+    def gather(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [K, Q, ...], zeros at padded slots."""
+        padded = torch.cat([packed, packed.new_zeros(1, *packed.shape[1:])])
+        return padded[self.token_index]
+
+    def scatter_back(self, chunked: torch.Tensor) -> torch.Tensor:
+        """[K, Q, ...] -> [T, ...]: the chunk slots hold the tokens in packed order."""
+        return chunked.reshape(-1, *chunked.shape[2:])[self.valid]
+
+
+def ssd_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan of every request from its initial state.
+
+    x: [T, H, P], dt: [T, H] (already biased, softplus'd and clamped), A: [H] (negative),
+    B, C: [T, G, N], D: [H], initial_state: [Bq, H, P, N] (zeros for a fresh request).
+    Returns y [T, H, P] and the final states [Bq, H, P, N] (float32 at least).
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    heads_per_group = num_heads // B.shape[1]
+    layout = ChunkLayout(cu_seqlens, chunk_size, num_tokens)
+    x = x.float()
+    D_residual = D[:, None] * x if D is not None else None
+    xdt = layout.gather(x * dt[..., None].float())  # [K, Q, H, P]
+    dtA = layout.gather(A.to(x.dtype) * dt.float()).permute(0, 2, 1)  # [K, H, Q]
+    B = layout.gather(B.float().repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
+    C = layout.gather(C.float().repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
+    A_cumsum = torch.cumsum(dtA, dim=-1)  # [K, H, Q]
+
+    # 1. Inside each chunk: attention-like scores C_l . B_s masked by the decay from s to l.
+    decay = torch.exp(segment_sum(dtA))  # [K, H, Q, Q]
+    scores = torch.einsum("klhn,kshn->klsh", C, B) * decay.permute(0, 2, 3, 1)
+    y_diag = torch.einsum("klsh,kshp->klhp", scores, xdt)
+
+    # 2. Each chunk's own contribution to the state at its end.
+    decay_to_end = torch.exp(A_cumsum[:, :, -1:] - A_cumsum)  # [K, H, Q]
+    chunk_states = torch.einsum("klhn,khl,klhp->khpn", B, decay_to_end, xdt)
+
+    # 3. Across chunks, per request: the state entering each chunk. Chunks are laid out
+    # [request, 1 + position] after the initial state; missing chunks decay by 1 and add 0.
+    num_requests, max_chunks = layout.num_requests, layout.max_chunks
+    states = chunk_states.new_zeros(num_requests, max_chunks + 1, num_heads, head_dim, chunk_states.shape[-1])
+    states[:, 0] = initial_state.to(states.dtype)
+    states[layout.request, layout.position + 1] = chunk_states
+    chunk_decays = A_cumsum.new_zeros(num_requests, num_heads, max_chunks + 1)
+    chunk_decays[layout.request, :, layout.position + 1] = A_cumsum[:, :, -1]
+    across = torch.exp(segment_sum(chunk_decays))  # [Bq, H, z', z]
+    boundary_states = torch.einsum("bhcz,bzhpn->bchpn", across, states)
+    final_state = boundary_states[:, -1]
+    entering = boundary_states[layout.request, layout.position]  # [K, H, P, N]
+
+    # 4. The entering state's contribution to each position of its chunk.
+    y_off = torch.einsum("klhn,khpn->klhp", C, entering) * torch.exp(A_cumsum).permute(0, 2, 1)[..., None]
+    y = layout.scatter_back(y_diag + y_off)
+    if D_residual is not None:
+        y = y + D_residual
+    return y, final_state
+
+
+def ssd_decode_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per request: state [Bq, H, P, N] updated in place; x [Bq, H, P],
+    dt [Bq, H] (biased and softplus'd), B, C [Bq, G, N]. Returns y [Bq, H, P]."""
+    num_heads = x.shape[1]
+    heads_per_group = num_heads // B.shape[1]
+    B = B.repeat_interleave(heads_per_group, dim=1, output_size=num_heads)  # [Bq, H, N]
+    C = C.repeat_interleave(heads_per_group, dim=1, output_size=num_heads)
+    decay = torch.exp(dt.float() * A.float())[..., None, None]  # [Bq, H, 1, 1]
+    new_state = state * decay + dt[..., None, None] * B[:, :, None, :] * x[..., None]
+    state.copy_(new_state)
+    y = torch.einsum("bhpn,bhn->bhp", new_state.to(C.dtype), C)
+    if D is not None:
+        y = y + x * D[:, None]
+    return y
+
+
+def softplus_dt(dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Mamba's time step: softplus(dt + dt_bias), in dt's dtype."""
+    return F.softplus(dt + dt_bias.to(dt.dtype))
