@@ -4,8 +4,9 @@ Orchestration only: run the pre-flight checks (model, output, input: each fails 
 seconds, tasks/preflight.py), skip shards whose manifest matches the job's
 fingerprint, keep ``shards_in_flight`` shard tasks running (flows/shard_loop.py;
 they share this process's engine, which streams their rows in one continuous
-batch), settle the outcome of failed shards against their manifests, publish the
-artifacts and return the summary. A shard that fails does not stop the others;
+batch), settle the outcome of failed shards against their manifests, write the job's
+usage as an OpenAI batch object (``<output>/_batch.json``), publish the artifacts and
+return the summary. A shard that fails does not stop the others;
 the flow then fails with ShardsFailed, whose ``summary`` covers every shard. A
 stopped run (SIGTERM, a cancelled flow run) aborts its engine work and commits
 nothing partial.
@@ -29,11 +30,12 @@ from prefect.exceptions import ObjectNotFound
 
 from shardline.tasks.engine_cache import engines_held, get_executor
 from shardline.tasks.job import BatchJob
-from shardline.tasks.errors import redact_url
+from shardline.tasks.errors import PipelineError, redact_url
 from shardline.tasks.outcomes import settle_failed
 from shardline.tasks.prefect_tasks import completed_manifests_task, preflight_task
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, shard_entry
+from shardline.tasks.usage import BATCH_OBJECT, write_batch_object
 
 from .artifacts import ShardProgress, publish_summary
 from .execution import Execution, TaskRunnerKind
@@ -60,7 +62,7 @@ def batch_inference(
         reprocess_completed: rerun shards even when their manifest says they are done.
     """
     logger = get_run_logger()
-    started = time.perf_counter()
+    started, created_at = time.perf_counter(), time.time()
     logger.info("batch inference %s -> %s: model %s, task %s", redact_url(job.input), redact_url(job.output),
                 job.model, job.task.value)
     if execution.gpu_concurrency_limit:
@@ -73,6 +75,10 @@ def batch_inference(
         entries += run_shards(todo, job, progress, submit, execution)
     entries = settle_failed(entries, shards, job)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
+    try:  # the job's request counts and usage as an OpenAI batch object, <output>/_batch.json
+        summary["batch"] = redact_url(write_batch_object(job, summary, created_at))
+    except PipelineError as exc:  # the shards are committed; a rerun skips them and writes it again
+        logger.error("the job's %s was not written: %s", BATCH_OBJECT, exc)
     publish_summary(summary)
     if summary["totals"]["failed"]:
         raise ShardsFailed(failure_message(summary), summary)

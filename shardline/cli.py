@@ -33,7 +33,8 @@ SHUTDOWN_TIMEOUT_ENV = "SHARDLINE_SHUTDOWN_TIMEOUT"
 EXIT_SHARDS_FAILED, EXIT_JOB_FAILED = 1, 2
 # How ``run``'s flags name the BatchJob fields (for one-line field errors).
 _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": "--revision", "task": "--task",
-          "input_format": "--input-format", "engine_options": "--engine-options", "pass_through": "--pass-through",
+          "input_format": "--input-format", "output_format": "--output-format",
+          "served_model_name": "--served-model-name", "engine_options": "--engine-options", "pass_through": "--pass-through",
           "storage_options": "--storage-options", "lora_adapters": "--lora", "shards_in_flight": "--shards-in-flight",
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop"}
@@ -58,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", required=True, help="Hugging Face hub id or local model directory")
     run.add_argument("--revision", help="model revision")
     run.add_argument("--task", choices=["generate", "chat", "embed"], default="generate")
-    run.add_argument("--input-format", choices=["auto", "parquet", "jsonl"], default="auto")
+    run.add_argument("--input-format", choices=["auto", "parquet", "jsonl", "openai"], default="auto",
+                     help="auto: by extension, and JSON Lines of OpenAI Batch requests as openai")
+    run.add_argument("--output-format", choices=["parquet", "openai"], default="parquet",
+                     help="openai: OpenAI Batch output lines in <shard>.jsonl and <shard>.errors.jsonl")
+    run.add_argument("--served-model-name", help="the model name OpenAI Batch requests may give, and "
+                     "responses carry (default: --model)")
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-p", type=float, default=1.0)
@@ -109,7 +115,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
 
     return BatchJob(
         input=args.input, output=args.output, model=args.model, revision=args.revision, task=args.task,
-        input_format=args.input_format,
+        input_format=args.input_format, output_format=args.output_format, served_model_name=args.served_model_name,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                   "top_k": args.top_k, "seed": args.seed, "n": args.n, "stop": args.stop},
         engine_options=args.engine_options, storage_options=args.storage_options,
