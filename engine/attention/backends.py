@@ -55,6 +55,12 @@ def layer_options(options: AttentionOptions, chunk_sizes: tuple[int | None, ...]
     return options
 
 
+def first_attention_cache(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's (key, value) caches that hold heads: recurrent layers'
+    (engine/recurrent/) are empty; the first layer's when no layer attends."""
+    return next(((k, v) for k, v in kv_caches if k.shape[2]), kv_caches[0])
+
+
 @dataclass(frozen=True)
 class TorchBackend:
     """torch ops, with the native CPU kernels the engine chose where they take the
@@ -80,15 +86,16 @@ class TorchBackend:
         from ..kernels.cpu_attention import decode_kernel_available
         from ..kernels.cpu_prefill_attention import prefill_kernel_available
 
-        k_cache = step.kv_caches[0][0]
+        k_cache, v_cache = first_attention_cache(step.kv_caches)
+        value_head_dim = v_cache.shape[3]
         query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
         decode = prefill = None
-        if self.native_decode and decode_kernel_available(k_cache, self.num_heads):
+        if self.native_decode and decode_kernel_available(k_cache, self.num_heads, value_head_dim):
             requests = (query_lens == 1).nonzero().flatten()
             if requests.numel():
                 decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
                                      step.block_tables.contiguous())
-        native_prefill = self.native_prefill and prefill_kernel_available(k_cache, self.num_heads)
+        native_prefill = self.native_prefill and prefill_kernel_available(k_cache, self.num_heads, value_head_dim)
         if native_prefill and bool((query_lens > 1).any()):
             prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
                                    step.seq_lens, step.block_tables.contiguous())

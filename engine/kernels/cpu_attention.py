@@ -43,8 +43,9 @@ def load_library() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
-def decode_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
-    """Whether the kernel can attend over this cache ([N, bs, Hkv, D]) for ``num_heads`` heads."""
+def decode_kernel_available(k_cache: torch.Tensor, num_heads: int, value_head_dim: int | None = None) -> bool:
+    """Whether the kernel can attend over this cache ([N, bs, Hkv, D], values of
+    ``value_head_dim``, default D) for ``num_heads`` heads."""
     if k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS:
         return False
     library = load_library()
@@ -53,7 +54,7 @@ def decode_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     return (num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= library.decode_attention_max_group()
-            and head_dim <= library.decode_attention_max_head_dim()
+            and max(head_dim, value_head_dim or head_dim) <= library.decode_attention_max_head_dim()
             and block_size <= library.decode_attention_max_block())
 
 
@@ -69,19 +70,22 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None, chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> None:
     """Attention of the single query token of each request in ``requests`` over its
     paged context; writes their rows of ``out``.
 
-    query: [T, H, D] (D contiguous); k_cache, v_cache: [N, bs, Hkv, D] contiguous;
-    block_tables: [B, max_blocks] int32; seq_lens, query_rows: [B] int64 (context
-    length with the new token, packed row of the query); requests: [n] int64;
-    out: [T, H, D] contiguous, same dtype as the cache.
+    query: [T, H, D] (D contiguous); k_cache: [N, bs, Hkv, D], v_cache:
+    [N, bs, Hkv, Dv], contiguous; block_tables: [B, max_blocks] int32; seq_lens,
+    query_rows: [B] int64 (context length with the new token, packed row of the
+    query); requests: [n] int64; out: [T, H, Dv] contiguous, same dtype as the cache;
+    sinks, alibi_slopes: [H] or None; chunk_size: int or None (engine/attention/
+    context.py's AttentionOptions).
     """
-    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
-        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the C kernels yet")
     library = load_library()
     assert library is not None, "decode_attention called without decode_kernel_available"
     call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
-                         (seq_lens, query_rows), requests, out, scale, sliding_window, softcap)
+                         (seq_lens, query_rows), requests, out, scale, sliding_window, softcap, sinks, alibi_slopes,
+                         chunk_size)

@@ -22,16 +22,21 @@
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
  *   q:               [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
- *   k/v_cache:       [num_blocks, block_size, Hkv, D] contiguous
+ *   k_cache:         [num_blocks, block_size, Hkv, D] contiguous
+ *   v_cache:         [num_blocks, block_size, Hkv, Dv] contiguous (Dv may differ from D)
  *   block_tables:    [B, table_stride] int32
  *   query_start_loc: [B + 1] int64: request b's query tokens are packed rows
  *                    query_start_loc[b] .. query_start_loc[b + 1] - 1, the last ones
  *                    of its context of seq_lens[b] tokens
  *   seq_lens:        [B] int64
  *   requests:        [n] int64: which of the B requests to attend
- *   out:             [T, H, D] contiguous; only the listed requests' rows are written
- * D is a multiple of 16 (so of VL), at most MAX_HEAD_DIM; window > 0 keeps the last `window`
- * positions; softcap > 0 applies softcap * tanh(score / softcap) before the softmax.
+ *   out:             [T, H, Dv] contiguous; only the listed requests' rows are written
+ *   sinks:           [H] float64 or NULL: a logit per head in each softmax's denominator
+ *   alibi:           [H] float64 or NULL: slope_h * (key - query position) added to scores
+ * D and Dv are multiples of 16 (so of VL), at most MAX_HEAD_DIM; window > 0 keeps the
+ * last `window` positions; chunk > 0 keeps the positions of the query's aligned chunk
+ * of `chunk`; softcap > 0 applies softcap * tanh(score / softcap) before the softmax
+ * (after ALiBi). A sink starts a row's online softmax: running max = sink, sum = 1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -128,14 +133,21 @@ static inline vf vexp(vf x) {
  * exactly +-1 where exp(2x) leaves vexp's range. */
 static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
 
-/* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head size D. */
+/* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head sizes D, Dv. */
 struct scratch {
     float *qs;   /* [rows][D] scaled queries */
-    vf *acc;     /* [rows][D / VL] */
+    vf *acc;     /* [rows][Dv / VL] */
     float *m, *l;
     int64_t *pos; /* [rows] position of each row */
     vf *kt;      /* [D] the block's keys, transposed */
 };
+
+/* The first key position a query at `position` sees (its window and its chunk). */
+static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk) {
+    int64_t first = window > 0 && position >= window ? position - window + 1 : 0;
+    if (chunk > 0 && position - position % chunk > first) first = position - position % chunk;
+    return first;
+}
 
 /* Where the context's key or value at `position` starts in a cache, in elements. */
 static inline int64_t cached_row(const int32_t *table, int64_t position, int64_t block_size,
@@ -145,12 +157,13 @@ static inline int64_t cached_row(const int32_t *table, int64_t position, int64_t
 
 static inline __attribute__((always_inline)) void attend_tile(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
-    const int32_t *table, int64_t block_size, int64_t row_stride, void *out, int64_t num_heads,
-    int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
-    const int64_t D, float scale, int64_t window, float softcap, const struct scratch *w, const int bf16)
+    const int32_t *table, int64_t block_size, int64_t row_stride, int64_t v_row_stride, void *out,
+    int64_t num_heads, int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
+    const int64_t D, const int64_t Dv, float scale, int64_t window, float softcap, const double *sinks,
+    const double *alibi, int64_t chunk, const struct scratch *w, const int bf16)
 {
     /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
-    const int64_t DV = D / VL;
+    const int64_t DV = Dv / VL;  /* value vectors per row */
     const int64_t rows = (r1 - r0) * group;
     const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
     for (int64_t i = 0; i < padded_rows; i++) {
@@ -158,12 +171,12 @@ static inline __attribute__((always_inline)) void attend_tile(
         const int64_t qh = (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
         for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = load1(q, qh + d, bf16) * scale;
         for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
-        w->m[i] = -INFINITY;
-        w->l[i] = 0;
+        w->m[i] = sinks ? (float)sinks[h * group + row % group] : -INFINITY;
+        w->l[i] = sinks ? 1.0f : 0.0f;
         w->pos[i] = context + r0 + row / group;
     }
     const int64_t end = context + r1;  /* keys 0 .. end - 1 are the tile's */
-    const int64_t lowest = window > 0 && w->pos[0] >= window ? w->pos[0] - window + 1 : 0;  /* first key seen */
+    const int64_t lowest = first_key(w->pos[0], window, chunk);  /* first key seen */
     for (int64_t kb = lowest - lowest % KB; kb < end; kb += KB) {
         const int64_t num_keys = end - kb < KB ? end - kb : KB;
         for (int64_t j = 0; j < KB; j++) {  /* keys past the end repeat key kb; the mask drops them */
@@ -173,7 +186,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const vf keys = (vf)LANE_INDICES + (float)kb;
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
             const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
-            if (kb > last_pos || (window > 0 && kb + KB <= first_pos - window + 1))
+            if (kb > last_pos || kb + KB <= first_key(first_pos, window, chunk))
                 continue;  /* every row of the block sees none of these keys */
             vf s[RB];
             for (int b = 0; b < RB; b++) s[b] = splat(0.0f);
@@ -184,9 +197,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             vf p[RB];
             for (int b = 0; b < RB; b++) {
                 const int64_t i = i0 + b;
-                /* Keys in the row's future (which covers those past r1) or before its window. */
+                /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
                 vi masked = keys > (float)w->pos[i];
-                if (window > 0) masked |= keys < (float)(w->pos[i] - window + 1);
+                if (window > 0 || chunk > 0) masked |= keys < (float)first_key(w->pos[i], window, chunk);
+                if (alibi) s[b] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group] * (keys - (float)w->pos[i]);
                 const vf capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
                 const vf scores = blend(masked, splat(-INFINITY), capped);
                 const float block_max = hmax(scores);
@@ -209,7 +223,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int b = 0; b < RB; b++)
                         for (int d = 0; d < COLS; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
                     for (int64_t j = 0; j < num_used; j++) {
-                        const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D + VL * c;
+                        const int64_t vr = cached_row(table, kb + j, block_size, v_row_stride) + h * Dv + VL * c;
                         vf v[COLS];
                         for (int d = 0; d < COLS; d++) v[d] = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) {
@@ -222,7 +236,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 }
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
-                    const int64_t vr = cached_row(table, kb + j, block_size, row_stride) + h * D;
+                    const int64_t vr = cached_row(table, kb + j, block_size, v_row_stride) + h * Dv;
                     for (int64_t d = 0; d < DV; d++) {
                         const vf vd = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
@@ -232,7 +246,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
     }
     for (int64_t i = 0; i < rows; i++) {
-        const int64_t o = ((first_row + r0 + i / group) * num_heads + h * group + i % group) * D;
+        const int64_t o = ((first_row + r0 + i / group) * num_heads + h * group + i % group) * Dv;
         const float inverse = 1.0f / w->l[i];
         for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, w->acc[i * DV + d] * inverse, bf16);
     }
@@ -250,10 +264,11 @@ static inline __attribute__((always_inline)) int prefill_attention(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens,
     const int64_t *requests, int64_t num_requests, void *out, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, double scale, int64_t window, double softcap, int num_threads,
-    const int bf16)
+    int64_t head_dim, int64_t head_dim_v, int64_t block_size, double scale, int64_t window, double softcap,
+    const double *sinks, const double *alibi, int64_t chunk, int num_threads, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
+    const int64_t v_row_stride = num_kv_heads * head_dim_v;
     int64_t num_tiles = 0;
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = requests[n];
@@ -266,7 +281,9 @@ static inline __attribute__((always_inline)) int prefill_attention(
         const int64_t b = requests[n], length = query_start_loc[b + 1] - query_start_loc[b];
         for (int64_t t = 0; t * QT < length; t++) {
             const int64_t keys = seq_lens[b] - length + (t * QT + QT < length ? t * QT + QT : length);
-            tiles[count++] = (struct tile){b, t, window > 0 && keys > window ? window : keys};
+            int64_t cost = window > 0 && keys > window ? window : keys;
+            if (chunk > 0 && cost > chunk) cost = chunk;
+            tiles[count++] = (struct tile){b, t, cost};
         }
     }
     qsort(tiles, (size_t)count, sizeof(struct tile), costlier_first);
@@ -276,7 +293,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
     {
         struct scratch w;
         w.qs = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
-        w.acc = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
+        w.acc = aligned_alloc(64, (size_t)(rows * head_dim_v) * sizeof(float));
         w.kt = aligned_alloc(64, (size_t)head_dim * sizeof(vf));
         w.m = malloc((size_t)rows * sizeof(float));
         w.l = malloc((size_t)rows * sizeof(float));
@@ -296,19 +313,19 @@ static inline __attribute__((always_inline)) int prefill_attention(
                 const int64_t r0 = tile->index * QT, r1 = r0 + QT < length ? r0 + QT : length;
                 const int32_t *table = block_tables + b * table_stride;
                 /* A constant head size unrolls the inner loops. */
-                const int64_t size = head_dim == 64 || head_dim == 128 ? head_dim : 0;
+                const int64_t size = head_dim == head_dim_v && (head_dim == 64 || head_dim == 128) ? head_dim : 0;
                 if (size == 64)
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                out, num_heads, first_row, context, r0, r1, h, group, 64, (float)scale, window,
-                                (float)softcap, &w, bf16);
+                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, 64, 64,
+                                (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
                 else if (size == 128)
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                out, num_heads, first_row, context, r0, r1, h, group, 128, (float)scale, window,
-                                (float)softcap, &w, bf16);
+                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, 128, 128,
+                                (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
                 else
                     attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                out, num_heads, first_row, context, r0, r1, h, group, head_dim, (float)scale,
-                                window, (float)softcap, &w, bf16);
+                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, head_dim,
+                                head_dim_v, (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
             }
         }
         free(w.qs);
@@ -327,13 +344,14 @@ static inline __attribute__((always_inline)) int prefill_attention(
 int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, const T *v_cache,  \
          const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc,       \
          const int64_t *seq_lens, const int64_t *requests, int64_t num_requests, T *out,          \
-         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,            \
-         double scale, int64_t window, double softcap, int num_threads)                           \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t head_dim_v,            \
+         int64_t block_size, double scale, int64_t window, double softcap, const double *sinks,   \
+         const double *alibi, int64_t chunk, int num_threads)                                     \
 {                                                                                                 \
     return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables,          \
                              table_stride, query_start_loc, seq_lens, requests, num_requests,    \
-                             out, num_heads, num_kv_heads, head_dim, block_size, scale, window,  \
-                             softcap, num_threads, BF16);                                         \
+                             out, num_heads, num_kv_heads, head_dim, head_dim_v, block_size,     \
+                             scale, window, softcap, sinks, alibi, chunk, num_threads, BF16);    \
 }
 
 DEFINE_ENTRY(prefill_attention_f32, float, 0)

@@ -7,8 +7,9 @@ reference is ``kernels.paged_attention_reference``. SDPA, its alternative, needs
 call per prompt or copies of the context padded into groups; the engine races the
 two on the model's heads at load (engine/cpu/paths.py).
 
-float32 and bfloat16 caches (bfloat16 accumulates in float32), head sizes a multiple
-of 16, sliding windows and softcaps; everything else stays with SDPA
+float32 and bfloat16 caches (bfloat16 accumulates in float32), key and value head
+sizes a multiple of 16, and every AttentionOptions (sliding windows, softcaps, sinks,
+ALiBi, chunks); everything else stays with SDPA
 (engine/attention/torch_path.py), as it does when the library cannot be built.
 """
 
@@ -39,15 +40,16 @@ def load_library() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
-def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int) -> bool:
-    """Whether the kernel attends over this cache ([N, bs, Hkv, D]) for ``num_heads``
-    query heads."""
+def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int, value_head_dim: int | None = None) -> bool:
+    """Whether the kernel attends over this cache ([N, bs, Hkv, D], values of
+    ``value_head_dim``, default D) for ``num_heads`` query heads."""
     head_dim, num_kv_heads = k_cache.shape[3], k_cache.shape[2]
-    if (k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS or head_dim % 16
+    value_head_dim = value_head_dim or head_dim
+    if (k_cache.device.type != "cpu" or k_cache.dtype not in _FUNCTIONS or head_dim % 16 or value_head_dim % 16
             or num_heads % num_kv_heads):
         return False
     library = _LIBRARY.load()
-    return library is not None and head_dim <= library.prefill_attention_max_head_dim()
+    return library is not None and max(head_dim, value_head_dim) <= library.prefill_attention_max_head_dim()
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,17 +61,18 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Causal attention of the query tokens of each request in ``requests`` over its
     paged context; writes their rows of ``out``.
 
-    query: [T, H, D] (D contiguous); k_cache, v_cache: [N, bs, Hkv, D] contiguous,
-    holding every context token including this step's; block_tables: [B, max_blocks]
-    int32; query_start_loc: [B+1] int64; seq_lens: [B] int64 (context length after
-    the step); requests: [n] int64; out: [T, H, D] contiguous.
+    query: [T, H, D] (D contiguous); k_cache: [N, bs, Hkv, D], v_cache:
+    [N, bs, Hkv, Dv], contiguous, holding every context token including this step's;
+    block_tables: [B, max_blocks] int32; query_start_loc: [B+1] int64; seq_lens: [B]
+    int64 (context length after the step); requests: [n] int64; out: [T, H, Dv]
+    contiguous; sinks, alibi_slopes: [H] or None; chunk_size: int or None
+    (engine/attention/context.py's AttentionOptions).
     """
-    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
-        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the C kernels yet")
     library = _LIBRARY.load()
     assert library is not None, "prefill_attention called without prefill_kernel_available"
-    assert query.shape[2] % 16 == 0, query.shape
+    assert query.shape[2] % 16 == 0 and v_cache.shape[3] % 16 == 0, (query.shape, v_cache.shape)
     status = call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
-                                  (query_start_loc, seq_lens), requests, out, scale, sliding_window, softcap)
+                                  (query_start_loc, seq_lens), requests, out, scale, sliding_window, softcap,
+                                  sinks, alibi_slopes, chunk_size)
     if status != 0:
         raise MemoryError("prefill_attention: no memory for the kernel's scratch buffers")

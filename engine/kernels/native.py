@@ -103,39 +103,57 @@ def _build(source: Path, compiler: str, target: str) -> Path:
 # cpu_prefill_attention.c): q and its token and head strides; k_cache, v_cache,
 # block_tables and the table's stride; two int64 index arrays (which ones: each
 # kernel's header comment), the int64 indices of the requests to attend and their
-# number; out, H, Hkv, D, block size; scale, window, softcap and threads.
+# number; out, H, Hkv, D, Dv, block size; scale, window, softcap; the float64 sink
+# logits and ALiBi slopes ([H] each, or NULL), the chunk size (0: none) and threads.
 PAGED_ATTENTION_ARGTYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
     + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-    + [ctypes.c_void_p] + [ctypes.c_int64] * 4
-    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
+    + [ctypes.c_void_p] + [ctypes.c_int64] * 5
+    + [ctypes.c_double, ctypes.c_int64, ctypes.c_double]
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 )
+
+
+def _per_head(values: torch.Tensor | None, num_heads: int, name: str) -> torch.Tensor | None:
+    """A per-head option as the kernels read it: [H] contiguous float64 on the CPU."""
+    if values is None:
+        return None
+    values = values.detach().to(device="cpu", dtype=torch.float64).contiguous()
+    assert values.shape == (num_heads,), f"{name} {tuple(values.shape)}, expected [{num_heads}]"
+    return values
 
 
 def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor],
                          requests: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
-                         softcap: float | None) -> object:
+                         softcap: float | None, sinks: torch.Tensor | None = None,
+                         alibi_slopes: torch.Tensor | None = None, chunk_size: int | None = None) -> object:
     """Check the tensors a paged attention kernel reads and writes and call it (see
     PAGED_ATTENTION_ARGTYPES); returns what it returns. query: [T, H, D] (D
-    contiguous); k_cache, v_cache: [N, bs, Hkv, D] contiguous; block_tables:
-    [B, max_blocks] int32; indices: the kernel's two int64 index arrays over the B
-    requests; requests: [n] int64, which to attend; out: [T, H, D] contiguous; one
-    dtype throughout."""
+    contiguous); k_cache: [N, bs, Hkv, D], v_cache: [N, bs, Hkv, Dv], contiguous;
+    block_tables: [B, max_blocks] int32; indices: the kernel's two int64 index arrays
+    over the B requests; requests: [n] int64, which to attend; out: [T, H, Dv]
+    contiguous; one dtype throughout; sinks, alibi_slopes: [H] or None (see
+    engine/attention/context.py's AttentionOptions)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and out.shape == query.shape
+    assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.shape[3] == head_dim, (k_cache.shape, v_cache.shape)
+    assert out.shape == (*query.shape[:2], head_dim_v), (out.shape, query.shape, head_dim_v)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     for index in (*indices, requests):
         assert index.dtype == torch.int64 and index.is_contiguous()
+    sinks = _per_head(sinks, num_heads, "sinks")  # kept alive through the call
+    alibi_slopes = _per_head(alibi_slopes, num_heads, "alibi_slopes")
     return function(query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                     block_tables.data_ptr(), block_tables.stride(0), *(index.data_ptr() for index in indices),
                     requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,
-                    k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
+                    head_dim_v, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
+                    None if sinks is None else sinks.data_ptr(),
+                    None if alibi_slopes is None else alibi_slopes.data_ptr(), int(chunk_size or 0),
                     torch.get_num_threads())
 
 

@@ -57,12 +57,15 @@ def make_paged_batch(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    value_head_dim: int | None = None,
 ) -> PagedBatch:
     """Sequences with context_lens[b] cached tokens and query_lens[b] new ones.
 
     Block ids are shuffled (no sequence owns a contiguous run), and every cache slot
     that belongs to no sequence holds NaN, so a kernel reading one fails loudly.
+    Values have ``value_head_dim`` per head (default head_dim).
     """
+    value_head_dim = value_head_dim or head_dim
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -73,14 +76,14 @@ def make_paged_batch(
     block_tables = torch.full((len(seq_lens), max_blocks), 10**6, dtype=torch.int32)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(cache_shape, float("nan"))
-    v_cache = torch.full(cache_shape, float("nan"))
+    v_cache = torch.full((*cache_shape[:3], value_head_dim), float("nan"))
     for seq, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
         owned, block_ids = block_ids[:n_blocks], block_ids[n_blocks:]
         block_tables[seq, :n_blocks] = torch.tensor(owned, dtype=torch.int32)
         for pos in range(seq_len):
             block, offset = owned[pos // block_size], pos % block_size
             k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
-            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator)
+            v_cache[block, offset] = torch.randn(num_kv_heads, value_head_dim, generator=generator)
     query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     return PagedBatch(
@@ -97,6 +100,28 @@ def make_paged_batch(
 def paged_batch():
     """Factory: paged_batch(context_lens, query_lens, **shape) -> PagedBatch."""
     return make_paged_batch
+
+
+def feature_options(feature: str | None, num_heads: int) -> dict:
+    """One attention feature's options (engine/attention/context.py's AttentionOptions
+    fields), large enough to change every output: sink logits around the scores'
+    size, ALiBi slopes of the usual geometric series, chunks that cut the longer
+    contexts; "all" combines them."""
+    generator = torch.Generator().manual_seed(7)
+    if feature is None:
+        return {}
+    if feature == "sinks":
+        return dict(sinks=(torch.randn(num_heads, generator=generator) * 2).to(DEVICE))
+    if feature == "alibi":
+        return dict(alibi_slopes=(2.0 ** (-8.0 * torch.arange(1, num_heads + 1) / num_heads)).to(DEVICE))
+    if feature == "chunked":
+        return dict(chunk_size=12)
+    if feature == "all":
+        return {**feature_options("sinks", num_heads), **feature_options("alibi", num_heads), "chunk_size": 20}
+    raise ValueError(f"unknown feature {feature!r}")
+
+
+FEATURES = ["sinks", "alibi", "chunked", "all"]
 
 
 def _kernel_targets() -> list[str]:

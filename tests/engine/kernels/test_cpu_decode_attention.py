@@ -9,7 +9,7 @@ import torch
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.kernels.cpu_attention import decode_attention, decode_kernel_available
 
-from .conftest import make_paged_batch
+from .conftest import FEATURES, feature_options, make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine uses its torch path")
@@ -21,24 +21,48 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol
              torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None):
+def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, **features):
     q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
-    out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must leave alone keep 7
-    assert decode_kernel_available(k_cache, q.shape[1])
+    # rows the kernel must leave alone keep 7
+    out = torch.full((*q.shape[:2], v_cache.shape[3]), 7.0, dtype=q.dtype)
+    assert decode_kernel_available(k_cache, q.shape[1], v_cache.shape[3])
     decode_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.seq_lens.cpu().long(),
                      batch.query_start_loc[:-1].cpu().long(), torch.tensor(requests, dtype=torch.int64),
-                     out, scale, sliding_window, softcap)
+                     out, scale, sliding_window, softcap, **features)
     return out
 
 
-def reference(batch, scale: float, sliding_window=None, softcap=None):
+def reference(batch, scale: float, sliding_window=None, softcap=None, **features):
     if batch.q.dtype == torch.bfloat16:  # the exact answer for the stored bfloat16 values
         widened = dataclasses.replace(batch, q=batch.q.float(), k_cache=batch.k_cache.float(),
                                       v_cache=batch.v_cache.float())
-        return reference(widened, scale, sliding_window, softcap).to(torch.bfloat16)
+        return reference(widened, scale, sliding_window, softcap, **features).to(torch.bfloat16)
     return paged_attention_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu(),
                                      batch.query_start_loc.cpu(), batch.seq_lens.cpu(), batch.block_tables.cpu(),
-                                     scale, sliding_window, softcap)
+                                     scale, sliding_window, softcap, **features)
+
+
+@each_target
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_attention_features(feature, dtype):
+    """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions)."""
+    batch = make_paged_batch([0, 4, 15, 16, 39, 90], [1] * 6, num_heads=8, num_kv_heads=2, block_size=8,
+                             dtype=dtype)
+    features = feature_options(feature, 8)
+    out = run_kernel(batch, list(range(6)), 0.3, **features)
+    torch.testing.assert_close(out, reference(batch, 0.3, **features), **TOLERANCE[dtype])
+
+
+@each_target
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (64, 128), (192, 128)])
+def test_value_head_size_of_its_own(head_dim, value_head_dim, dtype):
+    """Values of another head size than keys (multi-head latent attention's layout)."""
+    batch = make_paged_batch([0, 7, 33, 70], [1] * 4, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                             value_head_dim=value_head_dim, dtype=dtype)
+    out = run_kernel(batch, [0, 1, 2, 3], head_dim ** -0.5, sliding_window=40)
+    torch.testing.assert_close(out, reference(batch, head_dim ** -0.5, 40), **TOLERANCE[dtype])
 
 
 @each_target

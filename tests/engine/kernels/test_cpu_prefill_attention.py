@@ -8,7 +8,7 @@ import torch
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.kernels.cpu_prefill_attention import prefill_attention, prefill_kernel_available
 
-from .conftest import make_paged_batch
+from .conftest import FEATURES, feature_options, make_paged_batch
 
 # bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -18,31 +18,34 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
               pytest.mark.usefixtures("kernel_target")]  # each build target in turn
 
 
-def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, strided=False):
+def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, strided=False,
+               **features):
     q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
     if strided:  # queries as a view of a wider projection output, as the fused layers make them
         wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
         wide[:, 1 : 1 + q.shape[1]] = q
         q = wide[:, 1 : 1 + q.shape[1]]
-    out = torch.full(q.shape, 7.0, dtype=q.dtype)  # rows the kernel must leave alone keep 7
-    assert prefill_kernel_available(k_cache, q.shape[1])
+    # rows the kernel must leave alone keep 7
+    out = torch.full((*q.shape[:2], v_cache.shape[3]), 7.0, dtype=q.dtype)
+    assert prefill_kernel_available(k_cache, q.shape[1], v_cache.shape[3])
     prefill_attention(q, k_cache, v_cache, batch.block_tables.cpu(), batch.query_start_loc.cpu().long(),
                       batch.seq_lens.cpu().long(), torch.tensor(requests, dtype=torch.int64), out, scale,
-                      sliding_window, softcap)
+                      sliding_window, softcap, **features)
     return out
 
 
 def check(context_lens, query_lens, requests=None, sliding_window=None, softcap=None, strided=False,
-          scale=None, **batch_options):
+          scale=None, features=None, **batch_options):
     batch = make_paged_batch(context_lens, query_lens, **batch_options)
     requests = list(range(len(query_lens))) if requests is None else requests
     scale = scale or batch.q.shape[-1] ** -0.5
-    out = run_kernel(batch, requests, scale, sliding_window, softcap, strided)
+    features = features or {}
+    out = run_kernel(batch, requests, scale, sliding_window, softcap, strided, **features)
     # float32 in, so a bfloat16 batch's answer is the exact one for its stored values.
     expected = paged_attention_reference(batch.q.cpu().float(), batch.k_cache.cpu().float(),
                                          batch.v_cache.cpu().float(), batch.query_start_loc.cpu(),
                                          batch.seq_lens.cpu(), batch.block_tables.cpu(), scale, sliding_window,
-                                         softcap)
+                                         softcap, **features)
     starts = batch.query_start_loc.tolist()
     written = torch.zeros(out.shape[0], dtype=torch.bool)
     for request in requests:
@@ -54,6 +57,23 @@ def check(context_lens, query_lens, requests=None, sliding_window=None, softcap=
 FRESH = ([0, 0, 0, 0], [2, 17, 64, 250])
 WITH_CONTEXT = ([16, 5, 300, 31], [23, 40, 9, 2])
 LONG = ([0, 700], [513, 100])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_attention_features(feature, dtype):
+    """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions),
+    with contexts long enough that chunks and skipped key blocks occur."""
+    check([0, 16, 5, 60], [40, 23, 2, 70], num_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype,
+          features=feature_options(feature, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (64, 128), (192, 128)])
+def test_value_head_size_of_its_own(head_dim, value_head_dim, dtype):
+    """Values of another head size than keys (multi-head latent attention's layout)."""
+    check([0, 16, 30], [33, 20, 1], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+          value_head_dim=value_head_dim, dtype=dtype, sliding_window=25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
