@@ -9,6 +9,7 @@ processor append one token to each such sequence and decide which ones stop.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -35,7 +36,11 @@ from .sampling.reasoning import make_reasoning_parser
 from .core.request import Request, RequestStatus
 from .sampling.sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .model.loader import RECURRENT
+from .recurrent.state import prepare_recurrent_layers
 from .sampling.structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -58,12 +63,16 @@ class LLMEngine:
         self.lora_manager = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.device,
                                          loaded.dtype) if config.enable_lora else None)
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
+        # Recurrent layers (gated delta-net, short convolution...) run through their kind
+        # with per-request state slots (engine/recurrent/).
+        state_spec = prepare_recurrent_layers(
+            self.model, [index for index, layer in enumerate(spec.layers) if layer.kind == RECURRENT])
         self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu/paths.py)
         self.cpu_rewrites = CpuRewrites()  # and the modules they replaced
         if self.device.type == "cpu":
             keep_freed_memory()
             num_heads = self.hf_config.get_text_config().num_attention_heads
-            first = spec.layers[0]
+            first = next((layer for layer in spec.layers if layer.kind != RECURRENT), spec.layers[0])
             shape = ModelShape.of(self.model, num_heads, first.num_kv_heads, first.head_dim)
             self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
             self.cpu_rewrites = optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
@@ -74,21 +83,23 @@ class LLMEngine:
             native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, self.attention, spec, model_len)
-        num_blocks = plan_kv_cache(config, spec, model_len, budget)
+        num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, state_spec)
         self.max_model_len = min(model_len, num_blocks * config.block_size)
-        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device, self.attention)
+        self.runner = ModelRunner(self.model, spec, num_blocks, config.block_size, self.device, self.attention,
+                                  state_spec, num_state_slots)
         self.runner.lora_manager = self.lora_manager
         if (self.device.type == "cuda" and not config.enforce_eager and self.lora_manager is None
-                and self.attention.replays_decode_graphs):
+                and self.attention.replays_decode_graphs and not num_state_slots):
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=num_state_slots or config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_loras=config.max_loras if config.enable_lora else None,
             block_size=config.block_size,
             num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching(config, num_state_slots),
+            num_state_slots=num_state_slots,
         ))
         if config.check_model:
             check_model(self.runner, self.vocab_size, self.max_model_len, type(self.model).__name__)
@@ -328,6 +339,10 @@ class LLMEngine:
         children, state.pending_forks = state.pending_forks, []
         copies = [self.scheduler.fork_request(parent, child) for child in children]
         self.runner.copy_blocks([pair for pair in copies if pair is not None])
+        parent_slot = self.scheduler.state_slot(parent.request_id)
+        if parent_slot is not None:
+            child_slots = [self.scheduler.state_slot(child.request_id) for child in children]
+            self.runner.copy_states([(parent_slot, slot) for slot in child_slots if slot is not None])
         return children
 
     def _record_prompt_logprobs(self, model_output: ModelOutput) -> None:
@@ -352,6 +367,17 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(logits.shape[0])):
         return logits
     return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
+
+
+def prefix_caching(config: EngineConfig, num_state_slots: int) -> bool:
+    """Whether the engine caches prefixes. Not with recurrent layers: a cached prefix
+    restores KV blocks but not the recurrent state after it, which is kept for running
+    requests only (not at block boundaries), so a hit could not be continued from."""
+    if config.enable_prefix_caching and num_state_slots:
+        logger.info("prefix caching is off: the model has recurrent layers, whose state is not kept at "
+                    "block boundaries")
+        return False
+    return config.enable_prefix_caching
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

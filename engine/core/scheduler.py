@@ -17,6 +17,9 @@ Invariants:
   fits the cache (max_model_len <= num_blocks * block_size).
 - schedule() advances num_computed_tokens by what it schedules; the engine runs the
   step, appends a sampled token to each last-chunk request, and finishes requests.
+- With recurrent layers (num_state_slots > 0) every running request owns a state
+  slot (core/state_slots.py), taken at admission or fork and given back at finish,
+  abort and preemption; a request is admitted only when a slot is free.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager, blocks_needed
 from .request import Request, RequestStatus
+from .state_slots import StateSlots
 
 
 class PromptTooLongError(ValueError):
@@ -45,6 +49,7 @@ class SchedulerConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no LoRA
+    num_state_slots: int = 0  # per-request recurrent-state slots; 0: the model keeps no such state
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
@@ -69,6 +74,8 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_ids: list[int]
+    # The request's recurrent-state slot; -1 when the model keeps no recurrent state.
+    state_slot: int = -1
     # request.num_tokens when scheduled, so is_last_chunk holds after the engine
     # appends the sampled token.
     num_tokens: int = field(init=False)
@@ -121,6 +128,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -170,6 +178,7 @@ class Scheduler:
             self._add_order.pop(request_id)
             (self.running if request in self.running else self.waiting).remove(request)
             self.kv_cache.free(request)
+            self._free_state_slot(request)
             request.status = status
             finished.append(request)
         return finished
@@ -179,14 +188,18 @@ class Scheduler:
 
         Called right after the parent's prompt was computed: the child joins the
         running requests with the same computed tokens. Returns the (src, dst) block
-        copy the runner must make, or None. Without a free block for that copy the
-        child waits instead and recomputes (reusing cached prefix blocks).
+        copy the runner must make, or None. Without a free block for that copy (or a
+        free state slot, see ``state_slot``) the child waits instead and recomputes
+        (reusing cached prefix blocks).
         """
         self._requests[child.request_id] = child
         self._add_order[child.request_id] = next(self._add_counter)
         try:
+            if self.state_slots is not None and self.state_slots.allocate(child.request_id) is None:
+                raise MemoryError("no free state slot")
             copy = self.kv_cache.fork(parent, child)
         except MemoryError:
+            self._free_state_slot(child)
             child.status = RequestStatus.WAITING
             self._push_waiting(child)
             return None
@@ -194,6 +207,10 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         self.running.append(child)
         return copy
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The running request's recurrent-state slot (None without one)."""
+        return self.state_slots.slot_of(request_id) if self.state_slots is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -247,6 +264,8 @@ class Scheduler:
     def _admit(self, request: Request, step: _Step) -> bool:
         """Commit the request's prefix hit and first chunk; may preempt strictly
         lower-priority running requests to find blocks."""
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         while True:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, step.token_budget)
@@ -258,6 +277,8 @@ class Scheduler:
             self._preempt(victim, step)
         self.waiting.remove(request)
         self.running.append(request)
+        if self.state_slots is not None:
+            self.state_slots.allocate(request.request_id)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -277,6 +298,7 @@ class Scheduler:
         self.running.remove(victim)
         step.unschedule(victim)
         self.kv_cache.free(victim)
+        self._free_state_slot(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -287,7 +309,12 @@ class Scheduler:
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int) -> None:
         block_ids = self.kv_cache.get_block_ids(request.request_id)
-        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids))
+        slot = self.state_slot(request.request_id)
+        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids, -1 if slot is None else slot))
+
+    def _free_state_slot(self, request: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
 
     def _order_key(self, request: Request) -> tuple[int, int, int]:
         return (request.priority, request.arrival_index, self._add_order[request.request_id])

@@ -4,9 +4,11 @@ and the cache planned and allocated from that list.
 Every layer declares its own spec, so layers may differ in kind, heads and head sizes;
 the planner sizes a block as the sum over layers. Kinds today: "full" attention and
 "sliding_window" attention (which keeps its whole context in the cache like a full
-layer; the window is applied when attending). A layer whose state is not keys and
-values (a linear-attention, state-space or convolution layer) has no spec here yet,
-so such a model is refused at load, naming the layer, rather than run without it.
+layer; the window is applied when attending). A "recurrent" layer (gated delta-net,
+short convolution...: a kind registered in engine/recurrent/) holds no KV: it takes
+no room in a block, and its per-request state lives in state slots planned beside
+the blocks (engine/recurrent/state.py). Any other layer whose state is not keys and
+values is refused at load, naming the layer, rather than run without it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from .loader import LAYER_KINDS, layer_types
+from .loader import RECURRENT, layer_kind, layer_types
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,10 @@ class KVCacheSpec:
         per_layer = getattr(text_config, "per_layer_config", None)
         layers = []
         for index, layer_type in enumerate(layer_types(hf_config)):
-            kind = LAYER_KINDS[layer_type]
+            kind = layer_kind(hf_config, layer_type)
+            if kind == RECURRENT:  # per-request state slots instead (engine/recurrent/state.py)
+                layers.append(LayerCacheSpec(kind, 0, 0, 0))
+                continue
             layer_config = per_layer[index] if per_layer is not None else text_config
             num_heads = layer_config.num_attention_heads
             num_kv_heads = getattr(layer_config, "num_key_value_heads", None) or num_heads
@@ -85,8 +90,8 @@ def plan_num_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model
     """Number of KV blocks: the memory budget, but no more than every running
     request at full length could use."""
     per_block = spec.bytes_per_block(block_size)
-    budget_blocks = free_bytes // per_block
     max_useful = max_num_seqs * math.ceil(model_len / block_size) + 1
+    budget_blocks = free_bytes // per_block if per_block else max_useful  # no KV layer: blocks cost nothing
     num_blocks = int(min(budget_blocks, max_useful))
     if num_blocks < 1:
         raise ValueError(

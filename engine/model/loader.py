@@ -13,6 +13,8 @@ import transformers
 
 from ..attention.context import register as register_attention
 from ..config import EngineConfig
+from ..recurrent.base import kind_for_layer_type, recurrent_model_types
+from ..recurrent import kinds as _recurrent_kinds  # noqa: F401  (registers the kinds)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,17 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
 # transformers' config.layer_types values the engine's paged KV cache holds, and their
 # kind there (engine/model/kv_cache_spec.py).
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window"}
+# A layer registered as a recurrent kind for its model type (engine/recurrent/) keeps
+# per-request state slots instead of KV blocks.
+RECURRENT = "recurrent"
+
+
+def layer_kind(hf_config: transformers.PretrainedConfig, layer_type: str) -> str | None:
+    """The cache kind of a layer_types entry of this config's model, None if unsupported."""
+    if layer_type in LAYER_KINDS:
+        return LAYER_KINDS[layer_type]
+    model_types = {hf_config.model_type, hf_config.get_text_config().model_type}
+    return RECURRENT if any(kind_for_layer_type(m, layer_type) for m in model_types) else None
 
 
 class UnsupportedLayerError(UnsupportedModelError):
@@ -114,16 +127,24 @@ def layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
     num_layers = text_config.num_hidden_layers
     types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
     for index, layer_type in enumerate(types):
-        if layer_type not in LAYER_KINDS:
+        if layer_kind(hf_config, layer_type) is None:
             architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
             raise UnsupportedLayerError(
                 f"{architecture} ({hf_config.model_type}) layer {index} is a {layer_type!r} layer, which keeps "
                 f"state that is not keys and values or attends differently; shardline runs layers of types "
-                f"{', '.join(LAYER_KINDS)} only")
+                f"{', '.join(LAYER_KINDS)}, and the recurrent layers of {', '.join(recurrent_model_types())}")
     return types
 
 
+# Model types whose attention layers call transformers' AttentionInterface although
+# their classes do not declare _supports_attention_backend (read in their modeling code;
+# the load check compares their outputs with their own forward all the same).
+UNDECLARED_ATTENTION_INTERFACE = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+
+
 def check_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> None:
+    if hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE:
+        return
     if not getattr(model_class, "_supports_attention_backend", False):
         architecture = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
         raise UnsupportedModelError(

@@ -5,11 +5,16 @@ token ids, their absolute positions, and the KV-cache slot each new token writes
 Logits are computed only at the last scheduled token of requests that reach the end
 of their known tokens this step (``is_last_chunk``); partial prefill chunks sample
 nothing. This is the only component that builds tensors.
+
+A model with recurrent layers (engine/recurrent/) also keeps per-request state in
+state slots beside the KV blocks: the step tells each such layer its requests' slots
+and whether each continues a saved state (it does unless it computes from token 0).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +25,7 @@ from .cuda_graphs import DecodeGraphs
 from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..recurrent.state import RecurrentStateSpec, RecurrentStep
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +41,41 @@ def model_max_len(hf_config: transformers.PretrainedConfig) -> int:
     return 2048
 
 
-def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_bytes: int) -> int:
-    """Number of KV blocks for ``config``'s sequences (see kv_cache_spec.plan_num_blocks)."""
-    return plan_num_blocks(spec, config.block_size, config.max_num_seqs, model_len, free_bytes)
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model_len: int, free_bytes: int,
+                  state_spec: RecurrentStateSpec | None = None) -> tuple[int, int]:
+    """(KV blocks, recurrent-state slots) for ``config``'s sequences.
+
+    Without recurrent layers: no slots, and the blocks of kv_cache_spec.plan_num_blocks.
+    With them, every running request needs a slot: the budget first keeps the blocks
+    one request of ``model_len`` tokens needs, then holds up to max_num_seqs slots
+    (fewer where fewer fit: the scheduler then runs that many requests at once), and
+    the blocks take what is left. Raises ValueError, naming the sizes, when not even
+    one request fits."""
+    if state_spec is None or state_spec.is_empty:
+        return plan_num_blocks(spec, config.block_size, config.max_num_seqs, model_len, free_bytes), 0
+    per_slot = state_spec.bytes_per_slot()
+    one_request_blocks = math.ceil(model_len / config.block_size) + 1
+    kv_bytes = one_request_blocks * spec.bytes_per_block(config.block_size)
+    num_slots = min(config.max_num_seqs, max(0, free_bytes - kv_bytes) // per_slot)
+    if num_slots < 1:
+        raise ValueError(
+            f"the cache budget of {free_bytes} bytes cannot hold one request: its recurrent state takes "
+            f"{per_slot} bytes and its {one_request_blocks} KV blocks for {model_len} tokens {kv_bytes} bytes; "
+            "raise kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len")
+    if num_slots < config.max_num_seqs:
+        logger.warning("recurrent state for %d requests fits the cache budget (%d bytes each); running at most "
+                       "%d requests at once instead of max_num_seqs=%d", num_slots, per_slot, num_slots,
+                       config.max_num_seqs)
+    num_blocks = plan_num_blocks(spec, config.block_size, num_slots, model_len, free_bytes - num_slots * per_slot)
+    return num_blocks, num_slots
 
 
 class ModelRunner:
     """Owns the model and its paged KV cache; runs one packed forward per step."""
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                 device: torch.device, attention: AttentionBackend) -> None:
+                 device: torch.device, attention: AttentionBackend, state_spec: RecurrentStateSpec | None = None,
+                 num_state_slots: int = 0) -> None:
         self.model = model
         self.attention = attention  # how attention runs, chosen once (engine/attention/backends.py)
         self.spec = spec
@@ -56,6 +87,10 @@ class ModelRunner:
         # is least recently freed first, so a long job cycles through every block, and
         # a step that wrote to fresh pages would pay their faults.
         self.kv_caches = spec.allocate(num_blocks, block_size, device)
+        # Per recurrent layer: state name -> [num_state_slots, *shape]; empty without such layers.
+        self.state_spec = state_spec
+        self.num_state_slots = num_state_slots
+        self.recurrent_states = state_spec.allocate(num_state_slots, device) if num_state_slots else {}
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
@@ -112,7 +147,18 @@ class ModelRunner:
             position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
             shardline_ctx=ctx,
         )
+        if self.recurrent_states:
+            model_inputs["shardline_state"] = self._recurrent_step(scheduler_output)
         return model_inputs, plan
+
+    def _recurrent_step(self, scheduler_output: SchedulerOutput) -> RecurrentStep:
+        scheduled = scheduler_output.scheduled
+        assert all(item.state_slot >= 0 for item in scheduled), "a request runs without a state slot"
+        return RecurrentStep(
+            slots=torch.tensor([item.state_slot for item in scheduled], dtype=torch.int64, device=self.device),
+            has_initial_state=torch.tensor([item.start > 0 for item in scheduled], dtype=torch.bool,
+                                           device=self.device),
+            states=self.recurrent_states)
 
     def _sampled_rows(self, scheduler_output: SchedulerOutput, plan: "LogitsPlan", num_tokens: int) -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that
@@ -155,6 +201,17 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state slots src -> dst in every recurrent layer (forked samples)."""
+        if not pairs or not self.recurrent_states:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for states in self.recurrent_states.values():
+            for tensor in states.values():
+                tensor[dst] = tensor[src]
 
 
 @dataclass

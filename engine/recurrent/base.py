@@ -43,6 +43,10 @@ class RecurrentKind(Protocol):
     """One kind of recurrent layer: what state a request keeps, and how a step runs."""
 
     name: str
+    # Optional: the dtype the HF module's own code computes this layer in when narrower
+    # than the model's (e.g. float32 for a float64 model); the load check compares at
+    # that dtype's tolerance. Read with getattr; absent means the model's dtype.
+    # reference_dtype: torch.dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         """Per-request state tensors of this layer, shapes without the slot dimension."""
@@ -90,3 +94,8 @@ def kind_for_layer_type(model_type: str, layer_type: str) -> RecurrentKind | Non
 
 def registered_module_classes() -> tuple[str, ...]:
     return tuple(sorted(_BY_MODULE_CLASS))
+
+
+def recurrent_model_types() -> tuple[str, ...]:
+    """Model types with a registered recurrent layer kind."""
+    return tuple(sorted({model_type for model_type, _ in _BY_LAYER_TYPE}))

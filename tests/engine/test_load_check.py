@@ -33,7 +33,7 @@ def test_the_check_can_be_turned_off(tmp_path):
 @pytest.mark.parametrize("arch,layer_type,overrides", [
     ("llama4_text", "chunked_attention", dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
                                               intermediate_size_mlp=128, no_rope_layers=[1, 1])),
-    ("qwen3_next", "linear_attention", dict(head_dim=16)),
+    ("olmo_hybrid", "linear_attention", dict(head_dim=16)),
 ])
 def test_layers_the_cache_cannot_hold_are_refused_by_name(tmp_path, arch, layer_type, overrides):
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides))

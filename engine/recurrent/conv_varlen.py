@@ -1,0 +1,70 @@
+"""Depthwise causal convolution over a packed batch of requests, each continuing
+its own convolution window (the short convolutions of LFM2 and of gated delta-net
+layers).
+
+A request's state is its last ``W - 1`` inputs (W: the kernel width), so the output
+at a token reads the W - 1 inputs before it, from the state where they precede the
+step. ``causal_conv1d_varlen`` lays every request's state rows before its tokens in
+one sequence and runs a single grouped ``conv1d`` over it: no output reads across a
+request boundary, since each reads exactly its own W - 1 predecessors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                         has_initial_state: torch.Tensor, conv_state: torch.Tensor,
+                         activation: str | None = None) -> torch.Tensor:
+    """x: [T, D] packed inputs; weight: [D, W]; conv_state: [B, W-1, D], read where
+    has_initial_state and overwritten with each request's last W-1 inputs.
+    Returns [T, D]."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_requests = cu_seqlens.shape[0] - 1
+    assert conv_state.shape == (num_requests, width - 1, channels), (conv_state.shape, width, channels)
+    history = width - 1
+    device = x.device
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    request_of_token = torch.repeat_interleave(torch.arange(num_requests, device=device), lengths,
+                                               output_size=num_tokens)
+    # Request b's segment of the laid-out sequence: its W-1 state rows, then its tokens.
+    segment_start = cu_seqlens[:-1] + torch.arange(num_requests, device=device) * history
+    token_rows = torch.arange(num_tokens, device=device) + (request_of_token + 1) * history
+    state_rows = (segment_start[:, None] + torch.arange(history, device=device)).flatten()
+    initial = conv_state.to(x.dtype) * has_initial_state.to(x.dtype)[:, None, None]
+    sequence = x.new_empty((num_tokens + num_requests * history, channels))
+    sequence[token_rows] = x
+    sequence[state_rows] = initial.reshape(-1, channels)
+    out = F.conv1d(sequence.t()[None].to(weight.dtype), weight[:, None, :], bias, groups=channels)[0].t()
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    # Each request's last W-1 rows (inputs) are its next state.
+    segment_end = segment_start + lengths + history
+    conv_state.copy_(sequence[segment_end[:, None] - history + torch.arange(history, device=device)])
+    return out[token_rows - history].to(x.dtype)
+
+
+def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            initial_state: torch.Tensor | None, activation: str | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, token by token: x [L, D], initial_state [W-1, D] or None.
+    Returns (output [L, D], the last W-1 inputs [W-1, D])."""
+    width = weight.shape[1]
+    window = (initial_state.clone() if initial_state is not None
+              else x.new_zeros((width - 1, x.shape[1])))
+    outputs = []
+    for token in x:
+        taps = torch.cat([window, token[None]])  # [W, D], oldest first
+        value = (taps.t() * weight).sum(-1)
+        if bias is not None:
+            value = value + bias
+        outputs.append(value)
+        window = taps[1:]
+    out = torch.stack(outputs)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out, window

@@ -1,0 +1,120 @@
+"""The gated delta rule over a packed batch of requests, chunked, in plain torch.
+
+Per value head the state S [K, V] maps keys to values; token t decays it and writes
+the part of v_t that S does not already predict from k_t:
+    S'_t = exp(g_t) S_{t-1},   u_t = beta_t (v_t - S'_t^T k_t),
+    S_t = S'_t + k_t u_t^T,    o_t = S_t^T q_t.
+Inside a chunk of C tokens with cumulative log-decay G_t (G relative to the chunk's
+start), unrolling gives a unit lower-triangular system for the u's:
+    u_t + beta_t sum_{s<t} e^{G_t-G_s} (k_t.k_s) u_s = beta_t v_t - beta_t e^{G_t} S_0^T k_t,
+so u = U0 - W S_0 with U0, W solved once per chunk for all chunks at once, and
+    o_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t-G_s} (q_t.k_s) u_s,
+    S_C = e^{G_C} S_0 + sum_s e^{G_C-G_s} k_s u_s^T.
+Only the hand-over of S from one chunk to the next is sequential: one iteration
+per chunk index, over every request that has a chunk there.
+
+Invariants: every request's chunks start at its own first token, so no chunk holds
+two requests' tokens; padding slots carry k = v = beta = g = 0, which writes nothing
+and decays nothing, so a request's final state is its state after its last token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class ChunkLayout:
+    """The step's requests cut into chunks of ``chunk_size`` tokens: chunk n is chunk
+    ``local[n]`` of request ``request[n]``; ``token_index`` [N, C] holds each chunk
+    slot's packed token (``num_tokens`` for padding)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_tokens: int) -> None:
+        device = cu_seqlens.device
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        chunks_per_request = (lengths + chunk_size - 1) // chunk_size
+        num_requests = lengths.shape[0]
+        self.num_chunks = int(chunks_per_request.sum())
+        self.request = torch.repeat_interleave(torch.arange(num_requests, device=device), chunks_per_request,
+                                               output_size=self.num_chunks)
+        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
+        self.local = torch.arange(self.num_chunks, device=device) - first_chunk[self.request]
+        starts = cu_seqlens[:-1][self.request] + self.local * chunk_size
+        index = starts[:, None] + torch.arange(chunk_size, device=device)
+        self.valid = index < cu_seqlens[1:][self.request][:, None]
+        self.token_index = torch.where(self.valid, index, num_tokens)
+        self.max_chunks = int(chunks_per_request.max()) if num_requests else 0
+        self.first_chunk = first_chunk
+        self.chunks_per_request = chunks_per_request
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [N, C, ...], zero in padding slots."""
+        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+        return padded[self.token_index]
+
+    def scatter(self, chunks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[N, C, ...] -> [T, ...], the valid slots."""
+        out = chunks.new_empty((num_tokens, *chunks.shape[2:]))
+        out[self.token_index[self.valid]] = chunks[self.valid]
+        return out
+
+
+def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor,
+                                  chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """query, key: [T, H, K] (normalised and scaled as the model does; heads already
+    matched to the value heads); value: [T, H, V]; g (log decay), beta: [T, H];
+    initial_state: [B, H, K, V] (zero for requests starting fresh). Everything in one
+    dtype, which the arithmetic runs in. Returns (output [T, H, V], final state [B, H, K, V])."""
+    num_tokens = query.shape[0]
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    size = max(1, min(chunk_size, max_len))
+    layout = ChunkLayout(cu_seqlens, size, num_tokens)
+    # [N, H, C, D] / [N, H, C]
+    q, k, v = (layout.gather(x).transpose(1, 2) for x in (query, key, value))
+    g_chunks, beta_chunks = (layout.gather(x).transpose(1, 2) for x in (g, beta))
+    cum = torch.cumsum(g_chunks, dim=-1)
+    causal = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
+    k_beta = k * beta_chunks[..., None]
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(size, dtype=system.dtype, device=system.device)
+    u0 = torch.linalg.solve_triangular(system, v * beta_chunks[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C], diagonal included
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
+
+    state = initial_state.clone()
+    out = torch.empty_like(v)
+    for local in range(layout.max_chunks):
+        requests = (layout.chunks_per_request > local).nonzero().flatten()
+        chunks = layout.first_chunk[requests] + local
+        s0 = state[requests]
+        u = u0[chunks] - w[chunks] @ s0
+        out[chunks] = q_decayed[chunks] @ s0 + attn[chunks] @ u
+        state[requests] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
+    return layout.scatter(out.transpose(1, 2), num_tokens), state
+
+
+def gated_delta_rule_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, token by token (the recurrence in the module docstring):
+    query, key [L, H, K], value [L, H, V], g, beta [L, H], initial_state [H, K, V] or None."""
+    num_heads, k_dim, v_dim = key.shape[1], key.shape[2], value.shape[2]
+    state = (initial_state.clone() if initial_state is not None
+             else value.new_zeros((num_heads, k_dim, v_dim)))
+    outputs = []
+    for t in range(query.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = (state * key[t][:, :, None]).sum(1)  # [H, V]
+        update = (value[t] - predicted) * beta[t][:, None]
+        state = state + key[t][:, :, None] * update[:, None, :]
+        outputs.append((state * query[t][:, :, None]).sum(1))
+    return torch.stack(outputs), state

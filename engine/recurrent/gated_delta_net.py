@@ -1,0 +1,89 @@
+"""The gated delta-net layer of Qwen3-Next and Qwen3.5 (and their MoE and text variants).
+
+Per token the layer projects q, k, v (through a short causal convolution with SiLU),
+a gate z and the per-head beta (write strength) and g (log decay); the gated delta
+rule (engine/recurrent/delta_rule.py) turns them into outputs, which a gated RMSNorm
+and the output projection finish. A request's state is its last W - 1 convolution
+inputs and, per value head, the [K, V] delta-rule matrix.
+
+The delta rule runs in float32, or in float64 for a float64 model (transformers runs
+it in float32 whatever the model's dtype; the engine's result stays within that
+rounding of the exact value).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import StateShapes, register_kind
+from .conv_varlen import causal_conv1d_varlen
+from .delta_rule import chunk_gated_delta_rule_varlen, l2_normalize
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class GatedDeltaNetKind:
+    """Qwen3NextGatedDeltaNet (fused qkvz and ba projections) and Qwen3_5GatedDeltaNet
+    (separate qkv, z, b, a projections)."""
+
+    name = "gated_delta_net"
+    # transformers runs the delta rule in float32 whatever the model's dtype, so the
+    # model's own forward is float32-exact at best (the load check's tolerance follows).
+    reference_dtype = torch.float32
+
+    def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
+        weight = hf_module.conv1d.weight  # [conv_dim, 1, W]
+        return {
+            "conv": ((weight.shape[2] - 1, weight.shape[0]), weight.dtype),
+            "recurrent": ((hf_module.num_v_heads, hf_module.head_k_dim, hf_module.head_v_dim),
+                          _compute_dtype(weight.dtype)),
+        }
+
+    def forward(self, hf_module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
+        # hidden_states: [T, hidden]
+        module = hf_module
+        num_tokens = hidden_states.shape[0]
+        mixed_qkv, z, b, a = _projections(module, hidden_states)
+        mixed_qkv = causal_conv1d_varlen(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias, cu_seqlens,
+                                         has_initial_state, states["conv"], module.activation)
+        query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        beta = b.sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # the module's own expression
+        dtype = states["recurrent"].dtype
+        query = l2_normalize(query.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
+        key = l2_normalize(key.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
+        query = query * module.head_k_dim ** -0.5
+        value = value.reshape(num_tokens, -1, module.head_v_dim).to(dtype)
+        if module.num_v_heads != module.num_k_heads:
+            repeat = module.num_v_heads // module.num_k_heads
+            query, key = query.repeat_interleave(repeat, dim=1), key.repeat_interleave(repeat, dim=1)
+        initial = states["recurrent"] * has_initial_state.to(dtype)[:, None, None, None]
+        core, final = chunk_gated_delta_rule_varlen(query, key, value, g.to(dtype), beta.to(dtype), cu_seqlens,
+                                                    initial)
+        states["recurrent"].copy_(final)
+        core = module.norm(core.to(hidden_states.dtype).reshape(-1, module.head_v_dim),
+                           z.reshape(-1, module.head_v_dim))
+        return module.out_proj(core.reshape(num_tokens, -1))
+
+
+def _projections(module: torch.nn.Module, hidden_states: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) by the module's own projections."""
+    num_tokens = hidden_states.shape[0]
+    if hasattr(module, "in_proj_qkvz"):
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(
+            module.in_proj_qkvz(hidden_states[None]), module.in_proj_ba(hidden_states[None]))
+        mixed = torch.cat([x.reshape(num_tokens, -1) for x in (query, key, value)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = module.in_proj_z(hidden_states).reshape(num_tokens, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden_states), z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+
+
+GATED_DELTA_NET = register_kind(
+    GatedDeltaNetKind(), ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+    model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+    layer_types=("linear_attention",))

@@ -1,0 +1,135 @@
+"""Recurrent layers in the engine: the HF mixers replaced by a wrapper that runs
+their kind over the packed batch, and the per-slot state tensors they read and write.
+
+At load, ``install_recurrent_layers`` replaces every Hugging Face module whose class
+has a registered kind (engine/recurrent/base.py) by a ``RecurrentLayer`` in its
+parent. Each step the runner passes a ``RecurrentStep`` to the model as the keyword
+``shardline_state`` (decoder layers hand their keyword arguments on to their
+mixers, as they do the attention context): the requests' state slots and whether
+each continues a saved state. The wrapper gathers the slots' states, runs its kind
+and scatters the updated states back, so kinds never see slots.
+
+Without a ``shardline_state`` the wrapper runs either the HF module itself (no
+``shardline_ctx`` either: the model's own forward, as the load check's reference
+runs it) or its kind from zero state with nothing kept (a forward the engine only
+measures, e.g. memory profiling).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import RecurrentKind, StateShapes, kind_for_module
+
+
+@dataclass(frozen=True)
+class RecurrentStep:
+    """The step's requests' recurrent state: their slots and where they start."""
+
+    slots: torch.Tensor  # [B] int64, in batch order
+    has_initial_state: torch.Tensor  # [B] bool: False where a request computes from token 0
+    # Per recurrent layer index: state name -> [num_slots, *shape] (the runner's tensors).
+    states: dict[int, dict[str, torch.Tensor]]
+
+
+class RecurrentLayer(nn.Module):
+    """Runs ``layer`` (an HF recurrent mixer) through its kind over the packed batch."""
+
+    def __init__(self, layer: nn.Module, kind: RecurrentKind, layer_idx: int, hf_config) -> None:
+        super().__init__()
+        self.layer = layer
+        self.kind = kind
+        self.layer_idx = layer_idx
+        self.hf_config = hf_config
+
+    def state_shapes(self) -> StateShapes:
+        return self.kind.state_shapes(self.layer, self.hf_config)
+
+    def forward(self, hidden_states: torch.Tensor, *args, shardline_ctx=None,
+                shardline_state: RecurrentStep | None = None, **kwargs):
+        if shardline_ctx is None and shardline_state is None:
+            return self.layer(hidden_states, *args, **kwargs)
+        # hidden_states: [1, T, hidden], the packed batch
+        cu_seqlens = shardline_ctx.query_start_loc
+        if shardline_state is None:
+            num_requests = cu_seqlens.shape[0] - 1
+            states = {name: torch.zeros((num_requests, *shape), dtype=dtype, device=hidden_states.device)
+                      for name, (shape, dtype) in self.state_shapes().items()}
+            fresh = torch.zeros(num_requests, dtype=torch.bool, device=hidden_states.device)
+            return self.kind.forward(self.layer, hidden_states[0], cu_seqlens, fresh, states).unsqueeze(0)
+        slot_states = shardline_state.states[self.layer_idx]
+        slots = shardline_state.slots
+        states = {name: tensor.index_select(0, slots) for name, tensor in slot_states.items()}
+        output = self.kind.forward(self.layer, hidden_states[0], cu_seqlens, shardline_state.has_initial_state,
+                                   states)
+        for name, tensor in slot_states.items():
+            tensor.index_copy_(0, slots, states[name])
+        return output.unsqueeze(0)
+
+
+def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
+    """Replace each HF module with a registered kind by a RecurrentLayer in its parent;
+    return them by layer index. The module's ``layer_idx`` names its layer."""
+    installed: dict[int, RecurrentLayer] = {}
+    text_config = model.config.get_text_config()
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            kind = kind_for_module(child)
+            if kind is None:
+                continue
+            layer_idx = getattr(child, "layer_idx", None)
+            assert isinstance(layer_idx, int), f"{type(child).__name__} has no layer_idx"
+            wrapper = RecurrentLayer(child, kind, layer_idx, text_config)
+            setattr(parent, child_name, wrapper)
+            installed[layer_idx] = wrapper
+    return installed
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """Each recurrent layer's per-request state tensors (shapes without the slot dimension)."""
+
+    layers: dict[int, StateShapes]
+
+    @classmethod
+    def from_layers(cls, layers: dict[int, RecurrentLayer]) -> "RecurrentStateSpec":
+        return cls({index: layer.state_shapes() for index, layer in sorted(layers.items())})
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.layers
+
+    def bytes_per_slot(self) -> int:
+        total = 0
+        for shapes in self.layers.values():
+            for shape, dtype in shapes.values():
+                total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def allocate(self, num_slots: int, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+        """Each layer's state tensors [num_slots, *shape], zeroed."""
+        return {index: {name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                        for name, (shape, dtype) in shapes.items()}
+                for index, shapes in self.layers.items()}
+
+
+def prepare_recurrent_layers(model: nn.Module, recurrent_layers: list[int]) -> RecurrentStateSpec | None:
+    """Install the wrappers (``install_recurrent_layers``) and return the state spec, or
+    None when the model has no recurrent layer. ``recurrent_layers``: the layer indices
+    the cache spec marks recurrent; each must have got a wrapper, else the model is
+    refused naming the first that did not (its layer type is registered for the model
+    type, but none of its modules is of a registered class)."""
+    from ..model.loader import UnsupportedLayerError
+    from .base import registered_module_classes
+
+    installed = install_recurrent_layers(model)
+    missing = sorted(set(recurrent_layers) - set(installed))
+    if missing:
+        raise UnsupportedLayerError(
+            f"{type(model).__name__} layer {missing[0]} is a recurrent layer, but none of its modules is of a "
+            f"class shardline runs ({', '.join(registered_module_classes())})")
+    return RecurrentStateSpec.from_layers(installed) if installed else None
