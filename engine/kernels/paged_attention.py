@@ -12,7 +12,15 @@ for the whole group and decode (q_len 1) still fills the >= 16 rows tl.dot needs
 The program walks the context in BLOCK_N-key tiles, gathering each key's slot through
 the block table (so a tile may span pages, or a page several tiles), and keeps an
 online softmax (running max m, running sum l, unnormalised accumulator) in float32.
-Tiles entirely before the sliding window of the tile's first query are never visited.
+Tiles entirely before the sliding window (or the chunk) of the tile's first query are
+never visited.
+
+The AttentionOptions of engine/attention/context.py, each a compile-time switch so
+an option that is off costs nothing: a sink starts a row's online softmax (running
+max = the sink's logit, running sum = 1, nothing accumulated); ALiBi adds
+slope_h * (key - query position) to the scaled scores; a chunk hides keys before the
+query's aligned chunk. Values may have their own head size (Dv): the accumulator and
+the output are [M, Dv].
 """
 
 from __future__ import annotations
@@ -35,41 +43,49 @@ if triton is not None:
 
     @triton.jit
     def _attend_key_tile(
-        q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head,
+        q, acc, m_i, l_i, q_pos, slopes, tile_start, kv_end, kv_head,
         k_cache_ptr, v_cache_ptr, block_table,
-        scale, softcap, sliding_window,
+        scale, softcap, sliding_window, chunk_size,
         stride_cache_block, stride_cache_slot, stride_cache_head,
-        dims, dim_valid,
+        stride_v_block, stride_v_slot, stride_v_head,
+        dims, dim_valid, dims_v, dim_v_valid,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+        USE_ALIBI: tl.constexpr, USE_CHUNK: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         """One online-softmax step over keys [tile_start, tile_start + BLOCK_N)."""
-        # q: [M, Dp]; acc: [M, Dp] float32; m_i, l_i, q_pos: [M]
+        # q: [M, Dp]; acc: [M, Dvp] float32; m_i, l_i, q_pos, slopes: [M]
         key_pos = tile_start + tl.arange(0, BLOCK_N)  # [N]
         key_valid = key_pos < kv_end
         block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-        slot_offs = block_id.to(tl.int64) * stride_cache_block \
-            + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        block_id = block_id.to(tl.int64)
+        slot = key_pos % BLOCK_SIZE
+        slot_offs = block_id * stride_cache_block + slot * stride_cache_slot + kv_head * stride_cache_head
         k_offs = dims[:, None] + slot_offs[None, :]  # [Dp, N]: keys loaded transposed
         k_mask = dim_valid[:, None] & key_valid[None, :]
         k_t = tl.load(k_cache_ptr + k_offs, mask=k_mask, other=0.0).to(DOT_DTYPE)
 
         scores = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * scale  # [M, N]
+        if USE_ALIBI:
+            scores += slopes[:, None] * (key_pos[None, :] - q_pos[:, None]).to(tl.float32)
         if USE_SOFTCAP:
             # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow nan.
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         visible = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - key_pos[None, :] < sliding_window)
+        if USE_CHUNK:
+            visible = visible & (key_pos[None, :] >= (q_pos - q_pos % chunk_size)[:, None])
         scores = tl.where(visible, scores * 1.4426950408889634, float("-inf"))  # log2 units
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_offs = slot_offs[:, None] + dims[None, :]  # [N, Dp]
-        v_mask = key_valid[:, None] & dim_valid[None, :]
+        v_slot_offs = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+        v_offs = v_slot_offs[:, None] + dims_v[None, :]  # [N, Dvp]
+        v_mask = key_valid[:, None] & dim_v_valid[None, :]
         v = tl.load(v_cache_ptr + v_offs, mask=v_mask, other=0.0).to(DOT_DTYPE)
         acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None],
                      input_precision=INPUT_PRECISION)
@@ -78,14 +94,17 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         o_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        scale, softcap, sliding_window,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, slopes_ptr,
+        scale, softcap, sliding_window, chunk_size,
         stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-        stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_v_block, stride_v_slot, stride_v_head, stride_block_table,
         QUERIES_PER_KV: tl.constexpr, GROUP_P: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+        USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_CHUNK: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -113,42 +132,56 @@ if triton is not None:
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [M, Dp]
 
         # Keys [kv_begin, kv_end) can be visible to some row of this tile; with a
-        # window, tiles wholly before the first row's window are skipped.
+        # window or chunks, tiles wholly before the first row's are skipped.
         kv_end = context_len + tl.minimum(q_len, first_q + BLOCK_Q)
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(context_len + first_q - sliding_window + 1, 0)
+        if USE_CHUNK:
+            first_pos = context_len + first_q
+            kv_begin = tl.maximum(kv_begin, first_pos - first_pos % chunk_size)
         kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
 
         # m starts finite so a row that sees no key in a tile gives exp2(-inf) = 0, not nan.
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+        if USE_SINKS:  # the sink's logit, in log2 units, is the first term of the softmax
+            sinks = tl.load(sinks_ptr + head, mask=row_valid, other=0.0)
+            m_i = tl.where(row_valid, sinks * 1.4426950408889634, m_i)
+            l_i = tl.where(row_valid, 1.0, l_i)
+        slopes = l_i  # unused unless USE_ALIBI
+        if USE_ALIBI:
+            slopes = tl.load(slopes_ptr + head, mask=row_valid, other=0.0)
+        dims_v = tl.arange(0, HEAD_DIM_V_P)
+        dim_v_valid = dims_v < HEAD_DIM_V
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V_P], dtype=tl.float32)
         block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
         for tile_start in range(kv_begin, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
-                q, acc, m_i, l_i, q_pos, tile_start, kv_end, kv_head,
-                k_cache_ptr, v_cache_ptr, block_table, scale, softcap, sliding_window,
-                stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_valid,
-                BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, DOT_DTYPE, INPUT_PRECISION,
+                q, acc, m_i, l_i, q_pos, slopes, tile_start, kv_end, kv_head,
+                k_cache_ptr, v_cache_ptr, block_table, scale, softcap, sliding_window, chunk_size,
+                stride_cache_block, stride_cache_slot, stride_cache_head,
+                stride_v_block, stride_v_slot, stride_v_head, dims, dim_valid, dims_v, dim_v_valid,
+                BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW, USE_ALIBI, USE_CHUNK, DOT_DTYPE, INPUT_PRECISION,
             )
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; they are not stored
         out = acc / l_i[:, None]
         o_offs = ((q_start + q_idx).to(tl.int64) * stride_o_token)[:, None] \
-            + (head * stride_o_head)[:, None] + dims[None, :]
-        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=q_mask)
+            + (head * stride_o_head)[:, None] + dims_v[None, :]
+        o_mask = row_valid[:, None] & dim_v_valid[None, :]
+        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 def _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
     assert q.dim() == 3 and q.stride(2) == 1, "q must be [T, H, D] with contiguous D"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+    assert k_cache.dim() == 4 and v_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3], (
         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads, cache_head_dim = k_cache.shape[1:]
     assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache {cache_head_dim}"
-    assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    assert max(head_dim, v_cache.shape[3]) <= MAX_HEAD_DIM, f"head sizes {head_dim}, {v_cache.shape[3]} > {MAX_HEAD_DIM}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
     assert block_size & (block_size - 1) == 0, f"block_size {block_size} is not a power of 2"
     assert q.dtype == k_cache.dtype == v_cache.dtype, (
@@ -170,13 +203,20 @@ def _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) 
     assert len(devices) == 1, f"tensors on several devices: {devices}"
 
 
-def _check_options(sliding_window, softcap) -> None:
-    if sliding_window is not None and (isinstance(sliding_window, bool)
-                                       or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window={sliding_window!r}; expected None or an int >= 1")
+def _check_options(sliding_window, softcap, chunk_size) -> None:
+    for name, value in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r}; expected None or an int >= 1")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap!r}; expected None or a float > 0")
+
+
+def _per_head(values: torch.Tensor | None, q: torch.Tensor, name: str) -> torch.Tensor | None:
+    """A per-head option as the kernel reads it: [H] contiguous float32 on q's device."""
+    if values is None:
+        return None
+    assert values.shape == (q.shape[1],), f"{name} {tuple(values.shape)}, expected [{q.shape[1]}]"
+    return values.detach().to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -204,23 +244,24 @@ def paged_attention(
     chunk_size: int | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the packed queries over their paged contexts; returns o [T, H, D].
+    """Attention of the packed queries over their paged contexts; returns o [T, H, Dv].
 
     The new tokens' keys and values must already be in the cache (store_kv_cache).
     max_query_len sizes the grid; when None it is read from query_start_loc (a host
-    sync). Rows of o past query_start_loc[-1] are left unwritten.
+    sync). Rows of o past query_start_loc[-1] are left unwritten. sinks,
+    alibi_slopes ([H]) and chunk_size as engine/attention/context.py's AttentionOptions.
     """
-    # q: [T, H, D]; k_cache, v_cache: [NB, BS, Hkv, D]; query_start_loc: [B+1] int32
-    # seq_lens: [B] int32; block_tables: [B, max_blocks] int32
-    if sinks is not None or alibi_slopes is not None or chunk_size is not None:
-        raise NotImplementedError("sinks, ALiBi and chunked attention are not in the Triton kernel yet")
+    # q: [T, H, D]; k_cache: [NB, BS, Hkv, D]; v_cache: [NB, BS, Hkv, Dv];
+    # query_start_loc: [B+1] int32; seq_lens: [B] int32; block_tables: [B, max_blocks] int32
     require_triton()
     check_kernel_dtype("q", q)
     _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    _check_options(sliding_window, softcap)
+    _check_options(sliding_window, softcap, chunk_size)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    head_dim_v = v_cache.shape[3]
+    sinks, alibi_slopes = _per_head(sinks, q, "sinks"), _per_head(alibi_slopes, q, "alibi_slopes")
+    o = torch.empty((num_tokens, num_heads, head_dim_v), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int(query_start_loc.diff().max()) if num_seqs else 0
@@ -234,20 +275,24 @@ def paged_attention(
     block_q = max(1, target_rows // group_p)
     block_m = max(16, block_q * group_p)
     head_dim_p = max(16, next_power_of_2(head_dim))
-    block_n = 64 if head_dim_p <= 128 else 32
+    head_dim_v_p = max(16, next_power_of_2(head_dim_v))
+    block_n = 64 if max(head_dim_p, head_dim_v_p) <= 128 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         o, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        float(scale), float(softcap or 0.0), int(sliding_window or 0),
+        q if sinks is None else sinks, q if alibi_slopes is None else alibi_slopes,  # q: never read
+        float(scale), float(softcap or 0.0), int(sliding_window or 0), int(chunk_size or 0),
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, GROUP_P=group_p,
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HEAD_DIM_V=head_dim_v, HEAD_DIM_V_P=head_dim_v_p,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+        USE_SINKS=sinks is not None, USE_ALIBI=alibi_slopes is not None, USE_CHUNK=chunk_size is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m * head_dim_p >= 64 * 256 else 4,
+        num_warps=8 if block_m * max(head_dim_p, head_dim_v_p) >= 64 * 256 else 4,
     )
     return o
 

@@ -1,7 +1,9 @@
 """Write the new tokens' keys and values into the paged KV cache.
 
-Cache layout (fixed by the engine), per layer: k_cache and v_cache are each
-[num_blocks, block_size, num_kv_heads, head_dim], contiguous. Token t goes to
+Cache layout (fixed by the engine), per layer: k_cache is
+[num_blocks, block_size, num_kv_heads, head_dim] and v_cache
+[num_blocks, block_size, num_kv_heads, value_head_dim], contiguous (the value head
+size may differ, as in multi-head latent attention). Token t goes to
 slot = slot_mapping[t] = block_id * block_size + offset; slot -1 means "do not
 store" (padding, or a token whose KV is already cached).
 """
@@ -19,8 +21,10 @@ if triton is not None:
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         stride_k_token, stride_k_head, stride_v_token, stride_v_head,
         stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_v_cache_block, stride_v_cache_slot, stride_v_cache_head,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         NUM_KV_HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         # One program per token copies its [num_kv_heads, head_dim] key and value rows.
@@ -33,28 +37,33 @@ if triton is not None:
 
         heads = tl.arange(0, NUM_KV_HEADS_P)
         dims = tl.arange(0, HEAD_DIM_P)
+        dims_v = tl.arange(0, HEAD_DIM_V_P)
         mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+        v_mask = (heads < NUM_KV_HEADS)[:, None] & (dims_v < HEAD_DIM_V)[None, :]
         token = token.to(tl.int64)
         k_offs = token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
-        v_offs = token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+        v_offs = token * stride_v_token + heads[:, None] * stride_v_head + dims_v[None, :]
         cache_offs = (
             block_id * stride_cache_block
             + offset * stride_cache_slot
             + heads[:, None] * stride_cache_head
             + dims[None, :]
         )
+        v_cache_offs = block_id * stride_v_cache_block + offset * stride_v_cache_slot \
+            + heads[:, None] * stride_v_cache_head + dims_v[None, :]
         # Pure copies: no arithmetic on the values, so every dtype moves bit for bit.
         tl.store(k_cache_ptr + cache_offs, tl.load(k_ptr + k_offs, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cache_offs, tl.load(v_ptr + v_offs, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + v_cache_offs, tl.load(v_ptr + v_offs, mask=v_mask), mask=v_mask)
 
 
 def _check_layout(k, v, k_cache, v_cache, slot_mapping) -> None:
-    assert k.dim() == 3 and k.shape == v.shape, f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+    assert k.dim() == 3 and v.dim() == 3 and k.shape[:2] == v.shape[:2], f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+    assert k_cache.dim() == 4 and v_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3], (
         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
     )
-    assert k.shape[1:] == k_cache.shape[2:], (
-        f"new kv [T, Hkv, D] = {tuple(k.shape)} does not match cache {tuple(k_cache.shape)}"
+    assert k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:], (
+        f"new k {tuple(k.shape)}, v {tuple(v.shape)} does not match cache {tuple(k_cache.shape)}, "
+        f"{tuple(v_cache.shape)}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v head_dim must be contiguous"
@@ -79,8 +88,9 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k/v [T, Hkv, D] into k_cache/v_cache at slot_mapping [T] (-1 skips), in place."""
-    # k, v: [T, Hkv, D] (may be strided views of a fused qkv); caches: [NB, BS, Hkv, D]
+    """Write k [T, Hkv, D] and v [T, Hkv, Dv] into k_cache/v_cache at slot_mapping [T]
+    (-1 skips), in place."""
+    # k, v: [T, Hkv, D | Dv] (may be strided views of a fused qkv); caches: [NB, BS, Hkv, D | Dv]
     require_triton()
     check_kernel_dtype("k", k)
     _check_layout(k, v, k_cache, v_cache, slot_mapping)
@@ -91,8 +101,10 @@ def store_kv_cache(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         NUM_KV_HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM_P=next_power_of_2(head_dim),
+        HEAD_DIM_V=v.shape[2], HEAD_DIM_V_P=next_power_of_2(v.shape[2]),
         BLOCK_SIZE=k_cache.shape[1],
     )
 

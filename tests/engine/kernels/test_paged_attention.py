@@ -11,7 +11,7 @@ from shardline.engine.kernels import (
     triton_available,
 )
 
-from .conftest import DEVICE
+from .conftest import DEVICE, FEATURES, feature_options
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -26,7 +26,7 @@ def assert_kernel_matches_reference(batch, atol=2e-5, rtol=1e-5, **options):
     scale = batch.q.shape[-1] ** -0.5
     out = paged_attention(*batch.args(), scale, **options)
     expected = paged_attention_reference(*batch.args(), scale, **options)
-    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    assert out.dtype == batch.q.dtype and out.shape == (*batch.q.shape[:2], batch.v_cache.shape[3])
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
@@ -80,6 +80,42 @@ def test_softcap(paged_batch, sliding_window):
     batch = paged_batch(*MIXED, num_heads=4, num_kv_heads=2)
     batch.q *= 4  # large scores, so the cap bends them
     assert_kernel_matches_reference(batch, softcap=3.0, sliding_window=sliding_window)
+
+
+@needs_triton
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("lens", [DECODE, MIXED, ([70, 0], [1, 45])], ids=["decode", "mixed", "long"])
+def test_attention_features(paged_batch, lens, feature):
+    """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions)."""
+    batch = paged_batch(*lens, num_heads=8, num_kv_heads=2, head_dim=32)
+    assert_kernel_matches_reference(batch, **feature_options(feature, 8))
+
+
+@needs_triton
+def test_chunks_never_read_keys_before_the_first_querys_chunk(paged_batch):
+    """Key tiles wholly before a tile's first query's chunk are skipped: keys there
+    poisoned with NaN after computing the expected output are never loaded."""
+    batch = paged_batch([200, 150], [1, 1], num_heads=4, num_kv_heads=2, block_size=16)
+    expected = paged_attention_reference(*batch.args(), 0.125, chunk_size=32)
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        position = seq_len - 1
+        first_read = (position - position % 32) // 64 * 64
+        for pos in range(first_read):
+            block = batch.block_tables[seq, pos // 16]
+            batch.k_cache[block, pos % 16] = float("nan")
+            batch.v_cache[block, pos % 16] = float("nan")
+    out = paged_attention(*batch.args(), 0.125, chunk_size=32)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (64, 128), (192, 128)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_value_head_size_of_its_own(paged_batch, head_dim, value_head_dim, dtype, tolerance):
+    """Values of another head size than keys (multi-head latent attention's layout)."""
+    batch = paged_batch(*MIXED, num_heads=4, num_kv_heads=2, head_dim=head_dim, value_head_dim=value_head_dim,
+                        dtype=dtype)
+    assert_kernel_matches_reference(batch, atol=tolerance, rtol=tolerance, sinks=feature_options("sinks", 4)["sinks"])
 
 
 @needs_triton
@@ -177,7 +213,7 @@ def test_rejects_float64(paged_batch):
 
 @needs_triton
 @pytest.mark.parametrize("options", [{"sliding_window": 0}, {"sliding_window": 2.5},
-                                     {"softcap": 0.0}])
+                                     {"softcap": 0.0}, {"chunk_size": 0}])
 def test_rejects_bad_options(paged_batch, options):
     batch = paged_batch(*DECODE)
     with pytest.raises(ValueError, match=next(iter(options))):

@@ -10,13 +10,14 @@ from .conftest import DEVICE
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
-def make_store_case(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, num_blocks=6):
+def make_store_case(num_tokens, num_kv_heads, head_dim, dtype, block_size=16, num_blocks=6, value_head_dim=None):
     generator = torch.Generator().manual_seed(0)
+    value_head_dim = value_head_dim or head_dim
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, value_head_dim, generator=generator).to(dtype)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn((*cache_shape[:3], value_head_dim), generator=generator).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
     slots[::3] = -1  # every third token is not stored
     return tuple(t.to(DEVICE) for t in (k, v, k_cache, v_cache, slots))
@@ -35,6 +36,12 @@ def assert_store_matches_reference(k, v, k_cache, v_cache, slots):
 @pytest.mark.parametrize("num_kv_heads, head_dim", [(2, 64), (3, 80), (1, 128)])
 def test_matches_reference(num_kv_heads, head_dim, dtype):
     assert_store_matches_reference(*make_store_case(20, num_kv_heads, head_dim, dtype))
+
+
+@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (192, 128), (64, 80)])
+def test_values_of_their_own_head_size(head_dim, value_head_dim):
+    """Multi-head latent attention's layout: values cached at their own head size."""
+    assert_store_matches_reference(*make_store_case(20, 2, head_dim, torch.float32, value_head_dim=value_head_dim))
 
 
 def test_reference_writes_the_slots():
