@@ -8,9 +8,6 @@ import json
 
 import numpy as np
 import pytest
-from openai.types import CreateEmbeddingResponse, Completion
-from openai.types.chat import ChatCompletion
-from pydantic import BaseModel, ConfigDict
 
 from shardline import LLM, SamplingParams
 from shardline.tasks.openai_requests import OpenAIRow
@@ -18,31 +15,8 @@ from shardline.tasks.shard_job import process_shard, read_shard
 from shardline.tasks.shard_reader import ShardError
 from shardline.tasks.storage import list_shards
 
+from ..openai_lines import read_output_lines
 
-class LineError(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    code: str
-    message: str
-
-
-class LineResponse(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    status_code: int
-    request_id: str
-    body: dict
-
-
-class OutputLine(BaseModel):
-    """One line of an OpenAI Batch output or error file."""
-
-    model_config = ConfigDict(extra="forbid")
-    id: str
-    custom_id: str | None
-    response: LineResponse | None
-    error: LineError | None
-
-
-BODY_TYPES = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse}
 CHAT = [{"role": "user", "content": "Hello there"}]
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}}
@@ -59,26 +33,7 @@ def write_lines(tmp_path, lines: list, name: str = "part-0.jsonl") -> None:
 
 
 def read_output(path) -> list[dict]:
-    """Every line of an output file, each checked against the batch line shape and its body
-    against the openai package's type for it."""
-    lines = [json.loads(text) for text in path.read_text().splitlines()]
-    for line in lines:
-        OutputLine.model_validate(line)
-        if line["response"] is not None and line["response"]["status_code"] == 200:
-            body = decoded(line["response"]["body"])
-            model_type = BODY_TYPES[body["object"]]
-            model_type.model_validate(body)
-            assert set(body) <= set(model_type.model_fields), f"fields the API does not return: {body}"
-    return lines
-
-
-def decoded(body: dict) -> dict:
-    """``body`` with base64 embeddings decoded, as the openai client decodes them."""
-    if body.get("object") != "list":
-        return body
-    data = [{**item, "embedding": np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").tolist()}
-            if isinstance(item["embedding"], str) else item for item in body["data"]]
-    return {**body, "data": data}
+    return read_output_lines(path.read_text())
 
 
 def run_one_shard(tmp_path, job) -> dict:
