@@ -37,7 +37,11 @@ _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": 
           "served_model_name": "--served-model-name", "engine_options": "--engine-options", "pass_through": "--pass-through",
           "storage_options": "--storage-options", "lora_adapters": "--lora", "shards_in_flight": "--shards-in-flight",
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
-          "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop"}
+          "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
+          "structured_outputs": "--json-schema/--choice/--regex/--grammar", "reasoning_parser": "--reasoning-parser",
+          "sampling.max_reasoning_tokens": "--max-reasoning-tokens"}
+# The flags that set the job's structured_outputs, and the field each sets.
+_CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "choice": "--choice", "regex": "--regex", "grammar": "--grammar"}
 
 
 class Interrupted(BaseException):
@@ -80,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fsspec storage options as JSON (prefer AWS_* environment variables for credentials)")
     run.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter (repeatable)")
     run.add_argument("--shards-in-flight", type=int, default=4)
+    structured = run.add_argument_group(
+        "structured outputs and reasoning", "constrain every output to one of these (rows may override it with a "
+        "response_format or json_schema column); JSON outputs are validated into the `parsed` column")
+    structured.add_argument("--json-schema", metavar="FILE", help="a JSON Schema file")
+    structured.add_argument("--choice", action="append", metavar="TEXT", help="an allowed output (repeatable)")
+    structured.add_argument("--regex", help="a regular expression every output matches in full")
+    structured.add_argument("--grammar", metavar="FILE", help="an EBNF grammar file (xgrammar's dialect, rule root)")
+    structured.add_argument("--compact-json", action="store_true", help="no whitespace between JSON tokens")
+    structured.add_argument("--reasoning-parser", metavar="NAME",
+                            help="qwen3 or deepseek_r1: put the model's thinking in a `reasoning` column")
+    structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
 
     demo = commands.add_parser("demo", help="write a sample dataset and a tiny model, then run the flow on them")
     demo.add_argument("dir", nargs="?", default=DEMO_DIR, help=f"where to put everything (default ./{DEMO_DIR})")
@@ -117,11 +132,32 @@ def job_from_args(args: argparse.Namespace) -> Any:
         input=args.input, output=args.output, model=args.model, revision=args.revision, task=args.task,
         input_format=args.input_format, output_format=args.output_format, served_model_name=args.served_model_name,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                  "top_k": args.top_k, "seed": args.seed, "n": args.n, "stop": args.stop},
+                  "top_k": args.top_k, "seed": args.seed, "n": args.n, "stop": args.stop,
+                  "max_reasoning_tokens": args.max_reasoning_tokens},
+        structured_outputs=_structured_outputs(args), reasoning_parser=args.reasoning_parser,
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
         shards_in_flight=args.shards_in_flight,
     )
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The job's structured_outputs from --json-schema, --choice, --regex or --grammar (at most one)."""
+    given = {field: getattr(args, field) for field in _CONSTRAINT_FLAGS if getattr(args, field) is not None}
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(_CONSTRAINT_FLAGS[field] for field in given)} cannot be combined: "
+                         "give one constraint")
+    if not given:
+        if args.compact_json:
+            raise ValueError("--compact-json needs --json-schema")
+        return None
+    (field, value), = given.items()
+    if field in ("json_schema", "grammar"):
+        try:
+            value = Path(value).read_text()
+        except OSError as exc:
+            raise ValueError(f"{_CONSTRAINT_FLAGS[field]}: cannot read {value}: {exc.strerror or exc}") from None
+    return {field: value, "disable_any_whitespace": args.compact_json}
 
 
 def _flag(loc: tuple[Any, ...]) -> str:

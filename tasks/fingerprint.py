@@ -40,7 +40,12 @@ def fingerprint_fields(job: BatchJob, shard: Shard, input_schema: dict[str, str]
     if job.task == JobTask.EMBED:
         fields["pooling"] = job.pooling.model_dump(mode="json")
     else:
-        fields["sampling"] = job.sampling.model_dump(mode="json")
+        # Options left at None stay out, so jobs that do not use them keep their fingerprints.
+        unset = {"max_reasoning_tokens"} if job.sampling.max_reasoning_tokens is None else set()
+        fields["sampling"] = job.sampling.model_dump(mode="json", exclude=unset)
+    for name in ("structured_outputs", "reasoning_parser"):
+        if getattr(job, name) is not None:
+            fields[name] = job.model_dump(mode="json", include={name})[name]
     if job.output_format != OutputFormat.PARQUET or job.served_model_name is not None:  # OpenAI Batch output
         fields["output_format"] = job.output_format.value
         fields["served_model_name"] = job.served_model_name

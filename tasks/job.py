@@ -18,10 +18,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, Secret, field_validator, model_validator
 
 from shardline.engine.config import EngineConfig
+from shardline.engine.sampling.reasoning import REASONING_PARSERS
+
+from .structured_job import StructuredOutputs
 
 # Columns every output shard may carry; pass-through columns must not shadow them.
 OUTPUT_COLUMNS = (
     "id", "text", "texts", "finish_reason", "prompt_tokens", "completion_tokens", "error", "embedding",
+    "parsed", "reasoning",
 )
 
 
@@ -68,6 +72,8 @@ class SamplingDefaults(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     repetition_penalty: float = Field(1.0, gt=0.0, description="Above 1 discourages repeated tokens.")
+    max_reasoning_tokens: int | None = Field(
+        None, ge=0, description="Most thinking tokens before the answer is forced to begin; needs reasoning_parser.")
 
 
 class PoolingDefaults(BaseModel):
@@ -121,6 +127,14 @@ class BatchJob(BaseModel):
         4, ge=1, le=256, description="Shards fed to the engine at once; 2 or more keep its batch full "
         "across shard boundaries.",
     )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Constrain every output to a JSON schema, regex, choice list or grammar (rows may "
+        "override it with a `response_format` or `json_schema` column); JSON outputs are validated into `parsed`.",
+    )
+    reasoning_parser: str | None = Field(
+        None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
+        f"{' or '.join(REASONING_PARSERS)} (think tags).",
+    )
 
     @field_validator("engine_options")
     @classmethod
@@ -150,6 +164,27 @@ class BatchJob(BaseModel):
             raise ValueError(f"output {self.output!r} must differ from input {self.input!r}")
         return self
 
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _structured_and_reasoning(self) -> "BatchJob":
+        if self.task == JobTask.EMBED and self.structured_outputs is not None:
+            raise ValueError("structured_outputs applies to generate and chat jobs, not task=embed")
+        if self.input_format == InputFormat.OPENAI and self.structured_outputs is not None:
+            raise ValueError("structured_outputs does not apply to input_format openai: each request's body "
+                             "sets its own response_format")
+        if "reasoning_parser" in self.engine_options:
+            raise ValueError("set reasoning_parser as the job's own field, not in engine_options")
+        if self.sampling.max_reasoning_tokens is not None and self.reasoning_parser is None:
+            raise ValueError(f"sampling.max_reasoning_tokens={self.sampling.max_reasoning_tokens} needs a "
+                             "reasoning_parser")
+        return self
+
     def storage(self) -> dict[str, Any]:
         """The fsspec storage options, credentials included: pass on, never print."""
         return dict(self.storage_options.get_secret_value())
@@ -161,6 +196,8 @@ class BatchJob(BaseModel):
             kwargs["revision"] = self.revision
         if self.lora_adapters:
             kwargs["enable_lora"] = True
+        if self.reasoning_parser is not None:
+            kwargs["reasoning_parser"] = self.reasoning_parser
         return kwargs
 
     def public_fields(self) -> dict[str, Any]:

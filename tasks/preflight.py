@@ -4,6 +4,7 @@
   ValidationError into one line per invalid field, named as the caller names them
   (``--max-tokens must be >= 1, got -5`` on the command line);
 - the model: its config and tokenizer resolve (a local directory, or a hub id),
+  the tokenizer has the tokens the job's reasoning parser needs,
   and its architecture routes attention through transformers' AttentionInterface,
   which the engine's paged attention needs (checked with transformers alone: no
   weights are loaded, no engine is built);
@@ -75,8 +76,15 @@ def check_model(job: BatchJob) -> str:
     config = _resolve(transformers.AutoConfig, "model", job.model, revision=job.revision, trust_remote_code=trust)
     tokenizer = options.get("tokenizer") or job.model
     _check_local_path(tokenizer, what="tokenizer")
-    _resolve(transformers.AutoTokenizer, "tokenizer", tokenizer,
-             revision=options.get("tokenizer_revision") or job.revision, trust_remote_code=trust)
+    resolved_tokenizer = _resolve(transformers.AutoTokenizer, "tokenizer", tokenizer,
+                                  revision=options.get("tokenizer_revision") or job.revision, trust_remote_code=trust)
+    if job.reasoning_parser is not None:
+        from shardline.engine.sampling.reasoning import ReasoningParserError, make_reasoning_parser
+
+        try:
+            make_reasoning_parser(job.reasoning_parser, resolved_tokenizer)
+        except ReasoningParserError as exc:
+            raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
     architecture = _architecture(transformers, config, job.task)
     for name, path in job.lora_adapters.items():
         if _looks_local(path) and not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):

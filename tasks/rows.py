@@ -2,7 +2,8 @@
 
 A row has ``prompt`` (generate, embed) or ``messages`` (chat), an optional ``id``
 (else ``<shard key>:<row>``) and optional per-row overrides: max_tokens,
-temperature, top_p, seed, priority, lora. A row that cannot run gets an error that
+temperature, top_p, seed, priority, lora, and a structured-output constraint
+(``response_format`` or ``json_schema``, tasks/structured_rows.py). A row that cannot run gets an error that
 names what is wrong; its shard goes on. A shard without the column its task needs
 fails as a whole (ShardError).
 """
@@ -18,6 +19,7 @@ from shardline import LoRARequest, PoolingParams, SamplingParams
 from .job import BatchJob, JobTask
 from .executor import RowRequest
 from .shard_reader import RawShard, RecordProblem, ShardError
+from .structured_rows import RowConstraints
 
 SAMPLING_OVERRIDES = ("max_tokens", "temperature", "top_p", "seed")
 _INT_OVERRIDES = ("max_tokens", "seed", "priority")
@@ -50,13 +52,14 @@ def prepare_shard(raw: RawShard, job: BatchJob) -> PreparedShard:
     """Validate every row of ``raw`` for ``job``; bad rows carry their error."""
     _check_columns(raw, job)
     lora_ids = {name: number for number, name in enumerate(sorted(job.lora_adapters), start=1)}
+    constraints = RowConstraints(job)
     rows = []
     for index, record in enumerate(raw.records):
         row_id = _row_id(raw, index, record)
         try:
             if isinstance(record, RecordProblem):
                 raise ValueError(record.message)
-            request = _row_request(index, record, job, lora_ids)
+            request = _row_request(index, record, job, lora_ids, constraints)
             rows.append(PreparedRow(index, row_id, request))
         except ValueError as exc:
             rows.append(PreparedRow(index, row_id, None, str(exc)))
@@ -80,10 +83,13 @@ def _row_id(raw: RawShard, index: int, record: Any) -> str:
     return f"{raw.shard.key}:{index}" if value is None else str(value)
 
 
-def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: dict[str, int]) -> RowRequest:
+def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: dict[str, int],
+                 constraints: RowConstraints) -> RowRequest:
     overrides = {name: _override(record, name) for name in (*SAMPLING_OVERRIDES, "priority", "lora")}
     priority = overrides.pop("priority")
     lora_name = overrides.pop("lora")
+    if job.task != JobTask.EMBED:
+        overrides["structured_outputs"] = constraints.of(record)
     if job.task == JobTask.CHAT:
         prompt, messages = None, _messages(record.get("messages"))
     else:

@@ -25,6 +25,7 @@ from .openai_responses import openai_lines
 from .rows import PreparedShard
 from .executor import RowResult
 from .shard_reader import ShardError, read_input_schema
+from .structured_rows import check_outputs, count_invalid_outputs
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
 from .usage import usage_fields
 
@@ -56,7 +57,10 @@ def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], j
         columns["prompt_tokens"] = _ints([None if o is None else len(o.prompt_token_ids) for o in outputs])
     else:
         columns.update(_completion_columns(outputs, job.sampling.n))
-    columns["error"] = pa.array([_row_error(row, results) for row in prepared.rows], pa.string())
+    checked = check_outputs(prepared.rows, outputs, job, prepared.raw.schema)  # parsed, reasoning
+    columns.update(checked.columns)
+    columns["error"] = pa.array([_row_error(row, results) or checked.errors.get(row.index)
+                                 for row in prepared.rows], pa.string())
     for name in job.pass_through:
         columns[name] = prepared.raw.pass_through_array(name)
     return pa.table(columns)
@@ -131,6 +135,7 @@ def _table_counts(table: pa.Table) -> dict[str, int]:
     return {
         "rows": table.num_rows,
         "errors": table.num_rows - table.column("error").null_count,
+        "invalid_outputs": count_invalid_outputs(table),  # structured outputs that did not validate
         "prompt_tokens": _column_sum(table, "prompt_tokens"),
         "completion_tokens": _column_sum(table, "completion_tokens"),
     }

@@ -22,6 +22,7 @@ def shard_entry(key: str, status: str, manifest: dict[str, Any] | None = None, m
         "status": status,
         "rows": manifest.get("rows", 0),
         "errors": manifest.get("errors", 0),
+        "invalid_outputs": manifest.get("invalid_outputs", 0),  # of the errors: outputs that did not validate
         "prompt_tokens": manifest.get("prompt_tokens", 0),
         "completion_tokens": manifest.get("completion_tokens", 0),
         "cached_prompt_tokens": manifest.get("cached_prompt_tokens", 0),  # prompt tokens the prefix cache held
@@ -44,6 +45,7 @@ def job_summary(entries: list[dict[str, Any]], wall_seconds: float, output: str)
         "failed": sum(e["status"] == "failed" for e in entries),
         "rows": sum(e["rows"] for e in entries),
         "errors": sum(e["errors"] for e in entries),
+        "invalid_outputs": sum(e.get("invalid_outputs", 0) for e in entries),
         "prompt_tokens": sum(e["prompt_tokens"] for e in entries),
         "completion_tokens": sum(e["completion_tokens"] for e in entries),
         "cached_prompt_tokens": sum(e["cached_prompt_tokens"] for e in entries),
@@ -69,6 +71,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "| {cached_prompt_tokens} | {wall_seconds} | {prompt_tokens_per_second} | {completion_tokens_per_second} |"
         .format(**totals),
     ]
+    if totals.get("invalid_outputs"):
+        lines += ["", _invalid_outputs_line(totals)]
     failed = [e for e in summary["shards"] if e["status"] == "failed"]
     if failed:
         lines += ["", "## Failed shards", ""] + [f"- `{e['shard']}`: {e['message']}" for e in failed]
@@ -92,8 +96,15 @@ def summary_table(summary: dict[str, Any]) -> str:
     for entry in summary["shards"]:
         if entry["status"] == "failed":
             lines.append(f"failed {entry['shard']}: {entry['message']}")
+    if totals.get("invalid_outputs"):
+        lines.append(_invalid_outputs_line(totals))
     lines.append(f"completion tokens/s: {totals['completion_tokens_per_second']}   output: {summary['output']}")
     return "\n".join(lines)
+
+
+def _invalid_outputs_line(totals: dict[str, Any]) -> str:
+    return (f"{totals['invalid_outputs']} of the {totals['errors']} row error(s) are structured outputs that did "
+            "not validate (their text is kept; the error column says why)")
 
 
 class ShardsFailed(RuntimeError):
