@@ -1,0 +1,127 @@
+"""Mamba-1 mixers (mamba, falcon_mamba, jamba, zamba).
+
+in_proj -> [x | gate z], a depthwise causal conv over x, x_proj -> [dt low-rank | B | C]
+(falcon_mamba and jamba RMS-normalise the three), dt_proj's weight lifts dt to every
+channel, then the selective scan with its bias and softplus, and out_proj. zamba
+splits the channels into heads, each with its own x_proj and dt_proj, and interleaves
+x and z in in_proj's output.
+
+Per request and layer the state is the conv window (the last K-1 pre-conv inputs, in
+the model's dtype) and the SSM state [channels, N] (float32 at least, as Hugging Face
+keeps it). A request's single token that continues a state takes the float32
+recurrent update, as the Hugging Face module's decode branch does; other chunks the
+chunked scan (selective_scan.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import StateShapes, register_kind
+from .conv_varlen import causal_conv1d_varlen
+from .decode_split import DecodeSplit
+from .selective_scan import selective_scan_varlen, selective_state_update
+
+
+def _is_zamba(m: torch.nn.Module) -> bool:
+    return hasattr(m, "x_proj_weight")
+
+
+def _ssm_inputs(m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dt before its bias [T, Dc], B and C [T, G, N] from the conv output x [T, Dc]."""
+    rank, state_size = m.time_step_rank, m.ssm_state_size
+    if _is_zamba(m):
+        heads = m.n_mamba_heads
+        params = torch.einsum("hrp,thp->thr", m.x_proj_weight, x.reshape(-1, heads, m.mamba_head_dim))
+        time_step, B, C = params.split([rank, state_size, state_size], dim=-1)
+        dt = torch.einsum("hpr,thr->thp", m.dt_proj_weight, time_step).reshape(x.shape)
+        return dt, B, C
+    time_step, B, C = m.x_proj(x).split([rank, state_size, state_size], dim=-1)
+    if hasattr(m, "dt_layernorm"):  # falcon_mamba, jamba
+        time_step, B, C = m.dt_layernorm(time_step), m.b_layernorm(B), m.c_layernorm(C)
+    return time_step @ m.dt_proj.weight.t(), B[:, None], C[:, None]
+
+
+def _dt_bias(m) -> torch.Tensor | None:
+    return m.dt_proj_bias.reshape(-1) if _is_zamba(m) else m.dt_proj.bias
+
+
+class MambaKind:
+    """The selective-scan mixer of Mamba-1 and the hybrids built on it."""
+
+    name = "mamba"
+
+    def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
+        dtype = hf_module.in_proj.weight.dtype
+        channels = hf_module.intermediate_size
+        return {
+            "conv": ((hf_module.conv_kernel_size - 1, channels), dtype),
+            "ssm": ((channels, hf_module.ssm_state_size), torch.promote_types(dtype, torch.float32)),
+        }
+
+    def forward(
+        self,
+        hf_module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        states: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        # hidden_states: [T, hidden]; states["conv"]: [B, K-1, Dc]; states["ssm"]: [B, Dc, N]
+        m = hf_module
+        dtype = hidden_states.dtype
+        projected = m.in_proj(hidden_states)
+        if _is_zamba(m):
+            x, gate = projected[:, 0::2], projected[:, 1::2]
+        else:
+            x, gate = projected.chunk(2, dim=-1)
+        x = causal_conv1d_varlen(
+            x.contiguous(), m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state,
+            states["conv"], m.activation,
+        )
+        dt, B, C = _ssm_inputs(m, x)
+        bias = _dt_bias(m)
+        if bias is not None:  # HF rounds the float32 bias to dt's dtype
+            dt = dt + bias.float().to(dt.dtype)
+        dt = F.softplus(dt)
+        A = -torch.exp(m.A_log.float()).reshape(m.intermediate_size, m.ssm_state_size)
+        D = m.D.reshape(-1)
+        y = self._scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, states["ssm"])
+        return m.out_proj(y.to(dtype))
+
+    @staticmethod
+    def _scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
+        split = DecodeSplit.of(cu_seqlens, has_initial_state)
+        if split.all_decode:
+            return selective_state_update(ssm_state, x, dt, A, B, C, D, gate)
+        if split.no_decode:
+            initial = torch.where(has_initial_state[:, None, None], ssm_state, 0.0)
+            y, final = selective_scan_varlen(x, dt, A, B, C, D.float(), gate, cu_seqlens, initial)
+            ssm_state.copy_(final)
+            return y
+        decoding, d_tokens = split.decode_requests, split.decode_tokens
+        decode_state = ssm_state[decoding]
+        y_decode = selective_state_update(
+            decode_state, x[d_tokens], dt[d_tokens], A, B[d_tokens], C[d_tokens], D, gate[d_tokens]
+        )
+        ssm_state[decoding] = decode_state
+        chunking, c_tokens = split.chunk_requests, split.chunk_tokens
+        initial = torch.where(has_initial_state[chunking][:, None, None], ssm_state[chunking], 0.0)
+        y_chunk, final = selective_scan_varlen(
+            x[c_tokens], dt[c_tokens], A, B[c_tokens], C[c_tokens], D.float(), gate[c_tokens],
+            split.chunk_cu_seqlens, initial,
+        )
+        ssm_state[chunking] = final.to(ssm_state.dtype)
+        y = y_chunk.new_empty(y_chunk.shape[0] + y_decode.shape[0], y_chunk.shape[1])
+        y[d_tokens] = y_decode.to(y.dtype)
+        y[c_tokens] = y_chunk
+        return y
+
+
+MAMBA = register_kind(
+    MambaKind(),
+    module_classes=("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+    model_types=("mamba", "falcon_mamba", "jamba", "zamba"),
+    layer_types=("linear_attention", "hybrid"),
+)

@@ -1,0 +1,118 @@
+"""Mamba-2 mixers (mamba2, nemotron_h, bamba, zamba2, falcon_h1, granitemoehybrid).
+
+All six Hugging Face mixers share one shape: in_proj -> [gate z | xBC | dt], a
+depthwise causal conv over xBC, the SSD scan per head, a gated RMS norm (or, for
+falcon_h1 without it, x * silu(z)) and out_proj. falcon_h1 adds its input multiplier
+and per-section mup vector on the projection.
+
+Per request and layer the state is the conv window (the last K-1 pre-conv xBC inputs,
+in the model's dtype) and the SSM state [H, P, N] (float32, as Hugging Face keeps it).
+
+As in the Hugging Face module, a request's single token that continues a state takes
+the recurrent update (dt unclamped), and any other chunk the chunked scan (dt clamped
+to the mixer's time_step_limit); each request takes its own branch in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import StateShapes, register_kind
+from .conv_varlen import causal_conv1d_varlen
+from .decode_split import DecodeSplit
+from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
+
+
+class Mamba2Kind:
+    """The SSD mixer of Mamba-2 and the hybrids built on it."""
+
+    name = "mamba2"
+
+    def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
+        dtype = hf_module.in_proj.weight.dtype
+        return {
+            "conv": ((hf_module.conv_kernel_size - 1, hf_module.conv_dim), dtype),
+            "ssm": ((hf_module.num_heads, hf_module.head_dim, hf_module.ssm_state_size), torch.float32),
+        }
+
+    def forward(
+        self,
+        hf_module: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        states: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        # hidden_states: [T, hidden]; states["conv"]: [B, K-1, conv_dim]; states["ssm"]: [B, H, P, N]
+        m = hf_module
+        dtype = hidden_states.dtype
+        if hasattr(m, "ssm_in_multiplier"):  # falcon_h1
+            hidden_states = hidden_states * m.ssm_in_multiplier
+        projected = m.in_proj(hidden_states)
+        if hasattr(m, "mup_vector"):
+            projected = projected * m.mup_vector[0]
+        gate, xBC, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        xBC = causal_conv1d_varlen(
+            xBC, m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state, states["conv"],
+            m.activation,
+        )
+        group_width = m.n_groups * m.ssm_state_size
+        x, B, C = xBC.split([m.intermediate_size, group_width, group_width], dim=-1)
+        x = x.reshape(-1, m.num_heads, m.head_dim)
+        B = B.reshape(-1, m.n_groups, m.ssm_state_size)
+        C = C.reshape(-1, m.n_groups, m.ssm_state_size)
+        dt = softplus_dt(dt, m.dt_bias)
+        A = -torch.exp(m.A_log.float())
+
+        y = self._scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, states["ssm"])
+        y = y.reshape(-1, m.intermediate_size)
+        if getattr(m, "mamba_rms_norm", True):
+            y = m.norm(y[None], gate[None])[0]
+        else:
+            y = y * F.silu(gate)
+        return m.out_proj(y.to(dtype))
+
+    @staticmethod
+    def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
+        """Each request's SSM over its tokens: decode steps by the recurrent update, the
+        rest by the chunked scan. Returns y [T, H, P]."""
+        split = DecodeSplit.of(cu_seqlens, has_initial_state)
+        if split.all_decode:
+            return ssd_decode_step(ssm_state, x, dt, A, B, C, m.D)
+        dt_clamped = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
+        if split.no_decode:
+            initial = torch.where(has_initial_state[:, None, None, None], ssm_state, 0.0)
+            y, final = ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, m.chunk_size, cu_seqlens, initial)
+            ssm_state.copy_(final)
+            return y
+        decoding, d_tokens = split.decode_requests, split.decode_tokens
+        decode_state = ssm_state[decoding]
+        y_decode = ssd_decode_step(decode_state, x[d_tokens], dt[d_tokens], A, B[d_tokens], C[d_tokens], m.D)
+        ssm_state[decoding] = decode_state
+        chunking, c_tokens = split.chunk_requests, split.chunk_tokens
+        initial = torch.where(has_initial_state[chunking][:, None, None, None], ssm_state[chunking], 0.0)
+        y_chunk, final = ssd_chunk_scan_varlen(
+            x[c_tokens], dt_clamped[c_tokens], A, B[c_tokens], C[c_tokens], m.D,
+            m.chunk_size, split.chunk_cu_seqlens, initial,
+        )
+        ssm_state[chunking] = final.to(ssm_state.dtype)
+        y = y_chunk.new_empty(x.shape)
+        y[d_tokens] = y_decode.to(y.dtype)
+        y[c_tokens] = y_chunk
+        return y
+
+
+MAMBA2 = register_kind(
+    Mamba2Kind(),
+    module_classes=(
+        "Mamba2Mixer",
+        "NemotronHMamba2Mixer",
+        "BambaMixer",
+        "Zamba2MambaMixer",
+        "FalconH1Mixer",
+        "GraniteMoeHybridMambaLayer",
+    ),
+    model_types=("mamba2", "nemotron_h", "bamba", "zamba2", "falcon_h1", "granitemoehybrid"),
+    layer_types=("linear_attention", "hybrid"),
+)
