@@ -9,6 +9,7 @@ requests. Both groups keep their batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,3 +49,42 @@ class DecodeSplit:
     @property
     def no_decode(self) -> bool:
         return self.decode_requests.numel() == 0
+
+
+def scan_split(
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    state: torch.Tensor,
+    token_inputs: tuple[torch.Tensor, ...],
+    decode: Callable[..., torch.Tensor],
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Run a step's requests through ``decode(state, *inputs)`` (one token each, the
+    state [Bd, ...] updated in place) and ``chunk(initial_state, cu_seqlens, *inputs)``
+    (returning outputs and final states), each on its own requests' slice of
+    ``token_inputs`` ([T, ...] tensors); ``state`` [B, ...] is read where
+    has_initial_state and left holding every request's final state. Returns [T, ...]."""
+    split = DecodeSplit.of(cu_seqlens, has_initial_state)
+    if split.all_decode:
+        return decode(state, *token_inputs)
+    if split.no_decode:
+        initial = torch.where(_expand(has_initial_state, state), state, 0.0)
+        out, final = chunk(initial, cu_seqlens, *token_inputs)
+        state.copy_(final)
+        return out
+    decoding, d_tokens = split.decode_requests, split.decode_tokens
+    decode_state = state[decoding]
+    out_decode = decode(decode_state, *(t[d_tokens] for t in token_inputs))
+    state[decoding] = decode_state
+    chunking, c_tokens = split.chunk_requests, split.chunk_tokens
+    initial = torch.where(_expand(has_initial_state[chunking], state), state[chunking], 0.0)
+    out_chunk, final = chunk(initial, split.chunk_cu_seqlens, *(t[c_tokens] for t in token_inputs))
+    state[chunking] = final.to(state.dtype)
+    out = out_chunk.new_empty(int(cu_seqlens[-1]), *out_chunk.shape[1:])
+    out[d_tokens] = out_decode.to(out.dtype)
+    out[c_tokens] = out_chunk
+    return out
+
+
+def _expand(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return flags.reshape(-1, *([1] * (like.dim() - 1)))

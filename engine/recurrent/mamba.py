@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
-from .decode_split import DecodeSplit
+from .decode_split import scan_split
 from .selective_scan import selective_scan_varlen, selective_state_update
 
 
@@ -92,31 +92,15 @@ class MambaKind:
 
     @staticmethod
     def _scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
-        split = DecodeSplit.of(cu_seqlens, has_initial_state)
-        if split.all_decode:
-            return selective_state_update(ssm_state, x, dt, A, B, C, D, gate)
-        if split.no_decode:
-            initial = torch.where(has_initial_state[:, None, None], ssm_state, 0.0)
-            y, final = selective_scan_varlen(x, dt, A, B, C, D.float(), gate, cu_seqlens, initial)
-            ssm_state.copy_(final)
-            return y
-        decoding, d_tokens = split.decode_requests, split.decode_tokens
-        decode_state = ssm_state[decoding]
-        y_decode = selective_state_update(
-            decode_state, x[d_tokens], dt[d_tokens], A, B[d_tokens], C[d_tokens], D, gate[d_tokens]
-        )
-        ssm_state[decoding] = decode_state
-        chunking, c_tokens = split.chunk_requests, split.chunk_tokens
-        initial = torch.where(has_initial_state[chunking][:, None, None], ssm_state[chunking], 0.0)
-        y_chunk, final = selective_scan_varlen(
-            x[c_tokens], dt[c_tokens], A, B[c_tokens], C[c_tokens], D.float(), gate[c_tokens],
-            split.chunk_cu_seqlens, initial,
-        )
-        ssm_state[chunking] = final.to(ssm_state.dtype)
-        y = y_chunk.new_empty(y_chunk.shape[0] + y_decode.shape[0], y_chunk.shape[1])
-        y[d_tokens] = y_decode.to(y.dtype)
-        y[c_tokens] = y_chunk
-        return y
+        """Each request's SSM: decode steps by the float32 update, the rest by the chunked scan."""
+
+        def decode(state, x, dt, B, C, gate):
+            return selective_state_update(state, x, dt, A, B, C, D, gate)
+
+        def chunk(initial, cu, x, dt, B, C, gate):
+            return selective_scan_varlen(x, dt, A, B, C, D.float(), gate, cu, initial)
+
+        return scan_split(cu_seqlens, has_initial_state, ssm_state, (x, dt, B, C, gate), decode, chunk)
 
 
 MAMBA = register_kind(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
-from .decode_split import DecodeSplit
+from .decode_split import scan_split
 from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
 
 
@@ -75,32 +75,17 @@ class Mamba2Kind:
 
     @staticmethod
     def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
-        """Each request's SSM over its tokens: decode steps by the recurrent update, the
-        rest by the chunked scan. Returns y [T, H, P]."""
-        split = DecodeSplit.of(cu_seqlens, has_initial_state)
-        if split.all_decode:
-            return ssd_decode_step(ssm_state, x, dt, A, B, C, m.D)
+        """Each request's SSM over its tokens: decode steps by the recurrent update (dt
+        unclamped), the rest by the chunked scan (dt clamped). Returns y [T, H, P]."""
         dt_clamped = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
-        if split.no_decode:
-            initial = torch.where(has_initial_state[:, None, None, None], ssm_state, 0.0)
-            y, final = ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, m.chunk_size, cu_seqlens, initial)
-            ssm_state.copy_(final)
-            return y
-        decoding, d_tokens = split.decode_requests, split.decode_tokens
-        decode_state = ssm_state[decoding]
-        y_decode = ssd_decode_step(decode_state, x[d_tokens], dt[d_tokens], A, B[d_tokens], C[d_tokens], m.D)
-        ssm_state[decoding] = decode_state
-        chunking, c_tokens = split.chunk_requests, split.chunk_tokens
-        initial = torch.where(has_initial_state[chunking][:, None, None, None], ssm_state[chunking], 0.0)
-        y_chunk, final = ssd_chunk_scan_varlen(
-            x[c_tokens], dt_clamped[c_tokens], A, B[c_tokens], C[c_tokens], m.D,
-            m.chunk_size, split.chunk_cu_seqlens, initial,
-        )
-        ssm_state[chunking] = final.to(ssm_state.dtype)
-        y = y_chunk.new_empty(x.shape)
-        y[d_tokens] = y_decode.to(y.dtype)
-        y[c_tokens] = y_chunk
-        return y
+
+        def decode(state, x, dt, dt_clamped, B, C):
+            return ssd_decode_step(state, x, dt, A, B, C, m.D)
+
+        def chunk(initial, cu, x, dt, dt_clamped, B, C):
+            return ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, m.chunk_size, cu, initial)
+
+        return scan_split(cu_seqlens, has_initial_state, ssm_state, (x, dt, dt_clamped, B, C), decode, chunk)
 
 
 MAMBA2 = register_kind(
