@@ -1,0 +1,268 @@
+"""The model-coverage sweep: every decoder-only model type in the installed
+transformers' causal-LM mapping, built tiny and random, run through shardline's
+``LLM`` and compared token for token with transformers' own greedy generate.
+
+Each type ends in one class:
+- ``parity``: shardline's greedy tokens equal transformers' on every prompt;
+- ``refused``: shardline refused the model at load with one of its own errors (the
+  reason is the error's message);
+- ``failure``: wrong tokens, a crash, or a tiny model the sweep could not build or
+  whose reference does not depend on the context (the detail names the stage);
+- ``skipped``: not a decoder-only text LM (an encoder, the decoder half of an
+  encoder-decoder, an audio model), with the reason.
+
+The reference runs in float64 where the model's code takes it, else in float32 (some
+MoE code refuses float64), and shardline in the same dtype. Weights are drawn with
+std 0.2 (engine/tiny.py) and the sweep checks that replacing a prompt's context
+changes the reference's tokens, so a dropped state or an ignored mask cannot pass.
+
+Run it directly for a report: ``python -m tests.engine.coverage [TYPE ...]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from shardline import LLM, SamplingParams
+from shardline.engine.model.loader import ModelLoadError
+from shardline.engine.tiny import build_tiny_model
+
+MAX_NEW_TOKENS = 6
+PROMPT_LENGTHS = (3, 13, 30)
+VOCAB_SIZE = 512
+MAX_PARAMETERS = 5_000_000  # a tiny model is well under a million; more means a size the overrides missed
+# engine/tiny.py's common sizes, for counting parameters before building.
+TINY_SIZES = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+OUTCOMES = ("parity", "refused", "failure", "skipped")
+
+_ENCODER = "an encoder (bidirectional) model; its causal-LM head is for fine-tuning, not decoding"
+_SEQ2SEQ = "the decoder half of an encoder-decoder model; it attends an encoder's output"
+_AUDIO = "an audio model generating several codebooks per step"
+
+# Model types that are not decoder-only text LMs, with the reason.
+SKIPPED = {
+    **{name: _ENCODER for name in (
+        "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+        "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+        "xlm-roberta", "xlm-roberta-xl", "xmod", "xlm")},
+    **{name: _SEQ2SEQ for name in (
+        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
+        "plbart", "prophetnet", "trocr", "whisper")},
+    **{name: _AUDIO for name in ("musicgen", "musicgen_melody", "moshi")},
+    "xlnet": "a permutation language model with two attention streams, not a causal decoder",
+    "reformer": "LSH and local chunked attention over axial positions; not a causal decoder of fixed shape",
+    "moss_transcribe_diarize": "a speech transcription model (audio input)",
+}
+
+# Shrunk sizes, applied where the type's default config has the attribute: small
+# experts, small head sizes, small windows and chunks so short prompts cross them.
+SHRINK = {
+    "head_dim": 16, "global_head_dim": 32, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
+    "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "top_k": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 8, "attention_chunk_size": 8, "window_size": 8,
+    "n_group": 1, "topk_group": 1, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4,
+}
+
+# What a type needs beyond SHRINK and engine/tiny.py's common sizes.
+OVERRIDES: dict[str, dict] = {
+    "gpt_oss": dict(head_dim=16, sliding_window=8),
+    "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
+    "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
+}
+
+# Types run by default in the test suite: one per attention shape the sweep meets.
+REPRESENTATIVE = ("llama", "gpt2", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class CoverageResult:
+    """One model type's outcome; ``detail`` is the reason or the first difference."""
+
+    model_type: str
+    outcome: str
+    detail: str = ""
+    dtype: str = ""
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        dtype = f" [{self.dtype}]" if self.dtype else ""
+        detail = f": {self.detail}" if self.detail else ""
+        return f"{self.model_type:<28} {self.outcome:<8}{dtype}{detail}"
+
+
+def decoder_model_types() -> list[str]:
+    """Every model type in the installed transformers' causal-LM mapping, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_overrides(model_type: str) -> dict:
+    """Config overrides for a tiny ``model_type``: SHRINK where its default config has
+    the attribute, two layers of each distinct kind in its ``layer_types``, then OVERRIDES."""
+    defaults = transformers.AutoConfig.for_model(model_type)
+    text_defaults = defaults.get_text_config()
+    overrides = {name: value for name, value in SHRINK.items()
+                 if getattr(text_defaults, name, None) is not None and not _is_property(type(text_defaults), name)}
+    layer_kinds = list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
+    if len(layer_kinds) > 1:
+        overrides["layer_types"] = layer_kinds
+        overrides["num_hidden_layers"] = len(layer_kinds)
+    return {**overrides, **OVERRIDES.get(model_type, {})}
+
+
+def _parameter_count(model_type: str, overrides: dict) -> int:
+    """Parameters of the tiny model, counted without allocating them."""
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _is_property(config_class: type, name: str) -> bool:
+    """Whether ``name`` is computed from other fields (and so cannot be set)."""
+    return isinstance(getattr(config_class, name, None), property)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB_SIZE) for _ in range(length)] for length in PROMPT_LENGTHS]
+
+
+@torch.inference_mode()
+def _reference(model: transformers.PreTrainedModel, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time, EOS included when hit."""
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
+                                   do_sample=False, pad_token_id=2)
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def _load_reference(model_dir: str) -> tuple[transformers.PreTrainedModel, list[list[int]], str]:
+    """The reference model and its tokens, in float64 where its code runs it."""
+    error: Exception | None = None
+    for dtype in (torch.float64, torch.float32):
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, attn_implementation="eager").eval()
+            return model, _reference(model, _prompts()), str(dtype).removeprefix("torch.")
+        except Exception as exc:  # noqa: BLE001 - some MoE code refuses float64
+            error = exc
+    raise error
+
+
+def _context_matters(model: transformers.PreTrainedModel, expected: list[list[int]]) -> bool:
+    """Whether replacing the longest prompt's context (all but its last token) changes
+    the reference's tokens."""
+    prompt = _prompts()[-1]
+    other = _prompts(seed=1)[-1][:-1] + prompt[-1:]
+    return _reference(model, [other])[0] != expected[-1]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def check_type(model_type: str, workdir: Path) -> CoverageResult:
+    """Build ``model_type`` tiny, run it both ways and classify the outcome."""
+    if model_type in SKIPPED:
+        return CoverageResult(model_type, "skipped", SKIPPED[model_type])
+    model_dir = workdir / model_type
+    try:
+        overrides = tiny_overrides(model_type)
+        num_parameters = _parameter_count(model_type, overrides)
+        if num_parameters > MAX_PARAMETERS:
+            return CoverageResult(model_type, "failure", f"tiny build: {num_parameters} parameters with the sweep's "
+                                  f"overrides, over {MAX_PARAMETERS}; it needs its own in OVERRIDES")
+        build_tiny_model(model_dir, model_type, vocab_size=VOCAB_SIZE, **overrides)
+    except Exception as exc:  # noqa: BLE001 - the sweep reports every way a type fails
+        return CoverageResult(model_type, "failure", f"tiny build: {_one_line(exc)}")
+    try:
+        reference_model, expected, dtype = _load_reference(str(model_dir))
+    except Exception as exc:  # noqa: BLE001
+        return CoverageResult(model_type, "failure", f"transformers reference: {_one_line(exc)}")
+    if not _context_matters(reference_model, expected):
+        return CoverageResult(model_type, "failure", "reference tokens do not depend on the context", dtype)
+    del reference_model
+    try:
+        llm = LLM(str(model_dir), dtype=dtype, max_num_batched_tokens=16, max_num_seqs=4)
+    except ModelLoadError as exc:
+        return CoverageResult(model_type, "refused", " ".join(str(exc).split()), dtype)
+    except Exception as exc:  # noqa: BLE001
+        return CoverageResult(model_type, "failure", f"load crashed: {_one_line(exc)}", dtype)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+        ours = [list(output.outputs[0].token_ids) for output in outputs]
+    except Exception as exc:  # noqa: BLE001
+        return CoverageResult(model_type, "failure", f"generate crashed: {_one_line(exc)}", dtype)
+    finally:
+        llm.close()
+    for index, (got, want) in enumerate(zip(ours, expected)):
+        if got != want:
+            return CoverageResult(model_type, "failure",
+                                  f"wrong tokens on prompt {index}: {got} vs transformers' {want}", dtype)
+    return CoverageResult(model_type, "parity", "", dtype)
+
+
+def sweep(model_types: list[str], workdir: Path, echo=print) -> list[CoverageResult]:
+    """``check_type`` over ``model_types``, echoing one line per type and the counts."""
+    results = []
+    for model_type in model_types:
+        start = time.perf_counter()
+        try:
+            result = check_type(model_type, workdir)
+        except Exception as exc:  # noqa: BLE001
+            result = CoverageResult(model_type, "failure", f"sweep crashed: {_one_line(exc)}")
+        result = CoverageResult(result.model_type, result.outcome, result.detail, result.dtype,
+                                time.perf_counter() - start)
+        results.append(result)
+        echo(result.line())
+    counts = Counter(result.outcome for result in results)
+    echo("counts: " + ", ".join(f"{outcome} {counts[outcome]}" for outcome in OUTCOMES))
+    return results
+
+
+def quiet_transformers() -> None:
+    """No progress bars or warnings from transformers while sweeping."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("shardline").setLevel(logging.ERROR)
+
+
+def main(argv: list[str]) -> int:
+    """``[--part I/N] [TYPE ...]``: the given types (default all), or the I-th of N
+    interleaved parts of them, so several processes can share a sweep."""
+    part = None
+    if argv[:1] == ["--part"]:
+        index, count = map(int, argv[1].split("/"))
+        part, argv = (index, count), argv[2:]
+    types = argv or decoder_model_types()
+    if part is not None:
+        types = types[part[0]::part[1]]
+    quiet_transformers()
+    torch.set_num_threads(1)  # tiny models: threads only contend
+    with tempfile.TemporaryDirectory(prefix="shardline-coverage-") as workdir:
+        results = sweep(types, Path(workdir), echo=lambda line: print(line, flush=True))
+    return 1 if any(result.outcome == "failure" for result in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
