@@ -9,9 +9,10 @@ by the decays; across chunks, a recurrence over chunk boundary states.
 Invariants: every request's chunks start at its own first token (chunk c of request
 b covers its tokens c*Q .. c*Q+Q-1), so no chunk holds two requests' tokens; padded
 positions carry dt = 0 (decay 1, no input), so they change no state and no output;
-each request's scan starts from its initial state (zero on a first chunk). The
-arithmetic follows the Hugging Face torch path's dtypes: the scan runs in float32 at
-least, dt and D in their own dtype.
+each request's scan starts from its initial state (zero on a first chunk). The scan
+runs in the caller's compute dtype: float32 for Mamba-2, as the Hugging Face torch
+path runs it (dt and D in their own dtype), the model's own for float64 linear
+attention.
 """
 
 from __future__ import annotations
@@ -72,22 +73,24 @@ def ssd_chunk_scan_varlen(
     chunk_size: int,
     cu_seqlens: torch.Tensor,
     initial_state: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked SSD scan of every request from its initial state.
+    """Chunked SSD scan of every request from its initial state, in ``compute_dtype``
+    (float32, as HF's Mamba-2 runs it).
 
     x: [T, H, P], dt: [T, H] (already biased, softplus'd and clamped), A: [H] (negative),
     B, C: [T, G, N], D: [H], initial_state: [Bq, H, P, N] (zeros for a fresh request).
-    Returns y [T, H, P] and the final states [Bq, H, P, N] (float32 at least).
+    Returns y [T, H, P] and the final states [Bq, H, P, N].
     """
     num_tokens, num_heads, head_dim = x.shape
     heads_per_group = num_heads // B.shape[1]
     layout = ChunkLayout(cu_seqlens, chunk_size, num_tokens)
-    x = x.float()
+    x, dt = x.to(compute_dtype), dt.to(compute_dtype)
     D_residual = D[:, None] * x if D is not None else None
-    xdt = layout.gather(x * dt[..., None].float())  # [K, Q, H, P]
-    dtA = layout.gather(A.to(x.dtype) * dt.float()).permute(0, 2, 1)  # [K, H, Q]
-    B = layout.gather(B.float().repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
-    C = layout.gather(C.float().repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
+    xdt = layout.gather(x * dt[..., None])  # [K, Q, H, P]
+    dtA = layout.gather(A.to(compute_dtype) * dt).permute(0, 2, 1)  # [K, H, Q]
+    B = layout.gather(B.to(compute_dtype).repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
+    C = layout.gather(C.to(compute_dtype).repeat_interleave(heads_per_group, dim=1, output_size=num_heads))
     A_cumsum = torch.cumsum(dtA, dim=-1)  # [K, H, Q]
 
     # 1. Inside each chunk: attention-like scores C_l . B_s masked by the decay from s to l.
@@ -128,14 +131,16 @@ def ssd_decode_step(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None,
+    decay_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One token per request: state [Bq, H, P, N] updated in place; x [Bq, H, P],
-    dt [Bq, H] (biased and softplus'd), B, C [Bq, G, N]. Returns y [Bq, H, P]."""
+    dt [Bq, H] (biased and softplus'd), B, C [Bq, G, N]. Returns y [Bq, H, P]. The
+    decay is computed in ``decay_dtype`` (float32, as HF's Mamba-2 update does)."""
     num_heads = x.shape[1]
     heads_per_group = num_heads // B.shape[1]
     B = B.repeat_interleave(heads_per_group, dim=1, output_size=num_heads)  # [Bq, H, N]
     C = C.repeat_interleave(heads_per_group, dim=1, output_size=num_heads)
-    decay = torch.exp(dt.float() * A.float())[..., None, None]  # [Bq, H, 1, 1]
+    decay = torch.exp(dt.to(decay_dtype) * A.to(decay_dtype))[..., None, None]  # [Bq, H, 1, 1]
     new_state = state * decay + dt[..., None, None] * B[:, :, None, :] * x[..., None]
     state.copy_(new_state)
     y = torch.einsum("bhpn,bhn->bhp", new_state.to(C.dtype), C)
