@@ -80,7 +80,8 @@ class LLMEngine:
         # CUDA-graph path ask it how attention runs.
         self.attention = choose_attention_backend(
             config.attention_backend, self.device, loaded.dtype, self.hf_config.get_text_config().num_attention_heads,
-            native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel)
+            native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel,
+            chunk_sizes=spec.chunk_sizes)
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, self.attention, spec, model_len)
         num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, state_spec)

@@ -2,12 +2,16 @@
 and the cache planned and allocated from that list.
 
 Every layer declares its own spec, so layers may differ in kind, heads and head sizes;
-the planner sizes a block as the sum over layers. Kinds today: "full" attention and
-"sliding_window" attention (which keeps its whole context in the cache like a full
-layer; the window is applied when attending). A "recurrent" layer (gated delta-net,
-short convolution...: a kind registered in engine/recurrent/) holds no KV: it takes
-no room in a block, and its per-request state lives in state slots planned beside
-the blocks (engine/recurrent/state.py). Any other layer whose state is not keys and
+the planner sizes a block as the sum over layers. Kinds today: "full" attention,
+"sliding_window" attention and "chunked" local attention (llama4: a query sees its
+own aligned chunk of ``attention_chunk_size`` tokens), the last two keeping their
+whole context in the cache like a full layer, the window or chunk applied when
+attending. Keys and values each have their own head size: multi-head latent
+attention (deepseek_v2/v3, minicpm3, ...) attends keys of qk_nope + qk_rope and
+values of v_head_dim per head, cached in full at those sizes. A "recurrent" layer
+(gated delta-net, short convolution...: a kind registered in engine/recurrent/) holds
+no KV: it takes no room in a block, and its per-request state lives in state slots
+planned beside the blocks (engine/recurrent/state.py). Any other layer whose state is not keys and
 values is refused at load, naming the layer, rather than run without it.
 """
 
@@ -32,6 +36,7 @@ class LayerCacheSpec:
     head_dim: int
     value_head_dim: int
     sliding_window: int | None = None
+    chunk_size: int | None = None  # kind "chunked": a query sees its own aligned chunk
 
     def block_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return ((num_blocks, block_size, self.num_kv_heads, self.head_dim),
@@ -63,10 +68,18 @@ class KVCacheSpec:
             layer_config = per_layer[index] if per_layer is not None else text_config
             num_heads = layer_config.num_attention_heads
             num_kv_heads = getattr(layer_config, "num_key_value_heads", None) or num_heads
-            head_dim = getattr(layer_config, "head_dim", None) or text_config.hidden_size // num_heads
+            head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
-            layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, head_dim, window))
+            chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
+            layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))
         return cls(tuple(layers), dtype)
+
+    @property
+    def chunk_sizes(self) -> tuple[int | None, ...]:
+        """Each layer's chunked-attention chunk size (None: not chunked); empty when no
+        layer is chunked, so the attention backends do nothing per layer then."""
+        sizes = tuple(layer.chunk_size for layer in self.layers)
+        return sizes if any(size is not None for size in sizes) else ()
 
     @property
     def num_layers(self) -> int:
@@ -84,6 +97,19 @@ class KVCacheSpec:
             caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
                            torch.zeros(value_shape, dtype=self.dtype, device=device)))
         return caches
+
+
+def _head_sizes(layer_config: transformers.PretrainedConfig, default: int) -> tuple[int, int]:
+    """(key head size, value head size) of a layer: multi-head latent attention's
+    qk_head_dim (or qk_nope_head_dim + qk_rope_head_dim) and v_head_dim where the
+    config has them (its ``head_dim`` is then the rotary part alone), else head_dim,
+    else hidden_size / heads (``default``) for both."""
+    head_dim = getattr(layer_config, "qk_head_dim", None)
+    nope, rope = getattr(layer_config, "qk_nope_head_dim", None), getattr(layer_config, "qk_rope_head_dim", None)
+    if head_dim is None and nope is not None and rope is not None:
+        head_dim = nope + rope
+    head_dim = head_dim or getattr(layer_config, "head_dim", None) or default
+    return head_dim, getattr(layer_config, "v_head_dim", None) or head_dim
 
 
 def plan_num_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model_len: int, free_bytes: int) -> int:

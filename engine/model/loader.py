@@ -100,7 +100,7 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
 
 # transformers' config.layer_types values the engine's paged KV cache holds, and their
 # kind there (engine/model/kv_cache_spec.py).
-LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window"}
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window", "chunked_attention": "chunked"}
 # A layer registered as a recurrent kind for its model type (engine/recurrent/) keeps
 # per-request state slots instead of KV blocks.
 RECURRENT = "recurrent"
