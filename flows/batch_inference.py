@@ -76,7 +76,7 @@ def batch_inference(
     entries = settle_failed(entries, shards, job)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
     try:  # the job's request counts and usage as an OpenAI batch object, <output>/_batch.json
-        summary["batch"] = redact_url(write_batch_object(job, summary, created_at))
+        summary["batch"] = write_batch_object(job, summary, created_at)
     except PipelineError as exc:  # the shards are committed; a rerun skips them and writes it again
         logger.error("the job's %s was not written: %s", BATCH_OBJECT, exc)
     publish_summary(summary)

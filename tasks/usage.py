@@ -87,9 +87,9 @@ def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> d
     }
 
 
-def write_batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> str:
-    """Write ``<output>/_batch.json`` (atomically) for the job's summary; return its URL."""
+def write_batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> dict[str, Any]:
+    """Write the job's batch object to ``<output>/_batch.json`` (atomically); return it."""
     fs, path = filesystem(job.output, job.storage())
-    uri = fs.unstrip_protocol(join(path, BATCH_OBJECT))
-    write_atomic(uri, json.dumps(batch_object(job, summary, created_at), indent=2).encode(), job.storage())
-    return uri
+    batch = batch_object(job, summary, created_at)
+    write_atomic(fs.unstrip_protocol(join(path, BATCH_OBJECT)), json.dumps(batch, indent=2).encode(), job.storage())
+    return batch

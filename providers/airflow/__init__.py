@@ -2,8 +2,9 @@
 
 ``list_shards`` (a TaskFlow task) lists a job's input shards; ``ShardInferenceOperator``,
 mapped over them with ``.expand``, runs each through this process's engine with the
-same BatchJob parameters, outputs and manifests as the Prefect flow. Storage
-credentials come from an Airflow connection (``storage_conn_id``).
+same BatchJob parameters, outputs and manifests as the Prefect flow; ``batch_usage``
+ends the job with its usage (``_batch.json`` and XCom). Storage credentials come from
+an Airflow connection (``storage_conn_id``).
 
 Airflow's ProvidersManager loads ``get_provider_info`` through the
 ``apache_airflow_provider`` entry point. Everything else is resolved on first use,
@@ -20,6 +21,7 @@ _EXPORTS = {
     "list_shards": "shardline.providers.airflow.listing",
     "storage_options_from_connection": "shardline.providers.airflow.connection",
     "ShardBatch": "shardline.providers.airflow.shard_batch",
+    "batch_usage": "shardline.providers.airflow.usage",
 }
 
 __all__ = sorted([*_EXPORTS, "get_provider_info"])

@@ -4,6 +4,7 @@ rerun, one engine for every task instance of the process."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow.parquet as pq
@@ -36,7 +37,8 @@ def test_example_dag_runs_every_shard_and_pushes_only_manifests(airflow_db, tmp_
     dag_run = run_dag("shardline_batch", _conf(str(tmp_path / "in"), str(tmp_path / "out"), tiny_model))
 
     assert str(dag_run.state) == "success", task_states(dag_run)
-    assert sorted(task_states(dag_run)) == [("infer", i) for i in range(4)] + [("list_shards", -1)]
+    assert sorted(task_states(dag_run)) == [("batch_usage", -1)] + [("infer", i) for i in range(4)] + [
+        ("list_shards", -1)]
     assert num_cached_engines() == 1  # four task instances, one engine loaded in this process
 
     job = BatchJob(input=str(tmp_path / "in" / DS), output=str(tmp_path / "out" / DS), model=tiny_model,
@@ -56,6 +58,15 @@ def test_example_dag_runs_every_shard_and_pushes_only_manifests(airflow_db, tmp_
         assert output.column("error").to_pylist() == expected.column("error").to_pylist()
         assert manifest["rows"] == output.num_rows and manifest["fingerprint"]
     assert sum(m["errors"] for m in manifests.values()) == 3  # the sample's three bad rows, kept in order
+
+    usage = xcom_values(dag_run, "batch_usage")[-1]  # the job's totals: the sums of the manifests
+    for name in ("rows", "errors", "prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
+        assert usage["totals"][name] == sum(m[name] for m in manifests.values()), name
+    with open(tmp_path / "out" / DS / "_batch.json") as handle:
+        assert json.load(handle) == usage["batch"]
+    rows = sum(m["rows"] for m in manifests.values())
+    assert usage["batch"]["request_counts"] == {"total": rows, "completed": rows - 3, "failed": 3}
+    assert usage["batch"]["usage"]["output_tokens"] == usage["totals"]["completion_tokens"]
 
 
 def test_rerun_skips_done_shards_and_redoes_only_a_missing_one(airflow_db, tmp_path, tiny_model):

@@ -105,6 +105,7 @@ def test_openai_batch_on_s3_resumes_after_sigkill_with_usage_totals(tmp_path, s3
 
     batch = json.loads(fs.cat_file(f"{prefix}/out/_batch.json"))
     Batch.model_validate(batch)
+    assert summary["batch"] == batch
     usages = [line["response"]["body"]["usage"] for line in all_lines if line["error"] is None]
     failed = sum(line["error"] is not None for line in all_lines)
     assert batch["status"] == "completed"

@@ -18,7 +18,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag
 
-from shardline.providers.airflow import ShardInferenceOperator, list_shards
+from shardline.providers.airflow import ShardInferenceOperator, batch_usage, list_shards
 
 JOB = {
     "input": "{{ params.input }}/date={{ ds }}",
@@ -54,10 +54,13 @@ JOB = {
 def shardline_batch():
     shards = list_shards(job=JOB, storage_conn_id="{{ params.storage_conn_id }}",
                          shards_per_task="{{ params.shards_per_task }}")
-    ShardInferenceOperator.partial(
+    infer = ShardInferenceOperator.partial(
         task_id="infer", job=JOB, storage_conn_id="{{ params.storage_conn_id }}", retries=2,
         max_active_tis_per_dag=1,
     ).expand(shards=shards)
+    # After every shard, failed ones too: the job's request counts and token usage in
+    # <output>/_batch.json and XCom.
+    infer >> batch_usage(job=JOB, storage_conn_id="{{ params.storage_conn_id }}")
 
 
 shardline_batch()
