@@ -195,28 +195,32 @@ class OutputChecker:
 
     def check(self, sample: Any, constraint: StructuredOutputsParams) -> tuple[str | None, str | None]:
         """(the parsed JSON as compact text, or None; why the sample is invalid, or None)."""
-        text = sample.text
-        cut = (f" (finish_reason 'length': max_tokens ended it before the {constraint.kind} constraint "
-               "was complete; raise max_tokens)") if sample.finish_reason == "length" else ""
+        parsed, problem = self._check(sample.text, constraint)
+        if problem is not None and sample.finish_reason == "length":
+            problem = (f"max_tokens ended the output before its {constraint.kind} constraint was complete "
+                       f"(finish_reason 'length'; raise max_tokens): {problem}")
+        return parsed, problem
+
+    def _check(self, text: str, constraint: StructuredOutputsParams) -> tuple[str | None, str | None]:
         if constraint.kind in _JSON_KINDS:
             try:
                 value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
             except json.JSONDecodeError as exc:
-                return None, f"the output is not valid JSON: {exc.msg} at position {exc.pos}{cut}"
+                return None, f"the output is not valid JSON: {exc}"
             except ValueError as exc:
                 return None, f"the output is not usable JSON: {exc}"
             problem = self._json_problem(value, constraint)
             if problem is not None:
-                return None, problem + cut
+                return None, problem
             return json.dumps(value, ensure_ascii=False, separators=(",", ":")), None
         if constraint.kind == "choice":
             if text in constraint.choice:
                 return None, None
-            return None, f"the output {text!r:.80} is not one of the choices {constraint.choice!r:.200}{cut}"
+            return None, f"the output {text!r:.80} is not one of the choices {constraint.choice!r:.200}"
         if constraint.kind in ("regex", "grammar"):
             if self._grammar_accepts(constraint, text):
                 return None, None
-            return None, f"the output {text!r:.80} does not match the {constraint.kind} in full{cut}"
+            return None, f"the output {text!r:.80} does not match the {constraint.kind} in full"
         return None, None  # structural tags: nothing to check the whole output against
 
     def _json_problem(self, value: Any, constraint: StructuredOutputsParams) -> str | None:

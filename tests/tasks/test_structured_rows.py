@@ -17,6 +17,7 @@ from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.tiny import build_tiny_model
 from shardline.tasks.fingerprint import fingerprint_fields
 from shardline.tasks.preflight import check_model, field_errors
+from shardline.tasks.engine_cache import close_engines
 from shardline.tasks.errors import ModelUnusable
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import process_shard
@@ -47,6 +48,21 @@ ORDER = {
 }
 LABELS = {"type": "object", "properties": {"labels": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                       "maxItems": 4}}, "required": ["labels"]}
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    """Overrides the package's per-test close: this module's jobs share their engines,
+    which _engines_of_this_module closes at its end."""
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_of_this_module():
+    yield
+    close_engines()
+
+
 TOPICS = ["The quick brown fox", "Summarize the text", "café 東京", "def main():", "Two plus two?", "emoji 🙂"]
 
 
@@ -88,7 +104,8 @@ def test_schema_job_outputs_parse_and_validate_and_cut_rows_are_counted(tmp_path
     out = table.to_pylist()
     cut = out[4]
     assert cut["finish_reason"] == "length" and cut["parsed"] is None and cut["text"]
-    assert cut["error"].startswith("the output is not valid JSON") and "finish_reason 'length'" in cut["error"]
+    assert cut["error"].startswith("max_tokens ended the output before its json constraint was complete "
+                                   "(finish_reason 'length'; raise max_tokens): the output is not valid JSON: ")
     assert out[5]["error"] is None and out[5]["parsed"] is None  # type text: unconstrained
     for row, schema in zip(out, schemas):
         if row["id"] in ("r4", "r5"):
@@ -139,7 +156,8 @@ def test_choice_and_regex_jobs(tmp_path, make_job):
     job = make_job(sampling={"max_tokens": 16, "temperature": 1.0, "seed": 3}, structured_outputs={"regex": pattern})
     manifest, table = _run(tmp_path, rows, job, name="regex")
     out = table.to_pylist()
-    assert out[0]["finish_reason"] == "length" and "does not match the regex in full" in out[0]["error"]
+    assert out[0]["finish_reason"] == "length" and out[0]["error"].endswith(
+        f"the output {out[0]['text']!r} does not match the regex in full")
     for row in out[1:]:
         assert row["error"] is None and re.fullmatch(pattern, row["text"]), row
     assert manifest["invalid_outputs"] == 1
