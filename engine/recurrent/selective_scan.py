@@ -25,7 +25,7 @@ from .ssd import ChunkLayout
 SCAN_CHUNK = 32
 
 
-def _doubling_scan(decay: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def doubling_scan(decay: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive scan over dim 1 of h_t = decay_t * h_{t-1} + inputs_t from h = 0;
     returns (prod of decays up to t, h_t)."""
     shift = 1
@@ -66,7 +66,7 @@ def selective_scan_varlen(
         C_c = padded["C"][tokens].repeat_interleave(per_group, dim=2, output_size=channels)
         decay = torch.exp(A * dt_c)  # [n, Q, Dc, N]
         inputs = dt_c * B_c * padded["x"][tokens].float()[..., None]
-        decay_product, local = _doubling_scan(decay, inputs)
+        decay_product, local = doubling_scan(decay, inputs)
         states = local + decay_product * state[requests][:, None]
         valid = tokens < num_tokens
         y[tokens[valid]] = torch.einsum("nqdk,nqdk->nqd", states.to(input_dtype), C_c)[valid]
