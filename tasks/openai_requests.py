@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardline import PoolingParams, SamplingParams, StructuredOutputsParams
+from shardline.engine.chat import ChatRenderError, normalize_messages
 
 from .executor import RowRequest
 from .job import BatchJob, InputFormat, JobTask
@@ -52,7 +53,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", 
 _ALLOWED = {CHAT: _CHAT_FIELDS, COMPLETION: _COMPLETION_FIELDS, EMBEDDING: _EMBEDDING_FIELDS}
 # The job's sampling defaults a body may leave out.
 _JOB_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos",
-                 "repetition_penalty")
+                 "repetition_penalty", "max_reasoning_tokens")
 
 
 class RequestError(ValueError):
@@ -207,9 +208,10 @@ def _single_text(value: Any, name: str) -> str:
 # ----------------------------------------------------------- chat, completion
 def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowRequest:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise _invalid("messages", f"must be a non-empty list of objects with a string 'role', got {messages!r:.80}")
+    try:
+        normalize_messages(messages, "openai")  # roles and text content; the template renders them later
+    except ChatRenderError as exc:
+        raise _invalid("messages", f"are malformed: {exc}") from None
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
             raise _invalid("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")

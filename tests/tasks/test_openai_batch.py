@@ -164,6 +164,8 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
         "format": ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "'xml'"),
         "choice": ({"messages": CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
         "messages": ({"messages": "hi"}, "messages", "non-empty list"),
+        "image": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                  "messages", "message 0: content parts must be"),
         "tokens": ({"max_tokens": 0, "messages": CHAT}, "max_tokens", "integer >= 1"),
     }
     lines = good + [request(name, "/v1/chat/completions", **body) for name, (body, _, _) in bad.items()]
