@@ -143,7 +143,9 @@ def _architecture(transformers: Any, config: Any, task: JobTask) -> str:
         raise ModelUnusable("load", f"model architecture {declared}",
                             f"transformers has no {kind} class for model_type {config.model_type!r} "
                             f"(task={task.value})")
-    if not getattr(model_class, "_supports_attention_backend", False):
+    from shardline.engine.model.loader import routes_attention_interface
+
+    if not routes_attention_interface(model_class, config):
         raise ModelUnusable("load", f"model architecture {model_class.__name__}",
                             "its attention does not go through transformers' AttentionInterface, so "
                             "shardline's paged attention cannot run it")

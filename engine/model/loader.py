@@ -142,10 +142,14 @@ def layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
 UNDECLARED_ATTENTION_INTERFACE = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
 
 
+def routes_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> bool:
+    """Whether the model's attention layers call transformers' AttentionInterface."""
+    return (getattr(model_class, "_supports_attention_backend", False)
+            or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE)
+
+
 def check_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> None:
-    if hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE:
-        return
-    if not getattr(model_class, "_supports_attention_backend", False):
+    if not routes_attention_interface(model_class, hf_config):
         architecture = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
         raise UnsupportedModelError(
             f"architecture {architecture} ({hf_config.model_type}) does not route its attention "
