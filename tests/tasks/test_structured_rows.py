@@ -249,3 +249,17 @@ def test_reasoning_gets_its_column_and_the_constraint_applies_to_the_answer(tmp_
 
     with pytest.raises(ModelUnusable, match="needs the tokens <think> and </think>"):
         check_model(make_job(reasoning_parser="qwen3"))  # the tiny llama has no think tags
+
+
+def test_n_samples_get_a_parsed_list_and_each_is_checked(tmp_path, make_job):
+    rows = [{"prompt": "Row 0: json"}, {"prompt": "Row 1: json", "max_tokens": 3}]
+    job = make_job(sampling={"max_tokens": 40, "temperature": 1.0, "seed": 5, "n": 2},
+                   structured_outputs={"json_object": True, "disable_any_whitespace": True})
+    manifest, table = _run(tmp_path, rows, job)
+    whole, cut = table.to_pylist()
+    assert len(whole["parsed"]) == len(whole["texts"]) == 2
+    for text, parsed, reason in zip(whole["texts"], whole["parsed"], whole["finish_reason"]):
+        assert reason == "length" or json.loads(parsed) == json.loads(text)
+    assert cut["parsed"] == [None, None] and cut["error"].startswith("sample 0: max_tokens ended the output")
+    assert "; sample 1: max_tokens ended the output" in cut["error"]
+    assert manifest["invalid_outputs"] == 1 + (whole["error"] is not None)
