@@ -20,6 +20,7 @@ from shardline.flows.batch_inference import batch_inference
 from shardline.tasks.storage import filesystem
 
 from ..openai_lines import read_output_lines
+from .helpers import flow_run_record
 
 NUM_SHARDS = 6
 SAMPLING = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -85,7 +86,8 @@ def test_openai_batch_on_s3_resumes_after_sigkill_with_usage_totals(tmp_path, s3
 
     job = make_job(input=f"s3://{prefix}/in", output=f"s3://{prefix}/out", output_format="openai",
                    sampling=SAMPLING, engine_options={"max_num_seqs": 4}, storage_options=options)
-    summary = batch_inference(job)
+    state = batch_inference(job, return_state=True)
+    summary = state.result()
     fs.invalidate_cache()
     statuses = {entry["shard"]: entry["status"] for entry in summary["shards"]}
     assert sorted(key for key, status in statuses.items() if status == "skipped") == \
@@ -118,3 +120,10 @@ def test_openai_batch_on_s3_resumes_after_sigkill_with_usage_totals(tmp_path, s3
     assert batch["usage"]["input_tokens_details"]["cached_tokens"] == \
         sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages) == summary["totals"]["cached_prompt_tokens"]
     assert batch["endpoint"] == "/v1/chat/completions, /v1/completions"
+
+    artifacts = flow_run_record(state.state_details.flow_run_id)["artifacts"]  # the job's usage in Prefect too
+    table = artifacts["batch-inference-shards"].data
+    table = json.loads(table) if isinstance(table, str) else table
+    for name in ("rows", "errors", "prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
+        assert sum(row[name] for row in table) == summary["totals"][name], name
+    assert "cached prompt tokens" in artifacts["batch-inference-summary"].data
