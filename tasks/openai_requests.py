@@ -28,7 +28,7 @@ from shardline import PoolingParams, SamplingParams, StructuredOutputsParams
 from shardline.engine.chat import ChatRenderError, normalize_messages
 
 from .executor import RowRequest
-from .job import BatchJob, InputFormat, JobTask
+from .job import BatchJob, InputFormat, JobTask, OutputFormat
 from .rows import PreparedRow, PreparedShard
 from .shard_reader import RawShard, RecordProblem, ShardError
 
@@ -151,6 +151,19 @@ def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob) -> None:
         row.request = _chat_request(row, body, job)
     else:
         row.request = _completion_request(row, body, job)
+    if job.output_format == OutputFormat.PARQUET:
+        _check_parquet_can_hold(row, job)
+
+
+def _check_parquet_can_hold(row: OpenAIRow, job: BatchJob) -> None:
+    """Parquet rows have the job's ``n`` texts and no logprobs: a request asking for other
+    fails rather than lose part of its answer."""
+    params = row.request.params
+    if isinstance(params, SamplingParams) and params.n != job.sampling.n:
+        raise _invalid("n", f"={params.n} differs from the job's n ({job.sampling.n}), which a Parquet output "
+                       "holds per row; use --output-format openai")
+    if row.logprobs is not None:
+        raise _invalid("logprobs", "are not written to a Parquet output; use --output-format openai")
 
 
 def _check_fields(body: dict[str, Any], kind: str, url: str) -> None:

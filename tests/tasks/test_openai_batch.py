@@ -171,7 +171,7 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
     lines = good + [request(name, "/v1/chat/completions", **body) for name, (body, _, _) in bad.items()]
     lines.append(request("best", "/v1/completions", prompt="p", best_of=3))
     write_lines(tmp_path, lines, "requests.jsonl")
-    job = make_job(sampling={"max_tokens": 11, "temperature": 0.0, "top_p": 0.8})
+    job = make_job(sampling={"max_tokens": 11, "temperature": 0.0, "top_p": 0.8}, output_format="openai")
     rows = {row.custom_id: row for row in read_shard(list_shards(job.input)[0], job).rows}
     assert all(isinstance(row, OpenAIRow) for row in rows.values())
 
@@ -194,6 +194,12 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
         row = rows[name]
         assert row.request is None and row.param == param and fragment in row.error, (name, row.error)
     assert rows["best"].param == "best_of" and rows["best"].error_code == "unsupported_parameter"
+
+    # A Parquet output holds the job's n texts per row and no logprobs: such requests fail, naming why.
+    rows = {row.custom_id: row for row in read_shard(list_shards(job.input)[0], make_job()).rows}
+    assert rows["defaults"].error is None and rows["required"].error is None
+    assert rows["fields"].param == "n" and "--output-format openai" in rows["fields"].error
+    assert rows["object"].param == "logprobs" and "Parquet" in rows["object"].error
 
 
 def test_detection_by_content_and_parquet_input_answered_as_openai_lines(tmp_path, make_job, tiny_model):
