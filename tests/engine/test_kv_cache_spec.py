@@ -36,3 +36,27 @@ def test_a_layer_with_state_outside_the_cache_is_refused_by_name():
     config.layer_types = ["full_attention", "linear_attention", "full_attention"]
     with pytest.raises(UnsupportedLayerError, match="layer 1 is a 'linear_attention' layer"):
         KVCacheSpec.from_hf_config(config, torch.float32)
+
+
+def test_chunked_layers_carry_the_configs_chunk_size():
+    config = transformers.AutoConfig.for_model("llama4_text", num_hidden_layers=4, attention_chunk_size=8,
+                                               no_rope_layers=[1, 1, 1, 0])
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    assert [layer.kind for layer in spec.layers] == ["chunked", "chunked", "chunked", "full"]
+    assert spec.chunk_sizes == (8, 8, 8, None)
+    llama = KVCacheSpec.from_hf_config(transformers.LlamaConfig(num_hidden_layers=2), torch.float32)
+    assert llama.chunk_sizes == ()  # no chunked layer: the backends do nothing per layer
+
+
+@pytest.mark.parametrize("model_type,overrides,sizes", [
+    ("deepseek_v3", dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24), (48, 24)),
+    ("minicpm3", dict(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64), (96, 64)),
+    ("mimo_v2_flash", dict(head_dim=192, v_head_dim=128), (192, 128)),
+    ("llama", dict(hidden_size=256, num_attention_heads=8), (32, 32)),
+])
+def test_keys_and_values_are_cached_at_their_own_head_sizes(model_type, overrides, sizes):
+    """Multi-head latent attention: keys of qk_nope + qk_rope, values of v_head_dim."""
+    config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=2, **overrides)
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    attention = [layer for layer in spec.layers if layer.kind != "recurrent"]
+    assert {(layer.head_dim, layer.value_head_dim) for layer in attention} == {sizes}

@@ -10,6 +10,9 @@ from shardline.engine.tiny import build_tiny_model
 
 # gpt-oss: a learned sink logit per head joins every softmax (attention sinks).
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)
+# llama4: layer 0 attends within aligned chunks of 4 tokens (chunked local attention).
+LLAMA4_TEXT = dict(attention_chunk_size=4, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
+                   no_rope_layers=[1, 0])
 
 
 def test_models_the_engine_runs_exactly_pass(tiny_llama_dir):
@@ -19,20 +22,31 @@ def test_models_the_engine_runs_exactly_pass(tiny_llama_dir):
         llm.close()
 
 
-def test_ignored_attention_sinks_are_refused_naming_the_layer(tmp_path):
-    model_dir = str(build_tiny_model(tmp_path, "gpt_oss", **GPT_OSS))
-    with pytest.raises(ModelMismatchError, match=r"GptOssForCausalLM: .* layer 0 \(GptOssDecoderLayer\)"):
+def test_a_model_the_paged_path_runs_wrongly_is_refused_naming_the_layer(tmp_path):
+    """diffllama calls the attention function twice per layer, with the same keys and
+    the two halves of its values: the second call's values overwrite the first's in
+    the layer's cache, so once a context is cached (after the probe's first chunk of
+    8 tokens) the first call reads the wrong values."""
+    model_dir = str(build_tiny_model(tmp_path, "diffllama"))
+    with pytest.raises(ModelMismatchError,
+                       match=r"DiffLlamaForCausalLM: .* layer 0 \(DiffLlamaDecoderLayer\) .* position 8 "):
         LLM(model_dir, dtype="float32")
 
 
 def test_the_check_can_be_turned_off(tmp_path):
-    model_dir = str(build_tiny_model(tmp_path, "gpt_oss", **GPT_OSS))
+    model_dir = str(build_tiny_model(tmp_path, "diffllama"))
     LLM(model_dir, dtype="float32", check_model=False).close()
 
 
+@pytest.mark.parametrize("arch,overrides", [("gpt_oss", GPT_OSS), ("llama4_text", LLAMA4_TEXT)])
+def test_attention_sinks_and_chunked_attention_pass(tmp_path, arch, overrides):
+    """Sinks (gpt_oss) and chunked local attention (llama4_text) run exactly: the check
+    passes (tests/engine/test_attention_features.py compares their greedy tokens)."""
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
+    LLM(model_dir, dtype="float32").close()
+
+
 @pytest.mark.parametrize("arch,layer_type,overrides", [
-    ("llama4_text", "chunked_attention", dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
-                                              intermediate_size_mlp=128, no_rope_layers=[1, 1])),
     ("olmo_hybrid", "linear_attention", dict(head_dim=16)),
 ])
 def test_layers_the_cache_cannot_hold_are_refused_by_name(tmp_path, arch, layer_type, overrides):

@@ -1,0 +1,71 @@
+"""Models whose attention has a feature beyond causal softmax run token-exact against
+transformers: attention sinks (gpt_oss, granite_swa, granitemoe_swa, flint), chunked
+local attention (llama4_text) and keys and values of different head sizes (multi-head
+latent attention: minicpm3, deepseek_v3). Each model passes the load check and its
+greedy tokens equal transformers' own generate, in float64 where transformers runs
+the model in float64 and in float32 where its MoE code refuses float64. The
+kernel-level tests of each feature are in tests/engine/kernels/ and
+test_torch_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from shardline import LLM, SamplingParams
+from shardline.engine.tiny import build_tiny_model
+
+from .hf_reference import hf_greedy
+
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+MLA = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=32,
+           q_lora_rank=32)
+# model type -> (dtype, config overrides)
+MODELS = {
+    "gpt_oss": ("float32", dict(MOE, head_dim=16, sliding_window=8)),
+    "granite_swa": ("float64", dict(head_dim=16, sliding_window=8)),
+    "granitemoe_swa": ("float32", dict(head_dim=16, sliding_window=8)),
+    "flint": ("float64", dict(head_dim=16)),
+    "llama4_text": ("float64", dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
+                                    intermediate_size_mlp=128, no_rope_layers=[1, 0])),
+    "minicpm3": ("float64", dict(MLA, qk_rope_head_dim=8)),  # keys of 40, values of 32
+    "deepseek_v3": ("float32", dict(MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1)),
+}
+SLOW = {"granitemoe_swa", "flint", "deepseek_v3"}
+# The last two end in the same tokens after different contexts.
+PROMPTS = [[5, 6, 7], list(range(3, 40)), [40, 41, 42, 43, 44, 45, 30, 31], [90, 17, 88, 12, 60, 3, 30, 31]]
+
+
+def build_model(tmp_path, model_type: str) -> str:
+    """A tiny random model of ``model_type`` whose sink logits (one per head; zero or
+    near zero at transformers' initialisation) are drawn with std 1, so that
+    ignoring them changes the output."""
+    _, overrides = MODELS[model_type]
+    model_dir = build_tiny_model(tmp_path, model_type, **overrides)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sinks = [param for name, param in model.named_parameters() if name.endswith("sinks")]
+    if sinks:
+        with torch.no_grad():
+            for param in sinks:
+                param.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        model.save_pretrained(model_dir)
+    return str(model_dir)
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                        for name in MODELS])
+def test_greedy_tokens_equal_transformers(tmp_path, model_type):
+    dtype, _ = MODELS[model_type]
+    model_dir = build_model(tmp_path, model_type)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+    expected = [hf_greedy(reference, prompt, 8) for prompt in PROMPTS]
+    # The context decides the tokens: the last two prompts end alike and continue differently.
+    assert expected[2] != expected[3]
+    llm = LLM(model_dir, dtype=dtype)  # the load check runs, and passes
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    llm.close()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
