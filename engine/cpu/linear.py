@@ -9,10 +9,15 @@ bias (tied embeddings, LoRA wrappers and state dicts see the same parameters), p
 the packed copy, an opaque oneDNN tensor: on CPU the packed linear weights are held
 twice.
 
-Only float32 and bfloat16 pack (oneDNN has no float64 matmul), bfloat16 only where
-oneDNN reports support for it; float64 keeps torch's exact-reference path. Whether
-the engine packs at all is its CPU path choice (engine/cpu/paths.py), measured
-against torch's matmul on the host.
+Only float32 and bfloat16 pack (oneDNN has no float64 matmul); float64 keeps torch's
+exact-reference path. Where oneDNN reports no bfloat16 support (hosts without
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT), torch's own bfloat16 matmul is several times
+slower than float32 there, so a bfloat16 linear can instead be packed as a float32
+copy: its input is widened to float32, the product accumulates in float32 as
+torch's bfloat16 matmul does, and the output is rounded back to bfloat16 once. That
+copy costs twice the bfloat16 weight's memory. Whether the engine packs at all, and
+in which dtype, is its CPU path choice (engine/cpu/paths.py), measured against
+torch's matmul on the host.
 
 Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the Llama family's)
 run their gate and up projections as one matmul over both weights packed together,
@@ -64,21 +69,26 @@ def replace_module(model: nn.Module, name: str, replacement: nn.Module) -> None:
 
 class PackedLinear(nn.Linear):
     """An nn.Linear run by oneDNN on a copy of its weight packed once for ``rows_hint``
-    rows (any row count runs on it). With gradients on, or an input of another dtype,
-    torch's own linear runs: autograd does not see through the packed copy."""
+    rows (any row count runs on it), in ``packed_dtype`` (the weight's own by default;
+    float32 for a bfloat16 weight where oneDNN has no bfloat16). With gradients on,
+    or an input of another dtype, torch's own linear runs: autograd does not see
+    through the packed copy."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int) -> None:
+    def __init__(self, linear: nn.Linear, rows_hint: int, packed_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameters
         self.register_parameter("bias", linear.bias)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+        packed_dtype = packed_dtype or linear.weight.dtype
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(packed_dtype),
+                                                                     rows_hint)
+        self.packed_bias = None if linear.bias is None else linear.bias.detach().to(packed_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         if _needs_torch(x, self.weight):
             return nn.functional.linear(x, self.weight, self.bias)
-        return packed_matmul(x, self.packed_weight, self.bias)
+        return packed_matmul(x, self.packed_weight, self.packed_bias)
 
     def unpacked(self) -> nn.Linear:
         """A plain nn.Linear on the same parameters, for a linear whose packed copy is
@@ -88,14 +98,20 @@ class PackedLinear(nn.Linear):
         return linear
 
 
-def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ...] = PACKABLE_DTYPES) -> int:
+def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ...] = PACKABLE_DTYPES,
+                 packed_dtype: torch.dtype | None = None) -> int:
     """Replace every CPU nn.Linear of ``model`` whose weight is of one of ``dtypes`` by
     a PackedLinear, where oneDNN runs that dtype here; returns how many were replaced.
+    With ``packed_dtype``, the packed copies are of that dtype instead (float32 copies
+    of bfloat16 linears), where oneDNN runs it.
 
     ``rows_hint`` is the number of rows oneDNN tunes the packed layout for; any number
     of rows runs on it.
     """
-    dtypes = tuple(dtype for dtype in dtypes if onednn_linear_available(dtype))
+    if packed_dtype is not None:
+        dtypes = dtypes if onednn_linear_available(packed_dtype) else ()
+    else:
+        dtypes = tuple(dtype for dtype in dtypes if onednn_linear_available(dtype))
     targets = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -104,7 +120,7 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
         if module.bias is None or module.bias.dtype == weight.dtype:
             targets.append((name, module))
     for name, module in targets:
-        replace_module(model, name, PackedLinear(module, rows_hint))
+        replace_module(model, name, PackedLinear(module, rows_hint, packed_dtype))
     return len(targets)
 
 
@@ -130,13 +146,17 @@ def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times a packed weight (and bias, of the packed weight's dtype):
+    [..., out] in x's dtype, computed in the packed weight's."""
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
-    if bucket != rows:
-        flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
+    if bucket != rows or flat.dtype != packed.dtype:
+        padded = flat.new_zeros(bucket, flat.shape[1], dtype=packed.dtype)
+        padded[:rows] = flat
+        flat = padded
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out[:rows].view(*x.shape[:-1], out.shape[-1])
+    return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 class FusedGatedMLP(nn.Module):
@@ -216,7 +236,8 @@ def packable_side_by_side(linears: tuple[object, ...]) -> bool:
     """Whether ``pack_side_by_side`` takes these: packed linears of one input size and
     dtype, each with a bias or none with one."""
     return (all(isinstance(linear, PackedLinear) for linear in linears)
-            and len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) == 1)
+            and len({(linear.in_features, linear.weight.dtype, linear.packed_weight.dtype, linear.bias is None)
+                     for linear in linears}) == 1)
 
 
 def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,7 +245,8 @@ def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[t
     ``packable_side_by_side``) on the same input in one matmul, their outputs side by
     side in the given order."""
     assert packable_side_by_side(linears)
+    packed_dtype = linears[0].packed_weight.dtype  # the dtype the linears were packed in
     biases = [linear.bias for linear in linears]
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    weight = torch.cat([linear.weight.detach() for linear in linears]).to(packed_dtype)
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).to(packed_dtype)
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), bias

@@ -2,14 +2,17 @@
 
 Each path is taken only where the host can run it, by what the libraries report of
 themselves, never by an assumed instruction set:
-- packed linears: torch built with oneDNN, oneDNN's own bfloat16 support query for
-  bfloat16 (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and a probe matmul that
-  must give torch's answer;
+- packed linears: torch built with oneDNN and a probe matmul that must give torch's
+  answer; for bfloat16, oneDNN's own bfloat16 support query (it needs AVX-512
+  BW/VL/DQ or AVX-NE-CONVERT). Where that query says no, bfloat16 linears can be
+  packed as float32 copies instead (cpu/linear.py), if twice their weights' memory
+  is free;
 - fused elementwise kernels, native decode and prefill attention: a C compiler, the
   library built for the kernel target (kernels/native.py), the dtype.
 
 Where two correct paths exist, the faster one is chosen by measurement on the
-model's own shapes: packed oneDNN linears against torch's matmul, the native prefill
+model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
+matmul, the native prefill
 kernel against SDPA. Each measurement is cached per host, library configuration and
 shape in the cache directory, so a host pays it once (a few hundred milliseconds at
 most). Native decode attention needs no race: it reads each context row once where
@@ -32,7 +35,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -98,6 +101,9 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Elements in the model's linear weights (what packed copies would hold); not part
+    # of a measurement's key.
+    linear_weights: int = field(default=0, repr=False, compare=False)
 
     @classmethod
     def of(cls, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> "ModelShape":
@@ -105,9 +111,11 @@ class ModelShape:
         as wide as the vocabulary, aside)."""
         hidden_size = model.get_input_embeddings().weight.shape[1]
         vocab_size = model.get_input_embeddings().weight.shape[0]
-        widths = [module.out_features for module in model.modules() if isinstance(module, torch.nn.Linear)
-                  and module.in_features == hidden_size and module.out_features != vocab_size]
-        return cls(hidden_size, max(widths, default=hidden_size), num_heads, num_kv_heads, head_dim)
+        linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+        widths = [module.out_features for module in linears
+                  if module.in_features == hidden_size and module.out_features != vocab_size]
+        return cls(hidden_size, max(widths, default=hidden_size), num_heads, num_kv_heads, head_dim,
+                   linear_weights=sum(module.weight.numel() for module in linears))
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,7 @@ class CpuPaths:
 
     dtype: torch.dtype | None = None  # the model's, which the choice was made for
     packed_linears: bool = False
+    packed_dtype: torch.dtype | None = None  # the packed copies', where it is not the model's
     fused_kernels: bool = False
     decode_kernel: bool = False
     prefill_kernel: bool = False
@@ -148,9 +157,10 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     log the decision once."""
     host = host_cpu()
     settings = path_settings()
+    packed_dtype = _packed_dtype(host, dtype)
     checks = {
-        "packed_linears": (_packed_linears(host, dtype), lambda: _linear_speedup(dtype, shape, rows_hint),
-                           "torch's matmul"),
+        "packed_linears": (_packed_linears(host, dtype, shape),
+                           lambda: _linear_speedup(dtype, packed_dtype or dtype, shape, rows_hint), "torch's matmul"),
         "fused_kernels": (_fused_kernels(dtype), None, ""),
         "decode_kernel": (_decode_kernel(dtype, shape), None, ""),
         "prefill_kernel": (_prefill_kernel(dtype, shape), lambda: _prefill_speedup(dtype, shape), "SDPA"),
@@ -158,32 +168,66 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
         setting = settings.get(name)
+        # How the path would run, where that is not the only way (float32 copies).
+        how = f" {why}" if capable and name == "packed_linears" and packed_dtype is not None else ""
         if not capable or setting is False:
             taken, why = False, why if not capable else "turned off by SHARDLINE_CPU_PATHS"
         elif setting is True or measure is None:
-            taken, why = True, why if setting is None else "turned on by SHARDLINE_CPU_PATHS"
+            taken, why = True, why if setting is None else f"turned on by SHARDLINE_CPU_PATHS{how}"
         else:
-            speedup = _measured(name, (dtype, shape, rows_hint), measure)
-            taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}"
+            speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint) if name == "packed_linears"
+                                else (dtype, shape, rows_hint), measure)
+            taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
         choices[name] = taken
         reasons.append((name, why))
-    paths = CpuPaths(dtype, **choices, reasons=tuple(reasons))
+    paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,
+                     reasons=tuple(reasons))
     logger.info("CPU paths for %s on %s: %s", str(dtype).removeprefix("torch."), host.describe(), paths.describe())
     return paths
 
 
-def _packed_linears(host: HostCpu, dtype: torch.dtype) -> tuple[bool, str]:
+def _packed_dtype(host: HostCpu, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype packed copies of ``dtype`` linears would take where it is not
+    ``dtype``: float32 for bfloat16 where oneDNN has no bfloat16."""
+    return torch.float32 if dtype == torch.bfloat16 and host.onednn and not host.onednn_bfloat16 else None
+
+
+# The float32 copies of a bfloat16 model's linears are taken only if this many times
+# their size is free: the KV cache and the step's temporaries come after them.
+COPY_HEADROOM = 2
+
+
+def _packed_linears(host: HostCpu, dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
     from .linear import onednn_linear_available
 
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"oneDNN has no {str(dtype).removeprefix('torch.')} matmul"
     if not host.onednn:
         return False, "torch built without oneDNN"
-    if dtype == torch.bfloat16 and not host.onednn_bfloat16:
-        return False, "oneDNN reports no bfloat16 support on this CPU"
-    if not onednn_linear_available(dtype):
+    packed_dtype = _packed_dtype(host, dtype) or dtype
+    if not onednn_linear_available(packed_dtype):
         return False, "oneDNN's packed linear fails its probe here"
-    return True, "oneDNN runs it"
+    if packed_dtype == dtype:
+        return True, "oneDNN runs it"
+    copies, free = shape.linear_weights * packed_dtype.itemsize, available_memory()
+    if free is not None and copies * COPY_HEADROOM > free:
+        return False, (f"oneDNN has no bfloat16 on this CPU and float32 copies of the linears "
+                       f"({copies / 2**30:.1f} GiB) do not fit {COPY_HEADROOM}x in the {free / 2**30:.1f} GiB free")
+    return True, f"as float32 copies ({copies / 2**30:.2f} GiB): oneDNN has no bfloat16 on this CPU"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the host reports available to allocate, or None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
@@ -250,7 +294,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
 
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
-        packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,))
+        packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype)
         mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
@@ -315,13 +359,15 @@ MEASURED_ROWS = (16, 256)
 
 
 @torch.inference_mode()
-def _linear_speedup(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> float:
+def _linear_speedup(dtype: torch.dtype, packed_dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> float:
+    """How many times faster a packed linear of ``packed_dtype`` runs ``dtype`` inputs
+    than torch's matmul runs them in ``dtype``."""
     from .linear import packed_matmul
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(min(shape.widest_linear, MEASURED_OUTPUTS), shape.hidden_size, generator=generator)
     weight = weight.to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype), rows_hint)
     inputs = [torch.randn(rows, shape.hidden_size, generator=generator).to(dtype) for rows in MEASURED_ROWS]
     return _race(lambda: [packed_matmul(x, packed, None) for x in inputs],
                  lambda: [F.linear(x, weight) for x in inputs])

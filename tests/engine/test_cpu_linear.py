@@ -33,6 +33,22 @@ def test_packed_linear_matches_torch(dtype, tolerance, shape):
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 300, 48)])
+def test_bfloat16_linears_packed_as_float32_copies_match_torch(shape):
+    """The path for hosts where oneDNN has no bfloat16: float32 packed copies, bfloat16
+    in and out, within a bfloat16 step of torch's own bfloat16 linear."""
+    model = make_model(torch.bfloat16)
+    x = torch.randn(*shape).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model[:3](x)
+        assert pack_linears(model, rows_hint=64, dtypes=(torch.bfloat16,), packed_dtype=torch.float32) == 2
+        assert model[0].packed_weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+        assert model[0].packed_bias.dtype == torch.float32
+        out = model[:3](x)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
 def test_float64_keeps_torch_linear():
     model = make_model(torch.float64)
     assert pack_linears(model, rows_hint=64) == 0

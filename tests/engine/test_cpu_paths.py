@@ -1,6 +1,7 @@
 """The CPU paths chosen at load: only what the host can run, raced where two correct
 paths exist, every fallback giving transformers' greedy tokens."""
 
+import dataclasses
 import json
 import os
 import platform
@@ -160,5 +161,53 @@ def test_an_avx2_host_loads_bfloat16_and_gives_the_same_tokens(tiny_llama_dir, h
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["float32"]["tokens"] == hf_float32_tokens
     assert result["float32"]["prefill"]  # the AVX2 build of the prefill kernel runs
-    assert result["bfloat16"]["reasons"]["packed_linears"] == "oneDNN reports no bfloat16 support on this CPU"
+    assert result["bfloat16"]["reasons"]["packed_linears"].endswith("oneDNN has no bfloat16 on this CPU")
     assert all(len(tokens) == 8 for tokens in result["bfloat16"]["tokens"])
+
+
+def host_without_onednn_bfloat16() -> cpu_paths.HostCpu:
+    """This host as one whose oneDNN has no bfloat16 (AVX2 without AVX-NE-CONVERT)."""
+    return dataclasses.replace(host_cpu(), onednn_bfloat16=False)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_bfloat16_without_onednn_bfloat16_packs_float32_copies_where_they_fit(monkeypatch):
+    monkeypatch.setattr(cpu_paths, "host_cpu", host_without_onednn_bfloat16)
+    shape = dataclasses.replace(SHAPE, linear_weights=1 << 20)
+    paths = choose_cpu_paths(torch.bfloat16, shape, rows_hint=64)
+    assert paths.packed_linears and paths.packed_dtype == torch.float32
+    assert "as float32 copies (0.00 GiB)" in dict(paths.reasons)["packed_linears"]
+    assert choose_cpu_paths(torch.float32, shape, rows_hint=64).packed_dtype is None
+    # Copies that would not fit twice in the memory free are not made.
+    monkeypatch.setattr(cpu_paths, "available_memory", lambda: 6 << 30)
+    huge = dataclasses.replace(SHAPE, linear_weights=1 << 30)  # 4 GiB of float32 copies
+    paths = choose_cpu_paths(torch.bfloat16, huge, rows_hint=64)
+    assert not paths.packed_linears and paths.packed_dtype is None
+    assert dict(paths.reasons)["packed_linears"] == (
+        "oneDNN has no bfloat16 on this CPU and float32 copies of the linears (4.0 GiB) do not fit 2x in the "
+        "6.0 GiB free")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_bfloat16_engine_on_float32_copies_gives_torch_bfloat16_tokens(tiny_llama_dir, monkeypatch):
+    """A bfloat16 engine whose linears run on float32 copies (as where oneDNN has no
+    bfloat16) keeps the bfloat16 weights as its parameters, fuses its layers on the
+    copies, and gives the tokens of torch's own bfloat16 matmul."""
+    from shardline import LLM
+
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "packed_linears=off")
+    reference = LLM(tiny_llama_dir, dtype="bfloat16")
+    expected = greedy(reference)
+    reference.close()
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=on")
+    monkeypatch.setattr(cpu_paths, "host_cpu", host_without_onednn_bfloat16)
+    llm = LLM(tiny_llama_dir, dtype="bfloat16")
+    model = llm.llm_engine.model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert llm.llm_engine.cpu_paths.packed_dtype == torch.float32 and packed
+    assert all(m.packed_weight.dtype == torch.float32 and m.weight.dtype == torch.bfloat16 for m in packed)
+    layers = [m for m in model.modules() if isinstance(m, FusedDecoderLayer)]
+    if layers:
+        assert all(layer.packed_qkv is not None and layer.packed_qkv.dtype == torch.float32 for layer in layers)
+    assert greedy(llm) == expected
+    llm.close()
