@@ -255,11 +255,13 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [L, Hkv, Dv] at positions 0 .. L-1; returns [L, H, Dv]."""
     length = query.shape[0]
     mask = bias = None
-    positions = torch.arange(length, device=query.device)
-    if options.first_visible_key(length - 1) > 0:  # the window or a chunk cuts the context
-        mask = visible_keys(positions[:, None], positions[None, :], options)[None, None]
-    if options.alibi_slopes is not None:
-        bias = alibi_bias(positions, positions, options.alibi_slopes, query.dtype)
+    cut = options.first_visible_key(length - 1) > 0  # the window or a chunk cuts the context
+    if cut or options.alibi_slopes is not None:
+        positions = torch.arange(length, device=query.device)
+        if cut:
+            mask = visible_keys(positions[:, None], positions[None, :], options)[None, None]
+        if options.alibi_slopes is not None:
+            bias = alibi_bias(positions, positions, options.alibi_slopes, query.dtype)
     out = padded_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None].to(query.dtype),
                            value.transpose(0, 1)[None].to(query.dtype), mask, mask is None, options.scale,
                            options.softcap, bias, options.sinks)

@@ -34,7 +34,7 @@ def profile_peak_bytes(model: torch.nn.Module, backend: AttentionBackend, spec: 
     model(input_ids=ids, position_ids=positions, use_cache=False, shardline_ctx=ctx,
           logits_to_keep=torch.tensor([num_tokens - 1], device=device))
     torch.cuda.synchronize(device)
-    cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+    cache_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
     peak = torch.cuda.max_memory_allocated(device) - cache_bytes
     del caches
     torch.cuda.empty_cache()
