@@ -100,15 +100,27 @@ def _arch_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.P
             bos_token_id=0, eos_token_id=1, pad_token_id=2,
         )
     else:
-        # Any other transformers model type, from the same small sizes; ``overrides``
+        # Any other transformers model type, from the same small sizes its config has
+        # (a config without key-value heads keeps one per query head); ``overrides``
         # supply what its config needs beyond them.
         try:
-            return transformers.AutoConfig.for_model(arch, **{**common, **overrides})
+            defaults = transformers.AutoConfig.for_model(arch)
+            sizes = {name: value for name, value in common.items()
+                     if name != "num_key_value_heads" or _declares(defaults, name)}
+            return transformers.AutoConfig.for_model(arch, **{**sizes, **overrides})
         except ValueError as error:
             raise ValueError(f"unknown tiny architecture {arch!r}: {error}") from None
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def _declares(config: transformers.PretrainedConfig, name: str) -> bool:
+    """Whether ``config`` sets ``name`` (a per-layer attribute refuses a global read: it is set)."""
+    try:
+        return getattr(config, name, None) is not None
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return True
 
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2")

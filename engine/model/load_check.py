@@ -84,7 +84,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):
     """Forward hooks keeping each layer's output hidden states ([1, T, hidden])."""
     def hook(index):
-        return lambda module, args, output: sink.__setitem__(index, output[0] if isinstance(output, tuple) else output)
+        return lambda module, args, output: sink.__setitem__(
+            index, output[0] if isinstance(output, (tuple, list)) else output)
     return [layer.register_forward_hook(hook(index)) for index, layer in enumerate(layers)]
 
 

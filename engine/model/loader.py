@@ -3,8 +3,10 @@ local directory, with the engine's attention plugged in."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +14,7 @@ import torch
 import transformers
 
 from ..attention.context import register as register_attention
+from .adapters import UnsupportedAttentionError, adapt_attention, has_adapter
 from ..config import EngineConfig
 from ..recurrent.base import kind_for_layer_type, recurrent_model_types
 from ..recurrent import kinds as _recurrent_kinds  # noqa: F401  (registers the kinds)
@@ -143,9 +146,22 @@ UNDECLARED_ATTENTION_INTERFACE = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen
 
 
 def routes_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> bool:
-    """Whether the model's attention layers call transformers' AttentionInterface."""
+    """Whether the model's attention layers call transformers' AttentionInterface, or
+    are replaced by adapters that call the engine's paged attention (engine/model/adapters/)."""
     return (getattr(model_class, "_supports_attention_backend", False)
-            or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE)
+            or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE
+            or _modeling_file_calls_attention_interface(model_class) or has_adapter(model_class))
+
+
+def _modeling_file_calls_attention_interface(model_class: type) -> bool:
+    """Whether the class's modeling file dispatches attention through transformers'
+    AttentionInterface (some classes do without declaring _supports_attention_backend;
+    the load check compares their outputs with their own forward all the same)."""
+    module = sys.modules.get(model_class.__module__)
+    try:
+        return module is not None and "ALL_ATTENTION_FUNCTIONS.get_interface" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
 
 
 def check_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> None:
@@ -171,6 +187,8 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
     model_class = auto_class._model_mapping.get(type(hf_config), None)
     if model_class is not None:
         check_attention_interface(model_class, hf_config)
+    if model_class is not None and has_adapter(model_class):
+        attn_implementation = "eager"  # its adapters call the paged attention; its own code wants eager
     try:
         model = auto_class.from_pretrained(
             config.model,
@@ -183,6 +201,10 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
         raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
     check_attention_interface(type(model), hf_config)
     model.to(device).eval()
+    try:
+        adapt_attention(model)
+    except UnsupportedAttentionError as exc:
+        raise UnsupportedModelError(f"{type(model).__name__} ({hf_config.model_type}): {exc}") from None
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
 

@@ -45,7 +45,7 @@ VOCAB_SIZE = 512
 MAX_PARAMETERS = 5_000_000  # a tiny model is well under a million; more means a size the overrides missed
 # engine/tiny.py's common sizes, for counting parameters before building.
 TINY_SIZES = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+                  num_attention_heads=4)
 OUTCOMES = ("parity", "refused", "failure", "skipped")
 
 _ENCODER = "an encoder (bidirectional) model; its causal-LM head is for fine-tuning, not decoding"
@@ -81,6 +81,15 @@ SHRINK = {
 # What a type needs beyond SHRINK and engine/tiny.py's common sizes.
 OVERRIDES: dict[str, dict] = {
     "gpt_oss": dict(head_dim=16, sliding_window=8),
+    "hunyuan_v1_moe": dict(head_dim=16),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    **{name: dict(global_head_dim=32, vocab_size_per_layer_input=VOCAB_SIZE) for name in (
+        "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified", "gemma4_unified_text",
+        "gemma4_unified_assistant")},
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=1024,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
     "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
     "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
 }
@@ -116,12 +125,19 @@ def tiny_overrides(model_type: str) -> dict:
     defaults = transformers.AutoConfig.for_model(model_type)
     text_defaults = defaults.get_text_config()
     overrides = {name: value for name, value in SHRINK.items()
-                 if getattr(text_defaults, name, None) is not None and not _is_property(type(text_defaults), name)}
+                 if _has_value(text_defaults, name) and not _is_property(type(text_defaults), name)}
+    if "qk_rope_head_dim" in overrides and "head_dim" in overrides:  # latent attention: head_dim is the rotary part
+        overrides["head_dim"] = overrides["qk_rope_head_dim"]
+    if _has_value(text_defaults, "rotary_dim"):  # a rotary part no wider than the shrunk heads
+        overrides["rotary_dim"] = 8
     layer_kinds = list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
     if len(layer_kinds) > 1:
         overrides["layer_types"] = layer_kinds
         overrides["num_hidden_layers"] = len(layer_kinds)
-    return {**overrides, **OVERRIDES.get(model_type, {})}
+    overrides.update(OVERRIDES.get(model_type, {}))
+    if {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"} & overrides.keys():
+        overrides.setdefault("num_experts_per_tok", 2)  # some configs leave the router's top-k unset
+    return overrides
 
 
 def _parameter_count(model_type: str, overrides: dict) -> int:
@@ -130,6 +146,14 @@ def _parameter_count(model_type: str, overrides: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _has_value(config: transformers.PretrainedConfig, name: str) -> bool:
+    """Whether the config sets ``name`` (per-layer attributes refuse a global read: they are set)."""
+    try:
+        return getattr(config, name, None) is not None
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return True
 
 
 def _is_property(config_class: type, name: str) -> bool:

@@ -1,0 +1,74 @@
+"""Attention adapters: architectures whose transformers code never calls its
+AttentionInterface run on the engine's paged attention by having their attention
+modules replaced (engine/model/adapters/shapes.py, one adapter per attention shape).
+
+``adapt_attention`` replaces them in a loaded model (one entry point); ``has_adapter``
+tells the loader's pre-flight check that an architecture will be adapted. The load
+check (engine/model/load_check.py) then compares the adapted model's paged path with
+its own forward, as for every model.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from .base import ContextForwardingAttention, PagedAttentionAdapter, StepScope, UnsupportedAttentionError
+from .shapes import (BloomAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention, MptAttention,
+                     OpenAIGPTAttention, XGLMAttention)
+
+_MODELS = "transformers.models."
+# transformers' attention class (modeling module and name) -> its adapter.
+ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
+    _MODELS + "gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": GPTNeoAttention,
+    _MODELS + "xglm.modeling_xglm.XGLMAttention": XGLMAttention,
+    _MODELS + "openai.modeling_openai.Attention": OpenAIGPTAttention,
+    _MODELS + "gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": GPTNeoXJapaneseAttention,
+    _MODELS + "falcon.modeling_falcon.FalconAttention": FalconAttention,
+    _MODELS + "bloom.modeling_bloom.BloomAttention": BloomAttention,
+    _MODELS + "mpt.modeling_mpt.MptAttention": MptAttention,
+}
+
+
+def _key(module_class: type) -> str:
+    return f"{module_class.__module__}.{module_class.__qualname__}"
+
+
+def has_adapter(model_class: type) -> bool:
+    """Whether the model class's modeling file has an attention class with an adapter."""
+    prefix = model_class.__module__ + "."
+    return any(key.startswith(prefix) for key in ADAPTERS)
+
+
+def _calls_attention_interface(module_class: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS.get_interface" in inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def adapt_attention(model: nn.Module) -> int:
+    """Replace every attention module of ``model`` that has an adapter, and, in a
+    model that does not declare transformers' attention backends, wrap each module
+    calling the AttentionInterface so the step's context reaches it; return how many.
+    Each one's layer index is its decoder layer's (the model's longest ModuleList),
+    which is also its KV-cache layer."""
+    layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
+    if layers is None:
+        return 0
+    undeclared = not getattr(type(model), "_supports_attention_backend", False)
+    scope = StepScope()
+    replaced = 0
+    for index, layer in enumerate(layers):
+        for name, module in list(layer.named_modules()):
+            adapter = ADAPTERS.get(_key(type(module)))
+            if adapter is None and undeclared and name and _calls_attention_interface(type(module)):
+                adapter = ContextForwardingAttention
+            if adapter is not None:
+                parent_name, _, child_name = name.rpartition(".")
+                setattr(layer.get_submodule(parent_name), child_name, adapter(module, index, scope))
+                replaced += 1
+    if replaced:
+        scope.attach(model)
+    return replaced

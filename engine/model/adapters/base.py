@@ -1,0 +1,133 @@
+"""The adapter base: an attention module transformers never routed through its
+AttentionInterface, replaced by one that calls the engine's paged attention.
+
+Invariants:
+- An adapter takes over its original module's submodules and own parameters under
+  the same names, so the state dict, LoRA target names and ``.to()`` see the same
+  model; the original object is kept (unregistered) for its forward.
+- While a step of the engine runs (``StepScope`` holds its AttentionContext), the
+  adapter computes queries, keys and values with the original's own projections and
+  position encodings, attends through ``paged_attention_forward`` and applies the
+  original's output projection, returning what the original returns. Outside a step
+  (the load check's reference, a plain ``model(...)`` call) the original runs as is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...attention.context import AttentionContext, paged_attention_forward
+
+
+class UnsupportedAttentionError(ValueError):
+    """An adapted module's configuration has no exact reference to run it by."""
+
+
+class StepScope:
+    """The AttentionContext of the step a model is running, for its adapters.
+
+    transformers' older decoder layers do not pass the model's keyword arguments on
+    to their attention modules, so the context cannot reach an adapter as an
+    argument: a pre-hook on the model's forward puts it here and a forward hook
+    clears it (``attach``), whatever the forward raised."""
+
+    def __init__(self) -> None:
+        self.ctx: AttentionContext | None = None
+
+    def attach(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self._enter, with_kwargs=True)
+        model.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.ctx = kwargs.get("shardline_ctx")
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.ctx = None
+
+
+class _Replacement(nn.Module):
+    """Takes over ``original``'s submodules and own parameters under their names and
+    keeps the original (unregistered) to call its forward."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__()
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name, parameter in original.named_parameters(recurse=False):
+            self.register_parameter(name, parameter)
+        self.layer_idx = layer_idx
+        self._original = (original,)  # a tuple: not registered as a submodule
+        self._scope = scope
+
+    @property
+    def original(self) -> nn.Module:
+        return self._original[0]
+
+
+class ContextForwardingAttention(_Replacement):
+    """An attention module that calls transformers' AttentionInterface, in a decoder
+    layer that does not pass the model's keyword arguments on to it (stablelm): the
+    step's context is added to its call."""
+
+    def forward(self, *args, **kwargs):
+        if self._scope.ctx is not None:
+            kwargs.setdefault("shardline_ctx", self._scope.ctx)
+        return self.original(*args, **kwargs)
+
+
+class PagedAttentionAdapter(_Replacement):
+    """Replaces one attention module (see the module docstring). A subclass says how
+    its shape of attention makes queries, keys and values and how it returns:
+    ``project`` and ``finish``; ``scale``, ``sliding_window`` and ``alibi_slopes``
+    are the layer's attention options."""
+
+    scale: float
+    sliding_window: int | None = None
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.alibi_slopes: torch.Tensor | None = None
+        self._signature = inspect.signature(original.forward)
+
+    def forward(self, *args, **kwargs):
+        ctx = self._scope.ctx
+        if ctx is None:
+            return self.original(*args, **kwargs)
+        call = self._signature.bind(*args, **kwargs).arguments
+        hidden_states = call["hidden_states"] if "hidden_states" in call else next(iter(call.values()))
+        assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
+        query, key, value = self.project(hidden_states[0], call)  # [T, H, D], [T, Hkv, D], [T, Hkv, Dv]
+        key, value = _to_cache_heads(key, value, ctx, self.layer_idx)
+        out, _ = paged_attention_forward(
+            self, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
+            scaling=self.scale, sliding_window=self.sliding_window, shardline_ctx=ctx,
+            alibi_slopes=self.alibi_slopes_for(call))
+        return self.finish(out[0].flatten(1)[None], call)  # out: [1, T, H, Dv] -> [1, T, H * Dv]
+
+    def alibi_slopes_for(self, call: dict) -> torch.Tensor | None:
+        """[H] ALiBi slopes of this call (None: no ALiBi)."""
+        return self.alibi_slopes
+
+    def project(self, hidden_states: torch.Tensor, call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states: [T, hidden] -> query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv]."""
+        raise NotImplementedError
+
+    def finish(self, attention: torch.Tensor, call: dict):
+        """attention: [1, T, H * Dv] -> what the original module returns."""
+        raise NotImplementedError
+
+
+def _to_cache_heads(key: torch.Tensor, value: torch.Tensor, ctx: AttentionContext,
+                    layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values with as many heads as the layer's cache: a model whose config
+    does not name its key-value heads (falcon's multi-query) is cached with one per
+    query head, each key-value head repeated over its group, which attends the same."""
+    cache_heads = ctx.kv_caches[layer_idx][0].shape[2]
+    if key.shape[1] == cache_heads:
+        return key, value
+    group = cache_heads // key.shape[1]
+    return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)

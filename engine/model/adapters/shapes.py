@@ -1,0 +1,216 @@
+"""Adapters by attention shape: how each kind of attention module transformers never
+routed through its AttentionInterface makes its queries, keys and values, which
+attention options it has and what it returns. Each reads the original module's own
+projections, flags and position encodings (its model file's rotary and ALiBi
+functions), so a checkpoint's variant (bias, partial rotary, multi-query, ALiBi or
+rotary) is the one its config says.
+
+Shapes:
+- separate query/key/value projections and an output projection (gpt_neo, with its
+  local layers as a sliding window and no score scaling; xglm, query pre-scaled);
+- one fused Conv1D projection split in thirds (openai-gpt);
+- one fused projection laid out per head (bloom and falcon as [H, 3, D], falcon's
+  multi-query and grouped layouts, gpt_neox_japanese as [H, 3D]), with rotary
+  embeddings (falcon, gpt_neox_japanese) or ALiBi slopes (bloom);
+- one fused projection split in thirds with ALiBi or learned positions (mpt).
+
+ALiBi: every model's bias is slope_h * key position (in transformers' own precision);
+the paged attention adds slope_h * (key - query position), the same scores up to a
+constant per query, which the softmax cancels. """
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .base import PagedAttentionAdapter, StepScope, UnsupportedAttentionError
+
+
+def _model_function(module: nn.Module, name: str):
+    """A function of the original module's modeling file (its rotary or ALiBi code)."""
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def _apply_rotary(module: nn.Module, query: torch.Tensor, key: torch.Tensor, position_embeddings,
+                  rotary_dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own rotary embedding on the first ``rotary_dims`` of each head.
+    query: [T, H, D], key: [T, Hkv, D]; cos, sin: [1, T, rotary_dims]."""
+    cos, sin = position_embeddings
+    apply = _model_function(module, "apply_rotary_pos_emb")
+    q, k = query.transpose(0, 1)[None], key.transpose(0, 1)[None]  # [1, H, T, D]
+    q_rot, k_rot = apply(q[..., :rotary_dims], k[..., :rotary_dims], cos, sin)
+    q = torch.cat((q_rot, q[..., rotary_dims:]), dim=-1)
+    k = torch.cat((k_rot, k[..., rotary_dims:]), dim=-1)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+
+def _alibi_slopes(alibi: torch.Tensor) -> torch.Tensor:
+    """[H] slopes from a model's ALiBi bias over two key positions ([H, 1, 2]):
+    the bias grows by one slope per position."""
+    return (alibi[:, 0, 1] - alibi[:, 0, 0]).float()
+
+
+class SeparateProjectionsAttention(PagedAttentionAdapter):
+    """q_proj, k_proj, v_proj and out_proj over [T, hidden], heads of hidden / H.
+    ``query_scaling``: the original multiplies its query projection by its
+    ``scaling`` (xglm); else scores are scaled by ``scores_scale`` (gpt_neo: 1)."""
+
+    query_scaling = False
+    scores_scale: float | None = None
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.num_heads
+        self.head_dim = original.head_dim
+        if self.query_scaling:
+            self.scale = 1.0
+        else:
+            self.scale = self.scores_scale if self.scores_scale is not None else self.head_dim ** -0.5
+
+    def project(self, hidden_states, call):
+        query = self.q_proj(hidden_states)
+        if self.query_scaling:
+            query = query * self.original.scaling
+        shape = (hidden_states.shape[0], -1, self.head_dim)
+        return (query.view(shape), self.k_proj(hidden_states).view(shape), self.v_proj(hidden_states).view(shape))
+
+    def finish(self, attention, call):
+        return self.out_proj(attention), None
+
+
+class GPTNeoAttention(SeparateProjectionsAttention):
+    """GPT-Neo: unscaled scores (in float32, as transformers); its "local" layers see
+    the last ``window_size`` tokens."""
+
+    scores_scale = 1.0
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        if original.attention_type == "local":
+            self.sliding_window = original.config.window_size
+
+
+class XGLMAttention(SeparateProjectionsAttention):
+    query_scaling = True
+
+
+class OpenAIGPTAttention(PagedAttentionAdapter):
+    """openai-gpt: c_attn (Conv1D) gives [q | k | v]; scores scaled when ``scale``."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.n_head
+        self.head_dim = original.split_size // original.n_head
+        self.scale = self.head_dim ** -0.5 if original.scale else 1.0
+
+    def project(self, hidden_states, call):
+        query, key, value = self.c_attn(hidden_states).split(self.original.split_size, dim=-1)
+        shape = (hidden_states.shape[0], self.num_heads, self.head_dim)
+        return query.reshape(shape), key.reshape(shape), value.reshape(shape)
+
+    def finish(self, attention, call):
+        return [self.c_proj(attention)]
+
+
+class GPTNeoXJapaneseAttention(PagedAttentionAdapter):
+    """gpt_neox_japanese: query_key_value laid out [H, 3D]; partial rotary; returns the
+    output, no weights, and its separate output bias."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.num_attention_heads
+        self.head_dim = original.head_size
+        self.scale = 1.0 / original.norm_factor
+
+    def project(self, hidden_states, call):
+        qkv = self.query_key_value(hidden_states).view(hidden_states.shape[0], self.num_heads, 3 * self.head_dim)
+        query, key, value = qkv.split(self.head_dim, dim=-1)
+        query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self.original.rotary_ndims)
+        return query, key, value
+
+    def finish(self, attention, call):
+        return self.dense(attention), None, self.original.dense_bias
+
+
+class FalconAttention(PagedAttentionAdapter):
+    """falcon: query_key_value as [H, 3, D] (the original layout), [H + 2, D]
+    (multi-query: one key and one value head) or [Hkv, H / Hkv + 2, D] (the new
+    decoder architecture); rotary embeddings (ALiBi is refused, see the error)."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.num_heads
+        self.head_dim = original.head_dim
+        self.scale = original.inv_norm_factor
+        if original.config.alibi:
+            raise UnsupportedAttentionError(
+                "falcon with alibi=True has no single reference to match: transformers' eager attention adds "
+                "the ALiBi bias twice (in its scores and again in its mask) and its SDPA attention once, so "
+                "their greedy tokens differ; shardline runs falcon with rotary embeddings (alibi=False)")
+
+    def project(self, hidden_states, call):
+        original, tokens = self.original, hidden_states.shape[0]
+        fused = self.query_key_value(hidden_states)
+        if original.new_decoder_architecture:
+            qkv = fused.view(tokens, original.num_kv_heads, -1, self.head_dim)
+            query = qkv[:, :, :-2].reshape(tokens, self.num_heads, self.head_dim)
+            key, value = qkv[:, :, -2], qkv[:, :, -1]
+        elif original.multi_query:
+            qkv = fused.view(tokens, self.num_heads + 2, self.head_dim)
+            query, key, value = qkv[:, :-2], qkv[:, -2:-1], qkv[:, -1:]
+        else:
+            qkv = fused.view(tokens, self.num_heads, 3, self.head_dim)
+            query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if call.get("alibi") is None:
+            query, key = _apply_rotary(original, query, key, call["position_embeddings"], self.head_dim)
+        return query, key, value
+
+    def finish(self, attention, call):
+        return self.dense(attention), None
+
+
+class BloomAttention(PagedAttentionAdapter):
+    """bloom: query_key_value as [H, 3, D], ALiBi, and the residual added inside."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.num_heads
+        self.head_dim = original.head_dim
+        self.scale = original.inv_norm_factor
+        alibi = _model_function(original, "build_alibi_tensor")(torch.ones(1, 2), self.num_heads, torch.float32)
+        self.alibi_slopes = _alibi_slopes(alibi) * original.beta
+
+    def project(self, hidden_states, call):
+        qkv = self.query_key_value(hidden_states).view(hidden_states.shape[0], self.num_heads, 3, self.head_dim)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def finish(self, attention, call):
+        return self.dense(attention) + call["residual"], None
+
+
+class MptAttention(PagedAttentionAdapter):
+    """mpt: Wqkv split in thirds (clipped where the config says), ALiBi when the model
+    passes a position bias."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.num_heads = original.n_heads
+        self.head_dim = original.head_dim
+        self.scale = original.softmax_scale
+        self._slopes = _alibi_slopes(_model_function(original, "build_mpt_alibi_tensor")(self.num_heads, 2))
+
+    def alibi_slopes_for(self, call):
+        return None if call.get("position_bias") is None else self._slopes
+
+    def project(self, hidden_states, call):
+        qkv = self.Wqkv(hidden_states)
+        if self.original.clip_qkv:
+            qkv = qkv.clamp(min=-self.original.clip_qkv, max=self.original.clip_qkv)
+        shape = (hidden_states.shape[0], self.num_heads, self.head_dim)
+        query, key, value = qkv.chunk(3, dim=-1)
+        return query.reshape(shape), key.reshape(shape), value.reshape(shape)
+
+    def finish(self, attention, call):
+        return self.out_proj(attention), None

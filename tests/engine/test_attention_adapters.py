@@ -1,0 +1,62 @@
+"""Architectures whose attention transformers never routes through its
+AttentionInterface run on the paged attention through adapters
+(engine/model/adapters/): greedy tokens equal transformers' in float64, under chunked
+prefill and decode, for each layout variant a config can select."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from shardline import LLM, SamplingParams
+from shardline.engine.model.adapters import PagedAttentionAdapter
+from shardline.engine.tiny import build_tiny_model
+
+from .hf_reference import hf_greedy, load_hf_model, random_prompts
+
+MAX_NEW_TOKENS = 6
+
+CASES = {
+    "gpt_neo-local-window": ("gpt_neo", dict(attention_types=[[["local", "global"], 1]], window_size=6)),
+    "falcon-rotary": ("falcon", dict(multi_query=False, new_decoder_architecture=False)),
+    "falcon-multi-query": ("falcon", dict(multi_query=True, new_decoder_architecture=False)),
+    "falcon-grouped": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "bloom-alibi": ("bloom", {}),
+    "mpt-alibi": ("mpt", dict(attn_config=dict(alibi=True, clip_qkv=6.0))),
+    "gpt_neox_japanese-partial-rotary": ("gpt_neox_japanese", dict(rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adapted_architecture_matches_transformers(case, tmp_path):
+    arch, overrides = CASES[case]
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
+    prompts = random_prompts(3, (2, 30), 512, seed=3)
+    reference = load_hf_model(model_dir)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    llm = LLM(model_dir, dtype="float64", max_num_batched_tokens=16)  # prompts cross chunks
+    adapters = [m for m in llm.llm_engine.model.modules() if isinstance(m, PagedAttentionAdapter)]
+    assert len(adapters) == 2  # one per decoder layer
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.close()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_an_adapter_keeps_the_original_parameter_names(tmp_path):
+    from shardline.engine.model.adapters import adapt_attention
+
+    model = load_hf_model(str(build_tiny_model(tmp_path, "bloom")))
+    names = {name for name, _ in model.named_parameters()}
+    assert adapt_attention(model) == 2
+    assert {name for name, _ in model.named_parameters()} == names
+    assert all(isinstance(layer.self_attention, nn.Module) for layer in model.transformer.h)
+
+
+def test_falcon_with_alibi_is_refused_with_the_reason(tmp_path):
+    from shardline.engine.model.loader import UnsupportedModelError
+
+    model_dir = str(build_tiny_model(tmp_path, "falcon", alibi=True))
+    with pytest.raises(UnsupportedModelError, match="adds the ALiBi bias twice"):
+        LLM(model_dir, dtype="float64")
