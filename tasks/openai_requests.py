@@ -8,7 +8,9 @@ onto SamplingParams (or PoolingParams); what the job's ``sampling`` sets fills w
 body leaves out (``max_tokens`` included, so a job bounds every request's length).
 
 Invariants:
-- Every line becomes exactly one row; a line that cannot run (not JSON, no custom_id,
+- Every line becomes exactly one row, and one output line; a list ``prompt`` (completions)
+  or ``input`` (embeddings) asks one engine request per text, all answered in that line.
+  A line that cannot run (not JSON, no custom_id,
   an unknown url, a field out of range or not supported, another model, an endpoint
   the job's model cannot serve) carries an error code and a message naming the field,
   and the other lines run. Body fields are checked against OpenAI's ranges.
@@ -20,8 +22,11 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardline import PoolingParams, SamplingParams, StructuredOutputsParams
@@ -50,6 +55,7 @@ _COMPLETION_FIELDS = {*_SAMPLING_FIELDS, "model", "prompt", "logprobs", "respons
                       "suffix"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
+MAX_TEXTS_PER_LINE = 2048  # OpenAI's limit on an embeddings input list
 _ALLOWED = {CHAT: _CHAT_FIELDS, COMPLETION: _COMPLETION_FIELDS, EMBEDDING: _EMBEDDING_FIELDS}
 # The job's sampling defaults a body may leave out.
 _JOB_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos",
@@ -79,6 +85,12 @@ class OpenAIRow(PreparedRow):
     error_code: str | None = None
     status_code: int | None = None
     param: str | None = None
+    # The line's further prompts when its prompt or input is a list: engine requests whose
+    # indexes follow the shard's last row, so every request of the shard has its own.
+    more: list[RowRequest] = field(default_factory=list)
+
+    def engine_requests(self) -> list[RowRequest]:
+        return [] if self.request is None else [self.request, *self.more]
 
 
 def is_openai_batch(raw: RawShard, job: BatchJob) -> bool:
@@ -97,6 +109,7 @@ def prepare_openai_shard(raw: RawShard, job: BatchJob) -> PreparedShard:
     """A PreparedShard of one OpenAIRow per line of ``raw``, in order; ShardError on duplicate
     custom_ids."""
     _check_unique_ids(raw)
+    extra_indexes = itertools.count(len(raw.records))
     rows = []
     for index, record in enumerate(raw.records):
         custom_id = record.get("custom_id") if isinstance(record, dict) else None
@@ -106,12 +119,12 @@ def prepare_openai_shard(raw: RawShard, job: BatchJob) -> PreparedShard:
         try:
             if isinstance(record, RecordProblem):
                 raise RequestError("invalid_json", record.message, status=None)
-            _fill(row, record, job)
+            _fill(row, record, job, extra_indexes)
         except RequestError as exc:
-            row.request, row.error = None, str(exc)
+            row.request, row.more, row.error = None, [], str(exc)
             row.error_code, row.status_code, row.param = exc.code, exc.status, exc.param
         except ValueError as exc:  # SamplingParams / StructuredOutputsParams naming the field
-            row.request, row.error = None, str(exc)
+            row.request, row.more, row.error = None, [], str(exc)
             row.error_code, row.status_code = "invalid_request", 400
         rows.append(row)
     return PreparedShard(raw, rows)
@@ -127,7 +140,7 @@ def _check_unique_ids(raw: RawShard) -> None:
                                         "custom_id of its own (as the OpenAI Batch API requires)")
 
 
-def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob) -> None:
+def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob, extra_indexes: Iterator[int]) -> None:
     """Check one request line and set ``row``'s request and response fields."""
     if not isinstance(record.get("custom_id"), str) or not record["custom_id"]:
         raise RequestError("missing_custom_id", f"line {row.index + 1} has no custom_id (a non-empty string), "
@@ -146,11 +159,13 @@ def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob) -> None:
     _check_model(body, job)
     _check_endpoint(url, row.kind, job)
     if row.kind == EMBEDDING:
-        row.request = _embedding_request(row, body, job)
+        requests = _embedding_requests(row, body, job)
     elif row.kind == CHAT:
-        row.request = _chat_request(row, body, job)
+        requests = [_chat_request(row, body, job)]
     else:
-        row.request = _completion_request(row, body, job)
+        requests = _completion_requests(row, body, job)
+    row.request = requests[0]
+    row.more = [dataclasses.replace(request, index=next(extra_indexes)) for request in requests[1:]]
     if job.output_format == OutputFormat.PARQUET:
         _check_parquet_can_hold(row, job)
 
@@ -158,6 +173,10 @@ def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob) -> None:
 def _check_parquet_can_hold(row: OpenAIRow, job: BatchJob) -> None:
     """Parquet rows have the job's ``n`` texts and no logprobs: a request asking for other
     fails rather than lose part of its answer."""
+    if row.more:
+        name = "input" if row.kind == EMBEDDING else "prompt"
+        raise _invalid(name, f"holds {len(row.more) + 1} texts, and a Parquet output row holds one; use "
+                       "--output-format openai")
     params = row.request.params
     if isinstance(params, SamplingParams) and params.n != job.sampling.n:
         raise _invalid("n", f"={params.n} differs from the job's n ({job.sampling.n}), which a Parquet output "
@@ -195,27 +214,28 @@ def _check_endpoint(url: str, kind: str, job: BatchJob) -> None:
 
 
 # ----------------------------------------------------------------- embeddings
-def _embedding_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowRequest:
-    text = _single_text(body.get("input"), "input")
+def _embedding_requests(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> list[RowRequest]:
+    texts = _texts(body.get("input"), "input")
     row.encoding_format = body.get("encoding_format") or "float"
     if row.encoding_format not in ("float", "base64"):
         raise _invalid("encoding_format", f"must be 'float' or 'base64', got {row.encoding_format!r:.40}")
     dimensions = _integer(body, "dimensions", minimum=1)
     params = PoolingParams(normalize=job.pooling.normalize,
                            dimensions=dimensions if dimensions is not None else job.pooling.dimensions)
-    return RowRequest(index=row.index, prompt=text, messages=None, params=params)
+    return [RowRequest(index=row.index, prompt=text, messages=None, params=params) for text in texts]
 
 
-def _single_text(value: Any, name: str) -> str:
-    """One prompt: a string, or a list holding one string (one request per line)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if isinstance(value, list):
-        raise _invalid(name, f"holds {len(value)} items; shardline takes one text per request line "
-                       "(a string, or a list of one string): split the list into lines")
-    if not isinstance(value, str) or not value:
-        raise _invalid(name, f"must be a non-empty string, got {value!r:.80}")
-    return value
+def _texts(value: Any, name: str) -> list[str]:
+    """The prompts of a line: a string, or a list of strings (token id arrays are refused)."""
+    texts = value if isinstance(value, list) else [value]
+    if not texts or len(texts) > MAX_TEXTS_PER_LINE:
+        raise _invalid(name, f"must hold 1 to {MAX_TEXTS_PER_LINE} texts, got {len(texts)}")
+    for text in texts:
+        if isinstance(text, int) or (isinstance(text, list) and text and isinstance(text[0], int)):
+            raise _invalid(name, "holds token ids, which shardline does not take; send the text")
+        if not isinstance(text, str) or not text:
+            raise _invalid(name, f"must be a non-empty string or a list of them, got {text!r:.80}")
+    return texts
 
 
 # ----------------------------------------------------------- chat, completion
@@ -243,8 +263,8 @@ def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowReq
                       params=_sampling(body, job, row.logprobs, structured), chat_options=chat_options or None)
 
 
-def _completion_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowRequest:
-    prompt = _single_text(body.get("prompt"), "prompt")
+def _completion_requests(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> list[RowRequest]:
+    prompts = _texts(body.get("prompt"), "prompt")
     for name, neutral in (("echo", False), ("suffix", None)):
         if body.get(name) not in (neutral, None):
             raise RequestError("unsupported_parameter", f"{name}={body[name]!r:.40} is not supported by "
@@ -253,9 +273,8 @@ def _completion_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> 
         raise RequestError("unsupported_parameter", f"best_of={body['best_of']!r:.40} is not supported by "
                            "shardline (use n)", "best_of")
     row.logprobs = _integer(body, "logprobs", minimum=0, maximum=5)
-    structured = _response_format(body.get("response_format"), None)
-    return RowRequest(index=row.index, prompt=prompt, messages=None,
-                      params=_sampling(body, job, row.logprobs, structured))
+    params = _sampling(body, job, row.logprobs, _response_format(body.get("response_format"), None))
+    return [RowRequest(index=row.index, prompt=prompt, messages=None, params=params.clone()) for prompt in prompts]
 
 
 def _sampling(body: dict[str, Any], job: BatchJob, logprobs: int | None,

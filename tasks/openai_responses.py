@@ -38,7 +38,7 @@ def openai_lines(prepared: PreparedShard, results: dict[int, RowResult], job: Ba
     lines, error_lines = [], []
     for row in prepared.rows:
         row = row if isinstance(row, OpenAIRow) else _as_openai_row(row, job)
-        line = _line(row, results.get(row.index), created)
+        line = _line(row, [results.get(request.index) for request in row.engine_requests()], created)
         text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
         lines.append(text)
         if line["error"] is not None:
@@ -58,7 +58,7 @@ def _as_openai_row(row: PreparedRow, job: BatchJob) -> OpenAIRow:
                      status_code=None if row.error is None else 400)
 
 
-def _line(row: OpenAIRow, result: RowResult | None, created: int) -> dict[str, Any]:
+def _line(row: OpenAIRow, results: list[RowResult | None], created: int) -> dict[str, Any]:
     line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row.custom_id,
                             "response": None, "error": None}
     if row.error is not None:
@@ -67,12 +67,13 @@ def _line(row: OpenAIRow, result: RowResult | None, created: int) -> dict[str, A
             line["response"] = {"status_code": row.status_code, "request_id": _request_id(), "body": {"error": {
                 "message": row.error, "type": "invalid_request_error", "param": row.param,
                 "code": row.error_code}}}
-    elif result is None or result.output is None:
-        message = "internal error: the row never came back from the engine" if result is None else result.error
+    elif not results or any(result is None or result.output is None for result in results):
+        failed = next((result for result in results if result is None or result.output is None), None)
+        message = "internal error: the row never came back from the engine" if failed is None else failed.error
         line["error"] = {"code": "request_failed", "message": message}
     else:
-        line["response"] = {"status_code": 200, "request_id": _request_id(), "body": response_body(row, result.output,
-                                                                                                   created)}
+        body = response_body(row, [result.output for result in results], created)
+        line["response"] = {"status_code": 200, "request_id": _request_id(), "body": body}
     return line
 
 
@@ -80,22 +81,24 @@ def _request_id() -> str:
     return f"req_{uuid.uuid4().hex}"
 
 
-def response_body(row: OpenAIRow, output: Any, created: int) -> dict[str, Any]:
-    """The API's response object for one finished row."""
+def response_body(row: OpenAIRow, outputs: list[Any], created: int) -> dict[str, Any]:
+    """The API's response object for one finished row (``outputs``: one per prompt of the line)."""
     if row.kind == EMBEDDING:
-        return _embedding_body(row, output)
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+        return _embedding_body(row, outputs)
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    completion_tokens = sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+             "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
     if row.kind == CHAT:
-        choices = [_chat_choice(row, sample) for sample in output.outputs]
+        choices = [_chat_choice(row, sample) for sample in outputs[0].outputs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": CHAT, "created": created, "model": row.model_name,
                 "choices": choices, "usage": usage}
-    choices = [{"index": sample.index, "text": sample.text, "finish_reason": sample.finish_reason,
+    # Several prompts: their choices in prompt order, n each, indexed as the API does.
+    choices = [{"index": number * len(output.outputs) + sample.index, "text": sample.text,
+                "finish_reason": sample.finish_reason,
                 "logprobs": None if row.logprobs is None else _completion_logprobs(sample, row.logprobs)}
-               for sample in output.outputs]
+               for number, output in enumerate(outputs) for sample in output.outputs]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": COMPLETION, "created": created, "model": row.model_name,
             "choices": choices, "usage": usage}
 
@@ -161,11 +164,14 @@ def _completion_logprobs(sample: Any, top: int) -> dict[str, Any]:
             "text_offset": offsets}
 
 
-def _embedding_body(row: OpenAIRow, output: Any) -> dict[str, Any]:
-    vector = list(output.outputs.embedding)
-    if row.encoding_format == "base64":
-        vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    tokens = len(output.prompt_token_ids)
+def _embedding_body(row: OpenAIRow, outputs: list[Any]) -> dict[str, Any]:
+    def encoded(vector: list[float]) -> list[float] | str:
+        if row.encoding_format == "base64":
+            return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        return list(vector)
+
+    tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {"object": "list", "model": row.model_name,
-            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "data": [{"object": "embedding", "index": number, "embedding": encoded(output.outputs.embedding)}
+                     for number, output in enumerate(outputs)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -34,6 +34,10 @@ class PreparedRow:
     request: RowRequest | None
     error: str | None = None
 
+    def engine_requests(self) -> list[RowRequest]:
+        """What the row asks of the engine (an OpenAI request line may ask several prompts)."""
+        return [] if self.request is None else [self.request]
+
 
 @dataclass
 class PreparedShard:

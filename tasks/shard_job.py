@@ -115,7 +115,7 @@ class ShardPipeline:
 
     def _run(self, prepared: PreparedShard) -> ShardRun:
         """Every valid row of ``prepared`` through the engine."""
-        requests = [row.request for row in prepared.rows if row.request is not None]
+        requests = [request for row in prepared.rows for request in row.engine_requests()]
         started = time.perf_counter()
         results: list[RowResult] = []
         if requests:

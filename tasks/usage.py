@@ -34,16 +34,16 @@ def usage_fields(prepared: PreparedShard, results: dict[int, RowResult], job: Ba
     """A shard's manifest fields for its usage: request counts, token counts, endpoints."""
     prompt = completion = cached = failed = 0
     for row in prepared.rows:
-        result = results.get(row.index)
-        output = None if row.error is not None or result is None else result.output
-        if output is None:
-            failed += 1
+        found = [results.get(request.index) for request in row.engine_requests()]
+        outputs = [result.output for result in found if result is not None and result.output is not None]
+        if row.error is not None or not found or len(outputs) < len(found):
+            failed += 1  # a request that failed, in whole or in part, is not billed
             continue
-        prompt += len(output.prompt_token_ids)
-        cached += getattr(output, "num_cached_tokens", 0)
-        if not isinstance(output.outputs, list):  # an embedding: its prompt is all it costs
-            continue
-        completion += sum(len(sample.token_ids) for sample in output.outputs)
+        for output in outputs:
+            prompt += len(output.prompt_token_ids)
+            cached += getattr(output, "num_cached_tokens", 0)
+            if isinstance(output.outputs, list):  # an embedding's prompt is all it costs
+                completion += sum(len(sample.token_ids) for sample in output.outputs)
     kinds = {getattr(row, "kind", None) for row in prepared.rows} - {None}
     endpoints = sorted(_KIND_ENDPOINTS[kind] for kind in kinds) if kinds else [_TASK_ENDPOINTS[job.task]]
     return {"rows": len(prepared.rows), "errors": failed, "prompt_tokens": prompt, "completion_tokens": completion,

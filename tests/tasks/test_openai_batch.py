@@ -50,6 +50,8 @@ def test_mixed_file_every_line_validates_and_bad_lines_become_error_lines(tmp_pa
         request("tool", "/v1/chat/completions", messages=CHAT, max_tokens=24, tools=[TOOL],
                 tool_choice={"type": "function", "function": {"name": "lookup"}}),
         request("embedding", "/v1/embeddings", input="a sentence"),
+        request("prompts", "/v1/completions", prompt=["Once upon a time", "The sea"], max_tokens=3, n=2,
+                temperature=0),
         "{not json",
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
         request("url", "/v1/responses", input="hi"),
@@ -63,9 +65,9 @@ def test_mixed_file_every_line_validates_and_bad_lines_become_error_lines(tmp_pa
     out = read_output(tmp_path / "out" / "part-0.jsonl")
 
     assert [line["custom_id"] for line in out] == [
-        "chat", "text", "sampled", "tool", "embedding", None, None, "url", "hot", "audio", "other-model"]
+        "chat", "text", "sampled", "tool", "embedding", "prompts", None, None, "url", "hot", "audio", "other-model"]
     ok = {line["custom_id"]: line["response"]["body"] for line in out if line["error"] is None}
-    assert sorted(ok) == ["chat", "sampled", "text", "tool"]
+    assert sorted(ok) == ["chat", "prompts", "sampled", "text", "tool"]
 
     llm = LLM(tiny_model)
     chat = ok["chat"]["choices"][0]
@@ -81,6 +83,14 @@ def test_mixed_file_every_line_validates_and_bad_lines_become_error_lines(tmp_pa
     assert text["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
     assert text["usage"]["completion_tokens"] == 2 * len(expected.outputs[0].token_ids)
     assert len(text["choices"][0]["logprobs"]["tokens"]) == len(expected.outputs[0].token_ids)
+
+    both = llm.generate(["Once upon a time", "The sea"], SamplingParams(max_tokens=3, temperature=0),
+                        use_tqdm=False)
+    prompts = ok["prompts"]  # two prompts, n=2: choices 0-1 answer the first, 2-3 the second
+    assert [(c["index"], c["text"]) for c in prompts["choices"]] == [
+        (0, both[0].outputs[0].text), (1, both[0].outputs[0].text), (2, both[1].outputs[0].text),
+        (3, both[1].outputs[0].text)]
+    assert prompts["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in both)
 
     call = ok["tool"]["choices"][0]["message"]
     assert call["content"] is None and call["tool_calls"][0]["function"]["name"] == "lookup"
@@ -131,9 +141,15 @@ def test_embedding_requests_with_an_embedding_model(tmp_path, make_job, embeddin
     assert np.frombuffer(base64.b64decode(packed), dtype="<f4").shape == (32,)
     assert out[2]["error"]["code"] == "unsupported_endpoint" and "needs a generative model" in out[2]["error"][
         "message"]
-    assert out[3]["error"]["code"] == "invalid_request" and "2 items" in out[3]["error"]["message"]
-    assert manifest["prompt_tokens"] == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in out[:2])
-    assert manifest["completion_tokens"] == 0 and manifest["errors"] == 2
+    many = out[3]["response"]["body"]  # one line, two inputs: two embeddings in input order
+    both = LLM(embedding_model).embed(["one", "two"], use_tqdm=False)
+    assert [item["index"] for item in many["data"]] == [0, 1]
+    for item, expected in zip(many["data"], both):
+        assert item["embedding"] == pytest.approx(expected.outputs.embedding, abs=1e-5)
+    assert many["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in both)
+    ok = [line for line in out if line["error"] is None]
+    assert manifest["prompt_tokens"] == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in ok)
+    assert manifest["completion_tokens"] == 0 and manifest["errors"] == 1
 
 
 def test_duplicate_custom_ids_fail_the_shard_naming_them(tmp_path, make_job):
@@ -170,6 +186,8 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
     }
     lines = good + [request(name, "/v1/chat/completions", **body) for name, (body, _, _) in bad.items()]
     lines.append(request("best", "/v1/completions", prompt="p", best_of=3))
+    lines.append(request("ids", "/v1/completions", prompt=[101, 102]))
+    lines.append(request("two", "/v1/completions", prompt=["p", "q"]))
     write_lines(tmp_path, lines, "requests.jsonl")
     job = make_job(sampling={"max_tokens": 11, "temperature": 0.0, "top_p": 0.8}, output_format="openai")
     rows = {row.custom_id: row for row in read_shard(list_shards(job.input)[0], job).rows}
@@ -194,12 +212,17 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
         row = rows[name]
         assert row.request is None and row.param == param and fragment in row.error, (name, row.error)
     assert rows["best"].param == "best_of" and rows["best"].error_code == "unsupported_parameter"
+    assert rows["ids"].param == "prompt" and "token ids" in rows["ids"].error
+    requests = rows["two"].engine_requests()  # a list prompt: one engine request per text
+    assert [r.prompt for r in requests] == ["p", "q"] and len({r.index for r in requests}) == 2
+    assert requests[1].index >= len(lines)  # after every row's own index
 
     # A Parquet output holds the job's n texts per row and no logprobs: such requests fail, naming why.
     rows = {row.custom_id: row for row in read_shard(list_shards(job.input)[0], make_job()).rows}
     assert rows["defaults"].error is None and rows["required"].error is None
     assert rows["fields"].param == "n" and "--output-format openai" in rows["fields"].error
     assert rows["object"].param == "logprobs" and "Parquet" in rows["object"].error
+    assert rows["two"].param == "prompt" and "holds 2 texts" in rows["two"].error
 
 
 def test_detection_by_content_and_parquet_input_answered_as_openai_lines(tmp_path, make_job, tiny_model):
