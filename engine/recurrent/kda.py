@@ -84,6 +84,7 @@ class KimiDeltaAttentionKind:
     """KimiLinearDeltaAttention and BailingHybridDeltaAttention."""
 
     name = "kimi_delta_attention"
+    reference_dtype = torch.float32  # HF runs the delta rule in float32 whatever the model's dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module

@@ -28,6 +28,9 @@ class LightningAttentionKind:
     """MiniMax's lightning attention layers."""
 
     name = "lightning_attention"
+    reference_dtype = torch.float32  # HF's block path reads decay tables it built in float32
+    # MiniMax's decoder layer unpacks (output, state) from its attention (engine/recurrent/state.py).
+    returns_tuple = True
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module

@@ -51,6 +51,7 @@ class MambaKind:
     """The selective-scan mixer of Mamba-1 and the hybrids built on it."""
 
     name = "mamba"
+    reference_dtype = torch.float32  # HF's decode update runs in float32 whatever the model's dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         dtype = hf_module.in_proj.weight.dtype

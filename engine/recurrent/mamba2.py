@@ -28,6 +28,7 @@ class Mamba2Kind:
     """The SSD mixer of Mamba-2 and the hybrids built on it."""
 
     name = "mamba2"
+    reference_dtype = torch.float32  # HF's scan and update run in float32 whatever the model's dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         dtype = hf_module.in_proj.weight.dtype

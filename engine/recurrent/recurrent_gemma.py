@@ -63,6 +63,7 @@ class RGLRUBlockKind:
     """RecurrentGemmaRecurrentBlock."""
 
     name = "rg_lru"
+    reference_dtype = torch.float32  # HF accumulates the recurrence in float32
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module
