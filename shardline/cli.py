@@ -34,7 +34,8 @@ EXIT_SHARDS_FAILED, EXIT_JOB_FAILED = 1, 2
 # How ``run``'s flags name the BatchJob fields (for one-line field errors).
 _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": "--revision", "task": "--task",
           "input_format": "--input-format", "output_format": "--output-format",
-          "served_model_name": "--served-model-name", "engine_options": "--engine-options", "pass_through": "--pass-through",
+          "served_model_name": "--served-model-name", "engine_options": "--engine-options",
+          "pass_through": "--pass-through",
           "storage_options": "--storage-options", "lora_adapters": "--lora", "shards_in_flight": "--shards-in-flight",
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
