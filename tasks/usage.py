@@ -81,6 +81,7 @@ def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> d
         "request_counts": {"total": totals["rows"], "completed": totals["rows"] - totals["errors"],
                            "failed": totals["errors"]},
         "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": totals["cached_prompt_tokens"]},
+                  # thinking tokens are in output_tokens; the engine does not count them apart
                   "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": prompt + completion},
         "shard_counts": {name: totals[name] for name in ("shards", "done", "skipped", "failed")},
