@@ -8,6 +8,8 @@ which then loads through the same code path as any hub model.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,8 @@ def build_tokenizer(path: str | Path, vocab_size: int = 512,
     return fast
 
 
-def _arch_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.PretrainedConfig:
+def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.PretrainedConfig:
+    """The config ``build_tiny_model`` gives ``arch`` (small sizes, then ``overrides``)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -116,11 +119,12 @@ def _arch_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.P
 
 
 def _declares(config: transformers.PretrainedConfig, name: str) -> bool:
-    """Whether ``config`` sets ``name`` (a per-layer attribute refuses a global read: it is set)."""
-    try:
-        return getattr(config, name, None) is not None
-    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
-        return True
+    """Whether ``config``'s class takes ``name`` as a field (not one it derives itself,
+    as gpt_bigcode derives its key-value heads from multi_query)."""
+    config_class = type(config)
+    if dataclasses.is_dataclass(config_class):
+        return name in {field.name for field in dataclasses.fields(config_class)}
+    return name in inspect.signature(config_class.__init__).parameters
 
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
@@ -138,7 +142,7 @@ def build_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path, vocab_size=vocab_size, extra_special_tokens=extra_special_tokens)
-    config = _arch_config(arch, len(tokenizer), **config_overrides)
+    config = tiny_config(arch, len(tokenizer), **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

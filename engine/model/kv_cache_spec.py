@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from .loader import key_value_heads
 from .loader import RECURRENT, layer_kind, layer_types
 
 
@@ -67,7 +68,7 @@ class KVCacheSpec:
                 continue
             layer_config = per_layer[index] if per_layer is not None else text_config
             num_heads = layer_config.num_attention_heads
-            num_kv_heads = getattr(layer_config, "num_key_value_heads", None) or num_heads
+            num_kv_heads = key_value_heads(layer_config, num_heads)
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None

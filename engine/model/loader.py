@@ -117,6 +117,19 @@ def layer_kind(hf_config: transformers.PretrainedConfig, layer_type: str) -> str
     return RECURRENT if any(kind_for_layer_type(m, layer_type) for m in model_types) else None
 
 
+def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int) -> int:
+    """How many key-value heads a layer's attention caches: the config's
+    num_key_value_heads, else what older configs say in their own words (falcon's
+    num_kv_heads with its new decoder architecture, one head for multi-query
+    attention: falcon, gpt_bigcode), else one per query head."""
+    heads = getattr(layer_config, "num_key_value_heads", None)
+    if heads:
+        return heads
+    if getattr(layer_config, "new_decoder_architecture", False):
+        return layer_config.num_kv_heads
+    return 1 if getattr(layer_config, "multi_query", False) else num_heads
+
+
 class UnsupportedLayerError(UnsupportedModelError):
     """A model layer keeps state the engine's cache has no place for, or attends in a
     way its paged attention does not."""

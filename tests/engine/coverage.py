@@ -37,15 +37,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.loader import ModelLoadError
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.tiny import build_tiny_model, tiny_config
 
 MAX_NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 13, 30)
 VOCAB_SIZE = 512
 MAX_PARAMETERS = 5_000_000  # a tiny model is well under a million; more means a size the overrides missed
-# engine/tiny.py's common sizes, for counting parameters before building.
-TINY_SIZES = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4)
 OUTCOMES = ("parity", "refused", "failure", "skipped")
 
 _ENCODER = "an encoder (bidirectional) model; its causal-LM head is for fine-tuning, not decoding"
@@ -142,7 +139,7 @@ def tiny_overrides(model_type: str) -> dict:
 
 def _parameter_count(model_type: str, overrides: dict) -> int:
     """Parameters of the tiny model, counted without allocating them."""
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY_SIZES, **overrides})
+    config = tiny_config(model_type, VOCAB_SIZE, **overrides)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     return sum(parameter.numel() for parameter in model.parameters())

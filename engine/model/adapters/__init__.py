@@ -48,22 +48,40 @@ def _calls_attention_interface(module_class: type) -> bool:
         return False
 
 
+def _passes_keywords(layer: nn.Module, name: str) -> bool:
+    """Whether ``layer``'s forward passes its keyword arguments on (``**kwargs``) where
+    it calls its submodule ``name`` (a direct child); read from its source."""
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return False
+    start = source.find(f"self.{name}(")
+    if start < 0 or "." in name:
+        return False
+    depth, end = 0, start + len(name) + 5
+    for end in range(start + len(name) + 5, len(source)):  # to the call's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    return "**kwargs" in source[start:end]
+
+
 def adapt_attention(model: nn.Module) -> int:
-    """Replace every attention module of ``model`` that has an adapter, and, in a
-    model that does not declare transformers' attention backends, wrap each module
-    calling the AttentionInterface so the step's context reaches it; return how many.
-    Each one's layer index is its decoder layer's (the model's longest ModuleList),
-    which is also its KV-cache layer."""
+    """Replace every attention module of ``model`` that has an adapter, and wrap each
+    module calling the AttentionInterface from a decoder layer that does not pass the
+    model's keyword arguments on to it (stablelm, nemotron), so the step's context
+    reaches it; return how many. Each one's layer index is its decoder layer's (the
+    model's longest ModuleList), which is also its KV-cache layer."""
     layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
     if layers is None:
         return 0
-    undeclared = not getattr(type(model), "_supports_attention_backend", False)
     scope = StepScope()
     replaced = 0
     for index, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module)))
-            if adapter is None and undeclared and name and _calls_attention_interface(type(module)):
+            if (adapter is None and name and _calls_attention_interface(type(module))
+                    and not _passes_keywords(layer, name)):
                 adapter = ContextForwardingAttention
             if adapter is not None:
                 parent_name, _, child_name = name.rpartition(".")
