@@ -38,7 +38,7 @@ class EngineConfig:
     and ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
     CUDA graphs that decode steps replay on a GPU. ``max_num_batched_tokens`` None
     means a per-device default (DEFAULT_TOKEN_BUDGETS), set by the engine once it
-    knows its device. ``reasoning_parser`` ("qwen3" or "deepseek_r1", vLLM's names)
+    knows its device. ``reasoning_parser`` ("qwen3", "deepseek_r1" or "openai_gptoss", vLLM's names)
     splits a reasoning model's thinking from its answer (CompletionOutput.reasoning)
     and holds structured-output constraints back until the thinking ends.
     """

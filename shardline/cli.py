@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--grammar", metavar="FILE", help="an EBNF grammar file (xgrammar's dialect, rule root)")
     structured.add_argument("--compact-json", action="store_true", help="no whitespace between JSON tokens")
     structured.add_argument("--reasoning-parser", metavar="NAME",
-                            help="qwen3 or deepseek_r1: put the model's thinking in a `reasoning` column")
+                            help="qwen3, deepseek_r1 or openai_gptoss: put the model's thinking in a "
+                                 "`reasoning` column")
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
 
     demo = commands.add_parser("demo", help="write a sample dataset and a tiny model, then run the flow on them")

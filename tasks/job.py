@@ -133,7 +133,7 @@ class BatchJob(BaseModel):
     )
     reasoning_parser: str | None = Field(
         None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
-        f"{' or '.join(REASONING_PARSERS)} (think tags).",
+        f"{', '.join(REASONING_PARSERS)}.",
     )
 
     @field_validator("engine_options")

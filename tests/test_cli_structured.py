@@ -39,7 +39,8 @@ def test_flags_set_the_jobs_constraint_and_reasoning(tmp_path):
     (["--regex", "(("], "shardline run: --json-schema/--choice/--regex/--grammar: the regex constraint does not "
                         "compile: Regex parsing error at position 3: The parenthesis is not closed."),
     (["--reasoning-parser", "o1"],
-     "shardline run: --reasoning-parser: reasoning_parser must be one of qwen3, deepseek_r1, got 'o1'"),
+     "shardline run: --reasoning-parser: reasoning_parser must be one of qwen3, deepseek_r1, openai_gptoss, "
+     "got 'o1'"),
     (["--compact-json"], "shardline run: --compact-json needs --json-schema"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, line, capsys):

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from .detokenizer import IncrementalDetokenizer, find_stop_string
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..params import SamplingParams
+from .harmony import HarmonyParser, HarmonyTracker
 from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
 from ..core.request import Request, RequestStatus
 from .structured import GrammarState, StructuredOutputError
@@ -40,7 +41,7 @@ class SampleState:
     # The structured-output matcher (set once the request's grammar is compiled).
     grammar: GrammarState | None = None
     # With a reasoning parser: the phase, and the reasoning tokens' own text.
-    reasoning: ReasoningTracker | None = None
+    reasoning: ReasoningTracker | HarmonyTracker | None = None
     reasoning_detokenizer: IncrementalDetokenizer | None = None
     reasoning_text: str = ""
 
@@ -75,7 +76,7 @@ class OutputProcessor:
     """Applies sampled tokens to sequences and reports which ones stop."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int,
-                 reasoning_parser: ReasoningParser | None = None) -> None:
+                 reasoning_parser: ReasoningParser | HarmonyParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -85,8 +86,7 @@ class OutputProcessor:
         sample = SampleState(sequence, index, self._detokenizer(sequence, params),
                              logprobs=[] if params.logprobs is not None else None)
         if self.reasoning_parser is not None:
-            sample.reasoning = ReasoningTracker(self.reasoning_parser, sequence.prompt_token_ids,
-                                                params.max_reasoning_tokens)
+            sample.reasoning = self.reasoning_parser.tracker(sequence.prompt_token_ids, params.max_reasoning_tokens)
             sample.reasoning_detokenizer = self._detokenizer(sequence, params)
         return sample
 

@@ -1,14 +1,15 @@
 """Reasoning parsers: which generated tokens are a model's thinking and which its answer.
 
 A reasoning model wraps its thinking in tags that are single special tokens
-(``<think>`` ... ``</think>`` for Qwen3 and DeepSeek-R1 style models). The split is
+(``<think>`` ... ``</think>`` for Qwen3 and DeepSeek-R1 style models), or writes it
+in channels of its own (gpt-oss's harmony format: harmony.py). The split is
 decided token by token as tokens are sampled, not by parsing text afterwards,
 because the engine needs it while generating: a structured-output constraint
 applies only to the answer, and ``max_reasoning_tokens`` forces the end tag.
 
 Invariants:
 - A sequence is in one phase at a time: UNDECIDED (only before its first token),
-  REASONING or ANSWER; it never goes back from ANSWER.
+  REASONING, ANSWER or (harmony only) HEADER; it never goes back from ANSWER.
 - The tags themselves belong to neither the reasoning nor the answer text.
 - ``num_reasoning_tokens`` counts the tokens generated in REASONING, tags excluded.
 """
@@ -22,7 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the config imports this module; it stays free of transformers
     from transformers import PreTrainedTokenizerBase
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+    from .harmony import HarmonyParser
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 
 
 class ReasoningParserError(ValueError):
@@ -33,6 +36,7 @@ class Phase(enum.Enum):
     UNDECIDED = "undecided"  # Qwen3 with no tag in the prompt: the first token decides
     REASONING = "reasoning"
     ANSWER = "answer"
+    HEADER = "header"  # harmony: inside a message header, neither reasoning nor answer
 
 
 class TokenRole(enum.Enum):
@@ -66,12 +70,21 @@ class ReasoningParser:
                 return Phase.REASONING
         return Phase.REASONING if self.starts_reasoning else Phase.UNDECIDED
 
+    def tracker(self, prompt_token_ids: list[int], max_reasoning_tokens: int | None) -> ReasoningTracker:
+        """A new sample's tracker."""
+        return ReasoningTracker(self, prompt_token_ids, max_reasoning_tokens)
 
-def make_reasoning_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser:
+
+def make_reasoning_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser | HarmonyParser:
     """The parser ``name`` for ``tokenizer``; ReasoningParserError if the name is
-    unknown or the tokenizer has no single-token ``<think>`` and ``</think>``."""
+    unknown or the tokenizer lacks its special tokens (single-token ``<think>`` and
+    ``</think>``, or harmony's)."""
     if name not in REASONING_PARSERS:
         raise ReasoningParserError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {name!r}")
+    if name == "openai_gptoss":
+        from .harmony import make_harmony_parser
+
+        return make_harmony_parser(tokenizer)
     vocab = tokenizer.get_vocab()
     missing = [tag for tag in ("<think>", "</think>") if tag not in vocab]
     if missing:
@@ -112,6 +125,11 @@ class ReasoningTracker:
             self.num_reasoning_tokens += 1
             return TokenRole.REASONING
         return TokenRole.ANSWER
+
+    @property
+    def forced_token_id(self) -> int | None:
+        """The token the next sample must be (the end tag, once the budget is spent), or None."""
+        return self.parser.end_token_id if self.must_end_reasoning else None
 
     @property
     def must_end_reasoning(self) -> bool:

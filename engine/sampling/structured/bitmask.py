@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..harmony import HarmonyTracker
 from ..reasoning import Phase, ReasoningTracker
 from .grammar import GrammarCompiler, GrammarState
 
@@ -94,19 +95,22 @@ def forbidden_picks(bitmask: torch.Tensor | None, rows: set[int], token_ids: lis
 
 
 def step_bitmask(compiler: GrammarCompiler, grammars: list[GrammarState | None],
-                 trackers: list[ReasoningTracker | None], vocab_size: int) -> tuple[torch.Tensor | None, set[int]]:
+                 trackers: list[ReasoningTracker | HarmonyTracker | None],
+                 vocab_size: int) -> tuple[torch.Tensor | None, set[int]]:
     """The bitmask of one step's rows and the set of rows it restricts (None and an
     empty set when it restricts none).
 
-    A row whose reasoning budget is spent may only end its reasoning; a row with a
-    grammar follows it once its reasoning is over (before its first token, a Qwen3
-    style row may also open its reasoning instead); every other row is free.
+    A row whose reasoning budget is spent may only take its forced token (the end
+    tag, or the next of harmony's tokens that open the final channel); a row with a
+    grammar follows it in its answer (before its first token, a Qwen3 style row may
+    also open its reasoning instead), not while it reasons or writes a harmony
+    header; every other row is free.
     """
     grammar_rows, row_grammars, open_tags, forced = [], [], [], []
     for row, (grammar, tracker) in enumerate(zip(grammars, trackers)):
-        if tracker is not None and tracker.must_end_reasoning:
-            forced.append((row, tracker.parser.end_token_id))
-        elif grammar is not None and (tracker is None or tracker.phase is not Phase.REASONING):
+        if tracker is not None and tracker.forced_token_id is not None:
+            forced.append((row, tracker.forced_token_id))
+        elif grammar is not None and (tracker is None or tracker.phase in (Phase.ANSWER, Phase.UNDECIDED)):
             grammar_rows.append(row)
             row_grammars.append(grammar)
             if tracker is not None and tracker.phase is Phase.UNDECIDED:
