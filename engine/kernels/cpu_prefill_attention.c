@@ -149,12 +149,6 @@ static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk)
     return first;
 }
 
-/* Where the context's key or value at `position` starts in a cache, in elements. */
-static inline int64_t cached_row(const int32_t *table, int64_t position, int64_t block_size,
-                                 int64_t row_stride) {
-    return ((int64_t)table[position / block_size] * block_size + position % block_size) * row_stride;
-}
-
 static inline __attribute__((always_inline)) void attend_tile(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *table, int64_t block_size, int64_t row_stride, int64_t v_row_stride, void *out,
@@ -179,10 +173,17 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t lowest = first_key(w->pos[0], window, chunk);  /* first key seen */
     for (int64_t kb = lowest - lowest % KB; kb < end; kb += KB) {
         const int64_t num_keys = end - kb < KB ? end - kb : KB;
-        for (int64_t j = 0; j < KB; j++) {  /* keys past the end repeat key kb; the mask drops them */
-            const int64_t kr = cached_row(table, kb + (j < num_keys ? j : 0), block_size, row_stride) + h * D;
-            for (int64_t d = 0; d < D; d++) w->kt[d][j] = load1(k_cache, kr + d, bf16);
+        /* Where each key's row starts in the caches, found once per block (keys past
+         * the end repeat key kb; the mask drops them). */
+        int64_t key_row[KB], value_row[KB];
+        for (int64_t j = 0; j < KB; j++) {
+            const int64_t position = kb + (j < num_keys ? j : 0);
+            const int64_t slot = (int64_t)table[position / block_size] * block_size + position % block_size;
+            key_row[j] = slot * row_stride + h * D;
+            value_row[j] = slot * v_row_stride + h * Dv;
         }
+        for (int64_t j = 0; j < KB; j++)
+            for (int64_t d = 0; d < D; d++) w->kt[d][j] = load1(k_cache, key_row[j] + d, bf16);
         const vf keys = (vf)LANE_INDICES + (float)kb;
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
             const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
@@ -194,7 +195,9 @@ static inline __attribute__((always_inline)) void attend_tile(
                 const vf kd = w->kt[d];
                 for (int b = 0; b < RB; b++) s[b] += w->qs[(i0 + b) * D + d] * kd;
             }
-            vf p[RB];
+            /* The block's probabilities, kept in memory: the value loop broadcasts each
+             * one from there (a load) rather than from a register lane (a shuffle). */
+            float p[RB][VL] __attribute__((aligned(64)));
             for (int b = 0; b < RB; b++) {
                 const int64_t i = i0 + b;
                 /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
@@ -206,12 +209,14 @@ static inline __attribute__((always_inline)) void attend_tile(
                 const float block_max = hmax(scores);
                 const float new_max = block_max > w->m[i] ? block_max : w->m[i];
                 if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
-                    p[b] = splat(0.0f);
+                    const vf zero = splat(0.0f);
+                    memcpy(p[b], &zero, sizeof zero);
                     continue;
                 }
                 const float correction = exp_f32(w->m[i] - new_max);
-                p[b] = vexp(scores - new_max);
-                w->l[i] = w->l[i] * correction + hsum(p[b]);
+                const vf probabilities = vexp(scores - new_max);
+                memcpy(p[b], &probabilities, sizeof probabilities);
+                w->l[i] = w->l[i] * correction + hsum(probabilities);
                 w->m[i] = new_max;
                 if (correction != 1.0f)
                     for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
@@ -223,7 +228,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     for (int b = 0; b < RB; b++)
                         for (int d = 0; d < COLS; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
                     for (int64_t j = 0; j < num_used; j++) {
-                        const int64_t vr = cached_row(table, kb + j, block_size, v_row_stride) + h * Dv + VL * c;
+                        const int64_t vr = value_row[j] + VL * c;
                         vf v[COLS];
                         for (int d = 0; d < COLS; d++) v[d] = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) {
@@ -236,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 }
             } else {
                 for (int64_t j = 0; j < num_used; j++) {
-                    const int64_t vr = cached_row(table, kb + j, block_size, v_row_stride) + h * Dv;
+                    const int64_t vr = value_row[j];
                     for (int64_t d = 0; d < DV; d++) {
                         const vf vd = loadv(v_cache, vr + VL * d, bf16);
                         for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
