@@ -55,8 +55,6 @@ class OutputFormat(str, enum.Enum):
     OPENAI = "openai"
 
 
-
-
 class SamplingDefaults(BaseModel):
     """Job-wide sampling parameters (vLLM's names); rows may override max_tokens,
     temperature, top_p and seed."""
