@@ -29,6 +29,7 @@ from .structured_rows import check_outputs, count_invalid_outputs
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
 from .usage import usage_fields
 
+
 def output_uri(job: BatchJob, shard: Shard) -> str:
     """Where ``shard``'s output goes, as a full URL (``file://`` for local paths)."""
     fs, path = filesystem(job.output, job.storage())
