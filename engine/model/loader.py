@@ -123,6 +123,9 @@ def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int)
     num_kv_heads with its new decoder architecture, one head for multi-query
     attention: falcon, gpt_bigcode), else one per query head."""
     heads = getattr(layer_config, "num_key_value_heads", None)
+    if heads and getattr(layer_config, "model_type", None) == "jetmoe":
+        # Each of its top-k attention experts attends the same keys: it passes them repeated.
+        return heads * layer_config.num_experts_per_tok
     if heads:
         return heads
     if getattr(layer_config, "new_decoder_architecture", False):
@@ -222,6 +225,25 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
 
 
+# Model types whose attention the paged KV cache cannot hold as they run it, and why.
+UNSUPPORTED_MODEL_TYPES = {
+    "diffllama": "its differential attention attends twice per layer over the same keys with two different "
+                 "halves of its values, which one paged cache per layer does not hold",
+    "hrm_text": "it runs its layers several times per token (its reasoning cycles), each pass with its own "
+                "cache, while the paged cache holds one per layer",
+}
+
+
+def check_causal_lm(hf_config: transformers.PretrainedConfig) -> list[str]:
+    """Refuse a model type the engine cannot run (UNSUPPORTED_MODEL_TYPES) or a layer
+    it cannot hold (``layer_types``), from the config alone; the layer types."""
+    reason = UNSUPPORTED_MODEL_TYPES.get(hf_config.model_type)
+    if reason is not None:
+        architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        raise UnsupportedModelError(f"{architecture} ({hf_config.model_type}) cannot run on shardline: {reason}")
+    return layer_types(hf_config)
+
+
 def load_causal_lm(config: EngineConfig) -> LoadedModel:
     """A decoder-only causal LM whose attention layers use the engine's paged attention."""
-    return load_model(config, transformers.AutoModelForCausalLM, register_attention(), check_config=layer_types)
+    return load_model(config, transformers.AutoModelForCausalLM, register_attention(), check_config=check_causal_lm)

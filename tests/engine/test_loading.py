@@ -52,3 +52,28 @@ def test_unknown_dtype_is_named(tiny_llama_dir):
 
 def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
     assert LLM(tiny_llama_dir).engine_config.trust_remote_code is False
+
+
+@pytest.mark.parametrize("arch,reason", [
+    ("diffllama", "attends twice per layer"),
+    ("hrm_text", "runs its layers several times per token"),
+])
+def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
+    from shardline.engine.model.loader import UnsupportedModelError
+    from shardline.engine.tiny import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path, arch))
+    with pytest.raises(UnsupportedModelError, match=reason):
+        LLM(model_dir, dtype="float64")
+
+
+def test_multi_query_and_repeated_key_value_heads_are_cached_as_the_model_passes_them(tmp_path):
+    """gpt_bigcode's multi-query attention passes one key head, jetmoe its key heads
+    repeated for each of its top-k attention experts: the cache holds what is passed."""
+    from shardline.engine.tiny import build_tiny_model
+
+    for arch, heads in (("gpt_bigcode", 1), ("jetmoe", 4)):
+        model_dir = str(build_tiny_model(tmp_path / arch, arch, num_experts_per_tok=2, num_local_experts=4))
+        llm = LLM(model_dir, dtype="float64")  # the load check passes
+        assert {layer.num_kv_heads for layer in llm.llm_engine.runner.spec.layers} == {heads}
+        llm.close()
