@@ -21,28 +21,34 @@ from .hf_reference import hf_greedy
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 MLA = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=32,
            q_lora_rank=32)
-# model type -> (dtype, config overrides)
+LLAMA4_TEXT = dict(attention_chunk_size=4, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
+                   no_rope_layers=[1, 0])
+# case -> (model type, dtype, attention backend (None: the engine's choice), config overrides).
+# float32 cases on the "cpu" backend attend through the C kernels; "torch" through SDPA
+# and the explicit softmax.
 MODELS = {
-    "gpt_oss": ("float32", dict(MOE, head_dim=16, sliding_window=8)),
-    "granite_swa": ("float64", dict(head_dim=16, sliding_window=8)),
-    "granitemoe_swa": ("float32", dict(head_dim=16, sliding_window=8)),
-    "flint": ("float64", dict(head_dim=16)),
-    "llama4_text": ("float64", dict(attention_chunk_size=4, head_dim=16, num_local_experts=2,
-                                    intermediate_size_mlp=128, no_rope_layers=[1, 0])),
-    "minicpm3": ("float64", dict(MLA, qk_rope_head_dim=8)),  # keys of 40, values of 32
-    "deepseek_v3": ("float32", dict(MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "gpt_oss": ("gpt_oss", "float32", None, dict(MOE, head_dim=16, sliding_window=8)),
+    "gpt_oss-torch": ("gpt_oss", "float32", "torch", dict(MOE, head_dim=16, sliding_window=8)),
+    "granite_swa": ("granite_swa", "float64", None, dict(head_dim=16, sliding_window=8)),
+    "granitemoe_swa": ("granitemoe_swa", "float32", None, dict(head_dim=16, sliding_window=8)),
+    "flint": ("flint", "float64", None, dict(head_dim=16)),
+    "llama4_text": ("llama4_text", "float64", None, LLAMA4_TEXT),
+    "llama4_text-float32": ("llama4_text", "float32", None, LLAMA4_TEXT),
+    "minicpm3": ("minicpm3", "float64", None, dict(MLA, qk_rope_head_dim=8)),  # keys of 40, values of 32
+    "minicpm3-float32": ("minicpm3", "float32", None, MLA),  # keys of 48, values of 32
+    "deepseek_v3": ("deepseek_v3", "float32", None, dict(MLA, n_routed_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32, first_k_dense_replace=1,
+                                                         n_group=1, topk_group=1)),
 }
-SLOW = {"granitemoe_swa", "flint", "deepseek_v3"}
+SLOW = {"gpt_oss-torch", "granitemoe_swa", "flint", "llama4_text-float32", "deepseek_v3"}
 # The last two end in the same tokens after different contexts.
 PROMPTS = [[5, 6, 7], list(range(3, 40)), [40, 41, 42, 43, 44, 45, 30, 31], [90, 17, 88, 12, 60, 3, 30, 31]]
 
 
-def build_model(tmp_path, model_type: str) -> str:
+def build_model(tmp_path, model_type: str, overrides: dict) -> str:
     """A tiny random model of ``model_type`` whose sink logits (one per head; zero or
     near zero at transformers' initialisation) are drawn with std 1, so that
     ignoring them changes the output."""
-    _, overrides = MODELS[model_type]
     model_dir = build_tiny_model(tmp_path, model_type, **overrides)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sinks = [param for name, param in model.named_parameters() if name.endswith("sinks")]
@@ -54,17 +60,17 @@ def build_model(tmp_path, model_type: str) -> str:
     return str(model_dir)
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
-                                        for name in MODELS])
-def test_greedy_tokens_equal_transformers(tmp_path, model_type):
-    dtype, _ = MODELS[model_type]
-    model_dir = build_model(tmp_path, model_type)
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                  for name in MODELS])
+def test_greedy_tokens_equal_transformers(tmp_path, case):
+    model_type, dtype, backend, overrides = MODELS[case]
+    model_dir = build_model(tmp_path, model_type, overrides)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
     expected = [hf_greedy(reference, prompt, 8) for prompt in PROMPTS]
     # The context decides the tokens: the last two prompts end alike and continue differently.
     assert expected[2] != expected[3]
-    llm = LLM(model_dir, dtype=dtype)  # the load check runs, and passes
+    llm = LLM(model_dir, dtype=dtype, attention_backend=backend)  # the load check runs, and passes
     params = SamplingParams(max_tokens=8, temperature=0.0)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
     llm.close()
