@@ -36,7 +36,7 @@ from .sampling.reasoning import make_reasoning_parser
 from .core.request import Request, RequestStatus
 from .sampling.sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
 from .core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .model.loader import RECURRENT
+from .model.loader import recurrent_layer_indices
 from .recurrent.state import prepare_recurrent_layers
 from .sampling.structured import StructuredOutputError, StructuredOutputManager, forbidden_picks
 
@@ -65,21 +65,22 @@ class LLMEngine:
         spec = KVCacheSpec.from_hf_config(self.hf_config, loaded.dtype)
         # Recurrent layers (gated delta-net, short convolution...) run through their kind
         # with per-request state slots (engine/recurrent/).
-        state_spec = prepare_recurrent_layers(
-            self.model, [index for index, layer in enumerate(spec.layers) if layer.kind == RECURRENT])
+        state_spec = prepare_recurrent_layers(self.model, recurrent_layer_indices(self.hf_config))
         self.cpu_paths = NO_CPU_PATHS  # the CPU fast paths taken on this host (engine/cpu/paths.py)
         self.cpu_rewrites = CpuRewrites()  # and the modules they replaced
+        # A model without attention layers (a pure state-space model) may name no heads.
+        num_heads = getattr(self.hf_config.get_text_config(), "num_attention_heads", None) or 1
+        first_attention = next((layer for layer in spec.layers if layer.num_kv_heads), None)
         if self.device.type == "cpu":
             keep_freed_memory()
-            num_heads = self.hf_config.get_text_config().num_attention_heads
-            first = next((layer for layer in spec.layers if layer.kind != RECURRENT), spec.layers[0])
-            shape = ModelShape.of(self.model, num_heads, first.num_kv_heads, first.head_dim)
+        if self.device.type == "cpu" and first_attention is not None:
+            shape = ModelShape.of(self.model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
             self.cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
             self.cpu_rewrites = optimize_for_cpu(self.model, self.cpu_paths, config.max_num_batched_tokens)
         # One attention backend for the engine's life: the runner, the CPU layers and the
         # CUDA-graph path ask it how attention runs.
         self.attention = choose_attention_backend(
-            config.attention_backend, self.device, loaded.dtype, self.hf_config.get_text_config().num_attention_heads,
+            config.attention_backend, self.device, loaded.dtype, num_heads,
             native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel,
             chunk_sizes=spec.chunk_sizes)
         model_len = resolve_max_model_len(config, self.hf_config)

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from .loader import key_value_heads
-from .loader import RECURRENT, layer_kind, layer_types
+from .loader import NO_STATE, RECURRENT, layer_kind, layer_types
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class KVCacheSpec:
         layers = []
         for index, layer_type in enumerate(layer_types(hf_config)):
             kind = layer_kind(hf_config, layer_type)
-            if kind == RECURRENT:  # per-request state slots instead (engine/recurrent/state.py)
+            if kind in (RECURRENT, NO_STATE):  # state slots instead (engine/recurrent/state.py), or nothing
                 layers.append(LayerCacheSpec(kind, 0, 0, 0))
                 continue
             layer_config = per_layer[index] if per_layer is not None else text_config

@@ -105,16 +105,35 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
 # kind there (engine/model/kv_cache_spec.py).
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window", "chunked_attention": "chunked"}
 # A layer registered as a recurrent kind for its model type (engine/recurrent/) keeps
-# per-request state slots instead of KV blocks.
+# per-request state slots instead of KV blocks; a "hybrid" one (an attention block and a
+# recurrent mixer side by side: zamba, falcon_h1) keeps both. Layers without token
+# mixing (nemotron_h's "mlp" and "moe" layers) keep neither.
 RECURRENT = "recurrent"
+NO_STATE = "none"
+_HYBRID = "hybrid"
+_NO_STATE_TYPES = ("mlp", "moe")
+
+
+def _registered_recurrent(hf_config: transformers.PretrainedConfig, layer_type: str) -> bool:
+    model_types = {hf_config.model_type, hf_config.get_text_config().model_type}
+    return any(kind_for_layer_type(model_type, layer_type) for model_type in model_types)
 
 
 def layer_kind(hf_config: transformers.PretrainedConfig, layer_type: str) -> str | None:
     """The cache kind of a layer_types entry of this config's model, None if unsupported."""
     if layer_type in LAYER_KINDS:
         return LAYER_KINDS[layer_type]
-    model_types = {hf_config.model_type, hf_config.get_text_config().model_type}
-    return RECURRENT if any(kind_for_layer_type(m, layer_type) for m in model_types) else None
+    if layer_type in _NO_STATE_TYPES:
+        return NO_STATE
+    if _registered_recurrent(hf_config, layer_type):
+        return "full" if layer_type == _HYBRID else RECURRENT
+    return None
+
+
+def recurrent_layer_indices(hf_config: transformers.PretrainedConfig) -> list[int]:
+    """The layers that keep recurrent state (recurrent and hybrid ones)."""
+    return [index for index, layer_type in enumerate(layer_types(hf_config))
+            if layer_type not in LAYER_KINDS and _registered_recurrent(hf_config, layer_type)]
 
 
 def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int) -> int:
@@ -163,10 +182,17 @@ UNDECLARED_ATTENTION_INTERFACE = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen
 
 def routes_attention_interface(model_class: type, hf_config: transformers.PretrainedConfig) -> bool:
     """Whether the model's attention layers call transformers' AttentionInterface, or
-    are replaced by adapters that call the engine's paged attention (engine/model/adapters/)."""
-    return (getattr(model_class, "_supports_attention_backend", False)
-            or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE
-            or _modeling_file_calls_attention_interface(model_class) or has_adapter(model_class))
+    are replaced by adapters that call the engine's paged attention (engine/model/adapters/)
+    (true of a model without attention layers, such as a pure state-space model)."""
+    if getattr(model_class, "_supports_attention_backend", False) or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE:
+        return True
+    if _modeling_file_calls_attention_interface(model_class) or has_adapter(model_class):
+        return True
+    try:
+        kinds = {layer_kind(hf_config, layer_type) for layer_type in layer_types(hf_config)}
+    except UnsupportedLayerError:
+        return False
+    return kinds <= {RECURRENT, NO_STATE}
 
 
 def _modeling_file_calls_attention_interface(model_class: type) -> bool:

@@ -47,6 +47,8 @@ class RecurrentKind(Protocol):
     # than the model's (e.g. float32 for a float64 model); the load check compares at
     # that dtype's tolerance. Read with getattr; absent means the model's dtype.
     # reference_dtype: torch.dtype
+    # Optional: True where the HF decoder layer unpacks (output, state) from this mixer.
+    # returns_tuple: bool
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         """Per-request state tensors of this layer, shapes without the slot dimension."""

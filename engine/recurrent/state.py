@@ -4,10 +4,12 @@ their kind over the packed batch, and the per-slot state tensors they read and w
 At load, ``install_recurrent_layers`` replaces every Hugging Face module whose class
 has a registered kind (engine/recurrent/base.py) by a ``RecurrentLayer`` in its
 parent. Each step the runner passes a ``RecurrentStep`` to the model as the keyword
-``shardline_state`` (decoder layers hand their keyword arguments on to their
-mixers, as they do the attention context): the requests' state slots and whether
-each continues a saved state. The wrapper gathers the slots' states, runs its kind
-and scatters the updated states back, so kinds never see slots.
+``shardline_state`` beside the attention context ``shardline_ctx``: the requests'
+state slots and whether each continues a saved state. Decoder layers that do not
+hand their keyword arguments on to their mixers (Mamba's) are reached through a
+``StepHolder``: hooks on the model keep the call's two keywords there for the
+duration of the forward. The wrapper gathers the slots' states, runs its kind and
+scatters the updated states back, so kinds never see slots.
 
 Without a ``shardline_state`` the wrapper runs either the HF module itself (no
 ``shardline_ctx`` either: the model's own forward, as the load check's reference
@@ -36,23 +38,48 @@ class RecurrentStep:
     states: dict[int, dict[str, torch.Tensor]]
 
 
+class StepHolder:
+    """The engine keywords of the model forward in progress (None outside one)."""
+
+    def __init__(self) -> None:
+        self.ctx = None
+        self.state: RecurrentStep | None = None
+
+    def hold(self, module: nn.Module, args, kwargs) -> None:
+        self.ctx = kwargs.get("shardline_ctx")
+        self.state = kwargs.get("shardline_state")
+
+    def release(self, *unused) -> None:
+        self.ctx = self.state = None
+
+
 class RecurrentLayer(nn.Module):
     """Runs ``layer`` (an HF recurrent mixer) through its kind over the packed batch."""
 
-    def __init__(self, layer: nn.Module, kind: RecurrentKind, layer_idx: int, hf_config) -> None:
+    def __init__(self, layer: nn.Module, kind: RecurrentKind, layer_idx: int, hf_config,
+                 holder: StepHolder | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.kind = kind
         self.layer_idx = layer_idx
         self.hf_config = hf_config
+        self.holder = holder or StepHolder()
 
     def state_shapes(self) -> StateShapes:
         return self.kind.state_shapes(self.layer, self.hf_config)
 
     def forward(self, hidden_states: torch.Tensor, *args, shardline_ctx=None,
                 shardline_state: RecurrentStep | None = None, **kwargs):
+        shardline_ctx = shardline_ctx if shardline_ctx is not None else self.holder.ctx
+        shardline_state = shardline_state if shardline_state is not None else self.holder.state
         if shardline_ctx is None and shardline_state is None:
             return self.layer(hidden_states, *args, **kwargs)
+        output = self._run(hidden_states, shardline_ctx, shardline_state)
+        # Some decoder layers unpack (output, state) from their mixer (a kind's returns_tuple).
+        return (output, None) if getattr(self.kind, "returns_tuple", False) else output
+
+    def _run(self, hidden_states: torch.Tensor, shardline_ctx, shardline_state: RecurrentStep | None
+             ) -> torch.Tensor:
         # hidden_states: [1, T, hidden], the packed batch
         cu_seqlens = shardline_ctx.query_start_loc
         if shardline_state is None:
@@ -76,6 +103,7 @@ def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
     return them by layer index. The module's ``layer_idx`` names its layer."""
     installed: dict[int, RecurrentLayer] = {}
     text_config = model.config.get_text_config()
+    holder = StepHolder()
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             kind = kind_for_module(child)
@@ -83,9 +111,12 @@ def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
                 continue
             layer_idx = getattr(child, "layer_idx", None)
             assert isinstance(layer_idx, int), f"{type(child).__name__} has no layer_idx"
-            wrapper = RecurrentLayer(child, kind, layer_idx, text_config)
+            wrapper = RecurrentLayer(child, kind, layer_idx, text_config, holder)
             setattr(parent, child_name, wrapper)
             installed[layer_idx] = wrapper
+    if installed:
+        model.register_forward_pre_hook(holder.hold, with_kwargs=True)
+        model.register_forward_hook(holder.release, always_call=True)
     return installed
 
 
