@@ -42,7 +42,7 @@ from shardline.engine.tiny import build_tiny_model, tiny_config
 MAX_NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 13, 30)
 VOCAB_SIZE = 512
-MAX_PARAMETERS = 5_000_000  # a tiny model is well under a million; more means a size the overrides missed
+MAX_PARAMETERS = 20_000_000  # a tiny model is under a million or so; more means a size the overrides missed
 OUTCOMES = ("parity", "refused", "failure", "skipped")
 
 _ENCODER = "an encoder (bidirectional) model; its causal-LM head is for fine-tuning, not decoding"
@@ -59,6 +59,11 @@ SKIPPED = {
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
         "plbart", "prophetnet", "trocr", "whisper")},
     **{name: _AUDIO for name in ("musicgen", "musicgen_melody", "moshi")},
+    **{name: f"an image-text model whose vision tower the sweep does not shrink; its text decoder is swept as {text}"
+       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"), ("llama4", "llama4_text"),
+                          ("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text"))},
+    **{name: "an image-text model whose vision tower the sweep does not shrink (no text-only type)"
+       for name in ("got_ocr2", "mllama", "emu3", "git", "phi4_multimodal")},
     "xlnet": "a permutation language model with two attention streams, not a causal decoder",
     "reformer": "LSH and local chunked attention over axial positions; not a causal decoder of fixed shape",
     "moss_transcribe_diarize": "a speech transcription model (audio input)",
@@ -80,6 +85,19 @@ OVERRIDES: dict[str, dict] = {
     "gpt_oss": dict(head_dim=16, sliding_window=8),
     "hunyuan_v1_moe": dict(head_dim=16),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "qwen4_exp": dict(token_budget=16, compress_ratio=4),
+    "qwen4_exp_text": dict(token_budget=16, compress_ratio=4),
+    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=8),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "hunyuan_v1_dense": dict(head_dim=16),
+    "ministral": dict(head_dim=16),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    "zaya": dict(num_experts_per_tok=1),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     **{name: dict(global_head_dim=32, vocab_size_per_layer_input=VOCAB_SIZE) for name in (
         "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified", "gemma4_unified_text",
         "gemma4_unified_assistant")},
@@ -91,8 +109,12 @@ OVERRIDES: dict[str, dict] = {
     "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
 }
 
+# Types whose config derives its layer_types from fields of its own (set in OVERRIDES).
+DERIVED_LAYER_TYPES = {"recurrent_gemma", "jamba"}
+
 # Types run by default in the test suite: one per attention shape the sweep meets.
-REPRESENTATIVE = ("llama", "gpt2", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next")
+REPRESENTATIVE = ("llama", "gpt2", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next", "falcon", "bloom", "gpt_neo",
+                  "gpt_bigcode", "jetmoe", "deepseek_v2", "diffllama")
 
 
 @dataclass(frozen=True)
@@ -125,10 +147,12 @@ def tiny_overrides(model_type: str) -> dict:
                  if _has_value(text_defaults, name) and not _is_property(type(text_defaults), name)}
     if "qk_rope_head_dim" in overrides and "head_dim" in overrides:  # latent attention: head_dim is the rotary part
         overrides["head_dim"] = overrides["qk_rope_head_dim"]
+    if "kv_lora_rank" in overrides:  # latent attention: one key-value head per query head
+        overrides["num_key_value_heads"] = 4
     if _has_value(text_defaults, "rotary_dim"):  # a rotary part no wider than the shrunk heads
         overrides["rotary_dim"] = 8
     layer_kinds = list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
-    if len(layer_kinds) > 1:
+    if len(layer_kinds) > 1 and model_type not in DERIVED_LAYER_TYPES:
         overrides["layer_types"] = layer_kinds
         overrides["num_hidden_layers"] = len(layer_kinds)
     overrides.update(OVERRIDES.get(model_type, {}))
