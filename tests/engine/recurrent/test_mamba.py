@@ -5,6 +5,8 @@ final conv window and SSM state."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -61,34 +63,45 @@ def hf_states(cache, layer_idx: int = 0) -> dict[str, torch.Tensor]:
     return {"conv": layer.conv_states[0][0, :, 1:].t(), "ssm": layer.recurrent_states[0][0].reshape(-1, 8)}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def mixer_case(request):
-    mixer, config = build_mixer(request.param)
+@functools.lru_cache(maxsize=None)
+def mixer_case(name: str):
+    """The mixer, its sequences and the HF module's output and cache on each alone."""
+    mixer, config = build_mixer(name)
     sequences = make_sequences(LENGTHS, HIDDEN, seed=1)
     references = [hf_reference(mixer, config, s, layer_idx=0) for s in sequences]
     return mixer, config, sequences, references
 
 
-@pytest.mark.parametrize(
-    "schedule", [whole(LENGTHS), chunked(LENGTHS, seed=2, max_chunk=37), prefill_then_decode(LENGTHS, 4)],
-    ids=["whole", "chunked", "decode"],
-)
-def test_mamba_kind_matches_the_hf_mixer(mixer_case, schedule):
-    mixer, config, sequences, references = mixer_case
-    outputs, states = run_schedule(MAMBA, mixer, config, sequences, schedule)
+SCHEDULES = dict(zip(["whole", "chunked", "decode"], [whole(LENGTHS), chunked(LENGTHS, seed=2, max_chunk=37), prefill_then_decode(LENGTHS, 4)]))
+# Every schedule for mamba; the chunked one (packed, continued, single-token chunks
+# mixed) for the other mixers by default, the rest slow-marked.
+CASES = [
+    pytest.param(name, schedule, id=f"{name}-{schedule}",
+                 marks=() if name == "mamba" or schedule == "chunked" else pytest.mark.slow)
+    for name in CONFIGS for schedule in SCHEDULES
+]
+
+
+@pytest.mark.parametrize("name,schedule", CASES)
+def test_mamba_kind_matches_the_hf_mixer(name, schedule):
+    mixer, config, sequences, references = mixer_case(name)
+    outputs, states = run_schedule(MAMBA, mixer, config, sequences, SCHEDULES[schedule])
     for i, (expected, cache) in enumerate(references):
         # HF scans a whole sequence in float64 here; decode steps run in float32 (here and in HF).
         torch.testing.assert_close(outputs[i], expected, rtol=1e-5, atol=1e-5, msg=f"sequence {i} output")
-        for name, value in hf_states(cache).items():
-            torch.testing.assert_close(states[i][name], value.to(states[i][name].dtype), rtol=1e-5, atol=1e-5,
-                                       msg=f"sequence {i} state {name}")
+        for state_name, value in hf_states(cache).items():
+            torch.testing.assert_close(states[i][state_name], value.to(states[i][state_name].dtype), rtol=1e-5,
+                                       atol=1e-5, msg=f"sequence {i} state {state_name}")
 
 
 def test_a_whole_prefill_is_exact_in_float64():
-    """No decode step: the chunked doubling scan equals HF's sequential float64 scan to rounding."""
+    """No decode step (every continued chunk has 2 tokens or more): the chunked doubling
+    scan equals HF's sequential float64 scan to rounding."""
     mixer, config = build_mixer("mamba", seed=4)
     sequences = make_sequences(LENGTHS, HIDDEN, seed=5)
-    outputs, states = run_schedule(MAMBA, mixer, config, sequences, chunked(LENGTHS, seed=6, max_chunk=37))
+    split = [[(i, n if n < 4 else n - n // 2) for i, n in enumerate(LENGTHS)],
+             [(i, n // 2) for i, n in enumerate(LENGTHS) if n >= 4]]
+    outputs, states = run_schedule(MAMBA, mixer, config, sequences, split)
     for i, sequence in enumerate(sequences):
         expected, cache = hf_reference(mixer, config, sequence, layer_idx=0)
         torch.testing.assert_close(outputs[i], expected, rtol=1e-10, atol=1e-10)

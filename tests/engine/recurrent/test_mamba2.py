@@ -5,6 +5,8 @@ final conv window and SSM state."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -77,27 +79,35 @@ def hf_states(cache, layer_idx: int = 0) -> dict[str, torch.Tensor]:
     return {"conv": layer.conv_states[0][0, :, 1:].t(), "ssm": layer.recurrent_states[0][0]}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def mixer_case(request):
-    mixer, config = build_mixer(request.param)
+@functools.lru_cache(maxsize=None)
+def mixer_case(name: str):
+    """The mixer, its sequences and the HF module's output and cache on each alone."""
+    mixer, config = build_mixer(name)
     sequences = make_sequences(LENGTHS, HIDDEN, seed=1)
     references = [hf_reference(mixer, config, s, layer_idx=0) for s in sequences]
     return mixer, config, sequences, references
 
 
-@pytest.mark.parametrize(
-    "schedule", [whole(LENGTHS), chunked(LENGTHS, seed=2), prefill_then_decode(LENGTHS, 4)],
-    ids=["whole", "chunked", "decode"],
-)
-def test_mamba2_kind_matches_the_hf_mixer(mixer_case, schedule):
-    mixer, config, sequences, references = mixer_case
-    outputs, states = run_schedule(MAMBA2, mixer, config, sequences, schedule)
+SCHEDULES = dict(zip(["whole", "chunked", "decode"], [whole(LENGTHS), chunked(LENGTHS, seed=2), prefill_then_decode(LENGTHS, 4)]))
+# Every schedule for mamba2; the chunked one (packed, continued, single-token chunks
+# mixed) for the other mixers by default, the rest slow-marked.
+CASES = [
+    pytest.param(name, schedule, id=f"{name}-{schedule}",
+                 marks=() if name == "mamba2" or schedule == "chunked" else pytest.mark.slow)
+    for name in CONFIGS for schedule in SCHEDULES
+]
+
+
+@pytest.mark.parametrize("name,schedule", CASES)
+def test_mamba2_kind_matches_the_hf_mixer(name, schedule):
+    mixer, config, sequences, references = mixer_case(name)
+    outputs, states = run_schedule(MAMBA2, mixer, config, sequences, SCHEDULES[schedule])
     for i, (expected, cache) in enumerate(references):
         # The HF path scans in float32 (as this kind does); chunk boundaries change rounding only.
         torch.testing.assert_close(outputs[i], expected, rtol=1e-5, atol=1e-5, msg=f"sequence {i} output")
-        for name, value in hf_states(cache).items():
-            torch.testing.assert_close(states[i][name], value.to(states[i][name].dtype), rtol=1e-5, atol=1e-5,
-                                       msg=f"sequence {i} state {name}")
+        for state_name, value in hf_states(cache).items():
+            torch.testing.assert_close(states[i][state_name], value.to(states[i][state_name].dtype), rtol=1e-5,
+                                       atol=1e-5, msg=f"sequence {i} state {state_name}")
 
 
 def test_time_step_limit_clamps_chunks_but_not_decode_steps_as_the_hf_mixer_does():
