@@ -22,19 +22,20 @@ def test_models_the_engine_runs_exactly_pass(tiny_llama_dir):
         llm.close()
 
 
+# gemma3_text with bidirectional attention (EmbeddingGemma's setting): every token
+# attends to the tokens after it as well, which causal paged attention does not do.
+BIDIRECTIONAL_GEMMA3 = dict(use_bidirectional_attention=True, sliding_window=8)
+
+
 def test_a_model_the_paged_path_runs_wrongly_is_refused_naming_the_layer(tmp_path):
-    """diffllama calls the attention function twice per layer, with the same keys and
-    the two halves of its values: the second call's values overwrite the first's in
-    the layer's cache, so once a context is cached (after the probe's first chunk of
-    8 tokens) the first call reads the wrong values."""
-    model_dir = str(build_tiny_model(tmp_path, "diffllama"))
+    model_dir = str(build_tiny_model(tmp_path, "gemma3_text", **BIDIRECTIONAL_GEMMA3))
     with pytest.raises(ModelMismatchError,
-                       match=r"DiffLlamaForCausalLM: .* layer 0 \(DiffLlamaDecoderLayer\) .* position 8 "):
+                       match=r"Gemma3ForCausalLM: .* layer 0 \(Gemma3DecoderLayer\) .* position 0 "):
         LLM(model_dir, dtype="float32")
 
 
 def test_the_check_can_be_turned_off(tmp_path):
-    model_dir = str(build_tiny_model(tmp_path, "diffllama"))
+    model_dir = str(build_tiny_model(tmp_path, "gemma3_text", **BIDIRECTIONAL_GEMMA3))
     LLM(model_dir, dtype="float32", check_model=False).close()
 
 
