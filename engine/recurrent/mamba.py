@@ -10,7 +10,8 @@ Per request and layer the state is the conv window (the last K-1 pre-conv inputs
 the model's dtype) and the SSM state [channels, N] (float32 at least, as Hugging Face
 keeps it). A request's single token that continues a state takes the float32
 recurrent update, as the Hugging Face module's decode branch does; other chunks the
-chunked scan (selective_scan.py).
+chunked scan (selective_scan.py). On CUDA one Triton kernel (kernels/selective_scan.py)
+runs every request, decode or chunk, with its state in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.selective_scan import selective_scan_packed
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -93,7 +96,11 @@ class MambaKind:
 
     @staticmethod
     def _scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
-        """Each request's SSM: decode steps by the float32 update, the rest by the chunked scan."""
+        """Each request's SSM: on CUDA one Triton launch for every request (float32
+        state); elsewhere decode steps by the float32 update, the rest by the chunked scan."""
+        if x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES and ssm_state.dtype == torch.float32:
+            return selective_scan_packed(x, dt.contiguous(), A.contiguous(), B, C, D.contiguous(), gate,
+                                         cu_seqlens, has_initial_state, ssm_state)
 
         def decode(state, x, dt, B, C, gate):
             return selective_state_update(state, x, dt, A, B, C, D, gate)
