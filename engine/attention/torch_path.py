@@ -19,6 +19,11 @@ cache and no padding. Chunks with a
 cached context are grouped by similar context length, since padding costs Q x L
 work.
 
+A layer's AttentionOptions (engine/attention/context.py) apply in every case: windows
+and chunks through the masks; softcaps, ALiBi biases and attention sinks, which SDPA
+does not take, through the scores and softmax written out (``_explicit_attention``).
+Values may have their own head size (Dv): outputs are [T, H, Dv].
+
 On the "auto" backend the native kernels take what they can, reading the paged
 cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
 chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 and bfloat16
