@@ -261,9 +261,15 @@ UNSUPPORTED_MODEL_TYPES = {
 
 
 def check_causal_lm(hf_config: transformers.PretrainedConfig) -> list[str]:
-    """Refuse a model type the engine cannot run (UNSUPPORTED_MODEL_TYPES) or a layer
-    it cannot hold (``layer_types``), from the config alone; the layer types."""
+    """Refuse a model type the engine cannot run (UNSUPPORTED_MODEL_TYPES, sparse
+    attention with an indexer) or a layer it cannot hold (``layer_types``), from the
+    config alone; the layer types."""
     reason = UNSUPPORTED_MODEL_TYPES.get(hf_config.model_type)
+    index_topk = getattr(hf_config.get_text_config(), "index_topk", None)
+    if reason is None and index_topk:
+        reason = (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
+                  "index-key cache of its own, while the paged attention attends every key and keeps no index "
+                  f"keys, so past {index_topk} tokens the two differ")
     if reason is not None:
         architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
         raise UnsupportedModelError(f"{architecture} ({hf_config.model_type}) cannot run on shardline: {reason}")

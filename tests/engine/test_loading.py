@@ -57,12 +57,15 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
 @pytest.mark.parametrize("arch,reason", [
     ("diffllama", "attends twice per layer"),
     ("hrm_text", "runs its layers several times per token"),
+    ("deepseek_v32", "indexer pick the top 4 keys"),
 ])
 def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
     from shardline.engine.model.loader import UnsupportedModelError
     from shardline.engine.tiny import build_tiny_model
 
-    model_dir = str(build_tiny_model(tmp_path, arch))
+    from .coverage import tiny_overrides
+
+    model_dir = str(build_tiny_model(tmp_path, arch, **tiny_overrides(arch)))
     with pytest.raises(UnsupportedModelError, match=reason):
         LLM(model_dir, dtype="float64")
 
