@@ -125,3 +125,33 @@ def selective_scan_packed(
         BLOCK_D=block_d, STATE_P=next_power_of_2(A.shape[1]), HAS_D=D is not None, HAS_Z=z is not None,
     )
     return y
+
+
+def ssd_decode_packed(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mamba-2's single-token update through the same kernel: a head's decay, dt and D
+    are its channels' (head h owns channels h*P .. h*P+P-1), and B, C's groups cover
+    whole heads. Same contract as shardline.engine.recurrent.ssd.ssd_decode_step:
+    state [Bq, H, P, N] float32 updated in place; x [Bq, H, P]; dt [Bq, H]; A, D [H];
+    B, C [Bq, G, N]. Returns y [Bq, H, P]."""
+    num_requests, num_heads, head_dim = x.shape
+    channels = num_heads * head_dim
+    state_size = state.shape[-1]
+    assert state.is_contiguous(), "state must be contiguous"
+    per_channel_dt = dt[:, :, None].expand(num_requests, num_heads, head_dim).reshape(num_requests, channels)
+    per_channel_A = A.float()[:, None, None].expand(num_heads, head_dim, state_size).reshape(channels, state_size)
+    per_channel_D = None if D is None else D[:, None].expand(num_heads, head_dim).reshape(channels)
+    one_token_each = torch.arange(num_requests + 1, device=x.device)
+    continuing = torch.ones(num_requests, dtype=torch.bool, device=x.device)
+    y = selective_scan_packed(
+        x.reshape(num_requests, channels), per_channel_dt.contiguous(), per_channel_A.contiguous(), B, C,
+        per_channel_D, None, one_token_each, continuing, state.view(num_requests, channels, state_size),
+    )
+    return y.view(num_requests, num_heads, head_dim)

@@ -10,7 +10,8 @@ in the model's dtype) and the SSM state [H, P, N] (float32, as Hugging Face keep
 
 As in the Hugging Face module, a request's single token that continues a state takes
 the recurrent update (dt unclamped), and any other chunk the chunked scan (dt clamped
-to the mixer's time_step_limit); each request takes its own branch in one call.
+to the mixer's time_step_limit); each request takes its own branch in one call. On
+CUDA the single-token updates run as one Triton launch (kernels/selective_scan.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.selective_scan import ssd_decode_packed
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -79,9 +82,11 @@ class Mamba2Kind:
         """Each request's SSM over its tokens: decode steps by the recurrent update (dt
         unclamped), the rest by the chunked scan (dt clamped). Returns y [T, H, P]."""
         dt_clamped = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
+        on_triton = x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES
+        update = ssd_decode_packed if on_triton else ssd_decode_step
 
         def decode(state, x, dt, dt_clamped, B, C):
-            return ssd_decode_step(state, x, dt, A, B, C, m.D)
+            return update(state, x, dt, A, B, C, m.D)
 
         def chunk(initial, cu, x, dt, dt_clamped, B, C):
             return ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, m.chunk_size, cu, initial)
