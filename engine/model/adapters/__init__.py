@@ -10,6 +10,7 @@ its own forward, as for every model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
@@ -41,6 +42,7 @@ def has_adapter(model_class: type) -> bool:
     return any(key.startswith(prefix) for key in ADAPTERS)
 
 
+@functools.cache
 def _calls_attention_interface(module_class: type) -> bool:
     try:
         return "ALL_ATTENTION_FUNCTIONS.get_interface" in inspect.getsource(module_class.forward)
@@ -48,11 +50,12 @@ def _calls_attention_interface(module_class: type) -> bool:
         return False
 
 
-def _passes_keywords(layer: nn.Module, name: str) -> bool:
-    """Whether ``layer``'s forward passes its keyword arguments on (``**kwargs``) where
-    it calls its submodule ``name`` (a direct child); read from its source."""
+@functools.cache
+def _passes_keywords(layer_class: type, name: str) -> bool:
+    """Whether ``layer_class``'s forward passes its keyword arguments on (``**kwargs``)
+    where it calls its submodule ``name`` (a direct child); read from its source."""
     try:
-        source = inspect.getsource(type(layer).forward)
+        source = inspect.getsource(layer_class.forward)
     except (OSError, TypeError):
         return False
     start = source.find(f"self.{name}(")
@@ -81,7 +84,7 @@ def adapt_attention(model: nn.Module) -> int:
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module)))
             if (adapter is None and name and _calls_attention_interface(type(module))
-                    and not _passes_keywords(layer, name)):
+                    and not _passes_keywords(type(layer), name)):
                 adapter = ContextForwardingAttention
             if adapter is not None:
                 parent_name, _, child_name = name.rpartition(".")
