@@ -16,7 +16,8 @@ float64 1e-6, float32 1e-3, and 0.1 in bfloat16 and float16, whose rounding over
 few layers reaches a few percent while an ignored attention feature or dropped state
 moves outputs by their own size. A model whose recurrent layers' own code computes in
 float32 whatever the model's dtype (a kind's ``reference_dtype``, e.g. the gated delta
-rule) is compared at float32's tolerance at most: its own forward is no more exact.
+rule), or whose attention code does (FLOAT32_ATTENTION_MODEL_TYPES), is compared at
+float32's tolerance at most: its own forward is no more exact.
 """
 
 from __future__ import annotations
@@ -63,14 +64,24 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
                      _reference_dtype(runner), architecture)
 
 
+# Model types whose own attention code computes in float32 whatever the model's dtype:
+# granite_swa and granitemoe_swa force their softmax and sink scaling to float32, flint
+# its scores and softmax; their float64 forward is exact to float32's precision only.
+FLOAT32_ATTENTION_MODEL_TYPES = frozenset({"granite_swa", "granitemoe_swa", "flint"})
+
+
 def _reference_dtype(runner: ModelRunner) -> torch.dtype:
     """The dtype the model's own forward is exact to: the cache's, or float32 where a
-    recurrent layer's own code computes in float32 (and the cache's is wider)."""
+    recurrent layer's own code or the model's attention code computes in float32 (and
+    the cache's is wider)."""
     from ..recurrent.state import RecurrentLayer
 
+    if runner.spec.dtype != torch.float64:
+        return runner.spec.dtype
+    if runner.model.config.get_text_config().model_type in FLOAT32_ATTENTION_MODEL_TYPES:
+        return torch.float32
     kinds = [m.kind for m in runner.model.modules() if isinstance(m, RecurrentLayer)]
-    if runner.spec.dtype == torch.float64 and any(getattr(k, "reference_dtype", None) == torch.float32
-                                                  for k in kinds):
+    if any(getattr(k, "reference_dtype", None) == torch.float32 for k in kinds):
         return torch.float32
     return runner.spec.dtype
 
