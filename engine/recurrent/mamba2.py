@@ -27,6 +27,9 @@ from .decode_split import scan_split
 from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
 
 
+MAX_CHUNK = 64
+
+
 class Mamba2Kind:
     """The SSD mixer of Mamba-2 and the hybrids built on it."""
 
@@ -88,8 +91,12 @@ class Mamba2Kind:
         def decode(state, x, dt, dt_clamped, B, C):
             return update(state, x, dt, A, B, C, m.D)
 
+        # The scan is exact for any chunk size; past 64 its [chunks, H, Q, Q] decay masks
+        # cost memory (HF's 256 would hold 16x more per token) for no gain.
+        chunk_size = min(m.chunk_size, MAX_CHUNK)
+
         def chunk(initial, cu, x, dt, dt_clamped, B, C):
-            return ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, m.chunk_size, cu, initial)
+            return ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, chunk_size, cu, initial)
 
         return scan_split(cu_seqlens, has_initial_state, ssm_state, (x, dt, dt_clamped, B, C), decode, chunk)
 
