@@ -139,7 +139,7 @@ def check_outputs(rows: list[Any], outputs: list[Any], job: BatchJob, input_colu
         return checked
     parsed: list[list[str | None] | None] = []
     for row, output in zip(rows, outputs):
-        constraint = row.request.params.structured_outputs if row.request is not None else None
+        constraint = getattr(row.request.params, "structured_outputs", None) if row.request is not None else None
         if output is None or constraint is None:
             parsed.append(None if output is None else [None] * len(output.outputs))
             continue
