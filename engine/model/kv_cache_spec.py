@@ -27,6 +27,11 @@ from .loader import key_value_heads
 from .loader import NO_STATE, RECURRENT, layer_kind, layer_types
 
 
+# Model types whose sliding-window layers have more key-value heads than the config's
+# num_key_value_heads, by this factor (mimo_v2_flash's attention doubles them there).
+SLIDING_KV_HEAD_FACTOR = {"mimo_v2_flash": 2}
+
+
 @dataclass(frozen=True)
 class LayerCacheSpec:
     """One layer's slice of each cache block: keys [block_size, num_kv_heads, head_dim],
@@ -69,6 +74,8 @@ class KVCacheSpec:
             layer_config = per_layer[index] if per_layer is not None else text_config
             num_heads = layer_config.num_attention_heads
             num_kv_heads = key_value_heads(layer_config, num_heads)
+            if kind == "sliding_window":
+                num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None

@@ -60,3 +60,10 @@ def test_keys_and_values_are_cached_at_their_own_head_sizes(model_type, override
     spec = KVCacheSpec.from_hf_config(config, torch.float32)
     attention = [layer for layer in spec.layers if layer.kind != "recurrent"]
     assert {(layer.head_dim, layer.value_head_dim) for layer in attention} == {sizes}
+
+
+def test_mimo_v2_flash_sliding_layers_cache_twice_the_key_value_heads():
+    config = transformers.AutoConfig.for_model("mimo_v2_flash", num_hidden_layers=3, num_key_value_heads=2,
+                                               layer_types=["full_attention", "sliding_attention", "full_attention"])
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    assert [layer.num_kv_heads for layer in spec.layers] == [2, 4, 2]
