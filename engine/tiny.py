@@ -155,4 +155,8 @@ def build_tiny_model(
         bos_token_id=0, eos_token_id=1, pad_token_id=2
     )
     model.save_pretrained(str(path), safe_serialization=True)
+    if type(model.config) is not type(config):
+        # A causal LM over the text part of a composite config (mllama, emu3) saves that
+        # part, which the auto classes do not map back; the checkpoint keeps the whole.
+        config.save_pretrained(str(path))
     return path

@@ -60,10 +60,9 @@ SKIPPED = {
         "plbart", "prophetnet", "trocr", "whisper")},
     **{name: _AUDIO for name in ("musicgen", "musicgen_melody", "moshi")},
     **{name: f"an image-text model whose vision tower the sweep does not shrink; its text decoder is swept as {text}"
-       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"), ("llama4", "llama4_text"),
-                          ("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text"))},
+       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"))},
     **{name: "an image-text model whose vision tower the sweep does not shrink (no text-only type)"
-       for name in ("got_ocr2", "mllama", "emu3", "git", "phi4_multimodal")},
+       for name in ("got_ocr2", "git", "phi4_multimodal")},
     "xlnet": "a permutation language model with two attention streams, not a causal decoder",
     "reformer": "LSH and local chunked attention over axial positions; not a causal decoder of fixed shape",
     "moss_transcribe_diarize": "a speech transcription model (audio input)",
@@ -143,6 +142,11 @@ def tiny_overrides(model_type: str) -> dict:
     the attribute, two layers of each distinct kind in its ``layer_types``, then OVERRIDES."""
     defaults = transformers.AutoConfig.for_model(model_type)
     text_defaults = defaults.get_text_config()
+    if text_defaults is not defaults and text_defaults.model_type != model_type:
+        # A composite config (image-text, or a model over a text config): the tiny sizes
+        # go to its text part, as that text type's own tiny config.
+        text_config = tiny_config(text_defaults.model_type, VOCAB_SIZE, **tiny_overrides(text_defaults.model_type))
+        return {"text_config": text_config.to_dict(), **OVERRIDES.get(model_type, {})}
     overrides = {name: value for name, value in SHRINK.items()
                  if _has_value(text_defaults, name) and not _is_property(type(text_defaults), name)}
     if "qk_rope_head_dim" in overrides and "head_dim" in overrides:  # latent attention: head_dim is the rotary part
