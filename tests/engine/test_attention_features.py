@@ -1,7 +1,8 @@
 """Models whose attention has a feature beyond causal softmax run token-exact against
 transformers: attention sinks (gpt_oss, granite_swa, granitemoe_swa, flint), chunked
-local attention (llama4_text) and keys and values of different head sizes (multi-head
-latent attention: minicpm3, deepseek_v3). Each model passes the load check and its
+local attention (llama4_text), keys and values of different head sizes (multi-head
+latent attention: minicpm3, deepseek_v3) and all of these with per-layer head counts
+(mimo_v2_flash). Each model passes the load check and its
 greedy tokens equal transformers' own generate, in float64 where transformers runs
 the model in float64 and in float32 where its MoE code refuses float64. The
 kernel-level tests of each feature are in tests/engine/kernels/ and
@@ -39,8 +40,12 @@ MODELS = {
     "deepseek_v3": ("deepseek_v3", "float32", None, dict(MLA, n_routed_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=32, first_k_dense_replace=1,
                                                          n_group=1, topk_group=1)),
+    # Sinks and twice the key-value heads on its sliding layers; keys of 32, values of 16.
+    "mimo_v2_flash": ("mimo_v2_flash", "float32", None, dict(
+        head_dim=32, v_head_dim=16, sliding_window=8, layer_types=["full_attention", "sliding_attention"],
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)),
 }
-SLOW = {"gpt_oss-torch", "granitemoe_swa", "flint", "llama4_text-float32", "deepseek_v3"}
+SLOW = {"gpt_oss-torch", "granitemoe_swa", "flint", "llama4_text-float32", "deepseek_v3", "mimo_v2_flash"}
 # The last two end in the same tokens after different contexts.
 PROMPTS = [[5, 6, 7], list(range(3, 40)), [40, 41, 42, 43, 44, 45, 30, 31], [90, 17, 88, 12, 60, 3, 30, 31]]
 
