@@ -21,8 +21,11 @@ Run it directly for a report: ``python -m tests.engine.coverage [TYPE ...]``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -271,8 +274,21 @@ def check_type(model_type: str, workdir: Path) -> CoverageResult:
     return CoverageResult(model_type, "parity", "", dtype)
 
 
+def _check_type_alone(model_type: str) -> CoverageResult:
+    """``check_type`` in a fresh process: what one type does is then free of what the
+    types before it left in this one (kernels a model's code picked, loaded modules)."""
+    completed = subprocess.run([sys.executable, "-m", "tests.engine.coverage", "--json", model_type],
+                               capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = " ".join(completed.stderr.split()[-40:])
+        return CoverageResult(model_type, "failure", f"sweep process exited {completed.returncode}: {tail[:300]}")
+    return CoverageResult(**json.loads(lines[-1]))
+
+
 def sweep(model_types: list[str], workdir: Path, echo=print) -> list[CoverageResult]:
-    """``check_type`` over ``model_types``, echoing one line per type and the counts."""
+    """``check_type`` over ``model_types``, echoing one line per type and the counts. A
+    failure is checked again in a fresh process, and that result is the type's."""
     results = []
     for model_type in model_types:
         start = time.perf_counter()
@@ -280,6 +296,8 @@ def sweep(model_types: list[str], workdir: Path, echo=print) -> list[CoverageRes
             result = check_type(model_type, workdir)
         except Exception as exc:  # noqa: BLE001
             result = CoverageResult(model_type, "failure", f"sweep crashed: {_one_line(exc)}")
+        if result.outcome == "failure":
+            result = _check_type_alone(model_type)
         result = CoverageResult(result.model_type, result.outcome, result.detail, result.dtype,
                                 time.perf_counter() - start)
         results.append(result)
@@ -299,6 +317,12 @@ def quiet_transformers() -> None:
 def main(argv: list[str]) -> int:
     """``[--part I/N] [TYPE ...]``: the given types (default all), or the I-th of N
     interleaved parts of them, so several processes can share a sweep."""
+    if argv[:1] == ["--json"]:  # one type, its result as JSON (_check_type_alone)
+        quiet_transformers()
+        torch.set_num_threads(1)
+        with tempfile.TemporaryDirectory(prefix="shardline-coverage-") as workdir:
+            print(json.dumps(dataclasses.asdict(check_type(argv[1], Path(workdir)))), flush=True)
+        return 0
     part = None
     if argv[:1] == ["--part"]:
         index, count = map(int, argv[1].split("/"))
