@@ -5,14 +5,13 @@ layers).
 A request's state is its last ``W - 1`` inputs (W: the kernel width), so the output
 at a token reads the W - 1 inputs before it, from the state where they precede the
 step. ``causal_conv1d_varlen`` lays every request's state rows before its tokens in
-one sequence and runs a single grouped ``conv1d`` over it: no output reads across a
-request boundary, since each reads exactly its own W - 1 predecessors.
+one sequence and sums its W shifted copies, each times its tap: no output reads
+across a request boundary, since each reads exactly its own W - 1 predecessors.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 
@@ -28,6 +27,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     assert conv_state.shape == (num_requests, width - 1, channels), (conv_state.shape, width, channels)
     history = width - 1
     device = x.device
+    if num_tokens == num_requests:  # one token per request: a decode step
+        return _conv_step(x, weight, bias, has_initial_state, conv_state, activation)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     request_of_token = torch.repeat_interleave(torch.arange(num_requests, device=device), lengths,
                                                output_size=num_tokens)
@@ -39,13 +40,34 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     sequence = x.new_empty((num_tokens + num_requests * history, channels))
     sequence[token_rows] = x
     sequence[state_rows] = initial.reshape(-1, channels)
-    out = F.conv1d(sequence.t()[None].to(weight.dtype), weight[:, None, :], bias, groups=channels)[0].t()
+    # out[p] = sum_j weight[:, j] * sequence[p + j] (p: the output's first input row)
+    laid_out = sequence.to(weight.dtype)
+    length = laid_out.shape[0] - history
+    out = laid_out[:length] * weight[:, 0]
+    for tap in range(1, width):
+        out = out + laid_out[tap : tap + length] * weight[:, tap]
+    if bias is not None:
+        out = out + bias
     if activation is not None:
         out = ACT2FN[activation](out)
     # Each request's last W-1 rows (inputs) are its next state.
     segment_end = segment_start + lengths + history
     conv_state.copy_(sequence[segment_end[:, None] - history + torch.arange(history, device=device)])
     return out[token_rows - history].to(x.dtype)
+
+
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, has_initial_state: torch.Tensor,
+               conv_state: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """One token per request: x [B, D]; conv_state [B, W-1, D] updated in place."""
+    initial = conv_state.to(x.dtype) * has_initial_state.to(x.dtype)[:, None, None]
+    window = torch.cat([initial, x[:, None]], dim=1)  # [B, W, D], oldest first
+    out = (window.to(weight.dtype) * weight.t()).sum(1)
+    if bias is not None:
+        out = out + bias
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    conv_state.copy_(window[:, 1:])
+    return out.to(x.dtype)
 
 
 def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -7,7 +7,9 @@ the part of v_t that S does not already predict from k_t:
 Inside a chunk of C tokens with cumulative log-decay G_t (G relative to the chunk's
 start), unrolling gives a unit lower-triangular system for the u's:
     u_t + beta_t sum_{s<t} e^{G_t-G_s} (k_t.k_s) u_s = beta_t v_t - beta_t e^{G_t} S_0^T k_t,
-so u = U0 - W S_0 with U0, W solved once per chunk for all chunks at once, and
+so u = U0 - W S_0 with U0, W solved once per chunk for all chunks at once (the
+system's inverse by repeated squaring, a few batched matmuls: see
+``unit_lower_inverse``), and
     o_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t-G_s} (q_t.k_s) u_s,
     S_C = e^{G_C} S_0 + sum_s e^{G_C-G_s} k_s u_s^T.
 Only the hand-over of S from one chunk to the next is sequential: one iteration
@@ -63,14 +65,33 @@ class ChunkLayout:
         return out
 
 
+def unit_lower_inverse(strictly_lower: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0),
+    so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: log2(C) squarings and
+    products, batched matmuls that run far faster than a batched triangular solve of
+    small matrices, to the same accuracy."""
+    size = strictly_lower.shape[-1]
+    power = -strictly_lower
+    result = torch.eye(size, dtype=power.dtype, device=power.device) + power
+    covered = 2  # result holds the series up to power 2^j - 1
+    while covered < size:
+        power = power @ power
+        result = result + result @ power
+        covered *= 2
+    return result
+
+
 def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor,
                                   chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """query, key: [T, H, K] (normalised and scaled as the model does; heads already
     matched to the value heads); value: [T, H, V]; g (log decay), beta: [T, H];
-    initial_state: [B, H, K, V] (zero for requests starting fresh). Everything in one
-    dtype, which the arithmetic runs in. Returns (output [T, H, V], final state [B, H, K, V])."""
+    initial_state: [B, H, K, V] (zero for requests starting fresh), overwritten with each
+    request's final state. Everything in one dtype, which the arithmetic runs in.
+    Returns (output [T, H, V], the final states: initial_state itself)."""
     num_tokens = query.shape[0]
+    if num_tokens == cu_seqlens.shape[0] - 1:  # one token per request: a decode step
+        return gated_delta_rule_step(query, key, value, g, beta, initial_state)
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     size = max(1, min(chunk_size, max_len))
     layout = ChunkLayout(cu_seqlens, size, num_tokens)
@@ -81,16 +102,15 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     causal = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
     k_beta = k * beta_chunks[..., None]
-    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
-    system = system + torch.eye(size, dtype=system.dtype, device=system.device)
-    u0 = torch.linalg.solve_triangular(system, v * beta_chunks[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    inverse = unit_lower_inverse(((k_beta @ k.transpose(-1, -2)) * decay).tril(-1))
+    u0 = inverse @ (v * beta_chunks[..., None])
+    w = inverse @ (k_beta * cum.exp()[..., None])
     attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C], diagonal included
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
 
-    state = initial_state.clone()
+    state = initial_state
     out = torch.empty_like(v)
     for local in range(layout.max_chunks):
         requests = (layout.chunks_per_request > local).nonzero().flatten()
@@ -100,6 +120,18 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
         out[chunks] = q_decayed[chunks] @ s0 + attn[chunks] @ u
         state[requests] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
     return layout.scatter(out.transpose(1, 2), num_tokens), state
+
+
+def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B requests (the recurrence itself, batched): query, key
+    [B, H, K], value [B, H, V], g, beta [B, H], state [B, H, K, V] updated in place.
+    Returns (output [B, H, V], state)."""
+    state.mul_(g.exp()[..., None, None])
+    predicted = (key[..., None, :] @ state)[..., 0, :]  # [B, H, V]
+    update = (value - predicted) * beta[..., None]
+    state.add_(key[..., :, None] * update[..., None, :])
+    return (query[..., None, :] @ state)[..., 0, :], state
 
 
 def gated_delta_rule_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,

@@ -60,11 +60,14 @@ class GatedDeltaNetKind:
         value = value.reshape(num_tokens, -1, module.head_v_dim).to(dtype)
         if module.num_v_heads != module.num_k_heads:
             repeat = module.num_v_heads // module.num_k_heads
-            query, key = query.repeat_interleave(repeat, dim=1), key.repeat_interleave(repeat, dim=1)
-        initial = states["recurrent"] * has_initial_state.to(dtype)[:, None, None, None]
-        core, final = chunk_gated_delta_rule_varlen(query, key, value, g.to(dtype), beta.to(dtype), cu_seqlens,
-                                                    initial)
-        states["recurrent"].copy_(final)
+            # each query/key head serves `repeat` consecutive value heads
+            query, key = (x[:, :, None].expand(num_tokens, module.num_k_heads, repeat, module.head_k_dim)
+                          .reshape(num_tokens, module.num_v_heads, module.head_k_dim) for x in (query, key))
+        recurrent = states["recurrent"]  # updated in place to the final states
+        if not bool(has_initial_state.all()):
+            recurrent.mul_(has_initial_state.to(dtype)[:, None, None, None])
+        core, _ = chunk_gated_delta_rule_varlen(query, key, value, g.to(dtype), beta.to(dtype), cu_seqlens,
+                                                recurrent)
         core = module.norm(core.to(hidden_states.dtype).reshape(-1, module.head_v_dim),
                            z.reshape(-1, module.head_v_dim))
         return module.out_proj(core.reshape(num_tokens, -1))

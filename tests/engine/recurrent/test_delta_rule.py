@@ -11,25 +11,26 @@ from shardline.engine.recurrent.delta_rule import (chunk_gated_delta_rule_varlen
 
 LENGTHS = [1, 7, 20, 3, 1]
 HAS_STATE = [True, False, True, True, False]
+DECODE = [1, 1, 1, 1, 1]  # one token per request: the decode path
 
 
 def _packed(lengths, *shape, generator, scale=1.0):
     return torch.randn(sum(lengths), *shape, dtype=torch.float64, generator=generator) * scale
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 64])
-def test_chunked_delta_rule_matches_the_recurrence(chunk_size):
+@pytest.mark.parametrize("lengths,chunk_size", [(LENGTHS, 1), (LENGTHS, 4), (LENGTHS, 64), (DECODE, 64)])
+def test_chunked_delta_rule_matches_the_recurrence(lengths, chunk_size):
     gen = torch.Generator().manual_seed(0)
     heads, k_dim, v_dim = 3, 8, 5
-    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
-    q = l2_normalize(_packed(LENGTHS, heads, k_dim, generator=gen)) * k_dim ** -0.5
-    k = l2_normalize(_packed(LENGTHS, heads, k_dim, generator=gen))
-    v = _packed(LENGTHS, heads, v_dim, generator=gen)
-    g = -torch.rand(sum(LENGTHS), heads, dtype=torch.float64, generator=gen)
-    beta = torch.rand(sum(LENGTHS), heads, dtype=torch.float64, generator=gen)
-    saved = torch.randn(len(LENGTHS), heads, k_dim, v_dim, dtype=torch.float64, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q = l2_normalize(_packed(lengths, heads, k_dim, generator=gen)) * k_dim ** -0.5
+    k = l2_normalize(_packed(lengths, heads, k_dim, generator=gen))
+    v = _packed(lengths, heads, v_dim, generator=gen)
+    g = -torch.rand(sum(lengths), heads, dtype=torch.float64, generator=gen)
+    beta = torch.rand(sum(lengths), heads, dtype=torch.float64, generator=gen)
+    saved = torch.randn(len(lengths), heads, k_dim, v_dim, dtype=torch.float64, generator=gen)
     initial = saved * torch.tensor(HAS_STATE, dtype=torch.float64)[:, None, None, None]
-    out, final = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, initial, chunk_size=chunk_size)
+    out, final = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, initial.clone(), chunk_size=chunk_size)
     for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         expected, expected_state = gated_delta_rule_reference(q[start:end], k[start:end], v[start:end],
                                                               g[start:end], beta[start:end],
@@ -58,15 +59,16 @@ def test_a_request_split_into_steps_gives_the_same_output_and_state():
     torch.testing.assert_close(state, whole_state, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("width,activation,bias", [(4, "silu", False), (3, None, True), (1, None, True)])
-def test_varlen_causal_conv_matches_the_reference(width, activation, bias):
+@pytest.mark.parametrize("width,activation,bias,lengths", [(4, "silu", False, LENGTHS), (3, None, True, LENGTHS),
+                                                           (1, None, True, LENGTHS), (4, "silu", True, DECODE)])
+def test_varlen_causal_conv_matches_the_reference(width, activation, bias, lengths):
     gen = torch.Generator().manual_seed(2)
     channels = 6
-    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
-    x = _packed(LENGTHS, channels, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = _packed(lengths, channels, generator=gen)
     weight = torch.randn(channels, width, dtype=torch.float64, generator=gen)
     bias_t = torch.randn(channels, dtype=torch.float64, generator=gen) if bias else None
-    saved = torch.randn(len(LENGTHS), width - 1, channels, dtype=torch.float64, generator=gen)
+    saved = torch.randn(len(lengths), width - 1, channels, dtype=torch.float64, generator=gen)
     state = saved.clone()
     out = causal_conv1d_varlen(x, weight, bias_t, cu, torch.tensor(HAS_STATE), state, activation)
     for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
