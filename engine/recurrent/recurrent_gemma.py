@@ -63,6 +63,8 @@ class RGLRUBlockKind:
     """RecurrentGemmaRecurrentBlock."""
 
     name = "rg_lru"
+    # RecurrentGemma's decoder layer unpacks (output, state) from its temporal block.
+    returns_tuple = True
     reference_dtype = torch.float32  # HF accumulates the recurrence in float32
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:

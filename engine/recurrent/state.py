@@ -100,17 +100,21 @@ class RecurrentLayer(nn.Module):
 
 def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
     """Replace each HF module with a registered kind by a RecurrentLayer in its parent;
-    return them by layer index. The module's ``layer_idx`` names its layer."""
+    return them by layer index: the module's ``layer_idx``, else the position of the
+    decoder layer holding it (in the model's longest ModuleList)."""
     installed: dict[int, RecurrentLayer] = {}
     text_config = model.config.get_text_config()
     holder = StepHolder()
+    decoder_layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
+    layer_of = {id(module): index for index, layer in enumerate(decoder_layers) for module in layer.modules()}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             kind = kind_for_module(child)
             if kind is None:
                 continue
             layer_idx = getattr(child, "layer_idx", None)
-            assert isinstance(layer_idx, int), f"{type(child).__name__} has no layer_idx"
+            layer_idx = layer_idx if isinstance(layer_idx, int) else layer_of.get(id(child))
+            assert layer_idx is not None, f"{type(child).__name__} is in no decoder layer"
             wrapper = RecurrentLayer(child, kind, layer_idx, text_config, holder)
             setattr(parent, child_name, wrapper)
             installed[layer_idx] = wrapper
