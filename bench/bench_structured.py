@@ -9,25 +9,28 @@ grammar work: compiling (once, before timing, as a long job amortises it), filli
 the batch's token bitmask each step, applying it, and advancing the matchers.
 
     python bench/bench_structured.py [--concurrency 64 256] [--output-len 128] [--repeat 2]
-                                     [--device auto] [--dtype float32]
+                                     [--device auto] [--dtype float32] [--profile]
 
 Rounds are interleaved (constrained, unconstrained) and the best run of each side
 is compared, as in bench_engine. Prints output tokens/s of both by wall time and by
 this process's CPU time (steadier when other work shares the CPUs), their ratios,
 the seconds the constrained runs spent in grammar work (bitmask filling and
 application, matcher advances, holding and releasing rows), and how many
-constrained outputs parse and validate.
+constrained outputs parse and validate. ``--profile`` (CPU) splits each side's
+last run into the engine's parts (bench_engine's StepProfile), side by side, to show
+where a difference between the two sides lies.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
 import torch
 
-from common import build_bench_model, random_prompts
+from common import StepProfile, build_bench_model, random_prompts
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
 
@@ -93,7 +96,8 @@ def validates(text: str) -> bool:
     return True
 
 
-def bench_concurrency(llm: LLM, profile: GrammarProfile, concurrency: int, args: argparse.Namespace) -> None:
+def bench_concurrency(llm: LLM, profile: GrammarProfile, concurrency: int, args: argparse.Namespace,
+                      steps: StepProfile | None = None) -> None:
     prompts = random_prompts(concurrency, args.min_len, args.max_len, 16384, seed=concurrency)
     constrained = SamplingParams(temperature=0.0, max_tokens=args.output_len, structured_outputs=SCHEMA_PARAMS)
     _, _, outputs = run(llm, prompts, [constrained] * concurrency)  # fixes the lengths
@@ -103,10 +107,17 @@ def bench_concurrency(llm: LLM, profile: GrammarProfile, concurrency: int, args:
     # Output tokens/s of each run, by wall and by CPU time.
     speeds = {clock: {name: [] for name in sides} for clock in ("wall", "cpu")}
     grammar_seconds, wall_seconds = [], []
-    for _ in range(args.repeat):
+    last_run_parts: dict[str, str] = {}  # side -> its last run's StepProfile report
+    for round_index in range(args.repeat):
         for name, params in sides.items():
             profiled_before = profile.seconds
+            parts_before = dict(steps.seconds) if steps is not None else {}
             wall, cpu, outputs = run(llm, prompts, params)
+            if steps is not None and round_index == args.repeat - 1:
+                last_run = copy.copy(steps)
+                last_run.seconds = {label: seconds - parts_before.get(label, 0.0)
+                                    for label, seconds in steps.seconds.items()}
+                last_run_parts[name] = last_run.report(wall)
             # Greedy on a GPU may change a token between runs: each run counts its own.
             num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             speeds["wall"][name].append(num_tokens / wall)
@@ -128,6 +139,11 @@ def bench_concurrency(llm: LLM, profile: GrammarProfile, concurrency: int, args:
               f"{', '.join(f'{c / f:.3f}' for c, f in zip(by_side['constrained'], by_side['unconstrained']))})")
     print("  grammar work in the constrained runs: " + ", ".join(
         f"{g:.2f} s of {w:.1f} s ({100 * g / w:.1f}%)" for g, w in zip(grammar_seconds, wall_seconds)))
+    if last_run_parts:
+        print(f"  last round by part:{'constrained':>25s}   unconstrained")
+        for constrained_line, free_line in zip(last_run_parts["constrained"].splitlines(),
+                                               last_run_parts["unconstrained"].splitlines()):
+            print(f"  {constrained_line}   {free_line.split()[-2]:>7s} s")
 
 
 def main() -> None:
@@ -139,6 +155,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds of both sides; best against best")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--profile", action="store_true", help="split each side's last run by engine part (CPU)")
     args = parser.parse_args()
 
     llm = LLM(build_bench_model(), dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency))
@@ -148,8 +165,9 @@ def main() -> None:
           f"{args.output_len}, {args.dtype} on {llm.llm_engine.device}, {torch.get_num_threads()} threads, "
           f"{args.repeat} interleaved round(s)")
     profile = GrammarProfile()
+    steps = StepProfile() if args.profile else None
     for concurrency in args.concurrency:
-        bench_concurrency(llm, profile, concurrency, args)
+        bench_concurrency(llm, profile, concurrency, args, steps)
 
 
 if __name__ == "__main__":
