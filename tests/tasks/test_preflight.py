@@ -40,12 +40,12 @@ def test_a_usable_model_passes_and_every_problem_is_named_at_once(tmp_path, make
 
 
 def test_an_architecture_the_paged_attention_cannot_run_is_refused(tmp_path, make_job, tiny_model):
-    model = tmp_path / "bloom-like"
+    model = tmp_path / "rwkv-like"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "bloom",
-                                                   "architectures": ["BloomForCausalLM"]}))
-    with pytest.raises(ModelUnusable, match="^load model architecture BloomForCausalLM failed: its attention does "
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "rwkv",
+                                                   "architectures": ["RwkvForCausalLM"]}))
+    with pytest.raises(ModelUnusable, match="^load model architecture RwkvForCausalLM failed: its attention does "
                                             "not go through transformers' AttentionInterface"):
         check_model(make_job(model=str(model)))
     (model / "config.json").unlink()
