@@ -68,9 +68,9 @@ def test_prompt_longer_than_max_model_len_names_request_length_and_limit(tiny_ll
 
 def test_architecture_without_attention_interface(tmp_path):
     build_tokenizer(tmp_path)
-    config = transformers.BloomConfig(vocab_size=512, hidden_size=32, n_layer=1, n_head=2)
+    config = transformers.RwkvConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="Bloom"):
+    with pytest.raises(UnsupportedModelError, match="Rwkv"):
         LLM(str(tmp_path))
 
 
