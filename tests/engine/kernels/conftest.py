@@ -122,6 +122,9 @@ def feature_options(feature: str | None, num_heads: int) -> dict:
 
 
 FEATURES = ["sinks", "alibi", "chunked", "all"]
+# Each feature alone in float32, all of them together in float32 and bfloat16.
+FEATURE_DTYPES = [("sinks", torch.float32), ("alibi", torch.float32), ("chunked", torch.float32),
+                  ("all", torch.float32), ("all", torch.bfloat16)]
 
 
 def _kernel_targets() -> list[str]:

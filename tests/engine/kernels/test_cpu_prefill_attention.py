@@ -8,7 +8,7 @@ import torch
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.kernels.cpu_prefill_attention import prefill_attention, prefill_kernel_available
 
-from .conftest import FEATURES, feature_options, make_paged_batch
+from .conftest import FEATURE_DTYPES, feature_options, make_paged_batch
 
 # bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -59,8 +59,7 @@ WITH_CONTEXT = ([16, 5, 300, 31], [23, 40, 9, 2])
 LONG = ([0, 700], [513, 100])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("feature,dtype", FEATURE_DTYPES)
 def test_attention_features(feature, dtype):
     """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions),
     with contexts long enough that chunks and skipped key blocks occur."""
@@ -68,8 +67,8 @@ def test_attention_features(feature, dtype):
           features=feature_options(feature, 8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (64, 128), (192, 128)])
+@pytest.mark.parametrize("head_dim,value_head_dim,dtype", [(48, 32, torch.float32), (192, 128, torch.float32),
+                                                           (64, 128, torch.bfloat16)])
 def test_value_head_size_of_its_own(head_dim, value_head_dim, dtype):
     """Values of another head size than keys (multi-head latent attention's layout)."""
     check([0, 16, 30], [33, 20, 1], num_heads=4, num_kv_heads=2, head_dim=head_dim,

@@ -84,10 +84,10 @@ def test_softcap(paged_batch, sliding_window):
 
 @needs_triton
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("lens", [DECODE, MIXED, ([70, 0], [1, 45])], ids=["decode", "mixed", "long"])
-def test_attention_features(paged_batch, lens, feature):
-    """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions)."""
-    batch = paged_batch(*lens, num_heads=8, num_kv_heads=2, head_dim=32)
+def test_attention_features(paged_batch, feature):
+    """Sinks, ALiBi and chunked attention (engine/attention/context.py's AttentionOptions),
+    over decoding requests, prefill chunks with and without a cached context."""
+    batch = paged_batch([21, 0, 70, 3], [1, 18, 1, 45], num_heads=8, num_kv_heads=2, head_dim=32)
     assert_kernel_matches_reference(batch, **feature_options(feature, 8))
 
 
@@ -109,8 +109,9 @@ def test_chunks_never_read_keys_before_the_first_querys_chunk(paged_batch):
 
 
 @needs_triton
-@pytest.mark.parametrize("head_dim,value_head_dim", [(48, 32), (64, 128), (192, 128)])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim,value_head_dim,dtype,tolerance", [(48, 32, torch.float32, 2e-5),
+                                                                     (192, 128, torch.float32, 2e-5),
+                                                                     (64, 128, torch.bfloat16, 2e-2)])
 def test_value_head_size_of_its_own(paged_batch, head_dim, value_head_dim, dtype, tolerance):
     """Values of another head size than keys (multi-head latent attention's layout)."""
     batch = paged_batch(*MIXED, num_heads=4, num_kv_heads=2, head_dim=head_dim, value_head_dim=value_head_dim,
