@@ -68,7 +68,7 @@ def test_prompt_longer_than_max_model_len_names_request_length_and_limit(tiny_ll
 
 def test_architecture_without_attention_interface(tmp_path):
     build_tokenizer(tmp_path)
-    config = transformers.RwkvConfig(vocab_size=512, hidden_size=32, num_hidden_layers=1)
+    config = transformers.RwkvConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="Rwkv"):
         LLM(str(tmp_path))
