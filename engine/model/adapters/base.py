@@ -3,8 +3,9 @@ AttentionInterface, replaced by one that calls the engine's paged attention.
 
 Invariants:
 - An adapter takes over its original module's submodules and own parameters under
-  the same names, so the state dict, LoRA target names and ``.to()`` see the same
-  model; the original object is kept (unregistered) for its forward.
+  the same names, so the state dict and LoRA target names see the same model; the
+  original object is kept (unregistered) for its forward, with its own buffers (mask
+  tables), which is why adapters are installed once the model is on its device.
 - While a step of the engine runs (``StepScope`` holds its AttentionContext), the
   adapter computes queries, keys and values with the original's own projections and
   position encodings, attends through ``paged_attention_forward`` and applies the
