@@ -96,6 +96,7 @@ OVERRIDES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "hunyuan_v1_dense": dict(head_dim=16),
+    **{name: dict(unpadded_vocab_size=VOCAB_SIZE) for name in ("inkling2_text", "inkling2_loop_text")},
     "ministral": dict(head_dim=16),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     "zaya": dict(num_experts_per_tok=1),
