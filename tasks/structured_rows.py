@@ -6,8 +6,9 @@ a ``response_format`` column in OpenAI's shape (``{"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "json_object"}``, or
 ``{"type": "text"}`` for no constraint), or a ``json_schema`` column holding the
 schema itself; either as an object or as its JSON text (in Parquet, JSON text keeps
-differently shaped schemas apart: a struct column would merge their keys). A row
-whose override is not a valid constraint gets an error naming it; its shard goes on.
+differently shaped schemas apart: a struct column would merge their keys). A row's
+own schema follows the job's ``disable_any_whitespace``. A row whose override is not
+a valid constraint gets an error naming it; its shard goes on.
 
 The engine constrains decoding, but an output can still fail its constraint: a
 sample cut by ``max_tokens`` (finish_reason "length") or by a stop string before its
