@@ -76,7 +76,8 @@ SKIPPED = {
 SHRINK = {
     "head_dim": 16, "global_head_dim": 32, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
     "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "top_k": 2,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
+    "n_shared_experts": 1,
     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 8, "attention_chunk_size": 8, "window_size": 8,
     "n_group": 1, "topk_group": 1, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4,
