@@ -21,11 +21,14 @@ import torch.nn.functional as F
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
-from .selective_scan import SCAN_CHUNK, doubling_scan
+from .selective_scan import doubling_scan
 from .ssd import ChunkLayout
 
 
-def linear_recurrence_varlen(decay, inputs, cu_seqlens, initial_state, chunk_size: int = SCAN_CHUNK):
+CHUNK = 32  # a token's state is one vector: the doubling scan's extra work is cheap
+
+
+def linear_recurrence_varlen(decay, inputs, cu_seqlens, initial_state, chunk_size: int = CHUNK):
     """h_t = decay_t * h_{t-1} + inputs_t per request, from initial_state [B, ...];
     decay, inputs: [T, ...]. Returns (every h_t [T, ...], final states [B, ...])."""
     num_tokens = decay.shape[0]

@@ -1,0 +1,112 @@
+"""Recurrent layer kinds against their Hugging Face modules, one layer at the Llama
+benchmark's width (hidden 512), float32, CPU: a packed prefill of several prompts in
+one call against the module run on each prompt alone, and a decode step of many
+requests in one call against the module's batched single-token step.
+
+    python bench/bench_recurrent_kinds.py [--prompts 4] [--prompt-len 256] [--decode-batch 32]
+
+Prints milliseconds per call and tokens per second for each side and their ratio.
+Not a test: the numbers depend on the machine (and, on a shared one, on its load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from shardline.engine.recurrent.kda import KIMI_DELTA
+from shardline.engine.recurrent.linear_attention import LIGHTNING
+from shardline.engine.recurrent.mamba import MAMBA
+from shardline.engine.recurrent.mamba2 import MAMBA2
+
+HIDDEN = 512
+
+
+def _layers():
+    """(name, kind, HF module, config, whether the module takes a DynamicCache)."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    mamba2 = transformers.Mamba2Config(hidden_size=HIDDEN, num_heads=16, head_dim=64, expand=2, state_size=64,
+                                       n_groups=1, num_hidden_layers=1)
+    mamba = transformers.MambaConfig(hidden_size=HIDDEN, intermediate_size=1024, state_size=16, num_hidden_layers=1)
+    minimax = transformers.MiniMaxConfig(hidden_size=HIDDEN, num_attention_heads=8, head_dim=64, num_hidden_layers=2,
+                                         layer_types=["linear_attention", "full_attention"])
+    kimi = transformers.KimiLinearConfig(hidden_size=HIDDEN, linear_num_heads=8, linear_head_dim=64,
+                                         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return [
+        ("mamba2", MAMBA2, Mamba2Mixer(mamba2, 0), mamba2, True),
+        ("mamba", MAMBA, MambaMixer(mamba, 0), mamba, True),
+        ("minimax lightning", LIGHTNING, MiniMaxLightningAttention(minimax, 0), minimax, False),
+        ("kimi delta", KIMI_DELTA, KimiLinearDeltaAttention(kimi, 0), kimi, True),
+    ]
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def _hf_call(module, x, cache):
+    if cache is None:
+        return module(x, position_embeddings=None, attention_mask=None)
+    return module(x, cache=cache)
+
+
+def bench_layer(name, kind, module, config, takes_cache, prompts: int, prompt_len: int, decode_batch: int) -> None:
+    module = module.eval()
+    gen = torch.Generator().manual_seed(0)
+    shapes = kind.state_shapes(module, config)
+
+    def fresh_states(batch):
+        return {n: torch.zeros((batch, *shape), dtype=dtype) for n, (shape, dtype) in shapes.items()}
+
+    x = torch.randn(prompts, prompt_len, HIDDEN, generator=gen)
+    cu = torch.arange(prompts + 1) * prompt_len
+    fresh = torch.zeros(prompts, dtype=torch.bool)
+    with torch.no_grad():
+        ours = _timed(lambda: kind.forward(module, x.reshape(-1, HIDDEN), cu, fresh, fresh_states(prompts)))
+        theirs = _timed(lambda: [_hf_call(module, x[i : i + 1], DynamicCache(config=config) if takes_cache else None)
+                                 for i in range(prompts)])
+    tokens = prompts * prompt_len
+    print(f"{name:18s} prefill {prompts}x{prompt_len}: shardline {ours * 1e3:8.1f} ms ({tokens / ours:9.0f} tok/s)  "
+          f"HF per prompt {theirs * 1e3:8.1f} ms ({tokens / theirs:9.0f} tok/s)  ratio {theirs / ours:5.2f}")
+
+    if not takes_cache:  # MiniMax keeps its decode state in its own cache class
+        return
+    step = torch.randn(decode_batch, HIDDEN, generator=gen)
+    cu = torch.arange(decode_batch + 1)
+    continuing = torch.ones(decode_batch, dtype=torch.bool)
+    states = fresh_states(decode_batch)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        _hf_call(module, torch.randn(decode_batch, 4, HIDDEN, generator=gen), cache)  # HF's prefill fills its cache
+        ours = _timed(lambda: kind.forward(module, step, cu, continuing, states), repeats=10)
+        theirs = _timed(lambda: _hf_call(module, step[:, None], cache), repeats=10)
+    print(f"{name:18s} decode {decode_batch} requests: shardline {ours * 1e3:6.2f} ms  HF batched {theirs * 1e3:6.2f} ms  "
+          f"ratio {theirs / ours:5.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--decode-batch", type=int, default=32)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, hidden {HIDDEN}")
+    for layer in _layers():
+        bench_layer(*layer, args.prompts, args.prompt_len, args.decode_batch)
+
+
+if __name__ == "__main__":
+    main()
