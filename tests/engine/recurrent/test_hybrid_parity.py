@@ -4,9 +4,10 @@ For each model type with a recurrent kind (engine/recurrent/), built tiny and ra
 prompts of several lengths in one batch, a 16-token budget (prefill chunks continue a
 saved state across steps), a cache of a few blocks (preemption restarts a request's
 state from zero), n = 2 (the second sample forks the first's state) and an abort in
-mid-decode; every state slot is free afterwards. Float64 (transformers runs the
-gated delta rule itself in float32), except the MoE types, whose expert code in
-transformers takes no float64: float32 there.
+mid-decode; every state slot is free afterwards (a model without attention layers
+keeps no KV blocks, so nothing preempts it). Float64 (transformers runs the gated
+delta rule and Mamba's decode update itself in float32), except the MoE types, whose
+expert code in transformers takes no float64: float32 there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ NUM_BLOCKS = 6  # the prompts below need 9 blocks of 16 at once: preemption
 _GDN = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
             linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
             layer_types=["linear_attention", "full_attention", "linear_attention"])
+_MAMBA = dict(intermediate_size=128, state_size=8, time_step_rank=4, conv_kernel=4)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_n_groups=2,
+               mamba_chunk_size=4, mamba_d_conv=4)
+_KDA = dict(linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, num_key_value_heads=4,
+            layer_types=["linear_attention", "full_attention"])
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 ARCHS = {
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
@@ -40,8 +46,25 @@ ARCHS = {
     "qwen3_next": {**_GDN, **_MOE},
     "qwen3_5_text": _GDN,
     "qwen3_5_moe_text": {**_GDN, **_MOE},
+    "mamba": _MAMBA,
+    "falcon_mamba": _MAMBA,
+    "jamba": dict(mamba_expand=2, mamba_d_state=8, mamba_dt_rank=4, mamba_d_conv=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                  num_experts_per_tok=2),
+    "mamba2": dict(num_heads=8, head_dim=16, expand=2, state_size=8, n_groups=2, chunk_size=4, conv_kernel=4),
+    "bamba": dict(_MAMBA2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(_MAMBA2, layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=4,
+                       conv_kernel=4, layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=3,
+                       head_dim=16),
+    "minimax": dict(head_dim=16, block_size=4, layer_types=["linear_attention", "full_attention"],
+                    num_local_experts=4, num_experts_per_tok=2),
+    "kimi_linear": dict(_KDA),
+    "bailing_hybrid": dict(_KDA),
+    "recurrent_gemma": dict(lru_width=64, conv1d_width=4, num_hidden_layers=3, attention_window_size=8,
+                            head_dim=16),
 }
-FLOAT32 = {"lfm2_moe", "qwen3_next", "qwen3_5_moe_text"}
+FLOAT32 = {"lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba", "granitemoehybrid", "minimax", "kimi_linear"}
 
 
 # One type per kind runs by default; the others are slow-marked (same kinds, other wiring).
@@ -65,7 +88,7 @@ def hybrid_case(request, tmp_path_factory):
     per_slot = RecurrentStateSpec.from_layers(install_recurrent_layers(hf_model)).bytes_per_slot()
     per_block = KVCacheSpec.from_hf_config(hf_model.config, getattr(torch, dtype)).bytes_per_block(16)
     engine_options = dict(dtype=dtype, kv_cache_memory_bytes=NUM_BLOCKS * per_block + NUM_SLOTS * per_slot)
-    return arch, model_dir, prompts, expected, engine_options
+    return arch, model_dir, prompts, expected, engine_options, per_block > 0
 
 
 def _engine(model_dir: str, engine_options: dict) -> LLM:
@@ -79,18 +102,19 @@ def _assert_slots_free(llm: LLM) -> None:
 
 
 def test_chunked_preempted_and_forked_requests_match_transformers(hybrid_case):
-    _, model_dir, prompts, expected, engine_options = hybrid_case
+    _, model_dir, prompts, expected, engine_options, attends = hybrid_case
     llm = _engine(model_dir, engine_options)
-    assert llm.llm_engine.scheduler.config.num_blocks == NUM_BLOCKS
+    if attends:  # a model without attention layers keeps no KV: its blocks are free, nothing preempts
+        assert llm.llm_engine.scheduler.config.num_blocks == NUM_BLOCKS
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, n=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [[want, want] for want in expected]
-    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0 or not attends
     _assert_slots_free(llm)
 
 
 def test_an_abort_in_mid_decode_leaves_the_others_exact(hybrid_case):
-    _, model_dir, prompts, expected, engine_options = hybrid_case
+    _, model_dir, prompts, expected, engine_options, attends = hybrid_case
     llm = _engine(model_dir, engine_options)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
