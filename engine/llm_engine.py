@@ -251,9 +251,12 @@ class LLMEngine:
 
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
         """A failed forward wrote no trustworthy KV: the scheduled tokens count as
-        not computed again, so they are recomputed (and never prefix-cached)."""
+        not computed again, so they are recomputed (and never prefix-cached). Layers
+        that ran before the failure may have advanced a request's recurrent state
+        past ``start``, so with recurrent layers the request restarts from token 0."""
+        restart = self.runner.num_state_slots > 0
         for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens = item.start
+            item.request.num_computed_tokens = 0 if restart else item.start
 
     def _update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
         self._record_prompt_logprobs(model_output)

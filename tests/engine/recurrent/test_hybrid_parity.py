@@ -131,3 +131,29 @@ def test_an_abort_in_mid_decode_leaves_the_others_exact(hybrid_case):
             aborted = True
     assert aborted and finished == {"0": expected[0], "2": expected[2]}
     _assert_slots_free(llm)
+
+
+def test_a_step_that_fails_mid_model_is_recomputed_exactly(hybrid_case):
+    """The recurrent layers before the failing one have advanced their state: the
+    engine restarts the step's requests from token 0, so the tokens stay exact."""
+    _, model_dir, prompts, expected, engine_options, _ = hybrid_case
+    llm = _engine(model_dir, engine_options)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    for index, prompt in enumerate(prompts[1:3]):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+    engine.step()  # a first prefill chunk, so the failing step continues saved state
+
+    def fail(module, args, output):
+        raise RuntimeError("injected failure after the other layers ran")
+
+    last_layer = engine.runner.model.model.layers[-1]
+    hook = last_layer.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.step()
+    hook.remove()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()})
+    assert finished == {"0": expected[1], "1": expected[2]}
+    _assert_slots_free(llm)
