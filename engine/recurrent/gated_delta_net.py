@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
-from .delta_rule import chunk_gated_delta_rule_varlen, l2_normalize
+from .decode_split import scan_split
+from .delta_rule import chunk_gated_delta_rule_varlen, gated_delta_rule_step, l2_normalize
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,11 +64,12 @@ class GatedDeltaNetKind:
             # each query/key head serves `repeat` consecutive value heads
             query, key = (x[:, :, None].expand(num_tokens, module.num_k_heads, repeat, module.head_k_dim)
                           .reshape(num_tokens, module.num_v_heads, module.head_k_dim) for x in (query, key))
-        recurrent = states["recurrent"]  # updated in place to the final states
-        if not bool(has_initial_state.all()):
-            recurrent.mul_(has_initial_state.to(dtype)[:, None, None, None])
-        core, _ = chunk_gated_delta_rule_varlen(query, key, value, g.to(dtype), beta.to(dtype), cu_seqlens,
-                                                recurrent)
+        # Single-token continuations take the recurrence itself, the rest the chunked
+        # rule, so a decode request in a step with a long prompt is not padded to a chunk.
+        core = scan_split(
+            cu_seqlens, has_initial_state, states["recurrent"], (query, key, value, g.to(dtype), beta.to(dtype)),
+            decode=lambda state, q, k, v, g_, b: gated_delta_rule_step(q, k, v, g_, b, state)[0],
+            chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
         core = module.norm(core.to(hidden_states.dtype).reshape(-1, module.head_v_dim),
                            z.reshape(-1, module.head_v_dim))
         return module.out_proj(core.reshape(num_tokens, -1))
