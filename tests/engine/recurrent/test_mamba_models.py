@@ -1,5 +1,5 @@
-"""Hybrid models built on the Mamba-2, Mamba-1, lightning, Kimi delta and RG-LRU kinds
-give transformers' greedy tokens through the engine.
+"""Models built on the Mamba-2, Mamba-1, lightning and Kimi delta kinds give
+transformers' greedy tokens through the engine.
 
 Each type, built tiny and random: prompts of several lengths in one batch, a 16-token
 budget (prefill chunks continue a saved state across steps), a cache of a few blocks
@@ -37,8 +37,14 @@ ARCHS = {
     "falcon_h1": dict(num_hidden_layers=2, mamba_d_ssm=128, head_dim=16, **_MAMBA2),
     "zamba2": dict(num_hidden_layers=2, n_mamba_heads=4, mamba_headdim=32, mamba_expand=2, mamba_d_state=16,
                    mamba_ngroups=2, chunk_size=8, layers_block_type=["mamba", "hybrid"], attention_head_dim=16),
+    # Mamba-1 without attention layers; lightning attention; Kimi delta attention.
+    "mamba": dict(num_hidden_layers=2, intermediate_size=128, state_size=8, time_step_rank=8),
+    "minimax": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=16,
+                    block_size=8, num_local_experts=2, num_experts_per_tok=1),
+    "kimi_linear": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_heads=2,
+                        linear_head_dim=16, num_key_value_heads=4),
 }
-FLOAT32 = {"granitemoehybrid"}
+FLOAT32 = {"granitemoehybrid", "minimax", "kimi_linear"}
 FAST = {"bamba"}
 
 
@@ -58,7 +64,8 @@ def model_case(request, tmp_path_factory):
     per_slot = RecurrentStateSpec.from_layers(install_recurrent_layers(hf_model)).bytes_per_slot()
     per_block = KVCacheSpec.from_hf_config(hf_model.config, getattr(torch, dtype)).bytes_per_block(16)
     engine_options = dict(dtype=dtype, kv_cache_memory_bytes=NUM_BLOCKS * per_block + NUM_SLOTS * per_slot)
-    return model_dir, prompts, expected, engine_options
+    # A model without attention layers keeps no KV blocks, so nothing preempts it.
+    return model_dir, prompts, expected, engine_options, per_block > 0
 
 
 def _engine(model_dir: str, engine_options: dict) -> LLM:
@@ -72,17 +79,17 @@ def _assert_slots_free(llm: LLM) -> None:
 
 
 def test_chunked_preempted_and_forked_requests_match_transformers(model_case):
-    model_dir, prompts, expected, engine_options = model_case
+    model_dir, prompts, expected, engine_options, has_kv_blocks = model_case
     llm = _engine(model_dir, engine_options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, n=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [[want, want] for want in expected]
-    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert (sum(o.metrics.num_preemptions for o in outputs) > 0) == has_kv_blocks
     _assert_slots_free(llm)
 
 
 def test_an_abort_in_mid_decode_leaves_the_others_exact(model_case):
-    model_dir, prompts, expected, engine_options = model_case
+    model_dir, prompts, expected, engine_options, _ = model_case
     llm = _engine(model_dir, engine_options)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
