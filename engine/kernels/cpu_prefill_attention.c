@@ -203,7 +203,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
                 vi masked = keys > (float)w->pos[i];
                 if (window > 0 || chunk > 0) masked |= keys < (float)first_key(w->pos[i], window, chunk);
-                if (alibi) s[b] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group] * (keys - (float)w->pos[i]);
+                if (alibi)  /* the row's query head: h * group + its head in the group */
+                    s[b] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group] * (keys - (float)w->pos[i]);
                 const vf capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
                 const vf scores = blend(masked, splat(-INFINITY), capped);
                 const float block_max = hmax(scores);

@@ -181,7 +181,8 @@ def _check_layout(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) 
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads, cache_head_dim = k_cache.shape[1:]
     assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache {cache_head_dim}"
-    assert max(head_dim, v_cache.shape[3]) <= MAX_HEAD_DIM, f"head sizes {head_dim}, {v_cache.shape[3]} > {MAX_HEAD_DIM}"
+    assert max(head_dim, v_cache.shape[3]) <= MAX_HEAD_DIM, (
+        f"head sizes {head_dim}, {v_cache.shape[3]} > {MAX_HEAD_DIM}")
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
     assert block_size & (block_size - 1) == 0, f"block_size {block_size} is not a power of 2"
     assert q.dtype == k_cache.dtype == v_cache.dtype, (
