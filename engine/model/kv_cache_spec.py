@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from .loader import key_value_heads
+from .loader import key_value_heads, value_cache_head_size
 from .loader import NO_STATE, RECURRENT, layer_kind, layer_types
 
 
@@ -77,6 +77,7 @@ class KVCacheSpec:
             if kind == "sliding_window":
                 num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
+            value_head_dim = value_cache_head_size(layer_config, value_head_dim)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))

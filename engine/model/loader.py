@@ -152,6 +152,12 @@ def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int)
     return 1 if getattr(layer_config, "multi_query", False) else num_heads
 
 
+def value_cache_head_size(layer_config: transformers.PretrainedConfig, value_head_dim: int) -> int:
+    """The head size a layer's value cache holds: its values', except diffllama's, whose
+    adapter attends its two value sets side by side (engine/model/adapters/shapes.py)."""
+    return 2 * value_head_dim if getattr(layer_config, "model_type", None) == "diffllama" else value_head_dim
+
+
 class UnsupportedLayerError(UnsupportedModelError):
     """A model layer keeps state the engine's cache has no place for, or attends in a
     way its paged attention does not."""
@@ -253,8 +259,6 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
 
 # Model types whose attention the paged KV cache cannot hold as they run it, and why.
 UNSUPPORTED_MODEL_TYPES = {
-    "diffllama": "its differential attention attends twice per layer over the same keys with two different "
-                 "halves of its values, which one paged cache per layer does not hold",
     "hrm_text": "it runs its layers several times per token (its reasoning cycles), each pass with its own "
                 "cache, while the paged cache holds one per layer",
 }

@@ -23,6 +23,7 @@ CASES = {
     "falcon-grouped": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
     "bloom-alibi": ("bloom", {}),
     "mpt-alibi": ("mpt", dict(attn_config=dict(alibi=True, clip_qkv=6.0))),
+    "diffllama-two-value-sets": ("diffllama", {}),
     "gpt_neox_japanese-partial-rotary": ("gpt_neox_japanese", dict(rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }

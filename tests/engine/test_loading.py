@@ -55,7 +55,6 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("arch,reason", [
-    ("diffllama", "attends twice per layer"),
     ("hrm_text", "runs its layers several times per token"),
     ("deepseek_v32", "indexer pick the top 4 keys"),
 ])

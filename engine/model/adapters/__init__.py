@@ -16,8 +16,8 @@ import inspect
 from torch import nn
 
 from .base import ContextForwardingAttention, PagedAttentionAdapter, StepScope, UnsupportedAttentionError
-from .shapes import (BloomAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention, MptAttention,
-                     OpenAIGPTAttention, XGLMAttention)
+from .shapes import (BloomAttention, DiffLlamaAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention,
+                     MptAttention, OpenAIGPTAttention, XGLMAttention)
 
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
@@ -29,6 +29,7 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
     _MODELS + "falcon.modeling_falcon.FalconAttention": FalconAttention,
     _MODELS + "bloom.modeling_bloom.BloomAttention": BloomAttention,
     _MODELS + "mpt.modeling_mpt.MptAttention": MptAttention,
+    _MODELS + "diffllama.modeling_diffllama.DiffLlamaAttention": DiffLlamaAttention,
 }
 
 

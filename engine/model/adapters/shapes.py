@@ -214,3 +214,39 @@ class MptAttention(PagedAttentionAdapter):
 
     def finish(self, attention, call):
         return self.out_proj(attention), None
+
+
+class DiffLlamaAttention(PagedAttentionAdapter):
+    """diffllama's differential attention: one softmax over the keys weighs two value
+    sets, the first and the second half of the key-value heads, each tiled over all
+    of them; the two outputs are combined as out1 - lambda * out2, normalised and
+    projected. transformers runs two attention calls; here one call attends values
+    that are the two sets side by side (head size 2D, as the cache spec holds them for
+    diffllama), which gives both outputs at once."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self.head_dim = original.head_dim
+        self.scale = original.scaling
+
+    def project(self, hidden_states, call):
+        tokens = hidden_states.shape[0]
+        query = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
+        key = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
+        value = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)  # [T, Hkv, D]
+        query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self.head_dim)
+        first, second = value.chunk(2, dim=1)  # each [T, Hkv / 2, D], tiled back to Hkv heads
+        return query, key, torch.cat((first.repeat(1, 2, 1), second.repeat(1, 2, 1)), dim=-1)
+
+    def finish(self, attention, call):
+        original = self.original
+        tokens = attention.shape[1]
+        both = attention.view(1, tokens, -1, 2 * self.head_dim)  # [1, T, H, 2D]: out1 | out2 per head
+        # transformers concatenates the two calls' outputs on the last axis and then
+        # splits the heads in two: the first half of the heads combines with the second.
+        out1, out2 = both.chunk(2, dim=2)
+        lambda_1 = torch.exp(torch.sum(original.lambda_q1 * original.lambda_k1, dim=-1, dtype=torch.float32))
+        lambda_2 = torch.exp(torch.sum(original.lambda_q2 * original.lambda_k2, dim=-1, dtype=torch.float32))
+        lambda_full = lambda_1.to(both.dtype) - lambda_2.to(both.dtype) + original.lambda_init
+        combined = (1 - original.lambda_init) * self.groupnorm(out1 - lambda_full * out2)
+        return self.o_proj(combined.reshape(1, tokens, -1)), None
