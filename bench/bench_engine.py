@@ -21,12 +21,17 @@ oneDNN) and the CPU paths the engine chose are printed with the results, so figu
 from different hosts are not compared blindly. To run an AVX-512 host as an AVX2 one:
 ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 SHARDLINE_CPU_TARGET=x86-64-v3``.
+
+``--cpu-time`` runs both sides on one thread and times each by that thread's CPU
+time instead of the wall clock: on a machine other work is loading, the ratio then
+stays that of the two sides' own work (the absolute figures are one core's).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -35,10 +40,13 @@ from common import StepProfile, build_bench_model, non_embedding_params, peak_ma
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.paths import host_cpu
 
+# What the runs are timed by: the wall clock, or with --cpu-time the thread's CPU time.
+clock: Callable[[], float] = time.perf_counter
+
 
 def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
     """Seconds for transformers' generate over left-padded batches."""
-    start = time.perf_counter()
+    start = clock()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
@@ -46,23 +54,23 @@ def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: 
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
                        do_sample=False, pad_token_id=2)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def run_hf_continuous(model, prompts: list[list[int]], output_len: int) -> float:
     config = transformers.GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
                                            pad_token_id=2)
-    start = time.perf_counter()
+    start = clock()
     model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def run_shardline(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.reset_prefix_cache()  # a repeated run computes every prompt again, as transformers does
-    start = time.perf_counter()
+    start = clock()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
     return elapsed
 
@@ -82,7 +90,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="time shardline's parts: scheduling, batch preparation, forward, attention, "
                              "sampling, output processing")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by its CPU time (for a machine other work is loading)")
     args = parser.parse_args()
+    if args.cpu_time and args.profile:
+        parser.error("--profile times the engine's parts by the wall clock; run it without --cpu-time")
+    if args.cpu_time:
+        global clock
+        torch.set_num_threads(1)
+        clock = time.thread_time
 
     model_dir = build_bench_model()
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, 16384)
@@ -102,7 +118,7 @@ def main() -> None:
             runners["transformers generate_batch"] = lambda: run_hf_continuous(hf_model, prompts, args.output_len)
     runners["shardline"] = lambda: run_shardline(llm, prompts, args.output_len)
     results: dict[str, list[float]] = {name: [] for name in runners}
-    peaks_before = peak_matmul_flops(dtype)
+    peaks_before = peak_matmul_flops(dtype, clock=clock)
     profile = None
     for round_index in range(args.repeat):  # interleaved, so a slow phase of the machine hits every side
         for name, run in runners.items():
@@ -129,7 +145,7 @@ def main() -> None:
     # The machine's peak: the best of a measurement before the runs and one after (one
     # taken in a slow phase alone would flatter the roofline).
     peaks = {name: max(before, after) for (name, before), after in
-             zip(peaks_before.items(), peak_matmul_flops(dtype).values())}
+             zip(peaks_before.items(), peak_matmul_flops(dtype, clock=clock).values())}
     peak_name = max(peaks, key=peaks.get)
     peak = peaks[peak_name]
     print("matmul peaks: " + ", ".join(f"{name} {value / 1e9:.1f} GFLOP/s" for name, value in peaks.items()))
