@@ -17,6 +17,7 @@ from ..attention.context import register as register_attention
 from .adapters import UnsupportedAttentionError, adapt_attention, has_adapter
 from ..config import EngineConfig
 from ..recurrent.base import kind_for_layer_type, recurrent_model_types
+from ..recurrent.unsupported import unsupported_reason
 from ..recurrent import kinds as _recurrent_kinds  # noqa: F401  (registers the kinds)
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,10 @@ def layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
     the config names none). Raises UnsupportedLayerError, naming the first layer this
     cache cannot hold."""
     text_config = hf_config.get_text_config()
+    refused = unsupported_reason(hf_config.model_type)
+    if refused is not None:
+        architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        raise UnsupportedLayerError(f"{architecture} ({hf_config.model_type}) is refused: {refused}")
     num_layers = text_config.num_hidden_layers
     types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
     for index, layer_type in enumerate(types):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 UNSUPPORTED_RECURRENT_MODELS: dict[str, str] = {
     "rwkv": (
-        "RWKV's model calls its blocks without handing keyword arguments on, so the engine "
-        "cannot give a block its requests' state (the previous token of both time-shift "
-        "mixes, and the WKV numerator, denominator and running maximum); running it needs "
-        "a rewrite of the model, not a layer kind"
+        "no recurrent kind runs RWKV's blocks yet: each keeps, per request, the previous token of its "
+        "time-mix and channel-mix shifts and the WKV numerator, denominator and running maximum, and "
+        "the time-mix and channel-mix halves of a block would each need their own kind"
+    ),
+    "zamba": (
+        "its hybrid layers call one attention block shared by all of them, which carries no layer "
+        "index, so the paged cache cannot give each layer's calls their own keys and values"
     ),
 }
 
