@@ -7,12 +7,17 @@ at a token reads the W - 1 inputs before it, from the state where they precede t
 step. ``causal_conv1d_varlen`` lays every request's state rows before its tokens in
 one sequence and sums its W shifted copies, each times its tap: no output reads
 across a request boundary, since each reads exactly its own W - 1 predecessors.
+On CUDA a Triton kernel computes the outputs of steps with prefill chunks
+(engine/kernels/causal_conv1d.py, tested against ``causal_conv1d_reference``).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.activations import ACT2FN
+
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.causal_conv1d import causal_conv1d_varlen_triton
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
@@ -40,6 +45,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     sequence = x.new_empty((num_tokens + num_requests * history, channels))
     sequence[token_rows] = x
     sequence[state_rows] = initial.reshape(-1, channels)
+    if _takes_triton(x, weight, activation):  # reads the state before it is overwritten below
+        out = causal_conv1d_varlen_triton(x.contiguous(), weight.contiguous(), bias, cu_seqlens, has_initial_state,
+                                          conv_state, activation)
+        _write_windows(conv_state, sequence, segment_start + lengths + history, history)
+        return out
     # out[p] = sum_j weight[:, j] * sequence[p + j] (p: the output's first input row)
     laid_out = sequence.to(weight.dtype)
     length = laid_out.shape[0] - history
@@ -50,10 +60,19 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         out = out + bias
     if activation is not None:
         out = ACT2FN[activation](out)
-    # Each request's last W-1 rows (inputs) are its next state.
-    segment_end = segment_start + lengths + history
-    conv_state.copy_(sequence[segment_end[:, None] - history + torch.arange(history, device=device)])
+    _write_windows(conv_state, sequence, segment_start + lengths + history, history)
     return out[token_rows - history].to(x.dtype)
+
+
+def _write_windows(conv_state: torch.Tensor, sequence: torch.Tensor, segment_end: torch.Tensor, history: int) -> None:
+    """Each request's last W-1 rows (inputs) of the laid-out sequence are its next state."""
+    conv_state.copy_(sequence[segment_end[:, None] - history + torch.arange(history, device=sequence.device)])
+
+
+def _takes_triton(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> bool:
+    """On CUDA the Triton kernel computes the outputs (engine/kernels/causal_conv1d.py)."""
+    return (x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
+            and activation in (None, "silu"))
 
 
 def _conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, has_initial_state: torch.Tensor,
