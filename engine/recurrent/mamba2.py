@@ -26,8 +26,7 @@ from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
 
-
-MAX_CHUNK = 64
+MAX_CHUNK = 64  # tokens per scan chunk (see _scan)
 
 
 class Mamba2Kind:
