@@ -107,7 +107,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.Pr
         # (a config without key-value heads keeps one per query head); ``overrides``
         # supply what its config needs beyond them.
         try:
-            defaults = transformers.AutoConfig.for_model(arch)
+            defaults = transformers.AutoConfig.for_model(arch, **overrides)
             sizes = {name: value for name, value in common.items()
                      if name != "num_key_value_heads" or _declares(defaults, name)}
             return transformers.AutoConfig.for_model(arch, **{**sizes, **overrides})

@@ -66,6 +66,8 @@ SKIPPED = {
        for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"))},
     **{name: "an image-text model whose vision tower the sweep does not shrink (no text-only type)"
        for name in ("got_ocr2", "git", "phi4_multimodal")},
+    **{name: "a speculative-decoding assistant that attends its target model's KV cache, not a standalone LM"
+       for name in ("gemma4_assistant", "gemma4_unified_assistant")},
     "xlnet": "a permutation language model with two attention streams, not a causal decoder",
     "reformer": "LSH and local chunked attention over axial positions; not a causal decoder of fixed shape",
     "moss_transcribe_diarize": "a speech transcription model (audio input)",
@@ -113,6 +115,12 @@ OVERRIDES: dict[str, dict] = {
     "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
 }
 
+# What a composite type's text part needs beyond its text type's tiny config.
+TEXT_OVERRIDES: dict[str, dict] = {
+    # transformers' own defaults fail its validation: the assistant has no per-layer inputs.
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
+}
+
 # Types whose config derives its layer_types from fields of its own (set in OVERRIDES).
 DERIVED_LAYER_TYPES = {"recurrent_gemma", "jamba"}
 
@@ -145,12 +153,14 @@ def decoder_model_types() -> list[str]:
 def tiny_overrides(model_type: str) -> dict:
     """Config overrides for a tiny ``model_type``: SHRINK where its default config has
     the attribute, two layers of each distinct kind in its ``layer_types``, then OVERRIDES."""
-    defaults = transformers.AutoConfig.for_model(model_type)
+    text_extra = TEXT_OVERRIDES.get(model_type, {})
+    defaults = transformers.AutoConfig.for_model(model_type, **({"text_config": text_extra} if text_extra else {}))
     text_defaults = defaults.get_text_config()
     if text_defaults is not defaults and text_defaults.model_type != model_type:
         # A composite config (image-text, or a model over a text config): the tiny sizes
         # go to its text part, as that text type's own tiny config.
-        text_config = tiny_config(text_defaults.model_type, VOCAB_SIZE, **tiny_overrides(text_defaults.model_type))
+        text_overrides = {**tiny_overrides(text_defaults.model_type), **text_extra}
+        text_config = tiny_config(text_defaults.model_type, VOCAB_SIZE, **text_overrides)
         return {"text_config": text_config.to_dict(), **OVERRIDES.get(model_type, {})}
     overrides = {name: value for name, value in SHRINK.items()
                  if _has_value(text_defaults, name) and not _is_property(type(text_defaults), name)}
