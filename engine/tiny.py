@@ -107,7 +107,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.Pr
         # (a config without key-value heads keeps one per query head); ``overrides``
         # supply what its config needs beyond them.
         try:
-            defaults = transformers.AutoConfig.for_model(arch, **overrides)
+            defaults = _default_config(arch, overrides)
             sizes = {name: value for name, value in common.items()
                      if name != "num_key_value_heads" or _declares(defaults, name)}
             return transformers.AutoConfig.for_model(arch, **{**sizes, **overrides})
@@ -116,6 +116,15 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.Pr
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def _default_config(arch: str, overrides: dict) -> transformers.PretrainedConfig:
+    """``arch``'s default config, to read its fields; with ``overrides`` where the
+    defaults alone fail transformers' validation (gemma4_assistant)."""
+    try:
+        return transformers.AutoConfig.for_model(arch)
+    except ValueError:
+        return transformers.AutoConfig.for_model(arch, **overrides)
 
 
 def _declares(config: transformers.PretrainedConfig, name: str) -> bool:
