@@ -123,7 +123,7 @@ def _default_config(arch: str, overrides: dict) -> transformers.PretrainedConfig
     defaults alone fail transformers' validation (gemma4_assistant)."""
     try:
         return transformers.AutoConfig.for_model(arch)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - transformers' validation errors are not all ValueErrors
         return transformers.AutoConfig.for_model(arch, **overrides)
 
 
