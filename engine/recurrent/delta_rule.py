@@ -31,9 +31,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class ChunkLayout:
-    """The step's requests cut into chunks of ``chunk_size`` tokens: chunk n is chunk
-    ``local[n]`` of request ``request[n]``; ``token_index`` [N, C] holds each chunk
-    slot's packed token (``num_tokens`` for padding)."""
+    """The step's requests cut into chunks of ``chunk_size`` tokens, ordered so the
+    sequential hand-over reads slices, not gathers: requests are ranked by their chunk
+    count, most first (``order``: rank -> request), and the chunks are laid out chunk
+    index first, then rank. So the requests with a chunk at index j are ranks
+    [0, active[j]) and their chunks are ``offset[j] + rank``. ``token_index`` [N, C]
+    holds each chunk slot's packed token (``num_tokens`` for padding)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_tokens: int) -> None:
         device = cu_seqlens.device
@@ -41,17 +44,26 @@ class ChunkLayout:
         chunks_per_request = (lengths + chunk_size - 1) // chunk_size
         num_requests = lengths.shape[0]
         self.num_chunks = int(chunks_per_request.sum())
-        self.request = torch.repeat_interleave(torch.arange(num_requests, device=device), chunks_per_request,
-                                               output_size=self.num_chunks)
-        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
-        self.local = torch.arange(self.num_chunks, device=device) - first_chunk[self.request]
-        starts = cu_seqlens[:-1][self.request] + self.local * chunk_size
-        index = starts[:, None] + torch.arange(chunk_size, device=device)
-        self.valid = index < cu_seqlens[1:][self.request][:, None]
-        self.token_index = torch.where(self.valid, index, num_tokens)
         self.max_chunks = int(chunks_per_request.max()) if num_requests else 0
-        self.first_chunk = first_chunk
-        self.chunks_per_request = chunks_per_request
+        self.order = torch.argsort(chunks_per_request, descending=True, stable=True)
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(num_requests, device=device)
+        active = (chunks_per_request[:, None] > torch.arange(self.max_chunks, device=device)).sum(0)
+        self.active = active.tolist()
+        offset = torch.cumsum(active, 0) - active
+        self.offsets = offset.tolist()
+        request = torch.repeat_interleave(torch.arange(num_requests, device=device), chunks_per_request,
+                                          output_size=self.num_chunks)
+        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
+        local = torch.arange(self.num_chunks, device=device) - first_chunk[request]
+        starts = cu_seqlens[:-1][request] + local * chunk_size
+        index = starts[:, None] + torch.arange(chunk_size, device=device)
+        valid = index < cu_seqlens[1:][request][:, None]
+        position = offset[local] + rank[request]  # each chunk's place in the layout
+        self.valid = torch.empty_like(valid)
+        self.valid[position] = valid
+        self.token_index = torch.empty_like(index)
+        self.token_index[position] = torch.where(valid, index, num_tokens)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [N, C, ...], zero in padding slots."""
@@ -110,16 +122,16 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
 
-    state = initial_state
+    state = initial_state[layout.order]  # by rank: the requests with a chunk at index j lead
     out = torch.empty_like(v)
-    for local in range(layout.max_chunks):
-        requests = (layout.chunks_per_request > local).nonzero().flatten()
-        chunks = layout.first_chunk[requests] + local
-        s0 = state[requests]
+    for active, offset in zip(layout.active, layout.offsets):
+        chunks = slice(offset, offset + active)
+        s0 = state[:active]
         u = u0[chunks] - w[chunks] @ s0
         out[chunks] = q_decayed[chunks] @ s0 + attn[chunks] @ u
-        state[requests] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
-    return layout.scatter(out.transpose(1, 2), num_tokens), state
+        state[:active] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
+    initial_state[layout.order] = state
+    return layout.scatter(out.transpose(1, 2), num_tokens), initial_state
 
 
 def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
