@@ -31,8 +31,14 @@ SCHEDULES = {"whole": whole(LENGTHS), "chunked": chunked(LENGTHS, seed=2, max_ch
              "decode": prefill_then_decode(LENGTHS, 4)}
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("name", sorted(MODULES))
+# The chunked schedule (packed, continued, single-token continuations beside chunks)
+# for every module by default; the others slow-marked.
+CASES = [pytest.param(name, schedule, id=f"{name}-{schedule}",
+                      marks=() if schedule == "chunked" else pytest.mark.slow)
+         for name in sorted(MODULES) for schedule in sorted(SCHEDULES)]
+
+
+@pytest.mark.parametrize("name,schedule", CASES)
 def test_kind_matches_the_hf_module(name, schedule):
     build, kind = MODULES[name]
     module = randomize(build(), seed=0)
