@@ -33,7 +33,6 @@ def _stop_when_engine_busy(server, requests_before: int, outage: dict) -> None:
     outage["restarted"] = time.monotonic()
 
 
-@pytest.mark.slow
 def test_a_store_outage_longer_than_a_minute_mid_run_loses_nothing_and_recomputes_nothing(controlled_s3, make_job):
     prefix = controlled_s3.new_prefix()
     options = controlled_s3.storage_options()

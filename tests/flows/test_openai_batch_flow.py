@@ -59,7 +59,6 @@ def _start_flow_subprocess(tmp_path, s3_server, prefix: str, tiny_model: str) ->
                             stderr=open(tmp_path / "killed-run.log", "wb"))
 
 
-@pytest.mark.slow
 def test_openai_batch_on_s3_resumes_after_sigkill_with_usage_totals(tmp_path, s3_server, tiny_model, make_job):
     prefix, options = s3_server.new_prefix(), s3_server.storage_options()
     fs, _ = filesystem(f"s3://{prefix}", options)
