@@ -152,7 +152,7 @@ def test_a_step_that_fails_mid_model_is_recomputed_exactly(hybrid_case):
     def fail(module, args, output):
         raise RuntimeError("injected failure after the other layers ran")
 
-    last_layer = engine.runner.model.model.layers[-1]
+    last_layer = engine.runner.model.base_model.layers[-1]  # model.model, or backbone (Mamba)
     hook = last_layer.register_forward_hook(fail)
     with pytest.raises(RuntimeError, match="injected failure"):
         engine.step()
