@@ -209,9 +209,13 @@ def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new K/V into the paged cache. key: [T, Hkv, D], value: [T, Hkv, Dv];
-    caches: [N, bs, Hkv, D] and [N, bs, Hkv, Dv]."""
-    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    caches: [N, bs, Hkv, D] and [N, bs, Hkv, Dv]. Keys or values of other heads or
+    sizes than the cache's are an error (a view by theirs would write wrong slots)."""
+    if key.shape[1:] != k_cache.shape[2:] or value.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(f"keys {tuple(key.shape[1:])} and values {tuple(value.shape[1:])} (heads, head size) "
+                         f"do not match the KV cache's {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}")
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def torch_paged_attention(

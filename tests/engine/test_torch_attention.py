@@ -199,3 +199,15 @@ def test_padded_attention_folds_gqa_like_repeated_heads(causal, softcap):
     expected = scores.softmax(-1) @ v.repeat_interleave(3, dim=1)
     out = padded_attention(q, k, v, None, causal, 0.25, softcap)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_keys_of_other_heads_than_the_cache_are_refused():
+    """A view by the keys' own heads would scatter them over wrong slots silently."""
+    from shardline.engine.attention.torch_path import write_kv_cache
+
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    slots = torch.tensor([0, 1, 2])
+    write_kv_cache(torch.ones(3, 2, 8), torch.ones(3, 2, 8), k_cache, v_cache, slots)
+    assert k_cache.view(-1, 2, 8)[:3].eq(1).all() and k_cache.view(-1, 2, 8)[3:].eq(0).all()
+    with pytest.raises(ValueError, match=r"keys \(1, 8\) and values \(1, 8\) .* KV cache's \(2, 8\) and \(2, 8\)"):
+        write_kv_cache(torch.ones(3, 1, 8), torch.ones(3, 1, 8), k_cache, v_cache, slots)
