@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import abc
 import inspect
 from typing import Any
 
@@ -80,7 +81,7 @@ class ContextForwardingAttention(_Replacement):
         return self.original(*args, **kwargs)
 
 
-class PagedAttentionAdapter(_Replacement):
+class PagedAttentionAdapter(_Replacement, abc.ABC):
     """Replaces one attention module (see the module docstring). A subclass says how
     its shape of attention makes queries, keys and values and how it returns:
     ``project`` and ``finish``; ``scale``, ``sliding_window`` and ``alibi_slopes``
@@ -113,13 +114,13 @@ class PagedAttentionAdapter(_Replacement):
         """[H] ALiBi slopes of this call (None: no ALiBi)."""
         return self.alibi_slopes
 
+    @abc.abstractmethod
     def project(self, hidden_states: torch.Tensor, call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states: [T, hidden] -> query [T, H, D], key [T, Hkv, D], value [T, Hkv, Dv]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self, attention: torch.Tensor, call: dict):
         """attention: [1, T, H * Dv] -> what the original module returns."""
-        raise NotImplementedError
 
 
 def _to_cache_heads(key: torch.Tensor, value: torch.Tensor, ctx: AttentionContext,
