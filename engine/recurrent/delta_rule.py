@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels._triton import triton_available
+from ..kernels.delta_rule import chunk_gated_delta_rule_triton
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension."""
@@ -104,6 +107,8 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     num_tokens = query.shape[0]
     if num_tokens == cu_seqlens.shape[0] - 1:  # one token per request: a decode step
         return gated_delta_rule_step(query, key, value, g, beta, initial_state)
+    if query.is_cuda and triton_available() and initial_state.dtype == torch.float32:  # kernels/delta_rule.py
+        return chunk_gated_delta_rule_triton(query, key, value, g, beta, cu_seqlens, initial_state)
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     size = max(1, min(chunk_size, max_len))
     layout = ChunkLayout(cu_seqlens, size, num_tokens)
