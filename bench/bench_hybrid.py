@@ -9,21 +9,26 @@ padding) and shardline, and their ratio; ``--llama`` runs bench_engine.py's
 Llama-shaped model through the same harness in the same process, so the two ratios
 are measured under the same load.
 
-    python bench/bench_hybrid.py [--num-prompts 32] [--output-len 64] [--repeat 2] [--llama]
+    python bench/bench_hybrid.py [--num-prompts 32] [--output-len 64] [--repeat 2] [--llama] [--cpu-time]
 
 Each side runs ``--repeat`` times, interleaved round by round; best against best,
-every run printed (this machine's speed swings between runs).
+every run printed (this machine's speed swings between runs). ``--cpu-time`` runs
+both sides on one thread, timed by that thread's CPU time, as bench_engine.py's
+``--cpu-time`` does: on a machine other work is loading, the ratios then stay those
+of the two sides' own work (the absolute figures are one core's).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import transformers
 
+import bench_engine
 from bench_engine import run_hf_static, run_shardline
 from common import LLAMA_BENCH_CONFIG, build_bench_model, random_prompts
 from shardline import LLM, SamplingParams
@@ -88,12 +93,17 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--llama", action="store_true", help="also the Llama-shaped model, for its ratio")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by its CPU time (for a machine other work is loading)")
     args = parser.parse_args()
+    if args.cpu_time:  # bench_engine's runners read their clock from that module
+        torch.set_num_threads(1)
+        bench_engine.clock = time.thread_time
 
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, LLAMA_BENCH_CONFIG["vocab_size"])
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
           f"({sum(len(p) for p in prompts)} prompt tokens), {args.output_len} output tokens each, greedy, "
-          f"float32, {torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each compared")
+          f"float32, {torch.get_num_threads()} threads, timed by {'CPU' if args.cpu_time else 'wall'} time, {args.repeat} interleaved round(s), best of each compared")
     hybrid = side_by_side("hybrid (3 gated delta-net : 1 full attention, hidden 512, 8 layers)",
                           build_hybrid_model(), prompts, args)
     if args.llama:
