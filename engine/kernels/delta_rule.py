@@ -17,7 +17,7 @@ which writes nothing and decays nothing, so G_C is the decay to the request's la
 token and the stored state is the state after it.
 
 Layout (asserted by the launcher): q, k [T, H, K] and v [T, H, V] with unit last
-stride; g, beta [T, H] with unit head stride; cu_seqlens [B+1] contiguous integers;
+stride; g, beta [T, H] (any strides); cu_seqlens [B+1] contiguous integers;
 state [B, H, K, V] contiguous float32, read as each request's initial state (zero
 for a fresh one) and overwritten with its final state.
 """
@@ -59,7 +59,7 @@ if triton is not None:
     def _gated_delta_rule_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, cu_ptr, state_ptr,
         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_g_tok, stride_beta_tok, stride_o_tok, stride_o_head,
+        stride_g_tok, stride_g_head, stride_beta_tok, stride_beta_head, stride_o_tok, stride_o_head,
         NUM_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
         KEY_P: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
     ):
@@ -91,8 +91,9 @@ if triton is not None:
                         mask=key_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + head * stride_v_head + value_cols[None, :],
                         mask=value_mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + tokens * stride_g_tok + head, mask=token_ok, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + tokens * stride_beta_tok + head, mask=token_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + tokens * stride_g_tok + head * stride_g_head, mask=token_ok, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + tokens * stride_beta_tok + head * stride_beta_head, mask=token_ok,
+                           other=0.0).to(tl.float32)
 
             cum = tl.cumsum(g, axis=0)  # [C]
             cum_end = tl.sum(g, axis=0)
@@ -124,9 +125,7 @@ def check_packed_layout(query, key, value, g, beta, cu_seqlens, state, g_per_key
     assert g.shape == g_shape and beta.shape == (num_tokens, num_heads), (
         f"g {tuple(g.shape)} (expected {g_shape}), beta {tuple(beta.shape)}"
     )
-    assert g.stride(-1) == 1 and beta.stride(1) == 1 and (not g_per_key or g.stride(1) == key_dim), (
-        "g and beta need unit strides inside a token"
-    )
+    assert not g_per_key or g.stride(2) == 1, "a per-key-channel g needs a unit last stride"
     for name, t in (("q", query), ("k", key), ("v", value), ("g", g), ("beta", beta)):
         check_kernel_dtype(name, t)
     num_requests = cu_seqlens.shape[0] - 1
@@ -170,7 +169,7 @@ def chunk_gated_delta_rule_triton(query: torch.Tensor, key: torch.Tensor, value:
     _gated_delta_rule_kernel[grid](
         query, key, value, g, beta, out, cu_seqlens, state,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
         KEY_P=max(16, next_power_of_2(key_dim)), BLOCK_V=block_v, CHUNK=kernel_chunk(max_length, chunk),
     )

@@ -37,8 +37,14 @@ def initial_states(saved, has_state):
     return saved * torch.tensor(has_state, dtype=saved.dtype)[:, None, None, None]
 
 
-def run_kernel(q, k, v, g, beta, cu, initial, dtype, chunk=16, block_v=64):
+def run_kernel(q, k, v, g, beta, cu, initial, dtype, chunk=16, block_v=64, strided=False):
     moved = [t.to(DEVICE, dtype) for t in (q, k, v, g, beta)]
+    if strided:  # v a slice of wider rows (as split from q|k|v), g head-major
+        num_tokens, heads, value_dim = v.shape
+        rows = torch.zeros(num_tokens, 3 + heads * value_dim, dtype=dtype, device=DEVICE)
+        rows[:, 3:] = moved[2].reshape(num_tokens, -1)
+        moved[2] = rows[:, 3:].view(num_tokens, heads, value_dim)
+        moved[3] = moved[3].t().contiguous().t()
     state = initial.to(DEVICE).clone()
     out, state = chunk_gated_delta_rule_triton(*moved, cu.to(DEVICE), state, chunk=chunk, block_v=block_v)
     assert out.dtype == dtype
@@ -51,7 +57,7 @@ def test_triton_delta_rule_matches_the_recurrence(has_state):
     q, k, v, g, beta, saved, cu = make_case(LENGTHS, heads, key_dim, value_dim)
     q, k = l2_normalize(q) * key_dim ** -0.5, l2_normalize(k)
     initial = initial_states(saved, has_state)
-    out, final = run_kernel(q, k, v, g, beta, cu, initial, torch.float32, block_v=16)
+    out, final = run_kernel(q, k, v, g, beta, cu, initial, torch.float32, block_v=16, strided=True)
     for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         expected, expected_state = gated_delta_rule_reference(
             *(t[start:end].double() for t in (q, k, v, g, beta)), initial[b].double())
