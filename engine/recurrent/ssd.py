@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.ssd_scan import ssd_chunk_scan_triton
+
 
 def segment_sum(values: torch.Tensor) -> torch.Tensor:
     """[..., Q] -> [..., Q, Q]: out[..., l, s] = sum of values[s+1 .. l] for s <= l, -inf above."""
@@ -82,6 +85,8 @@ def ssd_chunk_scan_varlen(
     B, C: [T, G, N], D: [H], initial_state: [Bq, H, P, N] (zeros for a fresh request).
     Returns y [T, H, P] and the final states [Bq, H, P, N].
     """
+    if x.is_cuda and triton_available() and compute_dtype == torch.float32 and x.dtype in KERNEL_DTYPES:
+        return ssd_chunk_scan_triton(x, dt, A, B, C, D, cu_seqlens, initial_state)  # kernels/ssd_scan.py
     num_tokens, num_heads, head_dim = x.shape
     heads_per_group = num_heads // B.shape[1]
     layout = ChunkLayout(cu_seqlens, chunk_size, num_tokens)
