@@ -17,7 +17,7 @@ takes: the torch path, the CPU C kernels and the Triton kernel.
 Calling the paged attention from a module transformers does not route through its
 AttentionInterface (an adapter of one's own): call ``paged_attention_forward(module,
 query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` with
-``module.layer_idx`` set, query [1, H, T, D], key [1, Hkv, T, D], value
+``module.layer_idx`` set (or ``shardline_layer_idx=``), query [1, H, T, D], key [1, Hkv, T, D], value
 [1, Hkv, T, Dv]; it returns ([1, T, H, Dv], None).
 """
 
@@ -125,6 +125,7 @@ def paged_attention_forward(
     shardline_ctx: AttentionContext | None = None,
     s_aux: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    shardline_layer_idx: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention entry point, and the one entry for adapters of modules
@@ -132,15 +133,16 @@ def paged_attention_forward(
     value: [1, Hkv, T, Dv]; returns ([1, T, H, Dv], None).
 
     ``s_aux``: [H] attention-sink logits (transformers' name for them); ``alibi_slopes``:
-    [H] ALiBi slopes (see AttentionOptions). The layer's chunk size, if any, comes
-    from its cache spec through the backend."""
+    [H] ALiBi slopes (see AttentionOptions); ``shardline_layer_idx``: the cache layer
+    of this call, for a module several layers call (else ``module.layer_idx``). The
+    layer's chunk size, if any, comes from its cache spec through the backend."""
     if shardline_ctx is None:
         raise RuntimeError(
             "shardline attention was called without an AttentionContext: run the model "
             "through shardline's model runner"
         )
-    layer_idx = getattr(module, "layer_idx", None)
-    assert layer_idx is not None, f"{type(module).__name__} has no layer_idx"
+    layer_idx = shardline_layer_idx if shardline_layer_idx is not None else getattr(module, "layer_idx", None)
+    assert isinstance(layer_idx, int) and layer_idx >= 0, f"{type(module).__name__} has no layer_idx"
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, H, D]

@@ -8,9 +8,9 @@ UNSUPPORTED_RECURRENT_MODELS: dict[str, str] = {
         "time-mix and channel-mix shifts and the WKV numerator, denominator and running maximum, and "
         "the time-mix and channel-mix halves of a block would each need their own kind"
     ),
-    "zamba": (
-        "its hybrid layers call one attention block shared by all of them, which carries no layer "
-        "index, so the paged cache cannot give each layer's calls their own keys and values"
+    "xlstm": (
+        "its mLSTM blocks keep, per request, a matrix memory, its normaliser and a running maximum of "
+        "the input gates (recurrent state, not keys and values), and no recurrent kind runs them yet"
     ),
 }
 

@@ -15,7 +15,8 @@ import inspect
 
 from torch import nn
 
-from .base import ContextForwardingAttention, PagedAttentionAdapter, StepScope, UnsupportedAttentionError
+from .base import (CallIndexedAttention, ContextForwardingAttention, PagedAttentionAdapter, StepScope,
+                   UnsupportedAttentionError)
 from .shapes import (BloomAttention, DiffLlamaAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention,
                      MptAttention, OpenAIGPTAttention, XGLMAttention)
 
@@ -52,6 +53,15 @@ def _calls_attention_interface(module_class: type) -> bool:
 
 
 @functools.cache
+def _takes_layer_index(module_class: type) -> bool:
+    """Whether the module's forward is told its layer by its caller (a ``layer_idx`` argument)."""
+    try:
+        return "layer_idx" in inspect.signature(module_class.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.cache
 def _passes_keywords(layer_class: type, name: str) -> bool:
     """Whether ``layer_class``'s forward passes its keyword arguments on (``**kwargs``)
     where it calls its submodule ``name`` (a direct child); read from its source."""
@@ -71,11 +81,13 @@ def _passes_keywords(layer_class: type, name: str) -> bool:
 
 
 def adapt_attention(model: nn.Module) -> int:
-    """Replace every attention module of ``model`` that has an adapter, and wrap each
-    module calling the AttentionInterface from a decoder layer that does not pass the
-    model's keyword arguments on to it (stablelm, nemotron), so the step's context
-    reaches it; return how many. Each one's layer index is its decoder layer's (the
-    model's longest ModuleList), which is also its KV-cache layer."""
+    """Replace every attention module of ``model`` that has an adapter; wrap each
+    module calling the AttentionInterface whose caller names its layer (zamba's shared
+    block: CallIndexedAttention) or whose decoder layer does not pass the model's
+    keyword arguments on to it (stablelm, nemotron), so the step's context reaches it;
+    return how many. Each one's layer index is its decoder layer's (the model's
+    longest ModuleList), which is also its KV-cache layer, except a call-indexed
+    module's, which each call names. A module shared by several layers is wrapped once."""
     layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
     if layers is None:
         return 0
@@ -84,9 +96,11 @@ def adapt_attention(model: nn.Module) -> int:
     for index, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module)))
-            if (adapter is None and name and _calls_attention_interface(type(module))
-                    and not _passes_keywords(type(layer), name)):
-                adapter = ContextForwardingAttention
+            if adapter is None and name and _calls_attention_interface(type(module)):
+                if _takes_layer_index(type(module)):
+                    adapter = CallIndexedAttention
+                elif not _passes_keywords(type(layer), name):
+                    adapter = ContextForwardingAttention
             if adapter is not None:
                 parent_name, _, child_name = name.rpartition(".")
                 setattr(layer.get_submodule(parent_name), child_name, adapter(module, index, scope))

@@ -81,6 +81,23 @@ class ContextForwardingAttention(_Replacement):
         return self.original(*args, **kwargs)
 
 
+class CallIndexedAttention(ContextForwardingAttention):
+    """An attention module that calls transformers' AttentionInterface and is told by
+    its caller which layer calls it (``forward(hidden_states, layer_idx, ...)``): the
+    shared attention block of zamba and zamba2, which every hybrid layer calls. Each
+    call attends the paged cache of the layer it names (``shardline_layer_idx``), so
+    each hybrid layer keeps its own keys and values, as transformers' own cache does."""
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self._signature = inspect.signature(original.forward)
+
+    def forward(self, *args, **kwargs):
+        if self._scope.ctx is not None:
+            kwargs["shardline_layer_idx"] = self._signature.bind(*args, **kwargs).arguments["layer_idx"]
+        return super().forward(*args, **kwargs)
+
+
 class PagedAttentionAdapter(_Replacement, abc.ABC):
     """Replaces one attention module (see the module docstring). A subclass says how
     its shape of attention makes queries, keys and values and how it returns:

@@ -61,6 +61,9 @@ ARCHS = {
                     num_local_experts=4, num_experts_per_tok=2),
     "kimi_linear": dict(_KDA),
     "bailing_hybrid": dict(_KDA),
+    # Two hybrid layers calling the shared attention block, each with its own cache.
+    "zamba": dict(mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, num_hidden_layers=4,
+                  layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
     "zamba2": dict(n_mamba_heads=8, mamba_headdim=16, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2, chunk_size=4,
                    mamba_d_conv=4, layers_block_type=["mamba", "hybrid"]),
     "falcon_h1": dict(_MAMBA2, mamba_d_ssm=128, head_dim=16),
