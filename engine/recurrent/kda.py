@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.kda import chunk_kda_triton
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -39,6 +41,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size: int = CHUNK):
     """q, k, g: [T, H, K] (q, k normalised and q scaled); v: [T, H, V]; beta: [T, H];
     initial_state [B, H, K, V]. Returns (o [T, H, V], final states [B, H, K, V])."""
+    if q.is_cuda and triton_available() and q.dtype in KERNEL_DTYPES:  # kernels/kda.py
+        return chunk_kda_triton(q, k, v, g, beta, cu_seqlens, initial_state)
     num_tokens = q.shape[0]
     layout = ChunkLayout(cu_seqlens, chunk_size, num_tokens)
     # [N, H, C, D] / [N, H, C]
