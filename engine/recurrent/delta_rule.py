@@ -26,58 +26,12 @@ import torch
 
 from ..kernels._triton import triton_available
 from ..kernels.delta_rule import chunk_gated_delta_rule_triton
+from .chunk_layout import ChunkLayout
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-class ChunkLayout:
-    """The step's requests cut into chunks of ``chunk_size`` tokens, ordered so the
-    sequential hand-over reads slices, not gathers: requests are ranked by their chunk
-    count, most first (``order``: rank -> request), and the chunks are laid out chunk
-    index first, then rank. So the requests with a chunk at index j are ranks
-    [0, active[j]) and their chunks are ``offset[j] + rank``. ``token_index`` [N, C]
-    holds each chunk slot's packed token (``num_tokens`` for padding)."""
-
-    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_tokens: int) -> None:
-        device = cu_seqlens.device
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        chunks_per_request = (lengths + chunk_size - 1) // chunk_size
-        num_requests = lengths.shape[0]
-        self.num_chunks = int(chunks_per_request.sum())
-        self.max_chunks = int(chunks_per_request.max()) if num_requests else 0
-        self.order = torch.argsort(chunks_per_request, descending=True, stable=True)
-        rank = torch.empty_like(self.order)
-        rank[self.order] = torch.arange(num_requests, device=device)
-        active = (chunks_per_request[:, None] > torch.arange(self.max_chunks, device=device)).sum(0)
-        self.active = active.tolist()
-        offset = torch.cumsum(active, 0) - active
-        self.offsets = offset.tolist()
-        request = torch.repeat_interleave(torch.arange(num_requests, device=device), chunks_per_request,
-                                          output_size=self.num_chunks)
-        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
-        local = torch.arange(self.num_chunks, device=device) - first_chunk[request]
-        starts = cu_seqlens[:-1][request] + local * chunk_size
-        index = starts[:, None] + torch.arange(chunk_size, device=device)
-        valid = index < cu_seqlens[1:][request][:, None]
-        position = offset[local] + rank[request]  # each chunk's place in the layout
-        self.valid = torch.empty_like(valid)
-        self.valid[position] = valid
-        self.token_index = torch.empty_like(index)
-        self.token_index[position] = torch.where(valid, index, num_tokens)
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [N, C, ...], zero in padding slots."""
-        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
-        return padded[self.token_index]
-
-    def scatter(self, chunks: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """[N, C, ...] -> [T, ...], the valid slots."""
-        out = chunks.new_empty((num_tokens, *chunks.shape[2:]))
-        out[self.token_index[self.valid]] = chunks[self.valid]
-        return out
 
 
 def unit_lower_inverse(strictly_lower: torch.Tensor) -> torch.Tensor:
@@ -96,9 +50,15 @@ def unit_lower_inverse(strictly_lower: torch.Tensor) -> torch.Tensor:
     return result
 
 
+# Tokens per chunk. The within-chunk work per token grows with the chunk (the
+# system's inverse is C x C), the sequential hand-over shrinks with it; 16 runs a
+# CPU step's mixed prompts fastest (bench/bench_recurrent_kinds.py).
+CHUNK = 16
+
+
 def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor,
-                                  chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                                  chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """query, key: [T, H, K] (normalised and scaled as the model does; heads already
     matched to the value heads); value: [T, H, V]; g (log decay), beta: [T, H];
     initial_state: [B, H, K, V] (zero for requests starting fresh), overwritten with each
@@ -112,31 +72,34 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     size = max(1, min(chunk_size, max_len))
     layout = ChunkLayout(cu_seqlens, size, num_tokens)
-    # [N, H, C, D] / [N, H, C]
-    q, k, v = (layout.gather(x).transpose(1, 2) for x in (query, key, value))
-    g_chunks, beta_chunks = (layout.gather(x).transpose(1, 2) for x in (g, beta))
+    # [N, H, C, D] / [N, H, C], contiguous so the batched matmuls below copy nothing
+    q, k, v = (layout.gather(x).transpose(1, 2).contiguous() for x in (query, key, value))
+    g_chunks, beta_chunks = (layout.gather(x).transpose(1, 2).contiguous() for x in (g, beta))
     cum = torch.cumsum(g_chunks, dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()  # [N, H, C, C]
+    k_t = k.transpose(-1, -2)
     k_beta = k * beta_chunks[..., None]
-    inverse = unit_lower_inverse(((k_beta @ k.transpose(-1, -2)) * decay).tril(-1))
-    u0 = inverse @ (v * beta_chunks[..., None])
-    w = inverse @ (k_beta * cum.exp()[..., None])
-    attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C], diagonal included
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    inverse = unit_lower_inverse((k_beta @ k_t).mul_(decay).tril_(-1))
+    u = inverse @ (v * beta_chunks[..., None])  # U0 here; U0 - W S_0 after the hand-over
+    w = inverse @ k_beta.mul_(cum.exp()[..., None])
+    attn = (q @ k_t).mul_(decay)  # [N, H, C, C], diagonal included
+    q_decayed = q.mul_(cum.exp()[..., None])
+    k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2).contiguous()  # [N, H, K, C]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
 
+    # The hand-over, one chunk index at a time: the state entering each chunk, and u.
     state = initial_state[layout.order]  # by rank: the requests with a chunk at index j lead
-    out = torch.empty_like(v)
-    for active, offset in zip(layout.active, layout.offsets):
-        chunks = slice(offset, offset + active)
-        s0 = state[:active]
-        u = u0[chunks] - w[chunks] @ s0
-        out[chunks] = q_decayed[chunks] @ s0 + attn[chunks] @ u
-        state[:active] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
+    entering = state.new_empty((layout.num_chunks, *state.shape[1:]))  # [N, H, K, V]
+    for position in range(layout.max_chunks):
+        chunks = layout.chunks_at(position)
+        s0 = state[: chunks.stop - chunks.start]
+        entering[chunks] = s0
+        u[chunks] -= w[chunks] @ s0
+        state[: s0.shape[0]] = s0 * chunk_decay[chunks] + k_to_end[chunks] @ u[chunks]
     initial_state[layout.order] = state
-    return layout.scatter(out.transpose(1, 2), num_tokens), initial_state
+    out = torch.baddbmm((q_decayed @ entering).flatten(0, 1), attn.flatten(0, 1), u.flatten(0, 1))
+    return layout.scatter(out.view_as(u).transpose(1, 2)), initial_state
 
 
 def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,

@@ -28,7 +28,7 @@ from ..kernels.kda import chunk_kda_triton
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
-from .ssd import ChunkLayout
+from .chunk_layout import ChunkLayout
 
 CHUNK = 16
 
@@ -62,15 +62,14 @@ def chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size: in
 
     state = initial_state.clone()
     out = torch.empty_like(v)
-    positions = layout.position
     for position in range(layout.max_chunks):
-        chunks = (positions == position).nonzero().squeeze(1)
+        chunks = layout.chunks_at(position)
         requests = layout.request[chunks]
         s0 = state[requests]
         u = u0[chunks] - w[chunks] @ s0
         out[chunks] = q_decayed[chunks] @ s0 + attn[chunks] @ u
         state[requests] = s0 * chunk_decay[chunks] + k_to_end[chunks].transpose(-1, -2) @ u
-    return layout.scatter_back(out.transpose(1, 2)), state
+    return layout.scatter(out.transpose(1, 2)), state
 
 
 def kda_decode_step(state, q, k, v, g, beta) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .selective_scan import doubling_scan
-from .ssd import ChunkLayout
+from .chunk_layout import ChunkLayout
 
 
 CHUNK = 32  # a token's state is one vector: the doubling scan's extra work is cheap
@@ -40,11 +40,11 @@ def linear_recurrence_varlen(decay, inputs, cu_seqlens, initial_state, chunk_siz
     state = initial_state.clone()
     states = torch.empty_like(local)
     for position in range(layout.max_chunks):
-        chunks = (layout.position == position).nonzero().squeeze(1)
+        chunks = layout.chunks_at(position)
         requests = layout.request[chunks]
         states[chunks] = local[chunks] + decay_product[chunks] * state[requests][:, None]
         state[requests] = states[chunks, -1]
-    return layout.scatter_back(states), state
+    return layout.scatter(states), state
 
 
 def _rg_lru_inputs(rg_lru, u: torch.Tensor, is_first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

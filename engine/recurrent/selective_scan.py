@@ -11,7 +11,7 @@ channel, state entry and request (a parallel doubling scan does log2(Q) times th
 work, which loses on CPU at real widths: 5 s against 0.4 s for 4 x 256 tokens at
 1024 channels x 16 states). Chunk c+1 starts from chunk c's last state.
 
-Invariants: chunks never hold two requests' tokens (ssd.ChunkLayout); padded
+Invariants: chunks never hold two requests' tokens (chunk_layout.py); padded
 positions have decay 1 and input 0, so a request's last state is its chunk's last
 slot; a request starts from its initial state (zero on a first chunk). The scan runs
 in float32 at least, and y is read from the state in the inputs' dtype, as Hugging
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ssd import ChunkLayout
+from .chunk_layout import ChunkLayout
 
 SCAN_CHUNK = 16
 
@@ -67,7 +67,7 @@ def selective_scan_varlen(
     padded = {name: torch.cat([t, t.new_zeros(1, *t.shape[1:])])
               for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C))}
     for position in range(layout.max_chunks):
-        chunks = (layout.position == position).nonzero().squeeze(1)
+        chunks = layout.chunks_at(position)
         requests = layout.request[chunks]
         tokens = layout.token_index[chunks]  # [n, Q]
         dt_c = padded["dt"][tokens].reshape(*tokens.shape, groups, per_group, 1)

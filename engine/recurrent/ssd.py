@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.ssd_scan import ssd_chunk_scan_triton
+from .chunk_layout import ChunkLayout
 
 
 def segment_sum(values: torch.Tensor) -> torch.Tensor:
@@ -32,38 +33,6 @@ def segment_sum(values: torch.Tensor) -> torch.Tensor:
     sums = torch.cumsum(expanded.masked_fill(~strictly_lower, 0), dim=-2)
     lower = torch.tril(torch.ones(size, size, dtype=torch.bool, device=values.device), 0)
     return sums.masked_fill(~lower, -torch.inf)
-
-
-class ChunkLayout:
-    """Where each request's chunks sit: chunk k is chunk ``position[k]`` of request
-    ``request[k]``; ``token_index`` [K, Q] gives each chunk slot's token (num_tokens for
-    padding)."""
-
-    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_tokens: int):
-        device = cu_seqlens.device
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        chunks_per_request = (lengths + chunk_size - 1) // chunk_size
-        self.num_requests = lengths.numel()
-        self.num_chunks = int(chunks_per_request.sum())
-        self.max_chunks = int(chunks_per_request.max()) if self.num_requests else 0
-        self.request = torch.repeat_interleave(
-            torch.arange(self.num_requests, device=device), chunks_per_request, output_size=self.num_chunks
-        )
-        first_chunk = torch.cumsum(chunks_per_request, 0) - chunks_per_request
-        self.position = torch.arange(self.num_chunks, device=device) - first_chunk[self.request]
-        offsets = self.position[:, None] * chunk_size + torch.arange(chunk_size, device=device)
-        valid = offsets < lengths[self.request][:, None]
-        self.valid = valid.reshape(-1)
-        self.token_index = torch.where(valid, cu_seqlens[:-1][self.request][:, None] + offsets, num_tokens)
-
-    def gather(self, packed: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [K, Q, ...], zeros at padded slots."""
-        padded = torch.cat([packed, packed.new_zeros(1, *packed.shape[1:])])
-        return padded[self.token_index]
-
-    def scatter_back(self, chunked: torch.Tensor) -> torch.Tensor:
-        """[K, Q, ...] -> [T, ...]: the chunk slots hold the tokens in packed order."""
-        return chunked.reshape(-1, *chunked.shape[2:])[self.valid]
 
 
 def ssd_chunk_scan_varlen(
@@ -122,7 +91,7 @@ def ssd_chunk_scan_varlen(
 
     # 4. The entering state's contribution to each position of its chunk.
     y_off = torch.einsum("klhn,khpn->klhp", C, entering) * torch.exp(A_cumsum).permute(0, 2, 1)[..., None]
-    y = layout.scatter_back(y_diag + y_off)
+    y = layout.scatter(y_diag + y_off)
     if D_residual is not None:
         y = y + D_residual
     return y, final_state
