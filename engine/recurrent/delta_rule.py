@@ -26,6 +26,7 @@ import torch
 
 from ..kernels._triton import triton_available
 from ..kernels.delta_rule import chunk_gated_delta_rule_triton
+from ..kernels.delta_rule_step import delta_rule_step_triton
 from .chunk_layout import ChunkLayout
 
 
@@ -107,6 +108,8 @@ def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """One token for each of B requests (the recurrence itself, batched): query, key
     [B, H, K], value [B, H, V], g, beta [B, H], state [B, H, K, V] updated in place.
     Returns (output [B, H, V], state)."""
+    if query.is_cuda and triton_available() and state.dtype == query.dtype == torch.float32:  # delta_rule_step.py
+        return delta_rule_step_triton(query, key, value, g, beta, state), state
     state.mul_(g.exp()[..., None, None])
     predicted = (key[..., None, :] @ state)[..., 0, :]  # [B, H, V]
     update = (value - predicted) * beta[..., None]

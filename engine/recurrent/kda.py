@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.delta_rule_step import delta_rule_step_triton
 from ..kernels.kda import chunk_kda_triton
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
@@ -75,6 +76,8 @@ def chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, initial_state, chunk_size: in
 def kda_decode_step(state, q, k, v, g, beta) -> torch.Tensor:
     """One token per request: state [B, H, K, V] updated in place; q, k, g [B, H, K];
     v [B, H, V]; beta [B, H]. Returns o [B, H, V]."""
+    if q.is_cuda and triton_available() and state.dtype == q.dtype == torch.float32:  # kernels/delta_rule_step.py
+        return delta_rule_step_triton(q, k, v, g, beta, state)
     decayed = state * g.exp()[..., None]
     predicted = (decayed * k[..., None]).sum(-2)  # [B, H, V]
     update = (v - predicted) * beta[..., None]

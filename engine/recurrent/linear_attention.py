@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.selective_scan import ssd_decode_packed
 from .base import StateShapes, register_kind
 from .decode_split import scan_split
 from .ssd import ssd_chunk_scan_varlen, ssd_decode_step
@@ -55,7 +57,11 @@ class LightningAttentionKind:
         A = -m.slope_rate.reshape(heads).to(compute_dtype)
         dt = torch.ones(q.shape[:2], dtype=compute_dtype, device=q.device)
 
+        on_triton = q.is_cuda and triton_available() and compute_dtype == torch.float32 and q.dtype in KERNEL_DTYPES
+
         def decode(state, q, k, v, dt):
+            if on_triton:  # kernels/selective_scan.py
+                return ssd_decode_packed(state, v, dt, A, k, q, None)
             return ssd_decode_step(state, v, dt, A, k, q, None, decay_dtype=compute_dtype)
 
         def chunk(initial, cu, q, k, v, dt):

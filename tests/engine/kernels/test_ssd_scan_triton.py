@@ -2,12 +2,14 @@
 single-token update, token by token) and the torch chunked scan: requests of several
 lengths packed in one launch (one shorter than a chunk, one over two chunks, a single
 token), some continuing a saved state, grouped B and C, with and without D, float32
-and bfloat16 inputs, and lightning attention's shape (dt = 1, one group per head)."""
+and bfloat16 inputs, and lightning attention's shape (dt = 1, one group per head),
+its decode step too (through the selective-scan kernel)."""
 
 import pytest
 import torch
 
 from shardline.engine.kernels._triton import triton_available
+from shardline.engine.kernels.selective_scan import ssd_decode_packed
 from shardline.engine.kernels.ssd_scan import ssd_chunk_scan_triton
 from shardline.engine.recurrent.ssd import ssd_chunk_scan_varlen, ssd_decode_step
 
@@ -102,3 +104,20 @@ def test_triton_ssd_scan_sweep_of_chunks_and_lengths(chunk):
                                                      compute_dtype=torch.float64)
     torch.testing.assert_close(y, expected.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, expected_state.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_lightning_attention_decode_through_the_selective_scan_kernel():
+    # linear_attention.py's decode on CUDA: q, k, v sliced from one qkv row, dt = 1, A = -slope
+    gen = torch.Generator().manual_seed(4)
+    requests, heads, head_dim = 3, 2, 16
+    qkv = torch.randn(requests, heads, 3 * head_dim, generator=gen)
+    q, k, v = qkv.split(head_dim, dim=-1)
+    dt = torch.ones(requests, heads)
+    A = -torch.tensor([0.5, 0.0625])
+    state = torch.randn(requests, heads, head_dim, head_dim, generator=gen)
+    expected_state = state.clone()
+    expected = ssd_decode_step(expected_state, v, dt, A, k, q, None)
+    kernel_state = state.to(DEVICE)
+    y = ssd_decode_packed(kernel_state, *(t.to(DEVICE) for t in (v, dt, A, k, q)), None)
+    torch.testing.assert_close(y.cpu(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel_state.cpu(), expected_state, rtol=1e-5, atol=1e-5)
