@@ -6,7 +6,10 @@ the planner sizes a block as the sum over layers. Kinds today: "full" attention,
 "sliding_window" attention and "chunked" local attention (llama4: a query sees its
 own aligned chunk of ``attention_chunk_size`` tokens), the last two keeping their
 whole context in the cache like a full layer, the window or chunk applied when
-attending. Keys and values each have their own head size: multi-head latent
+attending. A model that runs some layers several times per token (hrm_text's
+reasoning cycles, dory's loops) gets one cache layer per pass, each call of its
+attention naming its own (engine/model/adapters/base.py, CallIndexedAttention).
+Keys and values each have their own head size: multi-head latent
 attention (deepseek_v2/v3, minicpm3, ...) attends keys of qk_nope + qk_rope and
 values of v_head_dim per head, cached in full at those sizes. A "recurrent" layer
 (gated delta-net, short convolution...: a kind registered in engine/recurrent/) holds
@@ -81,6 +84,7 @@ class KVCacheSpec:
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))
+        layers += [layers[index] for index in repeated_pass_layers(text_config)]
         return cls(tuple(layers), dtype)
 
     @property
@@ -106,6 +110,18 @@ class KVCacheSpec:
             caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
                            torch.zeros(value_shape, dtype=self.dtype, device=device)))
         return caches
+
+
+def repeated_pass_layers(text_config: transformers.PretrainedConfig) -> list[int]:
+    """Decoder layers a model runs again in later passes over the same token, each pass
+    attending cache layers of its own that follow the model's (dory's recurrent section,
+    once per loop after the first; its attention names them by ``cache_offset``): their
+    indices, in the order of those extra cache layers. hrm_text needs none: its config's
+    num_hidden_layers already counts one layer per pass."""
+    if text_config.model_type != "dory":
+        return []
+    section = list(range(text_config.n_input_layers, text_config.n_input_layers + text_config.n_recurrent_layers))
+    return section * (text_config.n_recurrent_loops - 1)
 
 
 def _head_sizes(layer_config: transformers.PretrainedConfig, default: int) -> tuple[int, int]:

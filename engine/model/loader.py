@@ -264,21 +264,37 @@ def load_model(config: EngineConfig, auto_class: type, attn_implementation: str,
 
 # Model types whose attention the paged KV cache cannot hold as they run it, and why.
 UNSUPPORTED_MODEL_TYPES = {
-    "hrm_text": "it runs its layers several times per token (its reasoning cycles), each pass with its own "
-                "cache, while the paged cache holds one per layer",
+    "blt": "a byte-level patch model: an entropy model cuts the bytes into patches of varying length as it "
+           "reads them, a global transformer runs over the patches and local byte models cross-attend them, "
+           "while the paged cache holds one token-level sequence per layer",
 }
 
 
+def _unsupported_reason(hf_config: transformers.PretrainedConfig) -> str | None:
+    """Why the engine cannot run this model, from its config: its type, a sparse
+    attention indexer, or a pass layout the paged cache cannot hold; None if it can."""
+    text_config = hf_config.get_text_config()
+    index_topk = getattr(text_config, "index_topk", None)
+    indexer_budget = getattr(text_config, "indexer_budget", None)
+    if index_topk:
+        return (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
+                "index-key cache of its own, while the paged attention attends every key and keeps no index "
+                f"keys, so past {index_topk} tokens the two differ")
+    if indexer_budget:
+        return (f"its sparse attention has an indexer pick up to {indexer_budget} tokens of each query from "
+                "blocks of averaged keys it keeps of its own, while the paged attention attends every key, so "
+                f"past {indexer_budget} tokens the two differ")
+    if getattr(text_config, "recurrent_kv_cache_mode", None) == "last_loop":
+        return ("recurrent_kv_cache_mode 'last_loop': earlier loops of its recurrent section attend the last "
+                "loop's cache without writing their own keys, which the paged attention (it writes every call's "
+                "keys) cannot do; its 'per_loop' mode runs")
+    return UNSUPPORTED_MODEL_TYPES.get(hf_config.model_type)
+
+
 def check_causal_lm(hf_config: transformers.PretrainedConfig) -> list[str]:
-    """Refuse a model type the engine cannot run (UNSUPPORTED_MODEL_TYPES, sparse
-    attention with an indexer) or a layer it cannot hold (``layer_types``), from the
-    config alone; the layer types."""
-    reason = UNSUPPORTED_MODEL_TYPES.get(hf_config.model_type)
-    index_topk = getattr(hf_config.get_text_config(), "index_topk", None)
-    if reason is None and index_topk:
-        reason = (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
-                  "index-key cache of its own, while the paged attention attends every key and keeps no index "
-                  f"keys, so past {index_topk} tokens the two differ")
+    """Refuse a model the engine cannot run (``_unsupported_reason``) or a layer it
+    cannot hold (``layer_types``), from the config alone; the layer types."""
+    reason = _unsupported_reason(hf_config)
     if reason is not None:
         architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
         raise UnsupportedModelError(f"{architecture} ({hf_config.model_type}) cannot run on shardline: {reason}")

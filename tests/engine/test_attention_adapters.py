@@ -61,3 +61,41 @@ def test_falcon_with_alibi_is_refused_with_the_reason(tmp_path):
     model_dir = str(build_tiny_model(tmp_path, "falcon", alibi=True))
     with pytest.raises(UnsupportedModelError, match="adds the ALiBi bias twice"):
         LLM(model_dir, dtype="float64")
+
+
+# Models that run some layers several times per token, each pass attending a cache
+# layer of its own that its attention's caller names (CallIndexedAttention), and the
+# cache layers each needs: hrm_text's config counts one layer per pass (2 per stack x
+# 2 high cycles x (2 low cycles + its high pass)); dory adds a copy of its 2-layer
+# recurrent section for its second loop.
+PASS_CASES = {
+    "hrm_text-cycles": ("hrm_text", dict(H_cycles=2, L_cycles=2, head_dim=16), 12),
+    "dory-loops": ("dory", dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+                                n_recurrent_loops=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"]), 6),
+}
+
+
+@pytest.mark.parametrize("case", PASS_CASES)
+def test_layers_run_in_several_passes_keep_a_cache_layer_per_pass(case, tmp_path):
+    arch, overrides, num_cache_layers = PASS_CASES[case]
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
+    prompts = random_prompts(3, (2, 40), 512, seed=3)
+    reference = load_hf_model(model_dir)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    llm = LLM(model_dir, dtype="float64", max_num_batched_tokens=16)  # prompts cross chunks
+    assert llm.llm_engine.runner.spec.num_layers == num_cache_layers
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.close()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_dory_whose_earlier_loops_only_read_the_cache_is_refused_with_the_reason(tmp_path):
+    from shardline.engine.model.loader import UnsupportedModelError
+
+    arch, overrides, _ = PASS_CASES["dory-loops"]
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides, recurrent_kv_cache_mode="last_loop"))
+    with pytest.raises(UnsupportedModelError, match="recurrent_kv_cache_mode 'last_loop'"):
+        LLM(model_dir, dtype="float64")

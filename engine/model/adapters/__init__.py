@@ -15,7 +15,7 @@ import inspect
 
 from torch import nn
 
-from .base import (CallIndexedAttention, ContextForwardingAttention, PagedAttentionAdapter, StepScope,
+from .base import (CALL_LAYER_ARGUMENT, CALL_OFFSET_ARGUMENTS, CallIndexedAttention, ContextForwardingAttention, PagedAttentionAdapter, StepScope,
                    UnsupportedAttentionError)
 from .shapes import (BloomAttention, DiffLlamaAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention,
                      MptAttention, OpenAIGPTAttention, XGLMAttention)
@@ -53,12 +53,15 @@ def _calls_attention_interface(module_class: type) -> bool:
 
 
 @functools.cache
-def _takes_layer_index(module_class: type) -> bool:
-    """Whether the module's forward is told its layer by its caller (a ``layer_idx`` argument)."""
+def _call_indexed(module_class: type) -> bool:
+    """Whether the module calls the AttentionInterface and its caller names each call's
+    cache layer (CallIndexedAttention)."""
     try:
-        return "layer_idx" in inspect.signature(module_class.forward).parameters
+        parameters = inspect.signature(module_class.forward).parameters
     except (TypeError, ValueError):
         return False
+    names = (CALL_LAYER_ARGUMENT, *CALL_OFFSET_ARGUMENTS)
+    return _calls_attention_interface(module_class) and any(name in parameters for name in names)
 
 
 @functools.cache
@@ -82,29 +85,35 @@ def _passes_keywords(layer_class: type, name: str) -> bool:
 
 def adapt_attention(model: nn.Module) -> int:
     """Replace every attention module of ``model`` that has an adapter; wrap each
-    module calling the AttentionInterface whose caller names its layer (zamba's shared
-    block: CallIndexedAttention) or whose decoder layer does not pass the model's
-    keyword arguments on to it (stablelm, nemotron), so the step's context reaches it;
-    return how many. Each one's layer index is its decoder layer's (the model's
-    longest ModuleList), which is also its KV-cache layer, except a call-indexed
-    module's, which each call names. A module shared by several layers is wrapped once."""
-    layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
-    if layers is None:
-        return 0
+    module calling the AttentionInterface whose caller names each call's cache layer
+    (CallIndexedAttention: zamba's shared block, hrm_text's and dory's repeated passes)
+    or whose decoder layer does not pass the model's keyword arguments on to it
+    (stablelm, nemotron), so the step's context reaches it; return how many. Each
+    one's layer index is its decoder layer's (the model's longest ModuleList), which is
+    also its KV-cache layer, except a call-indexed module's, whose calls name theirs;
+    those are found anywhere in the model (hrm_text has two stacks of layers), a
+    module shared by several layers once."""
     scope = StepScope()
     replaced = 0
-    for index, layer in enumerate(layers):
+    for name, module in list(model.named_modules()):
+        if name and _call_indexed(type(module)):
+            _replace(model, name, CallIndexedAttention(module, getattr(module, "layer_idx", None), scope))
+            replaced += 1
+    layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
+    for index, layer in enumerate(layers if layers is not None else ()):
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module)))
-            if adapter is None and name and _calls_attention_interface(type(module)):
-                if _takes_layer_index(type(module)):
-                    adapter = CallIndexedAttention
-                elif not _passes_keywords(type(layer), name):
-                    adapter = ContextForwardingAttention
+            if (adapter is None and name and _calls_attention_interface(type(module))
+                    and not _passes_keywords(type(layer), name)):
+                adapter = ContextForwardingAttention
             if adapter is not None:
-                parent_name, _, child_name = name.rpartition(".")
-                setattr(layer.get_submodule(parent_name), child_name, adapter(module, index, scope))
+                _replace(layer, name, adapter(module, index, scope))
                 replaced += 1
     if replaced:
         scope.attach(model)
     return replaced
+
+
+def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(root.get_submodule(parent_name), child_name, replacement)

@@ -53,9 +53,10 @@ class StepScope:
 
 class _Replacement(nn.Module):
     """Takes over ``original``'s submodules and own parameters under their names and
-    keeps the original (unregistered) to call its forward."""
+    keeps the original (unregistered) to call its forward. ``layer_idx``: its KV-cache
+    layer (None for a call-indexed module, whose calls name theirs)."""
 
-    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+    def __init__(self, original: nn.Module, layer_idx: int | None, scope: StepScope) -> None:
         super().__init__()
         for name, child in original.named_children():
             self.add_module(name, child)
@@ -81,20 +82,36 @@ class ContextForwardingAttention(_Replacement):
         return self.original(*args, **kwargs)
 
 
-class CallIndexedAttention(ContextForwardingAttention):
-    """An attention module that calls transformers' AttentionInterface and is told by
-    its caller which layer calls it (``forward(hidden_states, layer_idx, ...)``): the
-    shared attention block of zamba and zamba2, which every hybrid layer calls. Each
-    call attends the paged cache of the layer it names (``shardline_layer_idx``), so
-    each hybrid layer keeps its own keys and values, as transformers' own cache does."""
+# Forward arguments by which a caller names the cache layer of an attention call: the
+# layer itself (zamba's and zamba2's shared block, which every hybrid layer calls), or
+# an offset to the module's own layer index (the passes of a model that runs its layers
+# several times per token: hrm_text's reasoning cycles, dory's loops).
+CALL_LAYER_ARGUMENT = "layer_idx"
+CALL_OFFSET_ARGUMENTS = ("cycle_offset", "cache_offset")
 
-    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+
+class CallIndexedAttention(ContextForwardingAttention):
+    """An attention module that calls transformers' AttentionInterface and whose caller
+    names the cache layer of each call (CALL_LAYER_ARGUMENT, CALL_OFFSET_ARGUMENTS):
+    each call attends that layer of the paged cache (``shardline_layer_idx``), as
+    transformers' own cache does, so a block several layers share, or a layer run in
+    several passes, keeps one cache layer per call."""
+
+    def __init__(self, original: nn.Module, layer_idx: int | None, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
         self._signature = inspect.signature(original.forward)
+        parameters = self._signature.parameters
+        self._offset = next((name for name in CALL_OFFSET_ARGUMENTS if name in parameters), None)
 
     def forward(self, *args, **kwargs):
         if self._scope.ctx is not None:
-            kwargs["shardline_layer_idx"] = self._signature.bind(*args, **kwargs).arguments["layer_idx"]
+            call = self._signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            if self._offset is not None:
+                index = self.original.layer_idx + call.arguments[self._offset]
+            else:
+                index = call.arguments[CALL_LAYER_ARGUMENT]
+            kwargs["shardline_layer_idx"] = index
         return super().forward(*args, **kwargs)
 
 
