@@ -316,16 +316,23 @@ def test_bitmask_application_masks_only_restricted_rows():
     assert forbidden_picks(bitmask, {0}, [5, 62, 1]) == set()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_xgrammar_bitmask_kernel_matches_the_reference(dtype):
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 1000, generator=generator).to(dtype)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 32), dtype=torch.int32, generator=generator)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("vocab_size", [1000, 1024, 31])
+def test_bitmask_application_matches_the_reference(dtype, vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(6, vocab_size, generator=generator).to(dtype)
+    num_words = (vocab_size + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, num_words), dtype=torch.int32, generator=generator)
     bitmask[0] = -1  # an unrestricted row
+    bitmask[1] = 0  # nothing allowed
+    bitmask[2, ::2] = 0  # whole words forbidden between mixed ones
+    bitmask[3, 1::2] = -1  # whole words allowed between mixed ones
+    allow_only(bitmask, 4, vocab_size - 1)  # a grammar's row: one token, in the last word
     expected = apply_token_bitmask_reference(logits, bitmask)
     masked = apply_token_bitmask(logits.clone(), bitmask)
     assert torch.equal(masked, expected)
     assert torch.equal(masked[0], logits[0]) and not masked[1:].isfinite().all()
+    assert masked[4].isfinite().nonzero().flatten().tolist() == [vocab_size - 1]
 
 
 def test_structured_outputs_params_is_public():

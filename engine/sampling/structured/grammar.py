@@ -25,8 +25,13 @@ from ...params import StructuredOutputsParams
 # Distinct constraints whose parsed and compiled grammars an engine keeps (least
 # recently used dropped first); a job usually has one.
 MAX_CACHED_GRAMMARS = 256
-# Threads xgrammar uses to compile one grammar and to fill a batch's bitmask.
-_XGRAMMAR_THREADS = 2
+# Threads xgrammar uses to compile one grammar.
+_COMPILE_THREADS = 2
+# Threads xgrammar uses to fill a batch's bitmask: one. A JSON schema's masks take
+# about a microsecond per row to fill from xgrammar's token mask cache, less than
+# waking helper threads costs, and on a CPU engine such threads would compete with
+# the forward's.
+_FILL_THREADS = 1
 # xgrammar's errors start with "[time] file.cc:line: "; the rest is the reason.
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 # The character classes xgrammar (0.2.9) writes for an unescaped character of a JSON
@@ -133,7 +138,10 @@ def _check_schema_supported(schema: Any) -> None:
 
 
 class GrammarState:
-    """One sample's grammar matcher and how many tokens it has accepted."""
+    """One sample's grammar matcher, how many tokens it has accepted, and whether it
+    is terminated (the grammar is complete and accepted its stop token: nothing may
+    follow). Only an accepted token changes the matcher (it is never rolled back: see
+    the package's invariants), so ``is_terminated`` is read from xgrammar then."""
 
     def __init__(self, compiled: Any, stop_token_ids: list[int], kind: str) -> None:
         import xgrammar as xgr
@@ -141,16 +149,14 @@ class GrammarState:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
         self.kind = kind
         self.num_accepted = 0
+        self.is_terminated = False
 
     def accept(self, token_id: int) -> bool:
         accepted = self.matcher.accept_token(token_id)
-        self.num_accepted += accepted
+        if accepted:
+            self.num_accepted += 1
+            self.is_terminated = self.matcher.is_terminated()
         return accepted
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and accepted its stop token: nothing may follow."""
-        return self.matcher.is_terminated()
 
 
 class GrammarCompiler:
@@ -198,16 +204,16 @@ class GrammarCompiler:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
                 # Our own cache is the one that counts (keyed by constraint, bounded).
-                self._compiler = xgr.GrammarCompiler(info, max_threads=_XGRAMMAR_THREADS, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS, cache_enabled=False)
         return self._compiler.compile_grammar(grammar)
 
     def fill_bitmask(self, grammars: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask`` rows ``rows`` with the next-token masks of ``grammars``
-        (one call for the batch; xgrammar fills them on its own threads)."""
+        (one call for the batch)."""
         import xgrammar as xgr
 
         if self._batch_matcher is None:
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_XGRAMMAR_THREADS)
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_FILL_THREADS)
         self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...params import StructuredOutputsParams
+from ...params import SamplingParams, StructuredOutputsParams
 from .bitmask import allows_only, step_bitmask
 from .grammar import GrammarCompiler, GrammarState, StructuredOutputError
 
@@ -109,15 +109,30 @@ class StructuredOutputManager:
         return True
 
     def bitmask(self, rows: list[SampleRow], samples: list[SampleState]) -> tuple[torch.Tensor | None, set[int]]:
-        """The step's bitmask and restricted rows (see ``step_bitmask``). min_tokens
-        yields where a grammar allows nothing but ending: the output must parse."""
+        """The step's bitmask (see ``step_bitmask``) and the restricted rows whose
+        pick must be checked against it: those with another sampling constraint
+        (allowed_token_ids, logit_bias, bad words, min_tokens, penalties) that may
+        leave none of the tokens the bitmask allows. Any other restricted row picks
+        an allowed token: its allowed logits stay finite and all others are -inf.
+        min_tokens yields where a grammar allows nothing but ending: the output must
+        parse."""
         bitmask, restricted = step_bitmask(self.compiler, [s.grammar for s in samples],
                                            [s.reasoning for s in samples], self.vocab_size)
+        to_check = set()
         for i in restricted:
-            blocked = rows[i].blocked_token_ids
+            row = rows[i]
+            blocked = row.blocked_token_ids
             if blocked and samples[i].grammar is not None and allows_only(bitmask, i, set(blocked)):
-                rows[i].blocked_token_ids = ()
-        return bitmask, restricted
+                row.blocked_token_ids = ()
+            if row.blocked_token_ids or row.banned_token_ids or _has_logit_processors(row.params):
+                to_check.add(i)
+        return bitmask, to_check
 
     def close(self) -> None:
         self.compiler.close()
+
+
+def _has_logit_processors(params: SamplingParams) -> bool:
+    """Whether ``params`` change logits beyond the bitmask (see apply_logit_processors)."""
+    return (params.allowed_token_ids is not None or bool(params.logit_bias) or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0)
