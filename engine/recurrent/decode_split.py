@@ -64,6 +64,8 @@ def scan_split(
     (returning outputs and final states), each on its own requests' slice of
     ``token_inputs`` ([T, ...] tensors); ``state`` [B, ...] is read where
     has_initial_state and left holding every request's final state. Returns [T, ...]."""
+    if token_inputs[0].shape[0] == cu_seqlens.shape[0] - 1 and bool(has_initial_state.all()):
+        return decode(state, *token_inputs)  # a decode step: one token per request, each continuing
     split = DecodeSplit.of(cu_seqlens, has_initial_state)
     if split.all_decode:
         return decode(state, *token_inputs)

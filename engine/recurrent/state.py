@@ -19,6 +19,7 @@ measures, e.g. memory profiling).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,15 @@ class RecurrentStep:
     has_initial_state: torch.Tensor  # [B] bool: False where a request computes from token 0
     # Per recurrent layer index: state name -> [num_slots, *shape] (the runner's tensors).
     states: dict[int, dict[str, torch.Tensor]]
+
+    @functools.cached_property
+    def first_slot(self) -> int | None:
+        """s where the slots are s, s+1, ..., s+B-1 in batch order on a CPU step (the
+        layers then run on views of the slot tensors, with no gather or scatter), else None."""
+        if self.slots.device.type != "cpu" or self.slots.numel() == 0:
+            return None
+        first = int(self.slots[0])
+        return first if torch.equal(self.slots, torch.arange(first, first + self.slots.numel())) else None
 
 
 class StepHolder:
@@ -89,12 +99,16 @@ class RecurrentLayer(nn.Module):
             fresh = torch.zeros(num_requests, dtype=torch.bool, device=hidden_states.device)
             return self.kind.forward(self.layer, hidden_states[0], cu_seqlens, fresh, states).unsqueeze(0)
         slot_states = shardline_state.states[self.layer_idx]
-        slots = shardline_state.slots
-        states = {name: tensor.index_select(0, slots) for name, tensor in slot_states.items()}
+        slots, first = shardline_state.slots, shardline_state.first_slot
+        if first is not None:  # the kind updates the slots' states in place
+            states = {name: tensor.narrow(0, first, slots.numel()) for name, tensor in slot_states.items()}
+        else:
+            states = {name: tensor.index_select(0, slots) for name, tensor in slot_states.items()}
         output = self.kind.forward(self.layer, hidden_states[0], cu_seqlens, shardline_state.has_initial_state,
                                    states)
-        for name, tensor in slot_states.items():
-            tensor.index_copy_(0, slots, states[name])
+        if first is None:
+            for name, tensor in slot_states.items():
+                tensor.index_copy_(0, slots, states[name])
         return output.unsqueeze(0)
 
 
