@@ -8,17 +8,27 @@ exactly as many tokens per request (ignore_eos), so the two differ only by the
 grammar work: compiling (once, before timing, as a long job amortises it), filling
 the batch's token bitmask each step, applying it, and advancing the matchers.
 
-    python bench/bench_structured.py [--concurrency 64 256] [--output-len 128] [--repeat 2]
-                                     [--device auto] [--dtype float32] [--profile]
+    python bench/bench_structured.py [--concurrency 64 256] [--output-len 128] [--repeat 5]
+                                     [--cpu-time] [--device auto] [--dtype float32] [--profile]
 
-Rounds are interleaved (constrained, unconstrained) and the best run of each side
-is compared, as in bench_engine. Prints output tokens/s of both by wall time and by
-this process's CPU time (steadier when other work shares the CPUs), their ratios,
-the seconds the constrained runs spent in grammar work (bitmask filling and
-application, matcher advances, holding and releasing rows), and how many
-constrained outputs parse and validate. ``--profile`` (CPU) splits each side's
-last run into the engine's parts (bench_engine's StepProfile), side by side, to show
-where a difference between the two sides lies.
+Rounds are interleaved, the two sides' order alternating round by round
+(constrained first, then unconstrained first, ...), so a load that rises or falls
+through a round weighs on both sides alike. Each run is timed by the wall clock and
+by a CPU clock: this process's CPU time, or with ``--cpu-time`` (torch on one thread)
+the main thread's own CPU time (time.thread_time), which other work sharing the
+CPUs barely moves; every grammar call runs on that thread (xgrammar fills the masks
+on the calling thread; compiling is done before timing). For each clock it prints
+the best run of each side and their ratio, the medians and their ratio, and the
+median and range of the round-by-round ratios (each round's two runs saw about the
+same load): the figure to trust on a loaded machine is the median round ratio by
+``--cpu-time``.
+
+It also prints the seconds the constrained runs spent in each grammar call (mask
+filling, bitmask building and application, matcher advances, holding and releasing
+rows, the pick check), by the same CPU clock, and how many constrained outputs
+parse and validate. ``--profile`` (CPU) splits each side's last run into the
+engine's parts (bench_engine's StepProfile), side by side, to show where a
+difference between the two sides lies.
 """
 
 from __future__ import annotations
@@ -49,37 +59,50 @@ SCHEMA_PARAMS = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True
 
 
 class GrammarProfile:
-    """Seconds spent in the engine's grammar work, by wrapping its functions (timing
-    only; the wrappers add about a microsecond per call)."""
+    """Seconds (by ``clock``) spent in each of the engine's grammar calls, by wrapping
+    its functions (timing only; a wrapper adds about a microsecond per call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
         from shardline.engine import llm_engine
         from shardline.engine.sampling import sampler
         from shardline.engine.sampling.structured import grammar, manager
 
-        self.seconds = 0.0
-        wrapped = ((manager.StructuredOutputManager, "hold"), (manager.StructuredOutputManager, "release"),
-                   (manager.StructuredOutputManager, "bitmask"), (grammar.GrammarState, "accept"),
-                   (sampler, "apply_token_bitmask"), (llm_engine, "forbidden_picks"))
-        for owner, name in wrapped:
-            setattr(owner, name, self._timed(getattr(owner, name)))
+        self.clock = clock
+        self.seconds: dict[str, float] = {}
+        wrapped = (
+            (grammar.GrammarCompiler, "fill_bitmask", "mask filling (xgrammar)"),
+            (manager.StructuredOutputManager, "bitmask", "bitmask building, mask filling included"),
+            (sampler, "apply_token_bitmask", "bitmask application"),
+            (grammar.GrammarState, "accept", "matcher advances"),
+            (manager.StructuredOutputManager, "hold", "holding rows"),
+            (manager.StructuredOutputManager, "release", "releasing rows"),
+            (llm_engine, "forbidden_picks", "pick check"),
+        )
+        self.labels = [label for _, _, label in wrapped]
+        # Mask filling runs inside bitmask building: only the outer call counts in the total.
+        self.nested = {"mask filling (xgrammar)"}
+        for owner, name, label in wrapped:
+            setattr(owner, name, self._timed(getattr(owner, name), label))
 
-    def _timed(self, function):
+    def _timed(self, function, label: str):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds[label] = self.seconds.get(label, 0.0) + self.clock() - start
         return timed
 
+    def total(self) -> float:
+        return sum(seconds for label, seconds in self.seconds.items() if label not in self.nested)
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, float, list]:
-    """(wall seconds, this process's CPU seconds, outputs) of one generate call."""
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], clock) -> tuple[float, float, list]:
+    """(wall seconds, CPU seconds by ``clock``, outputs) of one generate call."""
     llm.reset_prefix_cache()  # every run computes its prompts
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu = time.perf_counter(), clock()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, time.process_time() - start_cpu, outputs
+    return time.perf_counter() - start, clock() - start_cpu, outputs
 
 
 def validates(text: str) -> bool:
@@ -96,54 +119,87 @@ def validates(text: str) -> bool:
     return True
 
 
+class Rounds:
+    """Each side's runs (output tokens/s by each clock), the constrained runs' grammar
+    seconds by call, and each side's last run split by engine part."""
+
+    def __init__(self) -> None:
+        self.speeds = {clock: {"constrained": [], "unconstrained": []} for clock in ("wall", "cpu")}
+        self.grammar: list[dict[str, float]] = []
+        self.cpu_seconds: list[float] = []
+        self.last_run_parts: dict[str, str] = {}
+        self.num_valid = 0
+
+
 def bench_concurrency(llm: LLM, profile: GrammarProfile, concurrency: int, args: argparse.Namespace,
                       steps: StepProfile | None = None) -> None:
     prompts = random_prompts(concurrency, args.min_len, args.max_len, 16384, seed=concurrency)
     constrained = SamplingParams(temperature=0.0, max_tokens=args.output_len, structured_outputs=SCHEMA_PARAMS)
-    _, _, outputs = run(llm, prompts, [constrained] * concurrency)  # fixes the lengths
+    _, _, outputs = run(llm, prompts, [constrained] * concurrency, profile.clock)  # fixes the lengths
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    sides = {"constrained": [constrained] * concurrency, "unconstrained": free}
-    # Output tokens/s of each run, by wall and by CPU time.
-    speeds = {clock: {name: [] for name in sides} for clock in ("wall", "cpu")}
-    grammar_seconds, wall_seconds = [], []
-    last_run_parts: dict[str, str] = {}  # side -> its last run's StepProfile report
+    sides = [("constrained", [constrained] * concurrency), ("unconstrained", free)]
+    rounds = Rounds()
     for round_index in range(args.repeat):
-        for name, params in sides.items():
-            profiled_before = profile.seconds
-            parts_before = dict(steps.seconds) if steps is not None else {}
-            wall, cpu, outputs = run(llm, prompts, params)
-            if steps is not None and round_index == args.repeat - 1:
-                last_run = copy.copy(steps)
-                last_run.seconds = {label: seconds - parts_before.get(label, 0.0)
-                                    for label, seconds in steps.seconds.items()}
-                last_run_parts[name] = last_run.report(wall)
-            # Greedy on a GPU may change a token between runs: each run counts its own.
-            num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            speeds["wall"][name].append(num_tokens / wall)
-            speeds["cpu"][name].append(num_tokens / cpu)
-            if name == "constrained":
-                num_valid = sum(validates(o.outputs[0].text) for o in outputs)
-                grammar_seconds.append(profile.seconds - profiled_before)
-                wall_seconds.append(wall)
+        # The order alternates, so a load rising or falling through the rounds weighs on both sides alike.
+        for name, params in sides if round_index % 2 == 0 else sides[::-1]:
+            run_side(llm, prompts, name, params, profile, rounds, steps, last=round_index == args.repeat - 1)
     num_tokens = sum(lengths)
     print(f"{concurrency} concurrent requests, {num_tokens} output tokens "
-          f"({num_tokens / concurrency:.1f} per request), {num_valid}/{concurrency} constrained outputs validate")
-    for clock, by_side in speeds.items():
-        best = {name: max(runs) for name, runs in by_side.items()}
+          f"({num_tokens / concurrency:.1f} per request), {rounds.num_valid}/{concurrency} constrained outputs "
+          "validate")
+    report(rounds, profile, args.cpu_time)
+
+
+def run_side(llm: LLM, prompts: list[list[int]], name: str, params: list[SamplingParams], profile: GrammarProfile,
+             rounds: Rounds, steps: StepProfile | None, last: bool) -> None:
+    grammar_before = dict(profile.seconds)
+    parts_before = dict(steps.seconds) if steps is not None else {}
+    wall, cpu, outputs = run(llm, prompts, params, profile.clock)
+    if steps is not None and last:
+        last_run = copy.copy(steps)
+        last_run.seconds = {label: seconds - parts_before.get(label, 0.0) for label, seconds in steps.seconds.items()}
+        rounds.last_run_parts[name] = last_run.report(wall)
+    # Greedy on a GPU may change a token between runs: each run counts its own.
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    rounds.speeds["wall"][name].append(num_tokens / wall)
+    rounds.speeds["cpu"][name].append(num_tokens / cpu)
+    if name == "constrained":
+        rounds.num_valid = sum(validates(o.outputs[0].text) for o in outputs)
+        rounds.grammar.append({label: seconds - grammar_before.get(label, 0.0)
+                               for label, seconds in profile.seconds.items()})
+        rounds.cpu_seconds.append(cpu)
+
+
+def report(rounds: Rounds, profile: GrammarProfile, cpu_time: bool) -> None:
+    cpu_name = "main thread's CPU time" if cpu_time else "process CPU time"
+    for clock, by_side in rounds.speeds.items():
+        clock_name = "wall time" if clock == "wall" else cpu_name
+        constrained, free = by_side["constrained"], by_side["unconstrained"]
         for name, runs in by_side.items():
-            print(f"  {name:14s} {best[name]:9.1f} output tok/s by {clock} time   "
-                  f"runs: {', '.join(f'{s:.1f}' for s in runs)}")
-        print(f"  constrained / unconstrained by {clock} time: {best['constrained'] / best['unconstrained']:.3f} "
-              f"(best against best; round by round: "
-              f"{', '.join(f'{c / f:.3f}' for c, f in zip(by_side['constrained'], by_side['unconstrained']))})")
-    print("  grammar work in the constrained runs: " + ", ".join(
-        f"{g:.2f} s of {w:.1f} s ({100 * g / w:.1f}%)" for g, w in zip(grammar_seconds, wall_seconds)))
-    if last_run_parts:
-        print(f"  last round by part:{'constrained':>25s}   unconstrained")
-        for constrained_line, free_line in zip(last_run_parts["constrained"].splitlines(),
-                                               last_run_parts["unconstrained"].splitlines()):
+            print(f"  {name:14s} by {clock_name}: best {max(runs):8.1f}, median {median(runs):8.1f} output tok/s"
+                  f"   runs: {', '.join(f'{s:.1f}' for s in runs)}")
+        per_round = [c / f for c, f in zip(constrained, free)]
+        print(f"  constrained / unconstrained by {clock_name}: median round {median(per_round):.3f} "
+              f"(rounds {min(per_round):.3f}-{max(per_round):.3f}), best against best "
+              f"{max(constrained) / max(free):.3f}, median against median {median(constrained) / median(free):.3f}")
+    totals = [sum(s for label, s in g.items() if label not in profile.nested) for g in rounds.grammar]
+    print(f"  grammar work in the constrained runs by {cpu_name}: " + ", ".join(
+        f"{g:.2f} s of {c:.1f} s ({100 * g / c:.1f}%)" for g, c in zip(totals, rounds.cpu_seconds)))
+    for label in profile.labels:
+        seconds = [g.get(label, 0.0) for g in rounds.grammar]
+        print(f"    {label:42s} median {median(seconds):6.3f} s")
+    if rounds.last_run_parts:
+        print(f"  last round by part (wall):{'constrained':>18s}   unconstrained")
+        for constrained_line, free_line in zip(rounds.last_run_parts["constrained"].splitlines(),
+                                               rounds.last_run_parts["unconstrained"].splitlines()):
             print(f"  {constrained_line}   {free_line.split()[-2]:>7s} s")
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def main() -> None:
@@ -152,11 +208,18 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
-    parser.add_argument("--repeat", type=int, default=2, help="interleaved rounds of both sides; best against best")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="interleaved rounds of both sides, their order alternating")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="torch on one thread, runs timed by the main thread's CPU time (for a machine "
+                             "other work is loading)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--profile", action="store_true", help="split each side's last run by engine part (CPU)")
     args = parser.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    clock = time.thread_time if args.cpu_time else time.process_time
 
     llm = LLM(build_bench_model(), dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency))
     llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2, structured_outputs=SCHEMA_PARAMS),
@@ -164,7 +227,7 @@ def main() -> None:
     print(f"workload: random-token prompts of {args.min_len}-{args.max_len} tokens, greedy, max_tokens "
           f"{args.output_len}, {args.dtype} on {llm.llm_engine.device}, {torch.get_num_threads()} threads, "
           f"{args.repeat} interleaved round(s)")
-    profile = GrammarProfile()
+    profile = GrammarProfile(clock)
     steps = StepProfile() if args.profile else None
     for concurrency in args.concurrency:
         bench_concurrency(llm, profile, concurrency, args, steps)
