@@ -55,10 +55,10 @@ def layer_options(options: AttentionOptions, chunk_sizes: tuple[int | None, ...]
     return options
 
 
-def first_attention_cache(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first layer's (key, value) caches that hold heads: recurrent layers'
-    (engine/recurrent/) are empty; the first layer's when no layer attends."""
-    return next(((k, v) for k, v in kv_caches if k.shape[2]), kv_caches[0])
+def attention_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (key, value) caches of the layers that hold heads: recurrent layers'
+    (engine/recurrent/) are empty; the first layer's alone when no layer attends."""
+    return [(k, v) for k, v in kv_caches if k.shape[2]] or kv_caches[:1]
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,25 @@ class TorchBackend:
         from ..kernels.cpu_attention import decode_kernel_available
         from ..kernels.cpu_prefill_attention import prefill_kernel_available
 
-        k_cache, v_cache = first_attention_cache(step.kv_caches)
-        value_head_dim = v_cache.shape[3]
+        # A step's plan serves every layer: a native kernel is taken only where it takes
+        # every attention layer's cache (layers may differ in heads and head sizes: gemma4).
+        caches = attention_caches(step.kv_caches)
         query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
         decode = prefill = None
-        if self.native_decode and decode_kernel_available(k_cache, self.num_heads, value_head_dim):
+        if self.native_decode and all(decode_kernel_available(k, self.num_heads, v.shape[3]) for k, v in caches):
             requests = (query_lens == 1).nonzero().flatten()
             if requests.numel():
                 decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
                                      step.block_tables.contiguous())
-        native_prefill = self.native_prefill and prefill_kernel_available(k_cache, self.num_heads, value_head_dim)
+        native_prefill = self.native_prefill and all(prefill_kernel_available(k, self.num_heads, v.shape[3])
+                                                     for k, v in caches)
         if native_prefill and bool((query_lens > 1).any()):
             prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
                                    step.seq_lens, step.block_tables.contiguous())
         groups = attention_groups(query_lens, step.seq_lens, group_decoding=decode is None,
                                   group_chunks=not native_prefill)
         fresh = [] if native_prefill else fresh_prompts(step.query_start_loc, step.seq_lens)
-        block_size = k_cache.shape[1]
+        block_size = caches[0][0].shape[1]
         return TorchPlans(decode, prefill, [TorchAttentionPlan.build(step, group, block_size) for group in groups],
                           fresh)
 

@@ -44,6 +44,10 @@ MODELS = {
     "mimo_v2_flash": ("mimo_v2_flash", "float32", None, dict(
         head_dim=32, v_head_dim=16, sliding_window=8, layer_types=["full_attention", "sliding_attention"],
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)),
+    # Full layers' heads of 512, past the C kernels' 256, sliding ones of 16: the kernels
+    # are taken for no layer (a step's plan serves all of them), SDPA attends every one.
+    "gemma4_text-head-sizes-past-the-kernels": ("gemma4_text", "float32", "cpu", dict(
+        head_dim=16, global_head_dim=512, sliding_window=8)),
 }
 SLOW = {"gpt_oss-torch", "granitemoe_swa", "flint", "llama4_text-float32", "deepseek_v3", "mimo_v2_flash"}
 # The last two end in the same tokens after different contexts.
@@ -80,3 +84,32 @@ def test_greedy_tokens_equal_transformers(tmp_path, case):
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
     llm.close()
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+
+
+def test_a_native_kernel_is_taken_only_where_it_takes_every_attention_layer():
+    """The torch backend's per-step plan serves every layer, so the C kernels are taken
+    only where each attention layer's cache fits them; a recurrent layer's empty cache
+    does not count."""
+    from shardline.engine.attention.backends import TorchBackend
+    from shardline.engine.attention.context import StepBatch
+    from shardline.engine.kernels.cpu_attention import decode_kernel_available
+    from shardline.engine.kernels.cpu_prefill_attention import prefill_kernel_available
+
+    def caches(*head_dims: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.zeros(4, 16, 2 if size else 0, size), torch.zeros(4, 16, 2 if size else 0, size))
+                for size in head_dims]
+
+    def plans(kv_caches, query_lens: tuple[int, int]):
+        seq_lens = torch.tensor([6, 6])
+        step = StepBatch(slot_mapping=torch.arange(sum(query_lens)),
+                         query_start_loc=torch.tensor([0, query_lens[0], sum(query_lens)]), seq_lens=seq_lens,
+                         block_tables=torch.tensor([[0], [1]], dtype=torch.int32), kv_caches=kv_caches,
+                         max_query_len=max(query_lens), max_seq_len=6)
+        return TorchBackend(4, native_decode=True, native_prefill=True).build_context(step).work
+
+    fitting = caches(0, 16, 32)
+    if not (decode_kernel_available(fitting[1][0], 4) and prefill_kernel_available(fitting[1][0], 4)):
+        pytest.skip("the C attention kernels are not built on this host")
+    assert plans(fitting, (1, 1)).decode is not None and plans(fitting, (3, 3)).prefill is not None
+    too_wide = caches(0, 16, 512)
+    assert plans(too_wide, (1, 1)).decode is None and plans(too_wide, (3, 3)).prefill is None
