@@ -1,11 +1,11 @@
-"""Each recurrent kind with its Triton kernels (interpreted on CPU) against its Hugging
-Face module in float32. On CUDA the scans dispatch to the kernels by the tensors'
-device; here the names each kind calls are pointed at the launchers that dispatch
-takes, so the kernels see the layouts the kinds really hand them (values sliced from
-the q|k|v rows, decays per head or per key channel, grouped B and C) over a chunked
-schedule (packed, continued, single-token continuations beside chunks) and a
-prefill-then-decode one. The gated delta-net's chunked schedule runs by default, the
-rest are slow-marked."""
+"""Each recurrent kind with its Triton kernels against its Hugging Face module in
+float32, over a chunked schedule (packed, continued, single-token continuations beside
+chunks) and a prefill-then-decode one, so the kernels see the layouts the kinds really
+hand them (values sliced from the q|k|v rows, decays per head or per key channel,
+grouped B and C). On CUDA the kinds' own dispatch takes the kernels (the test counts
+the launches it makes); on CPU, where the dispatch keeps to torch, the names each kind
+calls are pointed at the launchers that dispatch takes, interpreted. The gated
+delta-net's chunked schedule runs by default, the rest are slow-marked."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from shardline.engine.kernels.delta_rule_step import delta_rule_step_triton
 from shardline.engine.kernels.kda import chunk_kda_triton
 from shardline.engine.kernels.selective_scan import ssd_decode_packed
 from shardline.engine.kernels.ssd_scan import ssd_chunk_scan_triton
-from shardline.engine.recurrent import gated_delta_net, kda, linear_attention, mamba2
+from shardline.engine.recurrent import delta_rule, gated_delta_net, kda, linear_attention, mamba2, ssd
 
-from ..recurrent.mixer_parity import chunked, hf_reference, make_sequences, prefill_then_decode, randomize, run_schedule
+from ..recurrent.mixer_parity import UNSET, chunked, hf_reference, make_sequences, prefill_then_decode, randomize
+from .conftest import DEVICE
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -68,15 +69,27 @@ def _minimax():
 MODELS = {"qwen3_5": _qwen3_5, "mamba2": _mamba2, "kimi_linear": _kimi_linear, "minimax": _minimax}
 
 
-def route_to_kernels(monkeypatch) -> dict[str, int]:
-    """Point the scans the kinds call at the Triton launchers; returns launch counts."""
-    launches: dict[str, int] = {}
+def counted(launches: dict[str, int], name: str, launch):
+    def run(*args, **kwargs):
+        launches[name] = launches.get(name, 0) + 1
+        return launch(*args, **kwargs)
+    return run
 
-    def counted(name, launch):
-        def run(*args, **kwargs):
-            launches[name] = launches.get(name, 0) + 1
-            return launch(*args, **kwargs)
-        return run
+
+def count_dispatched_launches(monkeypatch) -> dict[str, int]:
+    """CUDA: wrap the launchers the kinds' dispatch calls, to count its launches."""
+    launches: dict[str, int] = {}
+    for module, name, kind in [(delta_rule, "chunk_gated_delta_rule_triton", "chunk"),
+                               (delta_rule, "delta_rule_step_triton", "step"), (kda, "chunk_kda_triton", "chunk"),
+                               (kda, "delta_rule_step_triton", "step"), (ssd, "ssd_chunk_scan_triton", "chunk"),
+                               (mamba2, "ssd_decode_packed", "step"), (linear_attention, "ssd_decode_packed", "step")]:
+        monkeypatch.setattr(module, name, counted(launches, kind, getattr(module, name)))
+    return launches
+
+
+def route_to_kernels(monkeypatch) -> dict[str, int]:
+    """CPU: point the scans the kinds call at the Triton launchers; returns launch counts."""
+    launches: dict[str, int] = {}
 
     def gdn_chunk(q, k, v, g, beta, cu_seqlens, initial_state):
         if q.shape[0] == cu_seqlens.shape[0] - 1:  # as the torch rule: one token each takes the step
@@ -90,18 +103,40 @@ def route_to_kernels(monkeypatch) -> dict[str, int]:
     def ssd_step(state, x, dt, A, B, C, D, decay_dtype=torch.float32):
         return ssd_decode_packed(state, x, dt, A, B, C, D)
 
-    monkeypatch.setattr(gated_delta_net, "chunk_gated_delta_rule_varlen", counted("chunk", gdn_chunk))
+    monkeypatch.setattr(gated_delta_net, "chunk_gated_delta_rule_varlen", counted(launches, "chunk", gdn_chunk))
     monkeypatch.setattr(gated_delta_net, "gated_delta_rule_step", counted(
-        "step", lambda q, k, v, g, beta, state: (delta_rule_step_triton(q, k, v, g, beta, state), state)))
+        launches, "step", lambda q, k, v, g, beta, state: (delta_rule_step_triton(q, k, v, g, beta, state), state)))
     for module in (mamba2, linear_attention):
-        monkeypatch.setattr(module, "ssd_chunk_scan_varlen", counted("chunk", ssd_chunk))
-        monkeypatch.setattr(module, "ssd_decode_step", counted("step", ssd_step))
+        monkeypatch.setattr(module, "ssd_chunk_scan_varlen", counted(launches, "chunk", ssd_chunk))
+        monkeypatch.setattr(module, "ssd_decode_step", counted(launches, "step", ssd_step))
     monkeypatch.setattr(kda, "chunk_kda_varlen", counted(
-        "chunk", lambda q, k, v, g, beta, cu_seqlens, initial_state: chunk_kda_triton(q, k, v, g, beta, cu_seqlens,
-                                                                                      initial_state)))
+        launches, "chunk", lambda q, k, v, g, beta, cu_seqlens, initial_state: chunk_kda_triton(
+            q, k, v, g, beta, cu_seqlens, initial_state)))
     monkeypatch.setattr(kda, "kda_decode_step", counted(
-        "step", lambda state, q, k, v, g, beta: delta_rule_step_triton(q, k, v, g, beta, state)))
+        launches, "step", lambda state, q, k, v, g, beta: delta_rule_step_triton(q, k, v, g, beta, state)))
     return launches
+
+
+def run_schedule_on(device, kind, module, config, sequences, schedule) -> list[torch.Tensor]:
+    """mixer_parity.run_schedule with every tensor on ``device``: each sequence's output."""
+    shapes = kind.state_shapes(module, config)
+    states = [{name: torch.full(shape, UNSET, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
+              for _ in sequences]
+    consumed = [0] * len(sequences)
+    outputs: list[list[torch.Tensor]] = [[] for _ in sequences]
+    for step in schedule:
+        chunks = [sequences[i][consumed[i] : consumed[i] + n] for i, n in step]
+        cu_seqlens = torch.tensor([0] + [n for _, n in step], device=device).cumsum(0)
+        has_initial_state = torch.tensor([consumed[i] > 0 for i, _ in step], device=device)
+        gathered = {name: torch.stack([states[i][name] for i, _ in step]) for name in shapes}
+        with torch.no_grad():
+            out = kind.forward(module, torch.cat(chunks), cu_seqlens, has_initial_state, gathered)
+        for b, (i, n) in enumerate(step):
+            outputs[i].append(out[cu_seqlens[b] : cu_seqlens[b + 1]])
+            for name in shapes:
+                states[i][name] = gathered[name][b].clone()
+            consumed[i] += n
+    return [torch.cat(o) for o in outputs]
 
 
 def hf_outputs(name, layer, config, sequences):
@@ -119,11 +154,11 @@ CASES = [pytest.param(name, schedule, id=f"{name}-{schedule}",
 @pytest.mark.parametrize("name,schedule", CASES)
 def test_kind_on_its_triton_kernels_matches_the_hf_module(name, schedule, monkeypatch):
     module, config, kind = MODELS[name]()
-    layer = randomize(module, seed=0).float()
-    sequences = [s.float() for s in make_sequences(LENGTHS, HIDDEN, seed=1)]
+    layer = randomize(module, seed=0).float().to(DEVICE)
+    sequences = [s.float().to(DEVICE) for s in make_sequences(LENGTHS, HIDDEN, seed=1)]
     expected = hf_outputs(name, layer, config, sequences)
-    launches = route_to_kernels(monkeypatch)
-    outputs, _ = run_schedule(kind, layer, config, sequences, SCHEDULES[schedule])
+    launches = count_dispatched_launches(monkeypatch) if DEVICE == "cuda" else route_to_kernels(monkeypatch)
+    outputs = run_schedule_on(DEVICE, kind, layer, config, sequences, SCHEDULES[schedule])
     assert launches.get("chunk", 0) > 0 and launches.get("step", 0) > 0, launches
     for i, (output, reference) in enumerate(zip(outputs, expected)):
         torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-4, msg=f"sequence {i}")
