@@ -18,37 +18,8 @@ from shardline.engine.sampling.structured import (
     forbidden_picks, grammar_key, new_bitmask,
 )
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-    },
-    "required": ["name", "age", "score"],
-}
-ORDER = {
-    "type": "object",
-    "properties": {
-        "status": {"enum": ["open", "shipped", "lost"]},
-        "items": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {"sku": {"type": "string", "maxLength": 6}, "qty": {"type": "integer", "minimum": 1,
-                                                                                   "maximum": 9}},
-                "required": ["sku", "qty"],
-            },
-            "minItems": 1,
-            "maxItems": 3,
-        },
-        "express": {"type": "boolean"},
-    },
-    "required": ["status", "items", "express"],
-}
-LABELS = {"type": "object", "properties": {"labels": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                      "maxItems": 4}},
-          "required": ["labels"]}
+from ..schemas import LABELS, ORDER, PERSON
+
 PROMPTS = [f"Row {i}: {text}" for i, text in enumerate(
     ["The quick brown fox", "Summarize the text", "café 東京", "def main():", "Question: two plus two?",
      "Translate to French", "emoji 🙂", "A paged key value cache"] * 2)]

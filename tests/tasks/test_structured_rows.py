@@ -25,29 +25,7 @@ from shardline.tasks.storage import list_shards
 from shardline.tasks.structured_rows import OutputChecker
 from shardline.tasks.summary import job_summary, shard_entry, summary_table
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-    },
-    "required": ["name", "age", "score"],
-}
-ORDER = {
-    "type": "object",
-    "properties": {
-        "status": {"enum": ["open", "shipped", "lost"]},
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-            "type": "object", "required": ["sku", "qty"],
-            "properties": {"sku": {"type": "string", "maxLength": 6},
-                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
-        "express": {"type": "boolean"},
-    },
-    "required": ["status", "items", "express"],
-}
-LABELS = {"type": "object", "properties": {"labels": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                      "maxItems": 4}}, "required": ["labels"]}
+from ..schemas import LABELS, ORDER, PERSON
 
 
 @pytest.fixture(autouse=True)
