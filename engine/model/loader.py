@@ -267,6 +267,10 @@ UNSUPPORTED_MODEL_TYPES = {
     "blt": "a byte-level patch model: an entropy model cuts the bytes into patches of varying length as it "
            "reads them, a global transformer runs over the patches and local byte models cross-attend them, "
            "while the paged cache holds one token-level sequence per layer",
+    "cpmant": "its prompt attends bidirectionally (each prompt token sees the whole prompt, after a learned "
+              "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
+              "position bias between segments; the paged attention is causal and prefills a prompt in "
+              "chunks, so the prompt's keys and values would differ from the model's",
 }
 
 
