@@ -17,8 +17,8 @@ takes: the torch path, the CPU C kernels and the Triton kernel.
 Calling the paged attention from a module transformers does not route through its
 AttentionInterface (an adapter of one's own): call ``paged_attention_forward(module,
 query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` with
-``module.layer_idx`` set (or ``shardline_layer_idx=``), query [1, H, T, D], key [1, Hkv, T, D], value
-[1, Hkv, T, Dv]; it returns ([1, T, H, Dv], None).
+``module.layer_idx`` set (or the call's own ``shardline_layer_idx=``), query
+[1, H, T, D], key [1, Hkv, T, D], value [1, Hkv, T, Dv]; it returns ([1, T, H, Dv], None).
 """
 
 from __future__ import annotations

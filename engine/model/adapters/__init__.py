@@ -15,8 +15,8 @@ import inspect
 
 from torch import nn
 
-from .base import (CALL_LAYER_ARGUMENT, CALL_OFFSET_ARGUMENTS, CallIndexedAttention, ContextForwardingAttention, PagedAttentionAdapter, StepScope,
-                   UnsupportedAttentionError)
+from .base import (CALL_LAYER_ARGUMENT, CALL_OFFSET_ARGUMENTS, CallIndexedAttention, ContextForwardingAttention,
+                   PagedAttentionAdapter, StepScope, UnsupportedAttentionError)
 from .shapes import (BloomAttention, DiffLlamaAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention,
                      MptAttention, OpenAIGPTAttention, XGLMAttention)
 
