@@ -195,6 +195,13 @@ class KVCacheManager:
         """The request's block table as block ids (empty when it holds none)."""
         return list(self._block_ids.get(request_id, ()))
 
+    def live_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table itself, not a copy: later allocations extend this
+        list in place, and a table rebuilt after free (preemption, a new request with
+        the same id) is a new list, so a reader that keeps a copy of it can tell
+        growth (same list, longer) from replacement (another list). Never modify it."""
+        return self._block_ids[request_id]
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks matching the request's prefix.
 
@@ -226,6 +233,14 @@ class KVCacheManager:
         blocks the hit would revive) cannot supply the missing blocks.
         """
         request_id = request.request_id
+        block_ids = self._block_ids.get(request_id)
+        if block_ids is not None and not new_computed_blocks and \
+                request.num_computed_tokens + num_new_tokens <= len(block_ids) * self.block_size:
+            # The common decode step: the table already covers the new tokens.
+            if self.enable_prefix_caching and \
+                    request.num_computed_tokens // self.block_size > self._num_registered[request_id]:
+                self._register_computed(request)
+            return True
         table = self._block_tables.get(request_id, [])
         assert not (table and new_computed_blocks), "prefix hits are committed only at admission"
         num_hit_tokens = len(new_computed_blocks) * self.block_size

@@ -67,7 +67,9 @@ class ScheduledRequest:
     """One request's share of a step: it computes tokens [start, start + num_new_tokens).
 
     ``start`` is where computation begins (after any prefix-cache hit) and
-    ``block_ids`` the request's whole block table after this step's allocation.
+    ``block_ids`` the request's whole block table after this step's allocation: the
+    KV cache's own list (KVCacheManager.live_block_ids), read during this step and
+    never modified.
     """
 
     request: Request
@@ -308,8 +310,8 @@ class Scheduler:
     # -- helpers ----------------------------------------------------------------
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int) -> None:
-        block_ids = self.kv_cache.get_block_ids(request.request_id)
-        slot = self.state_slot(request.request_id)
+        block_ids = self.kv_cache.live_block_ids(request.request_id)
+        slot = self.state_slots.slot_of(request.request_id) if self.state_slots is not None else -1
         step.add(ScheduledRequest(request, start, num_new_tokens, block_ids, -1 if slot is None else slot))
 
     def _free_state_slot(self, request: Request) -> None:

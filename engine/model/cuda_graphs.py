@@ -29,6 +29,7 @@ import torch
 from ..attention.context import AttentionContext
 from ..attention.backends import AttentionBackend, StepBatch, TritonIndices
 from ..core.scheduler import SchedulerOutput
+from .input_batch import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -114,31 +115,26 @@ class DecodeGraphs:
         logger.info("recorded CUDA graphs for decode batches of %s", self.sizes)
 
     @torch.inference_mode()
-    def run(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, dict[str, int]]:
-        """Run a step that ``qualifies`` (the caller checks); return its logits [n, V]
-        (row i samples request i) and the request id -> row map."""
+    def run(self, scheduler_output: SchedulerOutput, packed: PackedBatch,
+            pending_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, int]]:
+        """Run a step that ``qualifies`` (the caller checks), laid out as ``packed``
+        (engine/model/input_batch.py); ``pending_token_ids``: the previous step's sampled
+        ids its pending rows read. Return its logits [n, V] (row i samples request i)
+        and the request id -> row map."""
         items = scheduler_output.scheduled
         num = len(items)
         size = self.padded_size(num)
         assert size is not None, f"{num} requests exceed the largest recorded batch {self.sizes[-1]}"
-        block_size = self.block_size
-        tokens, positions, slots, seq_lens = [], [], [], []
-        tables = []
-        for item in items:
-            position = item.start
-            blocks = item.block_ids
-            tokens += item.request.token_ids_slice(position, position + 1)
-            positions.append(position)
-            slots.append(blocks[position // block_size] * block_size + position % block_size)
-            seq_lens.append(position + 1)
-            tables.append(blocks)
-        width = max(len(blocks) for blocks in tables)
-        table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in tables], dtype=torch.int32)
-        self.input_ids[0, :num].copy_(torch.tensor(tokens), non_blocking=True)
-        self.positions[0, :num].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:num].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:num].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:num, :width].copy_(table, non_blocking=True)
+        width = packed.block_tables.shape[1]
+        self.input_ids[0, :num].copy_(torch.tensor(packed.token_ids, dtype=torch.int64), non_blocking=True)
+        if packed.pending_positions:
+            positions = torch.tensor(packed.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = torch.tensor(packed.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.input_ids[0].index_copy_(0, positions, pending_token_ids[rows])
+        self.positions[0, :num].copy_(torch.from_numpy(packed.positions), non_blocking=True)
+        self.slot_mapping[:num].copy_(torch.from_numpy(packed.slot_mapping), non_blocking=True)
+        self.seq_lens[:num].copy_(torch.from_numpy(packed.seq_lens), non_blocking=True)
+        self.block_tables[:num, :width].copy_(torch.from_numpy(packed.block_tables), non_blocking=True)
         self._fill_padding(num, size)
         graph = self.graphs.get(size)
         if graph is not None:

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
+import numpy as np
+
 from ..attention.backends import AttentionBackend, StepBatch
 from .cuda_graphs import DecodeGraphs
+from .input_batch import InputRows
 from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
@@ -91,6 +94,8 @@ class ModelRunner:
         self.state_spec = state_spec
         self.num_state_slots = num_state_slots
         self.recurrent_states = state_spec.allocate(num_state_slots, device) if num_state_slots else {}
+        # Per-request block-table rows kept across steps (engine/model/input_batch.py).
+        self.input_rows = InputRows(64, 16, block_size)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
@@ -106,45 +111,33 @@ class ModelRunner:
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
                 and graphs.qualifies(scheduler_output))
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, "LogitsPlan"]:
-        """Build the packed batch: model kwargs, and which positions need logits."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_tables = []
-        plan = LogitsPlan()
-        bs = self.block_size
-        for item in scheduler_output.scheduled:
-            start, end = item.start, item.start + item.num_new_tokens
-            token_ids += item.request.token_ids_slice(start, end)
-            positions += range(start, end)
-            blocks = item.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            plan.add(item, query_start_loc[-1])
-            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(blocks)
-        max_blocks = max(len(b) for b in block_tables)
-        table = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
-        for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    def prepare_inputs(self, scheduler_output: SchedulerOutput,
+                       pending: "PendingTokens | None" = None) -> tuple[dict, "LogitsPlan"]:
+        """Build the packed batch: model kwargs, and which positions need logits.
+        ``pending``: the previous step's sampled ids, for requests whose last token
+        they hold (async scheduling)."""
+        scheduled = scheduler_output.scheduled
+        packed = self.input_rows.pack(scheduled, pending.rows if pending is not None else None)
+        plan = LogitsPlan.of(scheduled, packed.query_start_loc)
         dev = self.device
-        sampled = self._sampled_rows(scheduler_output, plan, len(token_ids))
+        sampled = self._sampled_rows(scheduler_output, plan, len(packed.token_ids))
         ctx = self.attention.build_context(StepBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
+            slot_mapping=to_device(packed.slot_mapping, dev),
+            query_start_loc=to_device(packed.query_start_loc, dev),
+            seq_lens=to_device(packed.seq_lens, dev),
+            block_tables=to_device(packed.block_tables, dev),
             kv_caches=self.kv_caches,
-            max_query_len=max(q - p for p, q in zip(query_start_loc, query_start_loc[1:])),
-            max_seq_len=max(seq_lens),
+            max_query_len=packed.max_query_len,
+            max_seq_len=int(packed.seq_lens.max()),
             **sampled,
         ))
+        input_ids = torch.tensor(packed.token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        if packed.pending_positions:
+            input_ids[to_device(packed.pending_positions, dev)] = \
+                pending.token_ids[to_device(packed.pending_rows, dev)]
         model_inputs = dict(
-            input_ids=torch.tensor([token_ids], dtype=torch.int64, device=dev),
-            position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
+            input_ids=input_ids[None],
+            position_ids=to_device(packed.positions, dev)[None],
             shardline_ctx=ctx,
         )
         if self.recurrent_states:
@@ -178,13 +171,17 @@ class ModelRunner:
                     sampled_query_rows=torch.tensor(query_rows, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> "ModelOutput":
-        """Run the model on the scheduled tokens; return the logits the step needs."""
+    def execute(self, scheduler_output: SchedulerOutput, pending: "PendingTokens | None" = None) -> "ModelOutput":
+        """Run the model on the scheduled tokens; return the logits the step needs.
+        ``pending``: the previous step's sampled ids, where a scheduled request's last
+        token is one of them (async scheduling)."""
         if self._uses_decode_graphs(scheduler_output):
-            logits, sample_rows = self.decode_graphs.run(scheduler_output)
+            packed = self.input_rows.pack(scheduler_output.scheduled, pending.rows if pending is not None else None)
+            logits, sample_rows = self.decode_graphs.run(scheduler_output, packed,
+                                                         pending.token_ids if pending is not None else None)
             return ModelOutput(logits, sample_rows, {})
-        model_inputs, plan = self.prepare_inputs(scheduler_output)
-        keep = torch.tensor(plan.keep, dtype=torch.int64, device=self.device)
+        model_inputs, plan = self.prepare_inputs(scheduler_output, pending)
+        keep = to_device(plan.keep, self.device)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
             self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
@@ -214,6 +211,21 @@ class ModelRunner:
                 tensor[dst] = tensor[src]
 
 
+def to_device(values: np.ndarray | list[int], device: torch.device) -> torch.Tensor:
+    """Host int64 values as a tensor on ``device``, without waiting for queued work."""
+    tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
+    return tensor.to(device, non_blocking=True)
+
+
+@dataclass
+class PendingTokens:
+    """The sampled token ids of a step whose outputs are not processed yet (async
+    scheduling): ``token_ids`` [N] on the device, and each sequence's row in it."""
+
+    token_ids: torch.Tensor
+    rows: dict[str, int]
+
+
 @dataclass
 class LogitsPlan:
     """Packed positions whose logits the step needs, in the order they are kept.
@@ -228,6 +240,21 @@ class LogitsPlan:
     sample_rows: dict[str, int] = field(default_factory=dict)
     # request_id -> (first kept row, number of rows, position of the first row).
     prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> "LogitsPlan":
+        """The plan of a step; ``query_start_loc`` [B+1]: where each request's tokens start."""
+        plan = cls()
+        keep, sample_rows = plan.keep, plan.sample_rows
+        starts = query_start_loc.tolist()
+        for index, item in enumerate(scheduled):
+            request = item.request
+            if getattr(request.params, "prompt_logprobs", None) is not None:
+                plan.add(item, starts[index])
+            elif item.start + item.num_new_tokens == item.num_tokens:  # is_last_chunk, inlined
+                sample_rows[request.request_id] = len(keep)
+                keep.append(starts[index + 1] - 1)
+        return plan
 
     def add(self, item: ScheduledRequest, offset: int) -> None:
         request = item.request

@@ -27,7 +27,8 @@ def test_capture_sizes():
 def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
     runs = []
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, out: runs.append(len(out.scheduled)) or run(self, out))
+    monkeypatch.setattr(DecodeGraphs, "run",
+                        lambda self, out, *args: runs.append(len(out.scheduled)) or run(self, out, *args))
     model_dir = str(build_tiny_model(tmp_path / arch, arch))
     # Five requests: padded to 8 rows; different lengths finish at different steps,
     # so later steps pad more rows; n=2 forks share blocks.
