@@ -16,7 +16,9 @@ grammar completed. So every constrained output is checked after decoding: JSON
 against its schema (``jsonschema``), a choice by membership, a regex or grammar by
 xgrammar over the output's bytes. A JSON output that passes goes to the ``parsed``
 column as compact JSON text; one that fails keeps its text and gets an error saying
-why, and is counted in the manifest's ``invalid_outputs``.
+why, and is counted in the manifest's ``invalid_outputs``. OpenAI Batch output lines
+(``output_format`` openai) are not checked, as OpenAI's API does not check them: a
+line carries the content as written and its ``finish_reason`` says whether it was cut.
 
 Invariant: a row with an ``error`` and a ``finish_reason`` ran on the engine and its
 output did not validate; only this module sets an error on a row that has output.
