@@ -60,10 +60,11 @@ def recurrence(q, k, v, g, beta, initial, cu):
     return torch.cat(outputs).float(), torch.cat(finals).float()
 
 
-@pytest.mark.parametrize("has_state,decay_scale", [(HAS_STATE, 1.0), ([False] * 4, 8.0)])
-def test_triton_kda_matches_the_recurrence(has_state, decay_scale):
+@pytest.mark.parametrize("has_state,key_dim,decay_scale", [(HAS_STATE, 24, 1.0), ([False] * 4, 16, 8.0)])
+def test_triton_kda_matches_the_recurrence(has_state, key_dim, decay_scale):
+    # key_dim 24: not a power of two; 40 value columns: three 16-wide value blocks.
     # decay_scale 8: a 16-token chunk sums log-decays near -64 per channel, -600 over 37 tokens
-    q, k, v, g, beta, initial, cu = make_case(LENGTHS, has_state, 2, 16, 40, decay_scale=decay_scale)
+    q, k, v, g, beta, initial, cu = make_case(LENGTHS, has_state, 2, key_dim, 40, decay_scale=decay_scale)
     q, k = normalised(q, k)
     out, final = run_kernel(q, k, v, g, beta, initial, cu, block_v=16)
     expected, expected_state = recurrence(q, k, v, g, beta, initial, cu)
@@ -71,9 +72,10 @@ def test_triton_kda_matches_the_recurrence(has_state, decay_scale):
     torch.testing.assert_close(final, expected_state, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2),
+                                       pytest.param(torch.float32, 1e-4, marks=pytest.mark.slow)])
 def test_triton_kda_matches_the_torch_chunked_rule(dtype, tol):
-    q, k, v, g, beta, initial, cu = make_case(LENGTHS, HAS_STATE, 3, 24, 16, seed=1)  # K not a power of 2
+    q, k, v, g, beta, initial, cu = make_case(LENGTHS, HAS_STATE, 3, 24, 16, seed=1)
     q, k = normalised(q, k)
     q, k, v, g, beta = (t.to(dtype).float() for t in (q, k, v, g, beta))  # the values the kernel reads
     out, final = run_kernel(q, k, v, g, beta, initial, cu, dtype=dtype)
