@@ -100,6 +100,19 @@ def test_shards_per_task_groups_shards_and_pushes_a_list_of_manifests(airflow_db
         ["part-00000", "part-00001"], ["part-00002"]]
 
 
+def test_the_dag_form_takes_a_structured_output_constraint(airflow_db, tmp_path, tiny_model):
+    write_sample_dataset(str(tmp_path / "in" / DS), num_shards=1, rows_per_shard=4, with_bad_rows=False)
+    choices = ["yes", "no"]
+    dag_run = run_dag("shardline_batch", _conf(str(tmp_path / "in"), str(tmp_path / "out"), tiny_model,
+                                               structured_outputs={"choice": choices}))
+    assert str(dag_run.state) == "success", task_states(dag_run)
+    output = pq.read_table(tmp_path / "out" / DS / "part-00000.parquet").to_pylist()
+    assert [row["text"] for row in output if row["error"] is None] and all(
+        row["text"] in choices for row in output if row["error"] is None)
+    assert all(row["finish_reason"] == "length" for row in output if row["error"] is not None)
+    assert "parsed" in output[0]
+
+
 def test_credentials_in_dag_code_are_refused(tiny_model):
     from shardline.providers.airflow import ShardInferenceOperator
     from shardline.providers.airflow.shard_batch import CredentialsInDagError

@@ -18,6 +18,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag
 
+from shardline.engine.sampling.reasoning import REASONING_PARSERS
 from shardline.providers.airflow import ShardInferenceOperator, batch_usage, list_shards
 
 JOB = {
@@ -27,6 +28,8 @@ JOB = {
     "sampling": "{{ params.sampling }}",
     "engine_options": "{{ params.engine_options }}",
     "pass_through": "{{ params.pass_through }}",
+    "structured_outputs": "{{ params.structured_outputs }}",
+    "reasoning_parser": "{{ params.reasoning_parser }}",
 }
 
 
@@ -45,6 +48,13 @@ JOB = {
                           description="Sampling defaults (vLLM names); rows may override some."),
         "engine_options": Param({}, type="object", description="Engine options (vLLM names)."),
         "pass_through": Param([], type="array", description="Input columns copied to the output."),
+        "structured_outputs": Param(
+            None, type=["null", "object"],
+            description="Constrain every output: one of json_schema, choice, regex, grammar or json_object, "
+                        "e.g. {\"json_schema\": {...}, \"disable_any_whitespace\": true}; JSON outputs are "
+                        "validated into a `parsed` column."),
+        "reasoning_parser": Param(None, type=["null", "string"], enum=[None, *REASONING_PARSERS],
+                                  description="Split a reasoning model's thinking into a `reasoning` column."),
         "storage_conn_id": Param("shardline_storage", type=["null", "string"],
                                  description="Airflow connection with the storage credentials."),
         "shards_per_task": Param(1, type="integer", minimum=1),
