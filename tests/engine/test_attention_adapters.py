@@ -63,12 +63,15 @@ def test_falcon_with_alibi_is_refused_with_the_reason(tmp_path):
         LLM(model_dir, dtype="float64")
 
 
-# Models that run some layers several times per token, each pass attending a cache
-# layer of its own that its attention's caller names (CallIndexedAttention), and the
-# cache layers each needs: hrm_text's config counts one layer per pass (2 per stack x
-# 2 high cycles x (2 low cycles + its high pass)); dory adds a copy of its 2-layer
-# recurrent section for its second loop.
-PASS_CASES = {
+# Models whose attention modules are called several times per token, each call
+# attending a cache layer of its own that its caller names (CallIndexedAttention), and
+# the attention cache layers each needs: zamba's one shared block, called by its 2
+# hybrid layers; hrm_text, whose config counts one layer per pass (2 per stack x 2 high
+# cycles x (2 low cycles + its high pass)); dory, with a copy of its 2-layer recurrent
+# section for its second loop.
+CALL_CASES = {
+    "zamba-shared-block": ("zamba", dict(mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, num_hidden_layers=4,
+                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]), 2),
     "hrm_text-cycles": ("hrm_text", dict(H_cycles=2, L_cycles=2, head_dim=16), 12),
     "dory-loops": ("dory", dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
                                 n_recurrent_loops=2, sliding_window=8,
@@ -77,15 +80,15 @@ PASS_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", PASS_CASES)
-def test_layers_run_in_several_passes_keep_a_cache_layer_per_pass(case, tmp_path):
-    arch, overrides, num_cache_layers = PASS_CASES[case]
+@pytest.mark.parametrize("case", CALL_CASES)
+def test_attention_called_several_times_per_token_keeps_a_cache_layer_per_call(case, tmp_path):
+    arch, overrides, num_attention_layers = CALL_CASES[case]
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
     prompts = random_prompts(3, (2, 40), 512, seed=3)
     reference = load_hf_model(model_dir)
     expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
     llm = LLM(model_dir, dtype="float64", max_num_batched_tokens=16)  # prompts cross chunks
-    assert llm.llm_engine.runner.spec.num_layers == num_cache_layers
+    assert sum(layer.num_kv_heads > 0 for layer in llm.llm_engine.runner.spec.layers) == num_attention_layers
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.close()
@@ -95,7 +98,7 @@ def test_layers_run_in_several_passes_keep_a_cache_layer_per_pass(case, tmp_path
 def test_dory_whose_earlier_loops_only_read_the_cache_is_refused_with_the_reason(tmp_path):
     from shardline.engine.model.loader import UnsupportedModelError
 
-    arch, overrides, _ = PASS_CASES["dory-loops"]
+    arch, overrides, _ = CALL_CASES["dory-loops"]
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides, recurrent_kv_cache_mode="last_loop"))
     with pytest.raises(UnsupportedModelError, match="recurrent_kv_cache_mode 'last_loop'"):
         LLM(model_dir, dtype="float64")
