@@ -89,18 +89,20 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2).contiguous()  # [N, H, K, C]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
 
-    # The hand-over, one chunk index at a time: the state entering each chunk, and u.
+    # The hand-over, one chunk index at a time: u = U0 - W S_0 and the entering state's
+    # part of the outputs; then the chunks' own part, for all chunks at once.
     state = initial_state[layout.order]  # by rank: the requests with a chunk at index j lead
-    entering = state.new_empty((layout.num_chunks, *state.shape[1:]))  # [N, H, K, V]
+    out = torch.empty_like(u)
     for position in range(layout.max_chunks):
         chunks = layout.chunks_at(position)
-        s0 = state[: chunks.stop - chunks.start]
-        entering[chunks] = s0
+        s0 = state[: chunks.stop - chunks.start]  # updated in place to the state leaving the chunk
         u[chunks] -= w[chunks] @ s0
-        state[: s0.shape[0]] = s0 * chunk_decay[chunks] + k_to_end[chunks] @ u[chunks]
+        torch.matmul(q_decayed[chunks], s0, out=out[chunks])
+        s0.mul_(chunk_decay[chunks]).flatten(0, 1).baddbmm_(k_to_end[chunks].flatten(0, 1),
+                                                             u[chunks].flatten(0, 1))
     initial_state[layout.order] = state
-    out = torch.baddbmm((q_decayed @ entering).flatten(0, 1), attn.flatten(0, 1), u.flatten(0, 1))
-    return layout.scatter(out.view_as(u).transpose(1, 2)), initial_state
+    out.flatten(0, 1).baddbmm_(attn.flatten(0, 1), u.flatten(0, 1))
+    return layout.scatter(out.transpose(1, 2)), initial_state
 
 
 def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
