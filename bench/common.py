@@ -71,7 +71,8 @@ def peak_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048, repe
 
 
 class StepProfile:
-    """Wall time of a CPU engine's steps by part: scheduling, batch preparation, the
+    """Time of a CPU engine's steps by part (by ``clock``: the wall clock by default,
+    or e.g. the thread's CPU time for a one-thread run): scheduling, batch preparation, the
     model forward (its attention split into decode, prefill, the last layer's sampled
     rows, KV-cache writes and per-step planning), sampling, and output processing
     (detokenization, stop checks, building outputs).
@@ -84,7 +85,9 @@ class StepProfile:
     ATTENTION = ("decode attention", "prefill attention", "last layer, sampled rows", "kv cache writes",
                  "attention plans")
 
-    def __init__(self) -> None:
+    def __init__(self, clock=None) -> None:
+        import time
+
         from shardline.engine import llm_engine
         from shardline.engine.sampling import output_processor, sampler
         from shardline.engine.attention import backends as attention_backends
@@ -93,6 +96,7 @@ class StepProfile:
         from shardline.engine.cpu import layers as cpu_layers
         from shardline.engine.model import runner as model_runner
 
+        self.clock = clock or time.perf_counter
         self.seconds: dict[str, float] = {}
         attend = torch_attention._attend
 
@@ -122,13 +126,11 @@ class StepProfile:
             setattr(owner, name, lambda *args, _f=function, _label=label: self._time(_label, _f, *args))
 
     def _time(self, label: str, function, *args):
-        import time
-
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return function(*args)
         finally:
-            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+            self.seconds[label] = self.seconds.get(label, 0.0) + self.clock() - start
 
     def report(self, total: float) -> str:
         get = self.seconds.get

@@ -48,4 +48,126 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* ---- Vectors of the target's width, as GCC vector extensions: VL float32 lanes, 16
+ * with AVX-512 (zmm), 8 otherwise (AVX2's ymm; pairs of registers on NEON and SSE2).
+ * kernels/native.py builds each source for one target, so VL is fixed per build. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+
+/* Element access to float32 or (bf16 != 0) bfloat16 tensors, as float32. The callers
+ * pass bf16 as a constant, so each instance keeps one branch. */
+static inline float load1(const void *base, int64_t index, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+static inline vf loadv(const void *base, int64_t index, int bf16) {
+    vf x;
+    if (bf16) {
+        vh half;
+        memcpy(&half, (const uint16_t *)base + index, sizeof half);
+        x = (vf)(__builtin_convertvector(half, vi) << 16);
+    } else {
+        memcpy(&x, (const float *)base + index, sizeof x);
+    }
+    return x;
+}
+
+static inline void storev(void *base, int64_t index, vf x, int bf16) {
+    if (bf16) {
+        for (int lane = 0; lane < VL; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
+    } else {
+        memcpy((float *)base + index, &x, sizeof x);
+    }
+}
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf blend(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+static inline vf vmax(vf a, vf b) { return blend(a > b, a, b); }
+
+/* Lanes of x in the given order (GCC before 12 has only __builtin_shuffle). */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else
+#define SHUFFLE(x, ...) __builtin_shuffle(x, (vi){__VA_ARGS__})
+#endif
+
+/* A horizontal reduction: log2(VL) steps, each combining lanes half as far apart. */
+#if VL == 16
+#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#define REDUCE(x, OP)                                                                       \
+    x = OP(x, SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));            \
+    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));            \
+    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));            \
+    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#else
+#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7}
+#define REDUCE(x, OP)                                                                       \
+    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3));                                          \
+    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5));                                          \
+    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6))
+#endif
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline float hmax(vf x) { REDUCE(x, vmax); return x[0]; }
+static inline float hsum(vf x) { REDUCE(x, vadd); return x[0]; }
+
+/* exp_f32 (cpu_common.h) on VL lanes, except that below -87 (and -inf: masked keys)
+ * it gives exactly 0. */
+static inline vf vexp(vf x) {
+    const vi underflow = x < -87.0f;
+    x = blend(x > 88.0f, splat(88.0f), x);
+    x = blend(underflow, splat(-87.0f), x);
+    const vf n = EXP_F32_ROUND(x);
+    const vf p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
+    const vi bits = (vi)p + __builtin_convertvector(n, vi) * (1 << 23);
+    return blend(underflow, splat(0.0f), (vf)bits);
+}
+
+/* tanh on VL lanes, as 1 - 2 / (exp(2x) + 1): within about 1e-7 of tanhf, and
+ * exactly +-1 where exp(2x) leaves vexp's range. */
+static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
+
+/* Two-vector shuffle: lanes of the concatenation x:y (x's are 0 .. VL - 1). */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE2(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE2(x, y, ...) __builtin_shuffle(x, y, (vi){__VA_ARGS__})
+#endif
+
+/* sum_each below: pairs of lanes within each quarter of 4 (a 128-bit lane on x86, so
+ * one in-lane shuffle each), then pairs of quarters. */
+#if VL == 16
+#define EVEN_LANES 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30
+#define ODD_LANES 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31
+#define EVEN_QUARTERS 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define ODD_QUARTERS 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#else
+#define EVEN_LANES 0, 2, 8, 10, 4, 6, 12, 14
+#define ODD_LANES 1, 3, 9, 11, 5, 7, 13, 15
+#define EVEN_QUARTERS 0, 1, 2, 3, 8, 9, 10, 11
+#define ODD_QUARTERS 4, 5, 6, 7, 12, 13, 14, 15
+#endif
+static inline vf pair_lanes(vf x, vf y) { return SHUFFLE2(x, y, EVEN_LANES) + SHUFFLE2(x, y, ODD_LANES); }
+static inline vf pair_quarters(vf x, vf y) { return SHUFFLE2(x, y, EVEN_QUARTERS) + SHUFFLE2(x, y, ODD_QUARTERS); }
+
+/* The sums of VL vectors, each one's lanes added: lane j of the result is the sum of
+ * a[j]'s lanes. VL - 1 pair steps, where one horizontal sum per vector takes log2(VL)
+ * and leaves VL scalars. */
+static inline __attribute__((always_inline)) vf sum_each(const vf a[VL]) {
+    vf quarters[VL / 4];  /* quarter q of quarters[k]: a[4k .. 4k + 3]'s sums over quarter q */
+    for (int k = 0; k < VL / 4; k++)
+        quarters[k] = pair_lanes(pair_lanes(a[4 * k], a[4 * k + 1]), pair_lanes(a[4 * k + 2], a[4 * k + 3]));
+#if VL == 16
+    return pair_quarters(pair_quarters(quarters[0], quarters[1]), pair_quarters(quarters[2], quarters[3]));
+#else
+    return pair_quarters(quarters[0], quarters[1]);
+#endif
+}
+
 #endif

@@ -11,9 +11,11 @@
  * float32, float64 and bfloat16 caches; bfloat16 is read into float32 and
  * accumulates there, which halves the bytes a decode step reads.
  *
+ * float32 and bfloat16 caches whose head sizes are multiples of the target's vector
+ * width go through the vector item (below DEFINE_ITEM: explicit vectors of the
+ * target's width, cpu_common.h); the rest, and float64, through DEFINE_ITEM's loops.
  * Common head sizes get their own instance with the head size a compile-time
- * constant, so the compiler unrolls and vectorizes the dot products and the
- * accumulation; float32 exponentials use a vectorizable polynomial (below).
+ * constant, so the compiler unrolls the inner loops.
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_attention.py):
  *   q:            [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
@@ -138,7 +140,191 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                       \
 }
 
-#define DEFINE_DECODE(NAME, ITEM, T, ACC)                                                   \
+/* ---- The vector item: float32 and bfloat16 caches whose key and value head sizes are
+ * multiples of VL (cpu_common.h), attending the same as DEFINE_ITEM's, with explicit
+ * vectors where the scalar loops above leave the compiler one horizontal sum per key:
+ * - scores: VL consecutive keys at a time for one query row, each key's products
+ *   summed down a vector over D, the VL vectors then summed across lanes together
+ *   (sum_each), which leaves the VL scores in one vector;
+ * - the softmax on those vectors (masking keys outside [lo, hi) to -inf);
+ * - values: COLS vectors of columns for VROWS rows of a KV head at a time, their
+ *   accumulators in registers over the block's keys (4 x 2 of AVX2's 16 registers).
+ * Each KV head's share of the block two ahead is prefetched into L2 while the block is
+ * computed: its keys during the scores, its values during the value sums, so the
+ * fetches spread over the block's work. */
+#define COLS 4
+
+/* Scores of keys key0 .. key0 + num_keys - 1 (element index of the first one's head,
+ * rows row_stride apart) for one scaled query row: lane j holds key j's, 0 past
+ * num_keys (those keys are not read). */
+static inline __attribute__((always_inline)) vf key_scores(
+    const float *query, const void *k_cache, int64_t key0, int64_t row_stride, const int num_keys,
+    const int64_t D, const int bf16)
+{
+    vf a[VL];
+    for (int j = 0; j < VL; j++) a[j] = splat(0.0f);
+    for (int64_t d = 0; d < D; d += VL) {
+        vf qd;
+        memcpy(&qd, query + d, sizeof qd);
+        for (int j = 0; j < VL; j++)
+            if (j < num_keys) a[j] += qd * loadv(k_cache, key0 + j * row_stride + d, bf16);
+    }
+    return sum_each(a);
+}
+
+/* acc[rows][c .. c + cols - 1] += sum over keys j in lo .. hi - 1 of p[row][j] * value
+ * row j's columns, for `rows` consecutive query rows of one KV head. */
+static inline __attribute__((always_inline)) void add_values(
+    vf *acc, int64_t acc_stride, const float *p, int64_t p_stride, const void *v_cache, int64_t value0,
+    int64_t v_row_stride, int64_t lo, int64_t hi, const int rows, const int cols, const int bf16)
+{
+    vf a[2][COLS];
+    for (int b = 0; b < rows; b++)
+        for (int d = 0; d < cols; d++) a[b][d] = acc[b * acc_stride + d];
+    for (int64_t j = lo; j < hi; j++) {
+        vf v[COLS];
+        for (int d = 0; d < cols; d++) v[d] = loadv(v_cache, value0 + j * v_row_stride + VL * d, bf16);
+        for (int b = 0; b < rows; b++) {
+            const float pj = p[b * p_stride + j];
+            for (int d = 0; d < cols; d++) a[b][d] += pj * v[d];
+        }
+    }
+    for (int b = 0; b < rows; b++)
+        for (int d = 0; d < cols; d++) acc[b * acc_stride + d] = a[b][d];
+}
+
+static inline void prefetch_rows(const char *first, int64_t rows, int64_t row_bytes, int64_t run_bytes) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t byte = 0; byte < run_bytes; byte += 64) __builtin_prefetch(first + j * row_bytes + byte, 0, 1);
+}
+
+static inline __attribute__((always_inline)) void vector_item(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
+    const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0, int64_t num_item_heads,
+    int64_t group, int64_t num_heads, int64_t row_stride, int64_t v_row_stride, const int64_t D, const int64_t Dv,
+    int64_t block_size, float scale, int64_t window, float softcap, const double *sinks, const double *alibi,
+    int64_t chunk, const int bf16)
+{
+    /* Rows i = 0 .. n-1 are the item's query heads h0 * group + i; row i reads KV head h0 + i / group. */
+    const int64_t n = num_item_heads * group, DV = Dv / VL, query_pos = seq_len - 1;
+    const int64_t element = bf16 ? 2 : 4;
+    int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    if (chunk > 0 && query_pos - query_pos % chunk > first) first = query_pos - query_pos % chunk;
+    float qs[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    vf acc[MAX_ITEM_HEADS][MAX_HEAD_DIM / VL];
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    /* The block's scores, then its probabilities, by key (room for a last partial vector). */
+    float p[MAX_ITEM_HEADS][MAX_BLOCK + VL] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t qh = query_row * q_stride_t + (h0 * group + i) * q_stride_h;
+        for (int64_t d = 0; d < D; d++) qs[i][d] = load1(q, qh + d, bf16) * scale;
+        for (int64_t d = 0; d < DV; d++) acc[i][d] = splat(0.0f);
+        m[i] = sinks ? (float)sinks[h0 * group + i] : -INFINITY;
+        l[i] = sinks ? 1.0f : 0.0f;
+    }
+    const int vrows = group % 2 == 0 ? 2 : 1;  /* query rows per value pass */
+    for (int64_t start = first - first % block_size; start < seq_len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const int64_t lo = start < first ? first - start : 0;
+        const int64_t hi = seq_len - start < block_size ? seq_len - start : block_size;
+        const int64_t c0 = lo - lo % VL;  /* the first vector of keys; lanes before lo are masked */
+        const int64_t keys = block * block_size * row_stride + h0 * D;
+        const int64_t values = block * block_size * v_row_stride + h0 * Dv;
+        const int64_t next = start + 2 * block_size < seq_len ? table[start / block_size + 2] : block;
+        const char *next_k = (const char *)k_cache + (next * block_size * row_stride + h0 * D) * element;
+        const char *next_v = (const char *)v_cache + (next * block_size * v_row_stride + h0 * Dv) * element;
+        for (int64_t kv = 0; kv < num_item_heads; kv++) {
+            prefetch_rows(next_k + kv * D * element, block_size, row_stride * element, D * element);
+            for (int64_t j0 = c0; j0 < hi; j0 += VL) {
+                const int64_t key0 = keys + j0 * row_stride + kv * D;
+                for (int64_t i = kv * group; i < (kv + 1) * group; i++) {
+                    const vf s = hi - j0 >= VL ? key_scores(qs[i], k_cache, key0, row_stride, VL, D, bf16)
+                                               : key_scores(qs[i], k_cache, key0, row_stride, (int)(hi - j0), D, bf16);
+                    memcpy(&p[i][j0], &s, sizeof s);
+                }
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float slope = alibi ? (float)alibi[h0 * group + i] : 0.0f;
+            vf block_max = splat(-INFINITY);
+            for (int64_t j0 = c0; j0 < hi; j0 += VL) {
+                const vf j = (vf)LANE_INDICES + (float)j0;
+                vf s;
+                memcpy(&s, &p[i][j0], sizeof s);
+                if (alibi) s += slope * (j + (float)(start - query_pos));
+                if (softcap > 0) s = softcap * vtanh(s * (1.0f / softcap));
+                s = blend((j < (float)lo) | (j >= (float)hi), splat(-INFINITY), s);
+                memcpy(&p[i][j0], &s, sizeof s);
+                block_max = vmax(block_max, s);
+            }
+            const float new_max = hmax(block_max) > m[i] ? hmax(block_max) : m[i];
+            const float correction = exp_f32(m[i] - new_max);
+            vf sum = splat(0.0f);
+            for (int64_t j0 = c0; j0 < hi; j0 += VL) {
+                vf s;
+                memcpy(&s, &p[i][j0], sizeof s);
+                s = vexp(s - new_max);  /* masked keys: exactly 0 */
+                memcpy(&p[i][j0], &s, sizeof s);
+                sum += s;
+            }
+            l[i] = l[i] * correction + hsum(sum);
+            m[i] = new_max;
+            if (correction != 1.0f)
+                for (int64_t d = 0; d < DV; d++) acc[i][d] *= correction;
+        }
+        for (int64_t kv = 0; kv < num_item_heads; kv++) {
+            prefetch_rows(next_v + kv * Dv * element, block_size, v_row_stride * element, Dv * element);
+            for (int64_t i = kv * group; i < (kv + 1) * group; i += vrows)
+                for (int64_t c = 0; c < DV; c += DV % COLS == 0 ? COLS : 1) {
+                    const int64_t value0 = values + kv * Dv + VL * c;
+                    if (DV % COLS == 0 && vrows == 2)
+                        add_values(&acc[i][c], MAX_HEAD_DIM / VL, p[i], MAX_BLOCK + VL, v_cache, value0,
+                                   v_row_stride, lo, hi, 2, COLS, bf16);
+                    else if (DV % COLS == 0)
+                        add_values(&acc[i][c], MAX_HEAD_DIM / VL, p[i], MAX_BLOCK + VL, v_cache, value0,
+                                   v_row_stride, lo, hi, 1, COLS, bf16);
+                    else
+                        for (int64_t b = 0; b < vrows; b++)
+                            add_values(&acc[i + b][c], MAX_HEAD_DIM / VL, p[i + b], MAX_BLOCK + VL, v_cache,
+                                       value0, v_row_stride, lo, hi, 1, 1, bf16);
+                }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t o = (query_row * num_heads + h0 * group + i) * Dv;
+        const float inverse = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+        for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, acc[i][d] * inverse, bf16);
+    }
+}
+
+/* The vector item for one element type, as its own function (its work arrays in their
+ * own stack frame), with the common head sizes as constants. */
+#define DEFINE_VECTOR_ITEM(NAME, BF16)                                                          \
+static __attribute__((noinline)) void NAME(                                                     \
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache, \
+    const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0,             \
+    int64_t num_item_heads, int64_t group, int64_t num_heads, int64_t row_stride,                \
+    int64_t v_row_stride, int64_t head_dim, int64_t head_dim_v, int64_t block_size, float scale, \
+    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk)      \
+{                                                                                               \
+    if (head_dim == head_dim_v && head_dim == 64)                                               \
+        vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
+                    num_item_heads, group, num_heads, row_stride, v_row_stride, 64, 64, block_size, \
+                    scale, window, softcap, sinks, alibi, chunk, BF16);                         \
+    else if (head_dim == head_dim_v && head_dim == 128)                                         \
+        vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
+                    num_item_heads, group, num_heads, row_stride, v_row_stride, 128, 128, block_size, \
+                    scale, window, softcap, sinks, alibi, chunk, BF16);                         \
+    else                                                                                        \
+        vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
+                    num_item_heads, group, num_heads, row_stride, v_row_stride, head_dim, head_dim_v, \
+                    block_size, scale, window, softcap, sinks, alibi, chunk, BF16);             \
+}
+
+DEFINE_VECTOR_ITEM(vector_item_f32, 0)
+DEFINE_VECTOR_ITEM(vector_item_bf16, 1)
+
+#define DEFINE_DECODE(NAME, ITEM, T, ACC, VECTOR, VECTORIZED)                               \
 void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                               \
           const T *k_cache, const T *v_cache,                                               \
           const int32_t *block_tables, int64_t table_stride,                                \
@@ -168,6 +354,12 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
         const int64_t b = requests[item / items_per_request];                               \
         const int64_t h0 = (item % items_per_request) * item_heads;                         \
         const int32_t *table = block_tables + b * table_stride;                             \
+        if (VECTORIZED && head_dim % VL == 0 && head_dim_v % VL == 0) {                     \
+            VECTOR(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_lens[b], query_rows[b], \
+                   out, h0, item_heads, group, num_heads, row_stride, v_row_stride, head_dim,   \
+                   head_dim_v, block_size, (float)scale, window, (float)softcap, sinks, alibi, chunk); \
+            continue;                                                                       \
+        }                                                                                   \
         /* A constant head size lets the compiler unroll the inner loops. */                \
         const int64_t size = head_dim == head_dim_v && (head_dim == 64 || head_dim == 128) ? head_dim : 0; \
         if (size == 64)                                                                     \
@@ -188,9 +380,9 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
 DEFINE_ITEM(item_f32, float, float, exp_f32, tanhf, same_f32, same_f32)
 DEFINE_ITEM(item_f64, double, double, exp, tanh, same_f64, same_f64)
 DEFINE_ITEM(item_bf16, uint16_t, float, exp_f32, tanhf, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(decode_attention_f32, item_f32, float, float)
-DEFINE_DECODE(decode_attention_f64, item_f64, double, double)
-DEFINE_DECODE(decode_attention_bf16, item_bf16, uint16_t, float)
+DEFINE_DECODE(decode_attention_f32, item_f32, float, float, vector_item_f32, 1)
+DEFINE_DECODE(decode_attention_f64, item_f64, double, double, vector_item_f32, 0)
+DEFINE_DECODE(decode_attention_bf16, item_bf16, uint16_t, float, vector_item_bf16, 1)
 
 /* Limits the launcher checks before calling (the work arrays live on the stack). */
 int64_t decode_attention_max_group(void) { return MAX_GROUP; }

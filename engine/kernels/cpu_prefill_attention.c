@@ -45,93 +45,16 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
-#define VL 16
+/* Value vectors added at a time per row block (see above). */
+#if VL == 16
 #define COLS 4
 #else
-#define VL 8
 #define COLS 2
 #endif
 #define QT 16
 #define KB VL
 #define RB 4
 #define MAX_HEAD_DIM 256
-
-typedef float vf __attribute__((vector_size(4 * VL)));
-typedef int32_t vi __attribute__((vector_size(4 * VL)));
-typedef uint16_t vh __attribute__((vector_size(2 * VL)));
-
-/* Element access to float32 or (bf16 != 0) bfloat16 tensors, as float32. The callers
- * pass bf16 as a constant, so each instance keeps one branch. */
-static inline float load1(const void *base, int64_t index, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
-}
-
-static inline vf loadv(const void *base, int64_t index, int bf16) {
-    vf x;
-    if (bf16) {
-        vh half;
-        memcpy(&half, (const uint16_t *)base + index, sizeof half);
-        x = (vf)(__builtin_convertvector(half, vi) << 16);
-    } else {
-        memcpy(&x, (const float *)base + index, sizeof x);
-    }
-    return x;
-}
-
-static inline void storev(void *base, int64_t index, vf x, int bf16) {
-    if (bf16) {
-        for (int lane = 0; lane < VL; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
-    } else {
-        memcpy((float *)base + index, &x, sizeof x);
-    }
-}
-
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf blend(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-static inline vf vmax(vf a, vf b) { return blend(a > b, a, b); }
-
-/* Lanes of x in the given order (GCC before 12 has only __builtin_shuffle). */
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
-#else
-#define SHUFFLE(x, ...) __builtin_shuffle(x, (vi){__VA_ARGS__})
-#endif
-
-/* A horizontal reduction: log2(VL) steps, each combining lanes half as far apart. */
-#if VL == 16
-#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
-#define REDUCE(x, OP)                                                                       \
-    x = OP(x, SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));            \
-    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));            \
-    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));            \
-    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
-#else
-#define LANE_INDICES {0, 1, 2, 3, 4, 5, 6, 7}
-#define REDUCE(x, OP)                                                                       \
-    x = OP(x, SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3));                                          \
-    x = OP(x, SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5));                                          \
-    x = OP(x, SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6))
-#endif
-static inline vf vadd(vf a, vf b) { return a + b; }
-static inline float hmax(vf x) { REDUCE(x, vmax); return x[0]; }
-static inline float hsum(vf x) { REDUCE(x, vadd); return x[0]; }
-
-/* exp_f32 (cpu_common.h) on VL lanes, except that below -87 (and -inf: masked keys)
- * it gives exactly 0. */
-static inline vf vexp(vf x) {
-    const vi underflow = x < -87.0f;
-    x = blend(x > 88.0f, splat(88.0f), x);
-    x = blend(underflow, splat(-87.0f), x);
-    const vf n = EXP_F32_ROUND(x);
-    const vf p = EXP_F32_SERIES(EXP_F32_REMAINDER(x, n));
-    const vi bits = (vi)p + __builtin_convertvector(n, vi) * (1 << 23);
-    return blend(underflow, splat(0.0f), (vf)bits);
-}
-
-/* tanh on VL lanes, as 1 - 2 / (exp(2x) + 1): within about 1e-7 of tanhf, and
- * exactly +-1 where exp(2x) leaves vexp's range. */
-static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
 
 /* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head sizes D, Dv. */
 struct scratch {

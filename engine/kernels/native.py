@@ -77,9 +77,16 @@ def cpu_signature() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
 
 
+# Every build's flags besides the target. Without trapping math the compiler may
+# evaluate both sides of a float comparison's select (a clamp, a running max) as
+# vector blends: the kernels read no floating-point exception flags, and their
+# results do not change.
+BUILD_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+
+
 def _build(source: Path, compiler: str, target: str) -> Path:
     key_material = (source.read_bytes() + COMMON_HEADER.read_bytes() + compiler.encode() + target.encode()
-                    + cpu_signature())
+                    + " ".join(BUILD_FLAGS).encode() + cpu_signature())
     library_path = cache_dir() / f"{source.stem}-{hashlib.sha256(key_material).hexdigest()[:16]}.so"
     if library_path.exists():
         return library_path
@@ -89,8 +96,7 @@ def _build(source: Path, compiler: str, target: str) -> Path:
     for flags in ([f"-march={target}"], []) if target == "native" else ([f"-march={target}"],):
         with tempfile.TemporaryDirectory(dir=library_path.parent) as scratch:
             output = Path(scratch) / library_path.name
-            command = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                       str(source), "-o", str(output), "-lm"]
+            command = [compiler, *BUILD_FLAGS, *flags, str(source), "-o", str(output), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
                 os.replace(output, library_path)  # atomic: concurrent builders agree on the file
