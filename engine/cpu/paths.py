@@ -281,6 +281,7 @@ class CpuRewrites:
     fused_mlps: int = 0
     fused_norms: int = 0
     fused_layers: int = 0
+    hybrid_modules: int = 0  # engine/recurrent/cpu_layers.py
 
 
 def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) -> CpuRewrites:
@@ -289,6 +290,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     read the packed weights). A module whose replacement would give another output on
     a probe input keeps its own (each such refusal is logged with its class); LoRA
     wrappers, already in place, keep wrapping the packed linears inside them."""
+    from ..recurrent.cpu_layers import optimize_hybrid_layers
     from .layers import fuse_decoder_layers, fuse_rms_norms
     from .linear import fuse_gated_mlps, pack_linears
 
@@ -299,7 +301,9 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
         layers = fuse_decoder_layers(model, rows_hint)
-    rewrites = CpuRewrites(packed, mlps, norms, layers)
+    # Hybrid models' own norms and last MLP (engine/recurrent/cpu_layers.py; none for other models).
+    hybrid = optimize_hybrid_layers(model, paths.fused_kernels)
+    rewrites = CpuRewrites(packed, mlps, norms, layers, hybrid)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
 
