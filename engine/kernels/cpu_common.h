@@ -140,6 +140,28 @@ static inline vf vtanh(vf x) { return 1.0f - 2.0f / (vexp(2.0f * x) + 1.0f); }
 #define SHUFFLE2(x, y, ...) __builtin_shuffle(x, y, (vi){__VA_ARGS__})
 #endif
 
+/* Interleaving the first or second halves of two vectors: x0 y0 x1 y1 ... */
+#if VL == 16
+#define ZIP_LOW 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define ZIP_HIGH 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#define ZIP_LOW 0, 8, 1, 9, 2, 10, 3, 11
+#define ZIP_HIGH 4, 12, 5, 13, 6, 14, 7, 15
+#endif
+
+/* Transposes the VL x VL matrix whose rows are x[0 .. VL - 1], in place: log2(VL)
+ * rounds, each interleaving row i with row i + VL / 2 into rows 2i and 2i + 1. */
+static inline __attribute__((always_inline)) void transpose(vf x[VL]) {
+    for (int round = 1; round < VL; round *= 2) {
+        vf zipped[VL];
+        for (int i = 0; i < VL / 2; i++) {
+            zipped[2 * i] = SHUFFLE2(x[i], x[i + VL / 2], ZIP_LOW);
+            zipped[2 * i + 1] = SHUFFLE2(x[i], x[i + VL / 2], ZIP_HIGH);
+        }
+        for (int i = 0; i < VL; i++) x[i] = zipped[i];
+    }
+}
+
 /* sum_each below: pairs of lanes within each quarter of 4 (a 128-bit lane on x86, so
  * one in-lane shuffle each), then pairs of quarters. */
 #if VL == 16

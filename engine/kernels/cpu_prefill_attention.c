@@ -6,15 +6,16 @@
  * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
  * Keys go through in blocks of KB = VL (the target's vector width in floats: 16
- * with AVX-512, 8 otherwise), each transposed once per item into kt[D][VL], so a
- * query row's VL scores are one vector built by D multiply-adds; an online softmax per row (running max m, running sum l,
+ * with AVX-512, 8 otherwise), each transposed once per item into kt[D][VL] (VL x VL
+ * at a time, by vector shuffles), so a query row's VL scores are one vector built by
+ * D multiply-adds; an online softmax per row (running max m, running sum l,
  * accumulator acc rescaled when the max grows) then adds the block's values. Rows
  * go RB = 4 at a time, so each key and value vector loaded feeds four rows, and the
  * values are added COLS vectors of columns at a time with the four rows'
  * accumulators in registers (4 x 4 of AVX-512's 32 registers, 4 x 2 of AVX2's 16:
  * more would spill to the stack, which costs AVX2 ten times the time). Blocks
  * wholly in a row block's future (or before its sliding window) are skipped. Items
- * run in parallel (OpenMP, dynamic schedule, the longest contexts first).
+ * run in parallel (OpenMP, dynamic schedule), request by request, the costliest first.
  *
  * The vectors are GCC vector extensions, sized to the registers of the target the
  * library is built for (kernels/native.py): zmm with AVX-512, ymm with AVX2, pairs
@@ -105,19 +106,29 @@ static inline __attribute__((always_inline)) void attend_tile(
             key_row[j] = slot * row_stride + h * D;
             value_row[j] = slot * v_row_stride + h * Dv;
         }
-        for (int64_t j = 0; j < KB; j++)
-            for (int64_t d = 0; d < D; d++) w->kt[d][j] = load1(k_cache, key_row[j] + d, bf16);
+        for (int64_t d0 = 0; d0 < D; d0 += VL) {  /* KB = VL keys by VL columns at a time */
+            vf columns[VL];
+            for (int j = 0; j < KB; j++) columns[j] = loadv(k_cache, key_row[j] + d0, bf16);
+            transpose(columns);
+            for (int d = 0; d < VL; d++) w->kt[d0 + d] = columns[d];
+        }
         const vf keys = (vf)LANE_INDICES + (float)kb;
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
             const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
             if (kb > last_pos || kb + KB <= first_key(first_pos, window, chunk))
                 continue;  /* every row of the block sees none of these keys */
-            vf s[RB];
-            for (int b = 0; b < RB; b++) s[b] = splat(0.0f);
-            for (int64_t d = 0; d < D; d++) {
-                const vf kd = w->kt[d];
-                for (int b = 0; b < RB; b++) s[b] += w->qs[(i0 + b) * D + d] * kd;
+            /* Even and odd d in separate sums: 2 RB chains of multiply-adds, enough to
+             * keep both FMA units busy through each one's latency (RB alone are not). */
+            vf s[RB], odd[RB];
+            for (int b = 0; b < RB; b++) s[b] = odd[b] = splat(0.0f);
+            for (int64_t d = 0; d < D; d += 2) {
+                const vf kd = w->kt[d], kd1 = w->kt[d + 1];
+                for (int b = 0; b < RB; b++) {
+                    s[b] += w->qs[(i0 + b) * D + d] * kd;
+                    odd[b] += w->qs[(i0 + b) * D + d + 1] * kd1;
+                }
             }
+            for (int b = 0; b < RB; b++) s[b] += odd[b];
             /* The block's probabilities, kept in memory: the value loop broadcasts each
              * one from there (a load) rather than from a register lane (a shuffle). */
             float p[RB][VL] __attribute__((aligned(64)));
@@ -181,10 +192,13 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-struct tile { int64_t request, index, cost; };
+/* A work item: query tile `index` of request `request` for KV head `head`. */
+struct tile { int64_t request, index, head; };
+/* A request and the keys its tiles attend in all, by which the requests are ordered. */
+struct request_cost { int64_t request, cost; };
 
 static int costlier_first(const void *a, const void *b) {
-    const int64_t x = ((const struct tile *)a)->cost, y = ((const struct tile *)b)->cost;
+    const int64_t x = ((const struct request_cost *)a)->cost, y = ((const struct request_cost *)b)->cost;
     return (x < y) - (x > y);
 }
 
@@ -198,24 +212,40 @@ static inline __attribute__((always_inline)) int prefill_attention(
 {
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
     const int64_t v_row_stride = num_kv_heads * head_dim_v;
+    /* Items run request by request, the costliest requests first (dynamic scheduling
+     * then ends on small items), and within a request KV head by head, tiles in order:
+     * each tile reads its predecessor's keys and values again, which are then still in
+     * this core's caches (a head's context, a few hundred KB, fits its L2). */
     int64_t num_tiles = 0;
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = requests[n];
         num_tiles += (query_start_loc[b + 1] - query_start_loc[b] + QT - 1) / QT;
     }
-    struct tile *tiles = malloc((size_t)(num_tiles + 1) * sizeof(struct tile));
-    if (tiles == NULL) return -1;
-    int64_t count = 0;
+    struct tile *tiles = malloc((size_t)(num_tiles * num_kv_heads + 1) * sizeof(struct tile));
+    struct request_cost *order = malloc((size_t)(num_requests + 1) * sizeof(struct request_cost));
+    if (tiles == NULL || order == NULL) {
+        free(tiles);
+        free(order);
+        return -1;
+    }
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = requests[n], length = query_start_loc[b + 1] - query_start_loc[b];
+        order[n] = (struct request_cost){b, 0};
         for (int64_t t = 0; t * QT < length; t++) {
             const int64_t keys = seq_lens[b] - length + (t * QT + QT < length ? t * QT + QT : length);
             int64_t cost = window > 0 && keys > window ? window : keys;
             if (chunk > 0 && cost > chunk) cost = chunk;
-            tiles[count++] = (struct tile){b, t, cost};
+            order[n].cost += cost;
         }
     }
-    qsort(tiles, (size_t)count, sizeof(struct tile), costlier_first);
+    qsort(order, (size_t)num_requests, sizeof(struct request_cost), costlier_first);
+    int64_t count = 0;
+    for (int64_t n = 0; n < num_requests; n++) {
+        const int64_t b = order[n].request, length = query_start_loc[b + 1] - query_start_loc[b];
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t t = 0; t * QT < length; t++) tiles[count++] = (struct tile){b, t, h};
+    }
+    free(order);
     const int64_t rows = (group * QT + RB - 1) / RB * RB;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
@@ -234,9 +264,9 @@ static inline __attribute__((always_inline)) int prefill_attention(
         _Pragma("omp barrier")
         if (!failed) {
             _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t item = 0; item < count * num_kv_heads; item++) {
-                const struct tile *tile = &tiles[item / num_kv_heads];
-                const int64_t b = tile->request, h = item % num_kv_heads;
+            for (int64_t item = 0; item < count; item++) {
+                const struct tile *tile = &tiles[item];
+                const int64_t b = tile->request, h = tile->head;
                 const int64_t first_row = query_start_loc[b], length = query_start_loc[b + 1] - first_row;
                 const int64_t context = seq_lens[b] - length;
                 const int64_t r0 = tile->index * QT, r1 = r0 + QT < length ? r0 + QT : length;
