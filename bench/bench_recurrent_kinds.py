@@ -4,20 +4,26 @@ one call against the module run on each prompt alone, and a decode step of many
 requests in one call against the module's batched single-token step.
 
     python bench/bench_recurrent_kinds.py [--prompts 4] [--prompt-len 256] [--decode-batch 32]
+                                          [--delta-chunks 8,16,32,64]
 
-Prints milliseconds per call and tokens per second for each side and their ratio.
+Prints milliseconds per call and tokens per second for each side and their ratio,
+then the chunked gated delta rule (engine/recurrent/delta_rule.py) at each of
+``--delta-chunks`` chunk sizes on a packed prefill of prompts of 32-512 tokens
+(qwen3_5's 8 value heads of 64; the thread's CPU time, best of 5).
 Not a test: the numbers depend on the machine (and, on a shared one, on its load).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
 import transformers
 from transformers import DynamicCache
 
+from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen, l2_normalize
 from shardline.engine.recurrent.kda import KIMI_DELTA
 from shardline.engine.recurrent.linear_attention import LIGHTNING
 from shardline.engine.recurrent.mamba import MAMBA
@@ -96,16 +102,38 @@ def bench_layer(name, kind, module, config, takes_cache, prompts: int, prompt_le
           f"ratio {theirs / ours:5.2f}")
 
 
+def bench_delta_chunks(chunk_sizes: list[int], num_prompts: int = 8, heads: int = 8, head_dim: int = 64) -> None:
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    lengths = [rng.randint(32, 512) for _ in range(num_prompts)]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    tokens = int(cu[-1])
+    query, key = (l2_normalize(torch.randn(tokens, heads, head_dim, generator=gen)) for _ in range(2))
+    value = torch.randn(tokens, heads, head_dim, generator=gen)
+    g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
+    for size in chunk_sizes:
+        best = float("inf")
+        for _ in range(5):
+            state = torch.zeros(num_prompts, heads, head_dim, head_dim)
+            start = time.thread_time()
+            chunk_gated_delta_rule_varlen(query * head_dim ** -0.5, key, value, g, beta, cu, state, chunk_size=size)
+            best = min(best, time.thread_time() - start)
+        print(f"gated delta rule, chunks of {size:3d}: {best * 1e3:7.1f} ms for {tokens} tokens "
+              f"({tokens / best:8.0f} tok/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=32)
+    parser.add_argument("--delta-chunks", default="8,16,32,64", help="chunk sizes of the delta-rule sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, hidden {HIDDEN}")
     for layer in _layers():
         bench_layer(*layer, args.prompts, args.prompt_len, args.decode_batch)
+    with torch.inference_mode():
+        bench_delta_chunks([int(size) for size in args.delta_chunks.split(",")])
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def unit_lower_inverse(strictly_lower: torch.Tensor) -> torch.Tensor:
 
 # Tokens per chunk. The within-chunk work per token grows with the chunk (the
 # system's inverse is C x C), the sequential hand-over shrinks with it; 16 runs a
-# CPU step's mixed prompts fastest (bench/bench_recurrent_kinds.py).
+# CPU step's mixed prompts fastest (bench/bench_recurrent_kinds.py --delta-chunks).
 CHUNK = 16
 
 
