@@ -10,7 +10,11 @@ of the GPU's memory-bandwidth roofline that shardline's run reaches: the bytes t
 run must move (the weights once per forward step, each new token's KV written once,
 each decoded token's whole context read once) over the measured copy bandwidth.
 
-    python bench/bench_gpu.py [--num-seqs 256] [--hf-static-prompts 32] [--skip-hf]
+    python bench/bench_gpu.py [--num-seqs 256] [--hf-static-prompts 32] [--skip-hf] [--profile] [--sync]
+
+``--profile`` splits a run into forward and sampling on the device, GPU idle time,
+and host time busy or waiting for sampled tokens; ``--sync`` also runs shardline
+without async scheduling, for the difference it makes.
 """
 
 from __future__ import annotations
@@ -75,33 +79,70 @@ def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
     return 2 * num_bytes / best
 
 
-class StepTimer:
-    """Seconds spent in a wrapped callable, the device synchronised at both ends."""
+class DeviceProfile:
+    """Where a run's time goes, without adding synchronisation (so async scheduling
+    keeps its overlap): CUDA events around each step's forward and sampling give the
+    device's busy time; the time the host spends waiting for sampled tokens
+    (SamplerOutput.host_token_ids) is its idle time. Per step: forward (device), sampling
+    (device), GPU idle (wall time the device had no step's work queued), host busy and
+    host waiting."""
 
-    def __init__(self, function):
-        self.function, self.seconds, self.calls = function, 0.0, 0
+    def __init__(self, engine) -> None:
+        from shardline.engine.sampling.sampler import SamplerOutput
 
-    def __call__(self, *args, **kwargs):
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_wait = 0.0
+        self._open: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        execute, sampler = engine.runner.execute, engine.sampler
+        host_token_ids = SamplerOutput.host_token_ids
+
+        def event() -> torch.cuda.Event:
+            marker = torch.cuda.Event(enable_timing=True)
+            marker.record()
+            return marker
+
+        def timed_execute(*args, **kwargs):
+            start = event()
+            output = execute(*args, **kwargs)
+            self._open = (start, event())
+            return output
+
+        def timed_sampler(*args, **kwargs):
+            output = sampler(*args, **kwargs)
+            if self._open is not None:
+                self.spans.append((*self._open, event()))
+                self._open = None
+            return output
+
+        def timed_wait(sampled):
+            start = time.perf_counter()
+            try:
+                return host_token_ids(sampled)
+            finally:
+                self.host_wait += time.perf_counter() - start
+
+        engine.runner.execute, engine.sampler = timed_execute, timed_sampler
+        SamplerOutput.host_token_ids = timed_wait
+        self._restore = lambda: setattr(SamplerOutput, "host_token_ids", host_token_ids)
+
+    def report(self, elapsed: float, steps: int) -> str:
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = self.function(*args, **kwargs)
-        torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        return result
+        self._restore()
+        forward = sum(start.elapsed_time(middle) for start, middle, _ in self.spans) / 1000
+        sampling = sum(middle.elapsed_time(end) for _, middle, end in self.spans) / 1000
+        parts = {"forward (device)": forward, "sampling (device)": sampling,
+                 "GPU idle": max(0.0, elapsed - forward - sampling),
+                 "host busy": elapsed - self.host_wait, "host waiting for the device": self.host_wait}
+        return ", ".join(f"{name} {1000 * seconds / steps:.2f}" for name, seconds in parts.items())
 
 
 def run_shardline(model_dir: str, prompts, output_lens, enforce_eager: bool,
-                  profile: bool = False) -> tuple[float, int]:
+                  profile: bool = False, async_scheduling: bool | None = None) -> tuple[float, int]:
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.45,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     llm.generate({"prompt_token_ids": prompts[0][:32]}, SamplingParams(max_tokens=4), use_tqdm=False)
     engine = llm.llm_engine
-    if profile:
-        timers = {"schedule": StepTimer(engine.scheduler.schedule), "forward": StepTimer(engine.runner.execute),
-                  "sample": StepTimer(engine.sampler)}
-        engine.scheduler.schedule, engine.runner.execute, engine.sampler = (
-            timers["schedule"], timers["forward"], timers["sample"])
+    device_profile = DeviceProfile(engine) if profile else None
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     steps_before = engine.num_steps
     torch.cuda.synchronize()
@@ -109,11 +150,9 @@ def run_shardline(model_dir: str, prompts, output_lens, enforce_eager: bool,
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     steps = engine.num_steps - steps_before
-    if profile:
-        parts = {name: timer.seconds for name, timer in timers.items()}
-        parts["rest (outputs, detokenization, bookkeeping)"] = elapsed - sum(parts.values())
-        print("profile (synchronised, ms per step): " + ", ".join(
-            f"{name} {1000 * seconds / steps:.2f}" for name, seconds in parts.items()), flush=True)
+    if device_profile is not None:
+        print(f"profile (ms per step, async scheduling {'on' if engine.async_scheduling else 'off'}): "
+              f"{device_profile.report(elapsed, steps)}", flush=True)
     assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
     llm.close()
     del llm
@@ -181,7 +220,10 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="also run shardline without CUDA graphs")
     parser.add_argument("--skip-continuous", action="store_true", help="no transformers continuous batching")
     parser.add_argument("--profile", action="store_true",
-                        help="a second shardline run with per-phase timers (synchronised, so slower)")
+                        help="a second shardline run split into forward, sampling, GPU idle and host time "
+                             "(CUDA events, no added synchronisation)")
+    parser.add_argument("--sync", action="store_true",
+                        help="also run shardline without async scheduling (and profile it with --profile)")
     args = parser.parse_args()
 
     model_dir = build_model(Path(tempfile.mkdtemp(prefix="shardline-gpu-bench-")))
@@ -203,6 +245,12 @@ def main() -> None:
           f"{100 * moved / elapsed / bandwidth:.1f}% of the measured copy bandwidth", flush=True)
     if args.profile:
         run_shardline(model_dir, prompts, output_lens, enforce_eager=False, profile=True)
+    if args.sync:
+        elapsed, _ = run_shardline(model_dir, prompts, output_lens, enforce_eager=False, profile=args.profile,
+                                   async_scheduling=False)
+        results["shardline without async scheduling"] = (elapsed, output_tokens)
+        print(f"shardline (no async scheduling)    {elapsed:8.2f} s  {output_tokens / elapsed:9.1f} output tok/s",
+              flush=True)
     if args.eager:
         eager, _ = run_shardline(model_dir, prompts, output_lens, enforce_eager=True)
         results["shardline eager"] = (eager, output_tokens)

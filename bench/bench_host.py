@@ -88,6 +88,11 @@ class PhaseTimer:
         ("scheduling", "shardline.engine.core.scheduler", "Scheduler", "schedule"),
         ("input building", "shardline.engine.model.runner", "ModelRunner", "prepare_inputs"),
         ("sampling", "shardline.engine.sampling.sampler", "Sampler", "__call__"),
+        # Appending sampled tokens, detokenization, stop checks, finished outputs (an
+        # engine function of its own only where the engine has one).
+        ("output processing", "shardline.engine.llm_engine", "LLMEngine", "_process"),
+        # Inside sampling: the argmax (or draw) over the whole vocabulary, device work on a GPU.
+        ("token choice", "shardline.engine.sampling.sampler", "Sampler", "_choose_tokens"),
     )
 
     def __init__(self, llm: LLM) -> None:
@@ -133,17 +138,21 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int
     return elapsed, engine.num_steps - steps_before
 
 
-def report(name: str, elapsed: float, steps: int, seconds: dict[str, float]) -> float:
+def report(name: str, elapsed: float, steps: int, seconds: dict[str, float]) -> tuple[float, float]:
+    """Print one run's split; return its host ms per step, with and without the
+    sampler's vocabulary-wide token choice."""
     per_step = lambda value: 1000 * value / steps  # noqa: E731
     forward = seconds["forward"]
     host = elapsed - forward
-    phases = {label: value for label, value in seconds.items() if label != "forward"}
+    choice = seconds.get("token choice", 0.0)
+    phases = {label: value for label, value in seconds.items() if label not in ("forward", "token choice")}
     rest = host - sum(phases.values())
     split = ", ".join(f"{label} {per_step(value):.2f}" for label, value in phases.items())
     print(f"{name}: {steps} steps, total {per_step(elapsed):.2f} ms/step, forward {per_step(forward):.2f}, "
-          f"host {per_step(host):.2f} ({split}, output processing and the rest {per_step(rest):.2f})",
-          flush=True)
-    return per_step(host)
+          f"host {per_step(host):.2f} ({split} [of which token choice over the vocabulary {per_step(choice):.2f}], "
+          f"the rest {per_step(rest):.2f}); host without the token choice "
+          f"{per_step(host - choice):.2f}", flush=True)
+    return per_step(host), per_step(host - choice)
 
 
 def main() -> None:
@@ -183,7 +192,8 @@ def main() -> None:
         timer.reset()
         elapsed, steps = run(llm, prompts, args.output_len)
         host.append(report(f"run {index + 1}", elapsed, steps, timer.seconds))
-    print(f"host ms/step: best {min(host):.2f}, worst {max(host):.2f}")
+    print(f"host ms/step: best {min(h for h, _ in host):.2f}, worst {max(h for h, _ in host):.2f}; without the "
+          f"token choice: best {min(h for _, h in host):.2f}, worst {max(h for _, h in host):.2f}")
     if args.cprofile:
         profiler = cProfile.Profile(clock)  # the runs' own clock
         profiler.enable()

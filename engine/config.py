@@ -73,6 +73,10 @@ class EngineConfig:
     # Compare the engine's paged path with the model's own forward at load and refuse a
     # model it would run wrongly (engine/model/load_check.py).
     check_model: bool = True
+    # Prepare step N+1 while step N runs on the device and process N's outputs after
+    # N+1 is queued (engine/llm_engine.py). None: on for CUDA, off elsewhere (a CPU
+    # runs the forward itself, so there is nothing to overlap with).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -95,6 +99,8 @@ class EngineConfig:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ("cpu", "torch", "triton"))
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 

@@ -4,6 +4,13 @@ A step reads in three lines: the scheduler picks the tokens to compute under the
 token budget, the runner computes them (writing their KV into the paged cache) and
 returns logits where a sequence reaches its end, and the sampler plus the output
 processor append one token to each such sequence and decide which ones stop.
+
+With async scheduling (EngineConfig.async_scheduling; on by default on CUDA) the
+last part of step N, the output processing, runs in step N+1 after that step's
+forward and sampling are queued, so a GPU computes N+1 while the host detokenizes
+and checks N. Invariant: a sequence has at most one pending token (sampled by the
+step in flight, not yet appended); its outputs are appended in order, and one
+that a token stopped never shows the tokens computed after it.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +34,7 @@ from .model.load_check import check_model
 from .lora.request import lora_cache_salt
 from .lora.manager import LoRAManager
 from .model.runner import (
-    DEFAULT_CPU_KV_CACHE_BYTES, ModelOutput, ModelRunner, model_max_len, plan_kv_cache,
+    DEFAULT_CPU_KV_CACHE_BYTES, ModelOutput, ModelRunner, PendingTokens, model_max_len, plan_kv_cache,
 )
 from .sampling.output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import RequestMetrics, RequestOutput
@@ -34,7 +42,7 @@ from .params import SamplingParams
 from .prompts import PromptType, tokenize_prompt
 from .sampling.reasoning import make_reasoning_parser
 from .core.request import Request, RequestStatus
-from .sampling.sampler import SampleRow, Sampler, bad_word_bans, gather_logprobs
+from .sampling.sampler import SampleRow, Sampler, SamplerOutput, bad_word_bans, gather_logprobs
 from .core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .model.loader import recurrent_layer_indices
 from .recurrent.state import prepare_recurrent_layers
@@ -117,8 +125,13 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._rows: dict[str, SampleRow] = {}  # each sampling sequence's row, kept while it runs
         self._arrivals = itertools.count()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None  # a step whose outputs are not processed yet
         self.num_steps = 0  # forward passes run, for benchmarks and diagnostics
+        self.num_deferred_steps = 0  # of which left in flight (async scheduling)
 
     # ----------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -148,6 +161,7 @@ class LLMEngine:
         state = RequestState(request_id, text, token_ids, params, lora_request, RequestMetrics(time.monotonic()))
         state.grammar = grammar
         state.bad_words_ids = self._bad_words_ids(params.bad_words or [])
+        state.pipelinable = self._pipelinable(params)
         arrival = next(self._arrivals)
         sequences = [
             Request(
@@ -189,6 +203,17 @@ class LLMEngine:
                     sequences.append(ids)
         return sequences
 
+    def _pipelinable(self, params: SamplingParams) -> bool:
+        """Whether a sequence may leave a sampled token pending while the next step is
+        prepared (async scheduling): nothing that samples its next token may depend on
+        the pending one on the host (its grammar, reasoning phase, penalties, bad words,
+        min_tokens), and it reads no logprobs (they would wait for the device). Stop
+        strings and stop tokens do not matter: a token past the stop is discarded."""
+        return (params.logprobs is None and params.prompt_logprobs is None and params.structured_outputs is None
+                and not params.bad_words and not params.min_tokens and self.reasoning_parser is None
+                and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                and params.repetition_penalty == 1.0)
+
     def _resolve_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()
         params.all_stop_token_ids = self.output_processor.stop_token_ids(params)
@@ -210,6 +235,7 @@ class LLMEngine:
         for sequence_id in sequence_ids:
             self._sequence_owner.pop(sequence_id, None)
             self._generators.pop(sequence_id, None)
+            self._rows.pop(sequence_id, None)
             self.structured.forget(sequence_id)
 
     def abort_all(self) -> None:
@@ -232,22 +258,44 @@ class LLMEngine:
 
     def close(self) -> None:
         self.abort_all()
+        self._in_flight = None
         self.structured.close()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return the outputs of requests that finished in it."""
+        """Run one engine iteration; return the outputs of requests that finished in it.
+
+        Async scheduling: a step whose every sampled sequence allows it (see
+        ``_pipelinable``) stays in flight, and its outputs are processed in the next
+        step, after that step's forward and sampling are queued. Each of its sequences
+        then has one pending token, which the next step computes on the device before
+        the host knows it; a sequence its token finished has that next token discarded.
+        """
         scheduler_output = self.scheduler.schedule()
+        in_flight, self._in_flight = self._in_flight, None
         if scheduler_output.is_empty:
-            # Nothing to compute: wait for a held sequence's grammar, then sample it.
-            return self._sample([], None, wait=True) if self.structured.has_held() else self._take_finished_outputs()
+            if in_flight is not None:
+                self._process(in_flight)
+            elif self.structured.has_held():
+                # Nothing to compute: wait for a held sequence's grammar, then sample it.
+                self._process(self._sample_on_device([], None, deferrable=False, wait=True))
+            return self._take_finished_outputs()
         self.num_steps += 1
         try:
-            model_output = self.runner.execute(scheduler_output)
+            launched = self._launch(scheduler_output, in_flight)
         except BaseException:
             self._roll_back(scheduler_output)
+            if in_flight is not None:
+                self._process(in_flight)
             raise
-        return self._update(scheduler_output, model_output)
+        if in_flight is not None:
+            self._process(in_flight)  # on a GPU, while the launched step runs
+        if launched.deferred:
+            self._in_flight = launched
+            self.num_deferred_steps += 1
+        else:
+            self._process(launched)
+        return self._take_finished_outputs()
 
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
         """A failed forward wrote no trustworthy KV: the scheduled tokens count as
@@ -258,29 +306,61 @@ class LLMEngine:
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens = 0 if restart else item.start
 
-    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+    def _launch(self, scheduler_output: SchedulerOutput, in_flight: "LaunchedStep | None") -> "LaunchedStep":
+        """Queue the step's forward and sampling; ``in_flight``: the step before it, whose
+        sampled tokens are the inputs of its sequences' pending positions."""
+        pending = in_flight.pending_tokens() if in_flight is not None else None
+        model_output = self.runner.execute(scheduler_output, pending)
         self._record_prompt_logprobs(model_output)
-        rows = self._sample_rows(scheduler_output, model_output)
+        rows, deferrable = self._sample_rows(scheduler_output, model_output)
         logits = take_rows(model_output.logits, [row.logits_row for row in rows]) if rows else None
-        return self._sample(rows, logits)
+        return self._sample_on_device(rows, logits, deferrable and not model_output.prompt_rows)
 
-    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None, wait: bool = False) -> list[RequestOutput]:
-        """Sample one token for each row (logits: [len(rows), V]) and for each held
-        sequence whose grammar has compiled since (``wait``: wait for one first); hold
-        the rows whose grammar has not.
+    def _sample_on_device(self, rows: list[SampleRow], logits: torch.Tensor | None, deferrable: bool,
+                          wait: bool = False) -> "LaunchedStep":
+        """Queue the sampling of one token for each row (logits: [len(rows), V]) and for
+        each held sequence whose grammar has compiled since (``wait``: wait for one
+        first); hold the rows whose grammar has not. ``deferrable``: every row's
+        sequence may leave its token pending (async scheduling)."""
+        failures: dict[str, StructuredOutputError] = {}
+        num_rows = len(rows)
+        # Deferrable rows have no grammar and no reasoning tracker: holding them and
+        # their bitmask would be no-ops, so only a held sequence brings the calls back.
+        plain = deferrable and not self.structured.has_held()
+        if not plain:
+            rows, logits = self.structured.hold(rows, logits, self._state_of, failures)
+            rows, logits = self.structured.release(rows, logits, self._state_of, self._held_row, failures, wait)
+        if not rows:
+            return LaunchedStep([], None, None, set(), failures, deferred=False)
+        bitmask, restricted = None, set()
+        if not plain:
+            bitmask, restricted = self.structured.bitmask(rows, [self._sample_state(row.request) for row in rows])
+        sampled = self.sampler(logits, rows, bitmask)
+        deferred = (self.async_scheduling and deferrable and len(rows) == num_rows and not failures
+                    and bitmask is None)
+        if deferred:
+            for row in rows:
+                row.request.num_pending_tokens += 1
+        return LaunchedStep(rows, sampled, bitmask, restricted, failures, deferred)
+
+    def _process(self, launched: "LaunchedStep") -> None:
+        """Append each row's sampled token (waiting for the device to have sampled
+        them), decide which sequences stop, and queue the outputs of finished requests.
         A request whose grammar fails to compile, or whose sampled token its grammar
         rejects, is aborted and a StructuredOutputError raised after the others' tokens
         are appended (their finished outputs come from the next step)."""
-        failures: dict[str, StructuredOutputError] = {}
-        rows, logits = self.structured.hold(rows, logits, self._state_of, failures)
-        rows, logits = self.structured.release(rows, logits, self._state_of, self._held_row, failures, wait)
+        failures = launched.failures
         finished_states = []
-        if rows:
-            bitmask, restricted = self.structured.bitmask(rows, [self._sample_state(row.request) for row in rows])
-            sampled = self.sampler(logits, rows, bitmask)
-            forbidden = forbidden_picks(bitmask, restricted, sampled.token_ids)
-            for i, (row, token_id, logprobs) in enumerate(zip(rows, sampled.token_ids, sampled.logprobs)):
-                state, index = self._sequence_owner[row.request.request_id]
+        if launched.rows:
+            token_ids = launched.sampled.host_token_ids()
+            forbidden = forbidden_picks(launched.bitmask, launched.restricted, token_ids)
+            for i, (row, token_id, logprobs) in enumerate(zip(launched.rows, token_ids, launched.sampled.logprobs)):
+                sequence = row.request
+                if launched.deferred:
+                    sequence.num_pending_tokens -= 1
+                if sequence.is_finished:
+                    continue  # stopped or aborted before this token: it is discarded
+                state, index = self._sequence_owner[sequence.request_id]
                 try:
                     if i in forbidden:
                         raise StructuredOutputError(
@@ -292,14 +372,13 @@ class LLMEngine:
                     failures.setdefault(state.request_id, exc)
                     continue
                 if status is not None:
-                    self.scheduler.finish_requests(row.request.request_id, status)
+                    self.scheduler.finish_requests(sequence.request_id, status)
                     if state.finished and not state.pending_forks:
                         finished_states.append(state)
         self._finished_outputs += [self._finish(s) for s in finished_states if s.request_id not in failures]
         if failures:
             self.abort_request(list(failures))
             raise next(iter(failures.values()))
-        return self._take_finished_outputs()
 
     def _take_finished_outputs(self) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
@@ -316,29 +395,45 @@ class LLMEngine:
         """The sample row of a sequence held for its grammar (its logits come separately)."""
         return self._sample_row(self.scheduler.get_request(sequence_id), self._state_of(sequence_id), 0)
 
-    def _sample_rows(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[SampleRow]:
-        """One row per sequence that samples this step; forked samples join their
-        parent's first sampling, on the same logits row."""
+    def _sample_rows(self, scheduler_output: SchedulerOutput,
+                     model_output: ModelOutput) -> tuple[list[SampleRow], bool]:
+        """One row per sequence that samples this step (forked samples join their
+        parent's first sampling, on the same logits row), and whether every one of
+        them may leave its token pending (async scheduling)."""
         rows = []
-        now = time.monotonic()
+        deferrable = True
+        sample_rows = model_output.sample_rows
         for item in scheduler_output.scheduled:
-            state, _ = self._sequence_owner[item.request.request_id]
+            sequence = item.request
+            state, _ = self._sequence_owner[sequence.request_id]
             if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-            logits_row = model_output.sample_rows.get(item.request.request_id)
+                state.metrics.first_scheduled_time = time.monotonic()
+            logits_row = sample_rows.get(sequence.request_id)
             if logits_row is None:
                 continue
-            rows.append(self._sample_row(item.request, state, logits_row))
+            rows.append(self._sample_row(sequence, state, logits_row))
             if state.pending_forks:
-                rows += [self._sample_row(child, state, logits_row) for child in self._fork(item.request, state)]
-        return rows
+                deferrable = False
+                rows += [self._sample_row(child, state, logits_row) for child in self._fork(sequence, state)]
+            elif not state.pipelinable:
+                deferrable = False
+        return rows, deferrable
 
     def _sample_row(self, sequence: Request, state: RequestState, logits_row: int) -> SampleRow:
+        """The sequence's sample row, made once and kept while it runs; only what
+        changes from token to token (min_tokens, bad words) is recomputed."""
+        row = self._rows.get(sequence.request_id)
+        if row is None:
+            row = SampleRow(sequence, state.params, self._generators.get(sequence.request_id))
+            self._rows[sequence.request_id] = row
+        row.logits_row = logits_row
         params = state.params
-        blocked = tuple(params.all_stop_token_ids) if sequence.num_output_tokens < params.min_tokens else ()
-        banned = bad_word_bans(sequence.output_token_ids, state.bad_words_ids) if state.bad_words_ids else ()
-        return SampleRow(sequence, params, self._generators.get(sequence.request_id), blocked, banned,
-                         logits_row=logits_row)
+        if params.min_tokens:
+            num_output = sequence.num_output_tokens
+            row.blocked_token_ids = tuple(params.all_stop_token_ids) if num_output < params.min_tokens else ()
+        if state.bad_words_ids:
+            row.banned_token_ids = bad_word_bans(sequence.output_token_ids, state.bad_words_ids)
+        return row
 
     def _fork(self, parent: Request, state: RequestState) -> list[Request]:
         children, state.pending_forks = state.pending_forks, []
@@ -364,6 +459,27 @@ class LLMEngine:
         self._forget_sequences([s.sequence.request_id for s in state.samples])
         num_cached = max(state.samples[0].sequence.num_cached_tokens, 0)
         return self.output_processor.make_output(state, num_cached)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued: its sample rows, the sampler's
+    output (token ids still on the device), the structured-output bitmask and the
+    rows it restricts, the failures found so far, and whether its outputs wait for
+    the next step (``deferred``: each row's sequence then has one pending token)."""
+
+    rows: list[SampleRow]
+    sampled: SamplerOutput | None
+    bitmask: torch.Tensor | None
+    restricted: set[int]
+    failures: dict[str, StructuredOutputError]
+    deferred: bool
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """The runner's view of the sampled ids the next step reads, if deferred."""
+        if not self.deferred:
+            return None
+        return PendingTokens(self.sampled.token_ids, {row.request.request_id: i for i, row in enumerate(self.rows)})
 
 
 def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -316,7 +316,9 @@ class KVCacheManager:
             return
         request_id = request.request_id
         table = self._block_tables[request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        # A computed position may hold a pending token (async scheduling) not known yet.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_full, len(table))
         num_registered = self._num_registered.get(request_id, 0)
         if num_full <= num_registered:
             return

@@ -56,6 +56,10 @@ class Request:
     # Prompt tokens whose KV came from the prefix cache at first admission.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Tokens sampled by a step whose outputs the engine has not processed yet (async
+    # scheduling): they count for scheduling (the next step computes the position of
+    # one, reading it on the device) but are not in output_token_ids.
+    num_pending_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

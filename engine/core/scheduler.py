@@ -17,6 +17,10 @@ Invariants:
   fits the cache (max_model_len <= num_blocks * block_size).
 - schedule() advances num_computed_tokens by what it schedules; the engine runs the
   step, appends a sampled token to each last-chunk request, and finishes requests.
+- With async scheduling a running request may have one pending token (sampled by the
+  step in flight, not yet appended): it counts as a token to compute, so the next
+  step computes its position; a request whose pending token reaches its length limit
+  is not scheduled again.
 - With recurrent layers (num_state_slots > 0) every running request owns a state
   slot (core/state_slots.py), taken at admission or fork and given back at finish,
   abort and preemption; a request is admitted only when a slot is free.
@@ -83,7 +87,7 @@ class ScheduledRequest:
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_tokens = self.request.num_tokens
+        self.num_tokens = self.request.num_tokens + self.request.num_pending_tokens
 
     @property
     def is_last_chunk(self) -> bool:
@@ -231,7 +235,10 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            num_tokens = request.num_tokens + request.num_pending_tokens
+            if request.num_pending_tokens and self._reached_length(request, num_tokens):
+                continue  # its pending token is its last: nothing more to compute
+            num_new_tokens = min(num_tokens - request.num_computed_tokens, step.token_budget)
             if num_new_tokens <= 0:
                 continue
             while not self.kv_cache.allocate_slots(request, num_new_tokens):
@@ -308,6 +315,12 @@ class Scheduler:
         self._push_waiting(victim)
 
     # -- helpers ----------------------------------------------------------------
+
+    def _reached_length(self, request: Request, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` (pending ones included) end the request by length."""
+        num_output = num_tokens - request.num_prompt_tokens
+        return num_tokens >= self.config.max_model_len or (
+            request.max_tokens is not None and num_output >= request.max_tokens)
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int) -> None:
         block_ids = self.kv_cache.live_block_ids(request.request_id)

@@ -49,7 +49,7 @@ class InputRows:
     def __init__(self, num_rows: int, max_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.block_tables = np.zeros((num_rows, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.num_blocks = [0] * num_rows
         self.tables: list[list[int] | None] = [None] * num_rows
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(num_rows - 1, -1, -1))
@@ -62,6 +62,7 @@ class InputRows:
         rows, starts, lengths = [], [], []
         pending_positions, pending_sources = [], []
         width = 0
+        row_of, tables, num_blocks = self.row_of, self.tables, self.num_blocks
         for item in scheduled:
             request = item.request
             start, end = item.start, item.start + item.num_new_tokens
@@ -70,14 +71,20 @@ class InputRows:
                 token_ids += request.token_ids_slice(start, end)
             else:
                 # The last position's token was sampled by the step in flight.
+                assert end == known + 1, (request.request_id, end, known)
                 token_ids += request.token_ids_slice(start, known)
                 token_ids += [0] * (end - known)
                 pending_positions.append(len(token_ids) - 1)
                 pending_sources.append(pending_rows[request.request_id])
-            rows.append(self._row(item, scheduled))
+            blocks = item.block_ids
+            row = row_of.get(request.request_id)
+            if row is None or tables[row] is not blocks or num_blocks[row] != len(blocks):
+                row = self._row(item, scheduled)
+            rows.append(row)
             starts.append(start)
             lengths.append(item.num_new_tokens)
-            width = max(width, len(item.block_ids))
+            if len(blocks) > width:
+                width = len(blocks)
         row_index = np.array(rows, dtype=np.int64)
         start_array = np.array(starts, dtype=np.int64)
         length_array = np.array(lengths, dtype=np.int64)
@@ -109,7 +116,7 @@ class InputRows:
         if self.tables[row] is not blocks:
             self.tables[row] = blocks
             self.num_blocks[row] = 0
-        have = int(self.num_blocks[row])
+        have = self.num_blocks[row]
         if have < len(blocks):
             if len(blocks) > self.block_tables.shape[1]:
                 self._grow(self.block_tables.shape[0], len(blocks))
@@ -135,5 +142,5 @@ class InputRows:
         tables = np.zeros((num_rows, max(max_blocks, old_blocks)), dtype=np.int32)
         tables[:old_rows, :old_blocks] = self.block_tables
         self.block_tables = tables
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        self.num_blocks += [0] * (num_rows - old_rows)
         self.tables += [None] * (num_rows - old_rows)

@@ -8,6 +8,8 @@ across tokens come out whole.
 
 from __future__ import annotations
 
+import functools
+
 from transformers import PreTrainedTokenizerBase
 
 # Tokens of context kept before the emitted text, so that tokenizers that strip
@@ -19,12 +21,20 @@ class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text, one token at a time."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 token_texts: dict[int, str] | None = None) -> None:
+        """``token_texts``: a cache of single tokens' decodes under the same options,
+        shared by the detokenizers of one engine (a decode is a pure function of the
+        tokens and the options)."""
         self.tokenizer = tokenizer
+        self._token_texts = token_texts if token_texts is not None else {}
         self._fast_decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._special_ids = set(tokenizer.all_special_ids)
+        # How a window is decoded, chosen once: in the common case the Rust decode itself.
+        self._decode_window = (functools.partial(self._fast_decode, skip_special_tokens=skip_special_tokens)
+                               if self._fast_decode is not None and not spaced_specials(self) else self._decode)
         # With spaces around special tokens, a special token ending the prompt would
         # put a space before the output: the window then starts at the output.
         spaced = not skip_special_tokens and spaces_between_special_tokens
@@ -34,7 +44,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, token_ids: list[int]) -> str:
-        if not self.skip_special_tokens and self.spaces_between_special_tokens:
+        if spaced_specials(self):
             return " ".join(self._decode_plain(run) for run in self._special_runs(token_ids))
         return self._decode_plain(token_ids)
 
@@ -62,8 +72,13 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; return the text it completed (possibly empty)."""
         self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if self.read_offset - self.prefix_offset == 1:
+            # The common case once text flows: the window before the new token is the
+            # token emitted last, whose decode is cached.
+            prefix_text = self._token_text(self.token_ids[self.prefix_offset])
+        else:
+            prefix_text = self._decode_window(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode_window(self.token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]
@@ -72,15 +87,26 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode_window([token_id])
+        return text
+
     def flush(self) -> str:
         """At the end of the sequence, emit what is still held back (an incomplete
         UTF-8 tail decodes to "\ufffd", as a full decode of the tokens would)."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode_window(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode_window(self.token_ids[self.prefix_offset :])
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def spaced_specials(detokenizer: IncrementalDetokenizer) -> bool:
+    """Whether special tokens are kept and spaced apart (decoded run by run)."""
+    return not detokenizer.skip_special_tokens and detokenizer.spaces_between_special_tokens
 
 
 def fast_decoder(tokenizer: PreTrainedTokenizerBase):

@@ -66,6 +66,8 @@ class RequestState:
     # The structured-output grammar while it compiles (None once its samples have
     # their matchers, and for requests without a constraint).
     grammar: Future | None = None
+    # Its sequences may leave a sampled token pending (LLMEngine._pipelinable).
+    pipelinable: bool = False
 
     @property
     def finished(self) -> bool:
@@ -81,6 +83,8 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.reasoning_parser = reasoning_parser
+        # Single tokens' decodes, per (skip_special_tokens, spaces_between_special_tokens).
+        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
 
     def new_sample(self, sequence: Request, index: int, params: SamplingParams) -> SampleState:
         sample = SampleState(sequence, index, self._detokenizer(sequence, params),
@@ -93,8 +97,9 @@ class OutputProcessor:
     def _detokenizer(self, sequence: Request, params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids,
-                                      params.skip_special_tokens, params.spaces_between_special_tokens)
+        options = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids, *options,
+                                      token_texts=self._token_texts.setdefault(options, {}))
 
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..params import SamplingParams, SamplingType
@@ -34,13 +35,43 @@ class SampleRow:
     # Row of the step's logits this sequence samples from.
     logits_row: int = 0
 
+    def __post_init__(self) -> None:
+        # Decided once per sequence, not per step: whether it draws at random, and
+        # whether logit processors other than min_tokens and bad words apply to it.
+        params = self.params
+        self.is_random = params.sampling_type != SamplingType.GREEDY
+        self.has_processors = (params.allowed_token_ids is not None or bool(params.logit_bias)
+                               or _has_penalties(params))
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    """One step's sampled tokens. ``token_ids`` [N] stays where the logits were; its
+    host copy is started at once and ``host_token_ids`` waits for it, so the host can
+    prepare the next step while the device still samples."""
+
+    token_ids: torch.Tensor
     # Per row: (sampled logprob, [(token_id, logprob, rank), ...]) or None.
     logprobs: list[tuple[float, list[tuple[int, float, int]]] | None]
-    sampled_logprobs: list[float] | None
+    # The host copy of token_ids (pinned on CUDA) and the event that marks it filled.
+    host_ids: torch.Tensor | None = None
+    copied: "torch.cuda.Event | None" = None
+
+    @classmethod
+    def start_copy(cls, token_ids: torch.Tensor, logprobs: list) -> "SamplerOutput":
+        if token_ids.device.type != "cuda":
+            return cls(token_ids, logprobs, token_ids)
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host_ids.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(token_ids, logprobs, host_ids, copied)
+
+    def host_token_ids(self) -> list[int]:
+        """The sampled ids as a list; waits for the device to have sampled them."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_ids.tolist()
 
 
 class Sampler:
@@ -60,15 +91,15 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
         token_ids = self._choose_tokens(logits, rows)
-        num_top = [r.params.logprobs for r in rows]
-        logprobs = gather_logprobs(raw_logprobs, token_ids, num_top) if want_logprobs else [None] * len(rows)
-        return SamplerOutput(token_ids.tolist(), logprobs, None)
+        logprobs = (gather_logprobs(raw_logprobs, token_ids, [r.params.logprobs for r in rows]) if want_logprobs
+                    else [None] * len(rows))
+        return SamplerOutput.start_copy(token_ids, logprobs)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         # Which rows sample is known on the host: deciding it from a device tensor
         # would wait for the forward pass before any of the sampling is queued.
-        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
-        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if r.is_random]
+        token_ids = greedy_tokens(logits)
         if not random_rows:
             return token_ids
         sub_rows = [rows[i] for i in random_rows]
@@ -84,11 +115,23 @@ class Sampler:
         return shared
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) ([N, V] -> [N] int64): the first index of each row's
+    maximum, NaN counting as the maximum. On CPU through numpy's vectorised argmax,
+    which returns the same indices several times faster than torch's over
+    vocabulary-wide rows (bench/bench_host.py's token choice)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=1))
+    return logits.argmax(dim=-1)
+
+
 def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Allowed tokens, logit bias, bad words, min_tokens and penalties. logits: [N, V].
 
     Per-row settings are gathered into flat (row, token) index lists first, so each
     processor is one indexed tensor operation over the whole batch."""
+    if not any(row.has_processors or row.blocked_token_ids or row.banned_token_ids for row in rows):
+        return logits
     vocab_size, device = logits.shape[1], logits.device
     allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values, ban_rows, ban_ids = ([] for _ in range(7))
     for i, row in enumerate(rows):
@@ -117,7 +160,7 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch
     if ban_rows:
         index = (to_device(ban_rows, torch.int64, device), to_device(ban_ids, torch.int64, device))
         logits = logits.index_put(index, torch.full((), float("-inf"), dtype=logits.dtype, device=device))
-    if any(_has_penalties(r.params) for r in rows):
+    if any(row.has_processors and _has_penalties(row.params) for row in rows):
         logits = apply_penalties(logits, rows)
     return logits
 

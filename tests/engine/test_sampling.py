@@ -123,3 +123,23 @@ def test_stop_string_spanning_tokens_is_trimmed(tiny_llm, include):
     completion = output.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.text == (full[: cut + 1] if include else full[: cut - 1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_greedy_tokens_equal_torch_argmax(dtype):
+    import torch
+
+    from shardline.engine.sampling.sampler import greedy_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 1000, generator=generator, dtype=getattr(torch, dtype))
+    logits[1, 10] = logits[1, 900] = 1e4  # a tie: the first index wins
+    logits[2, 5] = logits[2, 7] = float("nan")  # NaN counts as the maximum
+    logits[3] = float("-inf")
+    logits[4, 999] = float("inf")
+    want = logits.argmax(dim=-1)
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert got[1] == 10 and got[2] == 5 and got[3] == 0 and got[4] == 999
+    strided = logits[::2, ::3]
+    assert greedy_tokens(strided).tolist() == strided.argmax(dim=-1).tolist()
