@@ -67,6 +67,17 @@ class ChunkLayout:
         padded = torch.cat([packed, packed.new_zeros((1, *packed.shape[1:]))])
         return padded[self.token_index]
 
+    def gather_heads(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] -> [N, H, C, D], contiguous, in one copy; padding slots hold another
+        token's values (finite, not zero: for inputs whose padding a zero elsewhere
+        silences, such as a delta rule's keys next to a zero write strength)."""
+        num_tokens, heads, size = packed.shape
+        if num_tokens == 0:
+            return packed.new_zeros((self.num_chunks, heads, self.token_index.shape[1], size))
+        rows = self.token_index.clamp(max=num_tokens - 1)[:, None, :] * heads  # [N, 1, C]
+        rows = rows + torch.arange(heads, device=rows.device)[:, None]  # [N, H, C]: rows of packed [T*H, D]
+        return packed.reshape(num_tokens * heads, size).index_select(0, rows.flatten()).view(*rows.shape, size)
+
     def scatter(self, chunks: torch.Tensor) -> torch.Tensor:
         """[N, C, ...] -> [T, ...]: each valid slot's value at its token."""
         out = chunks.new_empty((self.num_tokens, *chunks.shape[2:]))

@@ -16,8 +16,10 @@ Only the hand-over of S from one chunk to the next is sequential: one iteration
 per chunk index, over every request that has a chunk there.
 
 Invariants: every request's chunks start at its own first token, so no chunk holds
-two requests' tokens; padding slots carry k = v = beta = g = 0, which writes nothing
-and decays nothing, so a request's final state is its state after its last token.
+two requests' tokens; padding slots (at a chunk's end) carry beta = g = 0 and some
+other token's finite q, k, v: zero beta zeroes their rows of the system (so u = 0
+there) and zero g decays nothing, so they write nothing, no earlier token reads them
+(causality), and a request's final state is its state after its last token.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def chunk_gated_delta_rule_varlen(query: torch.Tensor, key: torch.Tensor, value:
     max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     size = max(1, min(chunk_size, max_len))
     layout = ChunkLayout(cu_seqlens, size, num_tokens)
-    # [N, H, C, D] / [N, H, C], contiguous so the batched matmuls below copy nothing
-    q, k, v = (layout.gather(x).transpose(1, 2).contiguous() for x in (query, key, value))
+    # [N, H, C, D] / [N, H, C], contiguous so the batched matmuls below copy nothing.
+    # Padding slots: beta = g = 0 (any finite q, k, v): see the module's invariants.
+    q, k, v = (layout.gather_heads(x) for x in (query, key, value))
     g_chunks, beta_chunks = (layout.gather(x).transpose(1, 2).contiguous() for x in (g, beta))
     cum = torch.cumsum(g_chunks, dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()

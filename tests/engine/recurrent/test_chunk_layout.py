@@ -35,3 +35,14 @@ def test_layout_places_each_token_once_in_its_requests_chunks(seed):
         assert layout.request[at].tolist() == layout.order[: at.stop - at.start].tolist()
         seen += range(at.start, at.stop)
     assert seen == list(range(layout.num_chunks))
+
+
+def test_gather_heads_is_the_head_major_gather_at_valid_slots():
+    cu_seqlens = torch.tensor([0, 5, 6, 23])
+    layout = ChunkLayout(cu_seqlens, 4, 23)
+    packed = torch.randn(23, 3, 2, generator=torch.Generator().manual_seed(0))
+    heads = layout.gather_heads(packed)  # [N, H, C, D]
+    assert heads.is_contiguous() and torch.isfinite(heads).all()
+    expected = layout.gather(packed).transpose(1, 2)
+    valid = layout.valid[:, None, :, None].expand_as(heads)
+    assert torch.equal(heads[valid], expected[valid])
