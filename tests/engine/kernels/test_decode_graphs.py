@@ -59,3 +59,24 @@ def test_prefill_steps_do_not_qualify(tmp_path):
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
     prefill = engine.scheduler.schedule()
     assert not DecodeGraphs.qualifies(prefill)
+
+
+def test_static_decode_path_reads_pending_tokens_under_async_scheduling(tmp_path, monkeypatch):
+    """With async scheduling, a decode step's inputs are the step in flight's sampled
+    ids, copied into the static input buffer on the device."""
+    pending_steps = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, out, packed, *args: pending_steps.append(
+        len(packed.pending_positions)) or run(self, out, packed, *args))
+    model_dir = str(build_tiny_model(tmp_path / "llama", "llama"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, (10, 40), 512, seed=6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)]
+    results = {}
+    for static in (False, True):
+        llm = LLM(model_dir, dtype="float32", max_num_seqs=4, enforce_eager=not static, attention_backend="triton",
+                  async_scheduling=static)
+        if static and llm.llm_engine.runner.decode_graphs is None:
+            llm.llm_engine.runner.enable_decode_graphs(4, llm.llm_engine.max_model_len, capture=False)
+        results[static] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(pending_steps) == 4  # every row of a full decode step read its input on the device
+    assert results[True] == results[False]
