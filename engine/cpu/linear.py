@@ -152,8 +152,9 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
     if bucket != rows or flat.dtype != packed.dtype:
-        padded = flat.new_zeros(bucket, flat.shape[1], dtype=packed.dtype)
+        padded = flat.new_empty(bucket, flat.shape[1], dtype=packed.dtype)
         padded[:rows] = flat
+        padded[rows:].zero_()
         flat = padded
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
