@@ -1,14 +1,28 @@
-"""GPU micro-benchmark of the Triton kernels: paged attention (decode, prefill) and KV store.
+"""Micro-benchmark of the attention kernels: the Triton ones on a GPU, or with --cpu the C ones.
 
     python bench/bench_kernels.py [--head-dim 128] [--heads 32] [--kv-heads 8]
+    python bench/bench_kernels.py --cpu [--repeat 5]
 
-Prints time per call and the KV bytes read per second (the decode roofline is memory
-bandwidth). Needs a CUDA GPU; it checks each kernel against its reference first.
+GPU: time per call and the KV bytes read per second (the decode roofline is memory
+bandwidth) of paged attention (decode, prefill) and the KV store; needs a CUDA GPU.
+
+--cpu: the C decode and prefill kernels (engine/kernels/cpu_*.c) on bench_engine's
+heads (8 query heads over 4 KV heads of 64) and prompts, block tables shuffled: a
+decode step of its 64 requests halfway through their outputs, over 8 layers' caches
+(more than the last-level cache holds, as in the engine), and its 64 prompts
+prefilled fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
+loaded machine compare; build targets by SHARDLINE_CPU_TARGET (e.g. x86-64-v3 for an
+AVX2 host's code on an AVX-512 one). Prints ms per layer with GB/s of KV read
+(decode) and GFLOP/s (prefill).
+
+Each kernel is checked against its reference first.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import time
 
 import torch
 
@@ -72,14 +86,86 @@ def bench_store(num_tokens, args):
           f"{moved / ms / 1e6:8.1f} GB/s moved")
 
 
+def cpu_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, layers: int):
+    """Shuffled block tables for requests of ``lengths`` tokens and ``layers`` random KV caches."""
+    blocks = [-(-n // block_size) for n in lengths]
+    generator = torch.Generator().manual_seed(0)
+    block_ids = torch.randperm(sum(blocks), generator=generator).to(torch.int32)
+    block_tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    for seq, (start, count) in enumerate(zip([0, *itertools.accumulate(blocks)], blocks)):
+        block_tables[seq, :count] = block_ids[start:start + count]
+    shape = (sum(blocks), block_size, kv_heads, head_dim)
+    caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+              for _ in range(layers)]
+    return block_tables, caches
+
+
+def best_cpu_seconds(run, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.thread_time()
+        run()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def bench_cpu(repeat: int) -> None:
+    """The C decode and prefill kernels on bench_engine's workload (see the module docstring)."""
+    from common import LLAMA_BENCH_CONFIG, random_prompts
+    from shardline.engine.cpu.paths import host_cpu
+    from shardline.engine.kernels.cpu_attention import decode_attention
+    from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
+
+    torch.set_num_threads(1)
+    heads, kv_heads = LLAMA_BENCH_CONFIG["num_attention_heads"], LLAMA_BENCH_CONFIG["num_key_value_heads"]
+    head_dim, block_size, layers = LLAMA_BENCH_CONFIG["hidden_size"] // heads, 16, 8
+    prompts = [len(p) for p in random_prompts(64, 32, 512, LLAMA_BENCH_CONFIG["vocab_size"])]
+    scale = head_dim ** -0.5
+    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}")
+
+    lengths = [n + 64 for n in prompts]  # halfway through 128 output tokens
+    block_tables, caches = cpu_batch(lengths, heads, kv_heads, head_dim, block_size, layers)
+    query = torch.randn(len(lengths), heads, head_dim)
+    out = torch.empty_like(query)
+    seq_lens, rows = torch.tensor(lengths), torch.arange(len(lengths))
+    k_cache, v_cache = caches[0]
+    decode_attention(query, k_cache, v_cache, block_tables, seq_lens, rows, rows, out, scale)
+    expected = paged_attention_reference(query, k_cache, v_cache, torch.cat([rows, rows[-1:] + 1]), seq_lens,
+                                         block_tables, scale)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    seconds = best_cpu_seconds(lambda: [decode_attention(query, k, v, block_tables, seq_lens, rows, rows, out,
+                                                         scale) for k, v in caches], repeat) / layers
+    kv_bytes = 2 * sum(lengths) * kv_heads * head_dim * 4
+    print(f"{'decode 64 requests x ' + str(sum(lengths) // 64) + ' ctx':<34} {seconds * 1e3:8.2f} ms/layer "
+          f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV")
+
+    block_tables, [(k_cache, v_cache)] = cpu_batch(prompts, heads, kv_heads, head_dim, block_size, 1)
+    query = torch.randn(sum(prompts), heads, head_dim)
+    out = torch.empty_like(query)
+    query_start_loc, seq_lens = torch.tensor([0, *itertools.accumulate(prompts)]), torch.tensor(prompts)
+    requests = torch.arange(len(prompts))
+    prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, requests, out, scale)
+    expected = paged_attention_reference(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    seconds = best_cpu_seconds(lambda: prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                                                         seq_lens, requests, out, scale), repeat)
+    flops = sum(n * (n + 1) // 2 for n in prompts) * heads * head_dim * 4  # causal: q.k and p.v
+    print(f"{'prefill 64 prompts fresh':<34} {seconds * 1e3:8.2f} ms/layer {flops / seconds / 1e9:7.1f} GFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="the C kernels on bench_engine's workload")
+    parser.add_argument("--repeat", type=int, default=5, help="--cpu: timed runs of each kernel, best taken")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
+    if args.cpu:
+        bench_cpu(args.repeat)
+        return
     args.dtype = getattr(torch, args.dtype)
     if not (torch.cuda.is_available() and triton_available()):
         raise SystemExit("bench_kernels needs a CUDA GPU and triton")
