@@ -28,7 +28,7 @@ filling, bitmask building and application, matcher advances, holding and releasi
 rows, the pick check), by the same CPU clock, and how many constrained outputs
 parse and validate. ``--profile`` (CPU) splits each side's last run into the
 engine's parts (bench_engine's StepProfile), side by side, to show where a
-difference between the two sides lies.
+difference between the two sides lies (by the same CPU clock).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def run_side(llm: LLM, prompts: list[list[int]], name: str, params: list[Samplin
     if steps is not None and last:
         last_run = copy.copy(steps)
         last_run.seconds = {label: seconds - parts_before.get(label, 0.0) for label, seconds in steps.seconds.items()}
-        rounds.last_run_parts[name] = last_run.report(wall)
+        rounds.last_run_parts[name] = last_run.report(cpu)
     # Greedy on a GPU may change a token between runs: each run counts its own.
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     rounds.speeds["wall"][name].append(num_tokens / wall)
@@ -190,7 +190,7 @@ def report(rounds: Rounds, profile: GrammarProfile, cpu_time: bool) -> None:
         seconds = [g.get(label, 0.0) for g in rounds.grammar]
         print(f"    {label:42s} median {median(seconds):6.3f} s")
     if rounds.last_run_parts:
-        print(f"  last round by part (wall):{'constrained':>18s}   unconstrained")
+        print(f"  last round by part (by {cpu_name}):{'constrained':>14s}   unconstrained")
         for constrained_line, free_line in zip(rounds.last_run_parts["constrained"].splitlines(),
                                                rounds.last_run_parts["unconstrained"].splitlines()):
             print(f"  {constrained_line}   {free_line.split()[-2]:>7s} s")
@@ -228,7 +228,7 @@ def main() -> None:
           f"{args.output_len}, {args.dtype} on {llm.llm_engine.device}, {torch.get_num_threads()} threads, "
           f"{args.repeat} interleaved round(s)")
     profile = GrammarProfile(clock)
-    steps = StepProfile() if args.profile else None
+    steps = StepProfile(clock) if args.profile else None
     for concurrency in args.concurrency:
         bench_concurrency(llm, profile, concurrency, args, steps)
 
