@@ -112,7 +112,10 @@ class TorchBackend:
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
-        return torch_paged_attention(query, key, value, k_cache, v_cache, ctx.work,
+        work = ctx.work
+        if options.position_bias is not None:  # a bias table, which the native kernels do not take
+            work = work.without_kernels(lambda: replace(self, native_decode=False, native_prefill=False)._plans(ctx))
+        return torch_paged_attention(query, key, value, k_cache, v_cache, work,
                                      layer_options(options, self.chunk_sizes, layer_idx))
 
 
@@ -142,6 +145,10 @@ class TritonBackend:
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+        if options.position_bias is not None:
+            raise ValueError(f"attention layer {layer_idx} adds a bias table by key position (falcon's "
+                             "bfloat16-rounded ALiBi), which the Triton kernels do not take; run it with "
+                             "attention_backend='torch'")
         from ..kernels import paged_attention, store_kv_cache
 
         k_cache, v_cache = ctx.kv_caches[layer_idx]

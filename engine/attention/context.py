@@ -12,11 +12,13 @@ Masking is ours, so the mask interface entry returns None: transformers builds n
 [T, T] mask for the packed batch. What a layer's attention does beyond causal
 softmax(q.k * scale) is one ``AttentionOptions`` (a sliding window, a softcap,
 attention sinks, ALiBi slopes, chunked local attention), which every attention path
-takes: the torch path, the CPU C kernels and the Triton kernel.
+takes: the torch path, the CPU C kernels and the Triton kernel; and a bias table by
+key position, which the torch path alone takes.
 
 Calling the paged attention from a module transformers does not route through its
 AttentionInterface (an adapter of one's own): call ``paged_attention_forward(module,
-query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` with
+query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` (or
+``position_bias=table``) with
 ``module.layer_idx`` set (or the call's own ``shardline_layer_idx=``), query
 [1, H, T, D], key [1, Hkv, T, D], value [1, Hkv, T, Dv]; it returns ([1, T, H, Dv], None).
 """
@@ -101,6 +103,13 @@ class AttentionOptions:
     # Chunked local attention: a query at p sees keys p - p % chunk_size .. p, its own
     # aligned chunk (llama4's chunked layers). Set per layer from the cache spec.
     chunk_size: int | None = None
+    # [H, L] a bias table: position_bias[h, p] is added to each scaled score of head h
+    # at key position p (L covers every key position of the step). A bias by the key's
+    # position alone is any bias f(key) + g(query), the softmax being shift-invariant per
+    # query row: a model's own ALiBi values where they are not slope * position (falcon
+    # rounds its products to bfloat16). Only the torch path takes it; the backends route
+    # a layer with one there (engine/attention/backends.py).
+    position_bias: torch.Tensor | None = None
 
     def first_visible_key(self, position: int) -> int:
         """The first key position a query at ``position`` sees (window and chunk)."""
@@ -126,6 +135,7 @@ def paged_attention_forward(
     s_aux: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     shardline_layer_idx: int | None = None,
+    position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention entry point, and the one entry for adapters of modules
@@ -133,7 +143,8 @@ def paged_attention_forward(
     value: [1, Hkv, T, Dv]; returns ([1, T, H, Dv], None).
 
     ``s_aux``: [H] attention-sink logits (transformers' name for them); ``alibi_slopes``:
-    [H] ALiBi slopes (see AttentionOptions); ``shardline_layer_idx``: the cache layer
+    [H] ALiBi slopes and ``position_bias``: [H, L] a bias by key position (see
+    AttentionOptions); ``shardline_layer_idx``: the cache layer
     of this call, for a module several layers call (else ``module.layer_idx``). The
     layer's chunk size, if any, comes from its cache spec through the backend."""
     if shardline_ctx is None:
@@ -148,7 +159,7 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    options = AttentionOptions(scaling, sliding_window, softcap, s_aux, alibi_slopes)
+    options = AttentionOptions(scaling, sliding_window, softcap, s_aux, alibi_slopes, position_bias=position_bias)
     out = shardline_ctx.backend.attend(shardline_ctx, layer_idx, q, k, v, options)
     return out.unsqueeze(0), None  # [1, T, H, Dv]
 

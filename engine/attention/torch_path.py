@@ -20,20 +20,23 @@ cached context are grouped by similar context length, since padding costs Q x L
 work.
 
 A layer's AttentionOptions (engine/attention/context.py) apply in every case: windows
-and chunks through the masks; softcaps, ALiBi biases and attention sinks, which SDPA
-does not take, through the scores and softmax written out (``_explicit_attention``).
+and chunks through the masks; softcaps, ALiBi biases, bias tables by key position and
+attention sinks, which SDPA does not take, through the scores and softmax written out
+(``_explicit_attention``).
 Values may have their own head size (Dv): outputs are [T, H, Dv].
 
 On the "auto" backend the native kernels take what they can, reading the paged
 cache in place: decoding requests go to kernels/cpu_attention.py, and every prefill
 chunk, fresh or not, to kernels/cpu_prefill_attention.py (float32 and bfloat16
-caches), as the engine's backend chose at load (engine/attention/backends.py).
+caches), as the engine's backend chose at load (engine/attention/backends.py). A layer
+with a bias table by key position, which the kernels do not take, runs on plans made
+without them (``TorchPlans.without_kernels``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +124,18 @@ class TorchPlans:
     prefill: PrefillBatch | None
     plans: list[TorchAttentionPlan]
     fresh: list[tuple[int, int]]
+    # The same step's plans with no native kernel, made by the backend on the first
+    # layer that needs them (``without_kernels``) and shared by the step's later ones.
+    _without_kernels: list = field(default_factory=list, repr=False, compare=False)
+
+    def without_kernels(self, make: Callable[[], "TorchPlans"]) -> "TorchPlans":
+        """These plans if no native kernel takes a request, else the step's plans that
+        leave the kernels out, made by ``make`` once per step."""
+        if self.decode is None and self.prefill is None:
+            return self
+        if not self._without_kernels:
+            self._without_kernels.append(make())
+        return self._without_kernels[0]
 
 
 @dataclass
@@ -205,6 +220,21 @@ def alibi_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, slopes: torch.Ten
     return slopes.to(dtype)[None, :, None, None] * distance[:, None]
 
 
+def score_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, options: AttentionOptions,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """The scores' bias from the layer's ALiBi slopes and bias table by key position, or
+    None. query_pos: [b, Q] or [Q]; key_pos: [L]; returns [b | 1, H, Q | 1, L]."""
+    bias = None
+    if options.alibi_slopes is not None:
+        bias = alibi_bias(query_pos, key_pos, options.alibi_slopes, dtype)
+    if options.position_bias is not None:
+        table = options.position_bias  # [H, Lt], covering the step's contexts
+        # Keys past the table pad a request's context to whole blocks: masked, any bias.
+        by_key = table.index_select(1, key_pos.clamp(max=table.shape[1] - 1)).to(dtype)[None, :, None, :]
+        bias = by_key if bias is None else bias + by_key
+    return bias
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -265,12 +295,11 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     length = query.shape[0]
     mask = bias = None
     cut = options.first_visible_key(length - 1) > 0  # the window or a chunk cuts the context
-    if cut or options.alibi_slopes is not None:
+    if cut or options.alibi_slopes is not None or options.position_bias is not None:
         positions = torch.arange(length, device=query.device)
         if cut:
             mask = visible_keys(positions[:, None], positions[None, :], options)[None, None]
-        if options.alibi_slopes is not None:
-            bias = alibi_bias(positions, positions, options.alibi_slopes, query.dtype)
+        bias = score_bias(positions, positions, options, query.dtype)
     out = padded_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None].to(query.dtype),
                            value.transpose(0, 1)[None].to(query.dtype), mask, mask is None, options.scale,
                            options.softcap, bias, options.sinks)
@@ -297,9 +326,7 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     v = plan.gather(v_cache).to(q.dtype)  # [b, Hkv, Lmax, Dv]
     causal = plan.fresh and options.sliding_window is None and options.chunk_size is None
     mask = None if causal else plan.mask(options)
-    bias = None
-    if options.alibi_slopes is not None:
-        bias = alibi_bias(plan.query_pos, plan.key_pos, options.alibi_slopes, q.dtype)
+    bias = score_bias(plan.query_pos, plan.key_pos, options, q.dtype)
     out = padded_attention(q.transpose(1, 2), k, v, mask, causal, options.scale, options.softcap, bias,
                            options.sinks)  # [b, H, Qmax, Dv]
     out = out.transpose(1, 2).reshape(num_requests * max_query_len, num_heads, v.shape[3])
@@ -322,7 +349,8 @@ def padded_attention(
 
     q: [b, H, Q, D]; k: [b, Hkv, L, D]; v: [b, Hkv, L, Dv]; mask: bool [b | 1, 1, Q, L]
     (True = attend), or None with ``causal`` (query i sees keys 0..i) or with no
-    masking at all; bias: [b | 1, H, Q, L] added to the scaled scores (ALiBi); sinks:
+    masking at all; bias: [b | 1, H, Q | 1, L] added to the scaled scores (ALiBi, a bias
+    table by key position); sinks:
     [H] logits joining each softmax's denominator; returns [b, H, Q, Dv].
 
     With an explicit mask (or none at all), the G = H / Hkv query heads sharing a KV
@@ -352,13 +380,15 @@ def _explicit_attention(folded_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                         scale: float, softcap: float | None, bias: torch.Tensor | None,
                         sinks: torch.Tensor | None) -> torch.Tensor:
     """Scores, then softmax, written out: for what SDPA does not take (softcap, bias,
-    sinks). folded_q: [b, Hkv, G * Q, D] (heads folded as in padded_attention); bias:
-    [b | 1, H, Q, L]; sinks: [H]; returns [b, Hkv, G * Q, Dv]."""
+    sinks. folded_q: [b, Hkv, G * Q, D] (heads folded as in padded_attention); bias:
+    [b | 1, H, Q | 1, L]; sinks: [H]; returns [b, Hkv, G * Q, Dv]."""
     num_requests, num_kv_heads, rows, _ = folded_q.shape
     softmax_dtype = torch.float64 if folded_q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(folded_q, k.transpose(-1, -2)) * scale  # [b, Hkv, G * Q, L]
-    if bias is not None:  # [b, H, Q, L] folds as the queries do: head h = kv * G + g
-        scores = scores + bias.reshape(bias.shape[0], num_kv_heads, rows, -1)
+    if bias is not None:  # [b | 1, H, Q | 1, L] folds as the queries do: head h = kv * G + g
+        group = bias.shape[1] // num_kv_heads
+        by_group = bias.reshape(bias.shape[0], num_kv_heads, group, bias.shape[2], -1)
+        scores = (scores.view(num_requests, num_kv_heads, group, rows // group, -1) + by_group).view(scores.shape)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:

@@ -118,8 +118,8 @@ class CallIndexedAttention(ContextForwardingAttention):
 class PagedAttentionAdapter(_Replacement, abc.ABC):
     """Replaces one attention module (see the module docstring). A subclass says how
     its shape of attention makes queries, keys and values and how it returns:
-    ``project`` and ``finish``; ``scale``, ``sliding_window`` and ``alibi_slopes``
-    are the layer's attention options."""
+    ``project`` and ``finish``; ``scale``, ``sliding_window``, ``alibi_slopes`` (or
+    ``alibi_slopes_for``) and ``position_bias_for`` are the layer's attention options."""
 
     scale: float
     sliding_window: int | None = None
@@ -141,12 +141,17 @@ class PagedAttentionAdapter(_Replacement, abc.ABC):
         out, _ = paged_attention_forward(
             self, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
             scaling=self.scale, sliding_window=self.sliding_window, shardline_ctx=ctx,
-            alibi_slopes=self.alibi_slopes_for(call))
+            alibi_slopes=self.alibi_slopes_for(call), position_bias=self.position_bias_for(call, query))
         return self.finish(out[0].flatten(1)[None], call)  # out: [1, T, H, Dv] -> [1, T, H * Dv]
 
     def alibi_slopes_for(self, call: dict) -> torch.Tensor | None:
         """[H] ALiBi slopes of this call (None: no ALiBi)."""
         return self.alibi_slopes
+
+    def position_bias_for(self, call: dict, query: torch.Tensor) -> torch.Tensor | None:
+        """[H, L] this call's bias table by key position, covering the step's contexts,
+        in ``query``'s dtype and device (AttentionOptions.position_bias; None: none)."""
+        return None
 
     @abc.abstractmethod
     def project(self, hidden_states: torch.Tensor, call: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

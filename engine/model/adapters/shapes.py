@@ -11,21 +11,24 @@ Shapes:
 - one fused Conv1D projection split in thirds (openai-gpt);
 - one fused projection laid out per head (bloom and falcon as [H, 3, D], falcon's
   multi-query and grouped layouts, gpt_neox_japanese as [H, 3D]), with rotary
-  embeddings (falcon, gpt_neox_japanese) or ALiBi slopes (bloom);
+  embeddings (falcon, gpt_neox_japanese), ALiBi slopes (bloom) or ALiBi as a bias
+  table by key position (falcon with alibi);
 - one fused projection split in thirds with ALiBi or learned positions (mpt).
 
-ALiBi: every model's bias is slope_h * key position (in transformers' own precision);
-the paged attention adds slope_h * (key - query position), the same scores up to a
-constant per query, which the softmax cancels. """
+ALiBi: bloom's and mpt's bias is slope_h * key position (in transformers' own
+precision); the paged attention adds slope_h * (key - query position), the same scores
+up to a constant per query, which the softmax cancels. falcon's is rounded to bfloat16
+per position, so it is passed as a table by key position (FalconAttention). """
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 from torch import nn
 
-from .base import PagedAttentionAdapter, StepScope, UnsupportedAttentionError
+from .base import PagedAttentionAdapter, StepScope
 
 
 def _model_function(module: nn.Module, name: str):
@@ -137,18 +140,50 @@ class GPTNeoXJapaneseAttention(PagedAttentionAdapter):
 class FalconAttention(PagedAttentionAdapter):
     """falcon: query_key_value as [H, 3, D] (the original layout), [H + 2, D]
     (multi-query: one key and one value head) or [Hkv, H / Hkv + 2, D] (the new
-    decoder architecture); rotary embeddings (ALiBi is refused, see the error)."""
+    decoder architecture); rotary embeddings, or ALiBi (``alibi=True``).
+
+    ALiBi: the reference is transformers' SDPA attention, its default for falcon and
+    the original Falcon-RW math: scores q.k / sqrt(D) + alibi / sqrt(D), the bias added
+    once, through the mask FalconModel builds. Its eager attention adds the bias in its
+    scores and again in that mask, twice. The model's build_alibi_tensor rounds each
+    slope to bfloat16 and its product with the key position to bfloat16 again, so the
+    bias is not slope * position: the layer attends with the model's own values as a
+    bias table by key position (AttentionOptions.position_bias), [H, L] divided as
+    FalconModel divides them, which the torch attention path takes. Outside a step (the
+    load check's reference runs the model eager) the original is given a zero bias for
+    its scores, so it adds the mask's bias once, as its SDPA attention does."""
 
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
         self.num_heads = original.num_heads
         self.head_dim = original.head_dim
         self.scale = original.inv_norm_factor
-        if original.config.alibi:
-            raise UnsupportedAttentionError(
-                "falcon with alibi=True has no single reference to match: transformers' eager attention adds "
-                "the ALiBi bias twice (in its scores and again in its mask) and its SDPA attention once, so "
-                "their greedy tokens differ; shardline runs falcon with rotary embeddings (alibi=False)")
+        self._bias_table: torch.Tensor | None = None  # [H, L] ALiBi by key position, grown as contexts grow
+
+    def forward(self, *args, **kwargs):
+        if self._scope.ctx is None and self.original.config.alibi:
+            call = self._signature.bind(*args, **kwargs)
+            if call.arguments.get("alibi") is not None:
+                call.arguments["alibi"] = torch.zeros_like(call.arguments["alibi"])
+            return self.original(*call.args, **call.kwargs)
+        return super().forward(*args, **kwargs)
+
+    def position_bias_for(self, call, query):
+        if call.get("alibi") is None:
+            return None
+        length = self._scope.ctx.max_seq_len
+        table = self._bias_table
+        if table is None or table.shape[1] < length or table.dtype != query.dtype or table.device != query.device:
+            table = self._bias_table = self._alibi_table(max(256, 1 << (length - 1).bit_length()), query)
+        return table
+
+    def _alibi_table(self, length: int, query: torch.Tensor) -> torch.Tensor:
+        """[H, length]: the model's ALiBi bias at key positions 0 .. length - 1, in
+        ``query``'s dtype, divided by sqrt(head size) as FalconModel divides it."""
+        config = self.original.config
+        mask = torch.ones((1, length), dtype=torch.long, device=query.device)  # the model's own mask dtype
+        alibi = _model_function(self.original, "build_alibi_tensor")(mask, self.num_heads, query.dtype)
+        return alibi[:, 0] / math.sqrt(config.hidden_size // self.num_heads)
 
     def project(self, hidden_states, call):
         original, tokens = self.original, hidden_states.shape[0]
