@@ -113,9 +113,10 @@ class StructuredOutputManager:
         pick must be checked against it: those with another sampling constraint
         (allowed_token_ids, logit_bias, bad words, min_tokens, penalties) that may
         leave none of the tokens the bitmask allows. Any other restricted row picks
-        an allowed token: its allowed logits stay finite and all others are -inf.
-        min_tokens yields where a grammar allows nothing but ending: the output must
-        parse."""
+        an allowed token, its allowed logits being the model's and all others -inf
+        (a pick its grammar rejects all the same fails at its matcher, naming the
+        request). min_tokens yields where a grammar allows nothing but ending: the
+        output must parse."""
         bitmask, restricted = step_bitmask(self.compiler, [s.grammar for s in samples],
                                            [s.reasoning for s in samples], self.vocab_size)
         to_check = set()
