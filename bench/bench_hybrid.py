@@ -72,6 +72,7 @@ def side_by_side(name: str, model_dir: str, prompts: list[list[int]], args) -> f
                 results[side].append(run())
     output_tokens = len(prompts) * args.output_len
     print(f"== {name}")
+    print(f"shardline CPU paths: {llm.llm_engine.cpu_paths.describe()}; {llm.llm_engine.cpu_rewrites}")
     for side, runs in results.items():
         best = min(runs)
         print(f"{side:32s} {best:8.2f} s  {output_tokens / best:9.1f} output tok/s   "

@@ -27,12 +27,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, _close, _norm_epsilon
-from ..cpu.linear import FusedGatedMLP, replace_module
+from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm
+from ..cpu.linear import FusedGatedMLP, replace_module, reproduces
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
 from .state import RecurrentLayer, StepHolder
 
 logger = logging.getLogger(__name__)
+
+
+def _norm_epsilon(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _close(actual: object, expected: object) -> bool:
+    return reproduces(actual, expected, bfloat16_tolerance=2e-2)
 
 
 class FusedOffsetRMSNorm(FusedRMSNorm):
