@@ -113,3 +113,64 @@ def test_a_native_kernel_is_taken_only_where_it_takes_every_attention_layer():
     assert plans(fitting, (1, 1)).decode is not None and plans(fitting, (3, 3)).prefill is not None
     too_wide = caches(0, 16, 512)
     assert plans(too_wide, (1, 1)).decode is None and plans(too_wide, (3, 3)).prefill is None
+
+
+def _new_slots(ctx) -> torch.Tensor:
+    """The cache slot of each of the step's new tokens, packed as its queries."""
+    block_size = ctx.kv_caches[0][0].shape[1]
+    starts, slots = ctx.query_start_loc.tolist(), []
+    for b, seq_len in enumerate(ctx.seq_lens.tolist()):
+        table = ctx.block_tables[b].tolist()
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - (starts[b + 1] - starts[b]), seq_len)]
+    return torch.tensor(slots)
+
+
+def _biased_reference(q: torch.Tensor, ctx, table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each request's queries over its paged context with
+    table[h, key position] added to each scaled score, in float64; [T, H, D]."""
+    k_cache, v_cache = ctx.kv_caches[0]
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    flat_k, flat_v = k_cache.flatten(0, 1).double(), v_cache.flatten(0, 1).double()
+    starts, out = ctx.query_start_loc.tolist(), torch.zeros(q.shape, dtype=torch.float64)
+    for b, seq_len in enumerate(ctx.seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        slots = ctx.block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        k = flat_k[slots].repeat_interleave(group, dim=1)  # [S, H, D]
+        v = flat_v[slots].repeat_interleave(group, dim=1)
+        query_pos = positions[seq_len - (starts[b + 1] - starts[b]):]
+        scores = torch.einsum("qhd,khd->hqk", q[starts[b]:starts[b + 1]].double(), k) * scale
+        scores = scores + table[:, None, :seq_len].double()
+        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[starts[b]:starts[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_bias_table_by_key_position_leaves_the_native_kernels_for_the_torch_path(dtype):
+    """A layer with a bias table (AttentionOptions.position_bias: falcon's bfloat16-rounded
+    ALiBi) is attended by the torch path on plans made without the native kernels, even
+    where the step's plan gives decoding requests and prefill chunks to them; a table
+    not linear in the position, so slope * distance could not stand for it."""
+    from shardline.engine.attention.backends import TorchBackend, TritonBackend
+    from shardline.engine.attention.context import AttentionOptions, StepBatch
+
+    from .test_torch_attention import MIXED, make_step, new_keys_and_values
+
+    q, ctx = make_step(*MIXED, dtype=dtype)
+    key, value = new_keys_and_values(ctx)
+    fields = {name: getattr(ctx, name) for name in StepBatch.__dataclass_fields__}
+    step = StepBatch(**{**fields, "slot_mapping": _new_slots(ctx)})  # attend rewrites the same keys
+    ctx = TorchBackend(q.shape[1], native_decode=True, native_prefill=True).build_context(step)
+    table = torch.randn(q.shape[1], ctx.max_seq_len, generator=torch.Generator().manual_seed(5), dtype=dtype) * 2
+    options = AttentionOptions(q.shape[-1] ** -0.5, position_bias=table)
+    if ctx.work.decode is None:
+        pytest.skip("the C decode kernel is not built on this host")
+    out = ctx.backend.attend(ctx, 0, q, key, value, options)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    expected = _biased_reference(q, ctx, table, options.scale)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    without = ctx.work.without_kernels(lambda: None)  # made by the attend above, once per step
+    assert without is not ctx.work and without.decode is None and without.prefill is None
+    with pytest.raises(ValueError, match="Triton kernels do not take; run it with attention_backend='torch'"):
+        TritonBackend().attend(ctx, 0, q, key, value, options)
