@@ -39,13 +39,18 @@ class RecurrentStep:
     states: dict[int, dict[str, torch.Tensor]]
 
     @functools.cached_property
-    def first_slot(self) -> int | None:
-        """s where the slots are s, s+1, ..., s+B-1 in batch order on a CPU step (the
-        layers then run on views of the slot tensors, with no gather or scatter), else None."""
+    def slot_range(self) -> tuple[int, torch.Tensor | None] | None:
+        """On a CPU step whose slots are s, s+1, ..., s+B-1 in some order: (s, the batch
+        order that sorts them, or None where the batch is already in slot order). The
+        layers then run on views of the slot tensors, with no gather or scatter of the
+        states. None on other steps."""
         if self.slots.device.type != "cpu" or self.slots.numel() == 0:
             return None
-        first = int(self.slots[0])
-        return first if torch.equal(self.slots, torch.arange(first, first + self.slots.numel())) else None
+        ordered, order = torch.sort(self.slots)
+        first = int(ordered[0])
+        if not torch.equal(ordered, torch.arange(first, first + ordered.numel())):
+            return None
+        return first, None if torch.equal(ordered, self.slots) else order
 
 
 class StepHolder:
@@ -99,17 +104,37 @@ class RecurrentLayer(nn.Module):
             fresh = torch.zeros(num_requests, dtype=torch.bool, device=hidden_states.device)
             return self.kind.forward(self.layer, hidden_states[0], cu_seqlens, fresh, states).unsqueeze(0)
         slot_states = shardline_state.states[self.layer_idx]
-        slots, first = shardline_state.slots, shardline_state.first_slot
-        if first is not None:  # the kind updates the slots' states in place
-            states = {name: tensor.narrow(0, first, slots.numel()) for name, tensor in slot_states.items()}
-        else:
+        slots, slot_range = shardline_state.slots, shardline_state.slot_range
+        if slot_range is None:  # gather the step's states, run, scatter them back
             states = {name: tensor.index_select(0, slots) for name, tensor in slot_states.items()}
-        output = self.kind.forward(self.layer, hidden_states[0], cu_seqlens, shardline_state.has_initial_state,
-                                   states)
-        if first is None:
+            output = self.kind.forward(self.layer, hidden_states[0], cu_seqlens,
+                                       shardline_state.has_initial_state, states)
             for name, tensor in slot_states.items():
                 tensor.index_copy_(0, slots, states[name])
+            return output.unsqueeze(0)
+        # The kind updates a view of the slot tensors in place, its requests in slot order.
+        first, order = slot_range
+        states = {name: tensor.narrow(0, first, slots.numel()) for name, tensor in slot_states.items()}
+        if order is None:
+            return self.kind.forward(self.layer, hidden_states[0], cu_seqlens, shardline_state.has_initial_state,
+                                     states).unsqueeze(0)
+        tokens, ordered_cu_seqlens = _reorder_requests(cu_seqlens, order)
+        ordered = self.kind.forward(self.layer, hidden_states[0].index_select(0, tokens), ordered_cu_seqlens,
+                                    shardline_state.has_initial_state[order], states)
+        output = torch.empty_like(ordered)
+        output[tokens] = ordered
         return output.unsqueeze(0)
+
+
+def _reorder_requests(cu_seqlens: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed batch with its requests in ``order``: (each new position's token in the
+    old packing [T], the new cu_seqlens [B+1])."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1])[order]
+    ordered_cu_seqlens = torch.zeros_like(cu_seqlens)
+    torch.cumsum(lengths, 0, out=ordered_cu_seqlens[1:])
+    num_tokens = int(cu_seqlens[-1])
+    shift = torch.repeat_interleave(cu_seqlens[:-1][order] - ordered_cu_seqlens[:-1], lengths, output_size=num_tokens)
+    return torch.arange(num_tokens, device=cu_seqlens.device) + shift, ordered_cu_seqlens
 
 
 def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
