@@ -93,6 +93,8 @@ class PhaseTimer:
         ("output processing", "shardline.engine.llm_engine", "LLMEngine", "_process"),
         # Inside sampling: the argmax (or draw) over the whole vocabulary, device work on a GPU.
         ("token choice", "shardline.engine.sampling.sampler", "Sampler", "_choose_tokens"),
+        # Inside output processing: the incremental detokenization of each new token.
+        ("detokenization", "shardline.engine.sampling.detokenizer", "IncrementalDetokenizer", "add_token"),
     )
 
     def __init__(self, llm: LLM) -> None:
@@ -145,12 +147,14 @@ def report(name: str, elapsed: float, steps: int, seconds: dict[str, float]) -> 
     forward = seconds["forward"]
     host = elapsed - forward
     choice = seconds.get("token choice", 0.0)
-    phases = {label: value for label, value in seconds.items() if label not in ("forward", "token choice")}
+    nested = ("forward", "token choice", "detokenization")
+    phases = {label: value for label, value in seconds.items() if label not in nested}
     rest = host - sum(phases.values())
     split = ", ".join(f"{label} {per_step(value):.2f}" for label, value in phases.items())
     print(f"{name}: {steps} steps, total {per_step(elapsed):.2f} ms/step, forward {per_step(forward):.2f}, "
           f"host {per_step(host):.2f} ({split} [of which token choice over the vocabulary {per_step(choice):.2f}], "
-          f"the rest {per_step(rest):.2f}); host without the token choice "
+          f"the rest {per_step(rest):.2f} [detokenization, in output processing or the rest, "
+          f"{per_step(seconds.get('detokenization', 0.0)):.2f}]); host without the token choice "
           f"{per_step(host - choice):.2f}", flush=True)
     return per_step(host), per_step(host - choice)
 

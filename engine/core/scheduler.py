@@ -82,12 +82,13 @@ class ScheduledRequest:
     block_ids: list[int]
     # The request's recurrent-state slot; -1 when the model keeps no recurrent state.
     state_slot: int = -1
-    # request.num_tokens when scheduled, so is_last_chunk holds after the engine
-    # appends the sampled token.
-    num_tokens: int = field(init=False)
+    # request.num_tokens (pending tokens included) when scheduled, so is_last_chunk
+    # holds after the engine appends the sampled token; -1: read it from the request.
+    num_tokens: int = -1
 
     def __post_init__(self) -> None:
-        self.num_tokens = self.request.num_tokens + self.request.num_pending_tokens
+        if self.num_tokens < 0:
+            self.num_tokens = self.request.num_tokens + self.request.num_pending_tokens
 
     @property
     def is_last_chunk(self) -> bool:
@@ -247,7 +248,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._add_to_step(step, request, request.num_computed_tokens, num_new_tokens)
+                self._add_to_step(step, request, request.num_computed_tokens, num_new_tokens, num_tokens)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in strict (priority, arrival) order; stop at the first
@@ -322,10 +323,12 @@ class Scheduler:
         return num_tokens >= self.config.max_model_len or (
             request.max_tokens is not None and num_output >= request.max_tokens)
 
-    def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int) -> None:
+    def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int,
+                     num_tokens: int = -1) -> None:
         block_ids = self.kv_cache.live_block_ids(request.request_id)
         slot = self.state_slots.slot_of(request.request_id) if self.state_slots is not None else -1
-        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids, -1 if slot is None else slot))
+        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids, -1 if slot is None else slot,
+                                  num_tokens))
 
     def _free_state_slot(self, request: Request) -> None:
         if self.state_slots is not None:

@@ -67,7 +67,11 @@ class InputRows:
             request = item.request
             start, end = item.start, item.start + item.num_new_tokens
             known = request.num_tokens
-            if end <= known:
+            if end == start + 1 and end <= known:  # one known token: most decoding requests
+                num_prompt = len(request.prompt_token_ids)
+                token_ids.append(request.output_token_ids[start - num_prompt] if start >= num_prompt
+                                 else request.prompt_token_ids[start])
+            elif end <= known:
                 token_ids += request.token_ids_slice(start, end)
             else:
                 # The last position's token was sampled by the step in flight.

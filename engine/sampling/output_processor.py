@@ -109,6 +109,8 @@ class OutputProcessor:
     def append_token(self, state: RequestState, sample: SampleState, token_id: int,
                      logprobs: tuple[float, list[tuple[int, float, int]]] | None) -> RequestStatus | None:
         """Append one sampled token; return the finished status if the sequence stops."""
+        if sample.reasoning is None and sample.grammar is None and logprobs is None:
+            return self._append_answer_token(state, sample, token_id)
         sequence, params = sample.sequence, state.params
         sequence.append_output_token(token_id)
         if state.metrics.first_token_time is None:
@@ -132,6 +134,23 @@ class OutputProcessor:
         if status is not None and sample.detokenizer is not None and not isinstance(sample.stop_reason, str):
             sample.detokenizer.flush()
             sample.text = sample.detokenizer.text
+        return status
+
+    def _append_answer_token(self, state: RequestState, sample: SampleState, token_id: int) -> RequestStatus | None:
+        """append_token for a sample without reasoning, grammar or logprobs, the common
+        case: every token is answer text and nothing else is recorded."""
+        sample.sequence.append_output_token(token_id)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+        detokenizer = sample.detokenizer
+        if detokenizer is None:
+            return self._check_stop(sample, state.params, token_id, 0)
+        delta_len = len(detokenizer.add_token(token_id))
+        sample.text = detokenizer.text
+        status = self._check_stop(sample, state.params, token_id, delta_len)
+        if status is not None and not isinstance(sample.stop_reason, str):
+            detokenizer.flush()
+            sample.text = detokenizer.text
         return status
 
     def _accept_by_grammar(self, state: RequestState, sample: SampleState, token_id: int) -> None:

@@ -400,3 +400,36 @@ def test_random_workloads_finish_every_request_with_correct_kv(seed):
         assert request.num_output_tokens == max(expected, 1)
     assert scheduler.kv_cache.num_free_blocks == num_blocks
     assert all(block.ref_cnt == 0 for block in scheduler.kv_cache.pool.blocks)
+
+
+def test_a_pending_token_is_scheduled_and_never_past_max_tokens():
+    """Async scheduling: a running request's pending token (sampled, not yet appended)
+    counts as a token to compute, its block is not hashed before the token is known,
+    and a request whose pending token is its last is not scheduled again."""
+    scheduler = make_scheduler(block_size=4)
+    [request] = make_requests(1, prompt_len=7, max_tokens=3)
+    scheduler.add_request(request)
+    scheduler.schedule()  # the prompt, positions 0..6
+    request.num_pending_tokens = 1  # its first token, sampled on the device
+    [item] = scheduler.schedule().scheduled
+    assert (item.start, item.num_new_tokens, item.is_last_chunk) == (7, 1, True)
+    # Positions 0..7 are computed, but token 7 is unknown: only block 0 is cached.
+    assert len(scheduler.kv_cache.pool.cached_blocks) == 1
+    request.append_output_token(11)  # the first token arrives; the second is pending
+    [item] = scheduler.schedule().scheduled  # position 8 reads the pending token
+    assert (item.start, item.num_tokens) == (8, 9)
+    assert len(scheduler.kv_cache.pool.cached_blocks) == 2
+    request.append_output_token(12)  # token 8 known; token 9 pending is its third, its last
+    assert scheduler.schedule().is_empty
+
+
+def test_aborting_a_request_with_a_pending_token_caches_only_known_blocks():
+    scheduler = make_scheduler(block_size=4)
+    [request] = make_requests(1, prompt_len=7, max_tokens=3)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    request.num_pending_tokens = 1
+    scheduler.schedule()  # computes position 7, whose token the host does not know yet
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    assert len(scheduler.kv_cache.pool.cached_blocks) == 1
+    assert scheduler.kv_cache.num_free_blocks == scheduler.config.num_blocks
