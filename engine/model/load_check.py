@@ -18,6 +18,14 @@ moves outputs by their own size. A model whose recurrent layers' own code comput
 float32 whatever the model's dtype (a kind's ``reference_dtype``, e.g. the gated delta
 rule), or whose attention code does (FLOAT32_ATTENTION_MODEL_TYPES), is compared at
 float32's tolerance at most: its own forward is no more exact.
+
+The reference is the model's forward over the whole sequence, except where a recurrent
+layer's own code computes a single token that continues a state differently from a
+chunk of the same tokens (a kind's ``decode_differs_from_scan``: Mamba-2's mixers floor
+the time step at time_step_min in their chunked scan but not in their one-token
+update). There the reference is what the model's generate computes: the prompt in one
+forward, then each later token alone on the model's own cache, and the engine, which
+takes the same branches, is compared with it at the same tolerances.
 """
 
 from __future__ import annotations
@@ -59,9 +67,11 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
     with torch.inference_mode():
         requests, traces = _run_paged(runner, layers, prompts, max_model_len)
+        incremental = _decode_differs_from_scan(runner.model)
         for request in requests:
             _compare(runner.model, layers, request.all_token_ids[:-1], traces[request.request_id],
-                     _reference_dtype(runner), architecture)
+                     _reference_dtype(runner), architecture,
+                     request.num_prompt_tokens if incremental else None)
 
 
 # Model types whose own attention code computes in float32 whatever the model's dtype:
@@ -84,6 +94,15 @@ def _reference_dtype(runner: ModelRunner) -> torch.dtype:
     if any(getattr(k, "reference_dtype", None) == torch.float32 for k in kinds):
         return torch.float32
     return runner.spec.dtype
+
+
+def _decode_differs_from_scan(model: nn.Module) -> bool:
+    """Whether a recurrent layer's own code computes a continuing single token otherwise
+    than its chunked scan would (a kind's optional ``decode_differs_from_scan``)."""
+    from ..recurrent.state import RecurrentLayer
+
+    return any(getattr(module.kind, "decode_differs_from_scan", lambda layer: False)(module.layer)
+               for module in model.modules() if isinstance(module, RecurrentLayer))
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -152,15 +171,20 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
 
 
 def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
-             architecture: str) -> None:
-    """The model's own forward over ``token_ids`` against ``trace``."""
+             architecture: str, num_prompt_tokens: int | None = None) -> None:
+    """The model's own forward over ``token_ids`` against ``trace``; with
+    ``num_prompt_tokens``, the prompt in one forward and each later token alone on the
+    model's cache (as its generate runs them)."""
     outputs: dict[int, torch.Tensor] = {}
     hooks = _record_layers(layers, outputs)
     implementation = model.config._attn_implementation
     try:
         model.set_attn_implementation("eager")
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-        reference_logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        if num_prompt_tokens is None:
+            reference_logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        else:
+            reference_logits = _incremental_forward(model, ids, num_prompt_tokens, outputs)
     finally:
         model.set_attn_implementation(implementation)
         for hook in hooks:
@@ -182,6 +206,24 @@ def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trac
                 f"{position} of a {len(token_ids)}-token probe (its layers agree: the difference is after "
                 f"them); shardline cannot run this model exactly "
                 f"(LLM(..., check_model=False) skips this check at your own risk)")
+
+
+def _incremental_forward(model: nn.Module, ids: torch.Tensor, num_prompt_tokens: int,
+                         outputs: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The prompt of ``ids`` [1, T] in one forward, then each later token alone on the
+    model's own cache; ``outputs`` (filled by the layer hooks) ends holding each layer's
+    outputs over all T positions. Returns the logits [T, V] in float32."""
+    result = model(input_ids=ids[:, :num_prompt_tokens], use_cache=True)
+    cache = result.cache
+    logits, layer_outputs = [result.logits[0].float()], {index: [hidden] for index, hidden in outputs.items()}
+    for position in range(num_prompt_tokens, ids.shape[1]):
+        result = model(input_ids=ids[:, position:position + 1], cache=cache, use_cache=True)
+        cache = result.cache
+        logits.append(result.logits[0].float())
+        for index, hidden in outputs.items():
+            layer_outputs[index].append(hidden)
+    outputs.update({index: torch.cat(parts, dim=1) for index, parts in layer_outputs.items()})
+    return torch.cat(logits)
 
 
 def _differs(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:

@@ -49,6 +49,10 @@ class RecurrentKind(Protocol):
     # reference_dtype: torch.dtype
     # Optional: True where the HF decoder layer unpacks (output, state) from this mixer.
     # returns_tuple: bool
+    # Optional: whether the HF module's own one-token update computes a token otherwise
+    # than its chunked scan would (Mamba-2's floor on the time step applies in the scan
+    # only); the load check then takes generate's path as its reference. Absent means no.
+    # def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool: ...
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         """Per-request state tensors of this layer, shapes without the slot dimension."""

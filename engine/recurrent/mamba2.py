@@ -35,6 +35,11 @@ class Mamba2Kind:
     name = "mamba2"
     reference_dtype = torch.float32  # HF's scan and update run in float32 whatever the model's dtype
 
+    def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
+        """Whether the module's one-token update (dt unclamped) may compute a token otherwise
+        than its chunked scan (dt clamped to time_step_limit), as the load check needs to know."""
+        return tuple(hf_module.time_step_limit) != (0.0, float("inf"))
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         dtype = hf_module.in_proj.weight.dtype
         return {
