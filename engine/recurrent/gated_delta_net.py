@@ -1,4 +1,5 @@
-"""The gated delta-net layer of Qwen3-Next and Qwen3.5 (and their MoE and text variants).
+"""The gated delta-net layer of Qwen3-Next and Qwen3.5 (and their MoE and text variants,
+and LaraMini, whose layer is Qwen3.5's).
 
 Per token the layer projects q, k, v (through a short causal convolution with SiLU),
 a gate z and the per-head beta (write strength) and g (log decay); the gated delta
@@ -48,11 +49,11 @@ class GatedDeltaNetKind:
         # hidden_states: [T, hidden]
         module = hf_module
         num_tokens = hidden_states.shape[0]
-        mixed_qkv, z, b, a = _projections(module, hidden_states)
+        mixed_qkv, z, b, a = self.projections(module, hidden_states)
         mixed_qkv = causal_conv1d_varlen(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias, cu_seqlens,
                                          has_initial_state, states["conv"], module.activation)
         query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        beta = b.sigmoid()
+        beta = self.write_strength(module, b)
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # the module's own expression
         dtype = states["recurrent"].dtype
         query = l2_normalize(query.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
@@ -70,8 +71,22 @@ class GatedDeltaNetKind:
             cu_seqlens, has_initial_state, states["recurrent"], (query, key, value, g.to(dtype), beta.to(dtype)),
             decode=lambda state, q, k, v, g_, b: gated_delta_rule_step(q, k, v, g_, b, state)[0],
             chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
-        core = module.norm(core.to(hidden_states.dtype).reshape(-1, module.head_v_dim),
-                           z.reshape(-1, module.head_v_dim))
+        return self.output(module, core.to(hidden_states.dtype), z)
+
+    # What a variant of the layer (engine/recurrent/olmo_hybrid.py) computes its own way.
+    def projections(self, module: torch.nn.Module, hidden_states: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) by the module's own projections."""
+        return _projections(module, hidden_states)
+
+    def write_strength(self, module: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        """beta [T, Hv] from the b projection."""
+        return b.sigmoid()
+
+    def output(self, module: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm of the delta rule's output core [T, Hv, Dv] by z, then the output projection."""
+        num_tokens = core.shape[0]
+        core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(core.reshape(num_tokens, -1))
 
 
@@ -89,6 +104,7 @@ def _projections(module: torch.nn.Module, hidden_states: torch.Tensor
 
 
 GATED_DELTA_NET = register_kind(
-    GatedDeltaNetKind(), ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
-    model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+    GatedDeltaNetKind(),
+    ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet"),
+    model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lara_mini"),
     layer_types=("linear_attention",))

@@ -69,8 +69,13 @@ ARCHS = {
     "falcon_h1": dict(_MAMBA2, mamba_d_ssm=128, head_dim=16),
     "recurrent_gemma": dict(lru_width=64, conv1d_width=4, num_hidden_layers=3, attention_window_size=8,
                             head_dim=16),
+    # Its gated delta-net's own projections and doubled beta (linear_allow_neg_eigval, on by default).
+    "olmo_hybrid": {name: value for name, value in _GDN.items() if name != "head_dim"},
+    "lara_mini": {**_GDN, **_MOE, "num_hidden_layers": 4, "sliding_window": 8,
+                  "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
 }
-FLOAT32 = {"lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba", "granitemoehybrid", "minimax", "kimi_linear"}
+FLOAT32 = {"lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba", "granitemoehybrid", "minimax", "kimi_linear",
+           "lara_mini"}
 
 
 # qwen3_5_text (gated delta-net and full attention) runs by default; the others are
