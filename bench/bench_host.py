@@ -150,11 +150,12 @@ def report(name: str, elapsed: float, steps: int, seconds: dict[str, float]) -> 
     nested = ("forward", "token choice", "detokenization")
     phases = {label: value for label, value in seconds.items() if label not in nested}
     rest = host - sum(phases.values())
-    split = ", ".join(f"{label} {per_step(value):.2f}" for label, value in phases.items())
+    inside = {"sampling": f" (token choice over the vocabulary {per_step(choice):.2f})"}
+    split = ", ".join(f"{label} {per_step(value):.2f}{inside.get(label, '')}" for label, value in phases.items())
+    detokenization = per_step(seconds.get("detokenization", 0.0))
     print(f"{name}: {steps} steps, total {per_step(elapsed):.2f} ms/step, forward {per_step(forward):.2f}, "
-          f"host {per_step(host):.2f} ({split} [of which token choice over the vocabulary {per_step(choice):.2f}], "
-          f"the rest {per_step(rest):.2f} [detokenization, in output processing or the rest, "
-          f"{per_step(seconds.get('detokenization', 0.0)):.2f}]); host without the token choice "
+          f"host {per_step(host):.2f} ({split}, the rest {per_step(rest):.2f}; detokenization, in output "
+          f"processing or the rest, {detokenization:.2f}); host without the token choice "
           f"{per_step(host - choice):.2f}", flush=True)
     return per_step(host), per_step(host - choice)
 

@@ -8,8 +8,6 @@ across tokens come out whole.
 
 from __future__ import annotations
 
-import functools
-
 from transformers import PreTrainedTokenizerBase
 
 # Tokens of context kept before the emitted text, so that tokenizers that strip
@@ -21,19 +19,14 @@ class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text, one token at a time."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 token_texts: dict[int, str] | None = None) -> None:
-        """``token_texts``: a cache of single tokens' decodes under the same options,
-        shared by the detokenizers of one engine (a decode is a pure function of the
-        tokens and the options)."""
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self._token_texts = token_texts if token_texts is not None else {}
         self._fast_decode = fast_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._special_ids = set(tokenizer.all_special_ids)
         # How a window is decoded, chosen once: in the common case the Rust decode itself.
-        self._decode_window = (functools.partial(self._fast_decode, skip_special_tokens=skip_special_tokens)
+        self._decode_window = (fast_window_decoder(self._fast_decode, skip_special_tokens)
                                if self._fast_decode is not None and not spaced_specials(self) else self._decode)
         # With spaces around special tokens, a special token ending the prompt would
         # put a space before the output: the window then starts at the output.
@@ -72,12 +65,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; return the text it completed (possibly empty)."""
         self.token_ids.append(token_id)
-        if self.read_offset - self.prefix_offset == 1:
-            # The common case once text flows: the window before the new token is the
-            # token emitted last, whose decode is cached.
-            prefix_text = self._token_text(self.token_ids[self.prefix_offset])
-        else:
-            prefix_text = self._decode_window(self.token_ids[self.prefix_offset : self.read_offset])
+        prefix_text = self._decode_window(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode_window(self.token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
@@ -86,12 +74,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self._decode_window([token_id])
-        return text
 
     def flush(self) -> str:
         """At the end of the sequence, emit what is still held back (an incomplete
@@ -102,6 +84,16 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def fast_window_decoder(fast_decode, skip_special_tokens: bool):
+    """``fast_decode`` with skip_special_tokens fixed (passed by position: the Rust
+    binding parses keywords more slowly)."""
+
+    def decode(token_ids: list[int]) -> str:
+        return fast_decode(token_ids, skip_special_tokens)
+
+    return decode
 
 
 def spaced_specials(detokenizer: IncrementalDetokenizer) -> bool:

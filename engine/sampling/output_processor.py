@@ -83,8 +83,6 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.reasoning_parser = reasoning_parser
-        # Single tokens' decodes, per (skip_special_tokens, spaces_between_special_tokens).
-        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
 
     def new_sample(self, sequence: Request, index: int, params: SamplingParams) -> SampleState:
         sample = SampleState(sequence, index, self._detokenizer(sequence, params),
@@ -97,9 +95,8 @@ class OutputProcessor:
     def _detokenizer(self, sequence: Request, params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
-        options = (params.skip_special_tokens, params.spaces_between_special_tokens)
-        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids, *options,
-                                      token_texts=self._token_texts.setdefault(options, {}))
+        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids,
+                                      params.skip_special_tokens, params.spaces_between_special_tokens)
 
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
