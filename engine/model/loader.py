@@ -111,7 +111,9 @@ LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window", 
 # mixing (nemotron_h's "mlp" and "moe" layers) keep neither.
 RECURRENT = "recurrent"
 NO_STATE = "none"
-_HYBRID = "hybrid"
+# Hybrid layer types and the attention their layers keep KV blocks for (zaya's
+# "hybrid_sliding": its CCA projection's state beside a sliding-window attention).
+_HYBRID = {"hybrid": "full", "hybrid_sliding": "sliding_window"}
 _NO_STATE_TYPES = ("mlp", "moe")
 
 
@@ -127,7 +129,7 @@ def layer_kind(hf_config: transformers.PretrainedConfig, layer_type: str) -> str
     if layer_type in _NO_STATE_TYPES:
         return NO_STATE
     if _registered_recurrent(hf_config, layer_type):
-        return "full" if layer_type == _HYBRID else RECURRENT
+        return _HYBRID.get(layer_type, RECURRENT)
     return None
 
 

@@ -90,7 +90,12 @@ class RecurrentLayer(nn.Module):
         if shardline_ctx is None and shardline_state is None:
             return self.layer(hidden_states, *args, **kwargs)
         output = self._run(hidden_states, shardline_ctx, shardline_state)
-        # Some decoder layers unpack (output, state) from their mixer (a kind's returns_tuple).
+        # A kind whose module returns several tensors packs them in one (its module_output
+        # unpacks them); some decoder layers unpack (output, state) from their mixer (a
+        # kind's returns_tuple).
+        module_output = getattr(self.kind, "module_output", None)
+        if module_output is not None:
+            return module_output(self.layer, output)
         return (output, None) if getattr(self.kind, "returns_tuple", False) else output
 
     def _run(self, hidden_states: torch.Tensor, shardline_ctx, shardline_state: RecurrentStep | None

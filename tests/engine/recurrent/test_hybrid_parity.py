@@ -73,9 +73,12 @@ ARCHS = {
     "olmo_hybrid": {name: value for name, value in _GDN.items() if name != "head_dim"},
     "lara_mini": {**_GDN, **_MOE, "num_hidden_layers": 4, "sliding_window": 8,
                   "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
+    # Its CCA projections' state (convolved queries and keys, delayed values) beside full and sliding attention.
+    "zaya": dict(num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"], sliding_window=8, cca_time0=3,
+                 num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, head_dim=16),
 }
 FLOAT32 = {"lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba", "granitemoehybrid", "minimax", "kimi_linear",
-           "lara_mini"}
+           "lara_mini", "zaya"}
 
 
 # qwen3_5_text (gated delta-net and full attention) runs by default; the others are
