@@ -55,7 +55,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     length = laid_out.shape[0] - history
     out = laid_out[:length] * weight[:, 0]
     for tap in range(1, width):
-        out = out + laid_out[tap : tap + length] * weight[:, tap]
+        out.addcmul_(laid_out[tap : tap + length], weight[:, tap])
     if bias is not None:
         out = out + bias
     if activation is not None:
