@@ -336,11 +336,12 @@ def _measured(kind: str, key: tuple, measure: Callable[[], float]) -> float:
 @functools.lru_cache(maxsize=1)
 def _host_key() -> str:
     """What a measurement depends on besides its shape: the CPU, torch, the thread
-    count and every setting that changes which instructions the libraries use."""
+    count, the C kernels' sources and build, and every setting that changes which
+    instructions the libraries use."""
     settings = {name: os.environ.get(name, "") for name in (
         "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
     return repr((native.cpu_signature(), torch.__version__, torch.get_num_threads(), native.kernel_target(),
-                 sorted(settings.items())))
+                 native.kernel_sources_digest(), sorted(settings.items())))
 
 
 def _race(default: Callable[[], object], alternative: Callable[[], object], rounds: int = 5) -> float:

@@ -84,6 +84,16 @@ def cpu_signature() -> bytes:
 BUILD_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 
+@functools.lru_cache(maxsize=1)
+def kernel_sources_digest() -> str:
+    """A digest of every C source and header of the kernels and their build flags:
+    what a measurement of the built kernels (cpu/paths.py's races) holds for."""
+    digest = hashlib.sha256(" ".join(BUILD_FLAGS).encode())
+    for path in sorted(COMMON_HEADER.parent.glob("*.[ch]")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _build(source: Path, compiler: str, target: str) -> Path:
     key_material = (source.read_bytes() + COMMON_HEADER.read_bytes() + compiler.encode() + target.encode()
                     + " ".join(BUILD_FLAGS).encode() + cpu_signature())

@@ -109,6 +109,14 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
     cache.write_text(json.dumps({key: 2.0 for key in measured}))
     faster = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
     assert faster.packed_linears and faster.prefill_kernel
+    # Other C kernel sources or build flags: the cached ratios are not theirs; both race again.
+    monkeypatch.setattr(native, "kernel_sources_digest", lambda: "other kernels")
+    cpu_paths._host_key.cache_clear()
+    try:
+        choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
+    finally:
+        cpu_paths._host_key.cache_clear()
+    assert len(json.loads(cache.read_text())) == 4
 
 
 def test_float64_takes_no_packed_or_fused_path():
