@@ -5,10 +5,11 @@
  *
  * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
- * Keys go through in blocks of KB = VL (the target's vector width in floats: 16
- * with AVX-512, 8 otherwise), each transposed once per item into kt[D][VL] (VL x VL
- * at a time, by vector shuffles), so a query row's VL scores are one vector built by
- * D multiply-adds; an online softmax per row (running max m, running sum l,
+ * Keys go through in blocks of KB = KN x VL (VL the target's vector width in floats:
+ * 16 with AVX-512, 8 otherwise; KN = 1 and 2 there, below), each transposed once per
+ * item into kt[D][KN] vectors (VL x VL at a time, by vector shuffles), so a query
+ * row's KB scores are KN vectors built by D multiply-adds each; an online softmax per
+ * row (running max m, running sum l,
  * accumulator acc rescaled when the max grows) then adds the block's values. Rows
  * go RB = 4 at a time, so each key and value vector loaded feeds four rows, and the
  * values are added COLS vectors of columns at a time with the four rows'
@@ -53,7 +54,16 @@
 #define COLS 2
 #endif
 #define QT 16
-#define KB VL
+/* Key vectors per block: two with AVX2, so a row block's scores are RB x 2 chains of
+ * multiply-adds (enough to keep both FMA units busy through their latency) and each
+ * query element broadcast feeds two; one with AVX-512, whose RB chains are doubled by
+ * summing even and odd d apart instead (RB x 2 x 2 would not fit AVX2's registers). */
+#if VL == 16
+#define KN 1
+#else
+#define KN 2
+#endif
+#define KB (KN * VL)
 #define RB 4
 #define MAX_HEAD_DIM 256
 
@@ -63,7 +73,7 @@ struct scratch {
     vf *acc;     /* [rows][Dv / VL] */
     float *m, *l;
     int64_t *pos; /* [rows] position of each row */
-    vf *kt;      /* [D] the block's keys, transposed */
+    vf *kt;      /* [D][KN] the block's keys, transposed */
 };
 
 /* The first key position a query at `position` sees (its window and its chunk). */
@@ -106,52 +116,73 @@ static inline __attribute__((always_inline)) void attend_tile(
             key_row[j] = slot * row_stride + h * D;
             value_row[j] = slot * v_row_stride + h * Dv;
         }
-        for (int64_t d0 = 0; d0 < D; d0 += VL) {  /* KB = VL keys by VL columns at a time */
-            vf columns[VL];
-            for (int j = 0; j < KB; j++) columns[j] = loadv(k_cache, key_row[j] + d0, bf16);
-            transpose(columns);
-            for (int d = 0; d < VL; d++) w->kt[d0 + d] = columns[d];
-        }
-        const vf keys = (vf)LANE_INDICES + (float)kb;
+        for (int n = 0; n < KN; n++)
+            for (int64_t d0 = 0; d0 < D; d0 += VL) {  /* VL keys by VL columns at a time */
+                vf columns[VL];
+                for (int j = 0; j < VL; j++) columns[j] = loadv(k_cache, key_row[n * VL + j] + d0, bf16);
+                transpose(columns);
+                for (int d = 0; d < VL; d++) w->kt[(d0 + d) * KN + n] = columns[d];
+            }
         for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
             const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
             if (kb > last_pos || kb + KB <= first_key(first_pos, window, chunk))
                 continue;  /* every row of the block sees none of these keys */
-            /* Even and odd d in separate sums: 2 RB chains of multiply-adds, enough to
-             * keep both FMA units busy through each one's latency (RB alone are not). */
-            vf s[RB], odd[RB];
-            for (int b = 0; b < RB; b++) s[b] = odd[b] = splat(0.0f);
+            vf s[RB][KN];
+#if KN == 1  /* even and odd d in separate sums */
+            vf odd[RB];
+            for (int b = 0; b < RB; b++) s[b][0] = odd[b] = splat(0.0f);
             for (int64_t d = 0; d < D; d += 2) {
                 const vf kd = w->kt[d], kd1 = w->kt[d + 1];
                 for (int b = 0; b < RB; b++) {
-                    s[b] += w->qs[(i0 + b) * D + d] * kd;
+                    s[b][0] += w->qs[(i0 + b) * D + d] * kd;
                     odd[b] += w->qs[(i0 + b) * D + d + 1] * kd1;
                 }
             }
-            for (int b = 0; b < RB; b++) s[b] += odd[b];
+            for (int b = 0; b < RB; b++) s[b][0] += odd[b];
+#else
+            for (int b = 0; b < RB; b++)
+                for (int n = 0; n < KN; n++) s[b][n] = splat(0.0f);
+            for (int64_t d = 0; d < D; d++) {
+                vf kd[KN];
+                for (int n = 0; n < KN; n++) kd[n] = w->kt[d * KN + n];
+                for (int b = 0; b < RB; b++) {
+                    const float qd = w->qs[(i0 + b) * D + d];
+                    for (int n = 0; n < KN; n++) s[b][n] += qd * kd[n];
+                }
+            }
+#endif
             /* The block's probabilities, kept in memory: the value loop broadcasts each
              * one from there (a load) rather than from a register lane (a shuffle). */
-            float p[RB][VL] __attribute__((aligned(64)));
+            float p[RB][KB] __attribute__((aligned(64)));
             for (int b = 0; b < RB; b++) {
                 const int64_t i = i0 + b;
-                /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
-                vi masked = keys > (float)w->pos[i];
-                if (window > 0 || chunk > 0) masked |= keys < (float)first_key(w->pos[i], window, chunk);
-                if (alibi)  /* the row's query head: h * group + its head in the group */
-                    s[b] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group] * (keys - (float)w->pos[i]);
-                const vf capped = softcap > 0 ? softcap * vtanh(s[b] * (1.0f / softcap)) : s[b];
-                const vf scores = blend(masked, splat(-INFINITY), capped);
-                const float block_max = hmax(scores);
+                vf scores[KN], largest = splat(-INFINITY);
+                for (int n = 0; n < KN; n++) {
+                    const vf keys = (vf)LANE_INDICES + (float)(kb + n * VL);
+                    /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
+                    vi masked = keys > (float)w->pos[i];
+                    if (window > 0 || chunk > 0) masked |= keys < (float)first_key(w->pos[i], window, chunk);
+                    if (alibi)  /* the row's query head: h * group + its head in the group */
+                        s[b][n] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group]
+                                   * (keys - (float)w->pos[i]);
+                    const vf capped = softcap > 0 ? softcap * vtanh(s[b][n] * (1.0f / softcap)) : s[b][n];
+                    scores[n] = blend(masked, splat(-INFINITY), capped);
+                    largest = vmax(largest, scores[n]);
+                }
+                const float block_max = hmax(largest);
                 const float new_max = block_max > w->m[i] ? block_max : w->m[i];
                 if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
-                    const vf zero = splat(0.0f);
-                    memcpy(p[b], &zero, sizeof zero);
+                    for (int j = 0; j < KB; j++) p[b][j] = 0.0f;
                     continue;
                 }
                 const float correction = exp_f32(w->m[i] - new_max);
-                const vf probabilities = vexp(scores - new_max);
-                memcpy(p[b], &probabilities, sizeof probabilities);
-                w->l[i] = w->l[i] * correction + hsum(probabilities);
+                vf total = splat(0.0f);
+                for (int n = 0; n < KN; n++) {
+                    const vf probabilities = vexp(scores[n] - new_max);
+                    memcpy(&p[b][n * VL], &probabilities, sizeof probabilities);
+                    total += probabilities;
+                }
+                w->l[i] = w->l[i] * correction + hsum(total);
                 w->m[i] = new_max;
                 if (correction != 1.0f)
                     for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
@@ -253,7 +284,7 @@ static inline __attribute__((always_inline)) int prefill_attention(
         struct scratch w;
         w.qs = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
         w.acc = aligned_alloc(64, (size_t)(rows * head_dim_v) * sizeof(float));
-        w.kt = aligned_alloc(64, (size_t)head_dim * sizeof(vf));
+        w.kt = aligned_alloc(64, (size_t)(head_dim * KN) * sizeof(vf));
         w.m = malloc((size_t)rows * sizeof(float));
         w.l = malloc((size_t)rows * sizeof(float));
         w.pos = malloc((size_t)rows * sizeof(int64_t));
