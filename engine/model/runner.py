@@ -151,7 +151,10 @@ class ModelRunner:
             slots=torch.tensor([item.state_slot for item in scheduled], dtype=torch.int64, device=self.device),
             has_initial_state=torch.tensor([item.start > 0 for item in scheduled], dtype=torch.bool,
                                            device=self.device),
-            states=self.recurrent_states)
+            states=self.recurrent_states,
+            num_prompt_tokens=torch.tensor(
+                [min(max(item.request.num_prompt_tokens - item.start, 0), item.num_new_tokens) for item in scheduled],
+                dtype=torch.int64, device=self.device))
 
     def _sampled_rows(self, scheduler_output: SchedulerOutput, plan: "LogitsPlan", num_tokens: int) -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that

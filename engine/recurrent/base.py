@@ -53,6 +53,10 @@ class RecurrentKind(Protocol):
     # than its chunked scan would (Mamba-2's floor on the time step applies in the scan
     # only); the load check then takes generate's path as its reference. Absent means no.
     # def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool: ...
+    # Optional: True where ``forward`` also takes ``num_prompt_tokens`` [B] (how many of
+    # each request's tokens are prompt tokens), for math that generate runs differently
+    # on prompt and generated tokens (Mamba-2's time-step floor). Absent means no.
+    # reads_prompt_tokens: bool
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         """Per-request state tensors of this layer, shapes without the slot dimension."""

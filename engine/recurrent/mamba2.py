@@ -8,10 +8,15 @@ and per-section mup vector on the projection.
 Per request and layer the state is the conv window (the last K-1 pre-conv xBC inputs,
 in the model's dtype) and the SSM state [H, P, N] (float32, as Hugging Face keeps it).
 
-As in the Hugging Face module, a request's single token that continues a state takes
-the recurrent update (dt unclamped), and any other chunk the chunked scan (dt clamped
-to the mixer's time_step_limit); each request takes its own branch in one call. On
-CUDA the single-token updates run as one Triton launch (kernels/selective_scan.py).
+The Hugging Face module clamps dt to its time_step_limit in its chunked scan but not
+in its one-token update, so under generate a prompt's tokens (run by the scan) take dt
+clamped and each generated token (run alone) dt unclamped. The engine follows that by
+position, whatever path it runs a token by: a prompt token's dt is clamped, a generated
+token's is not, so chunked prefill (a prompt's last token alone in a step) and
+recompute after preemption give generate's tokens. A request's single token that
+continues a state takes the recurrent update, any other chunk the chunked scan; each
+request takes its own branch in one call. On CUDA the single-token updates run as one
+Triton launch (kernels/selective_scan.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Mamba2Kind:
 
     name = "mamba2"
     reference_dtype = torch.float32  # HF's scan and update run in float32 whatever the model's dtype
+    reads_prompt_tokens = True  # forward takes num_prompt_tokens (dt is clamped at prompt positions only)
 
     def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
         """Whether the module's one-token update (dt unclamped) may compute a token otherwise
@@ -54,8 +60,10 @@ class Mamba2Kind:
         cu_seqlens: torch.Tensor,
         has_initial_state: torch.Tensor,
         states: dict[str, torch.Tensor],
+        num_prompt_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # hidden_states: [T, hidden]; states["conv"]: [B, K-1, conv_dim]; states["ssm"]: [B, H, P, N]
+        # hidden_states: [T, hidden]; states["conv"]: [B, K-1, conv_dim]; states["ssm"]: [B, H, P, N];
+        # num_prompt_tokens: [B], how many of each request's tokens are prompt tokens (None: by branch)
         m = hf_module
         dtype = hidden_states.dtype
         if hasattr(m, "ssm_in_multiplier"):  # falcon_h1
@@ -76,7 +84,7 @@ class Mamba2Kind:
         dt = softplus_dt(dt, m.dt_bias)
         A = -torch.exp(m.A_log.float())
 
-        y = self._scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, states["ssm"])
+        y = self._scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, states["ssm"], num_prompt_tokens)
         y = y.reshape(-1, m.intermediate_size)
         if getattr(m, "mamba_rms_norm", True):
             y = m.norm(y[None], gate[None])[0]
@@ -85,10 +93,15 @@ class Mamba2Kind:
         return m.out_proj(y.to(dtype))
 
     @staticmethod
-    def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
-        """Each request's SSM over its tokens: decode steps by the recurrent update (dt
-        unclamped), the rest by the chunked scan (dt clamped). Returns y [T, H, P]."""
+    def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state, num_prompt_tokens=None) -> torch.Tensor:
+        """Each request's SSM over its tokens: decode steps by the recurrent update, the
+        rest by the chunked scan. dt is clamped at prompt tokens and not at generated ones
+        (without ``num_prompt_tokens``: clamped in the scan only, as the HF module's own
+        branches do). Returns y [T, H, P]."""
         dt_clamped = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
+        if num_prompt_tokens is not None:
+            dt = dt_clamped = torch.where(prompt_token_mask(cu_seqlens, num_prompt_tokens, dt.shape[0])[:, None],
+                                          dt_clamped, dt)
         on_triton = x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES
         update = ssd_decode_packed if on_triton else ssd_decode_step
 
@@ -103,6 +116,15 @@ class Mamba2Kind:
             return ssd_chunk_scan_varlen(x, dt_clamped, A, B, C, m.D, chunk_size, cu, initial)
 
         return scan_split(cu_seqlens, has_initial_state, ssm_state, (x, dt, dt_clamped, B, C), decode, chunk)
+
+
+def prompt_token_mask(cu_seqlens: torch.Tensor, num_prompt_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T] bool: whether each packed token is one of the first ``num_prompt_tokens[b]``
+    tokens of its request b (cu_seqlens [B+1])."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    offsets = torch.arange(num_tokens, device=cu_seqlens.device) - torch.repeat_interleave(
+        cu_seqlens[:-1], lengths, output_size=num_tokens)
+    return offsets < torch.repeat_interleave(num_prompt_tokens, lengths, output_size=num_tokens)
 
 
 MAMBA2 = register_kind(

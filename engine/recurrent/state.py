@@ -37,6 +37,10 @@ class RecurrentStep:
     has_initial_state: torch.Tensor  # [B] bool: False where a request computes from token 0
     # Per recurrent layer index: state name -> [num_slots, *shape] (the runner's tensors).
     states: dict[int, dict[str, torch.Tensor]]
+    # [B] int64: how many of each request's scheduled tokens lie in its prompt (the
+    # rest are generated tokens), for kinds whose math differs between the two (a
+    # kind's ``reads_prompt_tokens``); None: such kinds follow their module's branches.
+    num_prompt_tokens: torch.Tensor | None = None
 
     @functools.cached_property
     def slot_range(self) -> tuple[int, torch.Tensor | None] | None:
@@ -113,7 +117,8 @@ class RecurrentLayer(nn.Module):
         if slot_range is None:  # gather the step's states, run, scatter them back
             states = {name: tensor.index_select(0, slots) for name, tensor in slot_states.items()}
             output = self.kind.forward(self.layer, hidden_states[0], cu_seqlens,
-                                       shardline_state.has_initial_state, states)
+                                       shardline_state.has_initial_state, states,
+                                       **self._prompt_tokens(shardline_state, None))
             for name, tensor in slot_states.items():
                 tensor.index_copy_(0, slots, states[name])
             return output.unsqueeze(0)
@@ -122,13 +127,22 @@ class RecurrentLayer(nn.Module):
         states = {name: tensor.narrow(0, first, slots.numel()) for name, tensor in slot_states.items()}
         if order is None:
             return self.kind.forward(self.layer, hidden_states[0], cu_seqlens, shardline_state.has_initial_state,
-                                     states).unsqueeze(0)
+                                     states, **self._prompt_tokens(shardline_state, None)).unsqueeze(0)
         tokens, ordered_cu_seqlens = _reorder_requests(cu_seqlens, order)
         ordered = self.kind.forward(self.layer, hidden_states[0].index_select(0, tokens), ordered_cu_seqlens,
-                                    shardline_state.has_initial_state[order], states)
+                                    shardline_state.has_initial_state[order], states,
+                                    **self._prompt_tokens(shardline_state, order))
         output = torch.empty_like(ordered)
         output[tokens] = ordered
         return output.unsqueeze(0)
+
+    def _prompt_tokens(self, step: RecurrentStep, order: torch.Tensor | None) -> dict:
+        """``num_prompt_tokens`` for a kind that reads it (its ``reads_prompt_tokens``),
+        in the order its requests run; no keyword for the others."""
+        if not getattr(self.kind, "reads_prompt_tokens", False) or step.num_prompt_tokens is None:
+            return {}
+        counts = step.num_prompt_tokens
+        return {"num_prompt_tokens": counts if order is None else counts[order]}
 
 
 def _reorder_requests(cu_seqlens: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,8 +37,11 @@ def hf_reference(module, config, sequence: torch.Tensor, layer_idx: int, **kwarg
     return out[0], cache
 
 
-def run_schedule(kind, module, config, sequences: list[torch.Tensor], schedule) -> tuple[list, list]:
-    """Run ``schedule`` through ``kind``; return each sequence's output [L, hidden] and final states."""
+def run_schedule(kind, module, config, sequences: list[torch.Tensor], schedule,
+                 prompt_len: int | None = None) -> tuple[list, list]:
+    """Run ``schedule`` through ``kind``; return each sequence's output [L, hidden] and final states.
+    ``prompt_len``: each sequence's first tokens that are its prompt (the rest generated),
+    told to a kind that reads it as the runner tells it."""
     shapes = kind.state_shapes(module, config)
     states = [
         {name: torch.full(shape, UNSET, dtype=dtype) for name, (shape, dtype) in shapes.items()}
@@ -52,8 +55,11 @@ def run_schedule(kind, module, config, sequences: list[torch.Tensor], schedule) 
         cu_seqlens = torch.tensor([0] + [n for _, n in step]).cumsum(0)
         has_initial_state = torch.tensor([consumed[i] > 0 for i, _ in step])
         gathered = {name: torch.stack([states[i][name] for i, _ in step]) for name in shapes}
+        extra = {}
+        if prompt_len is not None and getattr(kind, "reads_prompt_tokens", False):
+            extra["num_prompt_tokens"] = torch.tensor([min(max(prompt_len - consumed[i], 0), n) for i, n in step])
         with torch.no_grad():
-            out = kind.forward(module, torch.cat(chunks), cu_seqlens, has_initial_state, gathered)
+            out = kind.forward(module, torch.cat(chunks), cu_seqlens, has_initial_state, gathered, **extra)
         for b, (i, n) in enumerate(step):
             outputs[i].append(out[cu_seqlens[b] : cu_seqlens[b + 1]])
             for name in shapes:

@@ -128,6 +128,28 @@ def test_time_step_limit_clamps_chunks_but_not_decode_steps_as_the_hf_mixer_does
     assert not torch.allclose(whole_outputs[0], outputs[0], rtol=1e-5, atol=1e-5), "the limit changed nothing"
 
 
+@pytest.mark.parametrize("prompt_len", [4, 9])
+def test_time_step_limit_follows_generate_by_position_under_any_chunking(prompt_len):
+    """Told which tokens are prompt tokens (as the runner tells it), the kind clamps dt
+    at those and not at generated ones, whatever the chunks: a prompt's last token alone
+    in a step and generated tokens recomputed in a chunk give generate's outputs."""
+    config = CONFIGS["mamba2"]()
+    config.time_step_limit = (0.3, 0.9)
+    mixer = randomize(transformers.models.mamba2.modeling_mamba2.Mamba2Mixer(config, layer_idx=0), seed=5)
+    sequences = make_sequences(LENGTHS, HIDDEN, seed=6)
+    expected = []
+    for sequence in sequences:
+        cache = transformers.DynamicCache(config=config)
+        with torch.no_grad():
+            parts = [mixer(sequence[None, :prompt_len], cache=cache)[0]]
+            parts += [mixer(sequence[None, t : t + 1], cache=cache)[0] for t in range(prompt_len, len(sequence))]
+        expected.append(torch.cat(parts))
+    for schedule in (chunked(LENGTHS, seed=2), whole(LENGTHS), prefill_then_decode(LENGTHS, prompt_len - 1)):
+        outputs, _ = run_schedule(MAMBA2, mixer, config, sequences, schedule, prompt_len=prompt_len)
+        for i in range(len(sequences)):
+            torch.testing.assert_close(outputs[i], expected[i], rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
+
+
 def _ssm_reference(x, dt, A, B, C, D, state):
     """Token by token, float64: the recurrence the scan computes."""
     heads_per_group = x.shape[1] // B.shape[1]
