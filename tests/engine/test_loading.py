@@ -55,7 +55,7 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("arch,reason", [
-    ("hrm_text", "runs its layers several times per token"),
+    ("cpmant", "its prompt attends bidirectionally"),
     ("deepseek_v32", "indexer pick the top 4 keys"),
 ])
 def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
