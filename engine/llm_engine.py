@@ -90,7 +90,7 @@ class LLMEngine:
         self.attention = choose_attention_backend(
             config.attention_backend, self.device, loaded.dtype, num_heads,
             native_decode=self.cpu_paths.decode_kernel, native_prefill=self.cpu_paths.prefill_kernel,
-            chunk_sizes=spec.chunk_sizes)
+            chunk_sizes=spec.chunk_sizes, position_bias=uses_position_bias(self.model))
         model_len = resolve_max_model_len(config, self.hf_config)
         budget = kv_cache_budget(config, self.device, self.model, self.attention, spec, model_len)
         num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, state_spec)
@@ -480,6 +480,12 @@ class LaunchedStep:
         if not self.deferred:
             return None
         return PendingTokens(self.sampled.token_ids, {row.request.request_id: i for i, row in enumerate(self.rows)})
+
+
+def uses_position_bias(model: torch.nn.Module) -> bool:
+    """Whether some attention layer attends with a bias table by key position (an
+    adapter's ``uses_position_bias``), which only the torch attention path takes."""
+    return any(getattr(module, "uses_position_bias", False) for module in model.modules())
 
 
 def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

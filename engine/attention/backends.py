@@ -17,6 +17,7 @@ its kernels, not the model runner.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -27,6 +28,8 @@ from .torch_path import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPla
                               fresh_prompts, torch_paged_attention, write_kv_cache)
 
 BACKEND_NAMES = ("cpu", "torch", "triton")
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -162,14 +165,23 @@ class TritonBackend:
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, num_heads: int,
                              native_decode: bool, native_prefill: bool,
-                             chunk_sizes: tuple[int | None, ...] = ()) -> AttentionBackend:
+                             chunk_sizes: tuple[int | None, ...] = (),
+                             position_bias: bool = False) -> AttentionBackend:
     """The engine's backend: ``requested`` ("triton", "cpu": torch with the native CPU
     kernels the engine chose, "torch": torch ops alone), else Triton on CUDA except in
-    float64 (the kernels take 16- and 32-bit floats), and torch with the chosen
-    native kernels elsewhere. ``chunk_sizes``: each layer's chunked-attention chunk
-    size (KVCacheSpec.chunk_sizes)."""
+    float64 (the kernels take 16- and 32-bit floats) or where some layer attends with
+    a bias table by key position (``position_bias``: falcon's ALiBi; only the torch
+    path takes one), and torch with the chosen native kernels elsewhere.
+    ``chunk_sizes``: each layer's chunked-attention chunk size (KVCacheSpec.chunk_sizes)."""
     if requested is None:
         requested = "triton" if device.type == "cuda" and dtype != torch.float64 else "cpu"
+        if requested == "triton" and position_bias:
+            logger.info("attention runs on the torch path: the model attends with a bias table by key position, "
+                        "which the Triton kernels do not take")
+            requested = "torch"
+    if requested == "triton" and position_bias:
+        raise ValueError("attention_backend='triton' cannot run this model: it attends with a bias table by key "
+                         "position (falcon's ALiBi), which only the torch path takes; use attention_backend='torch'")
     if requested == "triton":
         return TritonBackend(chunk_sizes)
     if requested == "cpu":

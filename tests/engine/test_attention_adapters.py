@@ -11,6 +11,8 @@ import transformers
 from torch import nn
 
 from shardline import LLM, SamplingParams
+from shardline.engine.attention.backends import choose_attention_backend
+from shardline.engine.llm_engine import uses_position_bias
 from shardline.engine.model.adapters import PagedAttentionAdapter
 from shardline.engine.tiny import build_tiny_model
 
@@ -81,10 +83,23 @@ def test_falcon_with_alibi_matches_transformers_sdpa(case, tmp_path):
     expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
     # The load check runs, and passes; prompts cross chunks.
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=16, attention_backend=backend)
+    assert uses_position_bias(llm.llm_engine.model)  # so CUDA engines take the torch path
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.close()
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_a_bias_table_takes_the_torch_path_on_cuda_and_the_triton_backend_refuses_it():
+    """Only the torch attention path takes a bias table by key position: an engine on
+    CUDA chooses it for such a model, and asking for Triton is one clear error."""
+    cuda = torch.device("cuda")
+    backend = choose_attention_backend(None, cuda, torch.float32, 16, native_decode=False, native_prefill=False,
+                                       position_bias=True)
+    assert backend.name == "torch"
+    with pytest.raises(ValueError, match="bias table by key position"):
+        choose_attention_backend("triton", cuda, torch.float32, 16, native_decode=False, native_prefill=False,
+                                 position_bias=True)
 
 
 # Models whose attention modules are called several times per token, each call

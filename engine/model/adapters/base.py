@@ -148,6 +148,12 @@ class PagedAttentionAdapter(_Replacement, abc.ABC):
         """[H] ALiBi slopes of this call (None: no ALiBi)."""
         return self.alibi_slopes
 
+    @property
+    def uses_position_bias(self) -> bool:
+        """Whether this layer attends with a bias table by key position (position_bias_for),
+        which only the torch attention path takes."""
+        return False
+
     def position_bias_for(self, call: dict, query: torch.Tensor) -> torch.Tensor | None:
         """[H, L] this call's bias table by key position, covering the step's contexts,
         in ``query``'s dtype and device (AttentionOptions.position_bias; None: none)."""

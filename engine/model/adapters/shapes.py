@@ -168,6 +168,10 @@ class FalconAttention(PagedAttentionAdapter):
             return self.original(*call.args, **call.kwargs)
         return super().forward(*args, **kwargs)
 
+    @property
+    def uses_position_bias(self) -> bool:
+        return bool(self.original.config.alibi)
+
     def position_bias_for(self, call, query):
         if call.get("alibi") is None:
             return None
