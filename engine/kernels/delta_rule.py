@@ -46,6 +46,22 @@ if triton is not None:
         return inverse
 
     @triton.jit
+    def state_block(request, head, key_cols, value_cols, NUM_HEADS: tl.constexpr, KEY_DIM: tl.constexpr,
+                    VALUE_DIM: tl.constexpr):
+        """(offsets, mask) [K_P, BLOCK_V] of a program's block of the contiguous state
+        [B, H, K, V]: its request and head, rows ``key_cols``, columns ``value_cols``."""
+        offsets = ((request * NUM_HEADS + head).to(tl.int64) * KEY_DIM * VALUE_DIM
+                   + key_cols[:, None] * VALUE_DIM + value_cols[None, :])
+        return offsets, (key_cols < KEY_DIM)[:, None] & (value_cols < VALUE_DIM)[None, :]
+
+    @triton.jit
+    def load_rows(ptr, tokens, stride_tok, head, stride_head, cols, mask):
+        """x[tokens, head, cols] [C, len(cols)] of a [T, H, D] tensor with unit last stride,
+        in float32, zero where ``mask`` is not set."""
+        return tl.load(ptr + tokens[:, None] * stride_tok + head * stride_head + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def delta_rule_chunk_update(state, q_decayed, k_to_end, attn, inverse, beta_k_decayed, beta_v, chunk_decay):
         """One chunk's outputs [C, BV] and the state after it (the module docstring's
         last three lines); the decays are already folded into the arguments."""
@@ -73,9 +89,7 @@ if triton is not None:
         causal = rows[None, :] <= rows[:, None]  # [t, s]: s <= t
         strictly_causal = rows[None, :] < rows[:, None]
 
-        state_offs = ((request * NUM_HEADS + head).to(tl.int64) * KEY_DIM * VALUE_DIM
-                      + key_cols[:, None] * VALUE_DIM + value_cols[None, :])
-        state_mask = key_ok[:, None] & value_ok[None, :]
+        state_offs, state_mask = state_block(request, head, key_cols, value_cols, NUM_HEADS, KEY_DIM, VALUE_DIM)
         state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0)
 
         start = tl.load(cu_ptr + request).to(tl.int64)
@@ -85,12 +99,9 @@ if triton is not None:
             token_ok = tokens < end
             key_mask = token_ok[:, None] & key_ok[None, :]
             value_mask = token_ok[:, None] & value_ok[None, :]
-            q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + key_cols[None, :],
-                        mask=key_mask, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + tokens[:, None] * stride_k_tok + head * stride_k_head + key_cols[None, :],
-                        mask=key_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + head * stride_v_head + value_cols[None, :],
-                        mask=value_mask, other=0.0).to(tl.float32)
+            q = load_rows(q_ptr, tokens, stride_q_tok, head, stride_q_head, key_cols, key_mask)
+            k = load_rows(k_ptr, tokens, stride_k_tok, head, stride_k_head, key_cols, key_mask)
+            v = load_rows(v_ptr, tokens, stride_v_tok, head, stride_v_head, value_cols, value_mask)
             g = tl.load(g_ptr + tokens * stride_g_tok + head * stride_g_head, mask=token_ok, other=0.0).to(tl.float32)
             beta = tl.load(beta_ptr + tokens * stride_beta_tok + head * stride_beta_head, mask=token_ok,
                            other=0.0).to(tl.float32)

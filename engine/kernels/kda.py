@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
-from .delta_rule import check_packed_layout, delta_rule_chunk_update, kernel_chunk, unit_lower_inverse
+from .delta_rule import (check_packed_layout, delta_rule_chunk_update, kernel_chunk, load_rows, state_block,
+                         unit_lower_inverse)
 
 CHUNK = 32  # tokens per chunk on the GPU (a power of two, 16 at least: tl.dot's minimum)
 MAX_BLOCK_V = 64  # value columns per program: the state block [K, BLOCK_V] stays in registers
@@ -70,9 +71,7 @@ if triton is not None:
         rows = tl.arange(0, CHUNK)
         strictly_causal = rows[None, :] < rows[:, None]  # [t, s]: s < t
 
-        state_offs = ((request * NUM_HEADS + head).to(tl.int64) * KEY_DIM * VALUE_DIM
-                      + key_cols[:, None] * VALUE_DIM + value_cols[None, :])
-        state_mask = key_ok[:, None] & value_ok[None, :]
+        state_offs, state_mask = state_block(request, head, key_cols, value_cols, NUM_HEADS, KEY_DIM, VALUE_DIM)
         state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0)
 
         start = tl.load(cu_ptr + request).to(tl.int64)
@@ -82,14 +81,10 @@ if triton is not None:
             token_ok = tokens < end
             key_mask = token_ok[:, None] & key_ok[None, :]
             value_mask = token_ok[:, None] & value_ok[None, :]
-            q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + key_cols[None, :],
-                        mask=key_mask, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + tokens[:, None] * stride_k_tok + head * stride_k_head + key_cols[None, :],
-                        mask=key_mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + tokens[:, None] * stride_g_tok + head * stride_g_head + key_cols[None, :],
-                        mask=key_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + head * stride_v_head + value_cols[None, :],
-                        mask=value_mask, other=0.0).to(tl.float32)
+            q = load_rows(q_ptr, tokens, stride_q_tok, head, stride_q_head, key_cols, key_mask)
+            k = load_rows(k_ptr, tokens, stride_k_tok, head, stride_k_head, key_cols, key_mask)
+            g = load_rows(g_ptr, tokens, stride_g_tok, head, stride_g_head, key_cols, key_mask)
+            v = load_rows(v_ptr, tokens, stride_v_tok, head, stride_v_head, value_cols, value_mask)
             beta = tl.load(beta_ptr + tokens * stride_beta_tok + head * stride_beta_head, mask=token_ok,
                            other=0.0).to(tl.float32)
 
