@@ -168,6 +168,15 @@ def chunk_gated_delta_rule_triton(query: torch.Tensor, key: torch.Tensor, value:
     16 at least) are the most tokens per chunk and value columns per program."""
     require_triton()
     check_packed_layout(query, key, value, g, beta, cu_seqlens, state, g_per_key=False)
+    return launch_chunked_rule(_gated_delta_rule_kernel, query, key, value, g, beta, cu_seqlens, state, chunk, block_v)
+
+
+def launch_chunked_rule(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor, chunk: int,
+                        block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a chunked delta-rule kernel (this module's or kernels/kda.py's: both take the
+    same arguments) over a layout check_packed_layout has passed: one program per request,
+    head and block of value columns. Returns (output [T, H, V] in value's dtype, state)."""
     num_tokens, num_heads, key_dim = query.shape
     value_dim = value.shape[2]
     num_requests = cu_seqlens.shape[0] - 1
@@ -177,7 +186,7 @@ def chunk_gated_delta_rule_triton(query: torch.Tensor, key: torch.Tensor, value:
     max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_v = max(16, min(block_v, next_power_of_2(value_dim)))
     grid = (num_requests, num_heads, triton.cdiv(value_dim, block_v))
-    _gated_delta_rule_kernel[grid](
+    kernel[grid](
         query, key, value, g, beta, out, cu_seqlens, state,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
-from .delta_rule import (check_packed_layout, delta_rule_chunk_update, kernel_chunk, load_rows, state_block,
+from ._triton import require_triton, tl, triton
+from .delta_rule import (check_packed_layout, delta_rule_chunk_update, launch_chunked_rule, load_rows, state_block,
                          unit_lower_inverse)
 
 CHUNK = 32  # tokens per chunk on the GPU (a power of two, 16 at least: tl.dot's minimum)
@@ -112,20 +112,4 @@ def chunk_kda_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     require_triton()
     state = initial_state.to(torch.float32, copy=True).contiguous()
     check_packed_layout(q, k, v, g, beta, cu_seqlens, state, g_per_key=True)
-    num_tokens, num_heads, key_dim = q.shape
-    value_dim = v.shape[2]
-    num_requests = cu_seqlens.shape[0] - 1
-    out = torch.empty((num_tokens, num_heads, value_dim), dtype=v.dtype, device=v.device)
-    if num_tokens == 0 or num_requests == 0:
-        return out, state
-    max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    block_v = max(16, min(block_v, next_power_of_2(value_dim)))
-    grid = (num_requests, num_heads, triton.cdiv(value_dim, block_v))
-    _kda_kernel[grid](
-        q, k, v, g, beta, out, cu_seqlens, state,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
-        KEY_P=max(16, next_power_of_2(key_dim)), BLOCK_V=block_v, CHUNK=kernel_chunk(max_length, chunk),
-    )
-    return out, state
+    return launch_chunked_rule(_kda_kernel, q, k, v, g, beta, cu_seqlens, state, chunk, block_v)
