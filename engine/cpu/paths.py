@@ -7,8 +7,9 @@ themselves, never by an assumed instruction set:
   BW/VL/DQ or AVX-NE-CONVERT). Where that query says no, bfloat16 linears can be
   packed as float32 copies instead (cpu/linear.py), if twice their weights' memory
   is free;
-- fused elementwise kernels, native decode and prefill attention: a C compiler, the
-  library built for the kernel target (kernels/native.py), the dtype.
+- fused elementwise kernels, native decode and prefill attention, the recurrent
+  kernel of gated delta-net layers: a C compiler, the library built for the kernel
+  target (kernels/native.py), the dtype.
 
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
@@ -45,7 +46,7 @@ from ..kernels import native
 
 logger = logging.getLogger(__name__)
 
-PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel")
+PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
 
@@ -129,6 +130,7 @@ class CpuPaths:
     fused_kernels: bool = False
     decode_kernel: bool = False
     prefill_kernel: bool = False
+    recurrent_kernel: bool = False  # gated delta-net layers' core (kernels/cpu_recurrent.py)
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -164,6 +166,7 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         "fused_kernels": (_fused_kernels(dtype), None, ""),
         "decode_kernel": (_decode_kernel(dtype, shape), None, ""),
         "prefill_kernel": (_prefill_kernel(dtype, shape), lambda: _prefill_speedup(dtype, shape), "SDPA"),
+        "recurrent_kernel": (_recurrent_kernel(dtype), None, ""),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -240,6 +243,16 @@ def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
     return True, "built"
 
 
+def _recurrent_kernel(dtype: torch.dtype) -> tuple[bool, str]:
+    from ..kernels import cpu_recurrent
+
+    if dtype not in cpu_recurrent.DTYPES:
+        return False, "float32 and float64 only"
+    if cpu_recurrent.load_library() is None:
+        return False, f"{cpu_recurrent.SOURCE.name} could not be built (see its warning)"
+    return True, "built"
+
+
 def _decode_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
     from ..kernels import cpu_attention
 
@@ -291,6 +304,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     a probe input keeps its own (each such refusal is logged with its class); LoRA
     wrappers, already in place, keep wrapping the packed linears inside them."""
     from ..recurrent.cpu_layers import optimize_hybrid_layers
+    from ..recurrent.gated_delta_net import take_native_core
     from .layers import fuse_decoder_layers, fuse_rms_norms
     from .linear import fuse_gated_mlps, pack_linears
 
@@ -303,6 +317,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         layers = fuse_decoder_layers(model, rows_hint)
     # Hybrid models' own norms and last MLP (engine/recurrent/cpu_layers.py; none for other models).
     hybrid = optimize_hybrid_layers(model, paths.fused_kernels)
+    if paths.recurrent_kernel:  # gated delta-net layers' core through the C kernel
+        hybrid += take_native_core(model)
     rewrites = CpuRewrites(packed, mlps, norms, layers, hybrid)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites

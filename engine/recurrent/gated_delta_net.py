@@ -9,7 +9,10 @@ inputs and, per value head, the [K, V] delta-rule matrix.
 
 The delta rule runs in float32, or in float64 for a float64 model (transformers runs
 it in float32 whatever the model's dtype; the engine's result stays within that
-rounding of the exact value).
+rounding of the exact value). On the CPU, where the engine takes the recurrent kernel
+(engine/cpu/paths.py), the convolution, the l2 norms and the delta rule of every
+request run as one C call per layer and step (kernels/cpu_recurrent.py); otherwise
+as torch ops (``_torch_core``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu_recurrent import gated_delta_net_core, recurrent_kernel_available
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -36,6 +40,12 @@ class GatedDeltaNetKind:
     # model's own forward is float32-exact at best (the load check's tolerance follows).
     reference_dtype = torch.float32
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the recurrent core (convolution to delta-rule outputs) runs through the
+        # CPU kernel (kernels/cpu_recurrent.py) where it takes the step's tensors; the
+        # engine's CPU paths choose it once at load (``take_native_core``).
+        self.native_core = native_core
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         weight = hf_module.conv1d.weight  # [conv_dim, 1, W]
         return {
@@ -48,30 +58,26 @@ class GatedDeltaNetKind:
                 has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
         # hidden_states: [T, hidden]
         module = hf_module
-        num_tokens = hidden_states.shape[0]
         mixed_qkv, z, b, a = self.projections(module, hidden_states)
-        mixed_qkv = causal_conv1d_varlen(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias, cu_seqlens,
-                                         has_initial_state, states["conv"], module.activation)
-        query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         beta = self.write_strength(module, b)
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # the module's own expression
         dtype = states["recurrent"].dtype
-        query = l2_normalize(query.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
-        key = l2_normalize(key.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
-        query = query * module.head_k_dim ** -0.5
-        value = value.reshape(num_tokens, -1, module.head_v_dim).to(dtype)
-        if module.num_v_heads != module.num_k_heads:
-            repeat = module.num_v_heads // module.num_k_heads
-            # each query/key head serves `repeat` consecutive value heads
-            query, key = (x[:, :, None].expand(num_tokens, module.num_k_heads, repeat, module.head_k_dim)
-                          .reshape(num_tokens, module.num_v_heads, module.head_k_dim) for x in (query, key))
-        # Single-token continuations take the recurrence itself, the rest the chunked
-        # rule, so a decode request in a step with a long prompt is not padded to a chunk.
-        core = scan_split(
-            cu_seqlens, has_initial_state, states["recurrent"], (query, key, value, g.to(dtype), beta.to(dtype)),
-            decode=lambda state, q, k, v, g_, b: gated_delta_rule_step(q, k, v, g_, b, state)[0],
-            chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
+        if self._takes_native_core(module, mixed_qkv, states):
+            core = gated_delta_net_core(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                        g.to(dtype).contiguous(), beta.to(dtype).contiguous(), cu_seqlens,
+                                        has_initial_state, states["conv"], states["recurrent"], module.num_k_heads)
+        else:
+            core = _torch_core(module, mixed_qkv, g.to(dtype), beta.to(dtype), cu_seqlens, has_initial_state, states)
         return self.output(module, core.to(hidden_states.dtype), z)
+
+    def _takes_native_core(self, module: torch.nn.Module, mixed_qkv: torch.Tensor,
+                           states: dict[str, torch.Tensor]) -> bool:
+        """The kernel runs one dtype (float32 or float64) throughout, SiLU, no gradients."""
+        recurrent = states["recurrent"]
+        return (self.native_core and mixed_qkv.device.type == "cpu" and not mixed_qkv.requires_grad
+                and mixed_qkv.dtype == recurrent.dtype == states["conv"].dtype == module.conv1d.weight.dtype
+                and module.activation == "silu"
+                and recurrent_kernel_available(recurrent.dtype, recurrent.shape[2], recurrent.shape[3]))
 
     # What a variant of the layer (engine/recurrent/olmo_hybrid.py) computes its own way.
     def projections(self, module: torch.nn.Module, hidden_states: torch.Tensor
@@ -88,6 +94,50 @@ class GatedDeltaNetKind:
         num_tokens = core.shape[0]
         core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(core.reshape(num_tokens, -1))
+
+
+def _torch_core(module: torch.nn.Module, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]
+                ) -> torch.Tensor:
+    """The recurrent core in torch ops: mixed_qkv [T, conv_dim] through the convolution,
+    the l2 norms and the delta rule (g, beta [T, Hv] in the state's dtype) -> [T, Hv, Dv]."""
+    num_tokens = mixed_qkv.shape[0]
+    dtype = states["recurrent"].dtype
+    mixed_qkv = causal_conv1d_varlen(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias, cu_seqlens,
+                                     has_initial_state, states["conv"], module.activation)
+    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = l2_normalize(query.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
+    key = l2_normalize(key.reshape(num_tokens, -1, module.head_k_dim).to(dtype))
+    query = query * module.head_k_dim ** -0.5
+    value = value.reshape(num_tokens, -1, module.head_v_dim).to(dtype)
+    if module.num_v_heads != module.num_k_heads:
+        repeat = module.num_v_heads // module.num_k_heads
+        # each query/key head serves `repeat` consecutive value heads
+        query, key = (x[:, :, None].expand(num_tokens, module.num_k_heads, repeat, module.head_k_dim)
+                      .reshape(num_tokens, module.num_v_heads, module.head_k_dim) for x in (query, key))
+    # Single-token continuations take the recurrence itself, the rest the chunked
+    # rule, so a decode request in a step with a long prompt is not padded to a chunk.
+    return scan_split(
+        cu_seqlens, has_initial_state, states["recurrent"], (query, key, value, g, beta),
+        decode=lambda state, q, k, v, g_, b: gated_delta_rule_step(q, k, v, g_, b, state)[0],
+        chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
+
+
+def take_native_core(model: torch.nn.Module) -> int:
+    """Replace each gated delta-net layer of ``model`` (a RecurrentLayer of this kind or a
+    variant) by one whose kind runs the recurrent core through the CPU kernel; returns
+    how many. The engine calls it where its CPU paths take the kernel."""
+    from ..cpu.linear import replace_module
+    from .state import RecurrentLayer
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, RecurrentLayer) and isinstance(module.kind, GatedDeltaNetKind):
+            if not module.kind.native_core:
+                replace_module(model, name, RecurrentLayer(module.layer, type(module.kind)(native_core=True),
+                                                           module.layer_idx, module.hf_config, module.holder))
+                replaced += 1
+    return replaced
 
 
 def _projections(module: torch.nn.Module, hidden_states: torch.Tensor

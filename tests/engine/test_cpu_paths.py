@@ -82,7 +82,7 @@ def test_unknown_path_setting_names_the_item(monkeypatch):
         path_settings()
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=off,decode_kernel=on")
     assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
-                               "prefill_kernel": False}
+                               "prefill_kernel": False, "recurrent_kernel": False}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,

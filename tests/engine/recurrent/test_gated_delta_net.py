@@ -12,7 +12,8 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from shardline.engine.recurrent.gated_delta_net import GATED_DELTA_NET
+from shardline.engine.kernels.cpu_recurrent import recurrent_kernel_available
+from shardline.engine.recurrent.gated_delta_net import GATED_DELTA_NET, GatedDeltaNetKind
 from shardline.engine.recurrent.short_conv import SHORT_CONV
 
 from .mixer_parity import chunked, make_sequences, prefill_then_decode, randomize, run_schedule, whole
@@ -24,6 +25,11 @@ _GDN = dict(hidden_size=HIDDEN, linear_num_value_heads=4, linear_num_key_heads=2
 MODULES = {
     "qwen3_next": (lambda: Qwen3NextGatedDeltaNet(transformers.Qwen3NextConfig(**_GDN), 0), GATED_DELTA_NET),
     "qwen3_5": (lambda: Qwen3_5GatedDeltaNet(transformers.Qwen3_5TextConfig(**_GDN), 0), GATED_DELTA_NET),
+    # The same layers with the recurrent core through the CPU kernel (kernels/cpu_recurrent.py).
+    "qwen3_next-kernel": (lambda: Qwen3NextGatedDeltaNet(transformers.Qwen3NextConfig(**_GDN), 0),
+                          GatedDeltaNetKind(native_core=True)),
+    "qwen3_5-kernel": (lambda: Qwen3_5GatedDeltaNet(transformers.Qwen3_5TextConfig(**_GDN), 0),
+                       GatedDeltaNetKind(native_core=True)),
     "lfm2": (lambda: Lfm2ShortConv(transformers.Lfm2Config(hidden_size=HIDDEN, num_hidden_layers=1,
                                                            layer_types=["conv"], conv_bias=True), 0), SHORT_CONV),
 }
@@ -41,12 +47,14 @@ CASES = [pytest.param(name, schedule, id=f"{name}-{schedule}",
 @pytest.mark.parametrize("name,schedule", CASES)
 def test_kind_matches_the_hf_module(name, schedule):
     build, kind = MODULES[name]
+    if name.endswith("-kernel") and not recurrent_kernel_available(torch.float64, 8, 8):
+        pytest.skip("the recurrent kernel cannot be built here")
     module = randomize(build(), seed=0)
     sequences = make_sequences(LENGTHS, HIDDEN, seed=1)
     with torch.no_grad():
         expected = [module(sequence[None])[0] for sequence in sequences]
     outputs, _ = run_schedule(kind, module, None, sequences, SCHEDULES[schedule])
     # transformers runs the delta rule in float32; the kind in float64 here.
-    tolerance = 1e-5 if kind is GATED_DELTA_NET else 1e-10
+    tolerance = 1e-5 if isinstance(kind, GatedDeltaNetKind) else 1e-10
     for index, (got, want) in enumerate(zip(outputs, expected)):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=f"sequence {index}")

@@ -1,0 +1,147 @@
+"""The gated delta-net's CPU kernel (kernels/cpu_recurrent.c) against its plain-torch
+reference, built for each kernel target; the engine takes it on a hybrid model, and
+gives transformers' greedy tokens with it and with it turned off."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from shardline.engine.kernels import cpu_recurrent, native
+from shardline.engine.kernels.cpu_recurrent import (gated_delta_net_core, gated_delta_net_core_reference,
+                                                    recurrent_kernel_available)
+
+pytestmark = pytest.mark.skipif(cpu_recurrent.load_library() is None, reason="no C compiler to build the kernel")
+
+CROSS_COMPILER = shutil.which("aarch64-linux-gnu-gcc")
+
+
+def make_step(lengths: list[int], initial: list[bool], num_key_heads: int, num_heads: int, key_dim: int,
+              value_dim: int, dtype: torch.dtype, width: int = 4, bias: bool = True, seed: int = 0) -> dict:
+    """A packed step's projected q|k|v rows and states; the states of requests that start
+    fresh hold NaN, so a read of them shows in every output."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+    channels = 2 * num_key_heads * key_dim + num_heads * value_dim
+    num_tokens, num_requests = sum(lengths), len(lengths)
+    fresh = ~torch.tensor(initial)
+    conv_state = randn(num_requests, width - 1, channels)
+    state = randn(num_requests, num_heads, key_dim, value_dim, scale=0.1)
+    conv_state[fresh] = float("nan")
+    state[fresh] = float("nan")
+    return dict(
+        mixed_qkv=randn(num_tokens, channels), conv_weight=randn(channels, width, scale=0.5),
+        conv_bias=randn(channels) if bias else None,
+        g=-torch.rand(num_tokens, num_heads, generator=generator, dtype=torch.float64).to(dtype),
+        beta=torch.rand(num_tokens, num_heads, generator=generator, dtype=torch.float64).to(dtype),
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0), has_initial_state=torch.tensor(initial),
+        conv_state=conv_state, state=state, num_key_heads=num_key_heads)
+
+
+# (lengths, whether each continues a saved state): prefill chunks beside decode tokens;
+# a decode step; prompts shorter than the convolution window.
+STEPS = {
+    "mixed": ([5, 1, 37, 2, 1], [True, True, False, True, False]),
+    "decode": ([1] * 6, [True] * 6),
+    "short": ([2, 1, 3], [False, True, True]),
+}
+# (Hk, H, K, V): the benchmark's heads (the kernel's sizes compiled as constants), and others.
+HEADS = [(2, 4, 64, 64), (1, 2, 16, 24), (2, 2, 128, 128)]
+TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda heads: "x".join(map(str, heads)))
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_kernel_matches_the_reference(kernel_target, step, heads, dtype):
+    lengths, initial = STEPS[step]
+    num_key_heads, num_heads, key_dim, value_dim = heads
+    if dtype == torch.float32 and heads != HEADS[0] and step != "mixed":
+        pytest.skip("float32 runs the other head sizes on the mixed step only")
+    args = make_step(lengths, initial, num_key_heads, num_heads, key_dim, value_dim, dtype,
+                     bias=step != "decode")
+    expected = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+    out = gated_delta_net_core(**args)
+    want = gated_delta_net_core_reference(**expected)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(args["state"], expected["state"], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(args["conv_state"], expected["conv_state"], rtol=0, atol=0)
+
+
+def test_threads_give_the_same_result():
+    """(request, head) pairs split over threads: the same bits as on one thread."""
+    args = make_step([40, 1, 1, 23], [False, True, True, True], 2, 4, 64, 64, torch.float32)
+    copy = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gated_delta_net_core(**args)
+        torch.set_num_threads(max(2, threads))
+        several = gated_delta_net_core(**copy)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, several) and torch.equal(args["state"], copy["state"])
+
+
+def test_availability_follows_dtype_and_head_size():
+    assert recurrent_kernel_available(torch.float32, 64, 64) and recurrent_kernel_available(torch.float64, 128, 256)
+    assert not recurrent_kernel_available(torch.bfloat16, 64, 64)
+    assert not recurrent_kernel_available(torch.float32, 64, cpu_recurrent.MAX_HEAD_DIM + 1)
+
+
+@pytest.mark.skipif(CROSS_COMPILER is None, reason="no aarch64 cross compiler (apt install gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("target", ["armv8-a", "armv8.2-a+bf16"])
+def test_kernel_builds_for_arm(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
+    library = native._build(cpu_recurrent.SOURCE, CROSS_COMPILER, target)
+    assert library.read_bytes()[:4] == b"\x7fELF" and library.read_bytes()[18] == 183  # e_machine: AArch64
+
+
+_HYBRID = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=3,
+               layer_types=["linear_attention", "full_attention", "linear_attention"])
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    """A tiny qwen3_5_text model (two gated delta-net layers), prompts and transformers'
+    float32 greedy tokens."""
+    import transformers
+
+    from shardline.engine.tiny import build_tiny_model
+
+    from ..hf_reference import hf_greedy, random_prompts
+
+    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("qwen3_5_text"), "qwen3_5_text", **_HYBRID))
+    prompts = random_prompts(4, (3, 40), 500, seed=5)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    expected = [hf_greedy(hf_model, prompt, 6) for prompt in prompts]
+    return model_dir, prompts, expected
+
+
+@pytest.mark.parametrize("kernel", ["on", "off"])
+def test_engine_with_and_without_the_kernel_gives_transformers_tokens(hybrid_model, monkeypatch, kernel):
+    """The engine takes the kernel for its gated delta-net layers unless turned off
+    (SHARDLINE_CPU_PATHS=recurrent_kernel=off); chunked prefill (a 16-token budget)
+    and decode give transformers' greedy tokens either way. (The hybrid parity tests
+    run float64 models with the kernel, as the engine takes it by default.)"""
+    from shardline import LLM, SamplingParams
+    from shardline.engine.recurrent.state import RecurrentLayer
+
+    model_dir, prompts, expected = hybrid_model
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"recurrent_kernel={kernel}")
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
+    layers = [m for m in llm.llm_engine.model.modules() if isinstance(m, RecurrentLayer)]
+    assert llm.llm_engine.cpu_paths.recurrent_kernel == (kernel == "on")
+    assert len(layers) == 2 and all(layer.kind.native_core == (kernel == "on") for layer in layers)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    llm.close()
