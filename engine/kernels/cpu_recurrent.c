@@ -14,7 +14,7 @@
  * convolution windows are rewritten after all of them have read the old ones.
  *
  * Layout: x [T, C] rows with stride x_stride (C = 2 Hk K + H V: q, k, v channels);
- * weight [C, W] contiguous, bias [C] or NULL; g, beta [T, H]; conv_state [B, W-1, C]
+ * weight [W, C] contiguous (the taps' rows, so a tap reads its channels in a row), bias [C] or NULL; g, beta [T, H]; conv_state [B, W-1, C]
  * and state [B, H, K, V] contiguous, read where has_initial_state[b] and overwritten
  * with each request's final window and state; out [T, H, V]; cu_seqlens [B + 1] int64.
  * One element type throughout: float32 or float64.
@@ -29,11 +29,18 @@
 /* Largest head sizes the kernel takes (its per-token vectors live on the stack). */
 #define MAX_HEAD_DIM 256
 
+/* How many tokens ahead a head's loop asks for its input rows. */
+#define PREFETCH_TOKENS 8
+
 /* Work below this many state elements times tokens runs on the calling thread. */
 #define PARALLEL_MIN_WORK (1 << 16)
 
+/* float32's SiLU through cpu_common.h's exp_f32 (no libm call, so the channel loop
+ * vectorizes; within about 2 ulp of expf). */
+static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
+
 #define DEFINE_GATED_DELTA_NET(SUFFIX, T, EXP, SQRT)                                            \
-    static inline T silu_##SUFFIX(T x) { return x / ((T)1 + EXP(-x)); }                         \
                                                                                                 \
     /* The convolution's output for channels [c0, c0 + n) at the request's token t; the     \
      * inputs before the request's first token come from its window (zero without one). */ \
@@ -47,10 +54,17 @@
                                   : (window ? window + (width - 1 + p) * channels : NULL);      \
             if (!row) continue;                                                                 \
             _Pragma("omp simd")                                                                 \
-            for (int64_t i = 0; i < n; i++) out[i] += row[c0 + i] * weight[(c0 + i) * width + j]; \
+            for (int64_t i = 0; i < n; i++) out[i] += row[c0 + i] * weight[j * channels + c0 + i]; \
         }                                                                                       \
         _Pragma("omp simd")                                                                     \
         for (int64_t i = 0; i < n; i++) out[i] = silu_##SUFFIX(out[i] + (bias ? bias[c0 + i] : (T)0)); \
+    }                                                                                           \
+                                                                                                \
+    /* A later token's channels [row, row + n) on their way to the cache: each (request,   \
+     * head) pair reads a few hundred bytes of rows thousands apart, which the hardware's  \
+     * prefetchers do not foresee, and its pass over S leaves the loads nothing to overlap. */ \
+    static inline void prefetch_##SUFFIX(const T *row, int64_t n) {                             \
+        for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(row + i);           \
     }                                                                                           \
                                                                                                 \
     static inline void l2_normalize_##SUFFIX(T *x, int64_t n, T eps, T scale) {                 \
@@ -62,53 +76,87 @@
         for (int64_t i = 0; i < n; i++) x[i] *= factor;                                         \
     }                                                                                           \
                                                                                                 \
-    /* One token's update of S [K, V] and its output o [V]: two passes over S's rows.       \
-     * Inlined with constant sizes, the V-wide accumulators stay in registers. */           \
-    static inline __attribute__((always_inline)) void delta_step_##SUFFIX(                     \
-        T *restrict state, const T *restrict q, const T *restrict k, const T *restrict v,      \
-        T decay, T beta, T *restrict o, const int64_t key_dim, const int64_t value_dim) {      \
-        T predicted[MAX_HEAD_DIM], update[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];                     \
+    /* S^T k for the first token (later tokens' come out of their predecessor's pass). */    \
+    static inline __attribute__((always_inline)) void predict_##SUFFIX(                        \
+        const T *restrict state, const T *restrict k, T *restrict predicted,                   \
+        const int64_t key_dim, const int64_t value_dim) {                                       \
         for (int64_t j = 0; j < value_dim; j++) predicted[j] = 0;                               \
         for (int64_t i = 0; i < key_dim; i++) {                                                 \
-            T *restrict row = state + i * value_dim;                                            \
+            const T *restrict row = state + i * value_dim;                                      \
             const T ki = k[i];                                                                  \
             _Pragma("omp simd")                                                                 \
-            for (int64_t j = 0; j < value_dim; j++) {                                           \
-                const T s = row[j] * decay;                                                     \
-                row[j] = s;                                                                     \
-                predicted[j] += ki * s;                                                         \
-            }                                                                                   \
+            for (int64_t j = 0; j < value_dim; j++) predicted[j] += ki * row[j];                \
         }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    /* One token's update in one pass over S's rows, with predicted = S_{t-1}^T k_t:        \
+     * u = beta (v - e^g predicted), S_t = e^g S_{t-1} + k u^T, o = S_t^T q, and where the  \
+     * request has a next token, next_predicted = S_t^T k_{t+1}. Inlined with constant      \
+     * sizes, the V-wide accumulators stay in registers; S is stored once per token. */     \
+    static inline __attribute__((always_inline)) void delta_pass_##SUFFIX(                     \
+        T *restrict state, const T *restrict q, const T *restrict k, const T *restrict v,      \
+        const T *restrict next_k, T decay, T beta, const T *restrict predicted,                \
+        T *restrict next_predicted, T *restrict o, const int64_t key_dim,                      \
+        const int64_t value_dim, const int has_next) {                                          \
+        T update[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], next[MAX_HEAD_DIM];                          \
         for (int64_t j = 0; j < value_dim; j++) {                                               \
-            update[j] = (v[j] - predicted[j]) * beta;                                           \
+            update[j] = (v[j] - decay * predicted[j]) * beta;                                   \
             acc[j] = 0;                                                                         \
+            next[j] = 0;                                                                        \
         }                                                                                       \
         for (int64_t i = 0; i < key_dim; i++) {                                                 \
             T *restrict row = state + i * value_dim;                                            \
-            const T ki = k[i], qi = q[i];                                                       \
+            const T ki = k[i], qi = q[i], ni = has_next ? next_k[i] : (T)0;                     \
             _Pragma("omp simd")                                                                 \
             for (int64_t j = 0; j < value_dim; j++) {                                           \
-                const T s = row[j] + ki * update[j];                                            \
+                const T s = row[j] * decay + ki * update[j];                                    \
                 row[j] = s;                                                                     \
                 acc[j] += qi * s;                                                               \
+                if (has_next) next[j] += ni * s;                                                \
             }                                                                                   \
         }                                                                                       \
         for (int64_t j = 0; j < value_dim; j++) o[j] = acc[j];                                  \
+        if (has_next)                                                                           \
+            for (int64_t j = 0; j < value_dim; j++) next_predicted[j] = next[j];                \
     }                                                                                           \
                                                                                                 \
-    static void delta_step_any_##SUFFIX(T *state, const T *q, const T *k, const T *v, T decay, \
-                                        T beta, T *o, int64_t key_dim, int64_t value_dim) {    \
-        if (key_dim == 64 && value_dim == 64)                                                   \
-            delta_step_##SUFFIX(state, q, k, v, decay, beta, o, 64, 64);                        \
-        else if (key_dim == 128 && value_dim == 128)                                            \
-            delta_step_##SUFFIX(state, q, k, v, decay, beta, o, 128, 128);                      \
-        else if (key_dim == 128 && value_dim == 256)                                            \
-            delta_step_##SUFFIX(state, q, k, v, decay, beta, o, 128, 256);                      \
+    /* The pass with the sizes as constants where they are common ones. */                   \
+    static void delta_pass_any_##SUFFIX(T *state, const T *q, const T *k, const T *v,          \
+                                        const T *next_k, T decay, T beta, const T *predicted,  \
+                                        T *next_predicted, T *o, int64_t key_dim,               \
+                                        int64_t value_dim) {                                    \
+        const int has_next = next_k != NULL;                                                    \
+        if (key_dim == 64 && value_dim == 64 && has_next)                                       \
+            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
+                                o, 64, 64, 1);                                                  \
+        else if (key_dim == 128 && value_dim == 128 && has_next)                                \
+            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
+                                o, 128, 128, 1);                                                \
+        else if (has_next)                                                                      \
+            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
+                                o, key_dim, value_dim, 1);                                      \
         else                                                                                    \
-            delta_step_##SUFFIX(state, q, k, v, decay, beta, o, key_dim, value_dim);            \
+            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
+                                o, key_dim, value_dim, 0);                                      \
     }                                                                                           \
                                                                                                 \
-    /* Request b's tokens through value head h, its state S in place. */                     \
+    /* One token's q, k (normalised, q scaled) and v for value head h. */                     \
+    static inline void token_inputs_##SUFFIX(                                                   \
+        const T *x, int64_t x_stride, int64_t start, int64_t t, const T *window, int64_t width, \
+        int64_t channels, const T *weight, const T *bias, int64_t q_channel, int64_t k_channel, \
+        int64_t v_channel, int64_t key_dim, int64_t value_dim, T scale, T eps, T *q, T *k, T *v) { \
+        conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias,   \
+                               q_channel, key_dim, q);                                          \
+        conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias,   \
+                               k_channel, key_dim, k);                                          \
+        conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias,   \
+                               v_channel, value_dim, v);                                        \
+        l2_normalize_##SUFFIX(q, key_dim, eps, scale);                                          \
+        l2_normalize_##SUFFIX(k, key_dim, eps, (T)1);                                           \
+    }                                                                                           \
+                                                                                                \
+    /* Request b's tokens through value head h, its state S in place. Two sets of per-token \
+     * vectors: the current token's and the next one's, whose key its pass reads. */         \
     static void head_tokens_##SUFFIX(                                                           \
         const T *x, int64_t x_stride, const T *weight, const T *bias, const T *g,              \
         const T *beta, const T *window, T *state, T *out, int64_t start, int64_t length,       \
@@ -118,19 +166,31 @@
         const int64_t q_channel = key_head * key_dim;                                           \
         const int64_t k_channel = num_key_heads * key_dim + key_head * key_dim;                 \
         const int64_t v_channel = 2 * num_key_heads * key_dim + h * value_dim;                  \
-        T q[MAX_HEAD_DIM], k[MAX_HEAD_DIM], v[MAX_HEAD_DIM];                                    \
+        T q[2][MAX_HEAD_DIM], k[2][MAX_HEAD_DIM], v[2][MAX_HEAD_DIM], predicted[2][MAX_HEAD_DIM]; \
+        if (length == 0) return;                                                                \
+        token_inputs_##SUFFIX(x, x_stride, start, 0, window, width, channels, weight, bias,    \
+                              q_channel, k_channel, v_channel, key_dim, value_dim, scale, eps,  \
+                              q[0], k[0], v[0]);                                                \
+        if (key_dim == 64 && value_dim == 64)                                                   \
+            predict_##SUFFIX(state, k[0], predicted[0], 64, 64);                                \
+        else                                                                                    \
+            predict_##SUFFIX(state, k[0], predicted[0], key_dim, value_dim);                    \
         for (int64_t t = 0; t < length; t++) {                                                  \
+            const int now = t & 1, next = now ^ 1;                                              \
             const int64_t token = start + t;                                                    \
-            conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias, \
-                                   q_channel, key_dim, q);                                      \
-            conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias, \
-                                   k_channel, key_dim, k);                                      \
-            conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias, \
-                                   v_channel, value_dim, v);                                    \
-            l2_normalize_##SUFFIX(q, key_dim, eps, scale);                                      \
-            l2_normalize_##SUFFIX(k, key_dim, eps, (T)1);                                       \
-            delta_step_any_##SUFFIX(state, q, k, v, EXP(g[token * num_heads + h]),              \
-                                    beta[token * num_heads + h],                                \
+            if (t + PREFETCH_TOKENS < length) {                                                 \
+                const T *row = x + (token + PREFETCH_TOKENS) * x_stride;                        \
+                prefetch_##SUFFIX(row + q_channel, key_dim);                                    \
+                prefetch_##SUFFIX(row + k_channel, key_dim);                                    \
+                prefetch_##SUFFIX(row + v_channel, value_dim);                                  \
+            }                                                                                   \
+            if (t + 1 < length)                                                                 \
+                token_inputs_##SUFFIX(x, x_stride, start, t + 1, window, width, channels, weight, \
+                                      bias, q_channel, k_channel, v_channel, key_dim, value_dim, \
+                                      scale, eps, q[next], k[next], v[next]);                   \
+            delta_pass_any_##SUFFIX(state, q[now], k[now], v[now], t + 1 < length ? k[next] : NULL, \
+                                    EXP(g[token * num_heads + h]), beta[token * num_heads + h], \
+                                    predicted[now], predicted[next],                            \
                                     out + (token * num_heads + h) * value_dim, key_dim, value_dim); \
         }                                                                                       \
     }                                                                                           \

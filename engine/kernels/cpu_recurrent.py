@@ -75,9 +75,10 @@ def gated_delta_net_core(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, con
     assert cu_seqlens.shape == (num_requests + 1,) and has_initial_state.shape == (num_requests,)
     cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
     flags = has_initial_state.to(torch.uint8).contiguous()
+    taps = conv_weight.t().contiguous()  # [W, C]: each tap's weights in a row, as the kernel reads them
     out = torch.empty((num_tokens, num_heads, value_dim), dtype=dtype)
     getattr(_LIBRARY.load(), _FUNCTIONS[dtype])(
-        mixed_qkv.data_ptr(), mixed_qkv.stride(0), conv_weight.data_ptr(),
+        mixed_qkv.data_ptr(), mixed_qkv.stride(0), taps.data_ptr(),
         None if conv_bias is None else conv_bias.data_ptr(), width, g.data_ptr(), beta.data_ptr(),
         cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), state.data_ptr(),
         out.data_ptr(), num_heads, num_key_heads, key_dim, value_dim, key_dim ** -0.5, L2_NORM_EPS,
