@@ -4,12 +4,13 @@ one call against the module run on each prompt alone, and a decode step of many
 requests in one call against the module's batched single-token step.
 
     python bench/bench_recurrent_kinds.py [--prompts 4] [--prompt-len 256] [--decode-batch 32]
-                                          [--delta-chunks 8,16,32,64]
+                                          [--delta-chunks 8,16,32,64] [--core-only]
 
 Prints milliseconds per call and tokens per second for each side and their ratio,
 then the chunked gated delta rule (engine/recurrent/delta_rule.py) at each of
 ``--delta-chunks`` chunk sizes on a packed prefill of prompts of 32-512 tokens
-(qwen3_5's 8 value heads of 64; the thread's CPU time, best of 5).
+(qwen3_5's 8 value heads of 64; the thread's CPU time, best of 5), and the gated
+delta-net's whole recurrent core through the CPU kernel against its torch path.
 Not a test: the numbers depend on the machine (and, on a shared one, on its load).
 """
 
@@ -24,6 +25,7 @@ import transformers
 from transformers import DynamicCache
 
 from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen, l2_normalize
+from shardline.engine.recurrent.gated_delta_net import GATED_DELTA_NET
 from shardline.engine.recurrent.kda import KIMI_DELTA
 from shardline.engine.recurrent.linear_attention import LIGHTNING
 from shardline.engine.recurrent.mamba import MAMBA
@@ -121,19 +123,71 @@ def bench_delta_chunks(chunk_sizes: list[int], num_prompts: int = 8, heads: int 
               f"({tokens / best:8.0f} tok/s)")
 
 
+def bench_gated_delta_core(num_prompts: int = 32, decode_batch: int = 32) -> None:
+    """The gated delta-net's recurrent core (convolution, l2 norms, delta rule) at the
+    hybrid benchmark's heads: the CPU kernel (kernels/cpu_recurrent.py) against the
+    torch path, on a packed prefill of prompts of 32-512 tokens and a decode step; one
+    thread, timed by its CPU time, best of 5 interleaved runs."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from shardline.engine.kernels.cpu_recurrent import gated_delta_net_core, recurrent_kernel_available
+    from shardline.engine.recurrent.gated_delta_net import _torch_core
+
+    if not recurrent_kernel_available(torch.float32, 64, 64):
+        print("gated delta-net core: the recurrent kernel cannot be built here")
+        return
+    config = transformers.Qwen3_5TextConfig(hidden_size=HIDDEN, linear_num_key_heads=4, linear_num_value_heads=8,
+                                            linear_key_head_dim=64, linear_value_head_dim=64, num_hidden_layers=1,
+                                            linear_conv_kernel_dim=4, layer_types=["linear_attention"])
+    module = Qwen3_5GatedDeltaNet(config, 0).eval()
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for name, lengths, continuing in (("prefill", [rng.randint(32, 512) for _ in range(num_prompts)], False),
+                                      ("decode", [1] * decode_batch, True)):
+        tokens, heads = sum(lengths), module.num_v_heads
+        mixed = torch.randn(tokens, module.conv_dim, generator=gen)
+        g, beta = -torch.rand(tokens, heads, generator=gen), torch.rand(tokens, heads, generator=gen)
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        flags = torch.full((len(lengths),), continuing)
+        states = {n: torch.zeros((len(lengths), *shape), dtype=dtype)
+                  for n, (shape, dtype) in GATED_DELTA_NET.state_shapes(module, config).items()}
+        runs = {"kernel": lambda: gated_delta_net_core(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, g,
+                                                       beta, cu, flags, states["conv"], states["recurrent"],
+                                                       module.num_k_heads),
+                "torch": lambda: _torch_core(module, mixed, g, beta, cu, flags, states)}
+        best = dict.fromkeys(runs, float("inf"))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(5):
+                for side, run in runs.items():
+                    start = time.thread_time()
+                    run()
+                    best[side] = min(best[side], time.thread_time() - start)
+        finally:
+            torch.set_num_threads(threads)
+        print(f"gated delta-net core, {name} of {tokens} tokens: kernel {best['kernel'] * 1e3:7.2f} ms, "
+              f"torch {best['torch'] * 1e3:7.2f} ms ({best['torch'] / best['kernel']:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--delta-chunks", default="8,16,32,64", help="chunk sizes of the delta-rule sweep")
+    parser.add_argument("--core-only", action="store_true", help="only the gated delta-net core's kernel and torch path")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, hidden {HIDDEN}")
+    if args.core_only:
+        with torch.inference_mode():
+            bench_gated_delta_core()
+        return
     for layer in _layers():
         bench_layer(*layer, args.prompts, args.prompt_len, args.decode_batch)
     with torch.inference_mode():
         bench_delta_chunks([int(size) for size in args.delta_chunks.split(",")])
+        bench_gated_delta_core()
 
 
 if __name__ == "__main__":
