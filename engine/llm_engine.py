@@ -403,12 +403,22 @@ class LLMEngine:
         rows = []
         deferrable = True
         sample_rows = model_output.sample_rows
+        known_rows = self._rows
         for item in scheduler_output.scheduled:
+            sequence_id = item.request.request_id
+            logits_row = sample_rows.get(sequence_id)
+            row = known_rows.get(sequence_id)
+            if row is not None and row.steady:
+                # Sampled before (so scheduled before), nothing to recompute, forked.
+                if logits_row is not None:
+                    row.logits_row = logits_row
+                    rows.append(row)
+                    deferrable = deferrable and row.pipelinable
+                continue
             sequence = item.request
-            state, _ = self._sequence_owner[sequence.request_id]
+            state, _ = self._sequence_owner[sequence_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = time.monotonic()
-            logits_row = sample_rows.get(sequence.request_id)
             if logits_row is None:
                 continue
             rows.append(self._sample_row(sequence, state, logits_row))
@@ -423,11 +433,13 @@ class LLMEngine:
         """The sequence's sample row, made once and kept while it runs; only what
         changes from token to token (min_tokens, bad words) is recomputed."""
         row = self._rows.get(sequence.request_id)
+        params = state.params
         if row is None:
-            row = SampleRow(sequence, state.params, self._generators.get(sequence.request_id))
+            row = SampleRow(sequence, params, self._generators.get(sequence.request_id),
+                            steady=not params.min_tokens and not state.bad_words_ids,
+                            pipelinable=state.pipelinable)
             self._rows[sequence.request_id] = row
         row.logits_row = logits_row
-        params = state.params
         if params.min_tokens:
             num_output = sequence.num_output_tokens
             row.blocked_token_ids = tuple(params.all_stop_token_ids) if num_output < params.min_tokens else ()

@@ -18,7 +18,7 @@ its kernels, not the model runner.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -77,6 +77,8 @@ class TorchBackend:
     chunk_sizes: tuple[int | None, ...] = ()
     name: str = "torch"
     replays_decode_graphs: bool = False
+    # Cache layout -> whether the native (decode, prefill) kernels take it.
+    _kernel_layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def attends_sampled_rows(self) -> bool:
@@ -86,30 +88,49 @@ class TorchBackend:
         return AttentionContext(**vars(step), backend=self, work=self._plans(step))
 
     def _plans(self, step: StepBatch) -> TorchPlans:
-        from ..kernels.cpu_attention import decode_kernel_available
-        from ..kernels.cpu_prefill_attention import prefill_kernel_available
-
-        # A step's plan serves every layer: a native kernel is taken only where it takes
-        # every attention layer's cache (layers may differ in heads and head sizes: gemma4).
         caches = attention_caches(step.kv_caches)
+        native_decode, native_prefill = self._kernels_take(caches)
+        block_tables = step.block_tables.contiguous()
+        if native_decode and step.max_query_len == 1:
+            # Every request decodes one token: the decode kernel takes them all, and
+            # there is nothing to group (the common step, planned without a device read).
+            requests = torch.arange(step.num_requests, device=step.seq_lens.device)
+            return TorchPlans(DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
+                                          block_tables), None, [], [])
         query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
         decode = prefill = None
-        if self.native_decode and all(decode_kernel_available(k, self.num_heads, v.shape[3]) for k, v in caches):
+        if native_decode:
             requests = (query_lens == 1).nonzero().flatten()
             if requests.numel():
-                decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
-                                     step.block_tables.contiguous())
-        native_prefill = self.native_prefill and all(prefill_kernel_available(k, self.num_heads, v.shape[3])
-                                                     for k, v in caches)
+                decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens, block_tables)
         if native_prefill and bool((query_lens > 1).any()):
             prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
-                                   step.seq_lens, step.block_tables.contiguous())
+                                   step.seq_lens, block_tables)
         groups = attention_groups(query_lens, step.seq_lens, group_decoding=decode is None,
                                   group_chunks=not native_prefill)
         fresh = [] if native_prefill else fresh_prompts(step.query_start_loc, step.seq_lens)
         block_size = caches[0][0].shape[1]
         return TorchPlans(decode, prefill, [TorchAttentionPlan.build(step, group, block_size) for group in groups],
                           fresh)
+
+    def _kernels_take(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bool, bool]:
+        """Whether the native decode and prefill kernels this backend may use take every
+        attention layer's cache: a step's plan serves every layer, and layers may differ
+        in heads and head sizes (gemma4). Decided once per cache layout."""
+        if not (self.native_decode or self.native_prefill):
+            return False, False
+        layout = tuple((k.shape, k.dtype, k.device.type, v.shape[3]) for k, v in caches)
+        taken = self._kernel_layouts.get(layout)
+        if taken is None:
+            from ..kernels.cpu_attention import decode_kernel_available
+            from ..kernels.cpu_prefill_attention import prefill_kernel_available
+
+            taken = (self.native_decode and all(decode_kernel_available(k, self.num_heads, v.shape[3])
+                                                for k, v in caches),
+                     self.native_prefill and all(prefill_kernel_available(k, self.num_heads, v.shape[3])
+                                                 for k, v in caches))
+            self._kernel_layouts[layout] = taken
+        return taken
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:

@@ -66,29 +66,24 @@ class SchedulerConfig:
             self.max_model_len, self.num_blocks, self.block_size)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: it computes tokens [start, start + num_new_tokens).
 
     ``start`` is where computation begins (after any prefix-cache hit) and
     ``block_ids`` the request's whole block table after this step's allocation: the
     KV cache's own list (KVCacheManager.live_block_ids), read during this step and
-    never modified.
+    never modified. ``num_tokens`` is request.num_tokens (pending tokens included)
+    when scheduled, so is_last_chunk holds after the engine appends the sampled token.
     """
 
     request: Request
     start: int
     num_new_tokens: int
     block_ids: list[int]
+    num_tokens: int
     # The request's recurrent-state slot; -1 when the model keeps no recurrent state.
     state_slot: int = -1
-    # request.num_tokens (pending tokens included) when scheduled, so is_last_chunk
-    # holds after the engine appends the sampled token; -1: read it from the request.
-    num_tokens: int = -1
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            self.num_tokens = self.request.num_tokens + self.request.num_pending_tokens
 
     @property
     def is_last_chunk(self) -> bool:
@@ -111,20 +106,19 @@ class SchedulerOutput:
 
 @dataclass
 class _Step:
-    """Decisions of the schedule() call in progress; undone for a preempted victim."""
+    """Decisions of the schedule() call in progress; undone for a preempted victim.
+    A scheduled request's num_computed_tokens is advanced when it is added (and put
+    back if it is unscheduled), so the step's requests are walked once."""
 
     token_budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
-    def add(self, scheduled: ScheduledRequest) -> None:
-        self.scheduled[scheduled.request.request_id] = scheduled
-        self.token_budget -= scheduled.num_new_tokens
-
     def unschedule(self, request: Request) -> None:
         scheduled = self.scheduled.pop(request.request_id, None)
         if scheduled is not None:
             self.token_budget += scheduled.num_new_tokens
+            request.num_computed_tokens -= scheduled.num_new_tokens
 
 
 class Scheduler:
@@ -155,17 +149,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; advances num_computed_tokens."""
-        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        step = _Step(token_budget=budget)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
-        scheduled = list(step.scheduled.values())
-        for item in scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled=list(step.scheduled.values()),
             preempted=step.preempted,
-            num_scheduled_tokens=sum(item.num_new_tokens for item in scheduled),
+            num_scheduled_tokens=budget - step.token_budget,
         )
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -233,16 +225,19 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its missing tokens; out of blocks, preempt the
         lowest-priority latest-arrived running request (maybe the one at hand)."""
-        for request in list(self.running):
-            if request.status != RequestStatus.RUNNING:
+        running = RequestStatus.RUNNING
+        allocate_slots = self.kv_cache.allocate_slots
+        for request in list(self.running):  # a copy: preemption removes requests
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            num_tokens = request.num_tokens + request.num_pending_tokens
-            if request.num_pending_tokens and self._reached_length(request, num_tokens):
+            num_pending = request.num_pending_tokens
+            num_tokens = request.num_tokens + num_pending
+            if num_pending and self._reached_length(request, num_tokens):
                 continue  # its pending token is its last: nothing more to compute
             num_new_tokens = min(num_tokens - request.num_computed_tokens, step.token_budget)
             if num_new_tokens <= 0:
                 continue
-            while not self.kv_cache.allocate_slots(request, num_new_tokens):
+            while not allocate_slots(request, num_new_tokens):
                 victim = max(self.running, key=self._order_key)
                 self._preempt(victim, step)
                 if victim is request:
@@ -293,7 +288,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
-        self._add_to_step(step, request, num_hit_tokens, num_new_tokens)
+        self._add_to_step(step, request, num_hit_tokens, num_new_tokens, request.num_tokens)
         return True
 
     def _priority_victim(self, request: Request) -> Request | None:
@@ -324,11 +319,16 @@ class Scheduler:
             request.max_tokens is not None and num_output >= request.max_tokens)
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int,
-                     num_tokens: int = -1) -> None:
-        block_ids = self.kv_cache.live_block_ids(request.request_id)
-        slot = self.state_slots.slot_of(request.request_id) if self.state_slots is not None else -1
-        step.add(ScheduledRequest(request, start, num_new_tokens, block_ids, -1 if slot is None else slot,
-                                  num_tokens))
+                     num_tokens: int) -> None:
+        request_id = request.request_id
+        slot = -1
+        if self.state_slots is not None:
+            slot = self.state_slots.slot_of(request_id)
+            slot = -1 if slot is None else slot
+        step.scheduled[request_id] = ScheduledRequest(
+            request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot)
+        step.token_budget -= num_new_tokens
+        request.num_computed_tokens = start + num_new_tokens
 
     def _free_state_slot(self, request: Request) -> None:
         if self.state_slots is not None:

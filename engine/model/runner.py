@@ -24,7 +24,7 @@ import numpy as np
 
 from ..attention.backends import AttentionBackend, StepBatch
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputRows
+from .input_batch import InputRows, PackedBatch
 from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
@@ -118,9 +118,9 @@ class ModelRunner:
         they hold (async scheduling)."""
         scheduled = scheduler_output.scheduled
         packed = self.input_rows.pack(scheduled, pending.rows if pending is not None else None)
-        plan = LogitsPlan.of(scheduled, packed.query_start_loc)
+        plan = LogitsPlan.of(scheduled, packed)
         dev = self.device
-        sampled = self._sampled_rows(scheduler_output, plan, len(packed.token_ids))
+        sampled = self._sampled_rows(packed, plan)
         ctx = self.attention.build_context(StepBatch(
             slot_mapping=to_device(packed.slot_mapping, dev),
             query_start_loc=to_device(packed.query_start_loc, dev),
@@ -156,16 +156,15 @@ class ModelRunner:
                 [min(max(item.request.num_prompt_tokens - item.start, 0), item.num_new_tokens) for item in scheduled],
                 dtype=torch.int64, device=self.device))
 
-    def _sampled_rows(self, scheduler_output: SchedulerOutput, plan: "LogitsPlan", num_tokens: int) -> dict:
+    def _sampled_rows(self, packed: PackedBatch, plan: "LogitsPlan") -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that
         attends sampled rows alone skip the rest in the last layer (engine/cpu/layers.py);
         decode steps sample every row. The StepBatch fields, or none."""
         if (not self.attention.attends_sampled_rows or plan.prompt_rows or self.lora_manager is not None
-                or len(plan.keep) >= num_tokens):
+                or len(plan.keep) >= len(packed.token_ids)):
             return {}
-        scheduled = scheduler_output.scheduled
-        sampled = [index for index, item in enumerate(scheduled) if item.is_last_chunk]
-        query_rows = [0] * len(scheduled)
+        sampled = packed.last_chunks
+        query_rows = [0] * len(packed.request_ids)
         for row, index in enumerate(sampled):
             query_rows[index] = row
         dev = self.device
@@ -245,18 +244,25 @@ class LogitsPlan:
     prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, scheduled: list[ScheduledRequest], query_start_loc: np.ndarray) -> "LogitsPlan":
-        """The plan of a step; ``query_start_loc`` [B+1]: where each request's tokens start."""
+    def of(cls, scheduled: list[ScheduledRequest], packed: PackedBatch) -> "LogitsPlan":
+        """The plan of a step laid out as ``packed``."""
         plan = cls()
-        keep, sample_rows = plan.keep, plan.sample_rows
-        starts = query_start_loc.tolist()
+        ends = packed.query_start_loc[1:]
+        if not packed.any_prompt_logprobs:
+            # Each request reaching its last token keeps its last position; the rows in
+            # step order.
+            last_chunks = packed.last_chunks
+            if len(last_chunks) == len(scheduled):
+                plan.keep = (ends - 1).tolist()
+                plan.sample_rows = dict(zip(packed.request_ids, range(len(scheduled))))
+            elif last_chunks:
+                plan.keep = (ends[last_chunks] - 1).tolist()
+                ids = packed.request_ids
+                plan.sample_rows = {ids[index]: row for row, index in enumerate(last_chunks)}
+            return plan
+        starts = packed.query_start_loc.tolist()
         for index, item in enumerate(scheduled):
-            request = item.request
-            if getattr(request.params, "prompt_logprobs", None) is not None:
-                plan.add(item, starts[index])
-            elif item.start + item.num_new_tokens == item.num_tokens:  # is_last_chunk, inlined
-                sample_rows[request.request_id] = len(keep)
-                keep.append(starts[index + 1] - 1)
+            plan.add(item, starts[index])
         return plan
 
     def add(self, item: ScheduledRequest, offset: int) -> None:

@@ -34,12 +34,19 @@ class SampleRow:
     banned_token_ids: tuple[int, ...] = ()
     # Row of the step's logits this sequence samples from.
     logits_row: int = 0
+    # Set by the row's owner: nothing but logits_row changes from step to step (no
+    # min_tokens or bad words to recompute), and the sequence may leave its sampled
+    # token pending (async scheduling).
+    steady: bool = False
+    pipelinable: bool = False
 
     def __post_init__(self) -> None:
-        # Decided once per sequence, not per step: whether it draws at random, and
-        # whether logit processors other than min_tokens and bad words apply to it.
+        # Decided once per sequence, not per step: whether it draws at random, wants
+        # logprobs, and whether logit processors other than min_tokens and bad words
+        # apply to it.
         params = self.params
         self.is_random = params.sampling_type != SamplingType.GREEDY
+        self.wants_logprobs = params.logprobs is not None
         self.has_processors = (params.allowed_token_ids is not None or bool(params.logit_bias)
                                or _has_penalties(params))
 
@@ -87,7 +94,7 @@ class Sampler:
         logits = logits.to(work_dtype)
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        want_logprobs = any(r.wants_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
         token_ids = self._choose_tokens(logits, rows)
