@@ -316,7 +316,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         norms = fuse_rms_norms(model)
         layers = fuse_decoder_layers(model, rows_hint)
     # Hybrid models' own norms and last MLP (engine/recurrent/cpu_layers.py; none for other models).
-    hybrid = optimize_hybrid_layers(model, paths.fused_kernels)
+    hybrid = optimize_hybrid_layers(model, paths.fused_kernels, rows_hint)
     if paths.recurrent_kernel:  # gated delta-net layers' core through the C kernel
         hybrid += take_native_core(model)
     rewrites = CpuRewrites(packed, mlps, norms, layers, hybrid)

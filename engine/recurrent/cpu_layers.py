@@ -10,8 +10,14 @@ its gated delta-net layers end with a gated norm (``weight * x / rms(x) * silu(z
 - each zero-centred RMSNorm by a FusedRMSNorm over ``1 + weight``, and each gated norm
   by one that normalises through the same kernel, where either reproduces the
   module's output on a probe input;
-- the last decoder layer's MLP by one that runs at the rows the step samples alone
-  when the runner marks them (``AttentionContext.sampled_rows``, prefill steps): the
+- each gated delta-net layer's input projections (Qwen3.5's in_proj_qkv, in_proj_z,
+  in_proj_b and in_proj_a; Qwen3-Next's in_proj_qkvz and in_proj_ba) by one matmul
+  over their weights packed side by side, the rows ordered as the layer reads them
+  (q|k|v as the convolution takes them, then z, b and a), so a step reads the hidden
+  states once and makes one call where it made four (two of them 8 columns wide);
+- the decoder layers by FusedHybridDecoderLayers (engine/recurrent/cpu_decoder.py);
+- where the last decoder layer is not one, its MLP by one that runs at the rows the
+  step samples alone when the runner marks them (``AttentionContext.sampled_rows``, prefill steps): the
   final norm and the LM head read nothing else of that layer's output, and an MLP is
   a function of each row alone. Its other rows are left at the layer's residual
   (the load check compares the sampled rows only there, as for FusedDecoderLayer).
@@ -28,8 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm
-from ..cpu.linear import FusedGatedMLP, replace_module, reproduces
+from ..cpu.linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module, \
+    reproduces
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
+from .cpu_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
 from .state import RecurrentLayer, StepHolder
 
 logger = logging.getLogger(__name__)
@@ -75,7 +83,8 @@ class FusedGatedRMSNorm(nn.Module):
             return self.norm(x, gate)
         rows = x.reshape(-1, x.shape[-1])
         normed = rms_norm(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, self.eps)
-        return F.silu(gate.reshape(normed.shape)).mul_(normed).view(x.shape)
+        # gate: any layout of x's numel (a strided view of a packed projection's output)
+        return F.silu(gate).reshape(normed.shape).mul_(normed).view(x.shape)
 
 
 class SampledRowsMLP(nn.Module):
@@ -99,6 +108,85 @@ class SampledRowsMLP(nn.Module):
         if rows.numel():
             out.index_copy_(0, rows, self.mlp(flat.index_select(0, rows)))
         return out.view(x.shape)
+
+
+class GatedDeltaNetProjections(nn.Linear):
+    """A gated delta-net layer's first input projection (in_proj_qkv, or Qwen3-Next's
+    in_proj_qkvz), whose ``project`` runs all of the layer's input projections as one
+    packed matmul: (q|k|v [T, conv_dim], z [T, Hv * Dv], b [T, Hv], a [T, Hv]), views of
+    its output. Called as a module it is the projection it replaces (torch's linear on
+    the same parameters: the layer's own forward, which the load check runs)."""
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor, packed_bias: torch.Tensor | None,
+                 sizes: list[int]) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same parameters
+        self.register_parameter("bias", linear.bias)
+        self.packed_weight, self.packed_bias, self.sizes = packed_weight, packed_bias, sizes
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x: [T, hidden]
+        return packed_matmul(x, self.packed_weight, self.packed_bias).split(self.sizes, dim=-1)
+
+
+def _projection_rows(module: nn.Module) -> tuple[tuple[str, ...], list[torch.Tensor], list[int]] | None:
+    """The layer's input projections by name, for each the order of its output rows in
+    the packed matmul, and the output sizes (q|k|v, z, b, a); None for a layer
+    without Qwen3.5's or Qwen3-Next's projections."""
+    conv_dim, value_dim, heads = 2 * module.key_dim + module.value_dim, module.value_dim, module.num_v_heads
+    sizes = [conv_dim, value_dim, heads, heads]
+    if all(hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        return names, [torch.arange(getattr(module, name).out_features) for name in names], sizes
+    if hasattr(module, "in_proj_qkvz") and hasattr(module, "in_proj_ba"):
+        # The layer's own reordering, applied to row numbers, says which row lands where.
+        qkvz_rows = torch.arange(module.in_proj_qkvz.out_features, dtype=torch.float64)[None, None]
+        ba_rows = torch.arange(module.in_proj_ba.out_features, dtype=torch.float64)[None, None]
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(qkvz_rows, ba_rows)
+        order = [torch.cat([x.reshape(-1) for x in group]).long() for group in ((query, key, value, z), (b, a))]
+        return ("in_proj_qkvz", "in_proj_ba"), order, sizes
+    return None
+
+
+def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
+    """Replace each gated delta-net layer's first input projection by a
+    GatedDeltaNetProjections over all of its packed input projections (see the module
+    docstring) where they are packed linears of one dtype; returns how many layers."""
+    from .gated_delta_net import GatedDeltaNetKind, _projections
+
+    num_packed = 0
+    for layer in [m for m in model.modules() if isinstance(m, RecurrentLayer)]:
+        module = layer.layer
+        if type(layer.kind) is not GatedDeltaNetKind:  # a variant projects its own way
+            continue
+        found = _projection_rows(module)
+        if found is None:
+            continue
+        names, orders, sizes = found
+        linears = tuple(getattr(module, name) for name in names)
+        if not packable_side_by_side(linears):
+            continue
+        packed_dtype = linears[0].packed_weight.dtype
+        weight = torch.cat([linear.weight.detach()[order] for linear, order in zip(linears, orders)])
+        bias = None if linears[0].bias is None else torch.cat(
+            [linear.bias.detach()[order] for linear, order in zip(linears, orders)]).to(packed_dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype), rows_hint)
+        joint = GatedDeltaNetProjections(linears[0], packed, bias, sizes)
+        probe = _probe(module.hidden_size, linears[0].weight.dtype)
+        with torch.no_grad():
+            expected = _projections(module, probe)
+            for name, linear in zip(names, linears):  # their own packed copies are no longer read
+                setattr(module, name, joint if name == names[0] else linear.unpacked())
+            same = all(_close(actual, wanted) for actual, wanted in zip(_projections(module, probe), expected))
+        if not same:
+            for name, linear in zip(names, linears):
+                setattr(module, name, linear)
+            logger.info("%s's packed input projections differ from its own; it keeps them apart",
+                        type(module).__name__)
+            continue
+        num_packed += 1
+    return num_packed
 
 
 def _is_zero_centred_norm(module: nn.Module) -> bool:
@@ -149,8 +237,8 @@ def sample_last_mlp(model: nn.Module) -> int:
     """Replace the last decoder layer's MLP by a SampledRowsMLP where it is a gated MLP
     (a function of each row alone); returns how many were replaced (0 or 1)."""
     decoder_layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
-    if not decoder_layers or isinstance(decoder_layers[-1], FusedDecoderLayer):  # that one has its own
-        return 0
+    if not decoder_layers or isinstance(decoder_layers[-1], (FusedDecoderLayer, FusedHybridDecoderLayer)):
+        return 0  # those run their sampled rows themselves
     last = decoder_layers[-1]
     mlp = getattr(last, "mlp", None)
     if not (isinstance(mlp, FusedGatedMLP) or all(isinstance(getattr(mlp, name, None), nn.Linear)
@@ -163,10 +251,14 @@ def sample_last_mlp(model: nn.Module) -> int:
     return 1
 
 
-def optimize_hybrid_layers(model: nn.Module, fused_kernels: bool) -> int:
+def optimize_hybrid_layers(model: nn.Module, fused_kernels: bool, rows_hint: int) -> int:
     """The hybrid rewrites of the module docstring for a model with recurrent layers
-    (none for any other); ``fused_kernels``: whether the engine took the fused kernels.
+    (none for any other); ``fused_kernels``: whether the engine took the fused kernels;
+    ``rows_hint``: the row count oneDNN tunes packed weights for (engine/cpu/linear.py).
     Returns how many modules were replaced."""
     if not any(isinstance(module, RecurrentLayer) for module in model.modules()):
         return 0
-    return (fuse_hybrid_norms(model) if fused_kernels else 0) + sample_last_mlp(model)
+    replaced = pack_gated_delta_net_projections(model, rows_hint)
+    if fused_kernels:
+        replaced += fuse_hybrid_norms(model) + fuse_hybrid_decoder_layers(model, rows_hint)
+    return replaced + sample_last_mlp(model)

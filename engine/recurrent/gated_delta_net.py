@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.cpu_recurrent import gated_delta_net_core, recurrent_kernel_available
 from .base import StateShapes, register_kind
+from .cpu_layers import FusedGatedRMSNorm, GatedDeltaNetProjections
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .delta_rule import chunk_gated_delta_rule_varlen, gated_delta_rule_step, l2_normalize
@@ -92,7 +93,9 @@ class GatedDeltaNetKind:
     def output(self, module: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated norm of the delta rule's output core [T, Hv, Dv] by z, then the output projection."""
         num_tokens = core.shape[0]
-        core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        # The fused norm takes z in any layout (no copy of a packed projection's view).
+        gate = z if isinstance(module.norm, FusedGatedRMSNorm) else z.reshape(-1, module.head_v_dim)
+        core = module.norm(core.reshape(-1, module.head_v_dim), gate)
         return module.out_proj(core.reshape(num_tokens, -1))
 
 
@@ -144,6 +147,10 @@ def _projections(module: torch.nn.Module, hidden_states: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) by the module's own projections."""
     num_tokens = hidden_states.shape[0]
+    first = getattr(module, "in_proj_qkvz", None) or getattr(module, "in_proj_qkv", None)
+    if isinstance(first, GatedDeltaNetProjections):  # all four as one packed matmul (CPU path)
+        mixed, z, b, a = first.project(hidden_states)
+        return mixed, z.view(num_tokens, -1, module.head_v_dim), b, a
     if hasattr(module, "in_proj_qkvz"):
         query, key, value, z, b, a = module.fix_query_key_value_ordering(
             module.in_proj_qkvz(hidden_states[None]), module.in_proj_ba(hidden_states[None]))

@@ -1,0 +1,315 @@
+"""A hybrid decoder layer's forward on the CPU path (Qwen3.5, Qwen3-Next and their MoE
+variants), with the fused kernels, as engine/cpu/layers.py's FusedDecoderLayer runs
+the Llama family's.
+
+Such a layer is pre-norm: a mixer (a gated delta-net layer, already a RecurrentLayer,
+or gated full attention), a residual add, the post-mixer norm, the MLP and another
+residual add. ``FusedHybridDecoderLayer`` calls the layer's own submodules but fuses
+the first residual add into the post-mixer norm (one kernel pass), and runs gated
+attention as:
+
+- one matmul over the query, gate, key and value weights packed side by side, the
+  query projection's rows reordered so that the queries of every head come first,
+  then the gates (transformers' q_proj interleaves them per head);
+- the per-head q and k norms through the fused kernel, the rotation in place (the
+  rotated part alone where the model rotates part of each head), the engine's
+  attention, then the output gate ``attended * sigmoid(gate)`` and o_proj.
+
+The decoder's last layer feeds only the final norm and the LM head, which read the
+step's sampled rows. On a step that samples fewer rows than it runs (prefill), an
+attention layer there writes every token's keys and values to the cache but runs
+queries, attention, the output gate, o_proj and the MLP at the sampled rows alone (a
+request's last token attends its whole context, as in decoding); a gated delta-net
+layer there runs its mixer at every row (its state needs them) and the MLP at the
+sampled rows. Other rows of the result are zeros, which nothing reads.
+
+A layer is replaced only if the replacement gives the layer's own output on a probe
+step; anything else (gradients, float64, no engine context) runs the layer's own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..attention.backends import StepBatch, TorchBackend
+from ..attention.context import AttentionContext
+from ..attention.torch_path import write_kv_cache
+from ..cpu.layers import FUSED_DTYPES, FusedRMSNorm
+from ..cpu.linear import packable_side_by_side, packed_matmul, reproduces
+from ..kernels.cpu_attention import decode_attention
+from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from .state import RecurrentLayer
+
+logger = logging.getLogger(__name__)
+
+# Decoder layers of this shape: input_layernorm, a gated delta-net ``linear_attn`` or a
+# gated ``self_attn`` (q_proj yields queries and gates), post_attention_layernorm, mlp.
+HYBRID_DECODER_LAYERS = ("Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer")
+
+
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for 2-D x, through the kernel when the norm was fused."""
+    if isinstance(module, FusedRMSNorm):
+        return rms_norm(x if x.stride(-1) == 1 else x.contiguous(), module.weight, module.eps)
+    return module(x)
+
+
+def _add_norm(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """residual += delta in place (both [T, hidden]); returns module(residual)."""
+    if isinstance(module, FusedRMSNorm) and residual.stride(1) == 1 and delta.stride(1) == 1:
+        return add_rms_norm_(residual, delta, module.weight, module.eps)
+    residual.add_(delta)
+    return module(residual)
+
+
+def _rotate_(query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate query [T, H, D] and key [T, Hkv, D] (contiguous; or no key) in place by
+    cos, sin [T, R]: the first R of each head's D values where R < D (partial rotary)."""
+    rotary_dim, head_dim = cos.shape[-1], query.shape[-1]
+    if rotary_dim == head_dim:
+        rotary_(query, key, cos, sin)
+        return
+    parts = [x[..., :rotary_dim].contiguous() for x in (query, key) if x is not None]
+    rotary_(parts[0], parts[1] if len(parts) > 1 else None, cos, sin)
+    for x, part in zip((query, key), parts):
+        x[..., :rotary_dim] = part
+
+
+def _pack_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed_dtype: torch.dtype,
+               rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed oneDNN weight (and bias) of these output rows."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(packed_dtype).contiguous(), rows_hint)
+    return packed, None if bias is None else bias.detach().to(packed_dtype).contiguous()
+
+
+class GatedAttentionWeights:
+    """The packed weights of a gated attention's projections: queries and gates (the
+    queries of every head first) and keys and values, as one matrix or two."""
+
+    def __init__(self, attention: nn.Module, num_heads: int, rows_hint: int, split: bool) -> None:
+        q_proj, k_proj, v_proj = attention.q_proj, attention.k_proj, attention.v_proj
+        head_dim, hidden = attention.head_dim, q_proj.in_features
+        packed_dtype = q_proj.packed_weight.dtype
+
+        def queries_then_gates(tensor: torch.Tensor) -> torch.Tensor:  # [H * 2D, ...] per head (q, gate)
+            per_head = tensor.detach().reshape(num_heads, 2, head_dim, -1)
+            return torch.cat([per_head[:, 0], per_head[:, 1]]).reshape(2 * num_heads * head_dim, -1)
+
+        qg_weight = queries_then_gates(q_proj.weight).view(-1, hidden)
+        qg_bias = None if q_proj.bias is None else queries_then_gates(q_proj.bias).view(-1)
+        kv_weight = torch.cat([k_proj.weight.detach(), v_proj.weight.detach()])
+        kv_bias = None if k_proj.bias is None else torch.cat([k_proj.bias.detach(), v_proj.bias.detach()])
+        self.sizes = [num_heads * head_dim, num_heads * head_dim, k_proj.out_features, v_proj.out_features]
+        self.all = self.query_gate = self.key_value = None
+        if split:  # the last layer projects keys and values at every row, queries at fewer
+            self.query_gate = _pack_rows(qg_weight, qg_bias, packed_dtype, rows_hint)
+            self.key_value = _pack_rows(kv_weight, kv_bias, packed_dtype, rows_hint)
+        else:
+            self.all = _pack_rows(torch.cat([qg_weight, kv_weight]),
+                                  None if qg_bias is None else torch.cat([qg_bias, kv_bias]), packed_dtype, rows_hint)
+
+
+class FusedHybridDecoderLayer(nn.Module):
+    """A hybrid decoder layer's forward with the fused kernels (see the module
+    docstring). ``layer`` is the original, whose submodules it calls, whose forward
+    runs whatever this one does not take, and whose other attributes it answers for."""
+
+    def __init__(self, layer: nn.Module, attend, is_last: bool, rows_hint: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attend = attend  # the engine's attention function, as registered with transformers
+        self.is_last = is_last
+        attention = getattr(layer, "self_attn", None)
+        self.num_heads = self.num_kv_heads = 0
+        self.weights = None
+        if attention is not None:
+            self.num_heads = attention.config.num_attention_heads
+            self.num_kv_heads = attention.config.num_key_value_heads
+            if packable_side_by_side((attention.q_proj, attention.k_proj, attention.v_proj)):
+                self.weights = GatedAttentionWeights(attention, self.num_heads, rows_hint, split=is_last)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None,
+                shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
+        # hidden_states: [1, T, hidden] -> [1, T, hidden]
+        attends = self.num_heads > 0
+        if (args or shardline_ctx is None or torch.is_grad_enabled() or (attends and position_embeddings is None)
+                or hidden_states.dtype != self.layer.post_attention_layernorm.weight.dtype):
+            return self.layer(hidden_states, *args, position_embeddings=position_embeddings,
+                              shardline_ctx=shardline_ctx, **kwargs)
+        layer = self.layer
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        rows = shardline_ctx.sampled_rows if self.is_last else None
+        if rows is not None and rows.numel() >= x.shape[0]:
+            rows = None
+        normed = _norm(layer.input_layernorm, x)
+        if attends:
+            mixed = self._attention(normed, position_embeddings, shardline_ctx, rows)
+        else:
+            mixed = layer.linear_attn(normed[None], shardline_ctx=shardline_ctx,
+                                      shardline_state=kwargs.get("shardline_state"))[0]
+            mixed = mixed if rows is None else mixed.index_select(0, rows)
+        if rows is not None and rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
+            return x.new_zeros(hidden_states.shape)
+        # The residual stream: x + the mixer's output, summed into the mixer's fresh output.
+        residual = mixed
+        normed = _add_norm(layer.post_attention_layernorm, residual, x if rows is None else x.index_select(0, rows))
+        mlp_out = layer.mlp(normed[None])  # [1, T, hidden], as the decoder calls it (MoE blocks read 3 dimensions)
+        mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out
+        out = residual.add_(mlp_out.view(residual.shape))
+        if rows is None:
+            return out.view(hidden_states.shape)
+        return x.new_zeros(x.shape).index_copy_(0, rows, out).view(hidden_states.shape)
+
+    def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                   ctx: AttentionContext, rows: torch.Tensor | None) -> torch.Tensor:
+        """Gated attention's output [T or R, hidden] of normed x [T, hidden], at ``rows``
+        alone where given (keys and values of every row still go to the cache)."""
+        attention = self.layer.self_attn
+        tokens, head_dim = x.shape[0], attention.head_dim
+        cos, sin = (table.reshape(tokens, -1).contiguous() for table in position_embeddings)
+        if rows is None:
+            query, gate, key, value = self._project(x)
+        else:
+            key, value = self._project_key_value(x)
+        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+        value = value.view(tokens, -1, head_dim)
+        if rows is None:
+            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            _rotate_(query, key, cos, sin)
+            attended, _ = self.attend(
+                attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+                None, dropout=0.0, scaling=attention.scaling, sliding_window=None, shardline_ctx=ctx)
+        else:
+            _rotate_(key, None, cos, sin)
+            k_cache, v_cache = ctx.kv_caches[attention.layer_idx]
+            write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
+            if rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
+                return x.new_zeros((0, x.shape[1]))
+            query, gate = self._project_query_gate(x.index_select(0, rows))
+            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+            _rotate_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
+            attended = torch.empty_like(query)
+            decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
+                             ctx.sampled_requests, attended, attention.scaling, None, None)
+        rows_out = query.shape[0]
+        gated = torch.sigmoid(gate).reshape(rows_out, -1).mul_(attended.reshape(rows_out, -1))
+        return attention.o_proj(gated)
+
+    # Projections: queries [T, H, D] and gates [T, H * D] or [T, H, D] (views of a matmul's
+    # output, D contiguous), keys and values [T, Hkv * D].
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights = self.weights
+        if weights is not None and weights.all is not None:
+            return packed_matmul(x, *weights.all).split(weights.sizes, dim=-1)
+        return (*self._project_query_gate(x), *self._project_key_value(x))
+
+    def _project_query_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weights is not None:
+            return packed_matmul(x, *self.weights.query_gate).split(self.weights.sizes[:2], dim=-1)
+        attention = self.layer.self_attn
+        per_head = attention.q_proj(x).view(x.shape[0], self.num_heads, 2, attention.head_dim)
+        return per_head[:, :, 0], per_head[:, :, 1]
+
+    def _project_key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weights is not None:
+            return packed_matmul(x, *self.weights.key_value).split(self.weights.sizes[2:], dim=-1)
+        attention = self.layer.self_attn
+        return attention.k_proj(x), attention.v_proj(x)
+
+
+def _fits(layer: nn.Module) -> bool:
+    """Whether the layer has the shape FusedHybridDecoderLayer runs."""
+    if type(layer).__name__ not in HYBRID_DECODER_LAYERS:
+        return False
+    if not all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        return False
+    attention, mixer = getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)
+    if mixer is not None:
+        return attention is None and isinstance(mixer, RecurrentLayer)
+    if attention is None or getattr(attention, "sliding_window", None) or getattr(attention.config, "sliding_window", None):
+        return False
+    config = attention.config
+    return (all(hasattr(attention, name) for name in ("q_norm", "k_norm", "o_proj", "head_dim", "scaling", "layer_idx"))
+            and getattr(attention.q_proj, "out_features", None) == 2 * config.num_attention_heads * attention.head_dim
+            and getattr(attention.k_proj, "out_features", None) == config.num_key_value_heads * attention.head_dim)
+
+
+def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtype: torch.dtype,
+                 layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The layer's output for one fresh 6-token request, on a throwaway paged cache
+    (a recurrent mixer runs from zero state, keeping nothing)."""
+    tokens = 6
+    cache_shape = (1, 16, max(num_kv_heads, 1), head_dim)
+    cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    ctx = TorchBackend(max(num_heads, 1)).build_context(StepBatch(
+        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
+        seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
+        kv_caches=[cache] * (layer_idx + 1), max_query_len=tokens, max_seq_len=tokens))
+    hidden = torch.randn(1, tokens, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    positions = torch.arange(3, 3 + tokens)[None]
+    return layer(hidden, attention_mask=None, position_ids=positions,
+                 position_embeddings=rotary_emb(hidden, positions), shardline_ctx=ctx)
+
+
+def fuse_hybrid_decoder_layers(model: nn.Module, rows_hint: int) -> int:
+    """Replace every hybrid decoder layer (HYBRID_DECODER_LAYERS) by a
+    FusedHybridDecoderLayer where that gives the layer's own output on a probe step;
+    returns how many were replaced. ``rows_hint``: the row count oneDNN tunes the
+    packed attention weights for (engine/cpu/linear.py)."""
+    num_fused = 0
+    for decoder in model.modules():
+        layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
+        if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
+            continue
+        for position, layer in enumerate(layers):
+            fused = _fused_layer(layer, position, rotary_emb, position == len(layers) - 1, rows_hint)
+            if fused is not None:
+                layers[position] = fused
+                num_fused += 1
+    return num_fused
+
+
+def _fused_layer(layer: nn.Module, position: int, rotary_emb: nn.Module, is_last: bool,
+                 rows_hint: int) -> FusedHybridDecoderLayer | None:
+    """The layer's replacement, or None where it does not fit or would differ."""
+    if not _fits(layer):
+        return None
+    weight = layer.post_attention_layernorm.weight
+    if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(weight.dtype):
+        return None
+    attention = getattr(layer, "self_attn", None)
+    attend = None
+    if attention is not None:
+        attend = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)
+        if attend is None:
+            return None
+        shape = (attention.layer_idx, attention.config.num_attention_heads, attention.config.num_key_value_heads,
+                 attention.head_dim)
+    else:
+        shape = (position, 0, 0, 1)
+    try:
+        with torch.no_grad():
+            expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype, *shape)
+            fused = FusedHybridDecoderLayer(layer, attend, is_last, rows_hint)
+            same = reproduces(_probe_layer(fused, rotary_emb, weight.shape[0], weight.dtype, *shape), expected,
+                              bfloat16_tolerance=2e-2)
+    except Exception:  # a layer the fused forward does not fit
+        logger.debug("probing the fused forward of %s failed", type(layer).__name__, exc_info=True)
+        same = False
+    if not same:
+        logger.info("%s does not match the fused hybrid forward; it keeps its own", type(layer).__name__)
+        return None
+    if fused.weights is not None:  # their own packed copies are no longer read
+        attention.q_proj, attention.k_proj, attention.v_proj = (
+            projection.unpacked() for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+    return fused
