@@ -354,20 +354,24 @@ class LLMEngine:
         if launched.rows:
             token_ids = launched.sampled.host_token_ids()
             forbidden = forbidden_picks(launched.bitmask, launched.restricted, token_ids)
+            owner, deferred = self._sequence_owner, launched.deferred
+            append_plain, append_token = self.output_processor.append_plain, self.output_processor.append_token
             for i, (row, token_id, logprobs) in enumerate(zip(launched.rows, token_ids, launched.sampled.logprobs)):
                 sequence = row.request
-                if launched.deferred:
+                if deferred:
                     sequence.num_pending_tokens -= 1
-                if sequence.is_finished:
+                if sequence.status.is_finished:
                     continue  # stopped or aborted before this token: it is discarded
-                state, index = self._sequence_owner[sequence.request_id]
+                state, index = owner[sequence.request_id]
                 try:
                     if i in forbidden:
                         raise StructuredOutputError(
                             f"request {state.request_id!r}: no token satisfies both its structured output (or "
                             "reasoning budget) and its other sampling constraints (allowed_token_ids, bad_words, "
                             "logit_bias, min_tokens)")
-                    status = self.output_processor.append_token(state, state.samples[index], token_id, logprobs)
+                    sample = state.samples[index]
+                    status = (append_plain(state, sample, token_id) if sample.plain
+                              else append_token(state, sample, token_id, logprobs))
                 except StructuredOutputError as exc:
                     failures.setdefault(state.request_id, exc)
                     continue

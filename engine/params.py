@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _SAMPLING_EPS = 1e-5
+# Field values SamplingParams.clone shares instead of copying.
+_IMMUTABLE_TYPES = frozenset({type(None), bool, int, float, str})
 
 
 class SamplingType(enum.Enum):
@@ -190,7 +192,15 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     def clone(self) -> "SamplingParams":
-        return copy.deepcopy(self)
+        """A copy that shares nothing mutable with this one (made for every request:
+        fields of immutable values are shared, the rest deep-copied)."""
+        clone = object.__new__(type(self))
+        fields = clone.__dict__
+        fields.update(self.__dict__)
+        for name, value in fields.items():
+            if type(value) not in _IMMUTABLE_TYPES:
+                fields[name] = copy.deepcopy(value)
+        return clone
 
 
 class PoolingTask(str, enum.Enum):

@@ -14,20 +14,21 @@ from typing import Any
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    """A request's place in its life; ``value`` is the finish_reason of a finished one.
+    ``is_finished`` is a plain attribute of each member (read for every sampled token)."""
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+    WAITING = ("waiting", False)
+    RUNNING = ("running", False)
+    PREEMPTED = ("preempted", False)
+    FINISHED_STOPPED = ("stop", True)
+    FINISHED_LENGTH = ("length", True)
+    FINISHED_ABORTED = ("abort", True)
+
+    def __new__(cls, value: str, is_finished: bool) -> "RequestStatus":
+        member = object.__new__(cls)
+        member._value_ = value
+        member.is_finished = is_finished
+        return member
 
 
 @dataclass(eq=False)
@@ -60,18 +61,19 @@ class Request:
     # scheduling): they count for scheduling (the next step computes the position of
     # one, reading it on the device) but are not in output_token_ids.
     num_pending_tokens: int = 0
+    # len(output_token_ids) and len(prompt_token_ids) + len(output_token_ids), kept by
+    # append_output_token (the only way tokens are added): read for every request in
+    # every step by the scheduler, the runner and the stop checks.
+    num_output_tokens: int = field(init=False)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_output_tokens = len(self.output_token_ids)
+        self.num_tokens = len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -92,3 +94,5 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.num_output_tokens += 1
+        self.num_tokens += 1

@@ -4,6 +4,12 @@ Text is produced by decoding a short window of recent tokens and emitting only
 what the newest token added; a window ending in an incomplete UTF-8 sequence
 ("\ufffd") emits nothing until the bytes complete, so multi-byte characters split
 across tokens come out whole.
+
+Invariant of the shortcut (TokenizerDecoding.pieces): where a tokenizer's decode of
+any window of "plain" tokens is the concatenation of their one-token decodes, a
+plain token appended to a window of plain tokens that holds nothing back emits
+exactly its own piece, so it is emitted without decoding. Every other step decodes
+its two windows as the algorithm says, so the text is the same either way.
 """
 
 from __future__ import annotations
@@ -15,16 +21,32 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
+class TokenizerDecoding:
+    """How one tokenizer's token windows are decoded, decided once per tokenizer and
+    shared by every detokenizer over it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.fast_decode = fast_decoder(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        # Per token id, its text where the shortcut applies (None for other tokens);
+        # None when it applies to no token of this tokenizer.
+        self.pieces = plain_pieces(tokenizer) if self.fast_decode is not None else None
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text, one token at a time."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 decoding: TokenizerDecoding | None = None) -> None:
+        decoding = decoding or TokenizerDecoding(tokenizer)
         self.tokenizer = tokenizer
-        self._fast_decode = fast_decoder(tokenizer)
+        self._fast_decode = decoding.fast_decode
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self._special_ids = set(tokenizer.all_special_ids)
+        self._special_ids = decoding.special_ids
+        self._pieces = decoding.pieces or ()
         # How a window is decoded, chosen once: in the common case the Rust decode itself.
         self._decode_window = (fast_window_decoder(self._fast_decode, skip_special_tokens)
                                if self._fast_decode is not None and not spaced_specials(self) else self._decode)
@@ -35,6 +57,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
+        # Whether tokens [prefix_offset, read_offset) are all plain (see the module's invariant).
+        self._plain_window = self._all_plain(self.token_ids)
+
+    def _all_plain(self, token_ids: list[int]) -> bool:
+        pieces, num_pieces = self._pieces, len(self._pieces)
+        return bool(num_pieces) and all(t < num_pieces and pieces[t] is not None for t in token_ids)
 
     def _decode(self, token_ids: list[int]) -> str:
         if spaced_specials(self):
@@ -64,16 +92,54 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Append one token; return the text it completed (possibly empty)."""
-        self.token_ids.append(token_id)
-        prefix_text = self._decode_window(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode_window(self.token_ids[self.prefix_offset :])
+        token_ids = self.token_ids
+        if self._plain_window and self.read_offset == len(token_ids) and token_id < len(self._pieces):
+            piece = self._pieces[token_id]
+            if piece is not None:
+                token_ids.append(token_id)
+                self.prefix_offset = self.read_offset
+                self.read_offset += 1
+                self.text += piece
+                return piece
+        return self._add_decoded(token_id)
+
+    def _add_decoded(self, token_id: int) -> str:
+        """add_token by decoding both windows, as the algorithm says."""
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        prefix_text = self._decode_window(token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode_window(token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.read_offset = len(token_ids)
+        self._plain_window = self._all_plain(token_ids[self.prefix_offset :])
         self.text += delta
         return delta
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """add_token for each of ``token_ids`` in order, the text they complete kept in
+        ``text``: a run of plain tokens appended while nothing is held back is emitted
+        as its pieces put together."""
+        pieces, num_pieces = self._pieces, len(self._pieces)
+        if token_ids and max(token_ids) < num_pieces:
+            token_pieces = [pieces[t] for t in token_ids]
+        else:
+            token_pieces = [pieces[t] if t < num_pieces else None for t in token_ids]
+        index, end = 0, len(token_ids)
+        while index < end:
+            if self._plain_window and self.read_offset == len(self.token_ids):
+                run_end = _first_none(token_pieces, index, end)
+                if run_end > index:
+                    self.token_ids += token_ids[index:run_end]
+                    self.read_offset = len(self.token_ids)
+                    self.prefix_offset = self.read_offset - 1
+                    self.text += "".join(token_pieces[index:run_end])
+                    index = run_end
+                    continue
+            self._add_decoded(token_ids[index])
+            index += 1
 
     def flush(self) -> str:
         """At the end of the sequence, emit what is still held back (an incomplete
@@ -82,8 +148,17 @@ class IncrementalDetokenizer:
         full_text = self._decode_window(self.token_ids[self.prefix_offset :])
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
+        self._plain_window = True
         self.text += delta
         return delta
+
+
+def _first_none(values: list[str | None], start: int, end: int) -> int:
+    """Index of the first None in values[start:end], or end."""
+    try:
+        return values.index(None, start, end)
+    except ValueError:
+        return end
 
 
 def fast_window_decoder(fast_decode, skip_special_tokens: bool):
@@ -115,6 +190,28 @@ def fast_decoder(tokenizer: PreTrainedTokenizerBase):
             and hasattr(backend, "decode"):
         return backend.decode
     return None
+
+
+def plain_pieces(tokenizer: PreTrainedTokenizerBase) -> list[str | None] | None:
+    """Per token id, the token's text if it is plain, else None; None if no token is.
+
+    Plain: the tokenizer's decoder is byte-level alone (its decode of any tokens is
+    the UTF-8 decoding, invalid bytes replaced, of their bytes put together), the
+    token is not an added token (those are decoded outside the decoder), and its
+    one-token decode is non-empty and holds no "\ufffd". Its bytes are then valid
+    UTF-8 on their own, so any window of plain tokens decodes to the concatenation
+    of their texts, whether special tokens are skipped or not."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or type(backend.decoder) is not decoders.ByteLevel:
+        return None
+    added = backend.get_added_tokens_decoder()
+    pieces: list[str | None] = []
+    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+        piece = None if token_id in added else backend.decode([token_id], False)
+        pieces.append(piece if piece and "\ufffd" not in piece else None)
+    return pieces
 
 
 def find_stop_string(text: str, delta_len: int, stop: list[str]) -> tuple[str, int] | None:

@@ -8,6 +8,13 @@ With a reasoning parser, each sampled token is first classified (reasoning, answ
 or think tag): reasoning tokens are detokenized into ``reasoning_text``, answer
 tokens into ``text``; stop strings and the structured-output grammar see the answer
 only.
+
+Text is read per step only by stop strings and the reasoning split; any other
+sample keeps its tokens and is detokenized when its request finishes, by the same
+incremental algorithm, so its text is what per-step detokenization gives. A "plain"
+sample (no reasoning, grammar, logprobs or stop strings) is appended by
+``append_plain``: a list append and its stop checks (stop token ids, EOS,
+max_tokens, max_model_len).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .detokenizer import IncrementalDetokenizer, TokenizerDecoding, find_stop_string
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..params import SamplingParams
 from .harmony import HarmonyParser, HarmonyTracker
@@ -44,6 +51,12 @@ class SampleState:
     reasoning: ReasoningTracker | HarmonyTracker | None = None
     reasoning_detokenizer: IncrementalDetokenizer | None = None
     reasoning_text: str = ""
+    # Its text is made when its request finishes (nothing reads it per step).
+    text_at_finish: bool = False
+    # Appended by OutputProcessor.append_plain (see the module docstring).
+    plain: bool = False
+    # The output length that ends it: max_tokens, or what max_model_len leaves.
+    max_output_tokens: int = 0
 
 
 @dataclass
@@ -83,6 +96,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.reasoning_parser = reasoning_parser
+        self.decoding = TokenizerDecoding(tokenizer)
 
     def new_sample(self, sequence: Request, index: int, params: SamplingParams) -> SampleState:
         sample = SampleState(sequence, index, self._detokenizer(sequence, params),
@@ -90,13 +104,17 @@ class OutputProcessor:
         if self.reasoning_parser is not None:
             sample.reasoning = self.reasoning_parser.tracker(sequence.prompt_token_ids, params.max_reasoning_tokens)
             sample.reasoning_detokenizer = self._detokenizer(sequence, params)
+        sample.text_at_finish = sample.reasoning is None and not params.stop
+        sample.plain = (sample.text_at_finish and params.structured_outputs is None and params.logprobs is None)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        sample.max_output_tokens = min(max_tokens, self.max_model_len - sequence.num_prompt_tokens)
         return sample
 
     def _detokenizer(self, sequence: Request, params: SamplingParams) -> IncrementalDetokenizer | None:
         if not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids,
-                                      params.skip_special_tokens, params.spaces_between_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens, self.decoding)
 
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
@@ -106,6 +124,8 @@ class OutputProcessor:
     def append_token(self, state: RequestState, sample: SampleState, token_id: int,
                      logprobs: tuple[float, list[tuple[int, float, int]]] | None) -> RequestStatus | None:
         """Append one sampled token; return the finished status if the sequence stops."""
+        if sample.plain:
+            return self.append_plain(state, sample, token_id)
         if sample.reasoning is None and sample.grammar is None and logprobs is None:
             return self._append_answer_token(state, sample, token_id)
         sequence, params = sample.sequence, state.params
@@ -118,7 +138,7 @@ class OutputProcessor:
         delta_len = 0
         if role is TokenRole.ANSWER:
             self._accept_by_grammar(state, sample, token_id)
-            if sample.detokenizer is not None:
+            if sample.detokenizer is not None and not sample.text_at_finish:
                 delta_len = len(sample.detokenizer.add_token(token_id))
                 sample.text = sample.detokenizer.text
         elif role is TokenRole.REASONING and sample.reasoning_detokenizer is not None:
@@ -128,19 +148,39 @@ class OutputProcessor:
         if status is not None or (role is TokenRole.TAG and sample.reasoning.phase is Phase.ANSWER):
             self._flush_reasoning(sample)
         # A stop string already cut the text; otherwise emit any held-back tail.
-        if status is not None and sample.detokenizer is not None and not isinstance(sample.stop_reason, str):
+        if (status is not None and sample.detokenizer is not None and not sample.text_at_finish
+                and not isinstance(sample.stop_reason, str)):
             sample.detokenizer.flush()
             sample.text = sample.detokenizer.text
         return status
 
+    def append_plain(self, state: RequestState, sample: SampleState, token_id: int) -> RequestStatus | None:
+        """append_token for a plain sample (``sample.plain``), the common case: the
+        stop checks of ``_check_stop`` that apply to it, the text left to the finish."""
+        sequence = sample.sequence
+        sequence.append_output_token(token_id)
+        num_output = sequence.num_output_tokens
+        if num_output == 1 and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+        params = state.params
+        # all_stop_token_ids: stop_token_ids, and EOS unless ignore_eos.
+        if token_id in params.all_stop_token_ids and num_output >= params.min_tokens:
+            if params.ignore_eos or token_id not in self.eos_token_ids:
+                sample.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= sample.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def _append_answer_token(self, state: RequestState, sample: SampleState, token_id: int) -> RequestStatus | None:
-        """append_token for a sample without reasoning, grammar or logprobs, the common
-        case: every token is answer text and nothing else is recorded."""
+        """append_token for a sample without reasoning, grammar or logprobs that is not
+        plain (it has stop strings): every token is answer text and nothing else is
+        recorded."""
         sample.sequence.append_output_token(token_id)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
         detokenizer = sample.detokenizer
-        if detokenizer is None:
+        if detokenizer is None or sample.text_at_finish:
             return self._check_stop(sample, state.params, token_id, 0)
         delta_len = len(detokenizer.add_token(token_id))
         sample.text = detokenizer.text
@@ -227,6 +267,18 @@ class OutputProcessor:
             return None
         return sample.reasoning_text if tracker.reasoned else None
 
+    @staticmethod
+    def _final_text(sample: SampleState) -> str:
+        """The sample's text; one made at the finish is detokenized now, over all its
+        tokens, then its held-back tail emitted (no stop string cut it)."""
+        detokenizer = sample.detokenizer
+        if sample.text_at_finish and detokenizer is not None:
+            detokenizer.add_tokens(sample.sequence.output_token_ids)
+            detokenizer.flush()
+            sample.text = detokenizer.text
+            sample.text_at_finish = False  # made: a second output reads it as it is
+        return sample.text
+
     def make_output(self, state: RequestState, num_cached_tokens: int) -> RequestOutput:
         """The final RequestOutput of a request whose samples have all finished."""
         completions = []
@@ -234,7 +286,7 @@ class OutputProcessor:
             status = sample.sequence.status
             completions.append(CompletionOutput(
                 index=sample.index,
-                text=sample.text,
+                text=self._final_text(sample),
                 token_ids=list(sample.sequence.output_token_ids),
                 cumulative_logprob=sample.cumulative_logprob if state.params.logprobs is not None else None,
                 logprobs=sample.logprobs,
