@@ -93,8 +93,10 @@ class PhaseTimer:
         ("output processing", "shardline.engine.llm_engine", "LLMEngine", "_process"),
         # Inside sampling: the argmax (or draw) over the whole vocabulary, device work on a GPU.
         ("token choice", "shardline.engine.sampling.sampler", "Sampler", "_choose_tokens"),
-        # Inside output processing: the incremental detokenization of each new token.
+        # Inside output processing: the incremental detokenization of each new token where
+        # text is read per step (stop strings), and of a request's tokens at its finish.
         ("detokenization", "shardline.engine.sampling.detokenizer", "IncrementalDetokenizer", "add_token"),
+        ("detokenization", "shardline.engine.sampling.output_processor", "OutputProcessor", "_final_text"),
     )
 
     def __init__(self, llm: LLM) -> None:

@@ -267,8 +267,7 @@ class OutputProcessor:
             return None
         return sample.reasoning_text if tracker.reasoned else None
 
-    @staticmethod
-    def _final_text(sample: SampleState) -> str:
+    def _final_text(self, sample: SampleState) -> str:
         """The sample's text; one made at the finish is detokenized now, over all its
         tokens, then its held-back tail emitted (no stop string cut it)."""
         detokenizer = sample.detokenizer
