@@ -18,6 +18,7 @@ its kernels, not the model runner.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -77,8 +78,10 @@ class TorchBackend:
     chunk_sizes: tuple[int | None, ...] = ()
     name: str = "torch"
     replays_decode_graphs: bool = False
-    # Cache layout -> whether the native (decode, prefill) kernels take it.
-    _kernel_layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per set of cache tensors (by id, checked through weak references): whether the
+    # native (decode, prefill) kernels take them; and aranges by size and device.
+    _kernel_support: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _aranges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def attends_sampled_rows(self) -> bool:
@@ -92,11 +95,11 @@ class TorchBackend:
         native_decode, native_prefill = self._kernels_take(caches)
         block_tables = step.block_tables.contiguous()
         if native_decode and step.max_query_len == 1:
-            # Every request decodes one token: the decode kernel takes them all, and
-            # there is nothing to group (the common step, planned without a device read).
-            requests = torch.arange(step.num_requests, device=step.seq_lens.device)
-            return TorchPlans(DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens,
-                                          block_tables), None, [], [])
+            # Every request decodes one token: the decode kernel takes them all (request
+            # b's query is packed row b), and there is nothing to group: the common step,
+            # planned without reading the query lengths.
+            requests = self._indices(step.num_requests, step.seq_lens.device)
+            return TorchPlans(DecodeBatch(requests, requests, step.seq_lens, block_tables), None, [], [])
         query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
         decode = prefill = None
         if native_decode:
@@ -116,21 +119,31 @@ class TorchBackend:
     def _kernels_take(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bool, bool]:
         """Whether the native decode and prefill kernels this backend may use take every
         attention layer's cache: a step's plan serves every layer, and layers may differ
-        in heads and head sizes (gemma4). Decided once per cache layout."""
+        in heads and head sizes (gemma4). Decided once per set of cache tensors (held
+        weakly: a throwaway cache is freed as usual)."""
         if not (self.native_decode or self.native_prefill):
             return False, False
-        layout = tuple((k.shape, k.dtype, k.device.type, v.shape[3]) for k, v in caches)
-        taken = self._kernel_layouts.get(layout)
-        if taken is None:
-            from ..kernels.cpu_attention import decode_kernel_available
-            from ..kernels.cpu_prefill_attention import prefill_kernel_available
+        key = tuple(id(k) for k, _ in caches)
+        known = self._kernel_support.get(key)
+        if known is not None and all(ref() is k for ref, (k, _) in zip(known[0], caches)):
+            return known[1]
+        from ..kernels.cpu_attention import decode_kernel_available
+        from ..kernels.cpu_prefill_attention import prefill_kernel_available
 
-            taken = (self.native_decode and all(decode_kernel_available(k, self.num_heads, v.shape[3])
-                                                for k, v in caches),
-                     self.native_prefill and all(prefill_kernel_available(k, self.num_heads, v.shape[3])
-                                                 for k, v in caches))
-            self._kernel_layouts[layout] = taken
+        taken = (self.native_decode and all(decode_kernel_available(k, self.num_heads, v.shape[3]) for k, v in caches),
+                 self.native_prefill and all(prefill_kernel_available(k, self.num_heads, v.shape[3])
+                                             for k, v in caches))
+        if len(self._kernel_support) >= 8:
+            self._kernel_support.clear()
+        self._kernel_support[key] = ([weakref.ref(k) for k, _ in caches], taken)
         return taken
+
+    def _indices(self, num: int, device: torch.device) -> torch.Tensor:
+        """arange(num) on ``device``, made once per size (read only)."""
+        indices = self._aranges.get((num, device))
+        if indices is None:
+            indices = self._aranges[(num, device)] = torch.arange(num, device=device)
+        return indices
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:

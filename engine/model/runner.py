@@ -183,7 +183,9 @@ class ModelRunner:
                                                          pending.token_ids if pending is not None else None)
             return ModelOutput(logits, sample_rows, {})
         model_inputs, plan = self.prepare_inputs(scheduler_output, pending)
-        keep = to_device(plan.keep, self.device)
+        # Kept positions are increasing: as many as the step's tokens is all of them.
+        num_tokens = model_inputs["input_ids"].shape[1]
+        keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
             self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
@@ -216,7 +218,7 @@ class ModelRunner:
 def to_device(values: np.ndarray | list[int], device: torch.device) -> torch.Tensor:
     """Host int64 values as a tensor on ``device``, without waiting for queued work."""
     tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
-    return tensor.to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 @dataclass

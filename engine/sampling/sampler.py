@@ -34,9 +34,9 @@ class SampleRow:
     banned_token_ids: tuple[int, ...] = ()
     # Row of the step's logits this sequence samples from.
     logits_row: int = 0
-    # Set by the row's owner: nothing but logits_row changes from step to step (no
-    # min_tokens or bad words to recompute), and the sequence may leave its sampled
-    # token pending (async scheduling).
+    # Given by the row's owner: nothing but logits_row changes from step to step (no
+    # min_tokens or bad words: blocked and banned ids stay empty), and the sequence may
+    # leave its sampled token pending (async scheduling).
     steady: bool = False
     pipelinable: bool = False
 
@@ -49,6 +49,8 @@ class SampleRow:
         self.wants_logprobs = params.logprobs is not None
         self.has_processors = (params.allowed_token_ids is not None or bool(params.logit_bias)
                                or _has_penalties(params))
+        # The argmax of the raw logits is all this row ever needs.
+        self.plain = self.steady and not (self.is_random or self.wants_logprobs or self.has_processors)
 
 
 @dataclass
@@ -92,20 +94,22 @@ class Sampler:
         [N, ceil(V / 32)] int32 allowed tokens (all bits set in unrestricted rows) or None."""
         work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         logits = logits.to(work_dtype)
+        if bitmask is None and all(row.plain for row in rows):
+            return SamplerOutput.start_copy(self._choose_tokens(logits, rows, []), [None] * len(rows))
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
         want_logprobs = any(r.wants_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
-        token_ids = self._choose_tokens(logits, rows)
+        token_ids = self._choose_tokens(logits, rows, [i for i, r in enumerate(rows) if r.is_random])
         logprobs = (gather_logprobs(raw_logprobs, token_ids, [r.params.logprobs for r in rows]) if want_logprobs
                     else [None] * len(rows))
         return SamplerOutput.start_copy(token_ids, logprobs)
 
-    def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        # Which rows sample is known on the host: deciding it from a device tensor
-        # would wait for the forward pass before any of the sampling is queued.
-        random_rows = [i for i, r in enumerate(rows) if r.is_random]
+    def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow], random_rows: list[int]) -> torch.Tensor:
+        """Each row's token: the argmax, or a draw for the rows at ``random_rows``. Which
+        rows draw is known on the host: deciding it from a device tensor would wait for
+        the forward pass before any of the sampling is queued."""
         token_ids = greedy_tokens(logits)
         if not random_rows:
             return token_ids
