@@ -130,7 +130,7 @@ def bench_gated_delta_core(num_prompts: int = 32, decode_batch: int = 32) -> Non
     thread, timed by its CPU time, best of 5 interleaved runs."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from shardline.engine.kernels.cpu_recurrent import gated_delta_net_core, recurrent_kernel_available
+    from shardline.engine.kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
     from shardline.engine.recurrent.gated_delta_net import _torch_core
 
     if not recurrent_kernel_available(torch.float32, 64, 64):
@@ -150,9 +150,9 @@ def bench_gated_delta_core(num_prompts: int = 32, decode_batch: int = 32) -> Non
         flags = torch.full((len(lengths),), continuing)
         states = {n: torch.zeros((len(lengths), *shape), dtype=dtype)
                   for n, (shape, dtype) in GATED_DELTA_NET.state_shapes(module, config).items()}
-        runs = {"kernel": lambda: gated_delta_net_core(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, g,
-                                                       beta, cu, flags, states["conv"], states["recurrent"],
-                                                       module.num_k_heads),
+        runs = {"kernel": lambda: delta_rule_core(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, g,
+                                                  beta, cu, flags, states["conv"], states["recurrent"],
+                                                  module.num_k_heads),
                 "torch": lambda: _torch_core(module, mixed, g, beta, cu, flags, states)}
         best = dict.fromkeys(runs, float("inf"))
         threads = torch.get_num_threads()

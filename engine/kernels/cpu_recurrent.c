@@ -1,12 +1,15 @@
-/* The gated delta-net's recurrent core on the CPU (kernels/cpu_recurrent.py launches
- * it): from the projected q|k|v rows to the delta rule's outputs, for a packed batch
- * of requests, prefill chunks and decode tokens alike, in one call per layer.
+/* The recurrent core of gated delta-net and Kimi delta attention layers on the CPU
+ * (kernels/cpu_recurrent.py launches it): from the projected q|k|v rows to the delta
+ * rule's outputs, for a packed batch of requests, prefill chunks and decode tokens
+ * alike, in one call per layer.
  *
  * Per request b and value head h (its key head hk = h / repeat), token by token:
  *   x_c    = silu(sum_j w[c, j] in[t - (W - 1) + j, c] + bias[c])  (causal convolution of
  *            each channel c over the request's own inputs, its saved window before them)
  *   q, k   = l2-normalised key-head hk channels of x (q also times scale), v: head h's
- *   S     <- e^{g_t} S,   u = beta_t (v - S^T k),   S <- S + k u^T,   o_t = S^T q
+ *   S     <- diag(e^{g_t}) S,   u = beta_t (v - S^T k),   S <- S + k u^T,   o_t = S^T q
+ * with g_t one log decay per head (gated delta-net) or per key channel (Kimi delta
+ * attention).
  * S [K, V] stays in L1 through a request's tokens (16 KiB for a 64 x 64 float32 head),
  * so the recurrence costs the chunked form's arithmetic order with no memory traffic.
  * Each value head recomputes its key head's q and k (K channels, W taps each: little
@@ -14,9 +17,11 @@
  * convolution windows are rewritten after all of them have read the old ones.
  *
  * Layout: x [T, C] rows with stride x_stride (C = 2 Hk K + H V: q, k, v channels);
- * weight [W, C] contiguous (the taps' rows, so a tap reads its channels in a row), bias [C] or NULL; g, beta [T, H]; conv_state [B, W-1, C]
- * and state [B, H, K, V] contiguous, read where has_initial_state[b] and overwritten
- * with each request's final window and state; out [T, H, V]; cu_seqlens [B + 1] int64.
+ * weight [W, C] contiguous (the taps' rows, so a tap reads its channels in a row);
+ * bias [C] or NULL; g [T, H] or, where g_per_key, [T, H, K]; beta [T, H]; conv_state
+ * [B, W-1, C] and state [B, H, K, V] contiguous, read where has_initial_state[b] and
+ * overwritten with each request's final window and state; out [T, H, V]; cu_seqlens
+ * [B + 1] int64.
  * One element type throughout: float32 or float64.
  */
 
@@ -76,40 +81,41 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
         for (int64_t i = 0; i < n; i++) x[i] *= factor;                                         \
     }                                                                                           \
                                                                                                 \
-    /* S^T k for the first token (later tokens' come out of their predecessor's pass). */    \
+    /* S^T (d * k) for the first token (later tokens' come out of their predecessor's pass). */ \
     static inline __attribute__((always_inline)) void predict_##SUFFIX(                        \
-        const T *restrict state, const T *restrict k, T *restrict predicted,                   \
+        const T *restrict state, const T *restrict decayed_k, T *restrict predicted,           \
         const int64_t key_dim, const int64_t value_dim) {                                       \
         for (int64_t j = 0; j < value_dim; j++) predicted[j] = 0;                               \
         for (int64_t i = 0; i < key_dim; i++) {                                                 \
             const T *restrict row = state + i * value_dim;                                      \
-            const T ki = k[i];                                                                  \
+            const T ki = decayed_k[i];                                                          \
             _Pragma("omp simd")                                                                 \
             for (int64_t j = 0; j < value_dim; j++) predicted[j] += ki * row[j];                \
         }                                                                                       \
     }                                                                                           \
                                                                                                 \
-    /* One token's update in one pass over S's rows, with predicted = S_{t-1}^T k_t:        \
-     * u = beta (v - e^g predicted), S_t = e^g S_{t-1} + k u^T, o = S_t^T q, and where the  \
-     * request has a next token, next_predicted = S_t^T k_{t+1}. Inlined with constant      \
-     * sizes, the V-wide accumulators stay in registers; S is stored once per token. */     \
+    /* One token's update in one pass over S's rows, with predicted = S_{t-1}^T (d * k_t)   \
+     * (d: the token's decay of each row): u = beta (v - predicted), S_t = diag(d) S_{t-1}  \
+     * + k u^T, o = S_t^T q, and where the request has a next token, next_predicted =       \
+     * S_t^T (d' * k_{t+1}). Inlined with constant sizes, the V-wide accumulators stay in  \
+     * registers; S is stored once per token. */                                            \
     static inline __attribute__((always_inline)) void delta_pass_##SUFFIX(                     \
         T *restrict state, const T *restrict q, const T *restrict k, const T *restrict v,      \
-        const T *restrict next_k, T decay, T beta, const T *restrict predicted,                \
-        T *restrict next_predicted, T *restrict o, const int64_t key_dim,                      \
-        const int64_t value_dim, const int has_next) {                                          \
+        const T *restrict decay, const T *restrict next_decayed_k, T beta,                     \
+        const T *restrict predicted, T *restrict next_predicted, T *restrict o,                \
+        const int64_t key_dim, const int64_t value_dim, const int has_next) {                  \
         T update[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], next[MAX_HEAD_DIM];                          \
         for (int64_t j = 0; j < value_dim; j++) {                                               \
-            update[j] = (v[j] - decay * predicted[j]) * beta;                                   \
+            update[j] = (v[j] - predicted[j]) * beta;                                           \
             acc[j] = 0;                                                                         \
             next[j] = 0;                                                                        \
         }                                                                                       \
         for (int64_t i = 0; i < key_dim; i++) {                                                 \
             T *restrict row = state + i * value_dim;                                            \
-            const T ki = k[i], qi = q[i], ni = has_next ? next_k[i] : (T)0;                     \
+            const T ki = k[i], qi = q[i], di = decay[i], ni = has_next ? next_decayed_k[i] : (T)0; \
             _Pragma("omp simd")                                                                 \
             for (int64_t j = 0; j < value_dim; j++) {                                           \
-                const T s = row[j] * decay + ki * update[j];                                    \
+                const T s = row[j] * di + ki * update[j];                                       \
                 row[j] = s;                                                                     \
                 acc[j] += qi * s;                                                               \
                 if (has_next) next[j] += ni * s;                                                \
@@ -122,29 +128,30 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
                                                                                                 \
     /* The pass with the sizes as constants where they are common ones. */                   \
     static void delta_pass_any_##SUFFIX(T *state, const T *q, const T *k, const T *v,          \
-                                        const T *next_k, T decay, T beta, const T *predicted,  \
-                                        T *next_predicted, T *o, int64_t key_dim,               \
-                                        int64_t value_dim) {                                    \
-        const int has_next = next_k != NULL;                                                    \
-        if (key_dim == 64 && value_dim == 64 && has_next)                                       \
-            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
-                                o, 64, 64, 1);                                                  \
-        else if (key_dim == 128 && value_dim == 128 && has_next)                                \
-            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
-                                o, 128, 128, 1);                                                \
-        else if (has_next)                                                                      \
-            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
-                                o, key_dim, value_dim, 1);                                      \
+                                        const T *decay, const T *next_decayed_k, T beta,       \
+                                        const T *predicted, T *next_predicted, T *o,           \
+                                        int64_t key_dim, int64_t value_dim) {                   \
+        if (next_decayed_k == NULL)                                                             \
+            delta_pass_##SUFFIX(state, q, k, v, decay, next_decayed_k, beta, predicted,        \
+                                next_predicted, o, key_dim, value_dim, 0);                      \
+        else if (key_dim == 64 && value_dim == 64)                                              \
+            delta_pass_##SUFFIX(state, q, k, v, decay, next_decayed_k, beta, predicted,        \
+                                next_predicted, o, 64, 64, 1);                                  \
+        else if (key_dim == 128 && value_dim == 128)                                            \
+            delta_pass_##SUFFIX(state, q, k, v, decay, next_decayed_k, beta, predicted,        \
+                                next_predicted, o, 128, 128, 1);                                \
         else                                                                                    \
-            delta_pass_##SUFFIX(state, q, k, v, next_k, decay, beta, predicted, next_predicted, \
-                                o, key_dim, value_dim, 0);                                      \
+            delta_pass_##SUFFIX(state, q, k, v, decay, next_decayed_k, beta, predicted,        \
+                                next_predicted, o, key_dim, value_dim, 1);                      \
     }                                                                                           \
                                                                                                 \
-    /* One token's q, k (normalised, q scaled) and v for value head h. */                     \
+    /* One token's q, k (normalised, q scaled), v for value head h, its decay of each key   \
+     * row, d = e^g (g per head, or per key channel where g_per_key), and d * k. */         \
     static inline void token_inputs_##SUFFIX(                                                   \
         const T *x, int64_t x_stride, int64_t start, int64_t t, const T *window, int64_t width, \
-        int64_t channels, const T *weight, const T *bias, int64_t q_channel, int64_t k_channel, \
-        int64_t v_channel, int64_t key_dim, int64_t value_dim, T scale, T eps, T *q, T *k, T *v) { \
+        int64_t channels, const T *weight, const T *bias, const T *g, int g_per_key,           \
+        int64_t q_channel, int64_t k_channel, int64_t v_channel, int64_t key_dim,              \
+        int64_t value_dim, T scale, T eps, T *q, T *k, T *v, T *decay, T *decayed_k) {          \
         conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias,   \
                                q_channel, key_dim, q);                                          \
         conv_channels_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, bias,   \
@@ -153,12 +160,16 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
                                v_channel, value_dim, v);                                        \
         l2_normalize_##SUFFIX(q, key_dim, eps, scale);                                          \
         l2_normalize_##SUFFIX(k, key_dim, eps, (T)1);                                           \
+        for (int64_t i = 0; i < key_dim; i++) {                                                 \
+            decay[i] = EXP(g[g_per_key ? i : 0]);                                               \
+            decayed_k[i] = decay[i] * k[i];                                                     \
+        }                                                                                       \
     }                                                                                           \
                                                                                                 \
     /* Request b's tokens through value head h, its state S in place. Two sets of per-token \
-     * vectors: the current token's and the next one's, whose key its pass reads. */         \
+     * vectors: the current token's and the next one's, whose decayed key its pass reads. */ \
     static void head_tokens_##SUFFIX(                                                           \
-        const T *x, int64_t x_stride, const T *weight, const T *bias, const T *g,              \
+        const T *x, int64_t x_stride, const T *weight, const T *bias, const T *g, int g_per_key, \
         const T *beta, const T *window, T *state, T *out, int64_t start, int64_t length,       \
         int64_t h, int64_t num_heads, int64_t num_key_heads, int64_t key_dim, int64_t value_dim, \
         int64_t width, int64_t channels, T scale, T eps) {                                      \
@@ -166,15 +177,18 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
         const int64_t q_channel = key_head * key_dim;                                           \
         const int64_t k_channel = num_key_heads * key_dim + key_head * key_dim;                 \
         const int64_t v_channel = 2 * num_key_heads * key_dim + h * value_dim;                  \
+        const int64_t g_stride = g_per_key ? key_dim : 1; /* per head */                        \
         T q[2][MAX_HEAD_DIM], k[2][MAX_HEAD_DIM], v[2][MAX_HEAD_DIM], predicted[2][MAX_HEAD_DIM]; \
+        T decay[2][MAX_HEAD_DIM], decayed_k[2][MAX_HEAD_DIM];                                   \
         if (length == 0) return;                                                                \
         token_inputs_##SUFFIX(x, x_stride, start, 0, window, width, channels, weight, bias,    \
-                              q_channel, k_channel, v_channel, key_dim, value_dim, scale, eps,  \
-                              q[0], k[0], v[0]);                                                \
+                              g + (start * num_heads + h) * g_stride, g_per_key, q_channel,     \
+                              k_channel, v_channel, key_dim, value_dim, scale, eps, q[0], k[0], \
+                              v[0], decay[0], decayed_k[0]);                                    \
         if (key_dim == 64 && value_dim == 64)                                                   \
-            predict_##SUFFIX(state, k[0], predicted[0], 64, 64);                                \
+            predict_##SUFFIX(state, decayed_k[0], predicted[0], 64, 64);                        \
         else                                                                                    \
-            predict_##SUFFIX(state, k[0], predicted[0], key_dim, value_dim);                    \
+            predict_##SUFFIX(state, decayed_k[0], predicted[0], key_dim, value_dim);            \
         for (int64_t t = 0; t < length; t++) {                                                  \
             const int now = t & 1, next = now ^ 1;                                              \
             const int64_t token = start + t;                                                    \
@@ -186,11 +200,13 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
             }                                                                                   \
             if (t + 1 < length)                                                                 \
                 token_inputs_##SUFFIX(x, x_stride, start, t + 1, window, width, channels, weight, \
-                                      bias, q_channel, k_channel, v_channel, key_dim, value_dim, \
-                                      scale, eps, q[next], k[next], v[next]);                   \
-            delta_pass_any_##SUFFIX(state, q[now], k[now], v[now], t + 1 < length ? k[next] : NULL, \
-                                    EXP(g[token * num_heads + h]), beta[token * num_heads + h], \
-                                    predicted[now], predicted[next],                            \
+                                      bias, g + ((token + 1) * num_heads + h) * g_stride,       \
+                                      g_per_key, q_channel, k_channel, v_channel, key_dim,      \
+                                      value_dim, scale, eps, q[next], k[next], v[next],         \
+                                      decay[next], decayed_k[next]);                            \
+            delta_pass_any_##SUFFIX(state, q[now], k[now], v[now], decay[now],                  \
+                                    t + 1 < length ? decayed_k[next] : NULL,                    \
+                                    beta[token * num_heads + h], predicted[now], predicted[next], \
                                     out + (token * num_heads + h) * value_dim, key_dim, value_dim); \
         }                                                                                       \
     }                                                                                           \
@@ -211,9 +227,10 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
         }                                                                                       \
     }                                                                                           \
                                                                                                 \
-    void gated_delta_net_##SUFFIX(                                                              \
+    void delta_rule_core_##SUFFIX(                                                              \
         const T *x, int64_t x_stride, const T *weight, const T *bias, int64_t width,           \
-        const T *g, const T *beta, const int64_t *cu_seqlens, const uint8_t *has_initial_state, \
+        const T *g, int g_per_key, const T *beta, const int64_t *cu_seqlens,                   \
+        const uint8_t *has_initial_state,                                                       \
         int64_t num_requests, T *conv_state, T *state, T *out, int64_t num_heads,              \
         int64_t num_key_heads, int64_t key_dim, int64_t value_dim, double scale, double eps,   \
         int num_threads) {                                                                      \
@@ -226,7 +243,7 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
             const int init = has_initial_state[b] != 0;                                         \
             T *head_state = state + task * state_size;                                          \
             if (!init) memset(head_state, 0, state_size * sizeof(T));                           \
-            head_tokens_##SUFFIX(x, x_stride, weight, bias, g, beta,                            \
+            head_tokens_##SUFFIX(x, x_stride, weight, bias, g, g_per_key, beta,                 \
                                  init ? conv_state + b * (width - 1) * channels : NULL,         \
                                  head_state, out, cu_seqlens[b], cu_seqlens[b + 1] - cu_seqlens[b], \
                                  h, num_heads, num_key_heads, key_dim, value_dim, width, channels, \

@@ -1,5 +1,6 @@
-"""The gated delta-net's CPU kernel (kernels/cpu_recurrent.c) against its plain-torch
-reference, built for each kernel target; the engine takes it on a hybrid model, and
+"""The recurrent core's CPU kernel (kernels/cpu_recurrent.c) against its plain-torch
+reference, built for each kernel target, with one decay per head (gated delta-net) or
+per key channel (Kimi delta attention); the engine takes it on a hybrid model, and
 gives transformers' greedy tokens with it and with it turned off."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from shardline.engine.kernels import cpu_recurrent, native
-from shardline.engine.kernels.cpu_recurrent import (gated_delta_net_core, gated_delta_net_core_reference,
+from shardline.engine.kernels.cpu_recurrent import (delta_rule_core, delta_rule_core_reference,
                                                     recurrent_kernel_available)
 
 pytestmark = pytest.mark.skipif(cpu_recurrent.load_library() is None, reason="no C compiler to build the kernel")
@@ -19,7 +20,8 @@ CROSS_COMPILER = shutil.which("aarch64-linux-gnu-gcc")
 
 
 def make_step(lengths: list[int], initial: list[bool], num_key_heads: int, num_heads: int, key_dim: int,
-              value_dim: int, dtype: torch.dtype, width: int = 4, bias: bool = True, seed: int = 0) -> dict:
+              value_dim: int, dtype: torch.dtype, width: int = 4, bias: bool = True, g_per_key: bool = False,
+              seed: int = 0) -> dict:
     """A packed step's projected q|k|v rows and states; the states of requests that start
     fresh hold NaN, so a read of them shows in every output."""
     generator = torch.Generator().manual_seed(seed)
@@ -37,7 +39,8 @@ def make_step(lengths: list[int], initial: list[bool], num_key_heads: int, num_h
     return dict(
         mixed_qkv=randn(num_tokens, channels), conv_weight=randn(channels, width, scale=0.5),
         conv_bias=randn(channels) if bias else None,
-        g=-torch.rand(num_tokens, num_heads, generator=generator, dtype=torch.float64).to(dtype),
+        g=-torch.rand(num_tokens, num_heads, *([key_dim] if g_per_key else []), generator=generator,
+                      dtype=torch.float64).to(dtype),
         beta=torch.rand(num_tokens, num_heads, generator=generator, dtype=torch.float64).to(dtype),
         cu_seqlens=torch.tensor([0, *lengths]).cumsum(0), has_initial_state=torch.tensor(initial),
         conv_state=conv_state, state=state, num_key_heads=num_key_heads)
@@ -50,24 +53,25 @@ STEPS = {
     "decode": ([1] * 6, [True] * 6),
     "short": ([2, 1, 3], [False, True, True]),
 }
-# (Hk, H, K, V): the benchmark's heads (the kernel's sizes compiled as constants), and others.
-HEADS = [(2, 4, 64, 64), (1, 2, 16, 24), (2, 2, 128, 128)]
+# (Hk, H, K, V): the benchmark's heads (the kernel's sizes compiled as constants), others,
+# and Kimi delta attention's (as many key heads as value heads, a decay per key channel).
+HEADS = [(2, 4, 64, 64), (1, 2, 16, 24), (2, 2, 128, 128), (2, 2, 64, 64, "per key")]
 TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-12}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("heads", HEADS, ids=lambda heads: "x".join(map(str, heads)))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda heads: "x".join(map(str, heads)).replace(" ", "-"))
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_kernel_matches_the_reference(kernel_target, step, heads, dtype):
     lengths, initial = STEPS[step]
-    num_key_heads, num_heads, key_dim, value_dim = heads
-    if dtype == torch.float32 and heads != HEADS[0] and step != "mixed":
+    num_key_heads, num_heads, key_dim, value_dim = heads[:4]
+    if dtype == torch.float32 and heads[1:3] != HEADS[0][1:3] and step != "mixed":
         pytest.skip("float32 runs the other head sizes on the mixed step only")
     args = make_step(lengths, initial, num_key_heads, num_heads, key_dim, value_dim, dtype,
-                     bias=step != "decode")
+                     bias=step != "decode", g_per_key=len(heads) > 4)
     expected = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
-    out = gated_delta_net_core(**args)
-    want = gated_delta_net_core_reference(**expected)
+    out = delta_rule_core(**args)
+    want = delta_rule_core_reference(**expected)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(args["state"], expected["state"], rtol=tolerance, atol=tolerance)
@@ -81,9 +85,9 @@ def test_threads_give_the_same_result():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gated_delta_net_core(**args)
+        one = delta_rule_core(**args)
         torch.set_num_threads(max(2, threads))
-        several = gated_delta_net_core(**copy)
+        several = delta_rule_core(**copy)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, several) and torch.equal(args["state"], copy["state"])
