@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu_recurrent import gated_delta_net_core, recurrent_kernel_available
+from ..kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
 from .base import StateShapes, register_kind
 from .cpu_layers import FusedGatedRMSNorm, GatedDeltaNetProjections
 from .conv_varlen import causal_conv1d_varlen
@@ -64,9 +64,9 @@ class GatedDeltaNetKind:
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # the module's own expression
         dtype = states["recurrent"].dtype
         if self._takes_native_core(module, mixed_qkv, states):
-            core = gated_delta_net_core(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias,
-                                        g.to(dtype).contiguous(), beta.to(dtype).contiguous(), cu_seqlens,
-                                        has_initial_state, states["conv"], states["recurrent"], module.num_k_heads)
+            core = delta_rule_core(mixed_qkv, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                   g.to(dtype).contiguous(), beta.to(dtype).contiguous(), cu_seqlens,
+                                   has_initial_state, states["conv"], states["recurrent"], module.num_k_heads)
         else:
             core = _torch_core(module, mixed_qkv, g.to(dtype), beta.to(dtype), cu_seqlens, has_initial_state, states)
         return self.output(module, core.to(hidden_states.dtype), z)
