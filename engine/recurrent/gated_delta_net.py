@@ -44,7 +44,7 @@ class GatedDeltaNetKind:
     def __init__(self, native_core: bool = False) -> None:
         # Whether the recurrent core (convolution to delta-rule outputs) runs through the
         # CPU kernel (kernels/cpu_recurrent.py) where it takes the step's tensors; the
-        # engine's CPU paths choose it once at load (``take_native_core``).
+        # engine's CPU paths choose it once at load (engine/recurrent/native_core.py).
         self.native_core = native_core
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
@@ -124,23 +124,6 @@ def _torch_core(module: torch.nn.Module, mixed_qkv: torch.Tensor, g: torch.Tenso
         cu_seqlens, has_initial_state, states["recurrent"], (query, key, value, g, beta),
         decode=lambda state, q, k, v, g_, b: gated_delta_rule_step(q, k, v, g_, b, state)[0],
         chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
-
-
-def take_native_core(model: torch.nn.Module) -> int:
-    """Replace each gated delta-net layer of ``model`` (a RecurrentLayer of this kind or a
-    variant) by one whose kind runs the recurrent core through the CPU kernel; returns
-    how many. The engine calls it where its CPU paths take the kernel."""
-    from ..cpu.linear import replace_module
-    from .state import RecurrentLayer
-
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, RecurrentLayer) and isinstance(module.kind, GatedDeltaNetKind):
-            if not module.kind.native_core:
-                replace_module(model, name, RecurrentLayer(module.layer, type(module.kind)(native_core=True),
-                                                           module.layer_idx, module.hf_config, module.holder))
-                replaced += 1
-    return replaced
 
 
 def _projections(module: torch.nn.Module, hidden_states: torch.Tensor

@@ -16,7 +16,9 @@ head, so chunks are short.
 
 Invariants: chunks never hold two requests' tokens; padding slots carry k = v = beta
 = g = 0, which writes and decays nothing. As the Hugging Face module does, the rule
-runs in float32 whatever the model's dtype, and the state is kept in float32.
+runs in float32 whatever the model's dtype, and the state is kept in float32. On the
+CPU, where the engine takes the recurrent kernel, a float32 model's convolution, norms
+and rule run as one C call per layer and step (engine/kernels/cpu_recurrent.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
 from ..kernels.delta_rule_step import delta_rule_step_triton
 from ..kernels.kda import chunk_kda_triton
 from .base import StateShapes, register_kind
@@ -92,6 +95,11 @@ class KimiDeltaAttentionKind:
     name = "kimi_delta_attention"
     reference_dtype = torch.float32  # HF runs the delta rule in float32 whatever the model's dtype
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the convolution, norms and delta rule run through the CPU kernel where
+        # it takes the step's tensors (engine/recurrent/native_core.py).
+        self.native_core = native_core
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module
         return {
@@ -111,6 +119,30 @@ class KimiDeltaAttentionKind:
         m = hf_module
         heads, head_dim = m.num_heads, m.head_dim
         mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
+        g = m.forget_gate(hidden_states[None])[0].float()
+        beta = torch.sigmoid(m.b_proj(hidden_states)).float()
+        if self._takes_native_core(m, mixed, states):
+            out = delta_rule_core(mixed, m.conv1d.weight[:, 0, :], m.conv1d.bias, g.contiguous(), beta.contiguous(),
+                                  cu_seqlens, has_initial_state, states["conv"], states["recurrent"], heads)
+        else:
+            out = self._torch_core(m, mixed, g, beta, cu_seqlens, has_initial_state, states)
+        gate = m.g_proj(hidden_states) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(hidden_states))
+        out = m.o_norm(out.to(hidden_states.dtype), gate.reshape(-1, heads, head_dim))
+        return m.o_proj(out.reshape(-1, heads * head_dim))
+
+
+    def _takes_native_core(self, m: torch.nn.Module, mixed: torch.Tensor, states: dict[str, torch.Tensor]) -> bool:
+        """The kernel runs float32 throughout (the state's dtype), SiLU, no gradients."""
+        return (self.native_core and mixed.device.type == "cpu" and not mixed.requires_grad
+                and mixed.dtype == states["conv"].dtype == states["recurrent"].dtype == m.conv1d.weight.dtype
+                and m.activation == "silu" and recurrent_kernel_available(mixed.dtype, m.head_dim, m.head_dim))
+
+    @staticmethod
+    def _torch_core(m: torch.nn.Module, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]
+                    ) -> torch.Tensor:
+        """The convolution, l2 norms and delta rule in torch ops: mixed [T, 3 H K] -> [T, H, V]."""
+        heads, head_dim = m.num_heads, m.head_dim
         mixed = causal_conv1d_varlen(
             mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state, states["conv"],
             m.activation,
@@ -118,16 +150,11 @@ class KimiDeltaAttentionKind:
         q, k, v = (t.reshape(-1, heads, head_dim).float() for t in mixed.split(m.qkv_dim, dim=-1))
         q = l2norm(q) * head_dim**-0.5
         k = l2norm(k)
-        g = m.forget_gate(hidden_states[None])[0].float()
-        beta = torch.sigmoid(m.b_proj(hidden_states)).float()
 
         def chunk(initial, cu, q, k, v, g, beta):
             return chunk_kda_varlen(q, k, v, g, beta, cu, initial)
 
-        out = scan_split(cu_seqlens, has_initial_state, states["recurrent"], (q, k, v, g, beta), kda_decode_step, chunk)
-        gate = m.g_proj(hidden_states) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(hidden_states))
-        out = m.o_norm(out.to(hidden_states.dtype), gate.reshape(-1, heads, head_dim))
-        return m.o_proj(out.reshape(-1, heads * head_dim))
+        return scan_split(cu_seqlens, has_initial_state, states["recurrent"], (q, k, v, g, beta), kda_decode_step, chunk)
 
 
 KIMI_DELTA = register_kind(

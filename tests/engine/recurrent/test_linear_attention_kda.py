@@ -6,6 +6,8 @@ chunked rule equals its token-by-token recurrence from saved states."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -82,3 +84,30 @@ def test_chunked_kda_matches_the_recurrence_from_saved_states(chunk_size):
             expected = kda_decode_step(state, q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1])
             torch.testing.assert_close(out[t], expected[0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(final[b], state[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "schedule", [chunked(LENGTHS, seed=2, max_chunk=19), prefill_then_decode(LENGTHS, 4)], ids=["chunked", "decode"])
+def test_kda_kind_through_the_cpu_kernel_matches_the_hf_layer(kda_case, schedule):
+    """A float32 layer with the recurrent core through the CPU kernel
+    (kernels/cpu_recurrent.py), which the kind takes there: the HF layer's outputs and
+    states within float32 rounding."""
+    from shardline.engine.kernels.cpu_recurrent import recurrent_kernel_available
+    from shardline.engine.recurrent.kda import KimiDeltaAttentionKind
+
+    layer, config, sequences, _ = kda_case
+    if not recurrent_kernel_available(torch.float32, layer.head_dim, layer.head_dim):
+        pytest.skip("the recurrent kernel cannot be built here")
+    layer = copy.deepcopy(layer).float()
+    sequences = [s.float() for s in sequences]
+    kind = KimiDeltaAttentionKind(native_core=True)
+    states = {name: torch.zeros((1, *shape), dtype=dtype) for name, (shape, dtype) in
+              kind.state_shapes(layer, config).items()}
+    assert kind._takes_native_core(layer, torch.zeros(1, layer.conv_dim), states)
+    outputs, final = run_schedule(kind, layer, config, sequences, schedule)
+    for i, sequence in enumerate(sequences):
+        expected, cache = hf_reference(layer, config, sequence, layer_idx=0)
+        cache_layer = cache.layers[0]
+        torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
+        torch.testing.assert_close(final[i]["recurrent"], cache_layer.recurrent_states[0][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(final[i]["conv"], cache_layer.conv_states[0][0, :, 1:].t(), rtol=1e-5, atol=1e-5)
