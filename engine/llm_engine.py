@@ -126,6 +126,7 @@ class LLMEngine:
         self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._rows: dict[str, SampleRow] = {}  # each sampling sequence's row, kept while it runs
+        self._steady_step: SteadyStep | None = None  # see _sample_rows
         self._arrivals = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
@@ -237,6 +238,7 @@ class LLMEngine:
             self._generators.pop(sequence_id, None)
             self._rows.pop(sequence_id, None)
             self.structured.forget(sequence_id)
+        self._steady_step = None
 
     def abort_all(self) -> None:
         self.abort_request(list(self._states))
@@ -404,11 +406,15 @@ class LLMEngine:
         """One row per sequence that samples this step (forked samples join their
         parent's first sampling, on the same logits row), and whether every one of
         them may leave its token pending (async scheduling)."""
-        rows = []
-        deferrable = True
+        scheduled = scheduler_output.scheduled
         sample_rows = model_output.sample_rows
+        steady = self._steady_step
+        if steady is not None and len(sample_rows) == len(scheduled) and sample_rows == steady.sample_rows:
+            return list(steady.rows), True
+        rows = []
+        deferrable = reusable = True
         known_rows = self._rows
-        for item in scheduler_output.scheduled:
+        for item in scheduled:
             sequence_id = item.request.request_id
             logits_row = sample_rows.get(sequence_id)
             row = known_rows.get(sequence_id)
@@ -425,12 +431,16 @@ class LLMEngine:
                 state.metrics.first_scheduled_time = time.monotonic()
             if logits_row is None:
                 continue
-            rows.append(self._sample_row(sequence, state, logits_row))
+            row = self._sample_row(sequence, state, logits_row)
+            rows.append(row)
+            reusable = reusable and row.steady
             if state.pending_forks:
                 deferrable = False
                 rows += [self._sample_row(child, state, logits_row) for child in self._fork(sequence, state)]
             elif not state.pipelinable:
                 deferrable = False
+        reusable = reusable and deferrable and len(rows) == len(sample_rows) == len(scheduled)
+        self._steady_step = SteadyStep(sample_rows, list(rows)) if reusable else None
         return rows, deferrable
 
     def _sample_row(self, sequence: Request, state: RequestState, logits_row: int) -> SampleRow:
@@ -475,6 +485,18 @@ class LLMEngine:
         self._forget_sequences([s.sequence.request_id for s in state.samples])
         num_cached = max(state.samples[0].sequence.num_cached_tokens, 0)
         return self.output_processor.make_output(state, num_cached)
+
+
+@dataclass
+class SteadyStep:
+    """The sample rows of a step in which every scheduled sequence sampled, with a
+    steady row (SampleRow.steady), and may leave its token pending. A later step that
+    samples the same sequences from the same logits rows (``sample_rows``, sequence id
+    -> row) samples with these rows as they are; any finished or aborted sequence
+    drops it (a sequence id may then be taken by another request)."""
+
+    sample_rows: dict[str, int]
+    rows: list[SampleRow]
 
 
 @dataclass
