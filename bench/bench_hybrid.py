@@ -21,6 +21,7 @@ of the two sides' own work (the absolute figures are one core's).
 from __future__ import annotations
 
 import argparse
+import collections
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +58,14 @@ def build_hybrid_model(path: Path | None = None) -> str:
     return str(path)
 
 
+def replacement_modules(model: torch.nn.Module) -> str:
+    """How many of each of the CPU path's replacement modules the engine's model holds."""
+    counts = collections.Counter(type(module).__name__ for module in model.modules())
+    return ", ".join(f"{name} {count}" for name, count in sorted(counts.items())
+                     if name.startswith(("Fused", "Packed", "Sampled")) or name.endswith("Projections")
+                     or name == "RecurrentLayer")
+
+
 def side_by_side(name: str, model_dir: str, prompts: list[list[int]], args) -> float:
     """Interleaved runs of both sides on one model; prints them and returns the ratio."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -73,6 +82,7 @@ def side_by_side(name: str, model_dir: str, prompts: list[list[int]], args) -> f
     output_tokens = len(prompts) * args.output_len
     print(f"== {name}")
     print(f"shardline CPU paths: {llm.llm_engine.cpu_paths.describe()}; {llm.llm_engine.cpu_rewrites}")
+    print(f"shardline replacement modules: {replacement_modules(llm.llm_engine.model)}")
     for side, runs in results.items():
         best = min(runs)
         print(f"{side:32s} {best:8.2f} s  {output_tokens / best:9.1f} output tok/s   "
