@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--delta-chunks", default="8,16,32,64", help="chunk sizes of the delta-rule sweep")
-    parser.add_argument("--core-only", action="store_true", help="only the gated delta-net core's kernel and torch path")
+    parser.add_argument("--core-only", action="store_true",
+                        help="only the gated delta-net core's kernel and torch path")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, hidden {HIDDEN}")

@@ -8,8 +8,8 @@ themselves, never by an assumed instruction set:
   packed as float32 copies instead (cpu/linear.py), if twice their weights' memory
   is free;
 - fused elementwise kernels, native decode and prefill attention, the recurrent
-  kernel of gated delta-net and Kimi delta attention layers: a C compiler, the
-  library built for the kernel target (kernels/native.py), the dtype.
+  layers' kernel (convolutions, gated delta-net and Kimi delta attention cores): a C
+  compiler, the library built for the kernel target (kernels/native.py), the dtype.
 
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
@@ -130,7 +130,7 @@ class CpuPaths:
     fused_kernels: bool = False
     decode_kernel: bool = False
     prefill_kernel: bool = False
-    recurrent_kernel: bool = False  # gated delta-net and KDA layers' core (kernels/cpu_recurrent.py)
+    recurrent_kernel: bool = False  # recurrent layers' convolutions and delta rules (kernels/cpu_recurrent.py)
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -317,7 +317,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         layers = fuse_decoder_layers(model, rows_hint)
     # Hybrid models' own norms and last MLP (engine/recurrent/cpu_layers.py; none for other models).
     hybrid = optimize_hybrid_layers(model, paths.fused_kernels, rows_hint)
-    if paths.recurrent_kernel:  # gated delta-net and KDA layers' core through the C kernel
+    if paths.recurrent_kernel:  # recurrent layers' convolutions and delta rules through the C kernel
         hybrid += take_native_core(model)
     rewrites = CpuRewrites(packed, mlps, norms, layers, hybrid)
     logger.info("CPU modules replaced: %s", rewrites)

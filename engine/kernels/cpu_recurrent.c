@@ -34,6 +34,9 @@
 /* Largest head sizes the kernel takes (its per-token vectors live on the stack). */
 #define MAX_HEAD_DIM 256
 
+/* Channels per task of the convolution alone. */
+#define CONV_BLOCK 256
+
 /* How many tokens ahead a head's loop asks for its input rows. */
 #define PREFETCH_TOKENS 8
 
@@ -45,13 +48,13 @@
 static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
 
-#define DEFINE_GATED_DELTA_NET(SUFFIX, T, EXP, SQRT)                                            \
+#define DEFINE_RECURRENT_KERNELS(SUFFIX, T, EXP, SQRT)                                          \
                                                                                                 \
-    /* The convolution's output for channels [c0, c0 + n) at the request's token t; the     \
+    /* The convolution's taps summed for channels [c0, c0 + n) at the request's token t; the \
      * inputs before the request's first token come from its window (zero without one). */ \
-    static inline void conv_channels_##SUFFIX(                                                  \
+    static inline void conv_taps_##SUFFIX(                                                      \
         const T *x, int64_t x_stride, int64_t start, int64_t t, const T *window, int64_t width, \
-        int64_t channels, const T *weight, const T *bias, int64_t c0, int64_t n, T *out) {     \
+        int64_t channels, const T *weight, int64_t c0, int64_t n, T *out) {                     \
         for (int64_t i = 0; i < n; i++) out[i] = 0;                                             \
         for (int64_t j = 0; j < width; j++) {                                                   \
             const int64_t p = t - (width - 1) + j; /* the tap's token, < 0: in the window */   \
@@ -61,6 +64,13 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
             _Pragma("omp simd")                                                                 \
             for (int64_t i = 0; i < n; i++) out[i] += row[c0 + i] * weight[j * channels + c0 + i]; \
         }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    /* silu(taps + bias) for channels [c0, c0 + n) at token t: the delta rules' q, k, v. */  \
+    static inline void conv_channels_##SUFFIX(                                                  \
+        const T *x, int64_t x_stride, int64_t start, int64_t t, const T *window, int64_t width, \
+        int64_t channels, const T *weight, const T *bias, int64_t c0, int64_t n, T *out) {     \
+        conv_taps_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, c0, n, out); \
         _Pragma("omp simd")                                                                     \
         for (int64_t i = 0; i < n; i++) out[i] = silu_##SUFFIX(out[i] + (bias ? bias[c0 + i] : (T)0)); \
     }                                                                                           \
@@ -254,7 +264,43 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
             next_window_##SUFFIX(x, x_stride, conv_state + b * (width - 1) * channels,          \
                                  has_initial_state[b] != 0, cu_seqlens[b],                      \
                                  cu_seqlens[b + 1] - cu_seqlens[b], width, channels);           \
+    }                                                                                           \
+                                                                                                \
+    /* The depthwise causal convolution alone (short-convolution, Mamba and RG-LRU layers): \
+     * out [T, C] = act(sum_j w[j, c] in[t - (W - 1) + j, c] + bias[c]), act SiLU where     \
+     * silu, else none; the windows as above. Parallel over requests and blocks of         \
+     * CONV_BLOCK channels, each block's taps over a request's tokens in order. */          \
+    void causal_conv1d_##SUFFIX(                                                                \
+        const T *x, int64_t x_stride, const T *weight, const T *bias, int64_t width,           \
+        const int64_t *cu_seqlens, const uint8_t *has_initial_state, int64_t num_requests,      \
+        T *conv_state, T *out, int64_t channels, int silu, int num_threads) {                   \
+        const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;                         \
+        const int64_t work = cu_seqlens[num_requests] * channels * width;                       \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (work >= PARALLEL_MIN_WORK)") \
+        for (int64_t task = 0; task < num_requests * blocks; task++) {                          \
+            const int64_t b = task / blocks, c0 = (task % blocks) * CONV_BLOCK;                  \
+            const int64_t n = channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK;           \
+            const int64_t start = cu_seqlens[b], length = cu_seqlens[b + 1] - start;             \
+            const T *window = has_initial_state[b] ? conv_state + b * (width - 1) * channels : NULL; \
+            for (int64_t t = 0; t < length; t++) {                                              \
+                T *o = out + (start + t) * channels + c0;                                       \
+                conv_taps_##SUFFIX(x, x_stride, start, t, window, width, channels, weight, c0, n, o); \
+                if (bias) {                                                                     \
+                    _Pragma("omp simd")                                                         \
+                    for (int64_t i = 0; i < n; i++) o[i] += bias[c0 + i];                       \
+                }                                                                               \
+                if (silu) {                                                                     \
+                    _Pragma("omp simd")                                                         \
+                    for (int64_t i = 0; i < n; i++) o[i] = silu_##SUFFIX(o[i]);                 \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("omp parallel for num_threads(num_threads) if (work >= PARALLEL_MIN_WORK)")   \
+        for (int64_t b = 0; b < num_requests; b++)                                              \
+            next_window_##SUFFIX(x, x_stride, conv_state + b * (width - 1) * channels,          \
+                                 has_initial_state[b] != 0, cu_seqlens[b],                      \
+                                 cu_seqlens[b + 1] - cu_seqlens[b], width, channels);           \
     }
 
-DEFINE_GATED_DELTA_NET(f32, float, expf, sqrtf)
-DEFINE_GATED_DELTA_NET(f64, double, exp, sqrt)
+DEFINE_RECURRENT_KERNELS(f32, float, expf, sqrtf)
+DEFINE_RECURRENT_KERNELS(f64, double, exp, sqrt)

@@ -11,6 +11,8 @@ conv_varlen's convolution, then a chunked rule or a single-token step.
 float32 and float64 (one dtype for the inputs, states and outputs), head sizes up to
 MAX_HEAD_DIM, SiLU as the convolution's activation; ``recurrent_kernel_available``
 says whether the library built here. Without it the layer keeps its torch path.
+``causal_conv1d`` is the convolution alone (with SiLU or none), for the layers whose
+recurrence stays in torch (short convolution, Mamba, Mamba-2, RG-LRU).
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ _ARGTYPES = [_P, _I, _P, _P, _I, _P, ctypes.c_int, _P, _P, _P, _I, _P, _P, _P, _
              ctypes.c_double, ctypes.c_int]
 
 
+_CONV_FUNCTIONS = {torch.float32: "causal_conv1d_f32", torch.float64: "causal_conv1d_f64"}
+_CONV_ARGTYPES = [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
+
+
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, _FUNCTIONS.values(), _ARGTYPES, None)
+    declare(library, _CONV_FUNCTIONS.values(), _CONV_ARGTYPES, None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "gated delta-net and Kimi delta attention layers keep their torch path")
@@ -49,13 +56,19 @@ def recurrent_kernel_available(dtype: torch.dtype, key_dim: int, value_dim: int)
     return dtype in _FUNCTIONS and max(key_dim, value_dim) <= MAX_HEAD_DIM and _LIBRARY.load() is not None
 
 
+def conv_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether ``causal_conv1d`` runs ``dtype`` here."""
+    return dtype in _CONV_FUNCTIONS and _LIBRARY.load() is not None
+
+
 def delta_rule_core(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                          g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
                          has_initial_state: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
                          num_key_heads: int) -> torch.Tensor:
     """mixed_qkv: [T, C] rows (unit last stride), C = 2 Hk K + H V, the q, k and v
     channels side by side before the convolution; conv_weight: [C, W]; conv_bias: [C] or
-    None; g (log decay): [T, H], or [T, H, K] for one per key channel; beta: [T, H]; cu_seqlens: [B + 1]; has_initial_state: [B] bool;
+    None; g (log decay): [T, H], or [T, H, K] for one per key channel; beta: [T, H];
+    cu_seqlens: [B + 1]; has_initial_state: [B] bool;
     conv_state: [B, W-1, C] and state: [B, H, K, V], contiguous, read where
     has_initial_state and overwritten with each request's last window and state.
     Returns the delta rule's outputs [T, H, V] (q scaled by K^-0.5 after its norm)."""
@@ -86,6 +99,34 @@ def delta_rule_core(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bia
         cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), state.data_ptr(),
         out.data_ptr(), num_heads, num_key_heads, key_dim, value_dim, key_dim ** -0.5, L2_NORM_EPS,
         torch.get_num_threads())
+    return out
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                  has_initial_state: torch.Tensor, conv_state: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The depthwise causal convolution alone, as engine/recurrent/conv_varlen.py's
+    ``causal_conv1d_varlen`` (its plain-torch reference: ``causal_conv1d_reference``):
+    x [T, C] rows (unit last stride); weight [C, W]; bias [C] or None; conv_state
+    [B, W-1, C] contiguous, read where has_initial_state and overwritten with each
+    request's last W-1 inputs; activation None or "silu". Returns [T, C]."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_requests = cu_seqlens.shape[0] - 1
+    assert activation in (None, "silu"), activation
+    assert x.device.type == "cpu" and x.stride(1) == 1 and x.dtype in _CONV_FUNCTIONS, (x.device, x.stride(), x.dtype)
+    assert weight.shape == (channels, width) and conv_state.shape == (num_requests, width - 1, channels)
+    assert conv_state.is_contiguous(), conv_state.stride()
+    assert bias is None or (bias.shape == (channels,) and bias.is_contiguous()), bias
+    for tensor in (weight, bias, conv_state):
+        assert tensor is None or tensor.dtype == x.dtype, (tensor.dtype, x.dtype)
+    cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
+    flags = has_initial_state.to(torch.uint8).contiguous()
+    taps = weight.t().contiguous()  # [W, C]
+    out = torch.empty((num_tokens, channels), dtype=x.dtype)
+    getattr(_LIBRARY.load(), _CONV_FUNCTIONS[x.dtype])(
+        x.data_ptr(), x.stride(0), taps.data_ptr(), None if bias is None else bias.data_ptr(), width,
+        cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), out.data_ptr(), channels,
+        int(activation == "silu"), torch.get_num_threads())
     return out
 
 

@@ -8,7 +8,9 @@ step. ``causal_conv1d_varlen`` lays every request's state rows before its tokens
 one sequence and sums its W shifted copies, each times its tap: no output reads
 across a request boundary, since each reads exactly its own W - 1 predecessors.
 On CUDA a Triton kernel computes the outputs of steps with prefill chunks
-(engine/kernels/causal_conv1d.py, tested against ``causal_conv1d_reference``).
+(engine/kernels/causal_conv1d.py, tested against ``causal_conv1d_reference``); on the
+CPU, where the engine takes the recurrent kernel, a C kernel the whole convolution
+(engine/kernels/cpu_recurrent.py).
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ from transformers.activations import ACT2FN
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.causal_conv1d import causal_conv1d_varlen_triton
+from ..kernels.cpu_recurrent import causal_conv1d, conv_kernel_available
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
                          has_initial_state: torch.Tensor, conv_state: torch.Tensor,
-                         activation: str | None = None) -> torch.Tensor:
+                         activation: str | None = None, native: bool = False) -> torch.Tensor:
     """x: [T, D] packed inputs; weight: [D, W]; conv_state: [B, W-1, D], read where
     has_initial_state and overwritten with each request's last W-1 inputs.
-    Returns [T, D]."""
+    ``native``: through the CPU kernel (kernels/cpu_recurrent.py) where it takes the
+    tensors (the layer's kind says, as the engine's CPU paths chose). Returns [T, D]."""
+    if native and _takes_native(x, weight, bias, conv_state, activation):
+        return causal_conv1d(x if x.stride(1) == 1 else x.contiguous(), weight, bias, cu_seqlens, has_initial_state,
+                             conv_state, activation)
     num_tokens, channels = x.shape
     width = weight.shape[1]
     num_requests = cu_seqlens.shape[0] - 1
@@ -67,6 +74,14 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def _write_windows(conv_state: torch.Tensor, sequence: torch.Tensor, segment_end: torch.Tensor, history: int) -> None:
     """Each request's last W-1 rows (inputs) of the laid-out sequence are its next state."""
     conv_state.copy_(sequence[segment_end[:, None] - history + torch.arange(history, device=sequence.device)])
+
+
+def _takes_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                  activation: str | None) -> bool:
+    """The CPU kernel runs one dtype (float32 or float64) throughout, SiLU or no activation."""
+    return (x.device.type == "cpu" and not x.requires_grad and activation in (None, "silu")
+            and x.dtype == weight.dtype == conv_state.dtype and (bias is None or bias.dtype == x.dtype)
+            and conv_state.is_contiguous() and conv_kernel_available(x.dtype))
 
 
 def _takes_triton(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> bool:

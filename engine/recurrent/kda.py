@@ -154,7 +154,8 @@ class KimiDeltaAttentionKind:
         def chunk(initial, cu, q, k, v, g, beta):
             return chunk_kda_varlen(q, k, v, g, beta, cu, initial)
 
-        return scan_split(cu_seqlens, has_initial_state, states["recurrent"], (q, k, v, g, beta), kda_decode_step, chunk)
+        return scan_split(cu_seqlens, has_initial_state, states["recurrent"], (q, k, v, g, beta), kda_decode_step,
+                          chunk)
 
 
 KIMI_DELTA = register_kind(

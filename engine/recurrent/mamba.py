@@ -56,6 +56,11 @@ class MambaKind:
     name = "mamba"
     reference_dtype = torch.float32  # HF's decode update runs in float32 whatever the model's dtype
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the convolution runs through the CPU kernel where it takes the step's
+        # tensors (engine/recurrent/native_core.py).
+        self.native_core = native_core
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         dtype = hf_module.in_proj.weight.dtype
         channels = hf_module.intermediate_size
@@ -82,7 +87,7 @@ class MambaKind:
             x, gate = projected.chunk(2, dim=-1)
         x = causal_conv1d_varlen(
             x.contiguous(), m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state,
-            states["conv"], m.activation,
+            states["conv"], m.activation, native=self.native_core,
         )
         dt, B, C = _ssm_inputs(m, x)
         bias = _dt_bias(m)

@@ -41,6 +41,11 @@ class Mamba2Kind:
     reference_dtype = torch.float32  # HF's scan and update run in float32 whatever the model's dtype
     reads_prompt_tokens = True  # forward takes num_prompt_tokens (dt is clamped at prompt positions only)
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the convolution runs through the CPU kernel where it takes the step's
+        # tensors (engine/recurrent/native_core.py).
+        self.native_core = native_core
+
     def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
         """Whether the module's one-token update (dt unclamped) may compute a token otherwise
         than its chunked scan (dt clamped to time_step_limit), as the load check needs to know."""
@@ -74,7 +79,7 @@ class Mamba2Kind:
         gate, xBC, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         xBC = causal_conv1d_varlen(
             xBC, m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state, states["conv"],
-            m.activation,
+            m.activation, native=self.native_core,
         )
         group_width = m.n_groups * m.ssm_state_size
         x, B, C = xBC.split([m.intermediate_size, group_width, group_width], dim=-1)

@@ -1,9 +1,10 @@
 """Recurrent layers whose kind runs its core through the CPU recurrent kernel.
 
-A kind that can (gated delta-net, Kimi delta attention) takes ``native_core`` at
-construction and, where it is True, runs the convolution, the l2 norms and the delta
-rule of a step as one C call (engine/kernels/cpu_recurrent.py) whenever the step's
-tensors are ones the kernel takes, its torch ops otherwise. The engine's CPU paths
+A kind that can takes ``native_core`` at construction and, where it is True, runs
+through C (engine/kernels/cpu_recurrent.py) whenever the step's tensors are ones the
+kernel takes, its torch ops otherwise: gated delta-net and Kimi delta attention layers
+their convolution, l2 norms and delta rule as one call; short-convolution, Mamba,
+Mamba-2 and RG-LRU layers their causal convolution. The engine's CPU paths
 choose the kernel once at load (engine/cpu/paths.py's ``recurrent_kernel``); this
 replaces the model's layers of such kinds accordingly.
 """

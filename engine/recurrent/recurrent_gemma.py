@@ -70,6 +70,11 @@ class RGLRUBlockKind:
     returns_tuple = True
     reference_dtype = torch.float32  # HF accumulates the recurrence in float32
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the convolution runs through the CPU kernel where it takes the step's
+        # tensors (engine/recurrent/native_core.py).
+        self.native_core = native_core
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module
         return {
@@ -90,7 +95,7 @@ class RGLRUBlockKind:
         y = m.act_fn(m.linear_y(hidden_states))
         u = causal_conv1d_varlen(
             m.linear_x(hidden_states), m.conv_1d.weight.squeeze(1), m.conv_1d.bias, cu_seqlens, has_initial_state,
-            states["conv"],
+            states["conv"], native=self.native_core,
         )
         is_first = torch.zeros(u.shape[0], dtype=torch.bool, device=u.device)
         is_first[cu_seqlens[:-1][~has_initial_state]] = True  # position 0 of a fresh request

@@ -18,6 +18,11 @@ class ShortConvKind:
 
     name = "short_conv"
 
+    def __init__(self, native_core: bool = False) -> None:
+        # Whether the convolution runs through the CPU kernel where it takes the step's
+        # tensors (engine/recurrent/native_core.py).
+        self.native_core = native_core
+
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         weight = hf_module.conv.weight  # [D, 1, W]
         return {"conv": ((weight.shape[2] - 1, weight.shape[0]), weight.dtype)}
@@ -27,7 +32,7 @@ class ShortConvKind:
         # hidden_states: [T, hidden]
         b_gate, c_gate, x = hf_module.in_proj(hidden_states).chunk(3, dim=-1)
         conv = causal_conv1d_varlen(b_gate * x, hf_module.conv.weight[:, 0, :], hf_module.conv.bias, cu_seqlens,
-                                    has_initial_state, states["conv"])
+                                    has_initial_state, states["conv"], native=self.native_core)
         return hf_module.out_proj(c_gate * conv)
 
 

@@ -1,7 +1,8 @@
 """The recurrent core's CPU kernel (kernels/cpu_recurrent.c) against its plain-torch
 reference, built for each kernel target, with one decay per head (gated delta-net) or
-per key channel (Kimi delta attention); the engine takes it on a hybrid model, and
-gives transformers' greedy tokens with it and with it turned off."""
+per key channel (Kimi delta attention), and the convolution alone against its
+reference; the engine takes them on a hybrid model, and gives transformers' greedy
+tokens with them and with them turned off."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from shardline.engine.kernels import cpu_recurrent, native
-from shardline.engine.kernels.cpu_recurrent import (delta_rule_core, delta_rule_core_reference,
+from shardline.engine.kernels.cpu_recurrent import (causal_conv1d, delta_rule_core, delta_rule_core_reference,
                                                     recurrent_kernel_available)
 
 pytestmark = pytest.mark.skipif(cpu_recurrent.load_library() is None, reason="no C compiler to build the kernel")
@@ -76,6 +77,33 @@ def test_kernel_matches_the_reference(kernel_target, step, heads, dtype):
     torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(args["state"], expected["state"], rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(args["conv_state"], expected["conv_state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_convolution_matches_the_reference(kernel_target, step, activation, dtype):
+    """The convolution alone, over more channels than one task takes (300 = 256 + 44),
+    its inputs rows of a wider tensor (as a projection's split leaves them)."""
+    from shardline.engine.recurrent.conv_varlen import causal_conv1d_reference
+
+    lengths, initial = STEPS[step]
+    generator = torch.Generator().manual_seed(4)
+    channels, width = 300, 3
+    x = torch.randn(sum(lengths), 2 * channels, generator=generator, dtype=torch.float64).to(dtype)[:, :channels]
+    weight, bias = (torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+                    for shape in ((channels, width), (channels,)))
+    conv_state = torch.randn(len(lengths), width - 1, channels, generator=generator, dtype=torch.float64).to(dtype)
+    conv_state[~torch.tensor(initial)] = float("nan")
+    saved = conv_state.clone()
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
+    out = causal_conv1d(x, weight, bias, cu_seqlens, torch.tensor(initial), conv_state, activation)
+    tolerance = TOLERANCE[dtype]
+    for b, start in enumerate(cu_seqlens[:-1].tolist()):
+        rows = slice(start, start + lengths[b])
+        want, window = causal_conv1d_reference(x[rows], weight, bias, saved[b] if initial[b] else None, activation)
+        torch.testing.assert_close(out[rows], want, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(conv_state[b], window, rtol=0, atol=0)
 
 
 def test_threads_give_the_same_result():

@@ -14,7 +14,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from shardline.engine.kernels.cpu_recurrent import recurrent_kernel_available
 from shardline.engine.recurrent.gated_delta_net import GATED_DELTA_NET, GatedDeltaNetKind
-from shardline.engine.recurrent.short_conv import SHORT_CONV
+from shardline.engine.recurrent.short_conv import SHORT_CONV, ShortConvKind
 
 from .mixer_parity import chunked, make_sequences, prefill_then_decode, randomize, run_schedule, whole
 
@@ -33,6 +33,7 @@ MODULES = {
     "lfm2": (lambda: Lfm2ShortConv(transformers.Lfm2Config(hidden_size=HIDDEN, num_hidden_layers=1,
                                                            layer_types=["conv"], conv_bias=True), 0), SHORT_CONV),
 }
+MODULES["lfm2-kernel"] = (MODULES["lfm2"][0], ShortConvKind(native_core=True))  # the convolution in C
 SCHEDULES = {"whole": whole(LENGTHS), "chunked": chunked(LENGTHS, seed=2, max_chunk=37),
              "decode": prefill_then_decode(LENGTHS, 4)}
 
