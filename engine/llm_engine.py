@@ -124,6 +124,7 @@ class LLMEngine:
         self._finished_outputs: list[RequestOutput] = []
         self._states: dict[str, RequestState] = {}
         self._sequence_owner: dict[str, tuple[RequestState, int]] = {}
+        self._samples: dict[str, SampleState] = {}  # each sequence's, for the step's output processing
         self._generators: dict[str, torch.Generator] = {}
         self._rows: dict[str, SampleRow] = {}  # each sampling sequence's row, kept while it runs
         self._steady_step: SteadyStep | None = None  # see _sample_rows
@@ -187,8 +188,10 @@ class LLMEngine:
         self.scheduler.add_request(sequences[0])
         state.pending_forks = sequences[1:]
         for index, sequence in enumerate(sequences):
-            state.samples.append(self.output_processor.new_sample(sequence, index, params))
+            sample = self.output_processor.new_sample(state, sequence, index)
+            state.samples.append(sample)
             self._sequence_owner[sequence.request_id] = (state, index)
+            self._samples[sequence.request_id] = sample
             if params.seed is not None:
                 self._generators[sequence.request_id] = torch.Generator().manual_seed(params.seed + index)
         self._states[request_id] = state
@@ -235,6 +238,7 @@ class LLMEngine:
     def _forget_sequences(self, sequence_ids: list[str]) -> None:
         for sequence_id in sequence_ids:
             self._sequence_owner.pop(sequence_id, None)
+            self._samples.pop(sequence_id, None)
             self._generators.pop(sequence_id, None)
             self._rows.pop(sequence_id, None)
             self.structured.forget(sequence_id)
@@ -356,7 +360,7 @@ class LLMEngine:
         if launched.rows:
             token_ids = launched.sampled.host_token_ids()
             forbidden = forbidden_picks(launched.bitmask, launched.restricted, token_ids)
-            owner, deferred = self._sequence_owner, launched.deferred
+            samples, deferred = self._samples, launched.deferred
             append_plain, append_token = self.output_processor.append_plain, self.output_processor.append_token
             for i, (row, token_id, logprobs) in enumerate(zip(launched.rows, token_ids, launched.sampled.logprobs)):
                 sequence = row.request
@@ -364,20 +368,20 @@ class LLMEngine:
                     sequence.num_pending_tokens -= 1
                 if sequence.status.is_finished:
                     continue  # stopped or aborted before this token: it is discarded
-                state, index = owner[sequence.request_id]
+                sample = samples[sequence.request_id]
                 try:
                     if i in forbidden:
                         raise StructuredOutputError(
-                            f"request {state.request_id!r}: no token satisfies both its structured output (or "
-                            "reasoning budget) and its other sampling constraints (allowed_token_ids, bad_words, "
-                            "logit_bias, min_tokens)")
-                    sample = state.samples[index]
-                    status = (append_plain(state, sample, token_id) if sample.plain
-                              else append_token(state, sample, token_id, logprobs))
+                            f"request {sample.owner.request_id!r}: no token satisfies both its structured output "
+                            "(or reasoning budget) and its other sampling constraints (allowed_token_ids, "
+                            "bad_words, logit_bias, min_tokens)")
+                    status = (append_plain(sample, token_id) if sample.plain
+                              else append_token(sample.owner, sample, token_id, logprobs))
                 except StructuredOutputError as exc:
-                    failures.setdefault(state.request_id, exc)
+                    failures.setdefault(sample.owner.request_id, exc)
                     continue
                 if status is not None:
+                    state = sample.owner
                     self.scheduler.finish_requests(sequence.request_id, status)
                     if state.finished and not state.pending_forks:
                         finished_states.append(state)

@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
         return member
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated (one sample of a request when n > 1).
 
