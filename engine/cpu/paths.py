@@ -293,8 +293,10 @@ class CpuRewrites:
     packed_linears: int = 0
     fused_mlps: int = 0
     fused_norms: int = 0
-    fused_layers: int = 0
-    hybrid_modules: int = 0  # engine/recurrent/cpu_layers.py
+    fused_layers: int = 0  # Llama-family and hybrid decoder layers
+    # Hybrids' other replacements: packed gated delta-net projections, the last MLP at
+    # the sampled rows, recurrent layers on the recurrent kernel (engine/recurrent/).
+    hybrid_modules: int = 0
 
 
 def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) -> CpuRewrites:
@@ -315,11 +317,12 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
         layers = fuse_decoder_layers(model, rows_hint)
-    # Hybrid models' own norms and last MLP (engine/recurrent/cpu_layers.py; none for other models).
+    # Hybrid models' own norms, projections and layers (engine/recurrent/cpu_layers.py; none for other models).
     hybrid = optimize_hybrid_layers(model, paths.fused_kernels, rows_hint)
+    others = hybrid.others
     if paths.recurrent_kernel:  # recurrent layers' convolutions and delta rules through the C kernel
-        hybrid += take_native_core(model)
-    rewrites = CpuRewrites(packed, mlps, norms, layers, hybrid)
+        others += take_native_core(model)
+    rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
 

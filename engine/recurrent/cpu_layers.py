@@ -28,6 +28,7 @@ Each replacement falls back to the original module with gradients on or another 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -251,14 +252,23 @@ def sample_last_mlp(model: nn.Module) -> int:
     return 1
 
 
-def optimize_hybrid_layers(model: nn.Module, fused_kernels: bool, rows_hint: int) -> int:
+@dataclass(frozen=True)
+class HybridRewrites:
+    """How many modules ``optimize_hybrid_layers`` replaced: norms, decoder layers and
+    the others (packed projections, the last MLP at the sampled rows)."""
+
+    norms: int = 0
+    layers: int = 0
+    others: int = 0
+
+
+def optimize_hybrid_layers(model: nn.Module, fused_kernels: bool, rows_hint: int) -> HybridRewrites:
     """The hybrid rewrites of the module docstring for a model with recurrent layers
     (none for any other); ``fused_kernels``: whether the engine took the fused kernels;
-    ``rows_hint``: the row count oneDNN tunes packed weights for (engine/cpu/linear.py).
-    Returns how many modules were replaced."""
+    ``rows_hint``: the row count oneDNN tunes packed weights for (engine/cpu/linear.py)."""
     if not any(isinstance(module, RecurrentLayer) for module in model.modules()):
-        return 0
-    replaced = pack_gated_delta_net_projections(model, rows_hint)
-    if fused_kernels:
-        replaced += fuse_hybrid_norms(model) + fuse_hybrid_decoder_layers(model, rows_hint)
-    return replaced + sample_last_mlp(model)
+        return HybridRewrites()
+    projections = pack_gated_delta_net_projections(model, rows_hint)
+    norms = fuse_hybrid_norms(model) if fused_kernels else 0
+    layers = fuse_hybrid_decoder_layers(model, rows_hint) if fused_kernels else 0
+    return HybridRewrites(norms, layers, projections + sample_last_mlp(model))
