@@ -302,5 +302,39 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
                                  cu_seqlens[b + 1] - cu_seqlens[b], width, channels);           \
     }
 
+/* One decode token of a Mamba-2 (SSD) mixer per request, float32 as the Hugging Face
+ * update runs it: per request b and head h (its group g = h / (H / G)), with the state
+ * S [P, N] updated in place in one pass,
+ *   S <- e^{dt A_h} S + dt x B^T,   y = S C + D_h x.
+ * Layout: state [R, H, P, N] contiguous; x rows [R, H P] with stride x_stride; B and C
+ * rows [R, G N] with stride bc_stride; dt [R, H] contiguous; A, D [H] (D may be NULL);
+ * y [R, H, P] contiguous. */
+void ssd_decode_f32(float *state, const float *x, int64_t x_stride, const float *dt, const float *A,
+                    const float *B, const float *C, int64_t bc_stride, const float *D, float *y,
+                    int64_t requests, int64_t heads, int64_t groups, int64_t head_dim, int64_t state_size,
+                    int num_threads) {
+    const int64_t size = head_dim * state_size;
+    _Pragma("omp parallel for num_threads(num_threads) if (requests * heads * size >= PARALLEL_MIN_WORK)")
+    for (int64_t task = 0; task < requests * heads; task++) {
+        const int64_t b = task / heads, h = task % heads, g = h / (heads / groups);
+        const float step = dt[task], decay = expf(step * A[h]);
+        const float *xh = x + b * x_stride + h * head_dim;
+        const float *Bg = B + b * bc_stride + g * state_size, *Cg = C + b * bc_stride + g * state_size;
+        float *S = state + task * size;
+        for (int64_t p = 0; p < head_dim; p++) {
+            float *row = S + p * state_size;
+            const float xp = xh[p];
+            float sum = 0;
+            _Pragma("omp simd reduction(+:sum)")
+            for (int64_t n = 0; n < state_size; n++) {
+                const float s = row[n] * decay + step * Bg[n] * xp;
+                row[n] = s;
+                sum += s * Cg[n];
+            }
+            y[task * head_dim + p] = D ? sum + xp * D[h] : sum;
+        }
+    }
+}
+
 DEFINE_RECURRENT_KERNELS(f32, float, expf, sqrtf)
 DEFINE_RECURRENT_KERNELS(f64, double, exp, sqrt)

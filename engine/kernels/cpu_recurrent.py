@@ -12,7 +12,8 @@ float32 and float64 (one dtype for the inputs, states and outputs), head sizes u
 MAX_HEAD_DIM, SiLU as the convolution's activation; ``recurrent_kernel_available``
 says whether the library built here. Without it the layer keeps its torch path.
 ``causal_conv1d`` is the convolution alone (with SiLU or none), for the layers whose
-recurrence stays in torch (short convolution, Mamba, Mamba-2, RG-LRU).
+recurrence stays in torch (short convolution, Mamba, Mamba-2, RG-LRU);
+``ssd_decode_step`` a float32 Mamba-2 mixer's decode tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ _CONV_FUNCTIONS = {torch.float32: "causal_conv1d_f32", torch.float64: "causal_co
 _CONV_ARGTYPES = [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
 
 
+_SSD_ARGTYPES = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
+
+
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, _FUNCTIONS.values(), _ARGTYPES, None)
     declare(library, _CONV_FUNCTIONS.values(), _CONV_ARGTYPES, None)
+    declare(library, ["ssd_decode_f32"], _SSD_ARGTYPES, None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "gated delta-net and Kimi delta attention layers keep their torch path")
@@ -54,6 +59,11 @@ def load_library() -> ctypes.CDLL | None:
 def recurrent_kernel_available(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
     """Whether the kernel runs heads of these sizes in ``dtype`` here."""
     return dtype in _FUNCTIONS and max(key_dim, value_dim) <= MAX_HEAD_DIM and _LIBRARY.load() is not None
+
+
+def ssd_decode_available(dtype: torch.dtype) -> bool:
+    """Whether ``ssd_decode_step`` runs a mixer of ``dtype`` here (float32 only)."""
+    return dtype == torch.float32 and _LIBRARY.load() is not None
 
 
 def conv_kernel_available(dtype: torch.dtype) -> bool:
@@ -128,6 +138,32 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), out.data_ptr(), channels,
         int(activation == "silu"), torch.get_num_threads())
     return out
+
+
+def ssd_decode_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    C: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    """One decode token of a Mamba-2 mixer per request, float32, as
+    engine/recurrent/ssd.py's ``ssd_decode_step`` (its plain-torch reference): state
+    [R, H, P, N] contiguous, updated in place; x [R, H, P] and B, C [R, G, N], each a
+    view of rows (any row stride, the rest contiguous); dt [R, H]; A, D [H] (D may be
+    None). Returns y [R, H, P]."""
+    requests, heads, head_dim, state_size = state.shape
+    groups = B.shape[1]
+    for tensor in (state, x, dt, A, B, C, D):
+        assert tensor is None or (tensor.dtype == torch.float32 and tensor.device.type == "cpu"), tensor.dtype
+    assert state.is_contiguous() and heads % groups == 0, (state.stride(), heads, groups)
+    assert x.shape == (requests, heads, head_dim) and x.stride()[1:] == (head_dim, 1), (x.shape, x.stride())
+    assert B.shape == C.shape == (requests, groups, state_size) and B.stride() == C.stride(), (B.stride(), C.stride())
+    assert B.stride()[1:] == (state_size, 1), B.stride()
+    dt, A = dt.contiguous(), A.contiguous()
+    D = None if D is None else D.contiguous()
+    assert dt.shape == (requests, heads) and A.shape == (heads,) and (D is None or D.shape == (heads,))
+    y = torch.empty((requests, heads, head_dim), dtype=torch.float32)
+    _LIBRARY.load().ssd_decode_f32(state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(),
+                                   B.data_ptr(), C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(),
+                                   y.data_ptr(), requests, heads, groups, head_dim, state_size,
+                                   torch.get_num_threads())
+    return y
 
 
 def delta_rule_core_reference(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,

@@ -16,7 +16,9 @@ token's is not, so chunked prefill (a prompt's last token alone in a step) and
 recompute after preemption give generate's tokens. A request's single token that
 continues a state takes the recurrent update, any other chunk the chunked scan; each
 request takes its own branch in one call. On CUDA the single-token updates run as one
-Triton launch (kernels/selective_scan.py).
+Triton launch (kernels/selective_scan.py); on the CPU, where the engine takes the
+recurrent kernel, a float32 mixer's single-token updates run as one C call, and every
+mixer's convolution through C too (kernels/cpu_recurrent.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.cpu_recurrent import ssd_decode_available
+from ..kernels.cpu_recurrent import ssd_decode_step as native_ssd_decode_step
 from ..kernels.selective_scan import ssd_decode_packed
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
@@ -89,7 +93,8 @@ class Mamba2Kind:
         dt = softplus_dt(dt, m.dt_bias)
         A = -torch.exp(m.A_log.float())
 
-        y = self._scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, states["ssm"], num_prompt_tokens)
+        y = self._scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, states["ssm"], num_prompt_tokens,
+                       native=self.native_core)
         y = y.reshape(-1, m.intermediate_size)
         if getattr(m, "mamba_rms_norm", True):
             y = m.norm(y[None], gate[None])[0]
@@ -98,17 +103,21 @@ class Mamba2Kind:
         return m.out_proj(y.to(dtype))
 
     @staticmethod
-    def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state, num_prompt_tokens=None) -> torch.Tensor:
+    def _scan(m, x, dt, A, B, C, cu_seqlens, has_initial_state, ssm_state, num_prompt_tokens=None,
+              native: bool = False) -> torch.Tensor:
         """Each request's SSM over its tokens: decode steps by the recurrent update, the
         rest by the chunked scan. dt is clamped at prompt tokens and not at generated ones
         (without ``num_prompt_tokens``: clamped in the scan only, as the HF module's own
-        branches do). Returns y [T, H, P]."""
+        branches do). ``native``: a float32 mixer's update through the CPU kernel
+        (kernels/cpu_recurrent.py). Returns y [T, H, P]."""
         dt_clamped = torch.clamp(dt, min=m.time_step_limit[0], max=m.time_step_limit[1])
         if num_prompt_tokens is not None:
             dt = dt_clamped = torch.where(prompt_token_mask(cu_seqlens, num_prompt_tokens, dt.shape[0])[:, None],
                                           dt_clamped, dt)
         on_triton = x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES
-        update = ssd_decode_packed if on_triton else ssd_decode_step
+        on_cpu_kernel = (native and x.device.type == "cpu" and x.dtype == ssm_state.dtype == torch.float32
+                         and ssd_decode_available(x.dtype))
+        update = ssd_decode_packed if on_triton else native_ssd_decode_step if on_cpu_kernel else ssd_decode_step
 
         def decode(state, x, dt, dt_clamped, B, C):
             return update(state, x, dt, A, B, C, m.D)

@@ -106,6 +106,27 @@ def test_convolution_matches_the_reference(kernel_target, step, activation, dtyp
         torch.testing.assert_close(conv_state[b], window, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("with_d", [True, False])
+def test_ssd_decode_matches_the_reference(kernel_target, with_d):
+    """A Mamba-2 mixer's decode tokens: x, B and C views of the convolution's rows."""
+    from shardline.engine.kernels.cpu_recurrent import ssd_decode_step
+    from shardline.engine.recurrent.ssd import ssd_decode_step as reference
+
+    requests, heads, groups, head_dim, state_size = 5, 8, 2, 16, 32
+    generator = torch.Generator().manual_seed(6)
+    rows = torch.randn(requests, heads * head_dim + 2 * groups * state_size + 3, generator=generator)
+    x = rows[:, : heads * head_dim].reshape(requests, heads, head_dim)
+    B, C = (rows[:, heads * head_dim + i * groups * state_size:][:, : groups * state_size]
+            .reshape(requests, groups, state_size) for i in range(2))
+    dt, A = torch.rand(requests, heads, generator=generator), -torch.rand(heads, generator=generator)
+    D = torch.randn(heads, generator=generator) if with_d else None
+    state = torch.randn(requests, heads, head_dim, state_size, generator=generator)
+    expected_state = state.clone()
+    y = ssd_decode_step(state, x, dt, A, B, C, D)
+    torch.testing.assert_close(y, reference(expected_state, x, dt, A, B, C, D), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expected_state, rtol=2e-5, atol=2e-5)
+
+
 def test_threads_give_the_same_result():
     """(request, head) pairs split over threads: the same bits as on one thread."""
     args = make_step([40, 1, 1, 23], [False, True, True, True], 2, 4, 64, 64, torch.float32)
