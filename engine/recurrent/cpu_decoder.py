@@ -124,11 +124,9 @@ class FusedHybridDecoderLayer(nn.Module):
         self.attend = attend  # the engine's attention function, as registered with transformers
         self.is_last = is_last
         attention = getattr(layer, "self_attn", None)
-        self.num_heads = self.num_kv_heads = 0
+        self.num_heads = 0 if attention is None else attention.config.num_attention_heads  # 0: a recurrent mixer
         self.weights = None
         if attention is not None:
-            self.num_heads = attention.config.num_attention_heads
-            self.num_kv_heads = attention.config.num_key_value_heads
             if packable_side_by_side((attention.q_proj, attention.k_proj, attention.v_proj)):
                 self.weights = GatedAttentionWeights(attention, self.num_heads, rows_hint, split=is_last)
 
