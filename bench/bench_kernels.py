@@ -7,10 +7,12 @@ GPU: time per call and the KV bytes read per second (the decode roofline is memo
 bandwidth) of paged attention (decode, prefill) and the KV store; needs a CUDA GPU.
 
 --cpu: the C decode and prefill kernels (engine/kernels/cpu_*.c) on bench_engine's
-heads (8 query heads over 4 KV heads of 64) and prompts, block tables shuffled: a
-decode step of its 64 requests halfway through their outputs, over 8 layers' caches
-(more than the last-level cache holds, as in the engine), and its 64 prompts
-prefilled fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
+heads (8 query heads over 4 KV heads of 64) and prompts: a decode step of its 64
+requests halfway through their outputs, over 8 layers' caches (more than the
+last-level cache holds, as in the engine), with the block tables shuffled and in the
+engine's order (each prompt's blocks in a row, then the decode blocks taken by the
+requests in turn, as bench_engine's run lays them out), and its 64 prompts prefilled
+fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
 loaded machine compare; build targets by SHARDLINE_CPU_TARGET (e.g. x86-64-v3 for an
 AVX2 host's code on an AVX-512 one). Prints ms per layer with GB/s of KV read
 (decode) and GFLOP/s (prefill).
@@ -100,6 +102,24 @@ def cpu_batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, bloc
     return block_tables, caches
 
 
+def engine_order_tables(prompts: list[int], lengths: list[int], block_size: int) -> torch.Tensor:
+    """Block tables as the engine's allocator lays out bench_engine's run: each prompt's
+    blocks one after another, then the decoding requests' new blocks in turn."""
+    prompt_blocks = [-(-n // block_size) for n in prompts]
+    blocks = [-(-n // block_size) for n in lengths]
+    block_tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    next_block = 0
+    for seq, count in enumerate(prompt_blocks):
+        block_tables[seq, :count] = torch.arange(next_block, next_block + count)
+        next_block += count
+    for index in range(max(blocks)):
+        for seq in range(len(lengths)):
+            if prompt_blocks[seq] <= index < blocks[seq]:
+                block_tables[seq, index] = next_block
+                next_block += 1
+    return block_tables
+
+
 def best_cpu_seconds(run, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -133,11 +153,13 @@ def bench_cpu(repeat: int) -> None:
     expected = paged_attention_reference(query, k_cache, v_cache, torch.cat([rows, rows[-1:] + 1]), seq_lens,
                                          block_tables, scale)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    seconds = best_cpu_seconds(lambda: [decode_attention(query, k, v, block_tables, seq_lens, rows, rows, out,
-                                                         scale) for k, v in caches], repeat) / layers
     kv_bytes = 2 * sum(lengths) * kv_heads * head_dim * 4
-    print(f"{'decode 64 requests x ' + str(sum(lengths) // 64) + ' ctx':<34} {seconds * 1e3:8.2f} ms/layer "
-          f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV")
+    for order, tables in (("shuffled", block_tables), ("engine order", engine_order_tables(prompts, lengths,
+                                                                                            block_size))):
+        seconds = best_cpu_seconds(lambda: [decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale)
+                                            for k, v in caches], repeat) / layers
+        print(f"{f'decode 64 x {sum(lengths) // 64} ctx, {order}':<34} {seconds * 1e3:8.2f} ms/layer "
+              f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV")
 
     block_tables, [(k_cache, v_cache)] = cpu_batch(prompts, heads, kv_heads, head_dim, block_size, 1)
     query = torch.randn(sum(prompts), heads, head_dim)
