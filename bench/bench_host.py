@@ -9,7 +9,7 @@ the host's: scheduling, input building, sampling, output processing and
 detokenization, the engine's bookkeeping.
 
     python bench/bench_host.py [--num-seqs 256] [--output-len 128] [--repeat 3] [--cpu-time]
-                               [--cprofile N] [--async-scheduling on|off]
+                               [--cprofile N] [--async-scheduling on|off] [--stop STRING]
 
 Prints, per run: engine steps, total ms per step, ms per step inside the model's
 forward (the transformers module's call), host ms per step (total minus forward),
@@ -21,7 +21,9 @@ microsecond a call.
 ``--cpu-time`` runs torch on one thread and times by this thread's CPU time
 (time.thread_time) instead of the wall clock, which other work on a shared machine
 moves less. ``--cprofile N`` profiles one extra run with cProfile and prints its N
-most expensive functions by own time.
+most expensive functions by own time. ``--stop STRING`` gives every request that stop
+string: its text is then detokenized and searched at every step (without one, a
+request's text is made at its finish).
 """
 
 from __future__ import annotations
@@ -130,8 +132,8 @@ class PhaseTimer:
             self.seconds[label] = 0.0
 
 
-def run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def run(llm: LLM, prompts: list[list[int]], output_len: int, stop: list[str] | None = None) -> tuple[float, int]:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, stop=stop)
     engine = llm.llm_engine
     llm.reset_prefix_cache()
     steps_before = engine.num_steps
@@ -176,6 +178,8 @@ def main() -> None:
                         help="profile one more run with cProfile; print its N most expensive functions")
     parser.add_argument("--async-scheduling", choices=("on", "off"), default=None,
                         help="the engine's async_scheduling option (default: the engine's own choice)")
+    parser.add_argument("--stop", action="append", default=None, metavar="STRING",
+                        help="a stop string every request has (repeatable); a run must not meet it")
     args = parser.parse_args()
     if args.cpu_time:
         torch.set_num_threads(1)
@@ -197,14 +201,14 @@ def main() -> None:
     host = []
     for index in range(args.repeat):
         timer.reset()
-        elapsed, steps = run(llm, prompts, args.output_len)
+        elapsed, steps = run(llm, prompts, args.output_len, args.stop)
         host.append(report(f"run {index + 1}", elapsed, steps, timer.seconds))
     print(f"host ms/step: best {min(h for h, _ in host):.2f}, worst {max(h for h, _ in host):.2f}; without the "
           f"token choice: best {min(h for _, h in host):.2f}, worst {max(h for _, h in host):.2f}")
     if args.cprofile:
         profiler = cProfile.Profile(clock)  # the runs' own clock
         profiler.enable()
-        run(llm, prompts, args.output_len)
+        run(llm, prompts, args.output_len, args.stop)
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
 

@@ -12,9 +12,9 @@ only.
 Text is read per step only by stop strings and the reasoning split; any other
 sample keeps its tokens and is detokenized when its request finishes, by the same
 incremental algorithm, so its text is what per-step detokenization gives. A "plain"
-sample (no reasoning, grammar, logprobs or stop strings) is appended by
-``append_plain``: a list append and its stop checks (stop token ids, EOS,
-max_tokens, max_model_len).
+sample (no reasoning, grammar or logprobs) is appended by ``append_plain``: a list
+append and its stop checks (stop token ids, EOS, max_tokens, max_model_len, and
+with stop strings its text made and searched token by token).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class OutputProcessor:
             sample.reasoning = self.reasoning_parser.tracker(sequence.prompt_token_ids, params.max_reasoning_tokens)
             sample.reasoning_detokenizer = self._detokenizer(sequence, params)
         sample.text_at_finish = sample.reasoning is None and not params.stop
-        sample.plain = (sample.text_at_finish and params.structured_outputs is None and params.logprobs is None)
+        sample.plain = (sample.reasoning is None and params.structured_outputs is None and params.logprobs is None
+                        and (sample.text_at_finish or sample.detokenizer is not None))
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         sample.max_output_tokens = min(max_tokens, self.max_model_len - sequence.num_prompt_tokens)
         return sample
@@ -173,6 +174,8 @@ class OutputProcessor:
         num_output = sequence.num_output_tokens
         if num_output == 1 and sample.owner.metrics.first_token_time is None:
             sample.owner.metrics.first_token_time = time.monotonic()
+        if not sample.text_at_finish:
+            return self._append_plain_text(sample, token_id, num_output)
         if token_id in sample.stop_token_ids and num_output >= sample.owner.params.min_tokens:
             if sample.owner.params.ignore_eos or token_id not in self.eos_token_ids:
                 sample.stop_reason = token_id
@@ -181,10 +184,38 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _append_plain_text(self, sample: SampleState, token_id: int, num_output: int) -> RequestStatus | None:
+        """append_plain for a sample with stop strings: its text made token by token and
+        searched for them, in ``_check_stop``'s order."""
+        detokenizer = sample.detokenizer
+        delta = detokenizer.add_token(token_id)
+        sample.text = detokenizer.text
+        params = sample.owner.params
+        status = None
+        if num_output >= params.min_tokens:
+            if token_id in sample.stop_token_ids:
+                if params.ignore_eos or token_id not in self.eos_token_ids:
+                    sample.stop_reason = token_id
+                status = RequestStatus.FINISHED_STOPPED
+            elif delta:
+                match = find_stop_string(sample.text, len(delta), params.stop)
+                if match is not None:
+                    stop_str, index = match
+                    end = index + len(stop_str) if params.include_stop_str_in_output else index
+                    sample.text = sample.text[:end]
+                    sample.stop_reason = stop_str
+                    return RequestStatus.FINISHED_STOPPED
+        if status is None and num_output >= sample.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:  # no stop string cut the text: emit any held-back tail
+            detokenizer.flush()
+            sample.text = detokenizer.text
+        return status
+
     def _append_answer_token(self, state: RequestState, sample: SampleState, token_id: int) -> RequestStatus | None:
-        """append_token for a sample without reasoning, grammar or logprobs that is not
-        plain (it has stop strings): every token is answer text and nothing else is
-        recorded."""
+        """append_token for a sample that is not plain but has no reasoning, grammar
+        (not yet) or logprobs for this token: every token is answer text and nothing
+        else is recorded."""
         sample.sequence.append_output_token(token_id)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()

@@ -143,3 +143,28 @@ def test_greedy_tokens_equal_torch_argmax(dtype):
     assert got[1] == 10 and got[2] == 5 and got[3] == 0 and got[4] == 999
     strided = logits[::2, ::3]
     assert greedy_tokens(strided).tolist() == strided.argmax(dim=-1).tolist()
+
+
+def test_plain_and_general_stop_checks_agree(tiny_llm):
+    """The same requests with logprobs (appended by the general path) and without (the
+    plain path): stop strings, stop token ids, EOS, min_tokens and lengths end them alike."""
+    prompts = [f"stop checks {i}" for i in range(8)]
+    reference = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                  use_tqdm=False)
+    cases = []
+    for i, output in enumerate(reference):
+        text, token_ids = output.outputs[0].text, output.outputs[0].token_ids
+        middle = len(text) // 2
+        cases.append(dict(temperature=0, max_tokens=16 - i, ignore_eos=i % 4 == 0, min_tokens=i % 3,
+                          stop=[text[middle : middle + 2]] if i % 3 and len(text) >= 4 else None,
+                          stop_token_ids=[token_ids[4 + i]] if i % 2 else None,
+                          include_stop_str_in_output=i % 4 == 1))
+    plain = tiny_llm.generate(prompts, [SamplingParams(**case) for case in cases], use_tqdm=False)
+    general = tiny_llm.generate(prompts, [SamplingParams(logprobs=0, **case) for case in cases], use_tqdm=False)
+    ends = []
+    for plain_output, general_output in zip(plain, general):
+        a, b = plain_output.outputs[0], general_output.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                          b.stop_reason)
+        ends.append(type(a.stop_reason).__name__ if a.finish_reason == "stop" else a.finish_reason)
+    assert {"str", "int", "length"} <= set(ends)  # stop strings, stop token ids and lengths all ended some
