@@ -48,7 +48,7 @@
 static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
 
-#define DEFINE_RECURRENT_KERNELS(SUFFIX, T, EXP, SQRT)                                          \
+#define DEFINE_RECURRENT_KERNELS(SUFFIX, T, EXP, EXP_LANES, SQRT)                               \
                                                                                                 \
     /* The convolution's taps summed for channels [c0, c0 + n) at the request's token t; the \
      * inputs before the request's first token come from its window (zero without one). */ \
@@ -170,10 +170,15 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
                                v_channel, value_dim, v);                                        \
         l2_normalize_##SUFFIX(q, key_dim, eps, scale);                                          \
         l2_normalize_##SUFFIX(k, key_dim, eps, (T)1);                                           \
-        for (int64_t i = 0; i < key_dim; i++) {                                                 \
-            decay[i] = EXP(g[g_per_key ? i : 0]);                                               \
-            decayed_k[i] = decay[i] * k[i];                                                     \
+        if (g_per_key) {                                                                        \
+            _Pragma("omp simd")                                                                 \
+            for (int64_t i = 0; i < key_dim; i++) decay[i] = EXP_LANES(g[i]);                   \
+        } else {                                                                                \
+            const T head_decay = EXP(g[0]);                                                     \
+            for (int64_t i = 0; i < key_dim; i++) decay[i] = head_decay;                        \
         }                                                                                       \
+        _Pragma("omp simd")                                                                     \
+        for (int64_t i = 0; i < key_dim; i++) decayed_k[i] = decay[i] * k[i];                   \
     }                                                                                           \
                                                                                                 \
     /* Request b's tokens through value head h, its state S in place. Two sets of per-token \
@@ -336,5 +341,6 @@ void ssd_decode_f32(float *state, const float *x, int64_t x_stride, const float 
     }
 }
 
-DEFINE_RECURRENT_KERNELS(f32, float, expf, sqrtf)
-DEFINE_RECURRENT_KERNELS(f64, double, exp, sqrt)
+/* EXP_LANES: the exponential in a loop over channels (float32: exp_f32, which vectorizes). */
+DEFINE_RECURRENT_KERNELS(f32, float, expf, exp_f32, sqrtf)
+DEFINE_RECURRENT_KERNELS(f64, double, exp, exp, sqrt)
