@@ -341,6 +341,43 @@ void ssd_decode_f32(float *state, const float *x, int64_t x_stride, const float 
     }
 }
 
+/* One decode token of a Mamba (selective scan) mixer per request, float32 as the Hugging
+ * Face update runs it: per request b and channel c (its group g = c / (Dc / G)), the
+ * state row s [N] updated in place,
+ *   s <- e^{dt_c A_c} s + dt_c B_g x_c,   y_c = (s . C_g + D_c x_c) silu(z_c).
+ * Layout: state [R, Dc, N] contiguous; x, dt and z rows [R, Dc] with strides x_stride,
+ * dt_stride and z_stride (z may be NULL); B and C rows [R, G N] with stride bc_stride;
+ * A [Dc, N] contiguous; D [Dc] or NULL; y [R, Dc] contiguous. Parallel over requests
+ * and blocks of CONV_BLOCK channels. */
+void selective_decode_f32(float *state, const float *x, int64_t x_stride, const float *dt, int64_t dt_stride,
+                          const float *A, const float *B, const float *C, int64_t bc_stride, const float *D,
+                          const float *z, int64_t z_stride, float *y, int64_t requests, int64_t channels,
+                          int64_t groups, int64_t state_size, int num_threads) {
+    const int64_t blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK, per_group = channels / groups;
+    _Pragma("omp parallel for num_threads(num_threads) if (requests * channels * state_size >= PARALLEL_MIN_WORK)")
+    for (int64_t task = 0; task < requests * blocks; task++) {
+        const int64_t b = task / blocks, c0 = (task % blocks) * CONV_BLOCK;
+        const int64_t c1 = c0 + CONV_BLOCK < channels ? c0 + CONV_BLOCK : channels;
+        for (int64_t c = c0; c < c1; c++) {
+            const int64_t g = c / per_group;
+            const float step = dt[b * dt_stride + c], xc = x[b * x_stride + c];
+            const float *Bg = B + b * bc_stride + g * state_size, *Cg = C + b * bc_stride + g * state_size;
+            const float *Ac = A + c * state_size;
+            float *row = state + (b * channels + c) * state_size;
+            float sum = 0;
+            _Pragma("omp simd reduction(+:sum)")
+            for (int64_t n = 0; n < state_size; n++) {
+                const float s = row[n] * exp_f32(step * Ac[n]) + step * Bg[n] * xc;
+                row[n] = s;
+                sum += s * Cg[n];
+            }
+            if (D) sum += xc * D[c];
+            if (z) sum *= silu_f32(z[b * z_stride + c]);
+            y[b * channels + c] = sum;
+        }
+    }
+}
+
 /* EXP_LANES: the exponential in a loop over channels (float32: exp_f32, which vectorizes). */
 DEFINE_RECURRENT_KERNELS(f32, float, expf, exp_f32, sqrtf)
 DEFINE_RECURRENT_KERNELS(f64, double, exp, exp, sqrt)

@@ -13,7 +13,8 @@ MAX_HEAD_DIM, SiLU as the convolution's activation; ``recurrent_kernel_available
 says whether the library built here. Without it the layer keeps its torch path.
 ``causal_conv1d`` is the convolution alone (with SiLU or none), for the layers whose
 recurrence stays in torch (short convolution, Mamba, Mamba-2, RG-LRU);
-``ssd_decode_step`` a float32 Mamba-2 mixer's decode tokens.
+``ssd_decode_step`` and ``selective_state_update`` a float32 Mamba-2 or Mamba mixer's
+decode tokens.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ _CONV_ARGTYPES = [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _I, ctypes.c_int, ctyp
 _SSD_ARGTYPES = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
 
 
+_SELECTIVE_ARGTYPES = [_P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int]
+
+
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, _FUNCTIONS.values(), _ARGTYPES, None)
     declare(library, _CONV_FUNCTIONS.values(), _CONV_ARGTYPES, None)
     declare(library, ["ssd_decode_f32"], _SSD_ARGTYPES, None)
+    declare(library, ["selective_decode_f32"], _SELECTIVE_ARGTYPES, None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "gated delta-net and Kimi delta attention layers keep their torch path")
@@ -61,8 +66,9 @@ def recurrent_kernel_available(dtype: torch.dtype, key_dim: int, value_dim: int)
     return dtype in _FUNCTIONS and max(key_dim, value_dim) <= MAX_HEAD_DIM and _LIBRARY.load() is not None
 
 
-def ssd_decode_available(dtype: torch.dtype) -> bool:
-    """Whether ``ssd_decode_step`` runs a mixer of ``dtype`` here (float32 only)."""
+def decode_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether ``ssd_decode_step`` and ``selective_state_update`` run a mixer of ``dtype``
+    here (float32 only)."""
     return dtype == torch.float32 and _LIBRARY.load() is not None
 
 
@@ -163,6 +169,44 @@ def ssd_decode_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: t
                                    B.data_ptr(), C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(),
                                    y.data_ptr(), requests, heads, groups, head_dim, state_size,
                                    torch.get_num_threads())
+    return y
+
+
+def _rows(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A float32 CPU matrix with contiguous rows: ``tensor`` itself where its rows are."""
+    assert tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.dim() == 2, (
+        name, tensor.dtype, tensor.shape)
+    return tensor if tensor.stride(1) == 1 else tensor.contiguous()
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
+                           ) -> torch.Tensor:
+    """One decode token of a Mamba mixer per request, float32, as
+    engine/recurrent/selective_scan.py's ``selective_state_update`` (its plain-torch
+    reference): state [R, Dc, N] contiguous, updated in place; x, dt (softplus'd), z
+    [R, Dc] rows (z may be None); B, C [R, G, N] rows (the rest contiguous); A [Dc, N];
+    D [Dc] or None. Returns y [R, Dc]."""
+    requests, channels, state_size = state.shape
+    groups = B.shape[1]
+    assert state.dtype == torch.float32 and state.is_contiguous() and channels % groups == 0, state.stride()
+    assert B.shape == C.shape == (requests, groups, state_size), (B.shape, C.shape)
+    x, dt = _rows(x, "x"), _rows(dt, "dt")
+    z = None if z is None else _rows(z, "z")
+    B, C = (t.reshape(requests, groups * state_size) for t in (B, C))  # views where the rows allow
+    B, C = _rows(B, "B"), _rows(C, "C")
+    if B.stride(0) != C.stride(0):
+        B, C = B.contiguous(), C.contiguous()
+    A = A.contiguous()
+    D = None if D is None else D.contiguous()
+    assert x.shape == dt.shape == (requests, channels) and (z is None or z.shape == x.shape), (x.shape, dt.shape)
+    assert A.shape == (channels, state_size) and A.dtype == torch.float32 and (D is None or D.shape == (channels,))
+    y = torch.empty((requests, channels), dtype=torch.float32)
+    _LIBRARY.load().selective_decode_f32(
+        state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(),
+        C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(), None if z is None else z.data_ptr(),
+        0 if z is None else z.stride(0), y.data_ptr(), requests, channels, groups, state_size,
+        torch.get_num_threads())
     return y
 
 

@@ -11,7 +11,9 @@ the model's dtype) and the SSM state [channels, N] (float32 at least, as Hugging
 keeps it). A request's single token that continues a state takes the float32
 recurrent update, as the Hugging Face module's decode branch does; other chunks the
 chunked scan (selective_scan.py). On CUDA one Triton kernel (kernels/selective_scan.py)
-runs every request, decode or chunk, with its state in float32.
+runs every request, decode or chunk, with its state in float32; on the CPU, where the
+engine takes the recurrent kernel, a float32 mixer's decode tokens and every mixer's
+convolution run through C (kernels/cpu_recurrent.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.cpu_recurrent import decode_kernel_available
+from ..kernels.cpu_recurrent import selective_state_update as native_selective_state_update
 from ..kernels.selective_scan import selective_scan_packed
 from .base import StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
@@ -96,19 +100,26 @@ class MambaKind:
         dt = F.softplus(dt)
         A = -torch.exp(m.A_log.float()).reshape(m.intermediate_size, m.ssm_state_size)
         D = m.D.reshape(-1)
-        y = self._scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, states["ssm"])
+        y = self._scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, states["ssm"], native=self.native_core)
         return m.out_proj(y.to(dtype))
 
     @staticmethod
-    def _scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, ssm_state) -> torch.Tensor:
+    def _scan(x, dt, A, B, C, D, gate, cu_seqlens, has_initial_state, ssm_state, native: bool = False
+              ) -> torch.Tensor:
         """Each request's SSM: on CUDA one Triton launch for every request (float32
-        state); elsewhere decode steps by the float32 update, the rest by the chunked scan."""
+        state); elsewhere decode steps by the float32 update (``native``: a float32
+        mixer's through the CPU kernel, kernels/cpu_recurrent.py), the rest by the
+        chunked scan."""
         if x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES and ssm_state.dtype == torch.float32:
             return selective_scan_packed(x, dt.contiguous(), A.contiguous(), B, C, D.contiguous(), gate,
                                          cu_seqlens, has_initial_state, ssm_state)
 
+        on_cpu_kernel = (native and x.device.type == "cpu" and x.dtype == ssm_state.dtype == torch.float32
+                         and D.dtype == torch.float32 and decode_kernel_available(x.dtype))
+        update = native_selective_state_update if on_cpu_kernel else selective_state_update
+
         def decode(state, x, dt, B, C, gate):
-            return selective_state_update(state, x, dt, A, B, C, D, gate)
+            return update(state, x, dt, A, B, C, D, gate)
 
         def chunk(initial, cu, x, dt, B, C, gate):
             return selective_scan_varlen(x, dt, A, B, C, D.float(), gate, cu, initial)

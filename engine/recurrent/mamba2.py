@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
-from ..kernels.cpu_recurrent import ssd_decode_available
+from ..kernels.cpu_recurrent import decode_kernel_available
 from ..kernels.cpu_recurrent import ssd_decode_step as native_ssd_decode_step
 from ..kernels.selective_scan import ssd_decode_packed
 from .base import StateShapes, register_kind
@@ -116,7 +116,7 @@ class Mamba2Kind:
                                           dt_clamped, dt)
         on_triton = x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES
         on_cpu_kernel = (native and x.device.type == "cpu" and x.dtype == ssm_state.dtype == torch.float32
-                         and ssd_decode_available(x.dtype))
+                         and decode_kernel_available(x.dtype))
         update = ssd_decode_packed if on_triton else native_ssd_decode_step if on_cpu_kernel else ssd_decode_step
 
         def decode(state, x, dt, dt_clamped, B, C):

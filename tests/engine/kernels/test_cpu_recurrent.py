@@ -127,6 +127,29 @@ def test_ssd_decode_matches_the_reference(kernel_target, with_d):
     torch.testing.assert_close(state, expected_state, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("groups,gated", [(1, True), (2, False)])
+def test_selective_decode_matches_the_reference(kernel_target, groups, gated):
+    """A Mamba mixer's decode tokens over more channels than one task takes (300):
+    x and the gate views of the projection's rows, B and C of another's."""
+    from shardline.engine.kernels.cpu_recurrent import selective_state_update
+    from shardline.engine.recurrent.selective_scan import selective_state_update as reference
+
+    requests, channels, state_size = 4, 300, 16
+    generator = torch.Generator().manual_seed(8)
+    projected = torch.randn(requests, 2 * channels + 1, generator=generator)
+    x, z = projected[:, :channels], projected[:, channels : 2 * channels] if gated else None
+    rows = torch.randn(requests, 2 * groups * state_size + 3, generator=generator)
+    B, C = (rows[:, i * groups * state_size :][:, : groups * state_size].reshape(requests, groups, state_size)
+            for i in range(2))
+    dt = torch.rand(requests, channels, generator=generator)
+    A, D = -torch.rand(channels, state_size, generator=generator), torch.randn(channels, generator=generator)
+    state = torch.randn(requests, channels, state_size, generator=generator)
+    expected_state = state.clone()
+    y = selective_state_update(state, x, dt, A, B, C, D, z)
+    torch.testing.assert_close(y, reference(expected_state, x, dt, A, B, C, D, z), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, expected_state, rtol=2e-5, atol=2e-5)
+
+
 def test_threads_give_the_same_result():
     """(request, head) pairs split over threads: the same bits as on one thread."""
     args = make_step([40, 1, 1, 23], [False, True, True, True], 2, 4, 64, 64, torch.float32)

@@ -82,6 +82,29 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("name", ["mamba", "zamba"])
+def test_mamba_kind_through_the_cpu_kernels_matches_the_hf_mixer(name):
+    """A float32 mixer with its convolution and decode updates through the CPU kernels
+    (kernels/cpu_recurrent.py), which the kind takes there: prefill then decode gives
+    the HF mixer's outputs and states within float32 rounding (zamba: grouped B and C,
+    a gate of every other projected column)."""
+    from shardline.engine.kernels.cpu_recurrent import decode_kernel_available
+    from shardline.engine.recurrent.mamba import MambaKind
+
+    if not decode_kernel_available(torch.float32):
+        pytest.skip("the recurrent kernel cannot be built here")
+    mixer, config = build_mixer(name)
+    mixer = mixer.float()
+    sequences = [s.float() for s in make_sequences(LENGTHS, HIDDEN, seed=1)]
+    outputs, states = run_schedule(MambaKind(native_core=True), mixer, config, sequences, SCHEDULES["decode"])
+    for i, sequence in enumerate(sequences):
+        expected, cache = hf_reference(mixer, config, sequence, layer_idx=0)
+        torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
+        for state_name, value in hf_states(cache).items():
+            torch.testing.assert_close(states[i][state_name], value, rtol=1e-4, atol=1e-4,
+                                       msg=f"sequence {i} state {state_name}")
+
+
 @pytest.mark.parametrize("name,schedule", CASES)
 def test_mamba_kind_matches_the_hf_mixer(name, schedule):
     mixer, config, sequences, references = mixer_case(name)

@@ -103,10 +103,10 @@ def test_mamba2_kind_through_the_cpu_kernels_matches_the_hf_mixer(name):
     """A float32 mixer with its convolution and decode updates through the CPU kernels
     (kernels/cpu_recurrent.py), which the kind takes there: prefill then decode gives
     the HF mixer's outputs and states within float32 rounding."""
-    from shardline.engine.kernels.cpu_recurrent import ssd_decode_available
+    from shardline.engine.kernels.cpu_recurrent import decode_kernel_available
     from shardline.engine.recurrent.mamba2 import Mamba2Kind
 
-    if not ssd_decode_available(torch.float32):
+    if not decode_kernel_available(torch.float32):
         pytest.skip("the recurrent kernel cannot be built here")
     mixer, config = build_mixer(name)
     mixer = mixer.float()
