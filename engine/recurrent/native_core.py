@@ -4,7 +4,8 @@ A kind that can takes ``native_core`` at construction and, where it is True, run
 through C (engine/kernels/cpu_recurrent.py) whenever the step's tensors are ones the
 kernel takes, its torch ops otherwise: gated delta-net and Kimi delta attention layers
 their convolution, l2 norms and delta rule as one call; short-convolution, Mamba,
-Mamba-2 and RG-LRU layers their causal convolution. The engine's CPU paths
+Mamba-2 and RG-LRU layers their causal convolution, and float32 Mamba and Mamba-2
+mixers their decode tokens' state updates. The engine's CPU paths
 choose the kernel once at load (engine/cpu/paths.py's ``recurrent_kernel``); this
 replaces the model's layers of such kinds accordingly.
 """
