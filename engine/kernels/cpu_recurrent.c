@@ -1,7 +1,11 @@
-/* The recurrent core of gated delta-net and Kimi delta attention layers on the CPU
- * (kernels/cpu_recurrent.py launches it): from the projected q|k|v rows to the delta
- * rule's outputs, for a packed batch of requests, prefill chunks and decode tokens
- * alike, in one call per layer.
+/* The CPU kernels of recurrent layers (kernels/cpu_recurrent.py launches them): the
+ * recurrent core of gated delta-net and Kimi delta attention layers (below), the
+ * causal convolution alone, and float32 Mamba and Mamba-2 decode updates (each
+ * described where it is defined).
+ *
+ * The recurrent core goes from the projected q|k|v rows to the delta rule's outputs,
+ * for a packed batch of requests, prefill chunks and decode tokens alike, in one call
+ * per layer.
  *
  * Per request b and value head h (its key head hk = h / repeat), token by token:
  *   x_c    = silu(sum_j w[c, j] in[t - (W - 1) + j, c] + bias[c])  (causal convolution of
@@ -271,7 +275,7 @@ static inline double silu_f64(double x) { return x / (1.0 + exp(-x)); }
                                  cu_seqlens[b + 1] - cu_seqlens[b], width, channels);           \
     }                                                                                           \
                                                                                                 \
-    /* The depthwise causal convolution alone (short-convolution, Mamba and RG-LRU layers): \
+    /* The depthwise causal convolution alone (short-convolution, Mamba, Mamba-2, RG-LRU): \
      * out [T, C] = act(sum_j w[j, c] in[t - (W - 1) + j, c] + bias[c]), act SiLU where     \
      * silu, else none; the windows as above. Parallel over requests and blocks of         \
      * CONV_BLOCK channels, each block's taps over a request's tokens in order. */          \
