@@ -181,6 +181,10 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         # How many leading blocks of a request's table have been offered to the cache.
         self._num_registered: dict[str, int] = {}
+        # Per request: the smaller of the tokens its table covers and the computed tokens
+        # from which its next full block is to be registered. While num_computed_tokens
+        # plus the new tokens stay at or below it, allocate_slots has nothing to do.
+        self._idle_below: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -233,13 +237,15 @@ class KVCacheManager:
         blocks the hit would revive) cannot supply the missing blocks.
         """
         request_id = request.request_id
+        idle_below = self._idle_below.get(request_id)
+        if idle_below is not None and request.num_computed_tokens + num_new_tokens <= idle_below \
+                and not new_computed_blocks:
+            return True  # the common decode step: the table covers it, nothing to register
         block_ids = self._block_ids.get(request_id)
         if block_ids is not None and not new_computed_blocks and \
                 request.num_computed_tokens + num_new_tokens <= len(block_ids) * self.block_size:
-            # The common decode step: the table already covers the new tokens.
-            if self.enable_prefix_caching and \
-                    request.num_computed_tokens // self.block_size > self._num_registered[request_id]:
-                self._register_computed(request)
+            # The table covers the new tokens; a block may have filled since last time.
+            self._register_computed(request)
             return True
         table = self._block_tables.get(request_id, [])
         assert not (table and new_computed_blocks), "prefix hits are committed only at admission"
@@ -260,6 +266,7 @@ class KVCacheManager:
         self._block_tables.setdefault(request_id, []).extend(added)
         self._block_ids.setdefault(request_id, []).extend(block.block_id for block in added)
         self._register_computed(request)
+        self._note_idle_below(request_id)
         return True
 
     def free(self, request: Request) -> None:
@@ -277,6 +284,7 @@ class KVCacheManager:
             del self._block_ids[request_id]
         self._block_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._idle_below.pop(request_id, None)
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Give ``child`` (a sample sharing ``parent``'s tokens) the parent's KV.
@@ -297,6 +305,7 @@ class KVCacheManager:
         self._block_tables[child.request_id] = list(shared) + copy
         self._block_ids[child.request_id] = [block.block_id for block in self._block_tables[child.request_id]]
         self._num_registered[child.request_id] = 0
+        self._note_idle_below(child.request_id)
         child.num_computed_tokens = parent.num_computed_tokens
         return (table[num_full].block_id, copy[0].block_id) if partial else None
 
@@ -326,6 +335,14 @@ class KVCacheManager:
         for index in range(num_registered, num_full):
             self.pool.register(table[index], block_hashes[index])
         self._num_registered[request_id] = num_full
+        if request_id in self._idle_below:
+            self._note_idle_below(request_id)
+
+    def _note_idle_below(self, request_id: str) -> None:
+        covered = len(self._block_ids[request_id]) * self.block_size
+        if self.enable_prefix_caching:
+            covered = min(covered, (self._num_registered[request_id] + 1) * self.block_size)
+        self._idle_below[request_id] = covered
 
     def _request_block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first ``num_blocks`` full blocks (memoised per request)."""

@@ -111,14 +111,17 @@ class _Step:
     back if it is unscheduled), so the step's requests are walked once."""
 
     token_budget: int
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     def unschedule(self, request: Request) -> None:
-        scheduled = self.scheduled.pop(request.request_id, None)
-        if scheduled is not None:
-            self.token_budget += scheduled.num_new_tokens
-            request.num_computed_tokens -= scheduled.num_new_tokens
+        for index in range(len(self.scheduled) - 1, -1, -1):
+            scheduled = self.scheduled[index]
+            if scheduled.request is request:
+                del self.scheduled[index]
+                self.token_budget += scheduled.num_new_tokens
+                request.num_computed_tokens -= scheduled.num_new_tokens
+                return
 
 
 class Scheduler:
@@ -155,7 +158,7 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         return SchedulerOutput(
-            scheduled=list(step.scheduled.values()),
+            scheduled=step.scheduled,
             preempted=step.preempted,
             num_scheduled_tokens=budget - step.token_budget,
         )
@@ -325,8 +328,8 @@ class Scheduler:
         if self.state_slots is not None:
             slot = self.state_slots.slot_of(request_id)
             slot = -1 if slot is None else slot
-        step.scheduled[request_id] = ScheduledRequest(
-            request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot)
+        step.scheduled.append(ScheduledRequest(
+            request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot))
         step.token_budget -= num_new_tokens
         request.num_computed_tokens = start + num_new_tokens
 

@@ -14,6 +14,10 @@ Invariants:
 - A row serves one Request object (``owners[row]``), whose parameters never change:
   what the row keeps of them (whether it asks for prompt logprobs) is read when the
   row is bound to it; a request id taken by another request rebinds the row.
+- A steady decode step (the previous step's requests in the same order, each one
+  token further, in a step that computed one known token for each of them and
+  sampled them all) reuses that step's rows without a pass over its requests' rows:
+  only rows whose table a new block reached are brought up to date.
 - Rows of requests that left are reclaimed lazily: when no row is free, those of
   requests absent from the step being built are freed, and only then do the arrays
   grow. A reclaimed request that comes back gets a fresh row.
@@ -52,6 +56,21 @@ class PackedBatch:
     any_prompt_logprobs: bool = False
 
 
+@dataclass
+class SteadyRows:
+    """A decode step that a next one may reuse: its requests in order, their rows,
+    what a next step reads of them, and the ids and last-chunk indices the steps'
+    PackedBatches share (read only)."""
+
+    requests: list[Request]
+    row_index: np.ndarray
+    next_positions: np.ndarray  # each request's position in a steady next step
+    capacity: np.ndarray  # tokens each request's row holds blocks for
+    width: int  # the most blocks a row holds
+    request_ids: list[str]
+    last_chunks: list[int]
+
+
 class InputRows:
     """Per-request block-table rows, kept across steps (see the module's invariants)."""
 
@@ -59,23 +78,32 @@ class InputRows:
         self.block_size = block_size
         self.block_tables = np.zeros((num_rows, max_blocks), dtype=np.int32)
         self.num_blocks = [0] * num_rows
+        self.block_counts = np.zeros(num_rows, dtype=np.int64)  # num_blocks as an array
         self.tables: list[list[int] | None] = [None] * num_rows
         # The request each row was written for, and whether it asks for prompt logprobs.
         self.owners: list[Request | None] = [None] * num_rows
         self.prompt_logprobs = [False] * num_rows
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(num_rows - 1, -1, -1))
+        self._steady: SteadyRows | None = None  # the last step, when a next one may reuse it
 
     def pack(self, scheduled: list[ScheduledRequest], pending_rows: dict[str, int] | None = None) -> PackedBatch:
         """The packed layout of ``scheduled`` (in order). ``pending_rows``: request id ->
         row of the previous step's sampled ids, for requests whose last token is still
         pending there (async scheduling); their input at that position comes from it."""
+        steady = self._steady
+        if steady is not None and not pending_rows and len(scheduled) == len(steady.requests):
+            packed = self._pack_steady(scheduled, steady)
+            if packed is not None:
+                return packed
+        self._steady = None
         token_ids: list[int] = []
-        rows, starts, lengths, request_ids, last_chunks = [], [], [], [], []
+        rows, starts, request_ids, last_chunks = [], [], [], []
         pending_positions, pending_sources = [], []
         width = 0
         any_prompt_logprobs = False
         row_of, owners, tables, num_blocks = self.row_of, self.owners, self.tables, self.num_blocks
+        prompt_logprobs = self.prompt_logprobs
         for index, item in enumerate(scheduled):
             request = item.request
             request_id = request.request_id
@@ -83,53 +111,94 @@ class InputRows:
             end = start + num_new_tokens
             if end == item.num_tokens:
                 last_chunks.append(index)
-            if num_new_tokens == 1 and end == item.num_tokens and not request.num_pending_tokens:
-                # One token, the request's last known one: most decoding requests.
-                outputs = request.output_token_ids
-                token_ids.append(outputs[-1] if outputs else request.prompt_token_ids[-1])
-            else:
-                known = request.num_tokens
-                if end <= known:
-                    token_ids += request.token_ids_slice(start, end)
+                if num_new_tokens == 1 and not request.num_pending_tokens:
+                    # One token, the request's last known one: most decoding requests.
+                    outputs = request.output_token_ids
+                    token_ids.append(outputs[-1] if outputs else request.prompt_token_ids[-1])
                 else:
-                    # The last position's token was sampled by the step in flight.
-                    assert end == known + 1, (request_id, end, known)
-                    token_ids += request.token_ids_slice(start, known)
-                    token_ids.append(0)
-                    pending_positions.append(len(token_ids) - 1)
-                    pending_sources.append(pending_rows[request_id])
+                    self._add_tokens(token_ids, item, pending_rows, pending_positions, pending_sources)
+            else:
+                self._add_tokens(token_ids, item, pending_rows, pending_positions, pending_sources)
             blocks = item.block_ids
+            num_table_blocks = len(blocks)
             row = row_of.get(request_id)
             if row is None or owners[row] is not request or tables[row] is not blocks \
-                    or num_blocks[row] != len(blocks):
+                    or num_blocks[row] != num_table_blocks:
                 row = self._row(item, scheduled)
-            any_prompt_logprobs |= self.prompt_logprobs[row]
+            any_prompt_logprobs |= prompt_logprobs[row]
             rows.append(row)
             starts.append(start)
-            lengths.append(num_new_tokens)
             request_ids.append(request_id)
-            if len(blocks) > width:
-                width = len(blocks)
+            if num_table_blocks > width:
+                width = num_table_blocks
+        num_requests, num_tokens = len(scheduled), len(token_ids)
         row_index = np.array(rows, dtype=np.int64)
         start_array = np.array(starts, dtype=np.int64)
-        length_array = np.array(lengths, dtype=np.int64)
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(length_array, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        if num_tokens == len(scheduled):  # every request computes one token (decoding)
-            positions, token_rows, max_query_len = start_array, row_index, 1
+        if num_tokens == num_requests:  # every request computes one token (decoding)
+            query_start_loc = np.arange(num_requests + 1, dtype=np.int64)
+            positions, seq_lens, token_rows, max_query_len = start_array, start_array + 1, row_index, 1
         else:
-            request_of_token = np.repeat(np.arange(len(scheduled)), length_array)
+            length_array = np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)
+            query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)
+            np.cumsum(length_array, out=query_start_loc[1:])
+            request_of_token = np.repeat(np.arange(num_requests), length_array)
             positions = (np.arange(num_tokens) - query_start_loc[:-1][request_of_token]
                          + start_array[request_of_token])
-            token_rows = row_index[request_of_token]
+            seq_lens, token_rows = start_array + length_array, row_index[request_of_token]
             max_query_len = int(length_array.max())
-        block_size = self.block_size
-        slots = self.block_tables[token_rows, positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
-        return PackedBatch(token_ids, positions, slots, query_start_loc, start_array + length_array,
-                           self.block_tables[row_index, :width], max_query_len, pending_positions,
-                           pending_sources, request_ids, last_chunks, any_prompt_logprobs)
+        if num_tokens == len(last_chunks) == num_requests and not pending_positions and not any_prompt_logprobs:
+            self._steady = SteadyRows([item.request for item in scheduled], row_index, seq_lens,
+                                      self.block_counts[row_index] * self.block_size, width, request_ids, last_chunks)
+        return PackedBatch(token_ids, positions, self._slots(token_rows, positions), query_start_loc, seq_lens,
+                           self.block_tables[row_index, :width], max_query_len, pending_positions, pending_sources,
+                           request_ids, last_chunks, any_prompt_logprobs)
+
+    def _pack_steady(self, scheduled: list[ScheduledRequest], steady: "SteadyRows") -> PackedBatch | None:
+        """The layout of a steady decode step (see the module's invariants), or None
+        when ``scheduled`` is not one."""
+        requests = [item.request for item in scheduled]
+        if requests != steady.requests:  # Request compares by identity
+            return None
+        positions = np.array([item.start for item in scheduled], dtype=np.int64)
+        if not np.array_equal(positions, steady.next_positions):
+            return None
+        # Each request computes the one token it sampled in the step before.
+        token_ids = [request.output_token_ids[-1] for request in requests]
+        row_index = steady.row_index
+        for index in np.flatnonzero(positions >= steady.capacity).tolist():  # a new block reached
+            row = self._row(scheduled[index], scheduled)
+            steady.capacity[index] = self.num_blocks[row] * self.block_size
+            steady.width = max(steady.width, self.num_blocks[row])
+        steady.next_positions = seq_lens = positions + 1
+        return PackedBatch(token_ids, positions, self._slots(row_index, positions),
+                           np.arange(len(scheduled) + 1, dtype=np.int64), seq_lens,
+                           self.block_tables[row_index, : steady.width], 1, [], [], steady.request_ids,
+                           steady.last_chunks)
+
+    def _slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV-cache slot of each token: [T] rows and positions -> [T] int64."""
+        block_index, offsets = np.divmod(positions, self.block_size)
+        slots = self.block_tables[token_rows, block_index].astype(np.int64)
+        slots *= self.block_size
+        slots += offsets
+        return slots
+
+    @staticmethod
+    def _add_tokens(token_ids: list[int], item: ScheduledRequest, pending_rows: dict[str, int] | None,
+                    pending_positions: list[int], pending_sources: list[int]) -> None:
+        """Append the item's input tokens; a position whose token the step in flight
+        sampled (async scheduling) gets 0 and is listed to be filled on the device."""
+        request = item.request
+        start, end = item.start, item.start + item.num_new_tokens
+        known = request.num_tokens
+        if end <= known:
+            token_ids += request.token_ids_slice(start, end)
+            return
+        assert end == known + 1, (request.request_id, end, known)
+        token_ids += request.token_ids_slice(start, known)
+        token_ids.append(0)
+        pending_positions.append(len(token_ids) - 1)
+        pending_sources.append(pending_rows[request.request_id])
 
     def _row(self, item: ScheduledRequest, scheduled: list[ScheduledRequest]) -> int:
         """The request's row, its block table brought up to date."""
@@ -145,13 +214,13 @@ class InputRows:
             self.tables[row] = None
         if self.tables[row] is not blocks:
             self.tables[row] = blocks
-            self.num_blocks[row] = 0
+            self.num_blocks[row] = self.block_counts[row] = 0
         have = self.num_blocks[row]
         if have < len(blocks):
             if len(blocks) > self.block_tables.shape[1]:
                 self._grow(self.block_tables.shape[0], len(blocks))
             self.block_tables[row, have : len(blocks)] = blocks[have:]
-            self.num_blocks[row] = len(blocks)
+            self.num_blocks[row] = self.block_counts[row] = len(blocks)
         return row
 
     def _new_row(self, scheduled: list[ScheduledRequest]) -> int:
@@ -174,6 +243,7 @@ class InputRows:
         tables[:old_rows, :old_blocks] = self.block_tables
         self.block_tables = tables
         self.num_blocks += [0] * (num_rows - old_rows)
+        self.block_counts = np.concatenate([self.block_counts, np.zeros(num_rows - old_rows, dtype=np.int64)])
         self.tables += [None] * (num_rows - old_rows)
         self.owners += [None] * (num_rows - old_rows)
         self.prompt_logprobs += [False] * (num_rows - old_rows)

@@ -131,13 +131,14 @@ class ModelRunner:
             max_seq_len=int(packed.seq_lens.max()),
             **sampled,
         ))
-        input_ids = torch.tensor(packed.token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        # [1, T] each, shaped on the host: a step makes as few torch calls as it can.
+        input_ids = to_device(np.array(packed.token_ids, dtype=np.int64)[None], dev)
         if packed.pending_positions:
-            input_ids[to_device(packed.pending_positions, dev)] = \
+            input_ids[0, to_device(packed.pending_positions, dev)] = \
                 pending.token_ids[to_device(packed.pending_rows, dev)]
         model_inputs = dict(
-            input_ids=input_ids[None],
-            position_ids=to_device(packed.positions, dev)[None],
+            input_ids=input_ids,
+            position_ids=to_device(packed.positions[None], dev),
             shardline_ctx=ctx,
         )
         if self.recurrent_states:

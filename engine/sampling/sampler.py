@@ -92,8 +92,8 @@ class Sampler:
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """logits: [N, V] raw model logits, one row per entry of ``rows``; bitmask:
         [N, ceil(V / 32)] int32 allowed tokens (all bits set in unrestricted rows) or None."""
-        work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logits = logits.to(work_dtype)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.to(torch.float32)
         if bitmask is None and all(row.plain for row in rows):
             return SamplerOutput.start_copy(self._choose_tokens(logits, rows, []), [None] * len(rows))
         if bitmask is not None:
