@@ -154,11 +154,9 @@ static inline __attribute__((always_inline)) void NAME(                         
  * same row of this block is summed, each key row's as a step of a score's dot product
  * (one row per step where there are at least VL steps, D >= VL * VL; else each KV
  * head's keys at once before its scores). Blocks lie anywhere in memory, so the
- * hardware prefetchers cannot run ahead across them; and software prefetches issued
- * in one burst per block, or two blocks ahead, left the loads waiting on them (kernel
- * micro-benchmark, the AVX2 build on a Zen 5 host: 20% more time per step than
- * spread one block ahead; the AVX-512 build, whose dot products take 4 steps over
- * 16 keys, 9% more without the value rows spread, none from spreading its keys). */
+ * hardware prefetchers cannot run ahead across them; software prefetches issued in
+ * one burst per block, or two blocks ahead, leave the loads that follow waiting on
+ * them (bench/bench_kernels.py --cpu times the decode step). */
 #define COLS 4
 
 /* Prefetch into L2 the bytes [0, size) from start, a 64-byte line at a time (the rows
