@@ -37,6 +37,10 @@ class TokenizerDecoding:
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text, one token at a time."""
 
+    # Slotted: with stop strings, every step reads every sequence's detokenizer.
+    __slots__ = ("tokenizer", "_fast_decode", "skip_special_tokens", "spaces_between_special_tokens", "_special_ids",
+                 "_pieces", "_decode_window", "token_ids", "prefix_offset", "read_offset", "text", "_plain_window")
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
                  decoding: TokenizerDecoding | None = None) -> None:
