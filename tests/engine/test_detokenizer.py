@@ -91,7 +91,7 @@ def test_shortcuts_give_the_plain_algorithms_text(tokenizer, skip_special_tokens
     rng = random.Random(7)
     decoding, reference_decoding = TokenizerDecoding(tokenizer), without_shortcut(tokenizer)
     options = (skip_special_tokens, spaces_between_special_tokens)
-    for _ in range(60):
+    for _ in range(150):
         prompt = random_ids(rng, tokenizer, rng.randint(0, 8))
         output = random_ids(rng, tokenizer, rng.randint(1, 40))
         reference = IncrementalDetokenizer(tokenizer, prompt, *options, decoding=reference_decoding)
