@@ -15,9 +15,11 @@ Invariants:
   what the row keeps of them (whether it asks for prompt logprobs) is read when the
   row is bound to it; a request id taken by another request rebinds the row.
 - A steady decode step (the previous step's requests in the same order, each one
-  token further, in a step that computed one known token for each of them and
-  sampled them all) reuses that step's rows without a pass over its requests' rows:
-  only rows whose table a new block reached are brought up to date.
+  token further, in a step that computed one token for each of them and sampled them
+  all) reuses that step's rows without a pass over its requests' rows: only rows
+  whose table a new block reached are brought up to date. Its input tokens are the
+  previous step's samples: appended ones, or (async scheduling) all still pending in
+  the previous step's sampled ids, in the same order.
 - Rows of requests that left are reclaimed lazily: when no row is free, those of
   requests absent from the step being built are freed, and only then do the arrays
   grow. A reclaimed request that comes back gets a fresh row.
@@ -68,7 +70,7 @@ class SteadyRows:
     capacity: np.ndarray  # tokens each request's row holds blocks for
     width: int  # the most blocks a row holds
     request_ids: list[str]
-    last_chunks: list[int]
+    last_chunks: list[int]  # 0 .. B-1: every request samples
 
 
 class InputRows:
@@ -92,8 +94,8 @@ class InputRows:
         row of the previous step's sampled ids, for requests whose last token is still
         pending there (async scheduling); their input at that position comes from it."""
         steady = self._steady
-        if steady is not None and not pending_rows and len(scheduled) == len(steady.requests):
-            packed = self._pack_steady(scheduled, steady)
+        if steady is not None and len(scheduled) == len(steady.requests):
+            packed = self._pack_steady(scheduled, steady, pending_rows)
             if packed is not None:
                 return packed
         self._steady = None
@@ -146,34 +148,45 @@ class InputRows:
                          + start_array[request_of_token])
             seq_lens, token_rows = start_array + length_array, row_index[request_of_token]
             max_query_len = int(length_array.max())
-        if num_tokens == len(last_chunks) == num_requests and not pending_positions and not any_prompt_logprobs:
+        if num_tokens == len(last_chunks) == num_requests and not any_prompt_logprobs:
             self._steady = SteadyRows([item.request for item in scheduled], row_index, seq_lens,
                                       self.block_counts[row_index] * self.block_size, width, request_ids, last_chunks)
         return PackedBatch(token_ids, positions, self._slots(token_rows, positions), query_start_loc, seq_lens,
                            self.block_tables[row_index, :width], max_query_len, pending_positions, pending_sources,
                            request_ids, last_chunks, any_prompt_logprobs)
 
-    def _pack_steady(self, scheduled: list[ScheduledRequest], steady: "SteadyRows") -> PackedBatch | None:
+    def _pack_steady(self, scheduled: list[ScheduledRequest], steady: "SteadyRows",
+                     pending_rows: dict[str, int] | None) -> PackedBatch | None:
         """The layout of a steady decode step (see the module's invariants), or None
-        when ``scheduled`` is not one."""
+        when ``scheduled`` is not one. Each request computes the token the step before
+        sampled for it: known (appended), or pending in the step in flight, whose
+        sampled ids are then the step's inputs in the same order."""
         requests = [item.request for item in scheduled]
         if requests != steady.requests:  # Request compares by identity
             return None
         positions = np.array([item.start for item in scheduled], dtype=np.int64)
         if not np.array_equal(positions, steady.next_positions):
             return None
-        # Each request computes the one token it sampled in the step before.
-        token_ids = [request.output_token_ids[-1] for request in requests]
+        seq_lens = positions + 1
+        num_known = np.array([request.num_tokens for request in requests], dtype=np.int64)
+        pending_positions: list[int] = []
+        if np.array_equal(num_known, seq_lens):
+            token_ids = [request.output_token_ids[-1] for request in requests]
+        elif (pending_rows is not None and np.array_equal(num_known, positions)
+              and list(pending_rows) == steady.request_ids and list(pending_rows.values()) == steady.last_chunks):
+            token_ids, pending_positions = [0] * len(requests), steady.last_chunks
+        else:
+            return None
         row_index = steady.row_index
         for index in np.flatnonzero(positions >= steady.capacity).tolist():  # a new block reached
             row = self._row(scheduled[index], scheduled)
             steady.capacity[index] = self.num_blocks[row] * self.block_size
             steady.width = max(steady.width, self.num_blocks[row])
-        steady.next_positions = seq_lens = positions + 1
+        steady.next_positions = seq_lens
         return PackedBatch(token_ids, positions, self._slots(row_index, positions),
                            np.arange(len(scheduled) + 1, dtype=np.int64), seq_lens,
-                           self.block_tables[row_index, : steady.width], 1, [], [], steady.request_ids,
-                           steady.last_chunks)
+                           self.block_tables[row_index, : steady.width], 1, pending_positions, pending_positions,
+                           steady.request_ids, steady.last_chunks)
 
     def _slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The KV-cache slot of each token: [T] rows and positions -> [T] int64."""

@@ -132,10 +132,17 @@ class ModelRunner:
             **sampled,
         ))
         # [1, T] each, shaped on the host: a step makes as few torch calls as it can.
-        input_ids = to_device(np.array(packed.token_ids, dtype=np.int64)[None], dev)
-        if packed.pending_positions:
-            input_ids[0, to_device(packed.pending_positions, dev)] = \
-                pending.token_ids[to_device(packed.pending_rows, dev)]
+        num_tokens, num_pending = len(packed.token_ids), len(packed.pending_positions)
+        if num_pending == num_tokens == len(pending.rows if pending else ()) \
+                and packed.pending_positions == packed.pending_rows:
+            # Every input is a pending token, token i from sampled row i (a steady step
+            # under async scheduling): the sampled ids are the input ids as they are.
+            input_ids = pending.token_ids[None]
+        else:
+            input_ids = to_device(np.array(packed.token_ids, dtype=np.int64)[None], dev)
+            if num_pending:
+                input_ids[0, to_device(packed.pending_positions, dev)] = \
+                    pending.token_ids[to_device(packed.pending_rows, dev)]
         model_inputs = dict(
             input_ids=input_ids,
             position_ids=to_device(packed.positions[None], dev),

@@ -17,13 +17,20 @@ from shardline.engine.model.input_batch import InputRows
 from shardline.engine.model.runner import LogitsPlan
 
 
-def reference_pack(scheduled, block_size: int) -> dict:
-    """The step's layout, built per token from each request's own tokens and table."""
+def reference_pack(scheduled, block_size: int, pending_rows: dict[str, int] | None) -> dict:
+    """The step's layout, built per token from each request's own tokens and table; a
+    position past a request's known tokens reads its pending token (input 0)."""
     token_ids, positions, slots, query_start_loc, seq_lens, last_chunks = [], [], [], [0], [], []
+    pending_positions, pending_sources = [], []
     for index, item in enumerate(scheduled):
         tokens = item.request.all_token_ids
         for position in range(item.start, item.start + item.num_new_tokens):
-            token_ids.append(tokens[position])
+            if position < len(tokens):
+                token_ids.append(tokens[position])
+            else:
+                pending_positions.append(len(token_ids))
+                pending_sources.append(pending_rows[item.request.request_id])
+                token_ids.append(0)
             positions.append(position)
             slots.append(item.block_ids[position // block_size] * block_size + position % block_size)
         query_start_loc.append(len(token_ids))
@@ -31,13 +38,38 @@ def reference_pack(scheduled, block_size: int) -> dict:
         if item.is_last_chunk:
             last_chunks.append(index)
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slots, query_start_loc=query_start_loc,
-                seq_lens=seq_lens, last_chunks=last_chunks, request_ids=[i.request.request_id for i in scheduled])
+                seq_lens=seq_lens, last_chunks=last_chunks, request_ids=[i.request.request_id for i in scheduled],
+                pending_positions=pending_positions, pending_rows=pending_sources)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_pack_equals_a_layout_built_from_scratch(seed):
+def check_step(rows: InputRows, output, block_size: int, pending_rows: dict[str, int] | None) -> None:
+    packed = rows.pack(output.scheduled, pending_rows)
+    expected = reference_pack(output.scheduled, block_size, pending_rows)
+    assert packed.token_ids == expected["token_ids"]
+    for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens"):
+        assert getattr(packed, name).tolist() == expected[name], name
+    for name in ("last_chunks", "request_ids", "pending_positions", "pending_rows"):
+        assert list(getattr(packed, name)) == expected[name], name
+    assert packed.max_query_len == max(item.num_new_tokens for item in output.scheduled)
+    for index, item in enumerate(output.scheduled):
+        assert packed.block_tables[index, : len(item.block_ids)].tolist() == item.block_ids
+    wants_prompt_logprobs = any(item.request.params.prompt_logprobs is not None for item in output.scheduled)
+    assert packed.any_prompt_logprobs == wants_prompt_logprobs
+    plan = LogitsPlan.of(output.scheduled, packed)
+    reference = LogitsPlan()
+    for index, item in enumerate(output.scheduled):
+        reference.add(item, expected["query_start_loc"][index])
+    assert (plan.keep, plan.sample_rows, plan.prompt_rows) == (
+        reference.keep, reference.sample_rows, reference.prompt_rows)
+
+
+@pytest.mark.parametrize("deferring", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_equals_a_layout_built_from_scratch(seed, deferring):
     """Chunked prefill, decoding, preemption (a small cache), finished requests whose
-    ids come back with other prompts, and rows reclaimed and grown."""
+    ids come back with other prompts, rows reclaimed and grown; with ``deferring``,
+    most steps leave their sampled tokens pending through the next step's packing, as
+    the engine's async scheduling does."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     num_blocks = rng.randint(24, 40)
@@ -47,6 +79,20 @@ def test_pack_equals_a_layout_built_from_scratch(seed):
     rows = InputRows(2, 1, block_size)  # small, so rows are reclaimed and the arrays grow
     ids = [f"r{i}" for i in range(12)]
     active: set[str] = set()
+    in_flight: list[tuple[Request, int]] = []  # a deferred step's sampled tokens, in row order
+
+    def process(sampled: list[tuple[Request, int]], deferred: bool) -> None:
+        finished = []
+        for request, token in sampled:
+            request.num_pending_tokens -= deferred
+            if request.is_finished:
+                continue  # finished before this token: it is discarded
+            request.append_output_token(token)
+            if request.num_output_tokens >= request.max_tokens or rng.random() < 0.05:
+                finished.append(request.request_id)
+        scheduler.finish_requests(finished, RequestStatus.FINISHED_LENGTH)
+        active.difference_update(finished)
+
     for _ in range(400):
         for request_id in ids:
             if request_id not in active and rng.random() < 0.1:
@@ -55,34 +101,18 @@ def test_pack_equals_a_layout_built_from_scratch(seed):
                 scheduler.add_request(Request(request_id, prompt, rng.randint(1, 12), params=params))
                 active.add(request_id)
         output = scheduler.schedule()
-        if output.is_empty:
-            continue
-        packed = rows.pack(output.scheduled)
-        expected = reference_pack(output.scheduled, block_size)
-        assert packed.token_ids == expected["token_ids"]
-        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens"):
-            assert getattr(packed, name).tolist() == expected[name], name
-        assert packed.last_chunks == expected["last_chunks"] and packed.request_ids == expected["request_ids"]
-        assert packed.max_query_len == max(item.num_new_tokens for item in output.scheduled)
-        for index, item in enumerate(output.scheduled):
-            assert packed.block_tables[index, : len(item.block_ids)].tolist() == item.block_ids
-        wants_prompt_logprobs = any(item.request.params.prompt_logprobs is not None for item in output.scheduled)
-        assert packed.any_prompt_logprobs == wants_prompt_logprobs
-        plan = LogitsPlan.of(output.scheduled, packed)
-        reference = LogitsPlan()
-        for index, item in enumerate(output.scheduled):
-            reference.add(item, expected["query_start_loc"][index])
-        assert (plan.keep, plan.sample_rows, plan.prompt_rows) == (
-            reference.keep, reference.sample_rows, reference.prompt_rows)
-        finished = []
-        for item in output.scheduled:
-            request = item.request
-            if item.is_last_chunk:
-                request.append_output_token(rng.randrange(1000))
-                if request.num_output_tokens >= request.max_tokens or rng.random() < 0.05:
-                    finished.append(request.request_id)
-        scheduler.finish_requests(finished, RequestStatus.FINISHED_LENGTH)
-        active -= set(finished)
+        pending_rows = {request.request_id: row for row, (request, _) in enumerate(in_flight)} or None
+        if not output.is_empty:
+            check_step(rows, output, block_size, pending_rows)
+        process(in_flight, deferred=True)
+        sampled = [(item.request, rng.randrange(1000)) for item in output.scheduled if item.is_last_chunk]
+        in_flight = []
+        if deferring and rng.random() < 0.8:
+            for request, _ in sampled:
+                request.num_pending_tokens += 1
+            in_flight = sampled
+        else:
+            process(sampled, deferred=False)
 
 
 def test_a_request_id_taken_again_gets_its_own_row():
