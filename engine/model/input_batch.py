@@ -58,6 +58,22 @@ class PackedBatch:
     any_prompt_logprobs: bool = False
 
 
+def _token_layout(scheduled: list[ScheduledRequest], row_index: np.ndarray, starts: np.ndarray,
+                  num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(query_start_loc [B+1], positions [T], seq_lens [B], each token's row [T],
+    max_query_len) of a step whose requests start at ``starts`` [B] in rows
+    ``row_index`` [B]."""
+    num_requests = len(scheduled)
+    if num_tokens == num_requests:  # every request computes one token (decoding)
+        return np.arange(num_requests + 1, dtype=np.int64), starts, starts + 1, row_index, 1
+    lengths = np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)
+    query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)
+    np.cumsum(lengths, out=query_start_loc[1:])
+    request_of_token = np.repeat(np.arange(num_requests), lengths)
+    positions = np.arange(num_tokens) - query_start_loc[:-1][request_of_token] + starts[request_of_token]
+    return query_start_loc, positions, starts + lengths, row_index[request_of_token], int(lengths.max())
+
+
 @dataclass
 class SteadyRows:
     """A decode step that a next one may reuse: its requests in order, their rows,
@@ -133,22 +149,10 @@ class InputRows:
             request_ids.append(request_id)
             if num_table_blocks > width:
                 width = num_table_blocks
-        num_requests, num_tokens = len(scheduled), len(token_ids)
         row_index = np.array(rows, dtype=np.int64)
-        start_array = np.array(starts, dtype=np.int64)
-        if num_tokens == num_requests:  # every request computes one token (decoding)
-            query_start_loc = np.arange(num_requests + 1, dtype=np.int64)
-            positions, seq_lens, token_rows, max_query_len = start_array, start_array + 1, row_index, 1
-        else:
-            length_array = np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)
-            query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)
-            np.cumsum(length_array, out=query_start_loc[1:])
-            request_of_token = np.repeat(np.arange(num_requests), length_array)
-            positions = (np.arange(num_tokens) - query_start_loc[:-1][request_of_token]
-                         + start_array[request_of_token])
-            seq_lens, token_rows = start_array + length_array, row_index[request_of_token]
-            max_query_len = int(length_array.max())
-        if num_tokens == len(last_chunks) == num_requests and not any_prompt_logprobs:
+        query_start_loc, positions, seq_lens, token_rows, max_query_len = _token_layout(
+            scheduled, row_index, np.array(starts, dtype=np.int64), len(token_ids))
+        if len(token_ids) == len(last_chunks) == len(scheduled) and not any_prompt_logprobs:
             self._steady = SteadyRows([item.request for item in scheduled], row_index, seq_lens,
                                       self.block_counts[row_index] * self.block_size, width, request_ids, last_chunks)
         return PackedBatch(token_ids, positions, self._slots(token_rows, positions), query_start_loc, seq_lens,
