@@ -69,6 +69,16 @@ def run_schedule(kind, module, config, sequences: list[torch.Tensor], schedule,
     return [torch.cat(o) for o in outputs], states
 
 
+def assert_matches_references(outputs: list, states: list, references: list, hf_states, tolerance: float) -> None:
+    """Each sequence's output and final states (run_schedule's) against the HF module's
+    (hf_reference's, one per sequence; ``hf_states`` reads a cache's states by name)."""
+    for i, (expected, cache) in enumerate(references):
+        torch.testing.assert_close(outputs[i], expected, rtol=tolerance, atol=tolerance, msg=f"sequence {i} output")
+        for state_name, value in hf_states(cache).items():
+            torch.testing.assert_close(states[i][state_name], value.to(states[i][state_name].dtype), rtol=tolerance,
+                                       atol=tolerance, msg=f"sequence {i} state {state_name}")
+
+
 def whole(lengths: list[int]) -> list[list[tuple[int, int]]]:
     """Every sequence in one step."""
     return [[(i, n) for i, n in enumerate(lengths)]]

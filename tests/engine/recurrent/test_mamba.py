@@ -14,7 +14,8 @@ import transformers
 from shardline.engine.recurrent.mamba import MAMBA
 from shardline.engine.recurrent.selective_scan import selective_scan_varlen, selective_state_update
 
-from .mixer_parity import chunked, hf_reference, make_sequences, prefill_then_decode, randomize, run_schedule, whole
+from .mixer_parity import (assert_matches_references, chunked, hf_reference, make_sequences, prefill_then_decode,
+                           randomize, run_schedule, whole)
 
 LENGTHS = [9, 1, 40, 3, 6]
 HIDDEN = 16
@@ -97,24 +98,16 @@ def test_mamba_kind_through_the_cpu_kernels_matches_the_hf_mixer(name):
     mixer = mixer.float()
     sequences = [s.float() for s in make_sequences(LENGTHS, HIDDEN, seed=1)]
     outputs, states = run_schedule(MambaKind(native_core=True), mixer, config, sequences, SCHEDULES["decode"])
-    for i, sequence in enumerate(sequences):
-        expected, cache = hf_reference(mixer, config, sequence, layer_idx=0)
-        torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
-        for state_name, value in hf_states(cache).items():
-            torch.testing.assert_close(states[i][state_name], value, rtol=1e-4, atol=1e-4,
-                                       msg=f"sequence {i} state {state_name}")
+    references = [hf_reference(mixer, config, sequence, layer_idx=0) for sequence in sequences]
+    assert_matches_references(outputs, states, references, hf_states, tolerance=1e-4)
 
 
 @pytest.mark.parametrize("name,schedule", CASES)
 def test_mamba_kind_matches_the_hf_mixer(name, schedule):
     mixer, config, sequences, references = mixer_case(name)
     outputs, states = run_schedule(MAMBA, mixer, config, sequences, SCHEDULES[schedule])
-    for i, (expected, cache) in enumerate(references):
-        # HF scans a whole sequence in float64 here; decode steps run in float32 (here and in HF).
-        torch.testing.assert_close(outputs[i], expected, rtol=1e-5, atol=1e-5, msg=f"sequence {i} output")
-        for state_name, value in hf_states(cache).items():
-            torch.testing.assert_close(states[i][state_name], value.to(states[i][state_name].dtype), rtol=1e-5,
-                                       atol=1e-5, msg=f"sequence {i} state {state_name}")
+    # HF scans a whole sequence in float64 here; decode steps run in float32 (here and in HF).
+    assert_matches_references(outputs, states, references, hf_states, tolerance=1e-5)
 
 
 def test_a_whole_prefill_is_exact_in_float64():
