@@ -122,14 +122,14 @@ def fuse_rms_norms(model: nn.Module) -> int:
     return num_fused
 
 
-def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def norm_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for 2-D x, through the kernel when the norm was fused."""
     if isinstance(module, FusedRMSNorm):
-        return rms_norm(x, module.weight, module.eps)
+        return rms_norm(x if x.stride(-1) == 1 else x.contiguous(), module.weight, module.eps)
     return module(x)
 
 
-def _add_norm(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def add_norm_rows(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """residual += delta in place (both [T, hidden]); returns module(residual)."""
     if isinstance(module, FusedRMSNorm) and residual.stride(1) == 1 and delta.stride(1) == 1:
         return add_rms_norm_(residual, delta, module.weight, module.eps)
@@ -176,11 +176,11 @@ class FusedDecoderLayer(nn.Module):
         tokens = x.shape[0]
         if self.is_last and _reads_sampled_rows_only(shardline_ctx, tokens):
             return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
-        normed = _norm(layer.input_layernorm, x)
+        normed = norm_rows(layer.input_layernorm, x)
         query, key, value = self._project_qkv(normed)
         if hasattr(attention, "q_norm"):  # Qwen3: a norm over each head before the rotation
-            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
-            key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
         cos, sin = position_embeddings
         rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
         attended, _ = self.attend(
@@ -189,7 +189,7 @@ class FusedDecoderLayer(nn.Module):
             shardline_ctx=shardline_ctx)
         # The residual stream: x + attention's output, summed into o_proj's fresh output.
         residual = attention.o_proj(attended.reshape(tokens, -1))
-        normed = _add_norm(layer.post_attention_layernorm, residual, x)
+        normed = add_norm_rows(layer.post_attention_layernorm, residual, x)
         return layer.mlp(normed).add_(residual).view(hidden_states.shape)
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,11 +223,11 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
     layer, attention = self.layer, self.layer.self_attn
     head_dim, tokens = attention.head_dim, x.shape[0]
     rows = ctx.sampled_rows
-    normed = _norm(layer.input_layernorm, x)
+    normed = norm_rows(layer.input_layernorm, x)
     key = attention.k_proj(normed).view(tokens, -1, head_dim)
     value = attention.v_proj(normed).view(tokens, -1, head_dim)
     if hasattr(attention, "k_norm"):
-        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+        key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
     cos, sin = (table.reshape(tokens, head_dim) for table in position_embeddings)
     rotary_(key, None, cos, sin)
     k_cache, v_cache = ctx.kv_caches[attention.layer_idx]
@@ -236,13 +236,13 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
         return x.new_zeros(x.shape)
     query = attention.q_proj(normed.index_select(0, rows)).view(rows.numel(), -1, head_dim)
     if hasattr(attention, "q_norm"):
-        query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+        query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
     rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
     attended = torch.empty_like(query)
     decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
                      ctx.sampled_requests, attended, attention.scaling, self.sliding_window, None)
     residual = attention.o_proj(attended.view(rows.numel(), -1))
-    normed = _add_norm(layer.post_attention_layernorm, residual, x.index_select(0, rows))
+    normed = add_norm_rows(layer.post_attention_layernorm, residual, x.index_select(0, rows))
     out = x.new_zeros(x.shape)
     return out.index_copy_(0, rows, layer.mlp(normed).add_(residual))
 

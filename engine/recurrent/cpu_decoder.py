@@ -38,10 +38,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext
 from ..attention.torch_path import write_kv_cache
-from ..cpu.layers import FUSED_DTYPES, FusedRMSNorm
+from ..cpu.layers import FUSED_DTYPES, add_norm_rows, norm_rows
 from ..cpu.linear import packable_side_by_side, packed_matmul, reproduces
 from ..kernels.cpu_attention import decode_attention
-from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from .state import RecurrentLayer
 
 logger = logging.getLogger(__name__)
@@ -49,21 +49,6 @@ logger = logging.getLogger(__name__)
 # Decoder layers of this shape: input_layernorm, a gated delta-net ``linear_attn`` or a
 # gated ``self_attn`` (q_proj yields queries and gates), post_attention_layernorm, mlp.
 HYBRID_DECODER_LAYERS = ("Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer")
-
-
-def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for 2-D x, through the kernel when the norm was fused."""
-    if isinstance(module, FusedRMSNorm):
-        return rms_norm(x if x.stride(-1) == 1 else x.contiguous(), module.weight, module.eps)
-    return module(x)
-
-
-def _add_norm(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """residual += delta in place (both [T, hidden]); returns module(residual)."""
-    if isinstance(module, FusedRMSNorm) and residual.stride(1) == 1 and delta.stride(1) == 1:
-        return add_rms_norm_(residual, delta, module.weight, module.eps)
-    residual.add_(delta)
-    return module(residual)
 
 
 def _rotate_(query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -149,7 +134,7 @@ class FusedHybridDecoderLayer(nn.Module):
         rows = shardline_ctx.sampled_rows if self.is_last else None
         if rows is not None and rows.numel() >= x.shape[0]:
             rows = None
-        normed = _norm(layer.input_layernorm, x)
+        normed = norm_rows(layer.input_layernorm, x)
         if attends:
             mixed = self._attention(normed, position_embeddings, shardline_ctx, rows)
         else:
@@ -160,7 +145,7 @@ class FusedHybridDecoderLayer(nn.Module):
             return x.new_zeros(hidden_states.shape)
         # The residual stream: x + the mixer's output, summed into the mixer's fresh output.
         residual = mixed
-        normed = _add_norm(layer.post_attention_layernorm, residual, x if rows is None else x.index_select(0, rows))
+        normed = add_norm_rows(layer.post_attention_layernorm, residual, x if rows is None else x.index_select(0, rows))
         mlp_out = layer.mlp(normed[None])  # [1, T, hidden], as the decoder calls it (MoE blocks read 3 dimensions)
         mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out
         out = residual.add_(mlp_out.view(residual.shape))
@@ -179,10 +164,10 @@ class FusedHybridDecoderLayer(nn.Module):
             query, gate, key, value = self._project(x)
         else:
             key, value = self._project_key_value(x)
-        key = _norm(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+        key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
         value = value.view(tokens, -1, head_dim)
         if rows is None:
-            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
             _rotate_(query, key, cos, sin)
             attended, _ = self.attend(
                 attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
@@ -194,7 +179,7 @@ class FusedHybridDecoderLayer(nn.Module):
             if rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
                 return x.new_zeros((0, x.shape[1]))
             query, gate = self._project_query_gate(x.index_select(0, rows))
-            query = _norm(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
             _rotate_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
             attended = torch.empty_like(query)
             decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
