@@ -60,11 +60,12 @@ LAYER_WINDOWS = {
 }
 
 
-def _close(actual: object, expected: object) -> bool:
+def same_output(actual: object, expected: object) -> bool:
+    """Whether a replacement's output reproduces the module's (bfloat16 within its rounding)."""
     return reproduces(actual, expected, bfloat16_tolerance=2e-2)
 
 
-def _norm_epsilon(module: nn.Module) -> float | None:
+def norm_epsilon(module: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
         value = getattr(module, name, None)
         if isinstance(value, float):
@@ -75,7 +76,7 @@ def _norm_epsilon(module: nn.Module) -> float | None:
 def _is_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and _norm_epsilon(module) is not None and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES)
+            and norm_epsilon(module) is not None and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES)
 
 
 class FusedRMSNorm(nn.Module):
@@ -85,7 +86,7 @@ class FusedRMSNorm(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.norm = norm
-        self.eps = _norm_epsilon(norm)
+        self.eps = norm_epsilon(norm)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -113,7 +114,7 @@ def fuse_rms_norms(model: nn.Module) -> int:
         probe = (torch.randn(5, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3)
         probe = probe.to(norm.weight.dtype)
         with torch.no_grad():
-            same = _close(fused(probe), norm(probe))
+            same = same_output(fused(probe), norm(probe))
         if same:
             replace_module(model, name, fused)
             num_fused += 1
@@ -304,7 +305,7 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
         with torch.no_grad():
             expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
             fused = FusedDecoderLayer(layer, attend, is_last, rows_hint)
-            same = _close(_probe_layer(fused, rotary_emb, weight.shape[0], weight.dtype), expected)
+            same = same_output(_probe_layer(fused, rotary_emb, weight.shape[0], weight.dtype), expected)
     except Exception:  # a layer the fused forward does not fit
         same = False
     if not same:

@@ -34,26 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm
-from ..cpu.linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module, \
-    reproduces
+from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output
+from ..cpu.linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
 from .cpu_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
 from .state import RecurrentLayer, StepHolder
 
 logger = logging.getLogger(__name__)
-
-
-def _norm_epsilon(module: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
-
-
-def _close(actual: object, expected: object) -> bool:
-    return reproduces(actual, expected, bfloat16_tolerance=2e-2)
 
 
 class FusedOffsetRMSNorm(FusedRMSNorm):
@@ -75,7 +62,7 @@ class FusedGatedRMSNorm(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.norm = norm
-        self.eps = _norm_epsilon(norm)
+        self.eps = norm_epsilon(norm)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [rows, D] -> [rows, D]
@@ -179,7 +166,7 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
             expected = _projections(module, probe)
             for name, linear in zip(names, linears):  # their own packed copies are no longer read
                 setattr(module, name, joint if name == names[0] else linear.unpacked())
-            same = all(_close(actual, wanted) for actual, wanted in zip(_projections(module, probe), expected))
+            same = all(same_output(actual, wanted) for actual, wanted in zip(_projections(module, probe), expected))
         if not same:
             for name, linear in zip(names, linears):
                 setattr(module, name, linear)
@@ -194,14 +181,14 @@ def _is_zero_centred_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm)
             and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.device.type == "cpu"
-            and weight.dtype in FUSED_DTYPES and _norm_epsilon(module) is not None)
+            and weight.dtype in FUSED_DTYPES and norm_epsilon(module) is not None)
 
 
 def _is_gated_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNormGated") and isinstance(weight, torch.Tensor)
             and weight.dim() == 1 and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES
-            and _norm_epsilon(module) is not None)
+            and norm_epsilon(module) is not None)
 
 
 def _probe(size: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -221,10 +208,10 @@ def fuse_hybrid_norms(model: nn.Module) -> int:
             if gated:
                 gate = _probe(module.weight.shape[0], module.weight.dtype, seed=1)
                 fused = FusedGatedRMSNorm(module)
-                same = _close(fused(x, gate), module(x, gate))
+                same = same_output(fused(x, gate), module(x, gate))
             else:
                 fused = FusedOffsetRMSNorm(module)
-                same = _close(fused(x), module(x))
+                same = same_output(fused(x), module(x))
         if same:
             replace_module(model, name, fused)
             num_fused += 1
