@@ -138,7 +138,19 @@ def add_norm_rows(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor
     return module(residual)
 
 
-class FusedDecoderLayer(nn.Module):
+class LayerReplacement(nn.Module):
+    """A module that stands in for the decoder layer it holds as ``layer``: the
+    attributes it does not have itself are the layer's (those the decoder reads,
+    such as ``attention_type``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+
+class FusedDecoderLayer(LayerReplacement):
     """A Llama-family decoder layer's forward with the fused kernels, fused residual
     adds and in-place rotation (see the module docstring). ``layer`` is the original,
     whose submodules it calls, whose forward runs whatever this one does not take,
@@ -157,12 +169,6 @@ class FusedDecoderLayer(nn.Module):
         self.packed_qkv, self.qkv_bias, self.qkv_sizes = None, None, [p.out_features for p in projections]
         if packable_side_by_side(projections):
             self.packed_qkv, self.qkv_bias = pack_side_by_side(projections, rows_hint)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["layer"], name)
 
     def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None,
                 shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:

@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext
 from ..attention.torch_path import write_kv_cache
-from ..cpu.layers import FUSED_DTYPES, add_norm_rows, norm_rows
+from ..cpu.layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows
 from ..cpu.linear import packable_side_by_side, packed_matmul, reproduces
 from ..kernels.cpu_attention import decode_attention
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
@@ -98,7 +98,7 @@ class GatedAttentionWeights:
                                   None if qg_bias is None else torch.cat([qg_bias, kv_bias]), packed_dtype, rows_hint)
 
 
-class FusedHybridDecoderLayer(nn.Module):
+class FusedHybridDecoderLayer(LayerReplacement):
     """A hybrid decoder layer's forward with the fused kernels (see the module
     docstring). ``layer`` is the original, whose submodules it calls, whose forward
     runs whatever this one does not take, and whose other attributes it answers for."""
@@ -114,12 +114,6 @@ class FusedHybridDecoderLayer(nn.Module):
         if attention is not None:
             if packable_side_by_side((attention.q_proj, attention.k_proj, attention.v_proj)):
                 self.weights = GatedAttentionWeights(attention, self.num_heads, rows_hint, split=is_last)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["layer"], name)
 
     def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None,
                 shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
