@@ -284,17 +284,25 @@ def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:
     the layer's own output on a probe step (see the module docstring); returns how
     many were replaced. ``rows_hint`` is the row count oneDNN tunes the packed query,
     key and value weights for (see cpu/linear.py, pack_linears)."""
-    num_fused = 0
+    return replace_decoder_layers(model, lambda layer, position, rotary_emb, is_last: _fused_layer(
+        layer, rotary_emb, is_last=is_last, rows_hint=rows_hint))
+
+
+def replace_decoder_layers(model: nn.Module, replacement) -> int:
+    """In every decoder of ``model`` (a module with ``layers`` and ``rotary_emb``), put
+    ``replacement(layer, position, rotary_emb, is_last)`` in each layer's place where it
+    returns a module (None keeps the layer); returns how many were replaced."""
+    num_replaced = 0
     for decoder in model.modules():
         layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
         if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
             continue
         for position, layer in enumerate(layers):
-            fused = _fused_layer(layer, rotary_emb, is_last=position == len(layers) - 1, rows_hint=rows_hint)
-            if fused is not None:
-                layers[position] = fused
-                num_fused += 1
-    return num_fused
+            replaced = replacement(layer, position, rotary_emb, position == len(layers) - 1)
+            if replaced is not None:
+                layers[position] = replaced
+                num_replaced += 1
+    return num_replaced
 
 
 def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hint: int) -> FusedDecoderLayer | None:

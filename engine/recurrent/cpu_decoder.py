@@ -38,7 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext
 from ..attention.torch_path import write_kv_cache
-from ..cpu.layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows
+from ..cpu.layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows, replace_decoder_layers
 from ..cpu.linear import packable_side_by_side, packed_matmul, reproduces
 from ..kernels.cpu_attention import decode_attention
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
@@ -243,17 +243,8 @@ def fuse_hybrid_decoder_layers(model: nn.Module, rows_hint: int) -> int:
     FusedHybridDecoderLayer where that gives the layer's own output on a probe step;
     returns how many were replaced. ``rows_hint``: the row count oneDNN tunes the
     packed attention weights for (engine/cpu/linear.py)."""
-    num_fused = 0
-    for decoder in model.modules():
-        layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
-        if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
-            continue
-        for position, layer in enumerate(layers):
-            fused = _fused_layer(layer, position, rotary_emb, position == len(layers) - 1, rows_hint)
-            if fused is not None:
-                layers[position] = fused
-                num_fused += 1
-    return num_fused
+    return replace_decoder_layers(model, lambda layer, position, rotary_emb, is_last: _fused_layer(
+        layer, position, rotary_emb, is_last, rows_hint))
 
 
 def _fused_layer(layer: nn.Module, position: int, rotary_emb: nn.Module, is_last: bool,
