@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .loader import ModelLoadError
+from ..errors import ModelLoadError
 from .runner import ModelRunner
 from ..params import SamplingParams
 from ..core.request import Request, RequestStatus

@@ -16,6 +16,7 @@ import transformers
 from ..attention.context import register as register_attention
 from .adapters import UnsupportedAttentionError, adapt_attention, has_adapter
 from ..config import EngineConfig
+from ..errors import ModelLoadError, UnsupportedLayerError, UnsupportedModelError
 from ..recurrent.base import kind_for_layer_type, recurrent_model_types
 from ..recurrent.unsupported import unsupported_reason
 from ..recurrent import kinds as _recurrent_kinds  # noqa: F401  (registers the kinds)
@@ -28,14 +29,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-class ModelLoadError(ValueError):
-    """The model, its tokenizer or its architecture cannot be used by the engine."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The architecture's attention does not go through transformers' attention interface."""
 
 
 @dataclass
@@ -159,11 +152,6 @@ def value_cache_head_size(layer_config: transformers.PretrainedConfig, value_hea
     """The head size a layer's value cache holds: its values', except diffllama's, whose
     adapter attends its two value sets side by side (engine/model/adapters/shapes.py)."""
     return 2 * value_head_dim if getattr(layer_config, "model_type", None) == "diffllama" else value_head_dim
-
-
-class UnsupportedLayerError(UnsupportedModelError):
-    """A model layer keeps state the engine's cache has no place for, or attends in a
-    way its paged attention does not."""
 
 
 def layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .base import RecurrentKind, StateShapes, kind_for_module
+from ..errors import UnsupportedLayerError
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,6 @@ def prepare_recurrent_layers(model: nn.Module, recurrent_layers: list[int]) -> R
     the cache spec marks recurrent; each must have got a wrapper, else the model is
     refused naming the first that did not (its layer type is registered for the model
     type, but none of its modules is of a registered class)."""
-    from ..model.loader import UnsupportedLayerError
     from .base import registered_module_classes
 
     installed = install_recurrent_layers(model)

@@ -39,7 +39,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from shardline import LLM, SamplingParams
-from shardline.engine.model.loader import ModelLoadError
+from shardline.engine.errors import ModelLoadError
 from shardline.engine.tiny import build_tiny_model, tiny_config
 
 MAX_NEW_TOKENS = 6

@@ -135,7 +135,7 @@ def test_attention_called_several_times_per_token_keeps_a_cache_layer_per_call(c
 
 
 def test_dory_whose_earlier_loops_only_read_the_cache_is_refused_with_the_reason(tmp_path):
-    from shardline.engine.model.loader import UnsupportedModelError
+    from shardline.engine.errors import UnsupportedModelError
 
     arch, overrides, _ = CALL_CASES["dory-loops"]
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides, recurrent_kv_cache_mode="last_loop"))

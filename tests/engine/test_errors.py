@@ -7,7 +7,7 @@ import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.config import ConfigError
-from shardline.engine.model.loader import ModelLoadError, UnsupportedModelError
+from shardline.engine.errors import ModelLoadError, UnsupportedModelError
 from shardline.engine.tiny import build_tokenizer
 
 

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec, plan_num_blocks
-from shardline.engine.model.loader import UnsupportedLayerError
+from shardline.engine.errors import UnsupportedLayerError
 from shardline.engine.tiny import build_tiny_model
 
 

@@ -4,7 +4,7 @@ and loads those it runs exactly."""
 import pytest
 
 from shardline import LLM
-from shardline.engine.model.loader import UnsupportedLayerError
+from shardline.engine.errors import UnsupportedLayerError
 from shardline.engine.model.load_check import ModelMismatchError
 from shardline.engine.tiny import build_tiny_model
 

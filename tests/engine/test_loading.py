@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from shardline import LLM, SamplingParams
-from shardline.engine.model.loader import ModelLoadError
+from shardline.engine.errors import ModelLoadError
 from shardline.engine.tiny import build_tiny_model
 
 
@@ -59,7 +59,7 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
     ("deepseek_v32", "indexer pick the top 4 keys"),
 ])
 def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
-    from shardline.engine.model.loader import UnsupportedModelError
+    from shardline.engine.errors import UnsupportedModelError
     from shardline.engine.tiny import build_tiny_model
 
     from .coverage import tiny_overrides
