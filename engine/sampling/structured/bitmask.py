@@ -9,11 +9,28 @@ one batch do not affect each other.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ...kernels._triton import KERNEL_DTYPES, interpreter_active
 from ..harmony import HarmonyTracker
 from ..reasoning import Phase, ReasoningTracker
 from .grammar import GrammarCompiler, GrammarState
+
+# CUDA logits are masked by xgrammar's Triton kernel (the backend its own
+# apply_token_bitmask_inplace picks for CUDA). Not its "cuda" backend: that compiles
+# a .cu file with nvcc when first imported, a toolkit a worker need not have. Not
+# "torch_compile": a compile per batch shape. The Triton kernel needs only Triton (the
+# engine's GPU dependency) and runs on CPU tensors under Triton's interpreter, where
+# the tests compare it with the reference. Its launcher is ours
+# (``apply_token_bitmask_triton``): xgrammar's sizes the grid from device 0 and
+# launches on the current device, whatever the logits' device, and cannot run on CPU
+# tensors. Without Triton, CUDA logits take the reference.
+try:
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel
+except ImportError:
+    apply_token_bitmask_inplace_kernel = None
 
 
 def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -50,20 +67,78 @@ def _bit(bit: int) -> int:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Logits with every token the bitmask forbids set to -inf, over the whole batch.
-    logits: [N, V]; bitmask: [N, ceil(V / 32)] int32 on the host.
+    logits: [N, V]; bitmask: [N, ceil(V / 32)] int32 on the host. V is the engine's
+    vocabulary (the model's logits width), which can exceed the tokenizer's: the
+    grammar leaves the padded ids' bits clear, so every path masks those columns.
 
-    On CPU the logits are masked in place a word (32 tokens) at a time (see
-    ``_mask_by_words``); elsewhere, or when a row's tokens are not contiguous, through
-    ``apply_token_bitmask_reference`` (one unpack and one masked fill on the device),
-    which tests compare the CPU path with.
+    The result may be ``logits`` itself, masked in place, or a new tensor: callers use
+    the returned tensor and must not read ``logits`` again. On CPU the logits are
+    masked in place a word (32 tokens) at a time (see ``_mask_by_words``); on CUDA in
+    place by xgrammar's Triton kernel (``apply_token_bitmask_triton``) where it takes
+    the dtype and layout (float32, float16, bfloat16, last dimension contiguous);
+    anywhere else (another device, float64 logits, no Triton, a row whose tokens are
+    not contiguous) through ``apply_token_bitmask_reference``, which tests compare
+    both fast paths with.
     """
     num_rows, vocab_size = logits.shape
     assert bitmask.shape == (num_rows, (vocab_size + 31) // 32) and bitmask.dtype == torch.int32, (
         bitmask.shape, bitmask.dtype, logits.shape)
-    if logits.device.type != "cpu" or bitmask.device.type != "cpu" or logits.stride(1) != 1:
-        return apply_token_bitmask_reference(logits, bitmask)
-    _mask_by_words(logits, bitmask)
-    return logits
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu" and logits.stride(1) == 1:
+        _mask_by_words(logits, bitmask)
+        return logits
+    if logits.device.type == "cuda" and triton_kernel_takes(logits):
+        apply_token_bitmask_triton(logits, bitmask.to(logits.device, non_blocking=True).contiguous())
+        return logits
+    return apply_token_bitmask_reference(logits, bitmask)
+
+
+def triton_kernel_takes(logits: torch.Tensor) -> bool:
+    """Whether xgrammar's Triton kernel can mask ``logits`` ([N, V]): Triton is
+    installed, the dtype is one it stores (float64 is not: the launch would need more
+    warps than a block holds) and each row's tokens are contiguous (it indexes a row
+    by its stride alone)."""
+    return (apply_token_bitmask_inplace_kernel is not None and logits.dtype in KERNEL_DTYPES
+            and logits.stride(1) == 1)
+
+
+# Tokens one program masks per iteration (xgrammar's launcher's choice): 128 words.
+_KERNEL_BLOCK_SIZE = 4096
+# Programs launched under Triton's interpreter (on CUDA: one per SM). Fewer programs
+# than blocks, so each program's loop over blocks is exercised.
+_INTERPRETER_PROGRAMS = 3
+
+
+def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask ``logits`` in place with xgrammar's Triton kernel: a persistent grid, one
+    program per SM, each looping over (row, 4096-token block) pairs. logits: [N, V]
+    float32, float16 or bfloat16, last dimension contiguous, on CUDA (or on CPU under
+    Triton's interpreter); bitmask: [N, ceil(V / 32)] int32, contiguous, on the same
+    device. The kernel masks the first V columns (bits past V in a row's last word
+    are ignored) and reads a row's words up to its stride, hence the contiguity."""
+    assert apply_token_bitmask_inplace_kernel is not None, "Triton is not installed"
+    num_rows, vocab_size = logits.shape
+    assert logits.dtype in KERNEL_DTYPES and logits.stride(1) == 1, (logits.dtype, logits.stride())
+    assert (bitmask.device == logits.device and bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+            and bitmask.shape == (num_rows, (vocab_size + 31) // 32)), (bitmask.device, bitmask.dtype,
+                                                                        bitmask.shape, bitmask.stride())
+    # Row offsets are computed in int32 inside the kernel.
+    assert num_rows * logits.stride(0) < 2**31, (num_rows, logits.stride())
+    if num_rows == 0:
+        return
+    if logits.device.type == "cuda":
+        properties = torch.cuda.get_device_properties(logits.device)
+        num_programs, warp_size = properties.multi_processor_count, getattr(properties, "warp_size", 32)
+        # Triton launches on the current device: make it the logits' one.
+        device_scope = torch.cuda.device(logits.device)
+    else:
+        assert interpreter_active(), "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
+        num_programs, warp_size, device_scope = _INTERPRETER_PROGRAMS, 32, contextlib.nullcontext()
+    # xgrammar's launch: each thread stores 16 bytes of a 4096-token block.
+    num_warps = _KERNEL_BLOCK_SIZE // warp_size // (16 // logits.element_size())
+    with device_scope:
+        apply_token_bitmask_inplace_kernel[(num_programs,)](
+            logits, bitmask, None, num_rows, vocab_size, logits.stride(0), bitmask.stride(0),
+            num_programs, _KERNEL_BLOCK_SIZE, num_warps=num_warps, num_stages=3)
 
 
 # The int32 value of each of a word's 32 bits (bit 31 is the sign bit).
