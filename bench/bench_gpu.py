@@ -33,7 +33,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).parent))
 
 from shardline import LLM, SamplingParams  # noqa: E402
-from shardline.engine.tiny import build_tokenizer  # noqa: E402
+from shardline.engine.model.tiny import build_tokenizer  # noqa: E402
 
 QWEN3_0_6B = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

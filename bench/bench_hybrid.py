@@ -33,7 +33,7 @@ import bench_engine
 from bench_engine import run_hf_static, run_shardline
 from common import LLAMA_BENCH_CONFIG, build_bench_model, random_prompts
 from shardline import LLM, SamplingParams
-from shardline.engine.tiny import build_tokenizer
+from shardline.engine.model.tiny import build_tokenizer
 
 # qwen3_5_text's pattern (full attention every fourth layer) at the Llama benchmark's width.
 HYBRID_BENCH_CONFIG = dict(

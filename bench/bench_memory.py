@@ -19,7 +19,7 @@ import tempfile
 CHILD = r"""
 import json, random, resource, sys, sys as _s
 from shardline import LLM, SamplingParams
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 num_prompts, model_dir = int(sys.argv[1]), sys.argv[2]
 llm = LLM(model_dir, dtype="float32", max_num_seqs=32)
 rng = random.Random(0)
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--base", type=int, default=200)
     parser.add_argument("--factor", type=int, default=10)
     args = parser.parse_args()
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="shardline-mem-"), "llama"))
     results = []

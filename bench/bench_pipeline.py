@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def build_model(kind: str, root: Path) -> str:
     if kind == "tiny":
-        from shardline.engine.tiny import build_tiny_model
+        from shardline.engine.model.tiny import build_tiny_model
 
         return str(build_tiny_model(root / "tiny"))
     from common import build_bench_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from shardline.engine.tiny import build_tokenizer
+from shardline.engine.model.tiny import build_tokenizer
 
 # The speed issue's model: Llama-shaped, random weights, float32.
 LLAMA_BENCH_CONFIG = dict(

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
+from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
 from .engine_protocol import Engine
 from .llm_engine import LLMEngine, PromptType

@@ -39,7 +39,7 @@ from .model.runner import (
 from .sampling.output_processor import OutputProcessor, RequestState, SampleState
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams
-from .prompts import PromptType, tokenize_prompt
+from .inputs.prompts import PromptType, tokenize_prompt
 from .sampling.reasoning import make_reasoning_parser
 from .core.request import Request, RequestStatus
 from .sampling.sampler import SampleRow, Sampler, SamplerOutput, bad_word_bans, gather_logprobs

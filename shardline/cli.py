@@ -265,7 +265,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model_dir = root / "tiny-model"
     print(f"[2/3] building a tiny random-weight model in {model_dir} (no download)")
     if not (model_dir / "config.json").exists():
-        from shardline.engine.tiny import build_tiny_model
+        from shardline.engine.model.tiny import build_tiny_model
 
         build_tiny_model(model_dir, arch="llama")
     print("[3/3] running the batch-inference flow")

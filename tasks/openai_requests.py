@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline import PoolingParams, SamplingParams, StructuredOutputsParams
-from shardline.engine.chat import ChatRenderError, normalize_messages
+from shardline.engine.inputs.chat import ChatRenderError, normalize_messages
 
 from .executor import RowRequest
 from .job import BatchJob, InputFormat, JobTask, OutputFormat

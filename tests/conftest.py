@@ -27,7 +27,7 @@ TEST_BUCKET = "shardline-tests"
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random llama with a byte-level tokenizer and chat template (no download)."""
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama"))
 

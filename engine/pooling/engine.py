@@ -26,7 +26,7 @@ from ..model.runner import model_max_len
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
 from .packed_attention import PackedAttentionContext, register as register_packed_attention
 from ..params import PoolingParams, PoolingTask
-from ..prompts import PromptType, tokenize_prompt
+from ..inputs.prompts import PromptType, tokenize_prompt
 from .pooler import (
     PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
 )

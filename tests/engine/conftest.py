@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

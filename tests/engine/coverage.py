@@ -13,7 +13,7 @@ Each type ends in one class:
 
 The reference runs in float64 where the model's code takes it, else in float32 (some
 MoE code refuses float64), and shardline in the same dtype. Weights are drawn with
-std 0.2 (engine/tiny.py) and the sweep checks that replacing a prompt's context
+std 0.2 (engine/model/tiny.py) and the sweep checks that replacing a prompt's context
 changes the reference's tokens, so a dropped state or an ignored mask cannot pass.
 
 Run it directly for a report: ``python -m tests.engine.coverage [TYPE ...]``.
@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from shardline import LLM, SamplingParams
 from shardline.engine.errors import ModelLoadError
-from shardline.engine.tiny import build_tiny_model, tiny_config
+from shardline.engine.model.tiny import build_tiny_model, tiny_config
 
 MAX_NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 13, 30)
@@ -88,7 +88,7 @@ SHRINK = {
 _BLT_PART = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
                  intermediate_size=128, vocab_size=VOCAB_SIZE)
 
-# What a type needs beyond SHRINK and engine/tiny.py's common sizes.
+# What a type needs beyond SHRINK and engine/model/tiny.py's common sizes.
 OVERRIDES: dict[str, dict] = {
     "gpt_oss": dict(head_dim=16, sliding_window=8),
     "hunyuan_v1_moe": dict(head_dim=16),

@@ -14,7 +14,7 @@ from shardline import LLM, SamplingParams
 from shardline.engine.attention.backends import choose_attention_backend
 from shardline.engine.llm_engine import uses_position_bias
 from shardline.engine.model.adapters import PagedAttentionAdapter
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 from .hf_reference import hf_greedy, load_hf_model, random_prompts
 

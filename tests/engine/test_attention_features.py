@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from shardline import LLM, SamplingParams
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 from .hf_reference import hf_greedy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardline import LLM, SamplingParams
-from shardline.engine.chat import ChatRenderError
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.inputs.chat import ChatRenderError
+from shardline.engine.model.tiny import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 HELLO = [{"role": "user", "content": "hello"}]

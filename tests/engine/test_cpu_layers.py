@@ -10,7 +10,7 @@ import transformers
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available, replace_module
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine keeps its torch ops")

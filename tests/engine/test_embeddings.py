@@ -23,7 +23,7 @@ from shardline.engine.pooling.packed_attention import PackedAttentionContext, pa
 from shardline.engine.pooling.pooler import PoolingType, UnsupportedPoolingError, pool, read_pooler_config
 from shardline.engine.pooling.engine import PoolingRequest, PoolingScheduler, TaskMismatchError
 from shardline.engine.params import PoolingTask
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 _BASE = [
     "Hi.", "The cat sat on the mat.", "A man is playing a guitar on the street corner.",

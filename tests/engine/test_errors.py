@@ -8,7 +8,7 @@ import transformers
 from shardline import LLM, SamplingParams
 from shardline.engine.config import ConfigError
 from shardline.engine.errors import ModelLoadError, UnsupportedModelError
-from shardline.engine.tiny import build_tokenizer
+from shardline.engine.model.tiny import build_tokenizer
 
 
 def test_empty_prompt(tiny_llm):

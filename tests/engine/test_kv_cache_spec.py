@@ -6,7 +6,7 @@ import transformers
 
 from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec, plan_num_blocks
 from shardline.engine.errors import UnsupportedLayerError
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 
 def test_layer_kinds_follow_the_configs_layer_types(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from shardline import LLM
 from shardline.engine.errors import UnsupportedLayerError
 from shardline.engine.model.load_check import ModelMismatchError
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 # gpt-oss: a learned sink logit per head joins every softmax (attention sinks).
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)

@@ -8,7 +8,7 @@ import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.errors import ModelLoadError
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
 ])
 def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
     from shardline.engine.errors import UnsupportedModelError
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     from .coverage import tiny_overrides
 
@@ -72,7 +72,7 @@ def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path,
 def test_multi_query_and_repeated_key_value_heads_are_cached_as_the_model_passes_them(tmp_path):
     """gpt_bigcode's multi-query attention passes one key head, jetmoe its key heads
     repeated for each of its top-k attention experts: the cache holds what is passed."""
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     for arch, heads in (("gpt_bigcode", 1), ("jetmoe", 4)):
         model_dir = str(build_tiny_model(tmp_path / arch, arch, num_experts_per_tok=2, num_local_experts=4))

@@ -36,7 +36,7 @@ def test_a_model_whose_tokens_ignore_the_context_is_not_counted_as_parity(tmp_pa
     """The sweep's own guard: at transformers' default weight scale a tiny model's
     greedy tokens follow the last token alone, and the sweep says so."""
     from .coverage import _context_matters, _load_reference
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "flat", "llama", num_hidden_layers=1)
     model, expected, _ = _load_reference(str(model_dir))

@@ -14,7 +14,7 @@ from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.sampling.reasoning import (
     Phase, ReasoningParserError, ReasoningTracker, TokenRole, make_reasoning_parser,
 )
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 THINK_TAGS = ["<think>", "</think>"]
 CHOICES = ["positive", "negative", "neutral"]

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from shardline.engine.outputs import CompletionOutput
 from shardline.engine.params import StructuredOutputsParams
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.tasks.fingerprint import fingerprint_fields
 from shardline.tasks.preflight import check_model, field_errors
 from shardline.tasks.engine_cache import close_engines

@@ -10,7 +10,7 @@ import torch
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.cuda_graphs import DecodeGraphs, capture_sizes
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 from ..hf_reference import random_prompts
 

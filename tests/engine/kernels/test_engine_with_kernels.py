@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shardline import LLM, SamplingParams
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 from ..hf_reference import random_prompts
 

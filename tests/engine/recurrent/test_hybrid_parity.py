@@ -19,7 +19,7 @@ import transformers
 from shardline import LLM, SamplingParams
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.recurrent.state import RecurrentStateSpec, install_recurrent_layers
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
 from ..hf_reference import hf_greedy, random_prompts
 

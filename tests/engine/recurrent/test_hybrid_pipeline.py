@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from shardline import LLM, SamplingParams
 from shardline.cli import main
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.tasks.sample_data import write_sample_dataset
 
 from .test_hybrid_parity import ARCHS
