@@ -39,7 +39,7 @@ def torch_path():
 
 
 def delta_rule_inputs(lengths, heads, key_dim, value_dim, per_key, device, gen):
-    from shardline.engine.recurrent.delta_rule import l2_normalize
+    from shardline.engine.kernels.recurrent_reference import l2_normalize
 
     total = sum(lengths)
     q = l2_normalize(torch.randn(total, heads, key_dim, generator=gen)) * key_dim ** -0.5

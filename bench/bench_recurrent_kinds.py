@@ -24,7 +24,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen, l2_normalize
+from shardline.engine.kernels.recurrent_reference import l2_normalize
+from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen
 from shardline.engine.recurrent.gated_delta_net import GATED_DELTA_NET
 from shardline.engine.recurrent.kda import KIMI_DELTA
 from shardline.engine.recurrent.linear_attention import LIGHTNING

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import engine_client
+from .engine_client import ServiceClient
 from .executor import ShardExecutor
 from .runner import ShardRunner
 from .shutdown import clear_shutdown, mark_shutdown, raise_if_shutting_down
@@ -64,7 +64,7 @@ class EngineHost(str, enum.Enum):
 
 _LOCK = threading.Lock()
 _RUNNERS: dict[str, ShardRunner] = {}  # engine key -> this process's runner of that engine
-_CLIENTS: dict[str, engine_client.ServiceClient] = {}  # binding and engine key -> a client of the service
+_CLIENTS: dict[str, ServiceClient] = {}  # binding and engine key -> a client of the service
 _BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
 _LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
 _HOLDERS = 0  # flow runs in this process inside engines_held()
@@ -160,7 +160,7 @@ def run_on_passing_thread(build: Callable[[], Any]) -> Any:
     return outcome["value"]
 
 
-def _get_client(model: str, engine_options: dict[str, Any]) -> engine_client.ServiceClient:
+def _get_client(model: str, engine_options: dict[str, Any]) -> ServiceClient:
     """A client of the host's shared service for this configuration and this process's
     GPUs (the service is started on first use)."""
     raise_if_shutting_down(f"loading model {model}")
@@ -168,7 +168,7 @@ def _get_client(model: str, engine_options: dict[str, Any]) -> engine_client.Ser
     with _LOCK:
         client = _CLIENTS.get(key)
         if client is None:
-            client = _CLIENTS[key] = engine_client.ServiceClient(model, engine_options)
+            client = _CLIENTS[key] = ServiceClient(model, engine_options)
     client.ensure_started()  # outside the lock: a first start loads the model
     return client
 

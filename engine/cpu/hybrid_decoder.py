@@ -38,11 +38,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext
 from ..attention.torch_path import write_kv_cache
-from ..cpu.layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows, replace_decoder_layers
-from ..cpu.linear import packable_side_by_side, packed_matmul, reproduces
 from ..kernels.cpu_attention import decode_attention
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
-from .state import RecurrentLayer
+from ..recurrent.state import RecurrentLayer
+from .layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows, replace_decoder_layers
+from .linear import packable_side_by_side, packed_matmul, reproduces
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""CPU fast paths for hybrid models' layers, beside engine/cpu's Llama-family ones.
+"""CPU fast paths for hybrid models' layers, beside layers.py's Llama-family ones.
 
-engine/cpu/paths.py's ``optimize_for_cpu`` packs every linear (the recurrent
+paths.py's ``optimize_for_cpu`` packs every linear (the recurrent
 mixers' projections among them) and fuses gated MLPs; its fused norms and decoder
 layers take the Llama family's forms. A hybrid (Qwen3.5, Qwen3-Next, ...) keeps its
 own decoder layers, whose norms are zero-centred (``(1 + weight) * x / rms(x)``), and
@@ -15,7 +15,7 @@ its gated delta-net layers end with a gated norm (``weight * x / rms(x) * silu(z
   over their weights packed side by side, the rows ordered as the layer reads them
   (q|k|v as the convolution takes them, then z, b and a), so a step reads the hidden
   states once and makes one call where it made four (two of them 8 columns wide);
-- the decoder layers by FusedHybridDecoderLayers (engine/recurrent/cpu_decoder.py);
+- the decoder layers by FusedHybridDecoderLayers (engine/cpu/hybrid_decoder.py);
 - where the last decoder layer is not one, its MLP by one that runs at the rows the
   step samples alone when the runner marks them (``AttentionContext.sampled_rows``, prefill steps): the
   final norm and the LM head read nothing else of that layer's output, and an MLP is
@@ -34,11 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu.layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output
-from ..cpu.linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
-from .cpu_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
-from .state import RecurrentLayer, StepHolder
+from ..recurrent.gated_delta_net import (GatedDeltaNetKind, PackedInputProjections, StridedGateNorm,
+                                         input_projections)
+from ..recurrent.state import RecurrentLayer, StepHolder
+from .hybrid_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
+from .layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output
+from .linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class FusedOffsetRMSNorm(FusedRMSNorm):
         return self.scale
 
 
-class FusedGatedRMSNorm(nn.Module):
+class FusedGatedRMSNorm(StridedGateNorm):
     """``weight * x / rms(x) * silu(z)`` (the gated delta-net's output norm) with the
     normalisation through the fused kernel; ``norm`` is the original module."""
 
@@ -98,7 +100,7 @@ class SampledRowsMLP(nn.Module):
         return out.view(x.shape)
 
 
-class GatedDeltaNetProjections(nn.Linear):
+class GatedDeltaNetProjections(nn.Linear, PackedInputProjections):
     """A gated delta-net layer's first input projection (in_proj_qkv, or Qwen3-Next's
     in_proj_qkvz), whose ``project`` runs all of the layer's input projections as one
     packed matmul: (q|k|v [T, conv_dim], z [T, Hv * Dv], b [T, Hv], a [T, Hv]), views of
@@ -141,8 +143,6 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
     """Replace each gated delta-net layer's first input projection by a
     GatedDeltaNetProjections over all of its packed input projections (see the module
     docstring) where they are packed linears of one dtype; returns how many layers."""
-    from .gated_delta_net import GatedDeltaNetKind, _projections
-
     num_packed = 0
     for layer in [m for m in model.modules() if isinstance(m, RecurrentLayer)]:
         module = layer.layer
@@ -163,10 +163,11 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
         joint = GatedDeltaNetProjections(linears[0], packed, bias, sizes)
         probe = _probe(module.hidden_size, linears[0].weight.dtype)
         with torch.no_grad():
-            expected = _projections(module, probe)
+            expected = input_projections(module, probe)
             for name, linear in zip(names, linears):  # their own packed copies are no longer read
                 setattr(module, name, joint if name == names[0] else linear.unpacked())
-            same = all(same_output(actual, wanted) for actual, wanted in zip(_projections(module, probe), expected))
+            actual = input_projections(module, probe)
+            same = all(same_output(got, wanted) for got, wanted in zip(actual, expected))
         if not same:
             for name, linear in zip(names, linears):
                 setattr(module, name, linear)

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import native
+from .hybrid_layers import optimize_hybrid_layers
+from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +307,6 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     read the packed weights). A module whose replacement would give another output on
     a probe input keeps its own (each such refusal is logged with its class); LoRA
     wrappers, already in place, keep wrapping the packed linears inside them."""
-    from ..recurrent.cpu_layers import optimize_hybrid_layers
-    from ..recurrent.native_core import take_native_core
     from .layers import fuse_decoder_layers, fuse_rms_norms
     from .linear import fuse_gated_mlps, pack_linears
 
@@ -317,7 +317,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
         layers = fuse_decoder_layers(model, rows_hint)
-    # Hybrid models' own norms, projections and layers (engine/recurrent/cpu_layers.py; none for other models).
+    # Hybrid models' own norms, projections and layers (hybrid_layers.py; none for other models).
     hybrid = optimize_hybrid_layers(model, paths.fused_kernels, rows_hint)
     others = hybrid.others
     if paths.recurrent_kernel:  # recurrent layers' convolutions and delta rules through the C kernel

@@ -8,7 +8,7 @@ this step, read where has_initial_state[b] (zero otherwise). The output at a tok
 position p of its request is sum_j weight[:, j] * input[p - (W-1) + j], the input
 before position 0 coming from the state. The kernel only reads the state; the caller
 writes the new windows (engine/recurrent/conv_varlen.py). The plain-torch reference is
-conv_varlen.causal_conv1d_reference, run per request.
+recurrent_reference.causal_conv1d_reference, run per request.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Launcher of the recurrent core of gated delta-net and Kimi delta attention layers on
-the CPU (cpu_recurrent.c), beside its plain-torch reference.
+the CPU (cpu_recurrent.c); its plain-torch references are in recurrent_reference.py.
 
 One call per layer and step takes the projected q|k|v rows of every request (prefill
 chunks and decode tokens alike) through the causal convolution with SiLU, the l2
@@ -121,7 +121,8 @@ def delta_rule_core(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bia
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
                   has_initial_state: torch.Tensor, conv_state: torch.Tensor, activation: str | None) -> torch.Tensor:
     """The depthwise causal convolution alone, as engine/recurrent/conv_varlen.py's
-    ``causal_conv1d_varlen`` (its plain-torch reference: ``causal_conv1d_reference``):
+    ``causal_conv1d_varlen`` (its plain-torch reference: recurrent_reference.py's
+    ``causal_conv1d_reference``):
     x [T, C] rows (unit last stride); weight [C, W]; bias [C] or None; conv_state
     [B, W-1, C] contiguous, read where has_initial_state and overwritten with each
     request's last W-1 inputs; activation None or "silu". Returns [T, C]."""
@@ -209,38 +210,3 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         torch.get_num_threads())
     return y
 
-
-def delta_rule_core_reference(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                              g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                              has_initial_state: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
-                              num_key_heads: int) -> torch.Tensor:
-    """``delta_rule_core`` in plain torch, one request at a time, token by token: the
-    convolution's reference, then the gated delta rule's (one decay per head) or Kimi
-    delta attention's one-token step (one per key channel) on each token in turn."""
-    from ..recurrent.conv_varlen import causal_conv1d_reference
-    from ..recurrent.delta_rule import gated_delta_rule_reference, l2_normalize
-    from ..recurrent.kda import kda_decode_step
-
-    num_heads, key_dim, value_dim = state.shape[1:]
-    key_channels = num_key_heads * key_dim
-    outputs = []
-    for b in range(cu_seqlens.shape[0] - 1):
-        tokens = slice(int(cu_seqlens[b]), int(cu_seqlens[b + 1]))
-        length = tokens.stop - tokens.start
-        initial = bool(has_initial_state[b])
-        convolved, conv_state[b] = causal_conv1d_reference(mixed_qkv[tokens], conv_weight, conv_bias,
-                                                           conv_state[b] if initial else None, "silu")
-        query, key, value = torch.split(convolved, [key_channels, key_channels, num_heads * value_dim], dim=-1)
-        query, key = (l2_normalize(x.reshape(length, num_key_heads, key_dim)).repeat_interleave(
-            num_heads // num_key_heads, dim=1) for x in (query, key))
-        query, value = query * key_dim ** -0.5, value.reshape(length, num_heads, value_dim)
-        if g.dim() == 2:
-            out, state[b] = gated_delta_rule_reference(query, key, value, g[tokens], beta[tokens],
-                                                       state[b] if initial else None)
-        else:
-            if not initial:
-                state[b] = 0
-            out = torch.cat([kda_decode_step(state[b : b + 1], query[t : t + 1], key[t : t + 1], value[t : t + 1],
-                                             g[tokens][t : t + 1], beta[tokens][t : t + 1]) for t in range(length)])
-        outputs.append(out)
-    return torch.cat(outputs)

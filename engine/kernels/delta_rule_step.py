@@ -5,8 +5,8 @@ Kimi delta attention (one per key channel).
 One program updates one request's state block S [K, BLOCK_V] for one head, in
 registers (float32):
     S <- diag(e^g) S,   u = beta (v - S^T k),   S <- S + k u^T,   o = S^T q
-The plain-torch references are shardline.engine.recurrent.delta_rule.gated_delta_rule_step
-and shardline.engine.recurrent.kda.kda_decode_step.
+The plain-torch references are recurrent_reference.py's gated_delta_rule_reference (one
+request, token by token) and kda_step_reference.
 
 Layout (asserted by the launcher): q, k [B, H, K] and v [B, H, V] with unit last
 stride; g [B, H] or, per key channel, [B, H, K] with unit last stride; beta [B, H];

@@ -91,17 +91,17 @@ def _reference_dtype(runner: ModelRunner) -> torch.dtype:
     if runner.model.config.get_text_config().model_type in FLOAT32_ATTENTION_MODEL_TYPES:
         return torch.float32
     kinds = [m.kind for m in runner.model.modules() if isinstance(m, RecurrentLayer)]
-    if any(getattr(k, "reference_dtype", None) == torch.float32 for k in kinds):
+    if any(k.reference_dtype == torch.float32 for k in kinds):
         return torch.float32
     return runner.spec.dtype
 
 
 def _decode_differs_from_scan(model: nn.Module) -> bool:
     """Whether a recurrent layer's own code computes a continuing single token otherwise
-    than its chunked scan would (a kind's optional ``decode_differs_from_scan``)."""
+    than its chunked scan would (a kind's ``decode_differs_from_scan``)."""
     from ..recurrent.state import RecurrentLayer
 
-    return any(getattr(module.kind, "decode_differs_from_scan", lambda layer: False)(module.layer)
+    return any(module.kind.decode_differs_from_scan(module.layer)
                for module in model.modules() if isinstance(module, RecurrentLayer))
 
 

@@ -31,7 +31,8 @@ kinds "linear_attention", so the name alone says nothing.
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -39,29 +40,54 @@ import torch
 StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-class RecurrentKind(Protocol):
-    """One kind of recurrent layer: what state a request keeps, and how a step runs."""
+class RecurrentKind(ABC):
+    """One kind of recurrent layer: what state a request keeps, and how a step runs.
 
-    name: str
-    # Optional: the dtype the HF module's own code computes this layer in when narrower
-    # than the model's (e.g. float32 for a float64 model); the load check compares at
-    # that dtype's tolerance. Read with getattr; absent means the model's dtype.
-    # reference_dtype: torch.dtype
-    # Optional: True where the HF decoder layer unpacks (output, state) from this mixer.
-    # returns_tuple: bool
-    # Optional: whether the HF module's own one-token update computes a token otherwise
-    # than its chunked scan would (Mamba-2's floor on the time step applies in the scan
-    # only); the load check then takes generate's path as its reference. Absent means no.
-    # def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool: ...
-    # Optional: True where ``forward`` also takes ``num_prompt_tokens`` [B] (how many of
-    # each request's tokens are prompt tokens), for math that generate runs differently
-    # on prompt and generated tokens (Mamba-2's time-step floor). Absent means no.
-    # reads_prompt_tokens: bool
+    A kind declares ``name`` and implements ``state_shapes`` and ``forward``; the other
+    members have the defaults below, which a kind overrides where its layer differs.
+    """
 
+    name: ClassVar[str]
+    # The dtype the HF module's own code computes this layer in when narrower than the
+    # model's (e.g. float32 for a float64 model); the load check compares at that dtype's
+    # tolerance. None: the model's dtype.
+    reference_dtype: ClassVar[torch.dtype | None] = None
+    # True where the HF decoder layer unpacks (output, state) from this mixer.
+    returns_tuple: ClassVar[bool] = False
+    # True where ``forward`` also takes ``num_prompt_tokens`` [B] (how many of each
+    # request's tokens are prompt tokens), for math that generate runs differently on
+    # prompt and generated tokens (Mamba-2's time-step floor).
+    reads_prompt_tokens: ClassVar[bool] = False
+    # True where the kind can run its core through the CPU recurrent kernel
+    # (engine/kernels/cpu_recurrent.py); the engine's CPU paths then construct it with
+    # ``native_core=True`` once they have chosen the kernel (engine/cpu/recurrent_core.py).
+    has_native_core: ClassVar[bool] = False
+
+    def __init__(self, native_core: bool = False) -> None:
+        if native_core and not self.has_native_core:
+            raise ValueError(f"recurrent kind {self.name!r} has no native core; native_core=True is accepted "
+                             f"only by kinds whose has_native_core is True")
+        # Whether the core runs through the CPU kernel where it takes the step's tensors.
+        self.native_core = native_core
+
+    def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
+        """Whether the HF module's own one-token update computes a token otherwise than
+        its chunked scan would (Mamba-2's floor on the time step applies in the scan
+        only); the load check then takes generate's path as its reference."""
+        return False
+
+    def module_output(self, hf_module: torch.nn.Module, output: torch.Tensor
+                      ) -> torch.Tensor | tuple[torch.Tensor | None, ...]:
+        """What the replaced HF module returns, from ``forward``'s output [1, T, hidden]:
+        the output itself, or (output, None) where the decoder layer unpacks a tuple. A
+        kind whose module returns several tensors packs them in one and unpacks them here."""
+        return (output, None) if self.returns_tuple else output
+
+    @abstractmethod
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         """Per-request state tensors of this layer, shapes without the slot dimension."""
-        ...
 
+    @abstractmethod
     def forward(
         self,
         hf_module: torch.nn.Module,
@@ -72,7 +98,6 @@ class RecurrentKind(Protocol):
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; returns the layer's output [T, hidden] (what the
         HF module returns, without its batch dimension). Updates ``states`` in place."""
-        ...
 
 
 # Deliberate per-process registries, filled at import of each kind's module.

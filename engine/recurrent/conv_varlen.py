@@ -8,7 +8,8 @@ step. ``causal_conv1d_varlen`` lays every request's state rows before its tokens
 one sequence and sums its W shifted copies, each times its tap: no output reads
 across a request boundary, since each reads exactly its own W - 1 predecessors.
 On CUDA a Triton kernel computes the outputs of steps with prefill chunks
-(engine/kernels/causal_conv1d.py, tested against ``causal_conv1d_reference``); on the
+(engine/kernels/causal_conv1d.py, tested against engine/kernels/recurrent_reference.py's
+``causal_conv1d_reference``); on the
 CPU, where the engine takes the recurrent kernel, a C kernel the whole convolution
 (engine/kernels/cpu_recurrent.py).
 """
@@ -103,24 +104,3 @@ def _conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     conv_state.copy_(window[:, 1:])
     return out.to(x.dtype)
 
-
-def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            initial_state: torch.Tensor | None, activation: str | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request, token by token: x [L, D], initial_state [W-1, D] or None.
-    Returns (output [L, D], the last W-1 inputs [W-1, D])."""
-    width = weight.shape[1]
-    window = (initial_state.clone() if initial_state is not None
-              else x.new_zeros((width - 1, x.shape[1])))
-    outputs = []
-    for token in x:
-        taps = torch.cat([window, token[None]])  # [W, D], oldest first
-        value = (taps.t() * weight).sum(-1)
-        if bias is not None:
-            value = value + bias
-        outputs.append(value)
-        window = taps[1:]
-    out = torch.stack(outputs)
-    if activation is not None:
-        out = ACT2FN[activation](out)
-    return out, window

@@ -32,11 +32,6 @@ from ..kernels.delta_rule_step import delta_rule_step_triton
 from .chunk_layout import ChunkLayout
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
 def unit_lower_inverse(strictly_lower: torch.Tensor) -> torch.Tensor:
     """(I + A)^-1 for strictly lower-triangular A [..., C, C]. A is nilpotent (A^C = 0),
     so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: log2(C) squarings and
@@ -121,20 +116,3 @@ def gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.T
     state.add_(key[..., :, None] * update[..., None, :])
     return (query[..., None, :] @ state)[..., 0, :], state
 
-
-def gated_delta_rule_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, initial_state: torch.Tensor | None,
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request, token by token (the recurrence in the module docstring):
-    query, key [L, H, K], value [L, H, V], g, beta [L, H], initial_state [H, K, V] or None."""
-    num_heads, k_dim, v_dim = key.shape[1], key.shape[2], value.shape[2]
-    state = (initial_state.clone() if initial_state is not None
-             else value.new_zeros((num_heads, k_dim, v_dim)))
-    outputs = []
-    for t in range(query.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        predicted = (state * key[t][:, :, None]).sum(1)  # [H, V]
-        update = (value[t] - predicted) * beta[t][:, None]
-        state = state + key[t][:, :, None] * update[:, None, :]
-        outputs.append((state * query[t][:, :, None]).sum(1))
-    return torch.stack(outputs), state

@@ -17,35 +17,52 @@ as torch ops (``_torch_core``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
-from .base import StateShapes, register_kind
-from .cpu_layers import FusedGatedRMSNorm, GatedDeltaNetProjections
+from ..kernels.recurrent_reference import l2_normalize
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
-from .delta_rule import chunk_gated_delta_rule_varlen, gated_delta_rule_step, l2_normalize
+from .delta_rule import chunk_gated_delta_rule_varlen, gated_delta_rule_step
+
+
+class PackedInputProjections(ABC):
+    """A gated delta-net layer's first input projection that, through ``project``, runs
+    all of the layer's input projections at once (the CPU path's packed matmul,
+    engine/cpu/hybrid_layers.py): (q|k|v [T, conv_dim], z [T, Hv * Dv], b [T, Hv],
+    a [T, Hv]) from hidden_states [T, hidden]."""
+
+    @abstractmethod
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [T, hidden] -> (q|k|v, z, b, a), each [T, its width]."""
+
+
+class StridedGateNorm(nn.Module):
+    """A gated delta-net layer's output norm, ``norm(x, gate)``, that takes its gate in
+    any layout of x's numel (a strided view of a packed projection's output), so the
+    layer passes z without copying it into rows (engine/cpu/hybrid_layers.py)."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class GatedDeltaNetKind:
+class GatedDeltaNetKind(RecurrentKind):
     """Qwen3NextGatedDeltaNet (fused qkvz and ba projections) and Qwen3_5GatedDeltaNet
     (separate qkv, z, b, a projections)."""
 
     name = "gated_delta_net"
+    # The recurrent core (convolution to delta-rule outputs) runs through the CPU kernel
+    # (kernels/cpu_recurrent.py) where it takes the step's tensors, once chosen.
+    has_native_core = True
     # transformers runs the delta rule in float32 whatever the model's dtype, so the
     # model's own forward is float32-exact at best (the load check's tolerance follows).
     reference_dtype = torch.float32
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the recurrent core (convolution to delta-rule outputs) runs through the
-        # CPU kernel (kernels/cpu_recurrent.py) where it takes the step's tensors; the
-        # engine's CPU paths choose it once at load (engine/recurrent/native_core.py).
-        self.native_core = native_core
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         weight = hf_module.conv1d.weight  # [conv_dim, 1, W]
@@ -84,7 +101,7 @@ class GatedDeltaNetKind:
     def projections(self, module: torch.nn.Module, hidden_states: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) by the module's own projections."""
-        return _projections(module, hidden_states)
+        return input_projections(module, hidden_states)
 
     def write_strength(self, module: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
         """beta [T, Hv] from the b projection."""
@@ -94,7 +111,7 @@ class GatedDeltaNetKind:
         """The gated norm of the delta rule's output core [T, Hv, Dv] by z, then the output projection."""
         num_tokens = core.shape[0]
         # The fused norm takes z in any layout (no copy of a packed projection's view).
-        gate = z if isinstance(module.norm, FusedGatedRMSNorm) else z.reshape(-1, module.head_v_dim)
+        gate = z if isinstance(module.norm, StridedGateNorm) else z.reshape(-1, module.head_v_dim)
         core = module.norm(core.reshape(-1, module.head_v_dim), gate)
         return module.out_proj(core.reshape(num_tokens, -1))
 
@@ -126,12 +143,12 @@ def _torch_core(module: torch.nn.Module, mixed_qkv: torch.Tensor, g: torch.Tenso
         chunk=lambda initial, cu, q, k, v, g_, b: chunk_gated_delta_rule_varlen(q, k, v, g_, b, cu, initial))
 
 
-def _projections(module: torch.nn.Module, hidden_states: torch.Tensor
+def input_projections(module: torch.nn.Module, hidden_states: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) by the module's own projections."""
     num_tokens = hidden_states.shape[0]
     first = getattr(module, "in_proj_qkvz", None) or getattr(module, "in_proj_qkv", None)
-    if isinstance(first, GatedDeltaNetProjections):  # all four as one packed matmul (CPU path)
+    if isinstance(first, PackedInputProjections):  # all four as one packed matmul (CPU path)
         mixed, z, b, a = first.project(hidden_states)
         return mixed, z.view(num_tokens, -1, module.head_v_dim), b, a
     if hasattr(module, "in_proj_qkvz"):

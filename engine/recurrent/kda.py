@@ -29,7 +29,8 @@ from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
 from ..kernels.delta_rule_step import delta_rule_step_triton
 from ..kernels.kda import chunk_kda_triton
-from .base import StateShapes, register_kind
+from ..kernels.recurrent_reference import kda_step_reference
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .chunk_layout import ChunkLayout
@@ -81,24 +82,17 @@ def kda_decode_step(state, q, k, v, g, beta) -> torch.Tensor:
     v [B, H, V]; beta [B, H]. Returns o [B, H, V]."""
     if q.is_cuda and triton_available() and state.dtype == q.dtype == torch.float32:  # kernels/delta_rule_step.py
         return delta_rule_step_triton(q, k, v, g, beta, state)
-    decayed = state * g.exp()[..., None]
-    predicted = (decayed * k[..., None]).sum(-2)  # [B, H, V]
-    update = (v - predicted) * beta[..., None]
-    new_state = decayed + k[..., None] * update[..., None, :]
-    state.copy_(new_state)
-    return (new_state * q[..., None]).sum(-2)
+    return kda_step_reference(state, q, k, v, g, beta)  # the recurrence itself, batched
 
 
-class KimiDeltaAttentionKind:
+class KimiDeltaAttentionKind(RecurrentKind):
     """KimiLinearDeltaAttention and BailingHybridDeltaAttention."""
 
     name = "kimi_delta_attention"
+    # The convolution, norms and delta rule run through the CPU kernel where it takes
+    # the step's tensors, once chosen.
+    has_native_core = True
     reference_dtype = torch.float32  # HF runs the delta rule in float32 whatever the model's dtype
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the convolution, norms and delta rule run through the CPU kernel where
-        # it takes the step's tensors (engine/recurrent/native_core.py).
-        self.native_core = native_core
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module

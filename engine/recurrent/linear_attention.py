@@ -19,14 +19,14 @@ import torch.nn.functional as F
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.selective_scan import ssd_decode_packed
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 from .decode_split import scan_split
 from .ssd import ssd_chunk_scan_varlen, ssd_decode_step
 
 CHUNK = 64
 
 
-class LightningAttentionKind:
+class LightningAttentionKind(RecurrentKind):
     """MiniMax's lightning attention layers."""
 
     name = "lightning_attention"

@@ -25,7 +25,7 @@ from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import decode_kernel_available
 from ..kernels.cpu_recurrent import selective_state_update as native_selective_state_update
 from ..kernels.selective_scan import selective_scan_packed
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .selective_scan import selective_scan_varlen, selective_state_update
@@ -54,16 +54,14 @@ def _dt_bias(m) -> torch.Tensor | None:
     return m.dt_proj_bias.reshape(-1) if _is_zamba(m) else m.dt_proj.bias
 
 
-class MambaKind:
+class MambaKind(RecurrentKind):
     """The selective-scan mixer of Mamba-1 and the hybrids built on it."""
 
     name = "mamba"
+    # The convolution (and float32 decode tokens' state updates) run through the CPU
+    # kernel where it takes the step's tensors, once chosen.
+    has_native_core = True
     reference_dtype = torch.float32  # HF's decode update runs in float32 whatever the model's dtype
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the convolution runs through the CPU kernel where it takes the step's
-        # tensors (engine/recurrent/native_core.py).
-        self.native_core = native_core
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         dtype = hf_module.in_proj.weight.dtype

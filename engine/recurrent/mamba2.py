@@ -30,7 +30,7 @@ from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import decode_kernel_available
 from ..kernels.cpu_recurrent import ssd_decode_step as native_ssd_decode_step
 from ..kernels.selective_scan import ssd_decode_packed
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
@@ -38,17 +38,15 @@ from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
 MAX_CHUNK = 64  # tokens per scan chunk (see _scan)
 
 
-class Mamba2Kind:
+class Mamba2Kind(RecurrentKind):
     """The SSD mixer of Mamba-2 and the hybrids built on it."""
 
     name = "mamba2"
+    # The convolution (and float32 decode tokens' state updates) run through the CPU
+    # kernel where it takes the step's tensors, once chosen.
+    has_native_core = True
     reference_dtype = torch.float32  # HF's scan and update run in float32 whatever the model's dtype
     reads_prompt_tokens = True  # forward takes num_prompt_tokens (dt is clamped at prompt positions only)
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the convolution runs through the CPU kernel where it takes the step's
-        # tensors (engine/recurrent/native_core.py).
-        self.native_core = native_core
 
     def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
         """Whether the module's one-token update (dt unclamped) may compute a token otherwise

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .selective_scan import doubling_scan
@@ -62,18 +62,16 @@ def _rg_lru_inputs(rg_lru, u: torch.Tensor, is_first: torch.Tensor) -> tuple[tor
     return decay, u * input_gate * multiplier.to(u.dtype)
 
 
-class RGLRUBlockKind:
+class RGLRUBlockKind(RecurrentKind):
     """RecurrentGemmaRecurrentBlock."""
 
     name = "rg_lru"
+    # The convolution runs through the CPU kernel where it takes the step's tensors,
+    # once chosen.
+    has_native_core = True
     # RecurrentGemma's decoder layer unpacks (output, state) from its temporal block.
     returns_tuple = True
     reference_dtype = torch.float32  # HF accumulates the recurrence in float32
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the convolution runs through the CPU kernel where it takes the step's
-        # tensors (engine/recurrent/native_core.py).
-        self.native_core = native_core
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         m = hf_module

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
 
 
-class ShortConvKind:
+class ShortConvKind(RecurrentKind):
     """Lfm2ShortConv and its copies in lfm2_moe and lfm3."""
 
     name = "short_conv"
-
-    def __init__(self, native_core: bool = False) -> None:
-        # Whether the convolution runs through the CPU kernel where it takes the step's
-        # tensors (engine/recurrent/native_core.py).
-        self.native_core = native_core
+    # The convolution runs through the CPU kernel where it takes the step's tensors,
+    # once chosen.
+    has_native_core = True
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
         weight = hf_module.conv.weight  # [D, 1, W]

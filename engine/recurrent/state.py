@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import RecurrentKind, StateShapes, kind_for_module
+from .base import RecurrentKind, StateShapes, kind_for_module, registered_module_classes
 from ..errors import UnsupportedLayerError
 
 
@@ -95,13 +95,8 @@ class RecurrentLayer(nn.Module):
         if shardline_ctx is None and shardline_state is None:
             return self.layer(hidden_states, *args, **kwargs)
         output = self._run(hidden_states, shardline_ctx, shardline_state)
-        # A kind whose module returns several tensors packs them in one (its module_output
-        # unpacks them); some decoder layers unpack (output, state) from their mixer (a
-        # kind's returns_tuple).
-        module_output = getattr(self.kind, "module_output", None)
-        if module_output is not None:
-            return module_output(self.layer, output)
-        return (output, None) if getattr(self.kind, "returns_tuple", False) else output
+        # What the HF module returns (a tuple where the decoder layer unpacks one).
+        return self.kind.module_output(self.layer, output)
 
     def _run(self, hidden_states: torch.Tensor, shardline_ctx, shardline_state: RecurrentStep | None
              ) -> torch.Tensor:
@@ -140,7 +135,7 @@ class RecurrentLayer(nn.Module):
     def _prompt_tokens(self, step: RecurrentStep, order: torch.Tensor | None) -> dict:
         """``num_prompt_tokens`` for a kind that reads it (its ``reads_prompt_tokens``),
         in the order its requests run; no keyword for the others."""
-        if not getattr(self.kind, "reads_prompt_tokens", False) or step.num_prompt_tokens is None:
+        if not self.kind.reads_prompt_tokens or step.num_prompt_tokens is None:
             return {}
         counts = step.num_prompt_tokens
         return {"num_prompt_tokens": counts if order is None else counts[order]}
@@ -217,8 +212,6 @@ def prepare_recurrent_layers(model: nn.Module, recurrent_layers: list[int]) -> R
     the cache spec marks recurrent; each must have got a wrapper, else the model is
     refused naming the first that did not (its layer type is registered for the model
     type, but none of its modules is of a registered class)."""
-    from .base import registered_module_classes
-
     installed = install_recurrent_layers(model)
     missing = sorted(set(recurrent_layers) - set(installed))
     if missing:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, register_kind
 
 
-class ZayaCCAKind:
+class ZayaCCAKind(RecurrentKind):
     """ZayaCCAProjection: convolved queries and keys, half-delayed values."""
 
     name = "zaya_cca"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .reasoning import Phase, ReasoningParserError, TokenRole
+from .reasoning_phase import Phase, ReasoningParserError, TokenRole
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -16,33 +16,19 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .harmony import HarmonyParser, make_harmony_parser
+from .reasoning_phase import Phase, ReasoningParserError, TokenRole
 
 if TYPE_CHECKING:  # the config imports this module; it stays free of transformers
     from transformers import PreTrainedTokenizerBase
 
-    from .harmony import HarmonyParser
+__all__ = ["REASONING_PARSERS", "Phase", "ReasoningParser", "ReasoningParserError", "ReasoningTracker", "TokenRole",
+           "make_reasoning_parser"]
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
-
-
-class ReasoningParserError(ValueError):
-    """A reasoning parser that this tokenizer or request cannot use."""
-
-
-class Phase(enum.Enum):
-    UNDECIDED = "undecided"  # Qwen3 with no tag in the prompt: the first token decides
-    REASONING = "reasoning"
-    ANSWER = "answer"
-    HEADER = "header"  # harmony: inside a message header, neither reasoning nor answer
-
-
-class TokenRole(enum.Enum):
-    REASONING = "reasoning"
-    ANSWER = "answer"
-    TAG = "tag"
 
 
 @dataclass(frozen=True)
@@ -82,8 +68,6 @@ def make_reasoning_parser(name: str, tokenizer: PreTrainedTokenizerBase) -> Reas
     if name not in REASONING_PARSERS:
         raise ReasoningParserError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {name!r}")
     if name == "openai_gptoss":
-        from .harmony import make_harmony_parser
-
         return make_harmony_parser(tokenizer)
     vocab = tokenizer.get_vocab()
     missing = [tag for tag in ("<think>", "</think>") if tag not in vocab]

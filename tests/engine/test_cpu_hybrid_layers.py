@@ -1,4 +1,4 @@
-"""The CPU rewrites of hybrid models (engine/recurrent/cpu_layers.py, cpu_decoder.py):
+"""The CPU rewrites of hybrid models (engine/cpu/hybrid_layers.py, hybrid_decoder.py):
 fused zero-centred and gated norms and packed gated delta-net projections give the
 modules' outputs, and float32 hybrids running them (fused decoder layers, the last
 layer's sampled rows in prefill steps) pass the load check and give transformers'
@@ -12,16 +12,16 @@ import transformers
 from torch import nn
 
 from shardline import LLM, SamplingParams
+from shardline.engine.cpu.hybrid_decoder import FusedHybridDecoderLayer
+from shardline.engine.cpu.hybrid_layers import (FusedGatedRMSNorm, FusedOffsetRMSNorm, GatedDeltaNetProjections,
+                                                pack_gated_delta_net_projections)
 from shardline.engine.cpu.linear import onednn_linear_available, pack_linears
 from shardline.engine.kernels.cpu_fused import fused_kernels_available
-from shardline.engine.recurrent.cpu_decoder import FusedHybridDecoderLayer
-from shardline.engine.recurrent.cpu_layers import (FusedGatedRMSNorm, FusedOffsetRMSNorm, GatedDeltaNetProjections,
-                                                   pack_gated_delta_net_projections)
-from shardline.engine.recurrent.gated_delta_net import _projections
+from shardline.engine.recurrent.gated_delta_net import input_projections
 from shardline.engine.recurrent.state import install_recurrent_layers
-from shardline.engine.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model
 
-from ..hf_reference import hf_greedy, random_prompts
+from .hf_reference import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(not fused_kernels_available(torch.float32),
                                    reason="the fused CPU kernels could not be built here")
@@ -68,12 +68,12 @@ def test_packed_projections_give_the_layers_own(model_type):
     install_recurrent_layers_in(model, config)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        expected = _projections(layer, x)
+        expected = input_projections(layer, x)
         pack_linears(model, rows_hint=16, dtypes=(torch.float32,))
         assert pack_gated_delta_net_projections(model, rows_hint=16) == 1
         first = layer.in_proj_qkvz if model_type == "qwen3_next" else layer.in_proj_qkv
         assert isinstance(first, GatedDeltaNetProjections)
-        actual = _projections(layer, x)
+        actual = input_projections(layer, x)
         for got, want in zip(actual, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

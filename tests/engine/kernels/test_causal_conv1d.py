@@ -7,7 +7,7 @@ import torch
 
 from shardline.engine.kernels._triton import triton_available
 from shardline.engine.kernels.causal_conv1d import causal_conv1d_varlen_triton
-from shardline.engine.recurrent.conv_varlen import causal_conv1d_reference
+from shardline.engine.kernels.recurrent_reference import causal_conv1d_reference
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shardline.engine.kernels import cpu_recurrent, native
-from shardline.engine.kernels.cpu_recurrent import (causal_conv1d, delta_rule_core, delta_rule_core_reference,
-                                                    recurrent_kernel_available)
+from shardline.engine.kernels.cpu_recurrent import causal_conv1d, delta_rule_core, recurrent_kernel_available
+from shardline.engine.kernels.recurrent_reference import causal_conv1d_reference, delta_rule_core_reference
 
 pytestmark = pytest.mark.skipif(cpu_recurrent.load_library() is None, reason="no C compiler to build the kernel")
 
@@ -87,8 +87,6 @@ def test_kernel_matches_the_reference(kernel_target, step, heads, dtype):
 def test_convolution_matches_the_reference(kernel_target, step, activation, dtype):
     """The convolution alone, over more channels than one task takes (300 = 256 + 44),
     its inputs rows of a wider tensor (as a projection's split leaves them)."""
-    from shardline.engine.recurrent.conv_varlen import causal_conv1d_reference
-
     lengths, initial = STEPS[step]
     generator = torch.Generator().manual_seed(4)
     channels, width = 300, 3
@@ -192,7 +190,7 @@ def hybrid_model(tmp_path_factory):
     float32 greedy tokens."""
     import transformers
 
-    from shardline.engine.tiny import build_tiny_model
+    from shardline.engine.model.tiny import build_tiny_model
 
     from ..hf_reference import hf_greedy, random_prompts
 

@@ -9,8 +9,8 @@ import torch
 
 from shardline.engine.kernels._triton import triton_available
 from shardline.engine.kernels.delta_rule_step import delta_rule_step_triton
-from shardline.engine.recurrent.delta_rule import gated_delta_rule_step, l2_normalize
-from shardline.engine.recurrent.kda import kda_decode_step
+from shardline.engine.kernels.recurrent_reference import kda_step_reference, l2_normalize
+from shardline.engine.recurrent.delta_rule import gated_delta_rule_step
 
 from .conftest import DEVICE
 
@@ -36,7 +36,7 @@ def test_triton_delta_rule_step_matches_the_torch_step(per_key, dtype, tol):
         assert out.dtype == dtype
         q, k, v, g, beta = (t.float() for t in inputs)  # the values the kernel read
         if per_key:
-            expected = kda_decode_step(expected_state, q, k, v, g, beta)
+            expected = kda_step_reference(expected_state, q, k, v, g, beta)
         else:
             expected, _ = gated_delta_rule_step(q, k, v, g, beta, expected_state)
         torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol)

@@ -9,8 +9,8 @@ import torch
 
 from shardline.engine.kernels._triton import triton_available
 from shardline.engine.kernels.delta_rule import chunk_gated_delta_rule_triton
-from shardline.engine.recurrent.delta_rule import (chunk_gated_delta_rule_varlen, gated_delta_rule_reference,
-                                                   l2_normalize)
+from shardline.engine.kernels.recurrent_reference import gated_delta_rule_reference, l2_normalize
+from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen
 
 from .conftest import DEVICE
 

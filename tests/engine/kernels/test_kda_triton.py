@@ -10,7 +10,8 @@ import torch
 
 from shardline.engine.kernels._triton import triton_available
 from shardline.engine.kernels.kda import chunk_kda_triton
-from shardline.engine.recurrent.kda import chunk_kda_varlen, kda_decode_step, l2norm
+from shardline.engine.kernels.recurrent_reference import kda_step_reference
+from shardline.engine.recurrent.kda import chunk_kda_varlen, l2norm
 
 from .conftest import DEVICE
 
@@ -55,7 +56,7 @@ def recurrence(q, k, v, g, beta, initial, cu):
     for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         state = initial[b : b + 1].clone()
         for t in range(start, end):
-            outputs.append(kda_decode_step(state, *(x[t : t + 1] for x in (q, k, v, g, beta))))
+            outputs.append(kda_step_reference(state, *(x[t : t + 1] for x in (q, k, v, g, beta))))
         finals.append(state)
     return torch.cat(outputs).float(), torch.cat(finals).float()
 

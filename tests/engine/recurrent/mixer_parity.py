@@ -56,7 +56,7 @@ def run_schedule(kind, module, config, sequences: list[torch.Tensor], schedule,
         has_initial_state = torch.tensor([consumed[i] > 0 for i, _ in step])
         gathered = {name: torch.stack([states[i][name] for i, _ in step]) for name in shapes}
         extra = {}
-        if prompt_len is not None and getattr(kind, "reads_prompt_tokens", False):
+        if prompt_len is not None and kind.reads_prompt_tokens:
             extra["num_prompt_tokens"] = torch.tensor([min(max(prompt_len - consumed[i], 0), n) for i, n in step])
         with torch.no_grad():
             out = kind.forward(module, torch.cat(chunks), cu_seqlens, has_initial_state, gathered, **extra)

@@ -5,9 +5,10 @@ a saved state, for chunk sizes that cut requests anywhere."""
 import pytest
 import torch
 
-from shardline.engine.recurrent.conv_varlen import causal_conv1d_reference, causal_conv1d_varlen
-from shardline.engine.recurrent.delta_rule import (chunk_gated_delta_rule_varlen, gated_delta_rule_reference,
-                                                   l2_normalize)
+from shardline.engine.kernels.recurrent_reference import (causal_conv1d_reference, gated_delta_rule_reference,
+                                                          l2_normalize)
+from shardline.engine.recurrent.conv_varlen import causal_conv1d_varlen
+from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen
 
 LENGTHS = [1, 7, 20, 3, 1]
 HAS_STATE = [True, False, True, True, False]
