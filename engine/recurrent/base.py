@@ -127,6 +127,12 @@ def kind_for_layer_type(model_type: str, layer_type: str) -> RecurrentKind | Non
     return _BY_LAYER_TYPE.get((model_type, layer_type))
 
 
+def registered_kinds() -> tuple[RecurrentKind, ...]:
+    """Every registered kind, once each, by name."""
+    kinds = {id(kind): kind for kind in (*_BY_MODULE_CLASS.values(), *_BY_LAYER_TYPE.values())}
+    return tuple(sorted(kinds.values(), key=lambda kind: kind.name))
+
+
 def registered_module_classes() -> tuple[str, ...]:
     return tuple(sorted(_BY_MODULE_CLASS))
 

@@ -1,0 +1,1 @@
+../../shardline/__init__.py

@@ -1,0 +1,1 @@
+../../shardline/__main__.py
