@@ -64,11 +64,13 @@ class PipelineError(Exception):
 
     kind: ErrorKind = ErrorKind.PERMANENT
     task_retry: bool = False
+    # The longest reason kept (one_line cuts the rest).
+    reason_limit: int = 400
 
     def __init__(self, operation: str, target: str, reason: str, kind: ErrorKind | None = None) -> None:
         self.operation = operation
         self.target = redact_url(target)
-        self.reason = one_line(reason)
+        self.reason = one_line(reason, self.reason_limit)
         if kind is not None:
             self.kind = ErrorKind(kind)
         super().__init__(f"{operation} {self.target} failed: {self.reason}")
@@ -97,6 +99,9 @@ class ModelUnusable(EngineError):
     architecture): an engine error that no retry fixes."""
 
     task_retry = False
+    # The engine's refusal of a model explains it in a few sentences, ending with what
+    # would run: kept whole.
+    reason_limit = 2000
 
 
 def redact_url(url: str) -> str:

@@ -4,10 +4,11 @@
   ValidationError into one line per invalid field, named as the caller names them
   (``--max-tokens must be >= 1, got -5`` on the command line);
 - the model: its config and tokenizer resolve (a local directory, or a hub id),
-  the tokenizer has the tokens the job's reasoning parser needs,
-  and its architecture routes attention through transformers' AttentionInterface,
-  which the engine's paged attention needs (checked with transformers alone: no
-  weights are loaded, no engine is built);
+  the tokenizer has the tokens the job's reasoning parser needs, and the engine's
+  one verdict on whether it can run the model for the job's task says yes
+  (engine/model/support.py: the config and the model built on the meta device; no
+  weights are loaded, no engine is built), so a model the engine would refuse fails
+  here with the engine's reason;
 - the input: listable, with at least one shard;
 - the output: writable (a probe object is written under ``_tmp/`` and deleted).
 
@@ -66,8 +67,9 @@ def preflight(job: BatchJob, check_input: bool = True, model_here: bool = True) 
 
 
 def check_model(job: BatchJob) -> str:
-    """Resolve the model's config and tokenizer and check its architecture; return the
-    architecture's class name. Raises ModelUnusable."""
+    """Resolve the model's config and tokenizer and ask the engine's verdict on the
+    model (``check_support``); return the class name the engine would load. Raises
+    ModelUnusable."""
     import transformers  # here: a pre-flight check is the first thing that needs it
 
     options = job.engine_options
@@ -85,7 +87,7 @@ def check_model(job: BatchJob) -> str:
             make_reasoning_parser(job.reasoning_parser, resolved_tokenizer)
         except ReasoningParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
-    architecture = _architecture(transformers, config, job.task)
+    architecture = check_support(job.model, config, job.task, trust)
     for name, path in job.lora_adapters.items():
         if _looks_local(path) and not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
             raise ModelUnusable("load", f"LoRA adapter {name} at {path}", "no adapter_config.json there")
@@ -132,24 +134,22 @@ def _check_local_path(model: str, what: str = "model") -> None:
         raise ModelUnusable("load", f"{what} {model}", "no such local directory (and a path is not a hub id)")
 
 
-def _architecture(transformers: Any, config: Any, task: JobTask) -> str:
-    """The model class the engine would load for ``task``, checked to route its
-    attention through transformers' AttentionInterface (what the engine plugs into)."""
-    auto = transformers.AutoModel if task == JobTask.EMBED else transformers.AutoModelForCausalLM
-    model_class = auto._model_mapping.get(type(config), None)
-    declared = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
-    if model_class is None:
-        kind = "an embedding model" if task == JobTask.EMBED else "a causal language model"
-        raise ModelUnusable("load", f"model architecture {declared}",
-                            f"transformers has no {kind} class for model_type {config.model_type!r} "
-                            f"(task={task.value})")
-    from shardline.engine.model.loader import routes_attention_interface
+def check_support(model: str, config: Any, task: JobTask, trust_remote_code: bool) -> str:
+    """Ask the engine's verdict (engine/model/support.py: the config and the model built
+    on the meta device, no weights) whether it can run this model for ``task``; return
+    the class it would load. Raises ModelUnusable with the verdict's message, the same
+    line the engine's loader would raise."""
+    from shardline.engine.model.support import model_support  # here: it imports torch and transformers
 
-    if not routes_attention_interface(model_class, config):
-        raise ModelUnusable("load", f"model architecture {model_class.__name__}",
-                            "its attention does not go through transformers' AttentionInterface, so "
-                            "shardline's paged attention cannot run it")
-    return model_class.__name__
+    support = model_support(config, engine_task(task), trust_remote_code=trust_remote_code)
+    if not support.ok:
+        raise ModelUnusable("load", f"model {model}", support.message)
+    return support.architecture
+
+
+def engine_task(task: JobTask) -> str:
+    """The engine's task for a job's: "embed" for embeddings, "generate" for prompts and chats."""
+    return "embed" if task == JobTask.EMBED else "generate"
 
 
 def check_output(job: BatchJob) -> None:

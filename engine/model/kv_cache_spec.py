@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from .loader import key_value_heads, value_cache_head_size
-from .loader import NO_STATE, RECURRENT, layer_kind, layer_types
+from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 
 
 # Model types whose sliding-window layers have more key-value heads than the config's

@@ -52,7 +52,7 @@ def wants_pooling_engine(config: EngineConfig) -> bool:
 
 def load_base_model(config: EngineConfig) -> LoadedModel:
     """The model without its head (transformers' AutoModel), attention packed."""
-    return load_model(config, transformers.AutoModel, register_packed_attention())
+    return load_model(config, "embed", register_packed_attention())
 
 
 @dataclass(eq=False)

@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from shardline import LLM, SamplingParams
 from shardline.engine.errors import ModelLoadError
-from shardline.engine.model.tiny import build_tiny_model, tiny_config
+from shardline.engine.model.tiny import build_tiny_model, build_tokenizer, tiny_config
 
 MAX_NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 13, 30)
@@ -206,6 +206,15 @@ def tiny_overrides(model_type: str) -> dict:
     if {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"} & overrides.keys():
         overrides.setdefault("num_experts_per_tok", 2)  # some configs leave the router's top-k unset
     return overrides
+
+
+def write_tiny_config(model_type: str, model_dir: Path) -> Path:
+    """The tiny ``model_type`` the sweep builds, its config and tokenizer only (no
+    weights): what the engine's verdict (engine/model/support.py) and pre-flight read."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(model_dir, vocab_size=VOCAB_SIZE)
+    tiny_config(model_type, len(tokenizer), **tiny_overrides(model_type)).save_pretrained(str(model_dir))
+    return model_dir
 
 
 def _parameter_count(model_type: str, overrides: dict) -> int:

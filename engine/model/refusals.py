@@ -1,0 +1,77 @@
+"""The rules that refuse a model from its config alone, each with the reason a user is
+told: model types the engine's caches cannot hold as they run, sparse-attention
+indexers, and a loop layout the paged attention cannot follow.
+
+engine/model/support.py reads these first; the rules that need the model's classes
+(its attention, its recurrent modules) are there.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+_INKLING_BIAS = (
+    "its attention layers ('hybrid' and 'hybrid_sliding') add to each score a relative position bias computed "
+    "from the query token's hidden state (a per-head projection mixing a learned bank of bias-by-distance profiles, "
+    "up to rel_extent keys back), which shardline's paged attention takes no input for"
+)
+_INKLING_CONVS = (
+    "and each layer keeps four short convolutions (over its keys, values, attention output and MLP output), "
+    "where the engine keeps the recurrent state of one module per layer"
+)
+_INKLING2_CONVS = (
+    "and its full-attention layers convolve keys and values with taps projected from each token (dynamic short "
+    "convolutions), which no recurrent kind runs yet"
+)
+
+# Model types the engine cannot run exactly, and why (a composite type's text type too:
+# a config is refused when either its type or its text part's type is listed).
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "blt": "a byte-level patch model: an entropy model cuts the bytes into patches of varying length as it "
+           "reads them, a global transformer runs over the patches and local byte models cross-attend them, "
+           "while the paged cache holds one token-level sequence per layer",
+    "cpmant": "its prompt attends bidirectionally (each prompt token sees the whole prompt, after a learned "
+              "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
+              "position bias between segments; the paged attention is causal and prefills a prompt in "
+              "chunks, so the prompt's keys and values would differ from the model's",
+    "rwkv": "no recurrent kind runs RWKV's blocks yet: each keeps, per request, the previous token of its "
+            "time-mix and channel-mix shifts and the WKV numerator, denominator and running maximum, and "
+            "the time-mix and channel-mix halves of a block would each need their own kind",
+    "xlstm": "its mLSTM blocks keep, per request, a matrix memory, its normaliser and a running maximum of "
+             "the input gates (recurrent state, not keys and values), and no recurrent kind runs them yet",
+    **{name: f"{_INKLING_BIAS}, {_INKLING_CONVS}" for name in ("inkling", "inkling_text")},
+    **{name: f"{_INKLING_BIAS}, {_INKLING2_CONVS}"
+       for name in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
+}
+
+
+def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
+    """Why a sparse attention's indexer cannot run on the paged attention, or None."""
+    index_topk = getattr(text_config, "index_topk", None)
+    if index_topk:
+        return (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
+                "index-key cache of its own, while the paged attention attends every key and keeps no index "
+                f"keys, so past {index_topk} tokens the two differ")
+    indexer_budget = getattr(text_config, "indexer_budget", None)
+    if indexer_budget:
+        return (f"its sparse attention has an indexer pick up to {indexer_budget} tokens of each query from "
+                "blocks of averaged keys it keeps of its own, while the paged attention attends every key, so "
+                f"past {indexer_budget} tokens the two differ")
+    return None
+
+
+def config_refusal(hf_config: transformers.PretrainedConfig) -> str | None:
+    """Why the engine cannot run this model, from its config: its type, a sparse
+    attention indexer, or a pass layout the paged cache cannot hold; None if none applies."""
+    text_config = hf_config.get_text_config()
+    for model_type in (hf_config.model_type, text_config.model_type):
+        if model_type in REFUSED_MODEL_TYPES:
+            return REFUSED_MODEL_TYPES[model_type]
+    indexer = _indexer_reason(text_config)
+    if indexer is not None:
+        return indexer
+    if getattr(text_config, "recurrent_kv_cache_mode", None) == "last_loop":
+        return ("recurrent_kv_cache_mode 'last_loop': earlier loops of its recurrent section attend the last "
+                "loop's cache without writing their own keys, which the paged attention (it writes every call's "
+                "keys) cannot do; its 'per_loop' mode runs")
+    return None
