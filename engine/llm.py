@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
 from .engine_protocol import Engine
-from .llm_engine import LLMEngine, PromptType
+from .inputs.prompts import PromptType
+from .llm_engine import LLMEngine
 from .lora.request import LoRARequest, resolve_lora_request
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams

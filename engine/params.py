@@ -1,5 +1,6 @@
 """Per-request parameters: SamplingParams for generation (with its
-StructuredOutputsParams), PoolingParams for embeddings.
+StructuredOutputsParams and the SamplingTraits derived from it once per request),
+PoolingParams for embeddings.
 
 Names, defaults and meanings follow vLLM's offline API so jobs move over unchanged.
 Every field is validated at construction; an invalid value raises ValueError naming
@@ -201,6 +202,69 @@ class SamplingParams:
             if type(value) not in _IMMUTABLE_TYPES:
                 fields[name] = copy.deepcopy(value)
         return clone
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTraits:
+    """What a request's resolved SamplingParams imply for how its sequences are
+    sampled and processed, computed once when the engine adds the request (from
+    the params and whether the engine has a reasoning parser) and read by the
+    sampler, the output processor, the structured-output manager and the engine's
+    async scheduling instead of re-deriving them from the params."""
+
+    # The row draws at random (temperature > 0), rather than taking the argmax.
+    is_random: bool
+    # The request reads the sampled tokens' logprobs.
+    wants_logprobs: bool
+    # Presence, frequency or repetition penalty set.
+    has_penalties: bool
+    # Logit processors other than min_tokens and bad words: allowed_token_ids,
+    # logit_bias or penalties (see sampler.apply_logit_processors).
+    has_logit_processors: bool
+    # Nothing in the sample row changes from token to token (no min_tokens, no bad
+    # words), so a row made once serves every step.
+    steady_row: bool
+    # The argmax of the raw logits is all the row ever needs.
+    argmax_only: bool
+    # A sampled token may stay pending while the next step is prepared (async
+    # scheduling): nothing that samples the next token depends on it on the host
+    # (grammar, reasoning phase, penalties, bad words, min_tokens) and no logprobs
+    # are read. Stop strings and stop tokens do not matter: a token past the stop
+    # is discarded.
+    pipelinable: bool
+    # The engine splits reasoning from the answer (it has a reasoning parser).
+    reasoning: bool
+    # The text is made when the request finishes: nothing reads it per step (no
+    # reasoning split, no stop strings).
+    text_at_finish: bool
+    # Appended by OutputProcessor.append_plain: no reasoning, grammar or logprobs.
+    plain_output: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams, reasoning: bool) -> "SamplingTraits":
+        """The traits of ``params`` (resolved: all_stop_token_ids filled) on an
+        engine with (``reasoning``) or without a reasoning parser."""
+        is_random = params.sampling_type != SamplingType.GREEDY
+        wants_logprobs = params.logprobs is not None
+        has_penalties = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                         or params.repetition_penalty != 1.0)
+        has_logit_processors = params.allowed_token_ids is not None or bool(params.logit_bias) or has_penalties
+        steady_row = not params.min_tokens and not params.bad_words
+        text_at_finish = not reasoning and not params.stop
+        return cls(
+            is_random=is_random,
+            wants_logprobs=wants_logprobs,
+            has_penalties=has_penalties,
+            has_logit_processors=has_logit_processors,
+            steady_row=steady_row,
+            argmax_only=steady_row and not (is_random or wants_logprobs or has_logit_processors),
+            pipelinable=(not wants_logprobs and params.prompt_logprobs is None and params.structured_outputs is None
+                         and steady_row and not reasoning and not has_penalties),
+            reasoning=reasoning,
+            text_at_finish=text_at_finish,
+            plain_output=(not reasoning and params.structured_outputs is None and not wants_logprobs
+                          and (text_at_finish or params.detokenize)),
+        )
 
 
 class PoolingTask(str, enum.Enum):

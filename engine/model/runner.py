@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -29,6 +30,9 @@ from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
+
+if TYPE_CHECKING:
+    from ..lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +82,11 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
                  device: torch.device, attention: AttentionBackend, state_spec: RecurrentStateSpec | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, lora_manager: LoRAManager | None = None) -> None:
         self.model = model
         self.attention = attention  # how attention runs, chosen once (engine/attention/backends.py)
         self.spec = spec
-        self.lora_manager = None  # a LoRAManager when enable_lora
+        self.lora_manager = lora_manager  # set when enable_lora
         self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
         self.block_size = block_size
         self.device = device

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from ..config import EngineConfig
+from ..model.build import resolve_for_device
 from ..model.loader import LoadedModel, load_hf_config, load_model
 from ..model.runner import model_max_len
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
@@ -121,13 +122,12 @@ class PoolingEngine:
     task = "embed"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
         loaded = loaded or load_base_model(config)
+        self.config = config = resolve_for_device(config, loaded.device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.device = loaded.device
-        config.resolve_token_budget(self.device.type)
         text_config = self.hf_config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)

@@ -1,8 +1,8 @@
 """Per-request bookkeeping between steps: appending sampled tokens, detokenizing,
 deciding when a sequence stops, and assembling the final RequestOutput.
 
-A request with n > 1 is tracked as one RequestState over n sample sequences; its
-output is produced once every sample has finished.
+A request with n > 1 is tracked as one RequestState over n sample sequences (their
+SequenceRecords, sequences.py); its output is produced once every sample has finished.
 
 With a reasoning parser, each sampled token is first classified (reasoning, answer
 or think tag): reasoning tokens are detokenized into ``reasoning_text``, answer
@@ -20,8 +20,6 @@ with stop strings its text made and searched token by token).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -31,67 +29,8 @@ from ..params import SamplingParams
 from .harmony import HarmonyParser, HarmonyTracker
 from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
 from ..core.request import Request, RequestStatus
-from .structured import GrammarState, StructuredOutputError
-
-
-@dataclass(slots=True)
-class SampleState:
-    """One of a request's n sample sequences. Slotted, as are RequestState and Request:
-    each step reads a few fields of every sampled sequence's three objects, so their
-    fields sit in the objects themselves (fewer cache lines to fetch after a forward)."""
-
-    sequence: Request
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-    # The request it is a sample of.
-    owner: RequestState = field(repr=False, compare=False)
-    # Appended by OutputProcessor.append_plain (see the module docstring); the fields
-    # it reads come first.
-    plain: bool = False
-    # The output length that ends it: max_tokens, or what max_model_len leaves.
-    max_output_tokens: int = 0
-    # The params' all_stop_token_ids: stop_token_ids, and EOS unless ignore_eos.
-    stop_token_ids: set[int] = field(default_factory=set)
-    # Its text is made when its request finishes (nothing reads it per step).
-    text_at_finish: bool = False
-    text: str = ""
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
-    stop_reason: int | str | None = None
-    # The structured-output matcher (set once the request's grammar is compiled).
-    grammar: GrammarState | None = None
-    # With a reasoning parser: the phase, and the reasoning tokens' own text.
-    reasoning: ReasoningTracker | HarmonyTracker | None = None
-    reasoning_detokenizer: IncrementalDetokenizer | None = None
-    reasoning_text: str = ""
-
-
-@dataclass(slots=True)
-class RequestState:
-    """A user request as the engine tracks it until its output is returned."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lora_request: object | None
-    metrics: RequestMetrics
-    samples: list[SampleState] = field(default_factory=list)
-    # Samples 1..n-1 until they fork from sample 0 after its prompt is computed.
-    pending_forks: list[Request] = field(default_factory=list)
-    # Token sequences that must not be generated (SamplingParams.bad_words).
-    bad_words_ids: list[list[int]] = field(default_factory=list)
-    # One entry per prompt token once computed (None for the first token).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # The structured-output grammar while it compiles (None once its samples have
-    # their matchers, and for requests without a constraint).
-    grammar: Future | None = None
-    # Its sequences may leave a sampled token pending (LLMEngine._pipelinable).
-    pipelinable: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(s.sequence.is_finished for s in self.samples)
+from .sequences import RequestState, SequenceRecord
+from .structured import StructuredOutputError
 
 
 class OutputProcessor:
@@ -105,18 +44,15 @@ class OutputProcessor:
         self.reasoning_parser = reasoning_parser
         self.decoding = TokenizerDecoding(tokenizer)
 
-    def new_sample(self, state: RequestState, sequence: Request, index: int) -> SampleState:
-        """The state of ``state``'s sample ``index``, generated as ``sequence``."""
-        params = state.params
-        sample = SampleState(sequence, index, self._detokenizer(sequence, params), state,
-                             logprobs=[] if params.logprobs is not None else None,
-                             stop_token_ids=params.all_stop_token_ids)
+    def new_sample(self, state: RequestState, sequence: Request, index: int) -> SequenceRecord:
+        """The record of ``state``'s sample ``index``, generated as ``sequence``."""
+        params, traits = state.params, state.traits
+        sample = SequenceRecord(sequence, index, state, params, traits, self._detokenizer(sequence, params),
+                                text_at_finish=traits.text_at_finish, stop_token_ids=params.all_stop_token_ids,
+                                logprobs=[] if traits.wants_logprobs else None)
         if self.reasoning_parser is not None:
             sample.reasoning = self.reasoning_parser.tracker(sequence.prompt_token_ids, params.max_reasoning_tokens)
             sample.reasoning_detokenizer = self._detokenizer(sequence, params)
-        sample.text_at_finish = sample.reasoning is None and not params.stop
-        sample.plain = (sample.reasoning is None and params.structured_outputs is None and params.logprobs is None
-                        and (sample.text_at_finish or sample.detokenizer is not None))
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         sample.max_output_tokens = min(max_tokens, self.max_model_len - sequence.num_prompt_tokens)
         return sample
@@ -127,15 +63,26 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, sequence.prompt_token_ids, params.skip_special_tokens,
                                       params.spaces_between_special_tokens, self.decoding)
 
+    def bad_words_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and after a space (how it
+        appears mid-sentence), deduplicated."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer(variant, add_special_tokens=False).input_ids
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
         ids = set(params.stop_token_ids)
         return ids if params.ignore_eos else ids | self.eos_token_ids
 
-    def append_token(self, state: RequestState, sample: SampleState, token_id: int,
+    def append_token(self, state: RequestState, sample: SequenceRecord, token_id: int,
                      logprobs: tuple[float, list[tuple[int, float, int]]] | None) -> RequestStatus | None:
         """Append one sampled token; return the finished status if the sequence stops."""
-        if sample.plain:
+        if sample.traits.plain_output:
             return self.append_plain(sample, token_id)
         if sample.reasoning is None and sample.grammar is None and logprobs is None:
             return self._append_answer_token(state, sample, token_id)
@@ -165,8 +112,8 @@ class OutputProcessor:
             sample.text = sample.detokenizer.text
         return status
 
-    def append_plain(self, sample: SampleState, token_id: int) -> RequestStatus | None:
-        """append_token for a plain sample (``sample.plain``), the common case: the
+    def append_plain(self, sample: SequenceRecord, token_id: int) -> RequestStatus | None:
+        """append_token for a plain sample (``traits.plain_output``), the common case: the
         stop checks of ``_check_stop`` that apply to it, the text left to the finish.
         Reads the sample, its sequence and the request only where a check needs it."""
         sequence = sample.sequence
@@ -184,7 +131,7 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _append_plain_text(self, sample: SampleState, token_id: int, num_output: int) -> RequestStatus | None:
+    def _append_plain_text(self, sample: SequenceRecord, token_id: int, num_output: int) -> RequestStatus | None:
         """append_plain for a sample with stop strings: its text made token by token and
         searched for them, in ``_check_stop``'s order."""
         detokenizer = sample.detokenizer
@@ -212,7 +159,7 @@ class OutputProcessor:
             sample.text = detokenizer.text
         return status
 
-    def _append_answer_token(self, state: RequestState, sample: SampleState, token_id: int) -> RequestStatus | None:
+    def _append_answer_token(self, state: RequestState, sample: SequenceRecord, token_id: int) -> RequestStatus | None:
         """append_token for a sample that is not plain but has no reasoning, grammar
         (not yet) or logprobs for this token: every token is answer text and nothing
         else is recorded."""
@@ -230,7 +177,7 @@ class OutputProcessor:
             sample.text = detokenizer.text
         return status
 
-    def _accept_by_grammar(self, state: RequestState, sample: SampleState, token_id: int) -> None:
+    def _accept_by_grammar(self, state: RequestState, sample: SequenceRecord, token_id: int) -> None:
         grammar = sample.grammar
         if grammar is None or grammar.is_terminated:
             return
@@ -241,12 +188,12 @@ class OutputProcessor:
                 "constraint")
 
     @staticmethod
-    def _flush_reasoning(sample: SampleState) -> None:
+    def _flush_reasoning(sample: SequenceRecord) -> None:
         if sample.reasoning_detokenizer is not None:
             sample.reasoning_detokenizer.flush()
             sample.reasoning_text = sample.reasoning_detokenizer.text
 
-    def _check_stop(self, sample: SampleState, params: SamplingParams, token_id: int,
+    def _check_stop(self, sample: SequenceRecord, params: SamplingParams, token_id: int,
                     delta_len: int) -> RequestStatus | None:
         sequence = sample.sequence
         num_output = sequence.num_output_tokens
@@ -275,7 +222,7 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _record_logprobs(self, sample: SampleState, logprobs: tuple[float, list[tuple[int, float, int]]]) -> None:
+    def _record_logprobs(self, sample: SequenceRecord, logprobs: tuple[float, list[tuple[int, float, int]]]) -> None:
         sampled_logprob, entries = logprobs
         sample.cumulative_logprob += sampled_logprob
         if sample.logprobs is not None:
@@ -299,7 +246,7 @@ class OutputProcessor:
             })
 
     @staticmethod
-    def _reasoning_of(sample: SampleState, params: SamplingParams) -> str | None:
+    def _reasoning_of(sample: SequenceRecord, params: SamplingParams) -> str | None:
         """The reasoning text; None without a parser, without detokenization, or when
         the sample never reasoned."""
         tracker = sample.reasoning
@@ -307,7 +254,7 @@ class OutputProcessor:
             return None
         return sample.reasoning_text if tracker.reasoned else None
 
-    def _final_text(self, sample: SampleState) -> str:
+    def _final_text(self, sample: SequenceRecord) -> str:
         """The sample's text; one made at the finish is detokenized now, over all its
         tokens, then its held-back tail emitted (no stop string cut it)."""
         detokenizer = sample.detokenizer

@@ -7,6 +7,10 @@ then greedy rows take the argmax and random rows are tempered, truncated by top-
 top-p and min-p, and drawn by inverse-CDF with one uniform per row. A seeded request
 draws its uniform from its own generator, so its tokens do not depend on what else
 is in the batch.
+
+A row is a sequence's SequenceRecord (sequences.py): its Request, params, generator,
+per-token bans and its request's SamplingTraits, which say once per request whether
+it draws at random, reads logprobs or has logit processors.
 """
 
 from __future__ import annotations
@@ -16,41 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..params import SamplingParams, SamplingType
-from ..core.request import Request
+from .sequences import SequenceRecord
 from .structured import apply_token_bitmask
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs of one request this step."""
-
-    request: Request
-    params: SamplingParams
-    generator: torch.Generator | None
-    # Stop token ids that must not be sampled yet (min_tokens), or empty.
-    blocked_token_ids: tuple[int, ...] = ()
-    # Token ids to ban at this position (bad words), or empty.
-    banned_token_ids: tuple[int, ...] = ()
-    # Row of the step's logits this sequence samples from.
-    logits_row: int = 0
-    # Given by the row's owner: nothing but logits_row changes from step to step (no
-    # min_tokens or bad words: blocked and banned ids stay empty), and the sequence may
-    # leave its sampled token pending (async scheduling).
-    steady: bool = False
-    pipelinable: bool = False
-
-    def __post_init__(self) -> None:
-        # Decided once per sequence, not per step: whether it draws at random, wants
-        # logprobs, and whether logit processors other than min_tokens and bad words
-        # apply to it.
-        params = self.params
-        self.is_random = params.sampling_type != SamplingType.GREEDY
-        self.wants_logprobs = params.logprobs is not None
-        self.has_processors = (params.allowed_token_ids is not None or bool(params.logit_bias)
-                               or _has_penalties(params))
-        # The argmax of the raw logits is all this row ever needs.
-        self.plain = self.steady and not (self.is_random or self.wants_logprobs or self.has_processors)
 
 
 @dataclass
@@ -88,25 +59,25 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+    def __call__(self, logits: torch.Tensor, rows: list[SequenceRecord],
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """logits: [N, V] raw model logits, one row per entry of ``rows``; bitmask:
         [N, ceil(V / 32)] int32 allowed tokens (all bits set in unrestricted rows) or None."""
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.to(torch.float32)
-        if bitmask is None and all(row.plain for row in rows):
+        if bitmask is None and all(row.traits.argmax_only for row in rows):
             return SamplerOutput.start_copy(self._choose_tokens(logits, rows, []), [None] * len(rows))
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
-        want_logprobs = any(r.wants_logprobs for r in rows)
+        want_logprobs = any(r.traits.wants_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
-        token_ids = self._choose_tokens(logits, rows, [i for i, r in enumerate(rows) if r.is_random])
+        token_ids = self._choose_tokens(logits, rows, [i for i, r in enumerate(rows) if r.traits.is_random])
         logprobs = (gather_logprobs(raw_logprobs, token_ids, [r.params.logprobs for r in rows]) if want_logprobs
                     else [None] * len(rows))
         return SamplerOutput.start_copy(token_ids, logprobs)
 
-    def _choose_tokens(self, logits: torch.Tensor, rows: list[SampleRow], random_rows: list[int]) -> torch.Tensor:
+    def _choose_tokens(self, logits: torch.Tensor, rows: list[SequenceRecord], random_rows: list[int]) -> torch.Tensor:
         """Each row's token: the argmax, or a draw for the rows at ``random_rows``. Which
         rows draw is known on the host: deciding it from a device tensor would wait for
         the forward pass before any of the sampling is queued."""
@@ -118,7 +89,7 @@ class Sampler:
         token_ids[index] = sample_random(logits[index], sub_rows, self._uniforms(sub_rows))
         return token_ids
 
-    def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
+    def _uniforms(self, rows: list[SequenceRecord]) -> torch.Tensor:
         shared = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         for i, row in enumerate(rows):
             if row.generator is not None:
@@ -136,12 +107,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_logit_processors(logits: torch.Tensor, rows: list[SequenceRecord]) -> torch.Tensor:
     """Allowed tokens, logit bias, bad words, min_tokens and penalties. logits: [N, V].
 
     Per-row settings are gathered into flat (row, token) index lists first, so each
     processor is one indexed tensor operation over the whole batch."""
-    if not any(row.has_processors or row.blocked_token_ids or row.banned_token_ids for row in rows):
+    if not any(row.traits.has_logit_processors or row.blocked_token_ids or row.banned_token_ids for row in rows):
         return logits
     vocab_size, device = logits.shape[1], logits.device
     allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values, ban_rows, ban_ids = ([] for _ in range(7))
@@ -171,7 +142,7 @@ def apply_logit_processors(logits: torch.Tensor, rows: list[SampleRow]) -> torch
     if ban_rows:
         index = (to_device(ban_rows, torch.int64, device), to_device(ban_ids, torch.int64, device))
         logits = logits.index_put(index, torch.full((), float("-inf"), dtype=logits.dtype, device=device))
-    if any(row.has_processors and _has_penalties(row.params) for row in rows):
+    if any(row.traits.has_penalties for row in rows):
         logits = apply_penalties(logits, rows)
     return logits
 
@@ -180,21 +151,6 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     """A host list as a tensor on ``device``, copied without waiting for the device's
     queued work (a blocking copy would synchronise with the forward pass)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-def bad_word_bans(output_token_ids: list[int], bad_words_ids: list[list[int]]) -> tuple[int, ...]:
-    """Token ids that would complete a bad word right now: the last token of each
-    bad word whose other tokens end the output so far (single-token words always)."""
-    banned = []
-    for word in bad_words_ids:
-        prefix = word[:-1]
-        if not prefix or output_token_ids[-len(prefix):] == prefix:
-            banned.append(word[-1])
-    return tuple(banned)
-
-
-def _has_penalties(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -208,12 +164,12 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     return counts[:, :vocab_size].to(device, non_blocking=True)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[SequenceRecord]) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt and output tokens, presence and
     frequency over output tokens only."""
     vocab_size = logits.shape[1]
-    output_counts = _token_counts([r.request.output_token_ids for r in rows], vocab_size, logits.device)
-    prompt_seen = _token_counts([r.request.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
+    output_counts = _token_counts([r.sequence.output_token_ids for r in rows], vocab_size, logits.device)
+    prompt_seen = _token_counts([r.sequence.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
     dtype = logits.dtype
     device = logits.device
     repetition = to_device([r.params.repetition_penalty for r in rows], dtype, device)[:, None]
@@ -226,7 +182,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits - presence * (output_counts > 0).to(dtype)
 
 
-def sample_random(logits: torch.Tensor, rows: list[SampleRow], uniforms: torch.Tensor) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, rows: list[SequenceRecord], uniforms: torch.Tensor) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then inverse-CDF sampling. logits: [N, V]."""
     dtype = logits.dtype
     vocab_size = logits.shape[1]

@@ -12,7 +12,7 @@ from torch import nn
 
 from shardline import LLM, SamplingParams
 from shardline.engine.attention.backends import choose_attention_backend
-from shardline.engine.llm_engine import uses_position_bias
+from shardline.engine.model.build import uses_position_bias
 from shardline.engine.model.adapters import PagedAttentionAdapter
 from shardline.engine.model.tiny import build_tiny_model
 

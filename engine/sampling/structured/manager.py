@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...params import SamplingParams, StructuredOutputsParams
+from ...params import StructuredOutputsParams
 from .bitmask import allows_only, step_bitmask
 from .grammar import GrammarCompiler, GrammarState, StructuredOutputError
 
-if TYPE_CHECKING:  # the output processor imports this package
-    from ..output_processor import RequestState, SampleState
-    from ..sampler import SampleRow
+if TYPE_CHECKING:  # the sequence records import this package
+    from ..sequences import RequestState, SequenceRecord
 
 
 class StructuredOutputManager:
@@ -48,12 +47,12 @@ class StructuredOutputManager:
     def forget(self, sequence_id: str) -> None:
         self._held_logits.pop(sequence_id, None)
 
-    def hold(self, rows: list[SampleRow], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
-             failures: dict[str, StructuredOutputError]) -> tuple[list[SampleRow], torch.Tensor | None]:
+    def hold(self, rows: list[SequenceRecord], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
+             failures: dict[str, StructuredOutputError]) -> tuple[list[SequenceRecord], torch.Tensor | None]:
         """The rows that may sample now, and their logits; the others are held."""
         keep = []
         for i, row in enumerate(rows):
-            sequence_id = row.request.request_id
+            sequence_id = row.sequence.request_id
             self._held_logits.pop(sequence_id, None)  # recomputed after a preemption: these are newer
             state = state_of(sequence_id)
             if self.ready(state, failures):
@@ -65,9 +64,9 @@ class StructuredOutputManager:
         kept_logits = logits.index_select(0, torch.tensor(keep, device=logits.device)) if keep else None
         return [rows[i] for i in keep], kept_logits
 
-    def release(self, rows: list[SampleRow], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
-                row_of: Callable[[str], SampleRow], failures: dict[str, StructuredOutputError],
-                wait_first: bool = False) -> tuple[list[SampleRow], torch.Tensor | None]:
+    def release(self, rows: list[SequenceRecord], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
+                row_of: Callable[[str], SequenceRecord], failures: dict[str, StructuredOutputError],
+                wait_first: bool = False) -> tuple[list[SequenceRecord], torch.Tensor | None]:
         """``rows`` plus the held sequences whose grammar has compiled, with their
         logits appended. ``wait_first`` (when the engine has nothing else to compute):
         first wait until one of their grammars is ready."""
@@ -108,7 +107,8 @@ class StructuredOutputManager:
         state.grammar = None
         return True
 
-    def bitmask(self, rows: list[SampleRow], samples: list[SampleState]) -> tuple[torch.Tensor | None, set[int]]:
+    def bitmask(self, rows: list[SequenceRecord],
+                samples: list[SequenceRecord]) -> tuple[torch.Tensor | None, set[int]]:
         """The step's bitmask (see ``step_bitmask``) and the restricted rows whose
         pick must be checked against it: those with another sampling constraint
         (allowed_token_ids, logit_bias, bad words, min_tokens, penalties) that may
@@ -125,15 +125,10 @@ class StructuredOutputManager:
             blocked = row.blocked_token_ids
             if blocked and samples[i].grammar is not None and allows_only(bitmask, i, set(blocked)):
                 row.blocked_token_ids = ()
-            if row.blocked_token_ids or row.banned_token_ids or _has_logit_processors(row.params):
+            if row.blocked_token_ids or row.banned_token_ids or row.traits.has_logit_processors:
                 to_check.add(i)
         return bitmask, to_check
 
     def close(self) -> None:
         self.compiler.close()
 
-
-def _has_logit_processors(params: SamplingParams) -> bool:
-    """Whether ``params`` change logits beyond the bitmask (see apply_logit_processors)."""
-    return (params.allowed_token_ids is not None or bool(params.logit_bias) or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0)

@@ -1,0 +1,210 @@
+"""Building an engine's parts from its config and loaded model.
+
+``build_engine_parts`` makes everything LLMEngine drives, in one written order:
+the model is loaded (attention adapters swapped in at load), then prepared
+(``prepare_model``: LoRA before the cache is sized, since its adapter slots take
+device memory; recurrent layers; the CPU path choice and its rewrites; the attention
+backend, chosen once), then the KV cache is planned from what memory is left, then
+the runner (with its LoRA manager), its CUDA graphs, the scheduler and the load-time
+check; last the sampling side (sampler, reasoning parser, output processor,
+structured-output manager). The pooling engine shares ``resolve_for_device``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention.backends import AttentionBackend, choose_attention_backend
+from ..config import EngineConfig
+from ..core.scheduler import Scheduler, SchedulerConfig
+from ..cpu.memory import keep_freed_memory
+from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
+from ..lora.manager import LoRAManager
+from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
+from ..sampling.harmony import HarmonyParser
+from ..sampling.output_processor import OutputProcessor
+from ..sampling.reasoning import ReasoningParser, make_reasoning_parser
+from ..sampling.sampler import Sampler
+from ..sampling.structured import StructuredOutputManager
+from .kv_cache_spec import KVCacheSpec
+from .load_check import check_model
+from .loader import LoadedModel, load_causal_lm, recurrent_layer_indices
+from .profiling import profile_peak_bytes
+from .runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedModel:
+    """What preparing a loaded model for the engine made: its per-layer cache spec, the
+    recurrent layers' state spec (None without them), the LoRA manager (None without
+    enable_lora), the CPU fast paths taken and the modules they replaced, and the
+    attention backend."""
+
+    spec: KVCacheSpec
+    state_spec: RecurrentStateSpec | None
+    lora_manager: LoRAManager | None
+    cpu_paths: CpuPaths
+    cpu_rewrites: CpuRewrites
+    attention: AttentionBackend
+
+
+@dataclass
+class EngineParts:
+    """Everything a generation engine drives, built by ``build_engine_parts``."""
+
+    config: EngineConfig
+    loaded: LoadedModel
+    vocab_size: int
+    max_model_len: int
+    prepared: PreparedModel
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+    reasoning_parser: ReasoningParser | HarmonyParser | None
+    output_processor: OutputProcessor
+    structured: StructuredOutputManager
+
+
+def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """Load (unless ``loaded`` is given) and prepare the model, plan its KV cache and
+    build the runner, scheduler and sampling parts, in the order the module states."""
+    loaded = loaded or load_causal_lm(config)
+    config = resolve_for_device(config, loaded.device)
+    vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
+    prepared = prepare_model(config, loaded)
+    runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
+    max_model_len = scheduler.config.max_model_len
+    if config.check_model:
+        check_model(runner, vocab_size, max_model_len, type(loaded.model).__name__)
+    reasoning_parser = (make_reasoning_parser(config.reasoning_parser, loaded.tokenizer)
+                        if config.reasoning_parser is not None else None)
+    output_processor = OutputProcessor(loaded.tokenizer, eos_token_ids(loaded), max_model_len, reasoning_parser)
+    return EngineParts(
+        config=config, loaded=loaded, vocab_size=vocab_size, max_model_len=max_model_len, prepared=prepared,
+        runner=runner, scheduler=scheduler, sampler=Sampler(config.seed), reasoning_parser=reasoning_parser,
+        output_processor=output_processor,
+        structured=StructuredOutputManager(loaded.tokenizer, vocab_size, output_processor.eos_token_ids),
+    )
+
+
+def resolve_for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """``config`` with the options left to the device (the token budget) filled in."""
+    config.resolve_token_budget(device.type)
+    return config
+
+
+def prepare_model(config: EngineConfig, loaded: LoadedModel) -> PreparedModel:
+    """Every change to the loaded model before its cache is planned, in this order:
+    LoRA layers (their adapter slots take device memory the cache must not), the
+    recurrent layers' kinds with per-request state slots (engine/recurrent/), the CPU
+    fast paths and the modules they replace (engine/cpu/paths.py), and the one
+    attention backend the runner, the CPU layers and the CUDA-graph path ask."""
+    model, device = loaded.model, loaded.device
+    lora_manager = (LoRAManager(model, config.max_loras, config.max_lora_rank, device, loaded.dtype)
+                    if config.enable_lora else None)
+    spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
+    state_spec = prepare_recurrent_layers(model, recurrent_layer_indices(loaded.hf_config))
+    cpu_paths, cpu_rewrites = NO_CPU_PATHS, CpuRewrites()
+    # A model without attention layers (a pure state-space model) may name no heads.
+    num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
+    first_attention = next((layer for layer in spec.layers if layer.num_kv_heads), None)
+    if device.type == "cpu":
+        keep_freed_memory()
+    if device.type == "cpu" and first_attention is not None:
+        shape = ModelShape.of(model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
+        cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
+        cpu_rewrites = optimize_for_cpu(model, cpu_paths, config.max_num_batched_tokens)
+    attention = choose_attention_backend(
+        config.attention_backend, device, loaded.dtype, num_heads,
+        native_decode=cpu_paths.decode_kernel, native_prefill=cpu_paths.prefill_kernel,
+        chunk_sizes=spec.chunk_sizes, position_bias=uses_position_bias(model))
+    return PreparedModel(spec, state_spec, lora_manager, cpu_paths, cpu_rewrites, attention)
+
+
+def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
+                               prepared: PreparedModel) -> tuple[ModelRunner, Scheduler]:
+    """Plan the KV cache (blocks and recurrent-state slots) from the memory left, then
+    build the runner over it (with CUDA graphs where they replay) and the scheduler."""
+    spec, attention = prepared.spec, prepared.attention
+    model_len = resolve_max_model_len(config, loaded.hf_config)
+    budget = kv_cache_budget(config, loaded.device, loaded.model, attention, spec, model_len)
+    num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, prepared.state_spec)
+    max_model_len = min(model_len, num_blocks * config.block_size)
+    runner = ModelRunner(loaded.model, spec, num_blocks, config.block_size, loaded.device, attention,
+                         prepared.state_spec, num_state_slots, lora_manager=prepared.lora_manager)
+    if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
+            and attention.replays_decode_graphs and not num_state_slots):
+        runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
+    scheduler = Scheduler(SchedulerConfig(
+        max_num_seqs=num_state_slots or config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_loras=config.max_loras if config.enable_lora else None,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=prefix_caching(config, num_state_slots),
+        num_state_slots=num_state_slots,
+    ))
+    return runner, scheduler
+
+
+def uses_position_bias(model: torch.nn.Module) -> bool:
+    """Whether some attention layer attends with a bias table by key position (an
+    adapter's ``uses_position_bias``), which only the torch attention path takes."""
+    return any(getattr(module, "uses_position_bias", False) for module in model.modules())
+
+
+def prefix_caching(config: EngineConfig, num_state_slots: int) -> bool:
+    """Whether the engine caches prefixes. Not with recurrent layers: a cached prefix
+    restores KV blocks but not the recurrent state after it, which is kept for running
+    requests only (not at block boundaries), so a hit could not be continued from."""
+    if config.enable_prefix_caching and num_state_slots:
+        logger.info("prefix caching is off: the model has recurrent layers, whose state is not kept at "
+                    "block boundaries")
+        return False
+    return config.enable_prefix_caching
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    """The model's maximum length, or the user's max_model_len if within it."""
+    model_len = model_max_len(hf_config)
+    if config.max_model_len is None:
+        return model_len
+    if config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's maximum length {model_len}"
+        )
+    return config.max_model_len
+
+
+def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.Module,
+                    attention: AttentionBackend, spec: KVCacheSpec, model_len: int) -> int:
+    """Bytes for the KV cache: kv_cache_memory_bytes if set; on CPU a default; on
+    CUDA gpu_memory_utilization of the device, less what the model uses at peak."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    _, total = torch.cuda.mem_get_info(device)
+    peak = profile_peak_bytes(model, attention, spec, config.max_num_batched_tokens, config.block_size, device,
+                              model_len)
+    return int(total * config.gpu_memory_utilization) - peak
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation_config."""
+    ids: set[int] = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    gen_eos = getattr(loaded.generation_config, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(t) for t in gen_eos)
+    return ids
