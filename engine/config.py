@@ -28,19 +28,21 @@ class ConfigError(ValueError):
     """An engine option has a value the engine cannot use."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Options of one engine instance (vLLM's names and meanings).
+    """Options of one engine instance (vLLM's names and meanings); frozen once validated.
 
     ``task`` "auto" generates with causal-LM checkpoints and embeds with the
-    others; "embed" pools a decoder's hidden states instead. ``max_model_len`` None means the model's own limit (capped by what the KV
-    cache can hold); ``kv_cache_memory_bytes`` None means a default budget on CPU
-    and ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
+    others; "embed" pools a decoder's hidden states instead. ``max_model_len`` None
+    means the model's own limit (capped by what the KV cache can hold);
+    ``kv_cache_memory_bytes`` None means a default budget on CPU and
+    ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
     CUDA graphs that decode steps replay on a GPU. ``max_num_batched_tokens`` None
-    means a per-device default (DEFAULT_TOKEN_BUDGETS), set by the engine once it
-    knows its device. ``reasoning_parser`` ("qwen3", "deepseek_r1" or "openai_gptoss", vLLM's names)
-    splits a reasoning model's thinking from its answer (CompletionOutput.reasoning)
-    and holds structured-output constraints back until the thinking ends.
+    means a per-device default (DEFAULT_TOKEN_BUDGETS), filled in by the engine once it
+    knows its device (``with_token_budget``). ``reasoning_parser`` ("qwen3",
+    "deepseek_r1" or "openai_gptoss", vLLM's names) splits a reasoning model's thinking
+    from its answer (CompletionOutput.reasoning) and holds structured-output
+    constraints back until the thinking ends.
     """
 
     model: str
@@ -104,14 +106,16 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 
-    def resolve_token_budget(self, device_type: str) -> int:
-        """Fill in ``max_num_batched_tokens`` for ``device_type`` if it was left None; return it."""
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = DEFAULT_TOKEN_BUDGETS.get(device_type, DEFAULT_TOKEN_BUDGETS["cpu"])
-        return self.max_num_batched_tokens
+    def with_token_budget(self, device_type: str) -> EngineConfig:
+        """This config with ``max_num_batched_tokens`` filled in for ``device_type`` if it
+        was left None (DEFAULT_TOKEN_BUDGETS; a device not listed there takes the CPU's)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_TOKEN_BUDGETS.get(device_type, DEFAULT_TOKEN_BUDGETS["cpu"])
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
     @classmethod
-    def from_kwargs(cls, model: str, **overrides: Any) -> "EngineConfig":
+    def from_kwargs(cls, model: str, **overrides: Any) -> EngineConfig:
         """Build a config from keyword overrides, rejecting unknown option names."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)

@@ -95,8 +95,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
 
 def resolve_for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
     """``config`` with the options left to the device (the token budget) filled in."""
-    config.resolve_token_budget(device.type)
-    return config
+    return config.with_token_budget(device.type)
 
 
 def prepare_model(config: EngineConfig, loaded: LoadedModel) -> PreparedModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import transformers
 
@@ -77,10 +79,14 @@ def test_architecture_without_attention_interface(tmp_path):
 def test_token_budget_defaults_per_device_and_an_explicit_one_stays(tiny_llama_dir):
     from shardline.engine.config import DEFAULT_TOKEN_BUDGETS, EngineConfig
 
-    assert EngineConfig("m").max_num_batched_tokens is None
-    assert EngineConfig("m").resolve_token_budget("cuda") == DEFAULT_TOKEN_BUDGETS["cuda"]
+    config = EngineConfig("m")
+    assert config.max_num_batched_tokens is None
+    assert config.with_token_budget("cuda").max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cuda"]
+    assert config.max_num_batched_tokens is None  # frozen: the filled-in budget is a new config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_batched_tokens = 8  # type: ignore[misc]  # the assignment under test
     llm = LLM(tiny_llama_dir, device="cpu")
-    assert llm.engine_config.max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cpu"]
+    assert llm.llm_engine.config.max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cpu"]
     assert llm.llm_engine.scheduler.config.max_num_batched_tokens == DEFAULT_TOKEN_BUDGETS["cpu"]
     llm.close()
     llm = LLM(tiny_llama_dir, device="cpu", max_num_batched_tokens=96)
