@@ -213,7 +213,9 @@ def _fits(layer: nn.Module) -> bool:
     attention, mixer = getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)
     if mixer is not None:
         return attention is None and isinstance(mixer, RecurrentLayer)
-    if attention is None or getattr(attention, "sliding_window", None) or getattr(attention.config, "sliding_window", None):
+    if attention is None:
+        return False
+    if getattr(attention, "sliding_window", None) or getattr(attention.config, "sliding_window", None):
         return False
     config = attention.config
     return (all(hasattr(attention, name) for name in ("q_norm", "k_norm", "o_proj", "head_dim", "scaling", "layer_idx"))

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
-from ..recurrent.gated_delta_net import (GatedDeltaNetKind, PackedInputProjections, StridedGateNorm,
-                                         input_projections)
+from ..recurrent.gated_delta_net import GatedDeltaNetKind, PackedInputProjections, StridedGateNorm, input_projections
 from ..recurrent.state import RecurrentLayer, StepHolder
 from .hybrid_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
 from .layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output

@@ -26,8 +26,14 @@ from __future__ import annotations
 import torch
 
 from ._triton import require_triton, tl, triton
-from .delta_rule import (check_packed_layout, delta_rule_chunk_update, launch_chunked_rule, load_rows, state_block,
-                         unit_lower_inverse)
+from .delta_rule import (
+    check_packed_layout,
+    delta_rule_chunk_update,
+    launch_chunked_rule,
+    load_rows,
+    state_block,
+    unit_lower_inverse,
+)
 
 CHUNK = 32  # tokens per chunk on the GPU (a power of two, 16 at least: tl.dot's minimum)
 MAX_BLOCK_V = 64  # value columns per program: the state block [K, BLOCK_V] stays in registers

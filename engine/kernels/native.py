@@ -48,7 +48,7 @@ def kernel_target() -> str:
     return os.environ.get("SHARDLINE_CPU_TARGET") or "native"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler_vector_isa(compiler: str, target: str) -> str:
     """The widest vector instruction set ``compiler`` emits for ``-march=target``, by
     its own predefined macros: "avx512", "avx2", "neon", "sse2" or "scalar" (also

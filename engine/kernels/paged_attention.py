@@ -25,7 +25,6 @@ the output are [M, Dv].
 
 from __future__ import annotations
 
-
 import torch
 
 from ._triton import (

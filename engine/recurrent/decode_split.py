@@ -8,8 +8,8 @@ requests. Both groups keep their batch order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ class DecodeSplit:
     chunk_cu_seqlens: torch.Tensor  # [Bc + 1] over chunk_tokens
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor) -> "DecodeSplit":
+    def of(cls, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor) -> DecodeSplit:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         is_decode = has_initial_state & (lengths == 1)
         decode_requests = is_decode.nonzero().squeeze(1)

@@ -31,9 +31,9 @@ from ..kernels.delta_rule_step import delta_rule_step_triton
 from ..kernels.kda import chunk_kda_triton
 from ..kernels.recurrent_reference import kda_step_reference
 from .base import RecurrentKind, StateShapes, register_kind
+from .chunk_layout import ChunkLayout
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
-from .chunk_layout import ChunkLayout
 
 CHUNK = 16
 

@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from .base import RecurrentKind, StateShapes, register_kind
+from .chunk_layout import ChunkLayout
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .selective_scan import doubling_scan
-from .chunk_layout import ChunkLayout
-
 
 CHUNK = 32  # a token's state is one vector: the doubling scan's extra work is cheap
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import RecurrentKind, StateShapes, kind_for_module, registered_module_classes
 from ..errors import UnsupportedLayerError
+from .base import RecurrentKind, StateShapes, kind_for_module, registered_module_classes
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class RecurrentStateSpec:
     layers: dict[int, StateShapes]
 
     @classmethod
-    def from_layers(cls, layers: dict[int, RecurrentLayer]) -> "RecurrentStateSpec":
+    def from_layers(cls, layers: dict[int, RecurrentLayer]) -> RecurrentStateSpec:
         return cls({index: layer.state_shapes() for index, layer in sorted(layers.items())})
 
     @property

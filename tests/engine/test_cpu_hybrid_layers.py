@@ -13,13 +13,17 @@ from torch import nn
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.hybrid_decoder import FusedHybridDecoderLayer
-from shardline.engine.cpu.hybrid_layers import (FusedGatedRMSNorm, FusedOffsetRMSNorm, GatedDeltaNetProjections,
-                                                pack_gated_delta_net_projections)
+from shardline.engine.cpu.hybrid_layers import (
+    FusedGatedRMSNorm,
+    FusedOffsetRMSNorm,
+    GatedDeltaNetProjections,
+    pack_gated_delta_net_projections,
+)
 from shardline.engine.cpu.linear import onednn_linear_available, pack_linears
 from shardline.engine.kernels.cpu_fused import fused_kernels_available
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.recurrent.gated_delta_net import input_projections
 from shardline.engine.recurrent.state import install_recurrent_layers
-from shardline.engine.model.tiny import build_tiny_model
 
 from .hf_reference import hf_greedy, random_prompts
 

@@ -5,9 +5,16 @@ import shutil
 import pytest
 import torch
 
-from shardline.engine.kernels.cpu_fused import (add_rms_norm_, fused_kernels_available, rms_norm,
-                                                rms_norm_reference, rotary_, rotary_reference, silu_mul,
-                                                silu_mul_reference)
+from shardline.engine.kernels.cpu_fused import (
+    add_rms_norm_,
+    fused_kernels_available,
+    rms_norm,
+    rms_norm_reference,
+    rotary_,
+    rotary_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine keeps its torch ops"),

@@ -5,8 +5,11 @@ a saved state, for chunk sizes that cut requests anywhere."""
 import pytest
 import torch
 
-from shardline.engine.kernels.recurrent_reference import (causal_conv1d_reference, gated_delta_rule_reference,
-                                                          l2_normalize)
+from shardline.engine.kernels.recurrent_reference import (
+    causal_conv1d_reference,
+    gated_delta_rule_reference,
+    l2_normalize,
+)
 from shardline.engine.recurrent.conv_varlen import causal_conv1d_varlen
 from shardline.engine.recurrent.delta_rule import chunk_gated_delta_rule_varlen
 

@@ -18,8 +18,8 @@ import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
-from shardline.engine.recurrent.state import RecurrentStateSpec, install_recurrent_layers
 from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.recurrent.state import RecurrentStateSpec, install_recurrent_layers
 
 from ..hf_reference import hf_greedy, random_prompts
 

@@ -75,7 +75,8 @@ def test_chunked_kda_matches_the_recurrence_from_saved_states(chunk_size):
     v = rand(total, heads, v_dim)
     g = -torch.rand(total, heads, k_dim, generator=gen, dtype=torch.float64)
     beta = torch.rand(total, heads, generator=gen, dtype=torch.float64)
-    initial = rand(len(lengths), heads, k_dim, v_dim) * torch.tensor(has_state, dtype=torch.float64)[:, None, None, None]
+    state_mask = torch.tensor(has_state, dtype=torch.float64)[:, None, None, None]
+    initial = rand(len(lengths), heads, k_dim, v_dim) * state_mask
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     out, final = chunk_kda_varlen(q, k, v, g, beta, cu, initial, chunk_size=chunk_size)
     for b in range(len(lengths)):

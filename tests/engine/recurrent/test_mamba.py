@@ -14,8 +14,16 @@ import transformers
 from shardline.engine.recurrent.mamba import MAMBA
 from shardline.engine.recurrent.selective_scan import selective_scan_varlen, selective_state_update
 
-from .mixer_parity import (assert_matches_references, chunked, hf_reference, make_sequences, prefill_then_decode,
-                           randomize, run_schedule, whole)
+from .mixer_parity import (
+    assert_matches_references,
+    chunked,
+    hf_reference,
+    make_sequences,
+    prefill_then_decode,
+    randomize,
+    run_schedule,
+    whole,
+)
 
 LENGTHS = [9, 1, 40, 3, 6]
 HIDDEN = 16
@@ -64,7 +72,7 @@ def hf_states(cache, layer_idx: int = 0) -> dict[str, torch.Tensor]:
     return {"conv": layer.conv_states[0][0, :, 1:].t(), "ssm": layer.recurrent_states[0][0].reshape(-1, 8)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mixer_case(name: str):
     """The mixer, its sequences and the HF module's output and cache on each alone."""
     mixer, config = build_mixer(name)
@@ -73,7 +81,8 @@ def mixer_case(name: str):
     return mixer, config, sequences, references
 
 
-SCHEDULES = dict(zip(["whole", "chunked", "decode"], [whole(LENGTHS), chunked(LENGTHS, seed=2, max_chunk=37), prefill_then_decode(LENGTHS, 4)]))
+SCHEDULES = {"whole": whole(LENGTHS), "chunked": chunked(LENGTHS, seed=2, max_chunk=37),
+             "decode": prefill_then_decode(LENGTHS, 4)}
 # Every schedule for mamba; the chunked one (packed, continued, single-token chunks
 # mixed) for the other mixers by default, the rest slow-marked.
 CASES = [

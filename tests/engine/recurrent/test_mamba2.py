@@ -14,8 +14,16 @@ import transformers
 from shardline.engine.recurrent.mamba2 import MAMBA2
 from shardline.engine.recurrent.ssd import ssd_chunk_scan_varlen, ssd_decode_step
 
-from .mixer_parity import (assert_matches_references, chunked, hf_reference, make_sequences, prefill_then_decode,
-                           randomize, run_schedule, whole)
+from .mixer_parity import (
+    assert_matches_references,
+    chunked,
+    hf_reference,
+    make_sequences,
+    prefill_then_decode,
+    randomize,
+    run_schedule,
+    whole,
+)
 
 LENGTHS = [9, 1, 14, 3, 6]
 HIDDEN = 16
@@ -80,7 +88,7 @@ def hf_states(cache, layer_idx: int = 0) -> dict[str, torch.Tensor]:
     return {"conv": layer.conv_states[0][0, :, 1:].t(), "ssm": layer.recurrent_states[0][0]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mixer_case(name: str):
     """The mixer, its sequences and the HF module's output and cache on each alone."""
     mixer, config = build_mixer(name)
@@ -89,7 +97,7 @@ def mixer_case(name: str):
     return mixer, config, sequences, references
 
 
-SCHEDULES = dict(zip(["whole", "chunked", "decode"], [whole(LENGTHS), chunked(LENGTHS, seed=2), prefill_then_decode(LENGTHS, 4)]))
+SCHEDULES = {"whole": whole(LENGTHS), "chunked": chunked(LENGTHS, seed=2), "decode": prefill_then_decode(LENGTHS, 4)}
 # Every schedule for mamba2; the chunked one (packed, continued, single-token chunks
 # mixed) for the other mixers by default, the rest slow-marked.
 CASES = [

@@ -39,7 +39,7 @@ def test_slot_views_match_the_gathered_states(slots):
     layer = RecurrentLayer(randomize(Qwen3_5GatedDeltaNet(CONFIG, 0), seed=0), GATED_DELTA_NET, 0, CONFIG)
     spec = RecurrentStateSpec.from_layers({0: layer})
     generator = torch.Generator().manual_seed(1)
-    viewed, gathered = spec.allocate(NUM_SLOTS, torch.device("cpu"))[0], spec.allocate(NUM_SLOTS, torch.device("cpu"))[0]
+    viewed, gathered = (spec.allocate(NUM_SLOTS, torch.device("cpu"))[0] for _ in range(2))
     # The gathered run's slots: the same requests in slots no consecutive range holds.
     scattered = {1: 0, 2: 5, 3: 2}
     for lengths, continuing in (([5, 9, 1], [False, False, False]), ([1, 4, 1], [True, True, True]),
