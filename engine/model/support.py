@@ -94,7 +94,7 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
         return Support(hf_config.model_type, architecture, task, *verdict)
     remote = trust_remote_code and auto_class.__name__ in (getattr(hf_config, "auto_map", None) or {})
     if model_class is None and not remote:
-        kind = "an embedding model" if task == "embed" else "a causal language model"
+        kind = "embedding model" if task == "embed" else "causal language model"
         return Support(hf_config.model_type, architecture, task,
                        f"transformers has no {kind} class for model_type {hf_config.model_type!r} (task {task})")
     try:

@@ -45,8 +45,8 @@ def test_an_architecture_the_paged_attention_cannot_run_is_refused(tmp_path, mak
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "model_type": "rwkv",
                                                    "architectures": ["RwkvForCausalLM"]}))
-    with pytest.raises(ModelUnusable, match="^load model architecture RwkvForCausalLM failed: its attention does "
-                                            "not go through transformers' AttentionInterface"):
+    with pytest.raises(ModelUnusable, match=f"^load model {model} failed: RwkvForCausalLM \\(rwkv\\) cannot run on "
+                                            "shardline: no recurrent kind runs RWKV's blocks"):
         check_model(make_job(model=str(model)))
     (model / "config.json").unlink()
     with pytest.raises(ModelUnusable, match=f"^load model {model} failed: "):
