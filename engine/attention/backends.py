@@ -25,8 +25,17 @@ from typing import Protocol
 import torch
 
 from .context import AttentionContext, AttentionOptions, StepBatch
-from .torch_path import (DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups,
-                              fresh_prompts, torch_paged_attention, write_kv_cache)
+from .torch_path import (
+    DecodeBatch,
+    PrefillBatch,
+    TorchAttentionPlan,
+    TorchPlans,
+    attend_last_tokens,
+    attention_groups,
+    fresh_prompts,
+    torch_paged_attention,
+    write_kv_cache,
+)
 
 BACKEND_NAMES = ("cpu", "torch", "triton")
 
@@ -42,13 +51,21 @@ class AttentionBackend(Protocol):
     # A step's last layer may attend its sampled rows alone (engine/cpu/layers.py).
     attends_sampled_rows: bool
 
-    def build_context(self, step: "StepBatch") -> AttentionContext:
+    def build_context(self, step: StepBatch) -> AttentionContext:
         """The frozen per-step context every layer of the step reads."""
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """Write the layer's new keys and values into its cache and attend.
         query: [T, H, D]; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [T, H, Dv]."""
+
+    def attend_sampled_rows(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+        """Write the layer's new keys and values (of every token of the step) into its
+        cache, then attend the step's sampled rows alone (``ctx.sampled_rows``, marked
+        where ``attends_sampled_rows``), each its request's last token attending the
+        request's whole context. query: [S, H, D], the queries at those rows in their
+        order; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [S, H, Dv]."""
 
 
 def layer_options(options: AttentionOptions, chunk_sizes: tuple[int | None, ...], layer_idx: int) -> AttentionOptions:
@@ -150,10 +167,22 @@ class TorchBackend:
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
         work = ctx.work
+        assert isinstance(work, TorchPlans), "a context built by another backend"
         if options.position_bias is not None:  # a bias table, which the native kernels do not take
             work = work.without_kernels(lambda: replace(self, native_decode=False, native_prefill=False)._plans(ctx))
         return torch_paged_attention(query, key, value, k_cache, v_cache, work,
                                      layer_options(options, self.chunk_sizes, layer_idx))
+
+    def attend_sampled_rows(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+        """See AttentionBackend: the native decode kernel where it takes the step's caches
+        (and the layer has no bias table), else SDPA over the gathered contexts."""
+        k_cache, v_cache = ctx.kv_caches[layer_idx]
+        write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
+        native = options.position_bias is None and self._kernels_take(attention_caches(ctx.kv_caches))[0]
+        requests = DecodeBatch(ctx.sampled_requests, ctx.sampled_query_rows, ctx.seq_lens, ctx.block_tables)
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        return attend_last_tokens(query, k_cache, v_cache, requests, options, native)
 
 
 @dataclass(frozen=True)
@@ -188,13 +217,40 @@ class TritonBackend:
                              "attention_backend='torch'")
         from ..kernels import paged_attention, store_kv_cache
 
+        indices = ctx.work
+        assert isinstance(indices, TritonIndices), "a context built by another backend"
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
         options = layer_options(options, self.chunk_sizes, layer_idx)
-        return paged_attention(query.contiguous(), k_cache, v_cache, ctx.work.query_start_loc, ctx.work.seq_lens,
+        return paged_attention(query.contiguous(), k_cache, v_cache, indices.query_start_loc, indices.seq_lens,
                                ctx.block_tables, options.scale, sliding_window=options.sliding_window,
                                softcap=options.softcap, sinks=options.sinks, alibi_slopes=options.alibi_slopes,
                                chunk_size=options.chunk_size, max_query_len=ctx.max_query_len)
+
+    def attend_sampled_rows(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+        """See AttentionBackend: the sampled rows as a step of one query token per
+        request, through the same kernel."""
+        if options.position_bias is not None:
+            raise ValueError(f"attention layer {layer_idx} adds a bias table by key position, which the Triton "
+                             "kernels do not take; run it with attention_backend='torch'")
+        from ..kernels import paged_attention, store_kv_cache
+
+        indices = ctx.work
+        assert isinstance(indices, TritonIndices), "a context built by another backend"
+        assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
+        k_cache, v_cache = ctx.kv_caches[layer_idx]
+        store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
+        requests = ctx.sampled_requests
+        rows = ctx.sampled_query_rows.index_select(0, requests)  # [S] each request's query row
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        attended = paged_attention(
+            query.index_select(0, rows).contiguous(), k_cache, v_cache,
+            torch.arange(rows.numel() + 1, device=rows.device, dtype=torch.int32),
+            indices.seq_lens.index_select(0, requests), ctx.block_tables.index_select(0, requests), options.scale,
+            sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks,
+            alibi_slopes=options.alibi_slopes, chunk_size=options.chunk_size, max_query_len=1)
+        return torch.empty_like(attended).index_copy_(0, rows, attended)
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, num_heads: int,

@@ -33,7 +33,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 if TYPE_CHECKING:
-    from .backends import AttentionBackend
+    from .backends import AttentionBackend, TritonIndices
+    from .torch_path import TorchPlans
 
 ATTN_IMPLEMENTATION = "shardline"
 
@@ -77,8 +78,10 @@ class AttentionContext(StepBatch):
     backend's own work for the step (the torch path's plans, the Triton kernels'
     int32 indices). Built once per step and shared by all layers."""
 
-    backend: "AttentionBackend | None" = None
-    work: object = None
+    backend: AttentionBackend | None = None
+    # TorchBackend's plans or TritonBackend's int32 indices: each backend reads only the
+    # work it built itself.
+    work: TorchPlans | TritonIndices | None = None
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from .request import Request
+from .request import CacheSalt, Request
 
 BlockHash = bytes
 
@@ -41,7 +40,7 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: Any = None
+    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: CacheSalt | None = None
 ) -> BlockHash:
     """Stable digest of one full block chained to the hash of the block before it.
 

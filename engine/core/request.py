@@ -10,7 +10,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Annotations only: core/ imports nothing above it at run time.
+    from ..lora.request import LoRARequest
+    from ..params import PoolingParams, SamplingParams
+
+
+# A prefix-cache salt. It is hashed through its repr, so only values whose repr is the
+# same in every process (not Python's per-process str hash): str, int, tuples of those.
+CacheSalt = str | int | tuple[str | int, ...]
 
 
 class RequestStatus(enum.Enum):
@@ -24,7 +34,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = ("length", True)
     FINISHED_ABORTED = ("abort", True)
 
-    def __new__(cls, value: str, is_finished: bool) -> "RequestStatus":
+    def __new__(cls, value: str, is_finished: bool) -> RequestStatus:
         member = object.__new__(cls)
         member._value_ = value
         member.is_finished = is_finished
@@ -35,10 +45,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated (one sample of a request when n > 1).
 
-    ``params`` is opaque to the scheduler and the KV cache (a SamplingParams or
-    PoolingParams); ``max_tokens`` is already resolved against max_model_len.
-    ``cache_salt`` separates prefix-cache entries that must not be shared (for
-    example different LoRA adapters): it is folded into the first block hash.
+    ``params`` is opaque to the scheduler and the KV cache (None only for requests
+    built by tests of those two); ``max_tokens`` is already resolved against
+    max_model_len. ``cache_salt`` separates prefix-cache entries that must not be
+    shared (for example different LoRA adapters, ``lora_cache_salt``): it is folded
+    into the first block hash.
     """
 
     request_id: str
@@ -46,9 +57,9 @@ class Request:
     max_tokens: int
     priority: int = 0
     arrival_index: int = 0
-    params: Any = None
-    cache_salt: Any = None
-    lora_request: Any = None
+    params: SamplingParams | PoolingParams | None = None
+    cache_salt: CacheSalt | None = None
+    lora_request: LoRARequest | None = None
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import transformers
@@ -242,6 +242,15 @@ class PendingTokens:
     rows: dict[str, int]
 
 
+class PromptRows(NamedTuple):
+    """One request's prompt-logprob rows among a step's kept logits: ``num_rows`` rows
+    from row ``first_row``, the first of them the logits at prompt ``position``."""
+
+    first_row: int
+    num_rows: int
+    position: int
+
+
 @dataclass
 class LogitsPlan:
     """Packed positions whose logits the step needs, in the order they are kept.
@@ -254,8 +263,8 @@ class LogitsPlan:
     keep: list[int] = field(default_factory=list)
     # request_id -> row in the kept logits to sample from.
     sample_rows: dict[str, int] = field(default_factory=dict)
-    # request_id -> (first kept row, number of rows, position of the first row).
-    prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # request_id -> its prompt-logprob rows.
+    prompt_rows: dict[str, PromptRows] = field(default_factory=dict)
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest], packed: PackedBatch) -> "LogitsPlan":
@@ -285,7 +294,7 @@ class LogitsPlan:
         params = request.params
         if getattr(params, "prompt_logprobs", None) is not None and start < request.num_prompt_tokens - 1:
             stop = min(end, request.num_prompt_tokens - 1)
-            self.prompt_rows[request.request_id] = (len(self.keep), stop - start, start)
+            self.prompt_rows[request.request_id] = PromptRows(len(self.keep), stop - start, start)
             self.keep += range(offset, offset + stop - start)
         if item.is_last_chunk:
             self.sample_rows[request.request_id] = len(self.keep)
@@ -298,4 +307,4 @@ class ModelOutput:
 
     logits: torch.Tensor
     sample_rows: dict[str, int]
-    prompt_rows: dict[str, tuple[int, int, int]]
+    prompt_rows: dict[str, PromptRows]
