@@ -29,6 +29,19 @@ rows, the pick check), by the same CPU clock, and how many constrained outputs
 parse and validate. ``--profile`` (CPU) splits each side's last run into the
 engine's parts (bench_engine's StepProfile), side by side, to show where a
 difference between the two sides lies (by the same CPU clock).
+
+``--kernels`` instead times the bitmask application alone, on a [256, 152064]
+float32 logits batch (Qwen's vocabulary) whose every other row is constrained,
+for three kinds of constrained rows: a JSON value's position (64 tokens allowed),
+inside a string (256 tokens forbidden) and random bits (every word mixed, the word-wise
+path's worst case). Side by side: on CPU the engine's path (whole forbidden words
+filled by torch, the rest by xgrammar's CPU kernel), the same in torch ops alone (the
+float64 path), xgrammar's CPU kernel alone and the reference; on CUDA the engine's path (xgrammar's Triton kernel,
+the host bitmask's copy included) and the reference. Each path's result is checked
+against the reference. Timed by the wall clock, or with ``--cpu-time`` (torch on one
+thread) by the main thread's CPU time, on which xgrammar's CPU kernel also runs.
+
+    python bench/bench_structured.py --kernels [--device cpu|cuda] [--repeat 5] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -39,10 +52,13 @@ import json
 import time
 
 import torch
+import xgrammar
 
 from common import StepProfile, build_bench_model, random_prompts
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
+from shardline.engine.sampling.structured import apply_token_bitmask, apply_token_bitmask_reference, new_bitmask
+from shardline.engine.sampling.structured.bitmask import fill_forbidden_words, mask_mixed_words
 
 SCHEMA = {
     "type": "object",
@@ -196,6 +212,77 @@ def report(rounds: Rounds, profile: GrammarProfile, cpu_time: bool) -> None:
             print(f"  {constrained_line}   {free_line.split()[-2]:>7s} s")
 
 
+def kernel_bitmask(kind: str, num_rows: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A host bitmask whose odd rows are constrained as ``kind`` says, even rows free."""
+    bitmask = new_bitmask(num_rows, vocab_size)
+    num_constrained = len(range(1, num_rows, 2))
+    if kind == "random":
+        allowed = torch.rand(num_constrained, vocab_size, generator=generator) < 0.5
+    else:
+        picked = torch.randint(0, vocab_size, (num_constrained, 64 if kind == "json" else 256), generator=generator)
+        allowed = torch.full((num_constrained, vocab_size), kind != "json")
+        allowed.scatter_(1, picked, kind == "json")
+    bitmask[1::2] = pack_bits(allowed)
+    return bitmask
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool -> [R, ceil(V / 32)] int32, bit j of word w for token 32 * w + j."""
+    num_rows, vocab_size = allowed.shape
+    padded = torch.zeros(num_rows, 32 * ((vocab_size + 31) // 32), dtype=torch.int64)
+    padded[:, :vocab_size] = allowed
+    words = (padded.view(num_rows, -1, 32) << torch.arange(32)).sum(-1)  # [R, W], 0 .. 2**32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def bench_kernels(device: str, repeat: int, clock) -> None:
+    """Each path's best and median time by ``clock`` per kind of constrained row."""
+    num_rows, vocab_size = 256, 152064
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(num_rows, vocab_size, generator=generator).to(device)
+    target = torch.empty_like(base)
+
+    def xgrammar_cpu(bitmask: torch.Tensor) -> torch.Tensor:
+        xgrammar.apply_token_bitmask_inplace(target, bitmask, vocab_size=vocab_size, backend="cpu")
+        return target
+
+    def torch_words(bitmask: torch.Tensor) -> torch.Tensor:
+        mask_mixed_words(target, fill_forbidden_words(target, bitmask))
+        return target
+
+    paths = {"reference": lambda bm: apply_token_bitmask_reference(target, bm)}
+    if device == "cpu":
+        paths["words + xgrammar cpu (engine)"] = lambda bm: apply_token_bitmask(target, bm)
+        paths["torch words (float64's)"] = torch_words
+        paths["xgrammar cpu kernel alone"] = xgrammar_cpu
+    else:
+        paths["xgrammar triton (engine)"] = lambda bm: apply_token_bitmask(target, bm)
+    print(f"bitmask application on [{num_rows}, {vocab_size}] float32 {device} logits, every other row "
+          f"constrained, {torch.get_num_threads()} threads, {repeat} runs each by {clock.__name__} "
+          "(ms: best, median)")
+    for kind in ("json", "string", "random"):
+        bitmask = kernel_bitmask(kind, num_rows, vocab_size, generator)
+        expected = apply_token_bitmask_reference(base, bitmask)
+        timings = {}
+        for name, path in paths.items():
+            seconds = []
+            for _ in range(repeat):
+                target.copy_(base)
+                synchronize(device)
+                start = clock()
+                masked = path(bitmask)
+                synchronize(device)
+                seconds.append(clock() - start)
+            assert torch.equal(masked, expected), (kind, name)
+            timings[name] = f"{1e3 * min(seconds):7.2f} {1e3 * median(seconds):7.2f}"
+        print(f"  {kind:7s} " + "   ".join(f"{name}: {figures}" for name, figures in timings.items()))
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -216,9 +303,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--profile", action="store_true", help="split each side's last run by engine part (CPU)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="time the bitmask application paths alone (no model), then exit")
     args = parser.parse_args()
     if args.cpu_time:
         torch.set_num_threads(1)
+    if args.kernels:
+        bench_kernels("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                      else "cpu", args.repeat, time.thread_time if args.cpu_time else time.perf_counter)
+        return
     clock = time.thread_time if args.cpu_time else time.process_time
 
     llm = LLM(build_bench_model(), dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency))

@@ -1,7 +1,8 @@
 """Each path that applies a structured-output bitmask agrees exactly with
-apply_token_bitmask_reference: the CPU word-wise path, and xgrammar's Triton kernel
-(the CUDA path) on CPU tensors through Triton's interpreter, or on the GPU where
-there is one. The CUDA dispatch itself is tested where CUDA is present."""
+apply_token_bitmask_reference: the CPU path (whole forbidden words filled by torch,
+the rest by xgrammar's CPU kernel, or by torch ops for float64), and xgrammar's
+Triton kernel (the CUDA path) on CPU tensors through Triton's interpreter, or on the
+GPU where there is one. The CUDA dispatch itself is tested where CUDA is present."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from shardline.engine.sampling.structured import (
 )
 from shardline.engine.sampling.structured import bitmask as bitmask_module
 from shardline.engine.sampling.structured.bitmask import (
-    apply_token_bitmask_triton, new_bitmask, triton_kernel_takes,
+    apply_token_bitmask_triton, fill_forbidden_words, mask_mixed_words, new_bitmask, triton_kernel_takes,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,14 +70,31 @@ def check_masked(masked: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tens
     assert (masked[PADDED_VOCAB, tokenizer_vocab:] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
 @pytest.mark.parametrize("vocab_size", VOCAB_SIZES)
-def test_cpu_word_wise_path_matches_the_reference(dtype, vocab_size):
+def test_cpu_path_matches_the_reference(dtype, vocab_size):
     logits, bitmask = make_batch(vocab_size, dtype)
     target = logits.clone()
     masked = apply_token_bitmask(target, bitmask)
     assert masked.data_ptr() == target.data_ptr()  # masked in place
     check_masked(masked, logits, bitmask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab_size", VOCAB_SIZES)
+def test_cpu_torch_word_steps_match_the_reference(dtype, vocab_size):
+    """The torch steps float64 logits take, in every dtype: alone (every word not all
+    ones unpacked) and after the forbidden words are filled."""
+    logits, bitmask = make_batch(vocab_size, dtype)
+    alone = logits.clone()
+    mask_mixed_words(alone, bitmask)
+    check_masked(alone, logits, bitmask)
+    filled = logits.clone()
+    remaining = fill_forbidden_words(filled, bitmask)
+    assert not (remaining[:, :vocab_size // 32] == 0).any()
+    mask_mixed_words(filled, remaining)
+    check_masked(filled, logits, bitmask)
+    assert torch.equal(bitmask, make_batch(vocab_size, dtype)[1])  # the caller's bitmask is left as it was
 
 
 def test_cpu_rows_not_contiguous_take_the_reference():

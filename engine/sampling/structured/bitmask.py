@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import xgrammar
 
 from ...kernels._triton import KERNEL_DTYPES, interpreter_active
 from ..harmony import HarmonyTracker
@@ -73,18 +74,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
     The result may be ``logits`` itself, masked in place, or a new tensor: callers use
     the returned tensor and must not read ``logits`` again. On CPU the logits are
-    masked in place a word (32 tokens) at a time (see ``_mask_by_words``); on CUDA in
-    place by xgrammar's Triton kernel (``apply_token_bitmask_triton``) where it takes
-    the dtype and layout (float32, float16, bfloat16, last dimension contiguous);
-    anywhere else (another device, float64 logits, no Triton, a row whose tokens are
-    not contiguous) through ``apply_token_bitmask_reference``, which tests compare
-    both fast paths with.
+    masked in place, whole forbidden words by torch and the rest by xgrammar's CPU
+    kernel (see ``mask_by_words``); on CUDA in place by xgrammar's Triton kernel
+    (``apply_token_bitmask_triton``) where it takes the dtype and layout (float32,
+    float16, bfloat16, last dimension contiguous); anywhere else (another device,
+    float64 CUDA logits, no Triton, a row whose tokens are not contiguous) through
+    ``apply_token_bitmask_reference``, which tests compare every path with.
     """
     num_rows, vocab_size = logits.shape
     assert bitmask.shape == (num_rows, (vocab_size + 31) // 32) and bitmask.dtype == torch.int32, (
         bitmask.shape, bitmask.dtype, logits.shape)
     if logits.device.type == "cpu" and bitmask.device.type == "cpu" and logits.stride(1) == 1:
-        _mask_by_words(logits, bitmask)
+        mask_by_words(logits, bitmask)
         return logits
     if logits.device.type == "cuda" and triton_kernel_takes(logits):
         apply_token_bitmask_triton(logits, bitmask.to(logits.device, non_blocking=True).contiguous())
@@ -145,20 +146,54 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> N
 _WORD_BITS = torch.tensor([_bit(bit) for bit in range(32)], dtype=torch.int32)
 
 
-def _mask_by_words(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+# The logits dtypes xgrammar's CPU kernel masks (it refuses float64).
+XGRAMMAR_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def mask_by_words(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Mask ``logits`` (CPU, last dimension contiguous) in place. A grammar's row is
     mostly words that forbid all 32 tokens (a JSON value's position allows a handful
-    of tokens) or allow all 32 (inside a free string, and every unrestricted row): the
-    first are filled by one broadcast fill, the second left alone, and only the few
-    words that mix both are unpacked bit by bit. This is several times faster than
-    unpacking every bit, xgrammar's CPU kernel included, on such masks."""
-    num_rows, vocab_size = logits.shape
-    num_words = vocab_size // 32  # whole words; a partial last word is the tail
-    words = bitmask[:, :num_words]  # [N, W]
+    of tokens) or allow all 32 (inside a free string, and every unrestricted row).
+    Words that forbid all 32 are filled a word at a time (``fill_forbidden_words``,
+    where xgrammar's CPU kernel would test each of their bits); the rest goes to
+    xgrammar's CPU kernel, which skips words allowing all 32 without a pass over their
+    logits (as a torch fill could not) and unpacks the mixed ones in one C loop, or,
+    for float64 logits it refuses, to ``mask_mixed_words``. bench_structured.py
+    --kernels times these paths on the three kinds of masks."""
+    remaining = fill_forbidden_words(logits, bitmask)
+    if logits.dtype in XGRAMMAR_CPU_DTYPES:
+        xgrammar.apply_token_bitmask_inplace(logits, remaining, vocab_size=logits.shape[1], backend="cpu")
+    else:
+        mask_mixed_words(logits, remaining)
+
+
+def fill_forbidden_words(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, the 32 logits of every whole word of ``bitmask`` that
+    forbids them all (only those words' logits are written). Returns the bitmask left
+    to apply: ``bitmask`` itself when no word was filled, else a copy with the filled
+    words set to all ones. logits: [N, V] CPU, last dimension contiguous."""
+    num_words = logits.shape[1] // 32  # whole words; a partial last word is left
+    forbidden_words = bitmask[:, :num_words] == 0  # [N, W]
+    rows, columns = forbidden_words.nonzero(as_tuple=True)
+    if not rows.numel():
+        return bitmask
     blocks = logits[:, :32 * num_words].unflatten(1, (num_words, 32))  # [N, W, 32], a view
-    blocks.masked_fill_((words == 0)[:, :, None], float("-inf"))
-    rows, columns = ((words != 0) & (words != -1)).nonzero(as_tuple=True)
+    blocks[rows, columns] = float("-inf")
+    remaining = bitmask.clone()
+    remaining[:, :num_words].masked_fill_(forbidden_words, -1)
+    return remaining
+
+
+def mask_mixed_words(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask ``logits`` (CPU, last dimension contiguous) in place in torch ops: words
+    allowing all 32 tokens are left alone, every other word is gathered, unpacked bit
+    by bit and scattered back, and a partial last word is masked on its own."""
+    vocab_size = logits.shape[1]
+    num_words = vocab_size // 32
+    words = bitmask[:, :num_words]  # [N, W]
+    rows, columns = (words != -1).nonzero(as_tuple=True)
     if rows.numel():
+        blocks = logits[:, :32 * num_words].unflatten(1, (num_words, 32))  # [N, W, 32], a view
         mixed = blocks[rows, columns]  # [M, 32], a copy
         forbidden = (words[rows, columns][:, None] & _WORD_BITS) == 0
         blocks[rows, columns] = mixed.masked_fill_(forbidden, float("-inf"))
