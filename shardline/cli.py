@@ -1,8 +1,11 @@
-"""The ``shardline`` command: ``run`` a batch job, or run the ``demo``.
+"""The ``shardline`` command: ``run`` a batch job, ``check`` whether a model can run,
+or run the ``demo``.
 
-Both run the batch_inference Prefect flow. With no PREFECT_API_URL configured,
-Prefect runs it against a temporary local API server that lives as long as the
-command (Prefect's ephemeral mode); with one configured, the run shows up there.
+``check MODEL`` prints the engine's verdict (engine/model/support.py) from the
+model's config alone: ``supported: ...`` (exit 0) or ``refused: ...`` and why (exit 1).
+``run`` and ``demo`` run the batch_inference Prefect flow. With no PREFECT_API_URL
+configured, Prefect runs it against a temporary local API server that lives as long
+as the command (Prefect's ephemeral mode); with one configured, the run shows up there.
 
 ``run`` checks the job first (its fields, the model, the input, the output) and
 stops in seconds with one line per problem. Expected errors print one line and
@@ -31,6 +34,7 @@ DEMO_DIR = "shardline-demo"
 DEBUG_ENV = "SHARDLINE_DEBUG"
 SHUTDOWN_TIMEOUT_ENV = "SHARDLINE_SHUTDOWN_TIMEOUT"
 EXIT_SHARDS_FAILED, EXIT_JOB_FAILED = 1, 2
+EXIT_REFUSED = 1  # ``check``: the engine refuses the model
 # How ``run``'s flags name the BatchJob fields (for one-line field errors).
 _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": "--revision", "task": "--task",
           "input_format": "--input-format", "output_format": "--output-format",
@@ -97,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="qwen3, deepseek_r1 or openai_gptoss: put the model's thinking in a "
                                  "`reasoning` column")
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
+
+    check = commands.add_parser("check", help="say whether shardline can run MODEL, and if not why (reads its config "
+                                "and builds it on the meta device: no weights)")
+    check.add_argument("model", help="Hugging Face hub id or local model directory")
+    check.add_argument("--task", choices=["generate", "embed"], default="generate")
+    check.add_argument("--revision", help="model revision")
+    check.add_argument("--trust-remote-code", action="store_true", help="let the config's auto_map name its classes")
 
     demo = commands.add_parser("demo", help="write a sample dataset and a tiny model, then run the flow on them")
     demo.add_argument("dir", nargs="?", default=DEMO_DIR, help=f"where to put everything (default ./{DEMO_DIR})")
@@ -215,6 +226,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Print the engine's verdict on the model: ``supported: ...`` (exit 0) or
+    ``refused: ...`` with the reason (exit 1); exit 2 when its config cannot be read."""
+    from shardline.tasks.errors import PipelineError
+    from shardline.tasks.job import JobTask
+    from shardline.tasks.preflight import model_verdict
+
+    try:
+        support = model_verdict(args.model, JobTask(args.task), args.revision, args.trust_remote_code)
+    except PipelineError as exc:
+        _report(exc, "check failed")
+        return EXIT_JOB_FAILED
+    print(f"{'supported' if support.ok else 'refused'}: {support.message}")
+    return 0 if support.ok else EXIT_REFUSED
+
+
 def _report(exc: BaseException, what: str) -> None:
     """One line per error (a pre-flight failure may hold several); the traceback only in debug mode."""
     from shardline.tasks.errors import PipelineError, describe
@@ -304,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     previous = _handle_signals()
     try:
-        return cmd_run(args) if args.command == "run" else cmd_demo(args)
+        return {"run": cmd_run, "check": cmd_check, "demo": cmd_demo}[args.command](args)
     except Interrupted as stop:
         print(f"shardline: stopped by {stop}: running requests aborted, nothing partial written; "
               "shards already committed are kept and rerunning the same command resumes", file=sys.stderr)

@@ -22,12 +22,15 @@ import socket
 import urllib.parse
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import JobError, ModelUnusable, PipelineError, describe
 from .job import BatchJob, JobTask
 from .retrying import retry_storage
 from .storage import Shard, filesystem, join, list_shards, make_directory
+
+if TYPE_CHECKING:
+    from shardline.engine.model.support import Support, Task
 
 _PATH_PREFIXES = ("/", "./", "../", "~", "file://")
 
@@ -147,7 +150,20 @@ def check_support(model: str, config: Any, task: JobTask, trust_remote_code: boo
     return support.architecture
 
 
-def engine_task(task: JobTask) -> str:
+def model_verdict(model: str, task: JobTask, revision: str | None = None,
+                  trust_remote_code: bool = False) -> Support:
+    """The engine's verdict on ``model`` for ``task``, from its config (a local directory,
+    the Hugging Face cache or the hub) and the model built on the meta device: no
+    tokenizer, no weights. Raises ModelUnusable when the config cannot be resolved."""
+    import transformers  # here: as check_model, the first thing that needs it
+    from shardline.engine.model.support import model_support
+
+    _check_local_path(model)
+    config = _resolve(transformers.AutoConfig, "model", model, revision=revision, trust_remote_code=trust_remote_code)
+    return model_support(config, engine_task(task), trust_remote_code=trust_remote_code)
+
+
+def engine_task(task: JobTask) -> Task:
     """The engine's task for a job's: "embed" for embeddings, "generate" for prompts and chats."""
     return "embed" if task == JobTask.EMBED else "generate"
 
