@@ -35,16 +35,13 @@ without them (``TorchPlans.without_kernels``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .context import AttentionOptions
-
-if TYPE_CHECKING:
-    from .backends import StepBatch
+from .context import AttentionOptions, StepBatch
 
 # Decoding requests per group: few enough that a group's K/V copy stays in cache until
 # SDPA reads it, enough that per-group overhead stays small.
@@ -128,7 +125,7 @@ class TorchPlans:
     # layer that needs them (``without_kernels``) and shared by the step's later ones.
     _without_kernels: list = field(default_factory=list, repr=False, compare=False)
 
-    def without_kernels(self, make: Callable[[], "TorchPlans"]) -> "TorchPlans":
+    def without_kernels(self, make: Callable[[], TorchPlans]) -> TorchPlans:
         """These plans if no native kernel takes a request, else the step's plans that
         leave the kernels out, made by ``make`` once per step."""
         if self.decode is None and self.prefill is None:
@@ -162,7 +159,7 @@ class TorchAttentionPlan:
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, step: "StepBatch", requests: torch.Tensor, block_size: int) -> "TorchAttentionPlan":
+    def build(cls, step: StepBatch, requests: torch.Tensor, block_size: int) -> TorchAttentionPlan:
         """The plan for the requests at indices ``requests`` of the step."""
         device = step.slot_mapping.device
         query_starts = step.query_start_loc[:-1][requests]
@@ -276,6 +273,33 @@ def torch_paged_attention(
     for first, end in work.fresh:
         output[first:end] = _attend_fresh(query[first:end], key[first:end], value[first:end], options)
     return output
+
+
+def attend_last_tokens(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+                       options: AttentionOptions, native_kernel: bool) -> torch.Tensor:
+    """Attention of one query token per request of ``batch``, each the last token of its
+    request's context (already in the cache): the query of request r is row
+    ``batch.query_rows[r]``. Through the native decode kernel (``native_kernel``), else
+    SDPA over the contexts gathered as for a step of decoding requests.
+
+    query: [S, H, D], one row per request of ``batch.requests``; k_cache:
+    [N, bs, Hkv, D], v_cache: [N, bs, Hkv, Dv]; returns [S, H, Dv].
+    """
+    output = query.new_empty((*query.shape[:2], v_cache.shape[3]))
+    if native_kernel or batch.requests.numel() == 0:
+        if batch.requests.numel():
+            _attend_decode(query, k_cache, v_cache, batch, output, options)
+        return output
+    rows = batch.query_rows.index_select(0, batch.requests)  # [S] each request's query row
+    seq_lens = batch.seq_lens.index_select(0, batch.requests)
+    # The requests as a step of one query token each (their keys are already cached).
+    requests = torch.arange(rows.numel(), device=rows.device)
+    starts = torch.arange(rows.numel() + 1, device=rows.device)
+    single = StepBatch(slot_mapping=rows.new_empty(0), query_start_loc=starts, seq_lens=seq_lens,
+                       block_tables=batch.block_tables.index_select(0, batch.requests),
+                       kv_caches=[(k_cache, v_cache)], max_query_len=1, max_seq_len=int(seq_lens.max()))
+    plan = TorchAttentionPlan.build(single, requests, k_cache.shape[1])
+    return output.index_copy_(0, rows, _attend(query.index_select(0, rows), k_cache, v_cache, plan, options))
 
 
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillBatch,

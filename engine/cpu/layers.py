@@ -33,18 +33,17 @@ compare with transformers token for token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention.context import AttentionContext
 from ..attention.backends import StepBatch, TorchBackend
-from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul, replace_module, \
-    reproduces
-from ..kernels.cpu_attention import decode_attention
+from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
-from ..attention.torch_path import write_kv_cache
+from ..model.surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
+from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +109,9 @@ def fuse_rms_norms(model: nn.Module) -> int:
     for name, norm in targets:
         if not fused_kernels_available(norm.weight.dtype):
             break
-        fused = FusedRMSNorm(norm)
-        probe = (torch.randn(5, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3)
-        probe = probe.to(norm.weight.dtype)
-        with torch.no_grad():
-            same = same_output(fused(probe), norm(probe))
-        if same:
-            replace_module(model, name, fused)
-            num_fused += 1
-        else:
-            logger.info("%s is not weight * x / rms(x); it keeps its own forward", type(norm).__name__)
+        probe = torch.randn(5, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+        num_fused += replace_if_reproduces(model, name, FusedRMSNorm(norm), called_on(probe.to(norm.weight.dtype)),
+                                           same_output)
     return num_fused
 
 
@@ -226,7 +218,8 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
     the LM head see nothing else): keys and values of every new token go into the
     cache, but queries, attention, o_proj and the MLP run on the sampled rows only,
     each a request's last token attending its whole context (one query per request,
-    as in decoding). Other rows of the result are zeros. x: [T, hidden] -> [T, hidden]."""
+    as in decoding), through the backend's ``attend_sampled_rows``. Other rows of the
+    result are zeros. x: [T, hidden] -> [T, hidden]."""
     layer, attention = self.layer, self.layer.self_attn
     head_dim, tokens = attention.head_dim, x.shape[0]
     rows = ctx.sampled_rows
@@ -237,17 +230,17 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
         key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
     cos, sin = (table.reshape(tokens, head_dim) for table in position_embeddings)
     rotary_(key, None, cos, sin)
-    k_cache, v_cache = ctx.kv_caches[attention.layer_idx]
-    write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
-    if rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
+    if rows.numel():
+        query = attention.q_proj(normed.index_select(0, rows)).view(rows.numel(), -1, head_dim)
+        if hasattr(attention, "q_norm"):
+            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+        rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
+    else:  # a step of partial prefill chunks only: keys and values are cached, nothing is read
+        query = x.new_empty((0, self.qkv_sizes[0] // head_dim, head_dim))
+    options = AttentionOptions(attention.scaling, sliding_window=self.sliding_window)
+    attended = ctx.backend.attend_sampled_rows(ctx, attention.layer_idx, query, key, value, options)
+    if rows.numel() == 0:
         return x.new_zeros(x.shape)
-    query = attention.q_proj(normed.index_select(0, rows)).view(rows.numel(), -1, head_dim)
-    if hasattr(attention, "q_norm"):
-        query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
-    rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
-    attended = torch.empty_like(query)
-    decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
-                     ctx.sampled_requests, attended, attention.scaling, self.sliding_window, None)
     residual = attention.o_proj(attended.view(rows.numel(), -1))
     normed = add_norm_rows(layer.post_attention_layernorm, residual, x.index_select(0, rows))
     out = x.new_zeros(x.shape)
@@ -288,19 +281,24 @@ def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:
         layer, rotary_emb, is_last=is_last, rows_hint=rows_hint))
 
 
-def replace_decoder_layers(model: nn.Module, replacement) -> int:
+# replacement(layer, position, rotary_emb, is_last): the layer's replacement, or None.
+LayerReplacer = Callable[[nn.Module, int, nn.Module, bool], "nn.Module | None"]
+
+
+def replace_decoder_layers(model: nn.Module, replacement: LayerReplacer) -> int:
     """In every decoder of ``model`` (a module with ``layers`` and ``rotary_emb``), put
     ``replacement(layer, position, rotary_emb, is_last)`` in each layer's place where it
-    returns a module (None keeps the layer); returns how many were replaced."""
+    returns a module (None keeps the layer), through surgery.replace; returns how many
+    were replaced."""
     num_replaced = 0
-    for decoder in model.modules():
-        layers, rotary_emb = getattr(decoder, "layers", None), getattr(decoder, "rotary_emb", None)
-        if not isinstance(layers, nn.ModuleList) or not isinstance(rotary_emb, nn.Module):
+    for decoder_name, decoder in list(model.named_modules()):
+        layers, rotary_emb = decoder._modules.get("layers"), decoder._modules.get("rotary_emb")
+        if not isinstance(layers, nn.ModuleList) or rotary_emb is None:
             continue
         for position, layer in enumerate(layers):
             replaced = replacement(layer, position, rotary_emb, position == len(layers) - 1)
             if replaced is not None:
-                layers[position] = replaced
+                replace(model, ".".join(filter(None, (decoder_name, "layers", str(position)))), replaced)
                 num_replaced += 1
     return num_replaced
 
@@ -316,20 +314,19 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
     if attend is None:
         return None
     try:
-        with torch.no_grad():
-            expected = _probe_layer(layer, rotary_emb, weight.shape[0], weight.dtype)
-            fused = FusedDecoderLayer(layer, attend, is_last, rows_hint)
-            same = same_output(_probe_layer(fused, rotary_emb, weight.shape[0], weight.dtype), expected)
+        fused = FusedDecoderLayer(layer, attend, is_last, rows_hint)
     except Exception:  # a layer the fused forward does not fit
-        same = False
-    if not same:
+        fused = None
+    if fused is None or not probe_matches(layer, fused, lambda module: _probe_layer(
+            module, rotary_emb, weight.shape[0], weight.dtype), same_output):
         logger.info("%s does not match the fused Llama-family forward; it keeps its own", type(layer).__name__)
         return None
     attention = layer.self_attn
     if fused.packed_qkv is not None and not is_last:
         # Their own packed copies are no longer read (the last layer's sampled rows
         # still project keys and values alone, queries at fewer rows).
-        attention.q_proj, attention.k_proj, attention.v_proj = (
-            projection.unpacked() if isinstance(projection, PackedLinear) else projection
-            for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            projection = attention._modules[name]
+            if isinstance(projection, PackedLinear):
+                replace(attention, name, projection.unpacked())
     return fused

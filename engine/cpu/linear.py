@@ -36,13 +36,15 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
+from ..model.surgery import called_on, probe_matches, replace
+from ..model.surgery import reproduces as reproduces  # the CPU modules' probe comparison, imported from here
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch build runs oneDNN's packed linear in ``dtype`` on this CPU:
     oneDNN's own support query (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT),
@@ -62,9 +64,9 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def replace_module(model: nn.Module, name: str, replacement: nn.Module) -> None:
-    """Put ``replacement`` where ``model``'s submodule ``name`` is."""
-    parent_name, _, child_name = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child_name, replacement)
+    """Put ``replacement`` where ``model``'s submodule ``name`` is: surgery.replace, under
+    the name the hybrid layers' modules (engine/cpu/hybrid_layers.py) call it by."""
+    replace(model, name, replacement)
 
 
 class PackedLinear(nn.Linear):
@@ -120,7 +122,7 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
         if module.bias is None or module.bias.dtype == weight.dtype:
             targets.append((name, module))
     for name, module in targets:
-        replace_module(model, name, PackedLinear(module, rows_hint, packed_dtype))
+        replace(model, name, PackedLinear(module, rows_hint, packed_dtype))
     return len(targets)
 
 
@@ -201,36 +203,19 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int, silu_kernel: bool = True) 
     for name, mlp in targets:
         gate = mlp.gate_proj
         probe = torch.randn(3, gate.in_features, dtype=gate.weight.dtype, generator=torch.Generator().manual_seed(0))
-        try:
-            with torch.no_grad():
-                expected = mlp(probe)
-        except Exception:  # a forward that wants more than the hidden states: not this pattern
-            continue
         kernel = silu_kernel and fused_kernels_available(gate.weight.dtype)
-        fused = None
-        with torch.no_grad():
-            for use_kernel in (True, False) if kernel else (False,):
-                candidate = FusedGatedMLP(mlp, rows_hint, silu_kernel=use_kernel)
-                if reproduces(candidate(probe), expected):
-                    fused = candidate
-                    break
+        candidates = (FusedGatedMLP(mlp, rows_hint, silu_kernel=use_kernel)
+                      for use_kernel in ((True, False) if kernel else (False,)))
+        fused = next((candidate for candidate in candidates
+                      if probe_matches(mlp, candidate, called_on(probe))), None)
         if fused is None:
             logger.info("%s does not compute down(act(gate(x)) * up(x)); its MLP stays unfused", type(mlp).__name__)
             continue
-        mlp.gate_proj, mlp.up_proj = mlp.gate_proj.unpacked(), mlp.up_proj.unpacked()  # read only by the pair
-        replace_module(model, name, fused)
+        for projection in ("gate_proj", "up_proj"):  # their packed copies are no longer read: the pair's is
+            replace(mlp, projection, mlp._modules[projection].unpacked())
+        replace(model, name, fused)
         num_fused += 1
     return num_fused
-
-
-def reproduces(actual: object, expected: object, bfloat16_tolerance: float = 1e-2) -> bool:
-    """Whether a replacement forward's output on a probe is the module's own: close to
-    1e-4 (``bfloat16_tolerance`` in bfloat16), relative to the output's largest value."""
-    if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
-        return False
-    tolerance = bfloat16_tolerance if expected.dtype == torch.bfloat16 else 1e-4
-    return actual.shape == expected.shape and torch.allclose(
-        actual.float(), expected.float(), rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
 def packable_side_by_side(linears: tuple[object, ...]) -> bool:

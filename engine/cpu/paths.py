@@ -44,6 +44,8 @@ import torch.nn.functional as F
 
 from ..kernels import native
 from .hybrid_layers import optimize_hybrid_layers
+from .layers import fuse_decoder_layers, fuse_rms_norms
+from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears, packed_matmul
 from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
@@ -203,8 +205,6 @@ COPY_HEADROOM = 2
 
 
 def _packed_linears(host: HostCpu, dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from .linear import onednn_linear_available
-
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"oneDNN has no {str(dtype).removeprefix('torch.')} matmul"
     if not host.onednn:
@@ -306,10 +306,9 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     and gated MLPs by fused ones, then norms and decoder layers by fused ones (which
     read the packed weights). A module whose replacement would give another output on
     a probe input keeps its own (each such refusal is logged with its class); LoRA
-    wrappers, already in place, keep wrapping the packed linears inside them."""
-    from .layers import fuse_decoder_layers, fuse_rms_norms
-    from .linear import fuse_gated_mlps, pack_linears
-
+    wrappers, already in place, keep wrapping the packed linears inside them. Every
+    replacement goes through engine/model/surgery.py; this is the CPU step of its
+    PREPARATION_ORDER."""
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
         packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype)
@@ -389,8 +388,6 @@ MEASURED_ROWS = (16, 256)
 def _linear_speedup(dtype: torch.dtype, packed_dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> float:
     """How many times faster a packed linear of ``packed_dtype`` runs ``dtype`` inputs
     than torch's matmul runs them in ``dtype``."""
-    from .linear import packed_matmul
-
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(min(shape.widest_linear, MEASURED_OUTPUTS), shape.hidden_size, generator=generator)
     weight = weight.to(dtype)

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..model.surgery import replace, submodule
+
 
 @dataclass
 class LoRATokenGroups:
@@ -117,7 +119,7 @@ class BatchedLoRALinear(nn.Module):
 def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, token_groups: LoRATokenGroups,
                           device: torch.device, dtype: torch.dtype) -> dict[str, BatchedLoRALinear]:
     """Replace every adaptable layer of ``model`` (not its output embeddings) by a
-    BatchedLoRALinear, in place; return them by module name."""
+    BatchedLoRALinear, in place (through surgery.replace); return them by module name."""
     output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = []
     for name, module in model.named_modules():
@@ -127,9 +129,7 @@ def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, 
             targets.append(name)
     wrapped = {}
     for name in targets:
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        layer = BatchedLoRALinear(getattr(parent, child_name), max_loras, max_lora_rank, token_groups, device, dtype)
-        setattr(parent, child_name, layer)
+        layer = BatchedLoRALinear(submodule(model, name), max_loras, max_lora_rank, token_groups, device, dtype)
+        replace(model, name, layer)
         wrapped[name] = layer
     return wrapped

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
-from .runner import ModelRunner
-from ..params import SamplingParams
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
+from ..errors import ModelLoadError
+from ..params import SamplingParams
+from .runner import ModelRunner
+from .surgery import decoder_layers
 
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
 PROMPT_LENGTHS = (9, 14, 3)
@@ -62,7 +63,7 @@ class _Trace:
 
 def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, architecture: str) -> None:
     """Run the check (see the module docstring); raise ModelMismatchError on a mismatch."""
-    layers = _decoder_layers(runner.model)
+    _, layers = decoder_layers(runner.model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
     with torch.inference_mode():
@@ -103,12 +104,6 @@ def _decode_differs_from_scan(model: nn.Module) -> bool:
 
     return any(module.kind.decode_differs_from_scan(module.layer)
                for module in model.modules() if isinstance(module, RecurrentLayer))
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder's layer list (the longest ModuleList of the model)."""
-    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    return max(lists, key=len, default=nn.ModuleList())
 
 
 def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):

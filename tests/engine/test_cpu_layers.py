@@ -203,3 +203,46 @@ def test_lora_adapters_and_prompt_logprobs_through_fused_layers(tiny_llama_dir, 
         for step_ours, step_theirs in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
             for token, logprob in step_theirs.items():
                 assert step_ours[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("native_decode", [True, False])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_the_backend_attends_the_sampled_rows_as_the_whole_step_attends_them(native_decode, sliding_window):
+    """attend_sampled_rows (the fused last layer's attention) writes every new token's
+    keys and values and gives, at the sampled rows, what attending the whole step gives."""
+    from shardline.engine.attention.backends import TorchBackend
+    from shardline.engine.attention.context import AttentionOptions, StepBatch
+    from shardline.engine.kernels.cpu_attention import decode_kernel_available
+
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 16
+    query_lens, seq_lens = [5, 1, 4], [9, 7, 4]  # a chunk after a cached prefix, a decode, a fresh prompt
+    tokens = sum(query_lens)
+    starts = torch.tensor([0, 5, 6, 10])
+    slots = torch.cat([torch.arange(b * block_size + s - q, b * block_size + s)
+                       for b, (q, s) in enumerate(zip(query_lens, seq_lens))])
+    query, key, value = (torch.randn(tokens, count, head_dim, generator=generator)
+                         for count in (heads, kv_heads, kv_heads))
+    # The requests' blocks 0-2 (the torch path reads their unused slots, masked: zeros);
+    # block 3, which no request owns, is NaN so a stray read shows.
+    cache = torch.zeros(4, block_size, kv_heads, head_dim)
+    cache[3] = float("nan")
+    for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        cache[b, : s - q] = torch.randn(s - q, kv_heads, head_dim, generator=generator)
+    sampled_rows = starts[1:] - 1
+    step = dict(slot_mapping=slots, query_start_loc=starts, seq_lens=torch.tensor(seq_lens),
+                block_tables=torch.arange(3, dtype=torch.int32)[:, None], max_query_len=5, max_seq_len=9)
+    options = AttentionOptions(head_dim ** -0.5, sliding_window=sliding_window)
+    whole_caches = [(cache.clone(), cache.clone())]
+    whole = TorchBackend(heads).build_context(StepBatch(kv_caches=whole_caches, **step))
+    expected = whole.backend.attend(whole, 0, query, key, value, options).index_select(0, sampled_rows)
+    if native_decode and not decode_kernel_available(cache, heads, head_dim):
+        pytest.skip("the native decode kernel is not built here")
+    backend = TorchBackend(heads, native_decode=native_decode)
+    caches = [(cache.clone(), cache.clone())]
+    ctx = backend.build_context(StepBatch(kv_caches=caches, sampled_rows=sampled_rows,
+                                          sampled_requests=torch.arange(3), sampled_query_rows=torch.arange(3), **step))
+    attended = backend.attend_sampled_rows(ctx, 0, query.index_select(0, sampled_rows), key, value, options)
+    torch.testing.assert_close(attended, expected)
+    for written, wanted in zip(caches[0], whole_caches[0]):  # every new token's keys and values
+        torch.testing.assert_close(written, wanted, equal_nan=True)

@@ -15,10 +15,26 @@ import inspect
 
 from torch import nn
 
-from .base import (CALL_LAYER_ARGUMENT, CALL_OFFSET_ARGUMENTS, CallIndexedAttention, ContextForwardingAttention,
-                   PagedAttentionAdapter, StepScope, UnsupportedAttentionError)
-from .shapes import (BloomAttention, DiffLlamaAttention, FalconAttention, GPTNeoAttention, GPTNeoXJapaneseAttention,
-                     MptAttention, OpenAIGPTAttention, XGLMAttention)
+from ..surgery import decoder_layers, replace
+from .base import (
+    CALL_LAYER_ARGUMENT,
+    CALL_OFFSET_ARGUMENTS,
+    CallIndexedAttention,
+    ContextForwardingAttention,
+    PagedAttentionAdapter,
+    StepScope,
+    UnsupportedAttentionError,
+)
+from .shapes import (
+    BloomAttention,
+    DiffLlamaAttention,
+    FalconAttention,
+    GPTNeoAttention,
+    GPTNeoXJapaneseAttention,
+    MptAttention,
+    OpenAIGPTAttention,
+    XGLMAttention,
+)
 
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
@@ -89,31 +105,28 @@ def adapt_attention(model: nn.Module) -> int:
     (CallIndexedAttention: zamba's shared block, hrm_text's and dory's repeated passes)
     or whose decoder layer does not pass the model's keyword arguments on to it
     (stablelm, nemotron), so the step's context reaches it; return how many. Each
-    one's layer index is its decoder layer's (the model's longest ModuleList), which is
+    one's layer index is its decoder layer's (surgery.decoder_layers), which is
     also its KV-cache layer, except a call-indexed module's, whose calls name theirs;
     those are found anywhere in the model (hrm_text has two stacks of layers), a
-    module shared by several layers once."""
+    module shared by several layers once. Every replacement goes through
+    surgery.replace; on a model already adapted nothing is replaced again (an adapter
+    keeps its original unregistered, so it is not found a second time)."""
     scope = StepScope()
     replaced = 0
     for name, module in list(model.named_modules()):
         if name and _call_indexed(type(module)):
-            _replace(model, name, CallIndexedAttention(module, getattr(module, "layer_idx", None), scope))
+            replace(model, name, CallIndexedAttention(module, getattr(module, "layer_idx", None), scope))
             replaced += 1
-    layers = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len, default=None)
-    for index, layer in enumerate(layers if layers is not None else ()):
+    layers_name, layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module)))
             if (adapter is None and name and _calls_attention_interface(type(module))
                     and not _passes_keywords(type(layer), name)):
                 adapter = ContextForwardingAttention
             if adapter is not None:
-                _replace(layer, name, adapter(module, index, scope))
+                replace(model, ".".join(filter(None, (layers_name, str(index), name))), adapter(module, index, scope))
                 replaced += 1
     if replaced:
         scope.attach(model)
     return replaced
-
-
-def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
-    parent_name, _, child_name = name.rpartition(".")
-    setattr(root.get_submodule(parent_name), child_name, replacement)
