@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,12 +122,13 @@ def model_row(result: CoverageResult, workdir: Path) -> ModelRow:
     return ModelRow(result.model_type, result.outcome, result.detail, attention, recurrent, cpu_paths)
 
 
-def sweep_rows(model_types: list[str], echo=print) -> list[ModelRow]:
-    """The sweep over ``model_types`` and each type's row."""
+def sweep_rows(model_types: list[str], echo=print) -> Iterator[ModelRow]:
+    """The sweep over ``model_types``, one type at a time, and each type's row."""
     quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="shardline-models-") as workdir:
-        results = sweep(model_types, Path(workdir), echo=echo)
-        return [model_row(result, Path(workdir)) for result in results]
+        for model_type in model_types:
+            for result in sweep([model_type], Path(workdir), echo=echo)[:1]:
+                yield model_row(result, Path(workdir))
 
 
 def load_rows(path: Path = RESULTS) -> dict[str, ModelRow]:

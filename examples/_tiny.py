@@ -1,0 +1,23 @@
+"""Shared by the examples: the model to run, a tiny random one built locally when none is given."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shardline.engine.model.tiny import build_tiny_model
+
+
+def model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="hub id or local directory (default: a tiny random model built in WORKDIR)")
+    parser.add_argument("--workdir", default="shardline-examples", help="where inputs and outputs go")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """``--model``, or a tiny random-weight Llama built once under ``--workdir`` (its text is noise)."""
+    if args.model:
+        return args.model
+    model_dir = Path(args.workdir) / "tiny-model"
+    if not (model_dir / "config.json").exists():
+        build_tiny_model(model_dir, arch="llama")
+    return str(model_dir)
