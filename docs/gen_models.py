@@ -36,9 +36,16 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the sweep lives 
     sys.path.insert(0, str(REPO))
 
 from shardline import LLM  # noqa: E402
-from tests.engine.coverage import (  # noqa: E402
-    REPRESENTATIVE, VOCAB_SIZE, CoverageResult, decoder_model_types, quiet_transformers, sweep, tiny_overrides)
 from shardline.engine.model.tiny import build_tiny_model  # noqa: E402
+from tests.engine.coverage import (  # noqa: E402
+    REPRESENTATIVE,
+    VOCAB_SIZE,
+    CoverageResult,
+    decoder_model_types,
+    quiet_transformers,
+    sweep,
+    tiny_overrides,
+)
 
 RESULTS = REPO / "docs" / "models.json"
 PAGE = REPO / "docs" / "models.md"

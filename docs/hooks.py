@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import ast
 import shutil
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from shardline.cli import build_parser
 
