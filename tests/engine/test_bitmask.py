@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from shardline.engine.sampling.structured import (
-    allow_only, allow_token, apply_token_bitmask, apply_token_bitmask_reference,
+    allow_only,
+    allow_token,
+    apply_token_bitmask,
+    apply_token_bitmask_reference,
 )
 from shardline.engine.sampling.structured import bitmask as bitmask_module
 from shardline.engine.sampling.structured.bitmask import (
-    apply_token_bitmask_triton, fill_forbidden_words, mask_mixed_words, new_bitmask, triton_kernel_takes,
+    apply_token_bitmask_triton,
+    fill_forbidden_words,
+    mask_mixed_words,
+    new_bitmask,
+    triton_kernel_takes,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
