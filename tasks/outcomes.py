@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import PipelineError, redact_url
 from .job import BatchJob
+from .manifest import ShardManifest
 from .shard_writer import completed_manifest
 from .storage import Shard
 from .summary import job_summary, shard_entry
@@ -51,7 +52,7 @@ def summary_from_manifests(shards: list[Shard], job: BatchJob) -> dict[str, Any]
     return job_summary(entries, 0.0, redact_url(job.output))
 
 
-def _committed(shard: Shard, job: BatchJob) -> dict[str, Any] | None:
+def _committed(shard: Shard, job: BatchJob) -> ShardManifest | None:
     try:
         return completed_manifest(shard, job)
     except PipelineError:

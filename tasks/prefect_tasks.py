@@ -23,6 +23,7 @@ from prefect.concurrency.sync import concurrency
 from . import preflight, shard_writer, storage
 from .engine_cache import EngineHost
 from .job import BatchJob
+from .manifest import ShardManifest
 from .shard_job import ShardPipeline, task_may_retry
 
 _RETRY_DELAYS = [2, 10]
@@ -48,7 +49,7 @@ def preflight_task(job: BatchJob, model_here: bool = True) -> list[storage.Shard
 
 @task(name="check-shards-done", cache_policy=NO_CACHE, retries=2,
       retry_delay_seconds=_RETRY_DELAYS, retry_condition_fn=_retriable)
-def completed_manifests_task(shards: list[storage.Shard], job: BatchJob) -> list[dict[str, Any] | None]:
+def completed_manifests_task(shards: list[storage.Shard], job: BatchJob) -> list[ShardManifest | None]:
     """Each shard's manifest when it is already done for ``job``, else None, in order.
 
     One task for all shards: a task run per shard costs the Prefect API more than the
@@ -62,7 +63,7 @@ def completed_manifests_task(shards: list[storage.Shard], job: BatchJob) -> list
 @task(name="process-shard", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=_RETRY_DELAYS,
       retry_condition_fn=_retriable, task_run_name="shard-{shard.key}")
 def process_shard_task(shard: storage.Shard, job: BatchJob, gpu_limit: str | None = None,
-                       engine_host: EngineHost = EngineHost.THREAD) -> dict[str, Any]:
+                       engine_host: EngineHost = EngineHost.THREAD) -> ShardManifest:
     """Read, run and write one shard on the engine ``engine_host`` names; return its manifest.
 
     With ``gpu_limit`` (a Prefect global concurrency limit's name) the shard holds

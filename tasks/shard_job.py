@@ -37,6 +37,7 @@ from .engine_cache import EngineHost, get_executor
 from .errors import EngineError, ErrorKind, ModelUnusable, PipelineError, classify, describe
 from .executor import RowResult, RunnerError, ShardAborted, ShardExecutor
 from .job import BatchJob
+from .manifest import ShardManifest
 from .openai_requests import is_openai_batch, prepare_openai_shard
 from .rows import PreparedShard, prepare_shard
 from .shard_reader import read_shard_records
@@ -68,7 +69,7 @@ def read_shard(shard: Shard, job: BatchJob) -> PreparedShard:
     return prepared
 
 
-def write_shard(run: ShardRun, job: BatchJob) -> dict[str, Any]:
+def write_shard(run: ShardRun, job: BatchJob) -> ShardManifest:
     """Commit the output shard and its manifest; return the manifest."""
     return write_shard_output(run.prepared, run.results, job, run.seconds)
 
@@ -86,7 +87,7 @@ class ShardPipeline:
         self._lock = threading.RLock()  # reentrant: abort may run in a signal handler
         self._running: dict[str, ShardExecutor] = {}  # shard key -> the executor running its rows
 
-    def process(self, shard: Shard, skip_done: bool = False) -> dict[str, Any]:
+    def process(self, shard: Shard, skip_done: bool = False) -> ShardManifest:
         """Read, run and write ``shard``; its manifest. With ``skip_done``, a shard whose
         manifest matches the job's fingerprint is not run again (its manifest is returned)."""
         self._raise_if_stopped(f"shard {shard.key}")
@@ -101,7 +102,7 @@ class ShardPipeline:
         self._raise_if_stopped(f"the write of shard {shard.key}")
         manifest = write_shard(run, self.job)
         logger.info("shard %s: %d rows, %d errors, %d completion tokens", shard.key,
-                    manifest["rows"], manifest["errors"], manifest["completion_tokens"])
+                    manifest.rows, manifest.errors, manifest.completion_tokens)
         return manifest
 
     def abort(self) -> None:
@@ -155,7 +156,7 @@ class ShardPipeline:
             raise ShardAborted(f"{what} not started: it was aborted; no output written")
 
 
-def process_shard(shard: Shard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> dict[str, Any]:
+def process_shard(shard: Shard, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD) -> ShardManifest:
     """Read, run and write one shard; return its manifest."""
     return ShardPipeline(job, engine_host).process(shard)
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from .errors import redact_url
 from .fingerprint import fingerprint, fingerprint_fields
 from .job import BatchJob, JobTask, OutputFormat
+from .manifest import ManifestError, ShardManifest
 from .openai_responses import openai_lines
 from .rows import PreparedShard
 from .executor import RowResult
@@ -98,7 +99,7 @@ def _row_error(row: Any, results: dict[int, RowResult]) -> str | None:
 
 def write_shard_output(
     prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob, seconds: dict[str, float]
-) -> dict[str, Any]:
+) -> ShardManifest:
     """Write the output shard, then its manifest (the commit marker); return the manifest."""
     shard = prepared.raw.shard
     storage_options = job.storage()
@@ -118,17 +119,15 @@ def write_shard_output(
     for uri, data in files.items():  # the output shard last: only the manifest comes after it
         write_atomic(uri, data, storage_options)
     fields = fingerprint_fields(job, shard, prepared.raw.schema)
-    manifest = {
-        "shard": shard.key,
-        "input": redact_url(shard.uri),
-        "output": redact_url(output_uri(job, shard)),
-        **counts,
-        "seconds": {**seconds, "write": round(time.perf_counter() - started, 4)},
-        "written_at": datetime.now(timezone.utc).isoformat(),
-        "fingerprint": fingerprint(fields),
-        "job": fields,
-    }
-    write_atomic(manifest_uri(job, shard), json.dumps(manifest, indent=2).encode(), storage_options)
+    manifest = ShardManifest(
+        shard=shard.key, input=redact_url(shard.uri), output=redact_url(output_uri(job, shard)),
+        rows=counts["rows"], errors=counts["errors"], prompt_tokens=counts["prompt_tokens"],
+        completion_tokens=counts["completion_tokens"], cached_prompt_tokens=counts["cached_prompt_tokens"],
+        endpoints=tuple(counts["endpoints"]), invalid_outputs=counts.get("invalid_outputs"),
+        seconds={**seconds, "write": round(time.perf_counter() - started, 4)},
+        written_at=datetime.now(timezone.utc).isoformat(), fingerprint=fingerprint(fields), job=fields,
+    )
+    write_atomic(manifest_uri(job, shard), json.dumps(manifest.to_json(), indent=2).encode(), storage_options)
     return manifest
 
 
@@ -148,18 +147,19 @@ def _column_sum(table: pa.Table, name: str) -> int:
     return int(sum(value for value in table.column(name).to_pylist() if value is not None))
 
 
-def read_manifest(job: BatchJob, shard: Shard) -> dict[str, Any] | None:
+def read_manifest(job: BatchJob, shard: Shard) -> ShardManifest | None:
     """The shard's manifest, or None when there is none (or it is unreadable)."""
     fs, path = filesystem(manifest_uri(job, shard), job.storage())
     try:
-        return json.loads(retry_storage(lambda: fs.cat_file(path), "read", manifest_uri(job, shard), fs))
+        data = json.loads(retry_storage(lambda: fs.cat_file(path), "read", manifest_uri(job, shard), fs))
+        return ShardManifest.from_json(data)
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, ManifestError):
         return None  # never happens to a committed manifest; redo the shard
 
 
-def completed_manifest(shard: Shard, job: BatchJob) -> dict[str, Any] | None:
+def completed_manifest(shard: Shard, job: BatchJob) -> ShardManifest | None:
     """The manifest of ``shard`` if it is already done for ``job`` (same fingerprint
     and its output present), else None. Does no engine work."""
     manifest = read_manifest(job, shard)
@@ -169,7 +169,7 @@ def completed_manifest(shard: Shard, job: BatchJob) -> dict[str, Any] | None:
         schema = read_input_schema(shard, job.storage())
     except ShardError:
         return None  # let the run report why the shard cannot be read
-    if manifest.get("fingerprint") != fingerprint(fingerprint_fields(job, shard, schema)):
+    if manifest.fingerprint != fingerprint(fingerprint_fields(job, shard, schema)):
         return None
     return manifest if exists(output_uri(job, shard), job.storage()) else None
 

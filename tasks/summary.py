@@ -9,25 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from .manifest import ShardManifest
+
 SHARD_COLUMNS = ("shard", "status", "rows", "errors", "prompt_tokens", "completion_tokens", "cached_prompt_tokens",
                  "seconds")
 
 
-def shard_entry(key: str, status: str, manifest: dict[str, Any] | None = None, message: str | None = None) -> dict[str, Any]:
-    """One shard's line: status is done, skipped (already done) or failed."""
-    manifest = manifest or {}
-    seconds = manifest.get("seconds", {})
+def shard_entry(key: str, status: str, manifest: ShardManifest | None = None,
+                message: str | None = None) -> dict[str, Any]:
+    """One shard's line: status is done, skipped (already done) or failed (no manifest:
+    zero counts)."""
+    if manifest is None:
+        return {"shard": key, "status": status, "rows": 0, "errors": 0, "invalid_outputs": 0, "prompt_tokens": 0,
+                "completion_tokens": 0, "cached_prompt_tokens": 0, "endpoints": [], "seconds": 0.0,
+                "message": message}
     return {
         "shard": key,
         "status": status,
-        "rows": manifest.get("rows", 0),
-        "errors": manifest.get("errors", 0),
-        "invalid_outputs": manifest.get("invalid_outputs", 0),  # of the errors: outputs that did not validate
-        "prompt_tokens": manifest.get("prompt_tokens", 0),
-        "completion_tokens": manifest.get("completion_tokens", 0),
-        "cached_prompt_tokens": manifest.get("cached_prompt_tokens", 0),  # prompt tokens the prefix cache held
-        "endpoints": manifest.get("endpoints", []),  # the OpenAI endpoints its requests are answered as
-        "seconds": round(sum(seconds.values()), 3) if status == "done" else 0.0,
+        "rows": manifest.rows,
+        "errors": manifest.errors,
+        "invalid_outputs": manifest.invalid_outputs or 0,  # of the errors: outputs that did not validate
+        "prompt_tokens": manifest.prompt_tokens,
+        "completion_tokens": manifest.completion_tokens,
+        "cached_prompt_tokens": manifest.cached_prompt_tokens,  # prompt tokens the prefix cache held
+        "endpoints": list(manifest.endpoints),  # the OpenAI endpoints its requests are answered as
+        "seconds": round(sum(manifest.seconds.values()), 3) if status == "done" else 0.0,
         "message": message,
     }
 

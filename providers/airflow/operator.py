@@ -80,7 +80,8 @@ class ShardInferenceOperator(BaseOperator):
             # permanent (a bad shard, access denied, a missing bucket) or a write that failed after
             # its own retries: an Airflow retry would only repeat it, or recompute the engine's work
             raise AirflowFailException(str(exc)) from exc
-        return manifests[0] if one else manifests
+        # XCom values are JSON: each manifest as its JSON object (as in _manifests/).
+        return manifests[0].to_json() if one else [manifest.to_json() for manifest in manifests]
 
     def on_kill(self) -> None:
         if self._batch is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from shardline.tasks.engine_cache import EngineHost
 from shardline.tasks.job import BatchJob
+from shardline.tasks.manifest import ShardManifest
 from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard
 
@@ -81,7 +82,7 @@ class ShardBatch:
         self.job = job
         self._pipeline = ShardPipeline(job, EngineHost.SERVICE if engine_service else EngineHost.THREAD)
 
-    def run(self, shards: list[Shard]) -> list[dict[str, Any]]:
+    def run(self, shards: list[Shard]) -> list[ShardManifest]:
         """Each shard's manifest, in order; a failed shard raises after the others finish."""
         if len(shards) <= 1:  # in this thread: a signal reaches it
             return [self._pipeline.process(shard, skip_done=True) for shard in shards]

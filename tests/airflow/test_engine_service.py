@@ -131,7 +131,7 @@ def test_a_killed_task_process_leaves_no_rows_in_the_engine_and_the_service_serv
     job = make_job({"input": str(tmp_path / "short"), "output": str(tmp_path / "short-out"), "model": tiny_model,
                     "sampling": SHORT, "engine_options": OPTIONS}, {})
     [manifest] = ShardBatch(job).run(list_shards(job.input))
-    assert manifest["rows"] == 3 and manifest["errors"] == 0
+    assert manifest.rows == 3 and manifest.errors == 0
     after = service_info(tiny_model, OPTIONS)
     assert after["pid"] == before["pid"] and after["loads"] == 1 and len(_loads(runtime_dir)) == 1
 
@@ -158,7 +158,7 @@ def test_a_dead_services_stale_socket_is_replaced_by_a_new_service(runtime_dir, 
     job = make_job({"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "model": tiny_model,
                     "sampling": SHORT, "engine_options": OPTIONS}, {})
     [manifest] = ShardBatch(job).run(list_shards(job.input))
-    assert manifest["rows"] == 3 and manifest["errors"] == 0
+    assert manifest.rows == 3 and manifest.errors == 0
     second = service_info(tiny_model, OPTIONS)
     assert second["pid"] != first and second["loads"] == 1
     assert [load["pid"] for load in _loads(runtime_dir)] == [first, second["pid"]]

@@ -26,8 +26,8 @@ def test_tasks_compose_in_a_flow_on_memory_storage(make_job):
     write_sample_dataset(f"{prefix}/in", num_shards=2, rows_per_shard=2)
     job = make_job(input=f"{prefix}/in", output=f"{prefix}/out")
     manifests = shard_by_shard(job)
-    assert [m["rows"] for m in manifests] == [3, 3] and [m["errors"] for m in manifests] == [1, 1]
+    assert [m.rows for m in manifests] == [3, 3] and [m.errors for m in manifests] == [1, 1]
     fs = fsspec.filesystem("memory")
     with fs.open(f"{prefix}/out/part-00001.parquet".removeprefix("memory://"), "rb") as handle:
         assert pq.read_table(handle).column("id").to_pylist() == ["s01-000", "s01-bad", "s01-001"]
-    assert manifests[0]["output"].startswith("memory://") and manifests[0]["output"].endswith("out/part-00000.parquet")
+    assert manifests[0].output.startswith("memory://") and manifests[0].output.endswith("out/part-00000.parquet")

@@ -112,11 +112,11 @@ def test_mixed_file_every_line_validates_and_bad_lines_become_error_lines(tmp_pa
     failed = [line for line in out if line["error"] is not None]
     assert read_output(tmp_path / "out" / "part-0.errors.jsonl") == failed
     usage = [body["usage"] for body in ok.values()]
-    assert manifest["rows"] == len(lines) and manifest["errors"] == len(failed)
-    assert manifest["prompt_tokens"] == sum(u["prompt_tokens"] for u in usage)
-    assert manifest["completion_tokens"] == sum(u["completion_tokens"] for u in usage)
-    assert manifest["cached_prompt_tokens"] == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
-    assert manifest["endpoints"] == ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    assert manifest.rows == len(lines) and manifest.errors == len(failed)
+    assert manifest.prompt_tokens == sum(u["prompt_tokens"] for u in usage)
+    assert manifest.completion_tokens == sum(u["completion_tokens"] for u in usage)
+    assert manifest.cached_prompt_tokens == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+    assert manifest.endpoints == ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 def test_embedding_requests_with_an_embedding_model(tmp_path, make_job, embedding_model):
@@ -148,8 +148,8 @@ def test_embedding_requests_with_an_embedding_model(tmp_path, make_job, embeddin
         assert item["embedding"] == pytest.approx(expected.outputs.embedding, abs=1e-5)
     assert many["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in both)
     ok = [line for line in out if line["error"] is None]
-    assert manifest["prompt_tokens"] == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in ok)
-    assert manifest["completion_tokens"] == 0 and manifest["errors"] == 1
+    assert manifest.prompt_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in ok)
+    assert manifest.completion_tokens == 0 and manifest.errors == 1
 
 
 def test_duplicate_custom_ids_fail_the_shard_naming_them(tmp_path, make_job):
@@ -241,5 +241,5 @@ def test_detection_by_content_and_parquet_input_answered_as_openai_lines(tmp_pat
     assert [line["custom_id"] for line in out] == ["r0", "r1", "r2"]
     assert {line["response"]["body"]["object"] for line in out} == {"text_completion"}
     cached = [line["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for line in out]
-    assert cached[0] == 0 and cached[1] > 0 and manifest["cached_prompt_tokens"] == sum(cached)
+    assert cached[0] == 0 and cached[1] > 0 and manifest.cached_prompt_tokens == sum(cached)
     assert (tmp_path / "out" / "batch.errors.jsonl").read_text() == ""

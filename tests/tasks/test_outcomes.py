@@ -20,7 +20,7 @@ def test_a_failed_entry_of_a_committed_shard_is_settled_as_done(tmp_path, make_j
     entries = [shard_entry(committed.key, "failed", message=message),
                shard_entry(never_ran.key, "failed", message="read file:///y failed: EOFError")]
     settled = {entry["shard"]: entry for entry in settle_failed(entries, [committed, never_ran], job)}
-    assert settled[committed.key]["status"] == "done" and settled[committed.key]["rows"] == manifest["rows"]
+    assert settled[committed.key]["status"] == "done" and settled[committed.key]["rows"] == manifest.rows
     assert message in settled[committed.key]["message"]
     assert settled[never_ran.key]["status"] == "failed"
 

@@ -23,7 +23,7 @@ def test_list_run_and_commit_with_storage_options(s3_server, make_job):
     assert [(s.key, s.format) for s in shards] == [("part-00000", "parquet"), ("part-00001", "jsonl")]
     for shard in shards:
         manifest = process_shard(shard, job)
-        assert manifest["output"] == f"s3://{prefix}/out/{shard.key}.parquet"
+        assert manifest.output == f"s3://{prefix}/out/{shard.key}.parquet"
         assert shard_is_done(shard, job)
     fs, _ = filesystem(job.output, options)
     fs.invalidate_cache()

@@ -49,11 +49,11 @@ def test_output_contract_and_manifest(tmp_path, make_job, tiny_model):
     assert rows[0]["prompt_tokens"] == len(expected.prompt_token_ids)
 
     on_disk = json.loads((tmp_path / "out" / "_manifests" / "part-0.json").read_text())
-    assert on_disk == manifest
-    assert (manifest["rows"], manifest["errors"], manifest["completion_tokens"]) == (3, 1, 6)
-    assert set(manifest["seconds"]) == {"read", "run", "write"}
-    assert manifest["job"]["sampling"]["max_tokens"] == 4 and manifest["job"]["model"] == tiny_model
-    assert manifest["job"]["input_schema"]["prompt"] == "string"
+    assert on_disk == manifest.to_json()
+    assert (manifest.rows, manifest.errors, manifest.completion_tokens) == (3, 1, 6)
+    assert set(manifest.seconds) == {"read", "run", "write"}
+    assert manifest.job["sampling"]["max_tokens"] == 4 and manifest.job["model"] == tiny_model
+    assert manifest.job["input_schema"]["prompt"] == "string"
     assert not list((tmp_path / "out" / "_tmp").iterdir())
 
 
@@ -62,7 +62,7 @@ def test_done_only_while_the_fingerprint_matches(tmp_path, make_job):
     job = make_job()
     assert not shard_is_done(shard, job)
     process_shard(shard, job)
-    assert shard_is_done(shard, job) and completed_manifest(shard, job)["rows"] == 3
+    assert shard_is_done(shard, job) and completed_manifest(shard, job).rows == 3
     assert not shard_is_done(shard, make_job(sampling={"max_tokens": 5, "temperature": 0.0}))
     assert not shard_is_done(shard, make_job(engine_options={"max_num_seqs": 8}))
     assert not shard_is_done(shard, make_job(revision="v2"))

@@ -92,7 +92,7 @@ def test_schema_job_outputs_parse_and_validate_and_cut_rows_are_counted(tmp_path
         value = json.loads(row["parsed"])
         jsonschema.validate(value, schema)
         assert json.loads(row["text"]) == value
-    assert (manifest["errors"], manifest["invalid_outputs"]) == (1, 1)
+    assert (manifest.errors, manifest.invalid_outputs) == (1, 1)
     summary = job_summary([shard_entry("part-0", "done", manifest)], 1.0, "out")
     assert (summary["totals"]["errors"], summary["totals"]["invalid_outputs"]) == (1, 1)
     assert "1 of the 1 row error(s) are structured outputs that did not validate" in summary_table(summary)
@@ -118,7 +118,7 @@ def test_a_bad_override_is_a_row_error_and_the_shard_goes_on(tmp_path, make_job)
     assert errors[4].startswith("json_schema: the json constraint does not compile: ")
     assert errors[5] == "set response_format or json_schema, not both"
     assert errors[6] is None and isinstance(json.loads(table.column("parsed")[6].as_py())["n"], int)
-    assert (manifest["rows"], manifest["errors"], manifest["invalid_outputs"]) == (7, 6, 0)
+    assert (manifest.rows, manifest.errors, manifest.invalid_outputs) == (7, 6, 0)
 
 
 def test_choice_and_regex_jobs(tmp_path, make_job):
@@ -126,7 +126,7 @@ def test_choice_and_regex_jobs(tmp_path, make_job):
     choices = ["positive", "negative", "neutral"]
     job = make_job(sampling={"max_tokens": 16, "temperature": 1.0, "seed": 3}, structured_outputs={"choice": choices})
     manifest, table = _run(tmp_path, rows, job)
-    assert set(table.column("text").to_pylist()) <= set(choices) and manifest["errors"] == 0
+    assert set(table.column("text").to_pylist()) <= set(choices) and manifest.errors == 0
     assert table.column("parsed").to_pylist() == [None] * 5  # no JSON to parse
 
     pattern = r"[A-Z]{2}-\d{3}( [a-z]+)?"
@@ -138,7 +138,7 @@ def test_choice_and_regex_jobs(tmp_path, make_job):
         f"the output {out[0]['text']!r} does not match the regex in full")
     for row in out[1:]:
         assert row["error"] is None and re.fullmatch(pattern, row["text"]), row
-    assert manifest["invalid_outputs"] == 1
+    assert manifest.invalid_outputs == 1
 
 
 def test_unconstrained_rows_equal_a_job_without_constraints(tmp_path, make_job):
@@ -224,7 +224,7 @@ def test_reasoning_gets_its_column_and_the_constraint_applies_to_the_answer(tmp_
     for row in table.to_pylist():
         assert row["error"] is None and row["text"] in ("yes", "no"), row
         assert isinstance(row["reasoning"], str) and "<think>" not in row["reasoning"]
-    assert manifest["job"]["reasoning_parser"] == "deepseek_r1"
+    assert manifest.job["reasoning_parser"] == "deepseek_r1"
 
     with pytest.raises(ModelUnusable, match="needs the tokens <think> and </think>"):
         check_model(make_job(reasoning_parser="qwen3"))  # the tiny llama has no think tags
@@ -241,4 +241,4 @@ def test_n_samples_get_a_parsed_list_and_each_is_checked(tmp_path, make_job):
         assert reason == "length" or json.loads(parsed) == json.loads(text)
     assert cut["parsed"] == [None, None] and cut["error"].startswith("sample 0: max_tokens ended the output")
     assert "; sample 1: max_tokens ended the output" in cut["error"]
-    assert manifest["invalid_outputs"] == 1 + (whole["error"] is not None)
+    assert manifest.invalid_outputs == 1 + (whole["error"] is not None)
