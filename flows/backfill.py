@@ -25,8 +25,14 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from shardline.tasks.job import BatchJob
-from shardline.tasks.partitions import PartitionPlan, PartitionSelection, Reprocess, partition_job, \
-    plan_partition, write_run_record
+from shardline.tasks.partitions import (
+    PartitionPlan,
+    PartitionSelection,
+    Reprocess,
+    partition_job,
+    plan_partition,
+    write_run_record,
+)
 from shardline.tasks.summary import ShardsFailed
 
 from .batch_inference import batch_inference

@@ -29,8 +29,8 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
 from shardline.tasks.engine_cache import engines_held, get_executor
-from shardline.tasks.job import BatchJob
 from shardline.tasks.errors import PipelineError, redact_url
+from shardline.tasks.job import BatchJob
 from shardline.tasks.outcomes import settle_failed
 from shardline.tasks.prefect_tasks import completed_manifests_task, preflight_task
 from shardline.tasks.storage import Shard

@@ -25,7 +25,8 @@ class TaskRunnerKind(str, enum.Enum):
 class Execution(BaseModel):
     """How the shard tasks of a run execute (task runner, Ray resources, GPU slots)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Frozen: one default instance is shared by every flow call as its parameter default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     task_runner: TaskRunnerKind = Field(
         TaskRunnerKind.THREADS,

@@ -121,7 +121,8 @@ def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}); expected an object like '{{\"key\": 1}}'")
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({exc.msg}); expected an object like '{{\"key\": 1}}'") from exc
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
     return value

@@ -157,7 +157,7 @@ class BatchJob(BaseModel):
         return columns
 
     @model_validator(mode="after")
-    def _output_outside_input(self) -> "BatchJob":
+    def _output_outside_input(self) -> BatchJob:
         if self.input.rstrip("/") == self.output.rstrip("/"):
             raise ValueError(f"output {self.output!r} must differ from input {self.input!r}")
         return self
@@ -170,7 +170,7 @@ class BatchJob(BaseModel):
         return name
 
     @model_validator(mode="after")
-    def _structured_and_reasoning(self) -> "BatchJob":
+    def _structured_and_reasoning(self) -> BatchJob:
         if self.task == JobTask.EMBED and self.structured_outputs is not None:
             raise ValueError("structured_outputs applies to generate and chat jobs, not task=embed")
         if self.input_format == InputFormat.OPENAI and self.structured_outputs is not None:

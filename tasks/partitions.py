@@ -170,7 +170,7 @@ class PartitionSelection(BaseModel):
                                   "the run's scheduled date (3: the three days up to yesterday), for schedules.")
 
     @model_validator(mode="after")
-    def _one_way(self) -> "PartitionSelection":
+    def _one_way(self) -> PartitionSelection:
         ways = [self.start is not None, bool(self.names), self.last_days is not None]
         if sum(ways) != 1:
             raise ValueError("give exactly one of: a date range (start, end), last_days, or partition names")

@@ -156,6 +156,7 @@ def model_verdict(model: str, task: JobTask, revision: str | None = None,
     the Hugging Face cache or the hub) and the model built on the meta device: no
     tokenizer, no weights. Raises ModelUnusable when the config cannot be resolved."""
     import transformers  # here: as check_model, the first thing that needs it
+
     from shardline.engine.model.support import model_support
 
     _check_local_path(model)

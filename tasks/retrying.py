@@ -45,7 +45,7 @@ class StorageRetry:
         return random.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
 
     @classmethod
-    def from_env(cls) -> "StorageRetry":
+    def from_env(cls) -> StorageRetry:
         raw = os.environ.get(RETRY_SECONDS_ENV)
         if raw is None:
             return cls()

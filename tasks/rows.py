@@ -16,8 +16,8 @@ from typing import Any
 
 from shardline import LoRARequest, PoolingParams, SamplingParams
 
-from .job import BatchJob, JobTask
 from .executor import RowRequest
+from .job import BatchJob, JobTask
 from .shard_reader import RawShard, RecordProblem, ShardError
 from .structured_rows import RowConstraints
 

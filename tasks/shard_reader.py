@@ -19,7 +19,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from fsspec.compression import compr
 from fsspec.utils import infer_compression
 

@@ -19,15 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import redact_url
+from .executor import RowResult
 from .fingerprint import fingerprint, fingerprint_fields
 from .job import BatchJob, JobTask, OutputFormat
 from .manifest import ManifestError, ShardManifest
 from .openai_responses import openai_lines
 from .rows import PreparedShard
-from .executor import RowResult
 from .shard_reader import ShardError, read_input_schema
-from .structured_rows import check_outputs, count_invalid_outputs
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
+from .structured_rows import check_outputs, count_invalid_outputs
 from .usage import usage_fields
 
 

@@ -35,7 +35,7 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool = Field(False, description="Compact JSON: no whitespace between tokens.")
 
     @model_validator(mode="after")
-    def _one_valid_constraint(self) -> "StructuredOutputs":
+    def _one_valid_constraint(self) -> StructuredOutputs:
         set_kinds = [kind for kind in _KINDS if getattr(self, kind) is not None]
         if len(set_kinds) != 1:
             raise ValueError(f"set exactly one of {', '.join(_KINDS)}; got "

@@ -1,1 +1,2 @@
-"""Attention: transformers' entry point and the per-step context, the backends (Triton, torch with native CPU kernels), the torch path."""
+"""Attention: transformers' entry point and the per-step context, the backends (Triton,
+torch with native CPU kernels), the torch path."""

@@ -1,1 +1,2 @@
-"""The engine core: requests, the continuous-batching scheduler and the paged KV-cache block manager (pure Python, no torch)."""
+"""The engine core: requests, the continuous-batching scheduler and the paged KV-cache
+block manager (pure Python, no torch)."""

@@ -21,8 +21,9 @@ def list_shards(
 
     With ``shards_per_task`` above 1 the shards come in groups of that many, one per
     mapped task instance: each instance streams its group through one continuous
-    batch, and fewer instances stay under Airflow's ``max_map_length``. Shards already done are listed too (the operator skips them),
-    so map indexes stay tied to the same shards across reruns.
+    batch, and fewer instances stay under Airflow's ``max_map_length``. Shards already
+    done are listed too (the operator skips them), so map indexes stay tied to the same
+    shards across reruns.
     """
     if shards_per_task < 1:
         raise ValueError(f"shards_per_task must be 1 or more, not {shards_per_task}")

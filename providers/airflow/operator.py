@@ -13,8 +13,8 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from shardline.tasks.job import BatchJob
 from shardline.tasks.errors import PipelineError
+from shardline.tasks.job import BatchJob
 from shardline.tasks.shard_job import task_may_retry
 
 from .connection import get_storage_options

@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardline.flows.batch_inference import batch_inference
-from shardline.flows.execution import Execution
 from shardline.tasks import engine_cache
 from shardline.tasks.sample_data import write_rows, write_sample_dataset
 from shardline.tasks.shard_reader import read_shard_records

@@ -8,8 +8,6 @@ import json
 import threading
 import time
 
-import pytest
-
 from shardline.flows.batch_inference import batch_inference
 from shardline.tasks.engine_cache import engine_requests
 from shardline.tasks.sample_data import write_rows, write_sample_dataset
@@ -94,7 +92,8 @@ def test_a_flow_run_from_the_ui_fails_its_pre_flight_check_before_any_shard(cont
     prefix = controlled_s3.new_prefix()
     write_sample_dataset(f"s3://{prefix}/in", num_shards=2, rows_per_shard=2,
                          storage_options=controlled_s3.storage_options())
-    job = make_job(input=f"s3://{prefix}/in", output=f"s3://{prefix}/out", storage_options=controlled_s3.reader_options())
+    job = make_job(input=f"s3://{prefix}/in", output=f"s3://{prefix}/out",
+                   storage_options=controlled_s3.reader_options())
     before = engine_requests()
     started = time.monotonic()
     state = batch_inference(job, return_state=True)

@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 from openai.types import Batch
 from prefect.settings import PREFECT_API_URL
 

@@ -19,6 +19,7 @@ from shardline.tasks import engine_cache
 from shardline.tasks.engine_cache import EngineHost
 from shardline.tasks.engine_client import ServiceClient, _is_engine_service
 from shardline.tasks.executor import RowRequest, RowResult, ShardAborted, ShardExecutor
+
 from ..waiting import wait_for
 
 OPTIONS = {"max_num_seqs": 4}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from shardline.tasks.errors import EngineError, ErrorKind, ModelUnusable, StorageDenied
+from shardline.tasks.executor import ShardAborted
 from shardline.tasks.outcomes import settle_failed
 from shardline.tasks.sample_data import write_sample_dataset
 from shardline.tasks.shard_job import process_shard, task_may_retry
-from shardline.tasks.errors import EngineError, ModelUnusable, StorageDenied, ErrorKind
-from shardline.tasks.executor import ShardAborted
 from shardline.tasks.storage import list_shards
 from shardline.tasks.summary import shard_entry
 

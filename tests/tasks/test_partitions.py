@@ -7,8 +7,15 @@ import datetime as dt
 import pytest
 from pydantic import ValidationError
 
-from shardline.tasks.partitions import PartitionSelection, PartitionStatus, Reprocess, partition_job, \
-    plan_partition, read_run_record, write_run_record
+from shardline.tasks.partitions import (
+    PartitionSelection,
+    PartitionStatus,
+    Reprocess,
+    partition_job,
+    plan_partition,
+    read_run_record,
+    write_run_record,
+)
 from shardline.tasks.sample_data import write_sample_dataset
 from shardline.tasks.shard_job import process_shard
 from shardline.tasks.storage import list_shards

@@ -31,7 +31,8 @@ def test_a_usable_model_passes_and_every_problem_is_named_at_once(tmp_path, make
     assert time.monotonic() - started < 5
     lines = str(raised.value).splitlines()
     assert len(lines) == 3, lines
-    assert lines[0] == f"load model {tmp_path / 'no-model'} failed: no such local directory (and a path is not a hub id)"
+    assert lines[0] == (f"load model {tmp_path / 'no-model'} failed: "
+                        "no such local directory (and a path is not a hub id)")
     assert lines[1].startswith(f"write {tmp_path / 'out-file' / 'x'}/_tmp/.shardline-probe-") or \
         lines[1].startswith(f"write file://{tmp_path / 'out-file' / 'x'}/_tmp/.shardline-probe-")
     assert lines[2].startswith(f"list {tmp_path / 'empty'} failed: no shards under it")

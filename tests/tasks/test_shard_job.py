@@ -17,6 +17,7 @@ from shardline.tasks.shard_job import ShardPipeline, process_shard
 from shardline.tasks.shard_writer import completed_manifest, shard_is_done
 from shardline.tasks.shutdown import ShutdownRequested, clear_shutdown, mark_shutdown
 from shardline.tasks.storage import list_shards
+
 from ..waiting import wait_for
 
 ROWS = [

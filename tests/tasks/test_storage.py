@@ -8,9 +8,9 @@ import uuid
 import fsspec
 import pytest
 
-from shardline.tasks.sample_data import write_rows
 from shardline.tasks.errors import ErrorKind, JobError, StorageNotFound
 from shardline.tasks.retrying import StorageRetry
+from shardline.tasks.sample_data import write_rows
 from shardline.tasks.storage import StorageError, list_shards, read_bytes, retry_storage, write_atomic
 
 

@@ -12,13 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.outputs import CompletionOutput
 from shardline.engine.params import StructuredOutputsParams
-from shardline.engine.model.tiny import build_tiny_model
-from shardline.tasks.fingerprint import fingerprint_fields
-from shardline.tasks.preflight import check_model, field_errors
 from shardline.tasks.engine_cache import close_engines
 from shardline.tasks.errors import ModelUnusable
+from shardline.tasks.fingerprint import fingerprint_fields
+from shardline.tasks.preflight import check_model, field_errors
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import process_shard
 from shardline.tasks.storage import list_shards

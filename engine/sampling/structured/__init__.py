@@ -24,8 +24,14 @@ Invariants:
 """
 
 from .bitmask import (
-    allow_only, allow_token, allows_only, apply_token_bitmask, apply_token_bitmask_reference, forbidden_picks,
-    new_bitmask, step_bitmask,
+    allow_only,
+    allow_token,
+    allows_only,
+    apply_token_bitmask,
+    apply_token_bitmask_reference,
+    forbidden_picks,
+    new_bitmask,
+    step_bitmask,
 )
 from .grammar import GrammarCompiler, GrammarKey, GrammarState, StructuredOutputError, grammar_key, parse_grammar
 from .manager import StructuredOutputManager
