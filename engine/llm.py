@@ -16,9 +16,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .config import EngineConfig
 from .engine_protocol import Engine
+from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
 from .lora.request import LoRARequest, resolve_lora_request

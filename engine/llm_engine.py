@@ -205,7 +205,7 @@ class LLMEngine:
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens = 0 if restart else item.start
 
-    def _launch(self, scheduler_output: SchedulerOutput, in_flight: "LaunchedStep | None") -> "LaunchedStep":
+    def _launch(self, scheduler_output: SchedulerOutput, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Queue the step's forward and sampling; ``in_flight``: the step before it, whose
         sampled tokens are the inputs of its sequences' pending positions."""
         pending = in_flight.pending_tokens() if in_flight is not None else None
@@ -216,7 +216,7 @@ class LLMEngine:
         return self._sample_on_device(rows, logits, deferrable and not model_output.prompt_rows)
 
     def _sample_on_device(self, rows: list[SequenceRecord], logits: torch.Tensor | None, deferrable: bool,
-                          wait: bool = False) -> "LaunchedStep":
+                          wait: bool = False) -> LaunchedStep:
         """Queue the sampling of one token for each row (logits: [len(rows), V]) and for
         each held sequence whose grammar has compiled since (``wait``: wait for one
         first); hold the rows whose grammar has not. ``deferrable``: every row's
@@ -243,7 +243,7 @@ class LLMEngine:
                 row.sequence.num_pending_tokens += 1
         return LaunchedStep(rows, sampled, bitmask, restricted, failures, deferred)
 
-    def _process(self, launched: "LaunchedStep") -> None:
+    def _process(self, launched: LaunchedStep) -> None:
         """Append each row's sampled token (waiting for the device to have sampled
         them), decide which sequences stop, and queue the outputs of finished requests.
         A request whose grammar fails to compile, or whose sampled token its grammar

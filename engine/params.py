@@ -192,7 +192,7 @@ class SamplingParams:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         """A copy that shares nothing mutable with this one (made for every request:
         fields of immutable values are shared, the rest deep-copied)."""
         clone = object.__new__(type(self))
@@ -241,7 +241,7 @@ class SamplingTraits:
     plain_output: bool
 
     @classmethod
-    def of(cls, params: SamplingParams, reasoning: bool) -> "SamplingTraits":
+    def of(cls, params: SamplingParams, reasoning: bool) -> SamplingTraits:
         """The traits of ``params`` (resolved: all_stop_token_ids filled) on an
         engine with (``reasoning``) or without a reasoning parser."""
         is_random = params.sampling_type != SamplingType.GREEDY
@@ -294,7 +294,7 @@ class PoolingParams:
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
 
-    def clone(self) -> "PoolingParams":
+    def clone(self) -> PoolingParams:
         return copy.deepcopy(self)
 
 

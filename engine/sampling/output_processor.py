@@ -23,12 +23,12 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from .detokenizer import IncrementalDetokenizer, TokenizerDecoding, find_stop_string
-from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..params import SamplingParams
-from .harmony import HarmonyParser, HarmonyTracker
-from .reasoning import Phase, ReasoningParser, ReasoningTracker, TokenRole
 from ..core.request import Request, RequestStatus
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, TokenizerDecoding, find_stop_string
+from .harmony import HarmonyParser
+from .reasoning import Phase, ReasoningParser, TokenRole
 from .sequences import RequestState, SequenceRecord
 from .structured import StructuredOutputError
 

@@ -35,10 +35,10 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float, int]]] | None]
     # The host copy of token_ids (pinned on CUDA) and the event that marks it filled.
     host_ids: torch.Tensor | None = None
-    copied: "torch.cuda.Event | None" = None
+    copied: torch.cuda.Event | None = None
 
     @classmethod
-    def start_copy(cls, token_ids: torch.Tensor, logprobs: list) -> "SamplerOutput":
+    def start_copy(cls, token_ids: torch.Tensor, logprobs: list) -> SamplerOutput:
         if token_ids.device.type != "cuda":
             return cls(token_ids, logprobs, token_ids)
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
