@@ -13,8 +13,8 @@ from __future__ import annotations
 import transformers
 
 from ..errors import UnsupportedLayerError
-from ..recurrent.base import kind_for_layer_type, recurrent_model_types
 from ..recurrent import kinds as _recurrent_kinds  # noqa: F401  (registers the kinds)
+from ..recurrent.base import kind_for_layer_type, recurrent_model_types
 
 # transformers' config.layer_types values the engine's paged KV cache holds, and their
 # kind there (engine/model/kv_cache_spec.py).

@@ -11,9 +11,10 @@ import torch
 import transformers
 
 from ..attention.context import register as register_attention
-from .adapters import adapt_attention, has_adapter
 from ..config import EngineConfig
 from ..errors import ModelLoadError
+from .adapters import adapt_attention, has_adapter
+
 # recurrent_layer_indices: the engine reads it here beside load_causal_lm (llm_engine.py).
 from .layer_kinds import recurrent_layer_indices  # noqa: F401
 from .support import AUTO_CLASSES, Task, require_supported

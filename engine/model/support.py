@@ -38,8 +38,15 @@ from ..errors import UnsupportedLayerError, UnsupportedModelError
 from ..recurrent.base import kind_for_module
 from ..recurrent.state import prepare_recurrent_layers
 from .adapters import UnsupportedAttentionError, adapt_attention, has_adapter
-from .layer_kinds import (NO_STATE, RECURRENT, declared_layer_types, keeps_state, layer_kind,
-                          recurrent_layer_indices, unknown_layer_reason)
+from .layer_kinds import (
+    NO_STATE,
+    RECURRENT,
+    declared_layer_types,
+    keeps_state,
+    layer_kind,
+    recurrent_layer_indices,
+    unknown_layer_reason,
+)
 from .refusals import config_refusal
 
 Task = Literal["generate", "embed"]
@@ -168,7 +175,9 @@ def routes_attention_interface(model_class: type, hf_config: transformers.Pretra
     """Whether the model's attention layers call transformers' AttentionInterface, or
     are replaced by adapters that call the engine's paged attention (engine/model/adapters/)
     (true of a model without attention layers, such as a pure state-space model)."""
-    if getattr(model_class, "_supports_attention_backend", False) or hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE:
+    if getattr(model_class, "_supports_attention_backend", False):
+        return True
+    if hf_config.model_type in UNDECLARED_ATTENTION_INTERFACE:
         return True
     if _modeling_file_calls_attention_interface(model_class) or has_adapter(model_class):
         return True

@@ -70,6 +70,7 @@ def test_attention_outside_transformers_interface_does_not_route():
 
 def test_a_model_type_without_a_class_for_the_task_and_an_unknown_task_are_named():
     t5 = model_support(transformers.T5Config(num_layers=2), "generate")
-    assert not t5.ok and t5.reason == "transformers has no causal language model class for model_type 't5' (task generate)"
+    assert not t5.ok
+    assert t5.reason == "transformers has no causal language model class for model_type 't5' (task generate)"
     with pytest.raises(ValueError, match="task must be one of generate, embed, got 'chat'"):
         model_support(_tiny("llama"), "chat")
