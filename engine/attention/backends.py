@@ -45,19 +45,29 @@ logger = logging.getLogger(__name__)
 class AttentionBackend(Protocol):
     """How the engine's paged attention runs; chosen once per engine."""
 
-    name: str
-    # Decode steps may replay CUDA graphs recorded over static buffers (cuda_graphs.py).
-    replays_decode_graphs: bool
-    # A step's last layer may attend its sampled rows alone (engine/cpu/layers.py).
-    attends_sampled_rows: bool
+    # Read-only: the backends are frozen dataclasses.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def replays_decode_graphs(self) -> bool:
+        """Decode steps may replay CUDA graphs recorded over static buffers (cuda_graphs.py)."""
+        ...
+
+    @property
+    def attends_sampled_rows(self) -> bool:
+        """A step's last layer may attend its sampled rows alone (engine/cpu/layers.py)."""
+        ...
 
     def build_context(self, step: StepBatch) -> AttentionContext:
         """The frozen per-step context every layer of the step reads."""
+        ...
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """Write the layer's new keys and values into its cache and attend.
         query: [T, H, D]; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [T, H, Dv]."""
+        ...
 
     def attend_sampled_rows(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
@@ -66,6 +76,7 @@ class AttentionBackend(Protocol):
         where ``attends_sampled_rows``), each its request's last token attending the
         request's whole context. query: [S, H, D], the queries at those rows in their
         order; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [S, H, Dv]."""
+        ...
 
 
 def layer_options(options: AttentionOptions, chunk_sizes: tuple[int | None, ...], layer_idx: int) -> AttentionOptions:
@@ -177,6 +188,7 @@ class TorchBackend:
                             value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """See AttentionBackend: the native decode kernel where it takes the step's caches
         (and the layer has no bias table), else SDPA over the gathered contexts."""
+        assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
         native = options.position_bias is None and self._kernels_take(attention_caches(ctx.kv_caches))[0]

@@ -157,13 +157,14 @@ def paged_attention_forward(
         )
     layer_idx = shardline_layer_idx if shardline_layer_idx is not None else getattr(module, "layer_idx", None)
     assert isinstance(layer_idx, int) and layer_idx >= 0, f"{type(module).__name__} has no layer_idx"
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    scale = scaling if scaling is not None else float(query.shape[-1]) ** -0.5
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    options = AttentionOptions(scaling, sliding_window, softcap, s_aux, alibi_slopes, position_bias=position_bias)
-    out = shardline_ctx.backend.attend(shardline_ctx, layer_idx, q, k, v, options)
+    options = AttentionOptions(scale, sliding_window, softcap, s_aux, alibi_slopes, position_bias=position_bias)
+    backend = shardline_ctx.backend
+    assert backend is not None, "an AttentionContext built without its backend"
+    out = backend.attend(shardline_ctx, layer_idx, q, k, v, options)
     return out.unsqueeze(0), None  # [1, T, H, Dv]
 
 

@@ -34,6 +34,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = ("length", True)
     FINISHED_ABORTED = ("abort", True)
 
+    is_finished: bool  # set on each member by __new__ (an annotation, not a member)
+
     def __new__(cls, value: str, is_finished: bool) -> RequestStatus:
         member = object.__new__(cls)
         member._value_ = value
