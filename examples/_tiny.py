@@ -14,10 +14,11 @@ def model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    """``--model``, or a tiny random-weight Llama built once under ``--workdir`` (its text is noise)."""
+    """``--model``, or the absolute path of a tiny random-weight Llama built once under ``--workdir``
+    (its text is noise; absolute, so a flow run started in another directory finds it)."""
     if args.model:
         return args.model
-    model_dir = Path(args.workdir) / "tiny-model"
+    model_dir = Path(args.workdir).resolve() / "tiny-model"
     if not (model_dir / "config.json").exists():
         build_tiny_model(model_dir, arch="llama")
     return str(model_dir)
