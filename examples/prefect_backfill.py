@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from _tiny import model_argument, resolve_model
-from prefect.runner import Runner
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import arun_deployment
 from prefect.deployments.runner import RunnerDeployment
+from prefect.runner import Runner
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.types.entrypoint import EntrypointType
