@@ -7,14 +7,14 @@ device memory; recurrent layers; the CPU path choice and its rewrites; the atten
 backend, chosen once), then the KV cache is planned from what memory is left, then
 the runner (with its LoRA manager), its CUDA graphs, the scheduler and the load-time
 check; last the sampling side (sampler, reasoning parser, output processor,
-structured-output manager). The pooling engine shares ``resolve_for_device``.
+structured-output manager). The pooling engine shares ``resolve_for_device`` and
+``resolve_max_model_len``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -131,7 +131,7 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
     """Plan the KV cache (blocks and recurrent-state slots) from the memory left, then
     build the runner over it (with CUDA graphs where they replay) and the scheduler."""
     spec, attention = prepared.spec, prepared.attention
-    model_len = resolve_max_model_len(config, loaded.hf_config)
+    model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
     budget = kv_cache_budget(config, loaded.device, loaded.model, attention, spec, model_len)
     num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, prepared.state_spec)
     max_model_len = min(model_len, num_blocks * config.block_size)
@@ -170,15 +170,12 @@ def prefix_caching(config: EngineConfig, num_state_slots: int) -> bool:
     return config.enable_prefix_caching
 
 
-def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    """The model's maximum length, or the user's max_model_len if within it."""
-    model_len = model_max_len(hf_config)
+def resolve_max_model_len(config: EngineConfig, limit: int) -> int:
+    """The model's maximum length ``limit``, or the user's max_model_len if within it."""
     if config.max_model_len is None:
-        return model_len
-    if config.max_model_len > model_len:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's maximum length {model_len}"
-        )
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum length {limit}")
     return config.max_model_len
 
 

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from ..config import EngineConfig
-from ..model.build import resolve_for_device
+from ..model.build import resolve_for_device, resolve_max_model_len
 from ..model.loader import LoadedModel, load_hf_config, load_model
 from ..model.runner import model_max_len
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
@@ -295,11 +295,7 @@ def resolve_pooling_max_len(config: EngineConfig, hf_config: transformers.Pretra
     limit = model_max_len(hf_config) - position_offset
     if pooler_config.max_seq_length is not None:
         limit = min(limit, pooler_config.max_seq_length)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum length {limit}")
-    return config.max_model_len
+    return resolve_max_model_len(config, limit)
 
 
 # ------------------------------------------------------------- LLM API helpers
