@@ -88,9 +88,10 @@ def engine_features(model_dir: Path) -> tuple[list[str], list[str], list[str]]:
 
 def _attention_features(model: torch.nn.Module, layers: tuple, hf_config) -> list[str]:
     """Cache layer kinds and the attention features the layers' specs and modules show."""
-    features = sorted({f"{layer.kind} attention" for layer in layers if layer.num_kv_heads})
-    if any(layer.sliding_window for layer in layers):
-        features.append("sliding window")
+    kinds = {str(layer.kind) for layer in layers if layer.num_kv_heads}
+    features = sorted(f"{kind.replace('_', ' ')} attention" for kind in kinds)
+    if "sliding_window" not in kinds and any(layer.sliding_window for layer in layers):
+        features.append("sliding window")  # a window on layers of another cache kind
     if any(layer.num_kv_heads and layer.head_dim != layer.value_head_dim for layer in layers):
         features.append("keys and values of different head sizes")
     if any(name.endswith("sinks") for name, _ in model.named_parameters()):

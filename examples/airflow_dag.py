@@ -56,7 +56,7 @@ def run_days(dags: Path, conf: dict[str, Any]) -> list[Any]:
         raise ModuleNotFoundError(f"{module} is not installed: pip install -e '.[airflow]'")
     shutil.copy(example.origin, dags / f"{DAG_ID}.py")
     db.resetdb()
-    bag = DagBag(dag_folder=str(dags), include_examples=False)
+    bag = DagBag(dag_folder=str(dags))
     if bag.import_errors:
         raise RuntimeError(f"the DAG did not import: {bag.import_errors}")
     dag = bag.get_dag(DAG_ID)
@@ -67,7 +67,7 @@ def run_days(dags: Path, conf: dict[str, Any]) -> list[Any]:
 def report(dag_run: Any, output: Path) -> None:
     """The run's state, its task instances' states, and the day's committed outputs and usage."""
     states = sorted((ti.task_id, ti.map_index, str(ti.state)) for ti in dag_run.get_task_instances())
-    print(f"DAG run {dag_run.run_id}: {dag_run.state}")
+    print(f"DAG run for {dag_run.logical_date:%Y-%m-%d} ({dag_run.run_id}): {dag_run.state}")
     print("  tasks:", ", ".join(f"{task}[{index}] {state}" if index >= 0 else f"{task} {state}"
                                for task, index, state in states))
     print("  outputs:", sorted(path.name for path in output.glob("*.parquet")))
