@@ -26,8 +26,8 @@ import math
 
 import torch
 
+from ..attention.backends import AttentionBackend, StepBatch, TritonBackend, TritonIndices
 from ..attention.context import AttentionContext
-from ..attention.backends import AttentionBackend, StepBatch, TritonIndices
 from ..core.scheduler import SchedulerOutput
 from .input_batch import PackedBatch
 
@@ -50,9 +50,11 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, attention: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
                  max_model_len: int, device: torch.device) -> None:
-        assert attention.replays_decode_graphs, f"the {attention.name} backend replays no decode graphs"
+        # Only the Triton backend replays decode graphs: its kernels read the static
+        # int32 index buffers below, which _context hands it.
+        assert isinstance(attention, TritonBackend), f"the {attention.name} backend replays no decode graphs"
         self.model = model
-        self.attention = attention
+        self.attention: TritonBackend = attention
         self.block_size = block_size
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
@@ -128,6 +130,7 @@ class DecodeGraphs:
         width = packed.block_tables.shape[1]
         self.input_ids[0, :num].copy_(torch.tensor(packed.token_ids, dtype=torch.int64), non_blocking=True)
         if packed.pending_positions:
+            assert pending_token_ids is not None, "pending rows read the previous step's sampled ids"
             positions = torch.tensor(packed.pending_positions, dtype=torch.int64).to(self.device, non_blocking=True)
             rows = torch.tensor(packed.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             self.input_ids[0].index_copy_(0, positions, pending_token_ids[rows])

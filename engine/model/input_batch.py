@@ -159,7 +159,7 @@ class InputRows:
                            self.block_tables[row_index, :width], max_query_len, pending_positions, pending_sources,
                            request_ids, last_chunks, any_prompt_logprobs)
 
-    def _pack_steady(self, scheduled: list[ScheduledRequest], steady: "SteadyRows",
+    def _pack_steady(self, scheduled: list[ScheduledRequest], steady: SteadyRows,
                      pending_rows: dict[str, int] | None) -> PackedBatch | None:
         """The layout of a steady decode step (see the module's invariants), or None
         when ``scheduled`` is not one. Each request computes the token the step before
@@ -212,6 +212,7 @@ class InputRows:
             token_ids += request.token_ids_slice(start, end)
             return
         assert end == known + 1, (request.request_id, end, known)
+        assert pending_rows is not None, f"{request.request_id} reads a token no step in flight samples"
         token_ids += request.token_ids_slice(start, known)
         token_ids.append(0)
         pending_positions.append(len(token_ids) - 1)

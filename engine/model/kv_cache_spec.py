@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from .loader import key_value_heads, value_cache_head_size
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
-
+from .loader import key_value_heads, value_cache_head_size
 
 # Model types whose sliding-window layers have more key-value heads than the config's
 # num_key_value_heads, by this factor (mimo_v2_flash's attention doubles them there).
@@ -63,7 +62,7 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_hf_config(cls, hf_config: transformers.PretrainedConfig, dtype: torch.dtype) -> "KVCacheSpec":
+    def from_hf_config(cls, hf_config: transformers.PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
         """Each layer's spec from the config: its own sub-config where the config has
         per-layer attributes (``per_layer_config``), else the config's common ones."""
         text_config = hf_config.get_text_config()
@@ -71,6 +70,7 @@ class KVCacheSpec:
         layers = []
         for index, layer_type in enumerate(layer_types(hf_config)):
             kind = layer_kind(hf_config, layer_type)
+            assert kind is not None, f"layer {index}: layer_types refuses a {layer_type!r} layer, which has no kind"
             if kind in (RECURRENT, NO_STATE):  # state slots instead (engine/recurrent/state.py), or nothing
                 layers.append(LayerCacheSpec(kind, 0, 0, 0))
                 continue
@@ -102,7 +102,8 @@ class KVCacheSpec:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return element_size * sum(layer.elements_per_block(block_size) for layer in self.layers)
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate(self, num_blocks: int, block_size: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (key cache, value cache), zeroed."""
         caches = []
         for layer in self.layers:

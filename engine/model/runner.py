@@ -16,20 +16,20 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
+import numpy as np
 import torch
 import transformers
 
-import numpy as np
-
 from ..attention.backends import AttentionBackend, StepBatch
-from .cuda_graphs import DecodeGraphs
-from .input_batch import InputRows, PackedBatch
-from .kv_cache_spec import KVCacheSpec, plan_num_blocks
+from ..attention.context import AttentionContext
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
+from .cuda_graphs import DecodeGraphs
+from .input_batch import InputRows, PackedBatch
+from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 
 if TYPE_CHECKING:
     from ..lora.manager import LoRAManager
@@ -97,7 +97,10 @@ class ModelRunner:
         # Per recurrent layer: state name -> [num_state_slots, *shape]; empty without such layers.
         self.state_spec = state_spec
         self.num_state_slots = num_state_slots
-        self.recurrent_states = state_spec.allocate(num_state_slots, device) if num_state_slots else {}
+        self.recurrent_states: dict[int, dict[str, torch.Tensor]] = {}
+        if num_state_slots:
+            assert state_spec is not None, f"{num_state_slots} recurrent-state slots without a state spec"
+            self.recurrent_states = state_spec.allocate(num_state_slots, device)
         # Per-request block-table rows kept across steps (engine/model/input_batch.py).
         self.input_rows = InputRows(64, 16, block_size)
 
@@ -109,14 +112,17 @@ class ModelRunner:
         if capture:
             self.decode_graphs.capture()
 
-    def _uses_decode_graphs(self, scheduler_output: SchedulerOutput) -> bool:
+    def _decode_graphs_for(self, scheduler_output: SchedulerOutput) -> DecodeGraphs | None:
+        """The decode graphs this step runs over, None when it runs eagerly."""
         graphs = self.decode_graphs
-        return (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
+        if (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
-                and graphs.qualifies(scheduler_output))
+                and graphs.qualifies(scheduler_output)):
+            return graphs
+        return None
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput,
-                       pending: "PendingTokens | None" = None) -> tuple[dict, "LogitsPlan"]:
+                       pending: PendingTokens | None = None) -> tuple[ModelInputs, LogitsPlan]:
         """Build the packed batch: model kwargs, and which positions need logits.
         ``pending``: the previous step's sampled ids, for requests whose last token
         they hold (async scheduling)."""
@@ -137,7 +143,7 @@ class ModelRunner:
         ))
         # [1, T] each, shaped on the host: a step makes as few torch calls as it can.
         num_tokens, num_pending = len(packed.token_ids), len(packed.pending_positions)
-        if num_pending == num_tokens == len(pending.rows if pending else ()) \
+        if pending is not None and num_pending == num_tokens == len(pending.rows) \
                 and packed.pending_positions == packed.pending_rows:
             # Every input is a pending token, token i from sampled row i (a steady step
             # under async scheduling): the sampled ids are the input ids as they are.
@@ -145,9 +151,10 @@ class ModelRunner:
         else:
             input_ids = to_device(np.array(packed.token_ids, dtype=np.int64)[None], dev)
             if num_pending:
+                assert pending is not None, "pending positions without the step in flight's sampled ids"
                 input_ids[0, to_device(packed.pending_positions, dev)] = \
                     pending.token_ids[to_device(packed.pending_rows, dev)]
-        model_inputs = dict(
+        model_inputs = ModelInputs(
             input_ids=input_ids,
             position_ids=to_device(packed.positions[None], dev),
             shardline_ctx=ctx,
@@ -168,7 +175,7 @@ class ModelRunner:
                 [min(max(item.request.num_prompt_tokens - item.start, 0), item.num_new_tokens) for item in scheduled],
                 dtype=torch.int64, device=self.device))
 
-    def _sampled_rows(self, packed: PackedBatch, plan: "LogitsPlan") -> dict:
+    def _sampled_rows(self, packed: PackedBatch, plan: LogitsPlan) -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that
         attends sampled rows alone skip the rest in the last layer (engine/cpu/layers.py);
         decode steps sample every row. The StepBatch fields, or none."""
@@ -185,14 +192,15 @@ class ModelRunner:
                     sampled_query_rows=torch.tensor(query_rows, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput, pending: "PendingTokens | None" = None) -> "ModelOutput":
+    def execute(self, scheduler_output: SchedulerOutput, pending: PendingTokens | None = None) -> ModelOutput:
         """Run the model on the scheduled tokens; return the logits the step needs.
         ``pending``: the previous step's sampled ids, where a scheduled request's last
         token is one of them (async scheduling)."""
-        if self._uses_decode_graphs(scheduler_output):
+        graphs = self._decode_graphs_for(scheduler_output)
+        if graphs is not None:
             packed = self.input_rows.pack(scheduler_output.scheduled, pending.rows if pending is not None else None)
-            logits, sample_rows = self.decode_graphs.run(scheduler_output, packed,
-                                                         pending.token_ids if pending is not None else None)
+            logits, sample_rows = graphs.run(scheduler_output, packed,
+                                             pending.token_ids if pending is not None else None)
             return ModelOutput(logits, sample_rows, {})
         model_inputs, plan = self.prepare_inputs(scheduler_output, pending)
         # Kept positions are increasing: as many as the step's tokens is all of them.
@@ -233,6 +241,18 @@ def to_device(values: np.ndarray | list[int], device: torch.device) -> torch.Ten
     return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
+class _RequiredModelInputs(TypedDict):
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    shardline_ctx: AttentionContext
+
+
+class ModelInputs(_RequiredModelInputs, total=False):
+    """The keyword arguments of one packed forward (besides use_cache and logits_to_keep)."""
+
+    shardline_state: RecurrentStep  # models with recurrent layers only
+
+
 @dataclass
 class PendingTokens:
     """The sampled token ids of a step whose outputs are not processed yet (async
@@ -267,7 +287,7 @@ class LogitsPlan:
     prompt_rows: dict[str, PromptRows] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, scheduled: list[ScheduledRequest], packed: PackedBatch) -> "LogitsPlan":
+    def of(cls, scheduled: list[ScheduledRequest], packed: PackedBatch) -> LogitsPlan:
         """The plan of a step laid out as ``packed``."""
         plan = cls()
         ends = packed.query_start_loc[1:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(path: str | Path, vocab_size: int = 512,
-                    extra_special_tokens: list[str] = ()) -> transformers.PreTrainedTokenizerFast:
+                    extra_special_tokens: Sequence[str] = ()) -> transformers.PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on a small built-in corpus and save it to
     ``path``; ``extra_special_tokens`` are appended after the trained vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -69,7 +70,8 @@ def build_tokenizer(path: str | Path, vocab_size: int = 512,
 
 def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.PretrainedConfig:
     """The config ``build_tiny_model`` gives ``arch`` (small sizes, then ``overrides``)."""
-    common = dict(
+    # Typed as a plain mapping: each config class below takes these as keyword fields.
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -118,7 +120,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> transformers.Pr
     return config
 
 
-def _default_config(arch: str, overrides: dict) -> transformers.PretrainedConfig:
+def _default_config(arch: str, overrides: dict[str, Any]) -> transformers.PretrainedConfig:
     """``arch``'s default config, to read its fields; with ``overrides`` where the
     defaults alone fail transformers' validation (gemma4_assistant)."""
     try:
@@ -144,7 +146,7 @@ def build_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     vocab_size: int = 512,
-    extra_special_tokens: list[str] = (),
+    extra_special_tokens: Sequence[str] = (),
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random ``arch`` causal LM plus tokenizer into ``path``; return the path."""
