@@ -7,8 +7,10 @@ Invariants:
 - The driver adds rows while the engine reports capacity (or up to ``max_queued``
   requests when given), taking rows from shards in the order the shards arrived, so the batch stays full across shard
   boundaries and the earliest shard finishes (and is written) first.
-- Request ids are ``<shard key>:<row>`` (``~<n>`` appended on a retry), so every
-  output maps back to its shard and row.
+- Request ids are ``<shard key>@<n>:<row>`` (``<n>``: the shard's serial in this
+  runner, so two shards with the same key — partitions whose files share a stem —
+  never share an id; ``~<n>`` appended on a retry), and every output maps back to
+  its shard and row.
 - ``abort_shard`` only records the key; the driver aborts that shard's requests
   between two steps, so aborting too never touches the engine from another thread.
 
@@ -76,6 +78,7 @@ class _ShardWork:
 
     key: str
     rows: list[RowRequest]
+    request_prefix: str  # unique in the runner: the key and the shard's serial
     next_row: int = 0
     results: dict[int, RowResult] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -105,6 +108,7 @@ class ShardRunner:
         self._in_flight: dict[str, _Entry] = {}
         self._active: set[_ShardWork] = set()  # submitted, not yet returned to their caller
         self._retry_ids = itertools.count(1)
+        self._shard_serials = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._driven_by_owner = owner_drives  # the owner calls drive(); run_shard starts no thread
         self._closed = False
@@ -113,7 +117,7 @@ class ShardRunner:
 
     def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
         """Run ``rows`` (of shard ``key``) and return one RowResult each, in order."""
-        work = _ShardWork(key, list(rows))
+        work = _ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}")
         if not work.rows:
             return []
         with self._cond:
@@ -237,7 +241,7 @@ class ShardRunner:
                 work.next_row += 1
                 if work.next_row == len(work.rows):
                     self._queue.popleft()
-            request_id = f"{work.key}:{work.rows[position].index}"
+            request_id = f"{work.request_prefix}:{work.rows[position].index}"
             if self._add(request_id, work, position):
                 self._in_flight[request_id] = (work, position)
 
@@ -327,7 +331,7 @@ class ShardRunner:
         pending: dict[str, _Entry] = {}
         suffix = next(self._retry_ids)
         for work, position in group:
-            request_id = f"{work.key}:{work.rows[position].index}~{suffix}"
+            request_id = f"{work.request_prefix}:{work.rows[position].index}~{suffix}"
             if self._add(request_id, work, position):
                 pending[request_id] = (work, position)
         try:

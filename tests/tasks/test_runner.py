@@ -38,7 +38,7 @@ def _scheduled_shards_per_step(llm) -> list[set[str]]:
 
     def observed_schedule():
         output = schedule()
-        steps.append({item.request.request_id.split(":")[0] for item in output.scheduled})
+        steps.append({item.request.request_id.split("@")[0] for item in output.scheduled})
         return output
 
     scheduler.schedule = observed_schedule
@@ -74,6 +74,27 @@ def test_shards_from_many_threads_share_one_batch_and_match_generate(llm, tiny_m
     reference.close()
 
 
+def test_shards_with_the_same_key_at_once_never_share_a_request_id(llm):
+    """Partitions whose files share a stem (date=1/part-0, date=2/part-0) run at the
+    same time under one key each: every row of both completes, none refused as a
+    duplicate id."""
+    runner = ShardRunner(llm, max_queued=12)
+    results: dict[int, list] = {}
+
+    def run(partition: int) -> None:
+        results[partition] = runner.run_shard("part-00000", _requests(_prompts(partition, 6)))
+
+    threads = [threading.Thread(target=run, args=(partition,)) for partition in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    runner.close()
+    for partition in range(2):
+        assert [r.index for r in results[partition]] == list(range(6))
+        assert [r.error for r in results[partition]] == [None] * 6
+
+
 def test_rows_the_engine_refuses_become_errors(llm):
     runner = ShardRunner(llm)
     rows = _requests(["fine prompt", "", "word " * 2000, "another fine prompt"])
@@ -81,7 +102,7 @@ def test_rows_the_engine_refuses_become_errors(llm):
     runner.close()
     assert [r.error is None for r in results] == [True, False, False, True]
     assert "empty" in results[1].error
-    assert "'s:2'" in results[2].error and "max_model_len" in results[2].error
+    assert "'s@1:2'" in results[2].error and "max_model_len" in results[2].error
     assert results[3].output.outputs[0].finish_reason == "length"
 
 
