@@ -7,8 +7,13 @@ it (the plain-torch references still run); the launchers raise when it is missin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import KernelInterface
 
 try:
     import triton
@@ -30,6 +35,14 @@ def triton_available() -> bool:
 def interpreter_active() -> bool:
     """True when kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def launcher(kernel: KernelInterface[Any], grid: tuple[int, ...]) -> Callable[..., object]:
+    """``kernel[grid]``, the callable that launches ``kernel`` over ``grid``, typed as what
+    a launch accepts. Triton types it as the kernel's Python signature, whose compile-time
+    parameters are annotated ``tl.constexpr`` while a launch passes them plain ints, bools
+    and dtypes, and takes launch options (``num_warps``) besides."""
+    return kernel[grid]
 
 
 def require_triton() -> None:

@@ -61,6 +61,14 @@ def load_library() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
+def _built_library() -> ctypes.CDLL:
+    """The compiled library, for the kernels below: their callers asked an
+    ``*_kernel_available`` first, which built it."""
+    library = _LIBRARY.load()
+    assert library is not None, "call the matching *_kernel_available first"
+    return library
+
+
 def recurrent_kernel_available(dtype: torch.dtype, key_dim: int, value_dim: int) -> bool:
     """Whether the kernel runs heads of these sizes in ``dtype`` here."""
     return dtype in _FUNCTIONS and max(key_dim, value_dim) <= MAX_HEAD_DIM and _LIBRARY.load() is not None
@@ -109,7 +117,7 @@ def delta_rule_core(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bia
     flags = has_initial_state.to(torch.uint8).contiguous()
     taps = conv_weight.t().contiguous()  # [W, C]: each tap's weights in a row, as the kernel reads them
     out = torch.empty((num_tokens, num_heads, value_dim), dtype=dtype)
-    getattr(_LIBRARY.load(), _FUNCTIONS[dtype])(
+    getattr(_built_library(), _FUNCTIONS[dtype])(
         mixed_qkv.data_ptr(), mixed_qkv.stride(0), taps.data_ptr(),
         None if conv_bias is None else conv_bias.data_ptr(), width, g.data_ptr(), int(g_per_key), beta.data_ptr(),
         cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), state.data_ptr(),
@@ -140,7 +148,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     flags = has_initial_state.to(torch.uint8).contiguous()
     taps = weight.t().contiguous()  # [W, C]
     out = torch.empty((num_tokens, channels), dtype=x.dtype)
-    getattr(_LIBRARY.load(), _CONV_FUNCTIONS[x.dtype])(
+    getattr(_built_library(), _CONV_FUNCTIONS[x.dtype])(
         x.data_ptr(), x.stride(0), taps.data_ptr(), None if bias is None else bias.data_ptr(), width,
         cu_seqlens.data_ptr(), flags.data_ptr(), num_requests, conv_state.data_ptr(), out.data_ptr(), channels,
         int(activation == "silu"), torch.get_num_threads())
@@ -166,10 +174,10 @@ def ssd_decode_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: t
     D = None if D is None else D.contiguous()
     assert dt.shape == (requests, heads) and A.shape == (heads,) and (D is None or D.shape == (heads,))
     y = torch.empty((requests, heads, head_dim), dtype=torch.float32)
-    _LIBRARY.load().ssd_decode_f32(state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(),
-                                   B.data_ptr(), C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(),
-                                   y.data_ptr(), requests, heads, groups, head_dim, state_size,
-                                   torch.get_num_threads())
+    _built_library().ssd_decode_f32(state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(),
+                                    B.data_ptr(), C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(),
+                                    y.data_ptr(), requests, heads, groups, head_dim, state_size,
+                                    torch.get_num_threads())
     return y
 
 
@@ -203,7 +211,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     assert x.shape == dt.shape == (requests, channels) and (z is None or z.shape == x.shape), (x.shape, dt.shape)
     assert A.shape == (channels, state_size) and A.dtype == torch.float32 and (D is None or D.shape == (channels,))
     y = torch.empty((requests, channels), dtype=torch.float32)
-    _LIBRARY.load().selective_decode_f32(
+    _built_library().selective_decode_f32(
         state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(),
         C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(), None if z is None else z.data_ptr(),
         0 if z is None else z.stride(0), y.data_ptr(), requests, channels, groups, state_size,

@@ -24,9 +24,14 @@ for a fresh one) and overwritten with its final state.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-from ._triton import check_kernel_dtype, next_power_of_2, require_triton, tl, triton
+from ._triton import check_kernel_dtype, launcher, next_power_of_2, require_triton, tl, triton
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import KernelInterface
 
 CHUNK = 64  # tokens per chunk on the GPU (a power of two, 16 at least: tl.dot's minimum)
 MAX_BLOCK_V = 64  # value columns per program: the state block [K, BLOCK_V] stays in registers
@@ -41,8 +46,9 @@ if triton is not None:
         inverse = (rows[:, None] == rows[None, :]).to(tl.float32)
         for i in range(1, CHUNK):
             a_row = tl.sum(tl.where(rows[:, None] == i, strictly_lower, 0.0), axis=0)  # A[i, :]
-            combined = tl.sum(a_row[:, None] * inverse, axis=0)
-            inverse = tl.where(rows[:, None] == i, inverse - combined[None, :], inverse)
+            # tl.sum's result is typed as possibly a tl.tuple, whose indices are constexprs
+            combined = tl.sum(a_row[:, None] * inverse, axis=0)  # pyright: ignore[reportArgumentType]
+            inverse = tl.where(rows[:, None] == i, inverse - combined[None, :], inverse)  # pyright: ignore[reportArgumentType]
         return inverse
 
     @triton.jit
@@ -171,8 +177,8 @@ def chunk_gated_delta_rule_triton(query: torch.Tensor, key: torch.Tensor, value:
     return launch_chunked_rule(_gated_delta_rule_kernel, query, key, value, g, beta, cu_seqlens, state, chunk, block_v)
 
 
-def launch_chunked_rule(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor, chunk: int,
+def launch_chunked_rule(kernel: KernelInterface[Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor, chunk: int,
                         block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a chunked delta-rule kernel (this module's or kernels/kda.py's: both take the
     same arguments) over a layout check_packed_layout has passed: one program per request,
@@ -186,7 +192,7 @@ def launch_chunked_rule(kernel, query: torch.Tensor, key: torch.Tensor, value: t
     max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_v = max(16, min(block_v, next_power_of_2(value_dim)))
     grid = (num_requests, num_heads, triton.cdiv(value_dim, block_v))
-    kernel[grid](
+    launcher(kernel, grid)(
         query, key, value, g, beta, out, cu_seqlens, state,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),

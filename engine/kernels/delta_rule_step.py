@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import launcher, next_power_of_2, require_triton, tl, triton
 from .delta_rule import check_packed_layout
 
 MAX_BLOCK_V = 64  # value columns per program
@@ -82,7 +82,7 @@ def delta_rule_step_triton(query: torch.Tensor, key: torch.Tensor, value: torch.
         return out
     block_v = min(block_v, next_power_of_2(value_dim))
     grid = (num_requests, num_heads, triton.cdiv(value_dim, block_v))
-    _delta_rule_step_kernel[grid](
+    launcher(_delta_rule_step_kernel, grid)(
         query, key, value, g, beta, out, state,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),

@@ -53,11 +53,13 @@ if triton is not None:
             q_t = tl.sum(tl.where(is_row, q, 0.0), axis=0)
             cum_t = tl.sum(tl.where(is_row, cum, 0.0), axis=0)
             earlier = (rows <= t)[:, None]  # [s, 1]
-            k_decayed = k * tl.exp(tl.where(earlier, cum_t[None, :] - cum, 0.0))  # [s, K]: k_s e^(G_t - G_s)
-            key_row = tl.sum(tl.where(earlier, k_decayed * k_t[None, :], 0.0), axis=1)  # [s]
-            query_row = tl.sum(tl.where(earlier, k_decayed * q_t[None, :], 0.0), axis=1)
-            key_pairs = tl.where(is_row, key_row[None, :], key_pairs)
-            query_pairs = tl.where(is_row, query_row[None, :], query_pairs)
+            # k_decayed [s, K]: k_s e^(G_t - G_s); key_row, query_row [s]. tl.sum's results
+            # are typed as possibly a tl.tuple, whose indices are constexprs.
+            k_decayed = k * tl.exp(tl.where(earlier, cum_t[None, :] - cum, 0.0))  # pyright: ignore[reportArgumentType]
+            key_row = tl.sum(tl.where(earlier, k_decayed * k_t[None, :], 0.0), axis=1)  # pyright: ignore[reportArgumentType]
+            query_row = tl.sum(tl.where(earlier, k_decayed * q_t[None, :], 0.0), axis=1)  # pyright: ignore[reportArgumentType]
+            key_pairs = tl.where(is_row, key_row[None, :], key_pairs)  # pyright: ignore[reportArgumentType]
+            query_pairs = tl.where(is_row, query_row[None, :], query_pairs)  # pyright: ignore[reportArgumentType]
         return key_pairs, query_pairs
 
     @triton.jit
@@ -99,8 +101,8 @@ if triton is not None:
             key_pairs, attn = pairwise_decayed_products(q, k, cum, CHUNK)
             inverse = unit_lower_inverse(tl.where(strictly_causal, beta[:, None] * key_pairs, 0.0), CHUNK)
             growth = tl.exp(cum)
-            out, state = delta_rule_chunk_update(
-                state, q * growth, k * tl.exp(cum_end[None, :] - cum), attn, inverse,
+            out, state = delta_rule_chunk_update(  # cum_end: tl.sum's, typed as possibly a tl.tuple
+                state, q * growth, k * tl.exp(cum_end[None, :] - cum), attn, inverse,  # pyright: ignore[reportArgumentType]
                 beta[:, None] * k * growth, beta[:, None] * v, tl.exp(cum_end)[:, None])
             tl.store(out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + value_cols[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=value_mask)

@@ -30,6 +30,7 @@ import torch
 from ._triton import (
     check_kernel_dtype,
     interpreter_active,
+    launcher,
     next_power_of_2,
     require_triton,
     tl,
@@ -86,7 +87,8 @@ if triton is not None:
         v_offs = v_slot_offs[:, None] + dims_v[None, :]  # [N, Dvp]
         v_mask = key_valid[:, None] & dim_v_valid[None, :]
         v = tl.load(v_cache_ptr + v_offs, mask=v_mask, other=0.0).to(DOT_DTYPE)
-        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None],
+        # DOT_DTYPE, annotated tl.constexpr as Triton requires, holds a tl.dtype when compiled
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None],  # pyright: ignore[reportArgumentType]
                      input_precision=INPUT_PRECISION)
         return acc, m_new, l_i
 
@@ -278,7 +280,7 @@ def paged_attention(
     head_dim_v_p = max(16, next_power_of_2(head_dim_v))
     block_n = 64 if max(head_dim_p, head_dim_v_p) <= 128 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    _paged_attention_kernel[grid](
+    launcher(_paged_attention_kernel, grid)(
         o, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         q if sinks is None else sinks, q if alibi_slopes is None else alibi_slopes,  # q: never read
         float(scale), float(softcap or 0.0), int(sliding_window or 0), int(chunk_size or 0),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import check_kernel_dtype, next_power_of_2, require_triton, tl, triton
+from ._triton import check_kernel_dtype, launcher, next_power_of_2, require_triton, tl, triton
 
 if triton is not None:
 
@@ -97,7 +97,7 @@ def store_kv_cache(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _store_kv_cache_kernel[(num_tokens,)](
+    launcher(_store_kv_cache_kernel, (num_tokens,))(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

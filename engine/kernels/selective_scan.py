@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import check_kernel_dtype, next_power_of_2, require_triton, tl, triton
+from ._triton import check_kernel_dtype, launcher, next_power_of_2, require_triton, tl, triton
 
 if triton is not None:
 
@@ -117,7 +117,7 @@ def selective_scan_packed(
         return y
     has_state = has_initial_state.to(torch.int32).contiguous()
     grid = (num_requests, triton.cdiv(channels, block_d))
-    _selective_scan_kernel[grid](
+    launcher(_selective_scan_kernel, grid)(
         x, dt, z if z is not None else x, y, A, B, C, D if D is not None else x, cu_seqlens, has_state, state,
         x.stride(0), dt.stride(0), z.stride(0) if z is not None else 0, y.stride(0),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import check_kernel_dtype, next_power_of_2, require_triton, tl, triton
+from ._triton import check_kernel_dtype, launcher, next_power_of_2, require_triton, tl, triton
 from .delta_rule import kernel_chunk
 
 CHUNK = 64  # tokens per chunk on the GPU (a power of two, 16 at least: tl.dot's minimum)
@@ -147,7 +147,7 @@ def ssd_chunk_scan_triton(
     max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_p = max(16, min(block_p, next_power_of_2(head_dim)))
     grid = (num_requests, num_heads, triton.cdiv(head_dim, block_p))
-    _ssd_scan_kernel[grid](
+    launcher(_ssd_scan_kernel, grid)(
         x, dt, A, B, C, D if D is not None else A, y, cu_seqlens, state,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1),
