@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,8 @@ def _text_of(content: Any, where: str) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatRenderError(f"{where}: content parts must be {{'type': 'text', 'text': str}}, got {part!r:.100}")
+                raise ChatRenderError(
+                    f"{where}: content parts must be {{'type': 'text', 'text': str}}, got {part!r:.100}")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ChatRenderError(f"{where}: content must be a string or a list of text parts, got {content!r:.100}")
@@ -101,18 +102,21 @@ def resolve_content_format(options: ChatOptions, tokenizer: PreTrainedTokenizerB
 def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: Any, options: ChatOptions) -> list[int]:
     """Token ids of ``conversation`` rendered with the chat template."""
     messages = normalize_messages(conversation, resolve_content_format(options, tokenizer))
+    # transformers takes tools as JSON schemas or functions (a list of either).
+    tools: list[dict[str, Any] | Callable[..., Any]] | None = None if options.tools is None else list(options.tools)
     try:
         text = tokenizer.apply_chat_template(
             messages,
             chat_template=options.chat_template,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
-            tools=options.tools,
+            tools=tools,
             tokenize=False,
             **options.chat_template_kwargs,
         )
     except Exception as exc:  # jinja2 raises many types; all mean "cannot render"
         raise ChatRenderError(f"the chat template cannot render this conversation: {exc}") from exc
+    assert isinstance(text, str), "apply_chat_template(tokenize=False) renders one string"
     # The template already wrote any BOS it wants; do not add another.
     return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -91,7 +91,7 @@ class PackedAttentionContext:
     _buckets: list[PackedBucket] | None = field(default=None, repr=False)
 
     @classmethod
-    def from_seq_lens(cls, seq_lens: list[int], device: torch.device) -> "PackedAttentionContext":
+    def from_seq_lens(cls, seq_lens: list[int], device: torch.device) -> PackedAttentionContext:
         if not seq_lens or min(seq_lens) < 1:
             raise ValueError(f"a packed batch needs at least one non-empty sequence, got lengths {seq_lens}")
         offsets = [0]
@@ -156,8 +156,7 @@ def packed_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    scale: float = scaling if scaling is not None else query.shape[-1] ** -0.5
     # Token-major and contiguous (free when the projections were only viewed as heads),
     # so each gather copies whole rows.
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
@@ -167,7 +166,7 @@ def packed_attention_forward(
     for bucket in shardline_packed_ctx.buckets():
         tile = padded_attention(
             bucket.gather(q), bucket.gather(k), bucket.gather(v),  # [b, H|Hkv, L, D]
-            bucket.mask(bool(causal), sliding_window), bool(causal), scaling, softcap,
+            bucket.mask(bool(causal), sliding_window), bool(causal), scale, softcap,
         )
         bucket.scatter(tile, out)
     return out.unsqueeze(0), None  # [1, T, H, D]

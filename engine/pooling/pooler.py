@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.utils import cached_file
+from transformers.utils.hub import cached_file
 
 from ..params import PoolingParams
 

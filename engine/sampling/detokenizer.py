@@ -14,7 +14,13 @@ its two windows as the algorithm says, so the text is the same either way.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# The Rust tokenizer's decode: (token ids, skip_special_tokens) -> text.
+FastDecode = Callable[..., str]
 
 # Tokens of context kept before the emitted text, so that tokenizers that strip
 # a leading space from a decode's first token still produce the right spacing.
@@ -87,12 +93,14 @@ class IncrementalDetokenizer:
     def _decode_plain(self, token_ids: list[int]) -> str:
         if self._fast_decode is not None:
             return self._fast_decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(
+        text = self.tokenizer.decode(
             token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        assert isinstance(text, str), "one list of ids decodes to one string"
+        return text
 
     def add_token(self, token_id: int) -> str:
         """Append one token; return the text it completed (possibly empty)."""
@@ -139,7 +147,8 @@ class IncrementalDetokenizer:
                     self.token_ids += token_ids[index:run_end]
                     self.read_offset = len(self.token_ids)
                     self.prefix_offset = self.read_offset - 1
-                    self.text += "".join(token_pieces[index:run_end])
+                    # _first_none found no None in [index, run_end).
+                    self.text += "".join(cast("list[str]", token_pieces[index:run_end]))
                     index = run_end
                     continue
             self._add_decoded(token_ids[index])
@@ -165,7 +174,7 @@ def _first_none(values: list[str | None], start: int, end: int) -> int:
         return end
 
 
-def fast_window_decoder(fast_decode, skip_special_tokens: bool):
+def fast_window_decoder(fast_decode: FastDecode, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``fast_decode`` with skip_special_tokens fixed (passed by position: the Rust
     binding parses keywords more slowly)."""
 
@@ -180,18 +189,16 @@ def spaced_specials(detokenizer: IncrementalDetokenizer) -> bool:
     return not detokenizer.skip_special_tokens and detokenizer.spaces_between_special_tokens
 
 
-def fast_decoder(tokenizer: PreTrainedTokenizerBase):
+def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> FastDecode | None:
     """The Rust tokenizer's own decode, when ``tokenizer.decode`` would only wrap it.
 
     For a fast tokenizer whose decoding is not customised, ``tokenizer.decode`` with
     ``clean_up_tokenization_spaces=False`` returns exactly the backend's decode (and
     ignores ``spaces_between_special_tokens``); skipping its argument handling makes
     the two decodes per generated token several times cheaper. None otherwise."""
-    from transformers import PreTrainedTokenizerFast
-
     backend = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode \
-            and hasattr(backend, "decode"):
+    if (backend is not None and hasattr(backend, "decode") and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
         return backend.decode
     return None
 

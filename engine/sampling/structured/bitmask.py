@@ -249,7 +249,8 @@ def step_bitmask(compiler: GrammarCompiler, grammars: list[GrammarState | None],
         elif grammar is not None and (tracker is None or tracker.phase in (Phase.ANSWER, Phase.UNDECIDED)):
             grammar_rows.append(row)
             row_grammars.append(grammar)
-            if tracker is not None and tracker.phase is Phase.UNDECIDED:
+            # Only a tag-opened reasoning row (not harmony's) starts undecided.
+            if isinstance(tracker, ReasoningTracker) and tracker.phase is Phase.UNDECIDED:
                 open_tags.append((row, tracker.parser.start_token_id))
     if not grammar_rows and not forced:
         return None, set()

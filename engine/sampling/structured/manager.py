@@ -50,6 +50,9 @@ class StructuredOutputManager:
     def hold(self, rows: list[SequenceRecord], logits: torch.Tensor | None, state_of: Callable[[str], RequestState],
              failures: dict[str, StructuredOutputError]) -> tuple[list[SequenceRecord], torch.Tensor | None]:
         """The rows that may sample now, and their logits; the others are held."""
+        if not rows:
+            return rows, logits
+        assert logits is not None, "rows to sample come with their logits"
         keep = []
         for i, row in enumerate(rows):
             sequence_id = row.sequence.request_id
@@ -73,7 +76,8 @@ class StructuredOutputManager:
         if not self._held_logits:
             return rows, logits
         if wait_first:
-            wait({state_of(s).grammar for s in self._held_logits} - {None}, return_when=FIRST_COMPLETED)
+            compiling = {future for s in self._held_logits if (future := state_of(s).grammar) is not None}
+            wait(compiling, return_when=FIRST_COMPLETED)
         released, released_logits = [], []
         for sequence_id in list(self._held_logits):
             state = state_of(sequence_id)
@@ -102,8 +106,10 @@ class StructuredOutputManager:
             return False
         # A grammar ends with a stop token; under ignore_eos without stop tokens, EOS.
         stop_ids = sorted(state.params.all_stop_token_ids or self.eos_token_ids)
+        constraint = state.params.structured_outputs
+        assert constraint is not None, f"request {state.request_id!r} compiled a grammar without a constraint"
         for sample in state.samples:
-            sample.grammar = GrammarState(future.result(), stop_ids, state.params.structured_outputs.kind)
+            sample.grammar = GrammarState(future.result(), stop_ids, constraint.kind)
         state.grammar = None
         return True
 
@@ -119,6 +125,8 @@ class StructuredOutputManager:
         output must parse."""
         bitmask, restricted = step_bitmask(self.compiler, [s.grammar for s in samples],
                                            [s.reasoning for s in samples], self.vocab_size)
+        if bitmask is None:  # no row is restricted
+            return bitmask, restricted
         to_check = set()
         for i in restricted:
             row = rows[i]
