@@ -28,11 +28,11 @@ from .core.request import Request, RequestStatus
 from .core.scheduler import SchedulerOutput
 from .inputs.prompts import PromptType, tokenize_prompt
 from .lora.request import lora_cache_salt
-from .model.build import EngineParts, build_engine_parts
 from .model.loader import LoadedModel
 from .model.runner import ModelOutput, PendingTokens
 from .outputs import RequestMetrics, RequestOutput
 from .params import SamplingParams, SamplingTraits
+from .parts.build import EngineParts, build_engine_parts
 from .sampling.sampler import SamplerOutput, gather_logprobs
 from .sampling.sequences import RequestState, SequenceRecord, Sequences
 from .sampling.structured import StructuredOutputError, forbidden_picks
@@ -47,7 +47,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  parts: EngineParts | None = None) -> None:
         """An engine over ``parts`` (by default built from ``config`` and ``loaded``
-        by model/build.py's build_engine_parts)."""
+        by parts/build.py's build_engine_parts)."""
         parts = parts or build_engine_parts(config, loaded)
         self.config = parts.config
         self.model = parts.loaded.model

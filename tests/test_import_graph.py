@@ -23,11 +23,9 @@ import pytest
 ROOT_PACKAGES = ("shardline", "shardline.engine", "shardline.tasks", "shardline.flows", "shardline.providers")
 ENGINE = "shardline.engine"
 # Engine subpackages that still depend on each other both ways; every other pair must
-# depend one way only. Both pairs have one reason: model/build.py assembles the engine
-# (the CPU paths of cpu/paths.py, the LoRA manager of lora/) while cpu/'s and lora/'s
-# replacements go through model/surgery.py. They go once the assembly or the surgery
-# moves out of model/.
-KNOWN_TWO_WAY = {frozenset({"cpu", "model"}), frozenset({"lora", "model"})}
+# depend one way only. None: the builder (engine/parts/) sits above the packages it
+# assembles, and the module surgery (engine/surgery.py) below those it serves.
+KNOWN_TWO_WAY: set[frozenset[str]] = set()
 
 
 @dataclass
@@ -174,6 +172,19 @@ def test_kernels_import_no_higher_layer(graph):
 
 def test_recurrent_imports_neither_cpu_nor_model(graph):
     assert not _violations(graph, f"{ENGINE}.recurrent", (f"{ENGINE}.cpu", f"{ENGINE}.model"))
+
+
+def test_surgery_is_below_every_package_it_serves(graph):
+    """Adapters (model/), LoRA, recurrent layers and the CPU layers all replace modules
+    through engine/surgery.py, which imports none of them."""
+    found = sorted(target for target in graph.edges[f"{ENGINE}.surgery"] if _in(target, ENGINE))
+    assert not found, found
+
+
+def test_the_builder_is_above_the_packages_it_assembles(graph):
+    assembled = ("model", "cpu", "lora", "recurrent", "sampling", "attention", "core")
+    for package in assembled:
+        assert not _violations(graph, f"{ENGINE}.{package}", (f"{ENGINE}.parts",)), package
 
 
 def test_core_imports_no_torch(graph):

@@ -19,9 +19,10 @@ The decoder's last layer feeds only the final norm and the LM head, which read t
 step's sampled rows. On a step that samples fewer rows than it runs (prefill), an
 attention layer there writes every token's keys and values to the cache but runs
 queries, attention, the output gate, o_proj and the MLP at the sampled rows alone (a
-request's last token attends its whole context, as in decoding); a gated delta-net
-layer there runs its mixer at every row (its state needs them) and the MLP at the
-sampled rows. Other rows of the result are zeros, which nothing reads.
+request's last token attends its whole context, as in decoding, through the attention
+backend's ``attend_sampled_rows``); a gated delta-net layer there runs its mixer at
+every row (its state needs them) and the MLP at the sampled rows. Other rows of the
+result are zeros, which nothing reads.
 
 A layer is replaced only if the replacement gives the layer's own output on a probe
 step; anything else (gradients, float64, no engine context) runs the layer's own forward.
@@ -36,13 +37,12 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.backends import StepBatch, TorchBackend
-from ..attention.context import AttentionContext
-from ..attention.torch_path import write_kv_cache
-from ..kernels.cpu_attention import decode_attention
+from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from ..recurrent.state import RecurrentLayer
+from ..surgery import replace, reproduces
 from .layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows, replace_decoder_layers
-from .linear import packable_side_by_side, packed_matmul, reproduces
+from .linear import packable_side_by_side, packed_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +168,17 @@ class FusedHybridDecoderLayer(LayerReplacement):
                 None, dropout=0.0, scaling=attention.scaling, sliding_window=None, shardline_ctx=ctx)
         else:
             _rotate_(key, None, cos, sin)
-            k_cache, v_cache = ctx.kv_caches[attention.layer_idx]
-            write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
-            if rows.numel() == 0:  # a step of partial prefill chunks only: nothing is read
+            if rows.numel():
+                query, gate = self._project_query_gate(x.index_select(0, rows))
+                query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
+                _rotate_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
+            else:  # a step of partial prefill chunks only: keys and values are cached, nothing is read
+                query = gate = x.new_empty((0, self.num_heads, head_dim))
+            # Every row's keys and values go to the cache; the sampled rows attend.
+            attended = ctx.backend.attend_sampled_rows(ctx, attention.layer_idx, query, key, value,
+                                                       AttentionOptions(attention.scaling))
+            if rows.numel() == 0:
                 return x.new_zeros((0, x.shape[1]))
-            query, gate = self._project_query_gate(x.index_select(0, rows))
-            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
-            _rotate_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
-            attended = torch.empty_like(query)
-            decode_attention(query, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.sampled_query_rows,
-                             ctx.sampled_requests, attended, attention.scaling, None, None)
         rows_out = query.shape[0]
         gated = torch.sigmoid(gate).reshape(rows_out, -1).mul_(attended.reshape(rows_out, -1))
         return attention.o_proj(gated)
@@ -280,6 +281,6 @@ def _fused_layer(layer: nn.Module, position: int, rotary_emb: nn.Module, is_last
         logger.info("%s does not match the fused hybrid forward; it keeps its own", type(layer).__name__)
         return None
     if fused.weights is not None:  # their own packed copies are no longer read
-        attention.q_proj, attention.k_proj, attention.v_proj = (
-            projection.unpacked() for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            replace(layer, f"self_attn.{name}", getattr(attention, name).unpacked())
     return fused

@@ -37,9 +37,10 @@ from torch import nn
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
 from ..recurrent.gated_delta_net import GatedDeltaNetKind, PackedInputProjections, StridedGateNorm, input_projections
 from ..recurrent.state import RecurrentLayer, StepHolder
+from ..surgery import decoder_layers, replace
 from .hybrid_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
 from .layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output
-from .linear import FusedGatedMLP, packable_side_by_side, packed_matmul, replace_module
+from .linear import FusedGatedMLP, packable_side_by_side, packed_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
     GatedDeltaNetProjections over all of its packed input projections (see the module
     docstring) where they are packed linears of one dtype; returns how many layers."""
     num_packed = 0
-    for layer in [m for m in model.modules() if isinstance(m, RecurrentLayer)]:
+    for layer_name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, RecurrentLayer)]:
         module = layer.layer
         if type(layer.kind) is not GatedDeltaNetKind:  # a variant projects its own way
             continue
@@ -164,12 +165,12 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
         with torch.no_grad():
             expected = input_projections(module, probe)
             for name, linear in zip(names, linears):  # their own packed copies are no longer read
-                setattr(module, name, joint if name == names[0] else linear.unpacked())
+                replace(model, f"{layer_name}.layer.{name}", joint if name == names[0] else linear.unpacked())
             actual = input_projections(module, probe)
             same = all(same_output(got, wanted) for got, wanted in zip(actual, expected))
         if not same:
             for name, linear in zip(names, linears):
-                setattr(module, name, linear)
+                replace(model, f"{layer_name}.layer.{name}", linear)
             logger.info("%s's packed input projections differ from its own; it keeps them apart",
                         type(module).__name__)
             continue
@@ -213,7 +214,7 @@ def fuse_hybrid_norms(model: nn.Module) -> int:
                 fused = FusedOffsetRMSNorm(module)
                 same = same_output(fused(x), module(x))
         if same:
-            replace_module(model, name, fused)
+            replace(model, name, fused)
             num_fused += 1
         else:
             logger.info("%s is neither (1 + weight) * x / rms(x) nor a gated weight * x / rms(x) * silu(z); "
@@ -224,18 +225,18 @@ def fuse_hybrid_norms(model: nn.Module) -> int:
 def sample_last_mlp(model: nn.Module) -> int:
     """Replace the last decoder layer's MLP by a SampledRowsMLP where it is a gated MLP
     (a function of each row alone); returns how many were replaced (0 or 1)."""
-    decoder_layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
-    if not decoder_layers or isinstance(decoder_layers[-1], (FusedDecoderLayer, FusedHybridDecoderLayer)):
+    layers_name, layers = decoder_layers(model)
+    if not layers or isinstance(layers[-1], (FusedDecoderLayer, FusedHybridDecoderLayer)):
         return 0  # those run their sampled rows themselves
-    last = decoder_layers[-1]
+    last = layers[-1]
     mlp = getattr(last, "mlp", None)
     if not (isinstance(mlp, FusedGatedMLP) or all(isinstance(getattr(mlp, name, None), nn.Linear)
                                                    for name in ("gate_proj", "up_proj", "down_proj"))):
         return 0
     holder = StepHolder()
+    replace(model, ".".join(filter(None, (layers_name, str(len(layers) - 1), "mlp"))), SampledRowsMLP(mlp, holder))
     model.register_forward_pre_hook(holder.hold, with_kwargs=True)
     model.register_forward_hook(holder.release, always_call=True)
-    last.mlp = SampledRowsMLP(mlp, holder)
     return 1
 
 

@@ -42,7 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
-from ..model.surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
+from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
 from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
-from ..model.surgery import called_on, probe_matches, replace
-from ..model.surgery import reproduces as reproduces  # the CPU modules' probe comparison, imported from here
+from ..surgery import called_on, probe_matches, replace
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +60,6 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         return bool(torch.equal(out, nn.functional.linear(x, weight)))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-
-
-def replace_module(model: nn.Module, name: str, replacement: nn.Module) -> None:
-    """Put ``replacement`` where ``model``'s submodule ``name`` is: surgery.replace, under
-    the name the hybrid layers' modules (engine/cpu/hybrid_layers.py) call it by."""
-    replace(model, name, replacement)
 
 
 class PackedLinear(nn.Linear):

@@ -307,7 +307,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     read the packed weights). A module whose replacement would give another output on
     a probe input keeps its own (each such refusal is logged with its class); LoRA
     wrappers, already in place, keep wrapping the packed linears inside them. Every
-    replacement goes through engine/model/surgery.py; this is the CPU step of its
+    replacement goes through engine/surgery.py; this is the CPU step of its
     PREPARATION_ORDER."""
     packed = mlps = norms = layers = 0
     if paths.packed_linears:

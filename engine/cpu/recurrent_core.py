@@ -8,7 +8,7 @@ convolution, l2 norms and delta rule as one call; short-convolution, Mamba, Mamb
 and RG-LRU layers their causal convolution, and float32 Mamba and Mamba-2 mixers their
 decode tokens' state updates. The engine's CPU paths choose the kernel once at load
 (paths.py's ``recurrent_kernel``); this replaces the model's layers of such kinds
-accordingly.
+accordingly, through engine/surgery.py's ``replace``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..recurrent.state import RecurrentLayer
-from .linear import replace_module
+from ..surgery import replace
 
 
 def take_native_core(model: torch.nn.Module) -> int:
@@ -25,7 +25,7 @@ def take_native_core(model: torch.nn.Module) -> int:
     replaced = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, RecurrentLayer) and module.kind.has_native_core and not module.kind.native_core:
-            replace_module(model, name, RecurrentLayer(module.layer, type(module.kind)(native_core=True),
-                                                       module.layer_idx, module.hf_config, module.holder))
+            replace(model, name, RecurrentLayer(module.layer, type(module.kind)(native_core=True), module.layer_idx,
+                                                module.hf_config, module.holder))
             replaced += 1
     return replaced

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..model.surgery import replace, submodule
+from ..surgery import replace, submodule
 
 
 @dataclass

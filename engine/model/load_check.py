@@ -40,8 +40,8 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..errors import ModelLoadError
 from ..params import SamplingParams
+from ..surgery import decoder_layers
 from .runner import ModelRunner
-from .surgery import decoder_layers
 
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
 PROMPT_LENGTHS = (9, 14, 3)

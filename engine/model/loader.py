@@ -13,7 +13,7 @@ import transformers
 from ..attention.context import register as register_attention
 from ..config import EngineConfig
 from ..errors import ModelLoadError
-from .adapters import adapt_attention, has_adapter
+from .adapters import has_adapter
 
 # recurrent_layer_indices: the engine reads it here beside load_causal_lm (llm_engine.py).
 from .layer_kinds import recurrent_layer_indices  # noqa: F401
@@ -138,8 +138,7 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
-    model.to(device).eval()
-    adapt_attention(model)
+    model.to(device).eval()  # on its device before the engine's surgery (engine/parts/build.py)
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
 

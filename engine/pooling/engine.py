@@ -21,12 +21,12 @@ import torch
 import transformers
 
 from ..config import EngineConfig
-from ..model.build import resolve_for_device, resolve_max_model_len
 from ..model.loader import LoadedModel, load_hf_config, load_model
 from ..model.runner import model_max_len
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
 from .packed_attention import PackedAttentionContext, register as register_packed_attention
 from ..params import PoolingParams, PoolingTask
+from ..parts.build import resolve_for_device, resolve_max_model_len
 from ..inputs.prompts import PromptType, tokenize_prompt
 from .pooler import (
     PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,

@@ -2,14 +2,14 @@
 their kind over the packed batch, and the per-slot state tensors they read and write.
 
 At load, ``install_recurrent_layers`` replaces every Hugging Face module whose class
-has a registered kind (engine/recurrent/base.py) by a ``RecurrentLayer`` in its
-parent. Each step the runner passes a ``RecurrentStep`` to the model as the keyword
-``shardline_state`` beside the attention context ``shardline_ctx``: the requests'
-state slots and whether each continues a saved state. Decoder layers that do not
-hand their keyword arguments on to their mixers (Mamba's) are reached through a
-``StepHolder``: hooks on the model keep the call's two keywords there for the
-duration of the forward. The wrapper gathers the slots' states, runs its kind and
-scatters the updated states back, so kinds never see slots.
+has a registered kind (engine/recurrent/base.py) by a ``RecurrentLayer``, through
+engine/surgery.py's ``replace``. Each step the runner passes a ``RecurrentStep`` to
+the model as the keyword ``shardline_state`` beside the attention context
+``shardline_ctx``: the requests' state slots and whether each continues a saved
+state. Decoder layers that do not hand their keyword arguments on to their mixers
+(Mamba's) are reached through a ``StepHolder``: hooks on the model keep the call's
+two keywords there for the duration of the forward. The wrapper gathers the slots'
+states, runs its kind and scatters the updated states back, so kinds never see slots.
 
 Without a ``shardline_state`` the wrapper runs either the HF module itself (no
 ``shardline_ctx`` either: the model's own forward, as the load check's reference
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedLayerError
+from ..surgery import decoder_layers, replace
 from .base import RecurrentKind, StateShapes, kind_for_module, registered_module_classes
 
 
@@ -153,25 +154,26 @@ def _reorder_requests(cu_seqlens: torch.Tensor, order: torch.Tensor) -> tuple[to
 
 
 def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
-    """Replace each HF module with a registered kind by a RecurrentLayer in its parent;
-    return them by layer index: the module's ``layer_idx``, else the position of the
-    decoder layer holding it (in the model's longest ModuleList)."""
+    """Replace each HF module with a registered kind by a RecurrentLayer (through
+    surgery.replace); return them by layer index: the module's ``layer_idx``, else the
+    position of the decoder layer holding it (surgery.decoder_layers). A module inside
+    one replaced runs as part of it, so it is not replaced itself."""
     installed: dict[int, RecurrentLayer] = {}
     text_config = model.config.get_text_config()
     holder = StepHolder()
-    decoder_layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
-    layer_of = {id(module): index for index, layer in enumerate(decoder_layers) for module in layer.modules()}
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            kind = kind_for_module(child)
-            if kind is None:
-                continue
-            layer_idx = getattr(child, "layer_idx", None)
-            layer_idx = layer_idx if isinstance(layer_idx, int) else layer_of.get(id(child))
-            assert layer_idx is not None, f"{type(child).__name__} is in no decoder layer"
-            wrapper = RecurrentLayer(child, kind, layer_idx, text_config, holder)
-            setattr(parent, child_name, wrapper)
-            installed[layer_idx] = wrapper
+    layer_of = {id(module): index for index, layer in enumerate(decoder_layers(model)[1]) for module in layer.modules()}
+    replaced: list[str] = []
+    for name, module in list(model.named_modules()):
+        kind = kind_for_module(module)
+        if kind is None or not name or any(name.startswith(outer + ".") for outer in replaced):
+            continue
+        layer_idx = getattr(module, "layer_idx", None)
+        layer_idx = layer_idx if isinstance(layer_idx, int) else layer_of.get(id(module))
+        assert layer_idx is not None, f"{type(module).__name__} is in no decoder layer"
+        wrapper = RecurrentLayer(module, kind, layer_idx, text_config, holder)
+        replace(model, name, wrapper)
+        replaced.append(name)
+        installed[layer_idx] = wrapper
     if installed:
         model.register_forward_pre_hook(holder.hold, with_kwargs=True)
         model.register_forward_hook(holder.release, always_call=True)

@@ -12,9 +12,9 @@ from torch import nn
 
 from shardline import LLM, SamplingParams
 from shardline.engine.attention.backends import choose_attention_backend
-from shardline.engine.model.build import uses_position_bias
 from shardline.engine.model.adapters import PagedAttentionAdapter
 from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parts.build import uses_position_bias
 
 from .hf_reference import hf_greedy, load_hf_model, random_prompts
 

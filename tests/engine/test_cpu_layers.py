@@ -9,8 +9,9 @@ import transformers
 
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
-from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available, replace_module
+from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available
 from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.surgery import replace
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine keeps its torch ops")
@@ -33,7 +34,7 @@ def unfuse(model: torch.nn.Module) -> None:
     for kind, original in ((FusedDecoderLayer, "layer"), (FusedRMSNorm, "norm")):
         for name, module in list(model.named_modules()):
             if isinstance(module, kind):
-                replace_module(model, name, getattr(module, original))
+                replace(model, name, getattr(module, original))
     for module in model.modules():
         if isinstance(module, FusedGatedMLP):
             module.silu_kernel = False

@@ -12,7 +12,8 @@ from shardline.engine.cpu.paths import CpuPaths, optimize_for_cpu
 from shardline.engine.lora.layers import BatchedLoRALinear
 from shardline.engine.lora.manager import LoRAManager
 from shardline.engine.model.adapters import adapt_attention
-from shardline.engine.model.surgery import (
+from shardline.engine.model.tiny import tiny_config
+from shardline.engine.surgery import (
     PREPARATION_ORDER,
     Preparation,
     SubmoduleNotFoundError,
@@ -24,7 +25,6 @@ from shardline.engine.model.surgery import (
     replace_if_reproduces,
     submodule,
 )
-from shardline.engine.model.tiny import tiny_config
 
 
 def tiny_model(arch: str, **overrides) -> nn.Module:

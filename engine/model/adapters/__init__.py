@@ -15,7 +15,7 @@ import inspect
 
 from torch import nn
 
-from ..surgery import decoder_layers, replace
+from ...surgery import decoder_layers, replace
 from .base import (
     CALL_LAYER_ARGUMENT,
     CALL_OFFSET_ARGUMENTS,

@@ -1,20 +1,22 @@
 """Building an engine's parts from its config and loaded model.
 
 ``build_engine_parts`` makes everything LLMEngine drives, in one written order:
-the model is loaded (attention adapters swapped in at load), then prepared
-(``prepare_model``: LoRA before the cache is sized, since its adapter slots take
-device memory; recurrent layers; the CPU path choice and its rewrites; the attention
-backend, chosen once), then the KV cache is planned from what memory is left, then
-the runner (with its LoRA manager), its CUDA graphs, the scheduler and the load-time
-check; last the sampling side (sampler, reasoning parser, output processor,
-structured-output manager). The pooling engine shares ``resolve_for_device`` and
-``resolve_max_model_len``.
+the model is loaded, then prepared (``prepare_engine_model``: the CPU paths this host
+takes are chosen, then the one module-surgery step, engine/surgery.py's
+``prepare_model``, makes the engine's replacements in its PREPARATION_ORDER:
+attention adapters, LoRA, recurrent layers, CPU layers; then the attention backend is
+chosen, once), then the KV cache is planned from what memory is left (after LoRA's
+adapter slots), then the runner (with its LoRA manager), its CUDA graphs, the
+scheduler and the load-time check; last the sampling side (sampler, reasoning
+parser, output processor, structured-output manager). The pooling engine shares
+``resolve_for_device`` and ``resolve_max_model_len``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -24,23 +26,26 @@ from ..core.scheduler import Scheduler, SchedulerConfig
 from ..cpu.memory import keep_freed_memory
 from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
 from ..lora.manager import LoRAManager
+from ..model.adapters import adapt_attention
+from ..model.kv_cache_spec import KVCacheSpec
+from ..model.layer_kinds import recurrent_layer_indices
+from ..model.load_check import check_model
+from ..model.loader import LoadedModel, load_causal_lm
+from ..model.profiling import profile_peak_bytes
+from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
 from ..sampling.output_processor import OutputProcessor
 from ..sampling.reasoning import ReasoningParser, make_reasoning_parser
 from ..sampling.sampler import Sampler
 from ..sampling.structured import StructuredOutputManager
-from .kv_cache_spec import KVCacheSpec
-from .load_check import check_model
-from .loader import LoadedModel, load_causal_lm, recurrent_layer_indices
-from .profiling import profile_peak_bytes
-from .runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
+from ..surgery import Preparation, prepare_model
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PreparedModel:
+class EngineModel:
     """What preparing a loaded model for the engine made: its per-layer cache spec, the
     recurrent layers' state spec (None without them), the LoRA manager (None without
     enable_lora), the CPU fast paths taken and the modules they replaced, and the
@@ -62,7 +67,7 @@ class EngineParts:
     loaded: LoadedModel
     vocab_size: int
     max_model_len: int
-    prepared: PreparedModel
+    prepared: EngineModel
     runner: ModelRunner
     scheduler: Scheduler
     sampler: Sampler
@@ -77,7 +82,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     loaded = loaded or load_causal_lm(config)
     config = resolve_for_device(config, loaded.device)
     vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
-    prepared = prepare_model(config, loaded)
+    prepared = prepare_engine_model(config, loaded)
     runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
     max_model_len = scheduler.config.max_model_len
     if config.check_model:
@@ -98,36 +103,64 @@ def resolve_for_device(config: EngineConfig, device: torch.device) -> EngineConf
     return config.with_token_budget(device.type)
 
 
-def prepare_model(config: EngineConfig, loaded: LoadedModel) -> PreparedModel:
-    """Every change to the loaded model before its cache is planned, in this order:
-    LoRA layers (their adapter slots take device memory the cache must not), the
-    recurrent layers' kinds with per-request state slots (engine/recurrent/), the CPU
-    fast paths and the modules they replace (engine/cpu/paths.py), and the one
-    attention backend the runner, the CPU layers and the CUDA-graph path ask."""
-    model, device = loaded.model, loaded.device
-    lora_manager = (LoRAManager(model, config.max_loras, config.max_lora_rank, device, loaded.dtype)
-                    if config.enable_lora else None)
+def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineModel:
+    """Every change to the loaded model before its cache is planned: the CPU paths this
+    host takes are chosen (``choose_host_paths``), the engine's replacements are made
+    by the one surgery step (engine/surgery.py's ``prepare_model``, in its
+    PREPARATION_ORDER, over ``engine_preparation``), then the one attention backend the
+    runner, the CPU layers and the CUDA-graph path ask is chosen, on the prepared model
+    (an adapter may attend with a position bias only the torch path takes)."""
     spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
-    state_spec = prepare_recurrent_layers(model, recurrent_layer_indices(loaded.hf_config))
-    cpu_paths, cpu_rewrites = NO_CPU_PATHS, CpuRewrites()
     # A model without attention layers (a pure state-space model) may name no heads.
     num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
-    first_attention = next((layer for layer in spec.layers if layer.num_kv_heads), None)
-    if device.type == "cpu":
-        keep_freed_memory()
-    if device.type == "cpu" and first_attention is not None:
-        shape = ModelShape.of(model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
-        cpu_paths = choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
-        cpu_rewrites = optimize_for_cpu(model, cpu_paths, config.max_num_batched_tokens)
+    cpu_paths = choose_host_paths(config, loaded, spec, num_heads)
+    prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths))
+    taken = cpu_paths or NO_CPU_PATHS
     attention = choose_attention_backend(
-        config.attention_backend, device, loaded.dtype, num_heads,
-        native_decode=cpu_paths.decode_kernel, native_prefill=cpu_paths.prefill_kernel,
-        chunk_sizes=spec.chunk_sizes, position_bias=uses_position_bias(model))
-    return PreparedModel(spec, state_spec, lora_manager, cpu_paths, cpu_rewrites, attention)
+        config.attention_backend, loaded.device, loaded.dtype, num_heads,
+        native_decode=taken.decode_kernel, native_prefill=taken.prefill_kernel,
+        chunk_sizes=spec.chunk_sizes, position_bias=uses_position_bias(loaded.model))
+    rewrites = CpuRewrites() if prepared.cpu_layers is None else prepared.cpu_layers
+    return EngineModel(spec, prepared.recurrent_layers, prepared.lora, taken, rewrites, attention)
+
+
+def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec,
+                      num_heads: int) -> CpuPaths | None:
+    """The CPU fast paths this host takes for the model (engine/cpu/paths.py), or None
+    where the engine takes none: off CPU, or for a model without attention layers.
+    Chosen on the model as loaded, before the surgery: the shapes it measures are its
+    linears', which every step keeps (adapters take over the projections under their
+    names, LoRA and the recurrent layers wrap them)."""
+    if loaded.device.type != "cpu":
+        return None
+    keep_freed_memory()
+    first_attention = next((layer for layer in spec.layers if layer.num_kv_heads), None)
+    if first_attention is None:
+        return None
+    shape = ModelShape.of(loaded.model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
+    return choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
+
+
+def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None) -> Preparation:
+    """The engine's steps of the module surgery, which ``prepare_model`` runs in
+    PREPARATION_ORDER: the attention adapters, LoRA's wrappers (with enable_lora), the
+    recurrent layers with per-request state slots (refusing a model whose recurrent
+    layer got none), and the CPU paths' replacements (where ``cpu_paths`` were chosen).
+    The adapters are installed here, on the model already on its device (their
+    originals keep their device buffers), not by the loader: every replacement is a
+    step of this one preparation."""
+    lora = (partial(LoRAManager, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                    device=loaded.device, dtype=loaded.dtype) if config.enable_lora else None)
+    cpu_layers = (partial(optimize_for_cpu, paths=cpu_paths, rows_hint=config.max_num_batched_tokens)
+                  if cpu_paths is not None else None)
+    return Preparation(
+        attention_adapters=adapt_attention, lora=lora,
+        recurrent_layers=partial(prepare_recurrent_layers, recurrent_layers=recurrent_layer_indices(loaded.hf_config)),
+        cpu_layers=cpu_layers)
 
 
 def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
-                               prepared: PreparedModel) -> tuple[ModelRunner, Scheduler]:
+                               prepared: EngineModel) -> tuple[ModelRunner, Scheduler]:
     """Plan the KV cache (blocks and recurrent-state slots) from the memory left, then
     build the runner over it (with CUDA graphs where they replay) and the scheduler."""
     spec, attention = prepared.spec, prepared.attention

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..cpu.paths import CpuRewrites
-    from ..lora.manager import LoRAManager
-    from ..recurrent.state import RecurrentStateSpec
+    from .cpu.paths import CpuRewrites
+    from .lora.manager import LoRAManager
+    from .recurrent.state import RecurrentStateSpec
 
 logger = logging.getLogger(__name__)
 
