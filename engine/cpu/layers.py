@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +45,10 @@ from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
 from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul
+from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder, WeightedNorm
+
+if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
+    from typing_extensions import TypeIs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,8 @@ def same_output(actual: object, expected: object) -> bool:
     return reproduces(actual, expected, bfloat16_tolerance=2e-2)
 
 
-def norm_epsilon(module: nn.Module) -> float | None:
+def norm_epsilon(module: object) -> float | None:
+    """A norm's epsilon (``variance_epsilon`` or ``eps``), or None where it has no float one."""
     for name in ("variance_epsilon", "eps"):
         value = getattr(module, name, None)
         if isinstance(value, float):
@@ -72,7 +78,20 @@ def norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
+def fused_norm_epsilon(norm: nn.Module) -> float:
+    """The epsilon of a norm the fused kernel runs (one with a float ``variance_epsilon``
+    or ``eps``, as the fused norms' checks require)."""
+    eps = norm_epsilon(norm)
+    if eps is None:
+        raise TypeError(f"{type(norm).__name__} has no float variance_epsilon or eps for the fused kernel")
+    return eps
+
+
+def _has_weight(module: object) -> TypeIs[WeightedNorm]:
+    return isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _is_rms_norm(module: object) -> TypeIs[WeightedNorm]:
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
             and norm_epsilon(module) is not None and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES)
@@ -82,10 +101,15 @@ class FusedRMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` in one pass of the fused kernel; ``norm``
     is the original module, whose forward runs with gradients on or another dtype."""
 
+    norm: WeightedNorm  # registered as a submodule; typed by what is read of it
+    eps: float
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
+        if not _has_weight(norm):
+            raise TypeError(f"{type(norm).__name__} has no weight tensor for the fused kernel")
         self.norm = norm
-        self.eps = norm_epsilon(norm)
+        self.eps = fused_norm_epsilon(norm)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -104,7 +128,8 @@ class FusedRMSNorm(nn.Module):
 def fuse_rms_norms(model: nn.Module) -> int:
     """Replace every RMSNorm the fused kernel reproduces by a FusedRMSNorm (see the
     module docstring); returns how many were replaced."""
-    targets = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
+    modules: list[tuple[str, nn.Module]] = list(model.named_modules())
+    targets = [(name, module) for name, module in modules if _is_rms_norm(module)]
     num_fused = 0
     for name, norm in targets:
         if not fused_kernels_available(norm.weight.dtype):
@@ -130,12 +155,16 @@ def add_norm_rows(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor
     return module(residual)
 
 
+def _norms_heads(attention: LlamaAttention) -> TypeIs[HeadNormedAttention]:
+    return hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
+
+
 class LayerReplacement(nn.Module):
     """A module that stands in for the decoder layer it holds as ``layer``: the
     attributes it does not have itself are the layer's (those the decoder reads,
     such as ``attention_type``)."""
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -149,7 +178,11 @@ class FusedDecoderLayer(LayerReplacement):
     and whose other attributes (those the decoder reads, such as ``attention_type``)
     it answers for."""
 
-    def __init__(self, layer: nn.Module, attend, is_last: bool, rows_hint: int) -> None:
+    layer: LlamaDecoder  # registered as a submodule; typed by what is read of it
+    packed_qkv: torch.Tensor | None
+    qkv_bias: torch.Tensor | None
+
+    def __init__(self, layer: LlamaDecoder, attend: AttentionFunction, is_last: bool, rows_hint: int) -> None:
         super().__init__()
         self.layer = layer
         self.attend = attend  # the engine's attention function, as registered with transformers
@@ -162,8 +195,9 @@ class FusedDecoderLayer(LayerReplacement):
         if packable_side_by_side(projections):
             self.packed_qkv, self.qkv_bias = pack_side_by_side(projections, rows_hint)
 
-    def forward(self, hidden_states: torch.Tensor, *args, position_embeddings=None,
-                shardline_ctx: AttentionContext | None = None, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                shardline_ctx: AttentionContext | None = None, **kwargs: Any) -> torch.Tensor:
         # hidden_states: [1, T, hidden] -> [1, T, hidden]
         if (args or shardline_ctx is None or position_embeddings is None or torch.is_grad_enabled()
                 or hidden_states.dtype not in FUSED_DTYPES):
@@ -177,7 +211,7 @@ class FusedDecoderLayer(LayerReplacement):
             return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
         normed = norm_rows(layer.input_layernorm, x)
         query, key, value = self._project_qkv(normed)
-        if hasattr(attention, "q_norm"):  # Qwen3: a norm over each head before the rotation
+        if _norms_heads(attention):  # Qwen3: a norm over each head before the rotation
             query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
             key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
         cos, sin = position_embeddings
@@ -198,10 +232,10 @@ class FusedDecoderLayer(LayerReplacement):
         attention = self.layer.self_attn
         tokens, head_dim = x.shape[0], attention.head_dim
         if self.packed_qkv is None or x.dtype != attention.o_proj.weight.dtype:
-            projections = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
+            query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         else:
-            projections = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)
-        return tuple(projection.view(tokens, -1, head_dim) for projection in projections)
+            query, key, value = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        return query.view(tokens, -1, head_dim), key.view(tokens, -1, head_dim), value.view(tokens, -1, head_dim)
 
 
 def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int) -> bool:
@@ -222,23 +256,25 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
     result are zeros. x: [T, hidden] -> [T, hidden]."""
     layer, attention = self.layer, self.layer.self_attn
     head_dim, tokens = attention.head_dim, x.shape[0]
-    rows = ctx.sampled_rows
+    rows, backend = ctx.sampled_rows, ctx.backend
+    assert rows is not None and backend is not None, "a step that samples some rows (_reads_sampled_rows_only)"
     normed = norm_rows(layer.input_layernorm, x)
     key = attention.k_proj(normed).view(tokens, -1, head_dim)
     value = attention.v_proj(normed).view(tokens, -1, head_dim)
-    if hasattr(attention, "k_norm"):
+    norms_heads = _norms_heads(attention)
+    if norms_heads:
         key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
     cos, sin = (table.reshape(tokens, head_dim) for table in position_embeddings)
     rotary_(key, None, cos, sin)
     if rows.numel():
         query = attention.q_proj(normed.index_select(0, rows)).view(rows.numel(), -1, head_dim)
-        if hasattr(attention, "q_norm"):
+        if norms_heads:
             query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(rows.numel(), -1, head_dim)
         rotary_(query, None, cos.index_select(0, rows), sin.index_select(0, rows))
     else:  # a step of partial prefill chunks only: keys and values are cached, nothing is read
         query = x.new_empty((0, self.qkv_sizes[0] // head_dim, head_dim))
     options = AttentionOptions(attention.scaling, sliding_window=self.sliding_window)
-    attended = ctx.backend.attend_sampled_rows(ctx, attention.layer_idx, query, key, value, options)
+    attended = backend.attend_sampled_rows(ctx, attention.layer_idx, query, key, value, options)
     if rows.numel() == 0:
         return x.new_zeros(x.shape)
     residual = attention.o_proj(attended.view(rows.numel(), -1))
@@ -247,7 +283,7 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
     return out.index_copy_(0, rows, layer.mlp(normed).add_(residual))
 
 
-def _has_llama_layout(layer: nn.Module) -> bool:
+def _has_llama_layout(layer: object) -> TypeIs[LlamaDecoder]:
     attention = getattr(layer, "self_attn", None)
     return (type(layer).__name__ in LAYER_WINDOWS and attention is not None
             and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
@@ -255,9 +291,11 @@ def _has_llama_layout(layer: nn.Module) -> bool:
             and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")))
 
 
-def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's output for one fresh 6-token request, on a throwaway paged cache."""
-    tokens, attention = 6, layer.self_attn
+def _probe_layer(layer: nn.Module, attention: LlamaAttention, rotary_emb: nn.Module, hidden_size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The output of ``layer`` (a decoder layer or its replacement, ``attention`` the
+    original's attention) for one fresh 6-token request, on a throwaway paged cache."""
+    tokens = 6
     num_kv_heads = attention.k_proj.out_features // attention.head_dim
     cache_shape = (1, 16, num_kv_heads, attention.head_dim)
     cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
@@ -307,10 +345,11 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
     """The layer's replacement, or None where it does not fit or would differ."""
     if not _has_llama_layout(layer):
         return None
-    weight = layer.self_attn.o_proj.weight
+    attention = layer.self_attn
+    weight = attention.o_proj.weight
     if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(weight.dtype):
         return None
-    attend = ALL_ATTENTION_FUNCTIONS.get(layer.self_attn.config._attn_implementation)
+    attend = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)
     if attend is None:
         return None
     try:
@@ -318,15 +357,14 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
     except Exception:  # a layer the fused forward does not fit
         fused = None
     if fused is None or not probe_matches(layer, fused, lambda module: _probe_layer(
-            module, rotary_emb, weight.shape[0], weight.dtype), same_output):
+            module, attention, rotary_emb, weight.shape[0], weight.dtype), same_output):
         logger.info("%s does not match the fused Llama-family forward; it keeps its own", type(layer).__name__)
         return None
-    attention = layer.self_attn
     if fused.packed_qkv is not None and not is_last:
         # Their own packed copies are no longer read (the last layer's sampled rows
         # still project keys and values alone, queries at fewer rows).
         for name in ("q_proj", "k_proj", "v_proj"):
-            projection = attention._modules[name]
+            projection = layer.get_submodule(f"self_attn.{name}")
             if isinstance(projection, PackedLinear):
-                replace(attention, name, projection.unpacked())
+                replace(layer, f"self_attn.{name}", projection.unpacked())
     return fused

@@ -31,12 +31,17 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
 from ..surgery import called_on, probe_matches, replace
+from .protocols import GatedMLP
+
+if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
+    from typing_extensions import TypeIs
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,9 @@ class PackedLinear(nn.Linear):
     float32 for a bfloat16 weight where oneDNN has no bfloat16). With gradients on,
     or an input of another dtype, torch's own linear runs: autograd does not see
     through the packed copy."""
+
+    packed_weight: torch.Tensor  # an opaque oneDNN tensor (not a parameter: state dicts leave it out)
+    packed_bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, rows_hint: int, packed_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)
@@ -109,8 +117,10 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
         dtypes = tuple(dtype for dtype in dtypes if onednn_linear_available(dtype))
     targets = []
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in dtypes:
+        if type(module) is not nn.Linear:
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         if module.bias is None or module.bias.dtype == weight.dtype:
             targets.append((name, module))
@@ -160,10 +170,15 @@ class FusedGatedMLP(nn.Module):
     both weights packed side by side, and SiLU times up through the fused kernel when
     ``silu_kernel``. ``mlp`` is the original module, whose projections it reads."""
 
-    def __init__(self, mlp: nn.Module, rows_hint: int, silu_kernel: bool) -> None:
+    mlp: GatedMLP  # registered as a submodule; typed by what is read of it
+    packed_gate_up: torch.Tensor
+
+    def __init__(self, mlp: GatedMLP, rows_hint: int, silu_kernel: bool) -> None:
         super().__init__()
         self.mlp = mlp
-        self.packed_gate_up, _ = pack_side_by_side((mlp.gate_proj, mlp.up_proj), rows_hint)
+        projections = (mlp.gate_proj, mlp.up_proj)
+        assert packable_side_by_side(projections), "a gated MLP's gate and up are packed alike (_is_gated_mlp)"
+        self.packed_gate_up, _ = pack_side_by_side(projections, rows_hint)
         self.silu_kernel = silu_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +194,9 @@ class FusedGatedMLP(nn.Module):
         return mlp.down_proj(mlp.act_fn(gate).mul_(up))
 
 
-def _is_gated_mlp(module: nn.Module) -> bool:
+def _is_gated_mlp(module: object) -> TypeIs[GatedMLP]:
+    """Whether ``module`` is a gated MLP whose three projections are packed, gate and
+    up alike and without biases."""
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
     return (isinstance(gate, PackedLinear) and isinstance(up, PackedLinear)
             and isinstance(getattr(module, "down_proj", None), PackedLinear)
@@ -191,7 +208,8 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int, silu_kernel: bool = True) 
     """Replace every gated MLP whose projections are packed by a FusedGatedMLP where it
     reproduces the MLP's output on a probe input, with SiLU through the fused kernel
     when ``silu_kernel`` and that reproduces ``act_fn``; returns how many were fused."""
-    targets = [(name, module) for name, module in model.named_modules() if _is_gated_mlp(module)]
+    modules: list[tuple[str, nn.Module]] = list(model.named_modules())
+    targets = [(name, module) for name, module in modules if _is_gated_mlp(module)]
     num_fused = 0
     for name, mlp in targets:
         gate = mlp.gate_proj
@@ -204,22 +222,25 @@ def fuse_gated_mlps(model: nn.Module, rows_hint: int, silu_kernel: bool = True) 
         if fused is None:
             logger.info("%s does not compute down(act(gate(x)) * up(x)); its MLP stays unfused", type(mlp).__name__)
             continue
-        for projection in ("gate_proj", "up_proj"):  # their packed copies are no longer read: the pair's is
-            replace(mlp, projection, mlp._modules[projection].unpacked())
+        for projection_name, projection in (("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj)):
+            # Their packed copies are no longer read: the pair's is.
+            assert isinstance(projection, PackedLinear), "a gated MLP's projections are packed (_is_gated_mlp)"
+            replace(mlp, projection_name, projection.unpacked())
         replace(model, name, fused)
         num_fused += 1
     return num_fused
 
 
-def packable_side_by_side(linears: tuple[object, ...]) -> bool:
+def packable_side_by_side(linears: tuple[object, ...]) -> TypeGuard[tuple[PackedLinear, ...]]:
     """Whether ``pack_side_by_side`` takes these: packed linears of one input size and
     dtype, each with a bias or none with one."""
-    return (all(isinstance(linear, PackedLinear) for linear in linears)
+    packed = [linear for linear in linears if isinstance(linear, PackedLinear)]
+    return (len(packed) == len(linears)
             and len({(linear.in_features, linear.weight.dtype, linear.packed_weight.dtype, linear.bias is None)
-                     for linear in linears}) == 1)
+                     for linear in packed}) == 1)
 
 
-def pack_side_by_side(linears: tuple[nn.Linear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_side_by_side(linears: tuple[PackedLinear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One packed weight, and bias or None, that computes all of ``linears`` (see
     ``packable_side_by_side``) on the same input in one matmul, their outputs side by
     side in the given order."""

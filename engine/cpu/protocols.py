@@ -1,0 +1,86 @@
+"""What the CPU path's replacements read of the transformers modules they replace.
+
+A replacement holds the module it replaces (registered as its submodule) and calls
+that module's own submodules on every step: a decoder layer's projections and norms,
+an MLP's gate, up and down projections. torch types a module's children as
+``Tensor | Module``; these Protocols type them by what is read of them instead. Each
+is checked where the replacement is built (the ``TypeIs`` guards beside them in
+layers.py and linear.py), never per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+class WeightedNorm(Protocol):
+    """A norm with a ``weight`` tensor (RMSNorm-like), as a fused norm reads it."""
+
+    weight: torch.Tensor
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class GatedMLP(Protocol):
+    """What FusedGatedMLP reads of the MLP it replaces. Gate and up are PackedLinears
+    when the MLP is fused, plain nn.Linears on the same parameters after (their packed
+    copies are no longer read)."""
+
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Module
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Projection(Protocol):
+    """A decoder layer's linear as the fused forward reads it: an nn.Linear, a
+    PackedLinear, or a LoRA wrapper of either (engine/lora/layers.py)."""
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class LlamaAttention(Protocol):
+    """What FusedDecoderLayer reads of a Llama-family attention module."""
+
+    q_proj: Projection
+    k_proj: Projection
+    v_proj: Projection
+    o_proj: Projection
+    head_dim: int
+    scaling: float
+    layer_idx: int
+    config: PretrainedConfig
+
+
+class HeadNormedAttention(LlamaAttention, Protocol):
+    """Qwen3's attention: a norm over each query and key head before the rotation."""
+
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+class LlamaDecoder(Protocol):
+    """What FusedDecoderLayer reads of a Llama-family decoder layer."""
+
+    self_attn: LlamaAttention
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+# transformers' attention functions (ALL_ATTENTION_FUNCTIONS): (module, query, key,
+# value, mask, **options) -> (output [1, T, H, Dv], attention weights or None).
+AttentionFunction = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
