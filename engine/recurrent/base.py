@@ -40,6 +40,21 @@ import torch
 StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def projection_weight(projection: torch.nn.Module) -> torch.Tensor:
+    """A projection's ``weight`` (whose dtype a kind's state takes), whatever module holds
+    the projection (a linear layer, or what LoRA and the CPU paths put in its place)."""
+    weight = projection.weight
+    assert isinstance(weight, torch.Tensor), f"{type(projection).__name__} has no weight tensor"
+    return weight
+
+
+def projection_out_features(projection: torch.nn.Module) -> int:
+    """A linear projection's ``out_features``, whatever module holds the projection."""
+    out_features = projection.out_features
+    assert isinstance(out_features, int), f"{type(projection).__name__} has no out_features"
+    return out_features
+
+
 class RecurrentKind(ABC):
     """One kind of recurrent layer: what state a request keeps, and how a step runs.
 

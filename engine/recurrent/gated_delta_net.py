@@ -18,6 +18,7 @@ as torch ops (``_torch_core``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,46 @@ class StridedGateNorm(nn.Module):
     layer passes z without copying it into rows (engine/cpu/hybrid_layers.py)."""
 
 
+class GatedDeltaNetModule(Protocol):
+    """What the kind reads of the transformers modules registered for it (below), beside
+    their input projections (``input_projections``). Projections and norms are typed
+    as any module: LoRA and the CPU paths replace them with their own."""
+
+    conv1d: nn.Conv1d  # depthwise, weight [conv_dim, 1, W]
+    A_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+    activation: str
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    key_dim: int  # Hk * K
+    value_dim: int  # Hv * V
+    norm: nn.Module
+    out_proj: nn.Module
+
+
+class _FusedInputProjections(Protocol):
+    """Qwen3-Next's input projections: q|k|v|z and b|a, reordered by the module."""
+
+    head_v_dim: int
+    in_proj_qkvz: nn.Module
+    in_proj_ba: nn.Module
+
+    def fix_query_key_value_ordering(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor
+                                     ) -> tuple[torch.Tensor, ...]: ...
+
+
+class _SeparateInputProjections(Protocol):
+    """Qwen3.5's input projections: q|k|v, z, b and a."""
+
+    head_v_dim: int
+    in_proj_qkv: nn.Module
+    in_proj_z: nn.Module
+    in_proj_b: nn.Module
+    in_proj_a: nn.Module
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -65,19 +106,19 @@ class GatedDeltaNetKind(RecurrentKind):
     reference_dtype = torch.float32
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        weight = hf_module.conv1d.weight  # [conv_dim, 1, W]
+        module = cast(GatedDeltaNetModule, hf_module)
+        weight = module.conv1d.weight  # [conv_dim, 1, W]
         return {
             "conv": ((weight.shape[2] - 1, weight.shape[0]), weight.dtype),
-            "recurrent": ((hf_module.num_v_heads, hf_module.head_k_dim, hf_module.head_v_dim),
-                          _compute_dtype(weight.dtype)),
+            "recurrent": ((module.num_v_heads, module.head_k_dim, module.head_v_dim), _compute_dtype(weight.dtype)),
         }
 
     def forward(self, hf_module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
         # hidden_states: [T, hidden]
-        module = hf_module
-        mixed_qkv, z, b, a = self.projections(module, hidden_states)
-        beta = self.write_strength(module, b)
+        module = cast(GatedDeltaNetModule, hf_module)
+        mixed_qkv, z, b, a = self.projections(hf_module, hidden_states)
+        beta = self.write_strength(hf_module, b)
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # the module's own expression
         dtype = states["recurrent"].dtype
         if self._takes_native_core(module, mixed_qkv, states):
@@ -86,9 +127,9 @@ class GatedDeltaNetKind(RecurrentKind):
                                    has_initial_state, states["conv"], states["recurrent"], module.num_k_heads)
         else:
             core = _torch_core(module, mixed_qkv, g.to(dtype), beta.to(dtype), cu_seqlens, has_initial_state, states)
-        return self.output(module, core.to(hidden_states.dtype), z)
+        return self.output(hf_module, core.to(hidden_states.dtype), z)
 
-    def _takes_native_core(self, module: torch.nn.Module, mixed_qkv: torch.Tensor,
+    def _takes_native_core(self, module: GatedDeltaNetModule, mixed_qkv: torch.Tensor,
                            states: dict[str, torch.Tensor]) -> bool:
         """The kernel runs one dtype (float32 or float64) throughout, SiLU, no gradients."""
         recurrent = states["recurrent"]
@@ -109,14 +150,15 @@ class GatedDeltaNetKind(RecurrentKind):
 
     def output(self, module: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated norm of the delta rule's output core [T, Hv, Dv] by z, then the output projection."""
+        layer = cast(GatedDeltaNetModule, module)
         num_tokens = core.shape[0]
         # The fused norm takes z in any layout (no copy of a packed projection's view).
-        gate = z if isinstance(module.norm, StridedGateNorm) else z.reshape(-1, module.head_v_dim)
-        core = module.norm(core.reshape(-1, module.head_v_dim), gate)
-        return module.out_proj(core.reshape(num_tokens, -1))
+        gate = z if isinstance(layer.norm, StridedGateNorm) else z.reshape(-1, layer.head_v_dim)
+        core = layer.norm(core.reshape(-1, layer.head_v_dim), gate)
+        return layer.out_proj(core.reshape(num_tokens, -1))
 
 
-def _torch_core(module: torch.nn.Module, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _torch_core(module: GatedDeltaNetModule, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
     """The recurrent core in torch ops: mixed_qkv [T, conv_dim] through the convolution,
@@ -150,14 +192,17 @@ def input_projections(module: torch.nn.Module, hidden_states: torch.Tensor
     first = getattr(module, "in_proj_qkvz", None) or getattr(module, "in_proj_qkv", None)
     if isinstance(first, PackedInputProjections):  # all four as one packed matmul (CPU path)
         mixed, z, b, a = first.project(hidden_states)
-        return mixed, z.view(num_tokens, -1, module.head_v_dim), b, a
+        return mixed, z.view(num_tokens, -1, cast(GatedDeltaNetModule, module).head_v_dim), b, a
     if hasattr(module, "in_proj_qkvz"):
-        query, key, value, z, b, a = module.fix_query_key_value_ordering(
-            module.in_proj_qkvz(hidden_states[None]), module.in_proj_ba(hidden_states[None]))
+        fused = cast(_FusedInputProjections, module)
+        query, key, value, z, b, a = fused.fix_query_key_value_ordering(
+            fused.in_proj_qkvz(hidden_states[None]), fused.in_proj_ba(hidden_states[None]))
         mixed = torch.cat([x.reshape(num_tokens, -1) for x in (query, key, value)], dim=-1)
         return mixed, z[0], b[0], a[0]
-    z = module.in_proj_z(hidden_states).reshape(num_tokens, -1, module.head_v_dim)
-    return module.in_proj_qkv(hidden_states), z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+    separate = cast(_SeparateInputProjections, module)
+    z = separate.in_proj_z(hidden_states).reshape(num_tokens, -1, separate.head_v_dim)
+    return (separate.in_proj_qkv(hidden_states), z, separate.in_proj_b(hidden_states),
+            separate.in_proj_a(hidden_states))
 
 
 GATED_DELTA_NET = register_kind(

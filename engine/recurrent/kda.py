@@ -23,14 +23,17 @@ and rule run as one C call per layer and step (engine/kernels/cpu_recurrent.py).
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
+from torch import nn
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import delta_rule_core, recurrent_kernel_available
 from ..kernels.delta_rule_step import delta_rule_step_triton
 from ..kernels.kda import chunk_kda_triton
 from ..kernels.recurrent_reference import kda_step_reference
-from .base import RecurrentKind, StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, projection_weight, register_kind
 from .chunk_layout import ChunkLayout
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -85,6 +88,34 @@ def kda_decode_step(state, q, k, v, g, beta) -> torch.Tensor:
     return kda_step_reference(state, q, k, v, g, beta)  # the recurrence itself, batched
 
 
+class KimiDeltaAttentionModule(Protocol):
+    """What the kind reads of the transformers modules registered for it (below);
+    projections and norms typed as any module (LoRA wraps them). The output gate is
+    ``g_proj`` where the module has one, else ``g_b_proj(g_a_proj(x))`` (a low-rank gate)."""
+
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    b_proj: nn.Module
+    forget_gate: nn.Module
+    o_norm: nn.Module
+    o_proj: nn.Module
+    conv1d: nn.Conv1d  # depthwise, weight [3 H K, 1, W]
+    activation: str
+    num_heads: int
+    head_dim: int
+    qkv_dim: int  # H * K
+    conv_dim: int  # 3 H K
+    conv_kernel_size: int
+
+
+class _LowRankGate(Protocol):
+    """Kimi Linear's output gate, ``g_b_proj(g_a_proj(x))``."""
+
+    g_a_proj: nn.Module
+    g_b_proj: nn.Module
+
+
 class KimiDeltaAttentionKind(RecurrentKind):
     """KimiLinearDeltaAttention and BailingHybridDeltaAttention."""
 
@@ -95,9 +126,9 @@ class KimiDeltaAttentionKind(RecurrentKind):
     reference_dtype = torch.float32  # HF runs the delta rule in float32 whatever the model's dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        m = hf_module
+        m = cast(KimiDeltaAttentionModule, hf_module)
         return {
-            "conv": ((m.conv_kernel_size - 1, m.conv_dim), m.q_proj.weight.dtype),
+            "conv": ((m.conv_kernel_size - 1, m.conv_dim), projection_weight(m.q_proj).dtype),
             "recurrent": ((m.num_heads, m.head_dim, m.head_dim), torch.float32),
         }
 
@@ -110,7 +141,7 @@ class KimiDeltaAttentionKind(RecurrentKind):
         states: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["conv"]: [B, W-1, 3*H*K]; states["recurrent"]: [B, H, K, V]
-        m = hf_module
+        m = cast(KimiDeltaAttentionModule, hf_module)
         heads, head_dim = m.num_heads, m.head_dim
         mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
         g = m.forget_gate(hidden_states[None])[0].float()
@@ -120,19 +151,25 @@ class KimiDeltaAttentionKind(RecurrentKind):
                                   cu_seqlens, has_initial_state, states["conv"], states["recurrent"], heads)
         else:
             out = self._torch_core(m, mixed, g, beta, cu_seqlens, has_initial_state, states)
-        gate = m.g_proj(hidden_states) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(hidden_states))
+        g_proj = getattr(m, "g_proj", None)  # bailing_hybrid's full-rank gate
+        if g_proj is not None:
+            gate = g_proj(hidden_states)
+        else:
+            low_rank = cast(_LowRankGate, hf_module)
+            gate = low_rank.g_b_proj(low_rank.g_a_proj(hidden_states))
         out = m.o_norm(out.to(hidden_states.dtype), gate.reshape(-1, heads, head_dim))
         return m.o_proj(out.reshape(-1, heads * head_dim))
 
 
-    def _takes_native_core(self, m: torch.nn.Module, mixed: torch.Tensor, states: dict[str, torch.Tensor]) -> bool:
+    def _takes_native_core(self, m: KimiDeltaAttentionModule, mixed: torch.Tensor,
+                           states: dict[str, torch.Tensor]) -> bool:
         """The kernel runs float32 throughout (the state's dtype), SiLU, no gradients."""
         return (self.native_core and mixed.device.type == "cpu" and not mixed.requires_grad
                 and mixed.dtype == states["conv"].dtype == states["recurrent"].dtype == m.conv1d.weight.dtype
                 and m.activation == "silu" and recurrent_kernel_available(mixed.dtype, m.head_dim, m.head_dim))
 
     @staticmethod
-    def _torch_core(m: torch.nn.Module, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _torch_core(m: KimiDeltaAttentionModule, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]
                     ) -> torch.Tensor:
         """The convolution, l2 norms and delta rule in torch ops: mixed [T, 3 H K] -> [T, H, V]."""

@@ -14,16 +14,33 @@ layout). The Hugging Face module returns (output, state); the kind returns the o
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.selective_scan import ssd_decode_packed
-from .base import RecurrentKind, StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, projection_weight, register_kind
 from .decode_split import scan_split
 from .ssd import ssd_chunk_scan_varlen, ssd_decode_step
 
 CHUNK = 64
+
+
+class LightningAttentionModule(Protocol):
+    """What the kind reads of transformers' MiniMaxLightningAttention; projections and
+    norms typed as any module (LoRA wraps them)."""
+
+    qkv_proj: nn.Module
+    output_gate: nn.Module
+    out_proj: nn.Module
+    norm: nn.Module
+    act_fn: nn.Module
+    slope_rate: torch.Tensor  # [H, 1, 1]: each head's decay rate
+    num_attention_heads: int
+    head_dim: int
 
 
 class LightningAttentionKind(RecurrentKind):
@@ -35,8 +52,8 @@ class LightningAttentionKind(RecurrentKind):
     returns_tuple = True
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        m = hf_module
-        dtype = torch.promote_types(m.qkv_proj.weight.dtype, torch.float32)
+        m = cast(LightningAttentionModule, hf_module)
+        dtype = torch.promote_types(projection_weight(m.qkv_proj).dtype, torch.float32)
         return {"kv": ((m.num_attention_heads, m.head_dim, m.head_dim), dtype)}
 
     def forward(
@@ -48,7 +65,7 @@ class LightningAttentionKind(RecurrentKind):
         states: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["kv"]: [B, H, d_v, d_k]
-        m = hf_module
+        m = cast(LightningAttentionModule, hf_module)
         heads, head_dim = m.num_attention_heads, m.head_dim
         qkv = m.act_fn(m.qkv_proj(hidden_states)).reshape(-1, heads, 3 * head_dim)
         q, k, v = qkv.split(head_dim, dim=-1)

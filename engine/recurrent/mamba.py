@@ -18,20 +18,39 @@ convolution run through C (kernels/cpu_recurrent.py).
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import decode_kernel_available
 from ..kernels.cpu_recurrent import selective_state_update as native_selective_state_update
 from ..kernels.selective_scan import selective_scan_packed
-from .base import RecurrentKind, StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, projection_weight, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .selective_scan import selective_scan_varlen, selective_state_update
 
 
-def _is_zamba(m: torch.nn.Module) -> bool:
+class MambaModule(Protocol):
+    """What the kind reads of every transformers mixer registered for it (below);
+    projections typed as any module (LoRA wraps them). How a mixer makes dt, B and C
+    differs by model (``_ssm_inputs``, ``_dt_bias``)."""
+
+    in_proj: nn.Module
+    out_proj: nn.Module
+    conv1d: nn.Conv1d  # depthwise, weight [Dc, 1, K]
+    activation: str
+    A_log: torch.Tensor  # [Dc, N]
+    D: torch.Tensor  # [Dc]
+    intermediate_size: int
+    conv_kernel_size: int
+    ssm_state_size: int
+
+
+def _is_zamba(m: object) -> bool:
     return hasattr(m, "x_proj_weight")
 
 
@@ -64,11 +83,12 @@ class MambaKind(RecurrentKind):
     reference_dtype = torch.float32  # HF's decode update runs in float32 whatever the model's dtype
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        dtype = hf_module.in_proj.weight.dtype
-        channels = hf_module.intermediate_size
+        m = cast(MambaModule, hf_module)
+        dtype = projection_weight(m.in_proj).dtype
+        channels = m.intermediate_size
         return {
-            "conv": ((hf_module.conv_kernel_size - 1, channels), dtype),
-            "ssm": ((channels, hf_module.ssm_state_size), torch.promote_types(dtype, torch.float32)),
+            "conv": ((m.conv_kernel_size - 1, channels), dtype),
+            "ssm": ((channels, m.ssm_state_size), torch.promote_types(dtype, torch.float32)),
         }
 
     def forward(
@@ -80,7 +100,7 @@ class MambaKind(RecurrentKind):
         states: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["conv"]: [B, K-1, Dc]; states["ssm"]: [B, Dc, N]
-        m = hf_module
+        m = cast(MambaModule, hf_module)
         dtype = hidden_states.dtype
         projected = m.in_proj(hidden_states)
         if _is_zamba(m):

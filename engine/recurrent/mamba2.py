@@ -23,19 +23,47 @@ mixer's convolution through C too (kernels/cpu_recurrent.py).
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.cpu_recurrent import decode_kernel_available
 from ..kernels.cpu_recurrent import ssd_decode_step as native_ssd_decode_step
 from ..kernels.selective_scan import ssd_decode_packed
-from .base import RecurrentKind, StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, projection_weight, register_kind
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
 from .ssd import softplus_dt, ssd_chunk_scan_varlen, ssd_decode_step
 
 MAX_CHUNK = 64  # tokens per scan chunk (see _scan)
+
+
+class Mamba2Module(Protocol):
+    """What the kind reads of the transformers mixers registered for it (below);
+    projections and norms typed as any module (LoRA wraps them). falcon_h1's
+    ``ssm_in_multiplier`` and ``mup_vector`` and a mixer's ``mamba_rms_norm`` switch
+    are read where present."""
+
+    in_proj: nn.Module
+    out_proj: nn.Module
+    norm: nn.Module
+    conv1d: nn.Conv1d  # depthwise, weight [conv_dim, 1, K]
+    activation: str
+    dt_bias: torch.Tensor  # [H]
+    A_log: torch.Tensor  # [H]
+    D: torch.Tensor  # [H]
+    time_step_limit: tuple[float, float]
+    intermediate_size: int
+    conv_kernel_size: int
+    conv_dim: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    ssm_state_size: int
+    chunk_size: int
 
 
 class Mamba2Kind(RecurrentKind):
@@ -51,13 +79,14 @@ class Mamba2Kind(RecurrentKind):
     def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
         """Whether the module's one-token update (dt unclamped) may compute a token otherwise
         than its chunked scan (dt clamped to time_step_limit), as the load check needs to know."""
-        return tuple(hf_module.time_step_limit) != (0.0, float("inf"))
+        return tuple(cast(Mamba2Module, hf_module).time_step_limit) != (0.0, float("inf"))
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        dtype = hf_module.in_proj.weight.dtype
+        m = cast(Mamba2Module, hf_module)
+        dtype = projection_weight(m.in_proj).dtype
         return {
-            "conv": ((hf_module.conv_kernel_size - 1, hf_module.conv_dim), dtype),
-            "ssm": ((hf_module.num_heads, hf_module.head_dim, hf_module.ssm_state_size), torch.float32),
+            "conv": ((m.conv_kernel_size - 1, m.conv_dim), dtype),
+            "ssm": ((m.num_heads, m.head_dim, m.ssm_state_size), torch.float32),
         }
 
     def forward(
@@ -71,13 +100,15 @@ class Mamba2Kind(RecurrentKind):
     ) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["conv"]: [B, K-1, conv_dim]; states["ssm"]: [B, H, P, N];
         # num_prompt_tokens: [B], how many of each request's tokens are prompt tokens (None: by branch)
-        m = hf_module
+        m = cast(Mamba2Module, hf_module)
         dtype = hidden_states.dtype
-        if hasattr(m, "ssm_in_multiplier"):  # falcon_h1
-            hidden_states = hidden_states * m.ssm_in_multiplier
+        ssm_in_multiplier = getattr(m, "ssm_in_multiplier", None)  # falcon_h1
+        if ssm_in_multiplier is not None:
+            hidden_states = hidden_states * ssm_in_multiplier
         projected = m.in_proj(hidden_states)
-        if hasattr(m, "mup_vector"):
-            projected = projected * m.mup_vector[0]
+        mup_vector = getattr(m, "mup_vector", None)  # falcon_h1
+        if mup_vector is not None:
+            projected = projected * mup_vector[0]
         gate, xBC, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         xBC = causal_conv1d_varlen(
             xBC, m.conv1d.weight.squeeze(1), m.conv1d.bias, cu_seqlens, has_initial_state, states["conv"],

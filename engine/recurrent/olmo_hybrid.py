@@ -14,10 +14,29 @@ the [K, V] matrix per value head) and its chunked and single-token paths are reu
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
+from torch import nn
 
 from .base import register_kind
 from .gated_delta_net import GatedDeltaNetKind
+
+
+class _OlmoHybridModule(Protocol):
+    """What the kind reads of OlmoHybridGatedDeltaNet beside Qwen3.5's members
+    (GatedDeltaNetModule); projections and norms typed as any module (LoRA wraps them)."""
+
+    head_v_dim: int
+    allow_neg_eigval: bool
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    g_proj: nn.Module
+    b_proj: nn.Module
+    a_proj: nn.Module
+    o_norm: nn.Module
+    o_proj: nn.Module
 
 
 class OlmoHybridGatedDeltaNetKind(GatedDeltaNetKind):
@@ -27,19 +46,21 @@ class OlmoHybridGatedDeltaNetKind(GatedDeltaNetKind):
     def projections(self, module: torch.nn.Module, hidden_states: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # hidden_states: [T, hidden]
-        mixed = torch.cat([module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)],
+        layer = cast(_OlmoHybridModule, module)
+        mixed = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)],
                           dim=-1)
-        z = module.g_proj(hidden_states).reshape(hidden_states.shape[0], -1, module.head_v_dim)
-        return mixed, z, module.b_proj(hidden_states), module.a_proj(hidden_states)
+        z = layer.g_proj(hidden_states).reshape(hidden_states.shape[0], -1, layer.head_v_dim)
+        return mixed, z, layer.b_proj(hidden_states), layer.a_proj(hidden_states)
 
     def write_strength(self, module: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
         beta = b.sigmoid()
-        return beta * 2.0 if module.allow_neg_eigval else beta
+        return beta * 2.0 if cast(_OlmoHybridModule, module).allow_neg_eigval else beta
 
     def output(self, module: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        layer = cast(_OlmoHybridModule, module)
         num_tokens = core.shape[0]
-        core = module.o_norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-        return module.o_proj(core.reshape(num_tokens, -1))
+        core = layer.o_norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+        return layer.o_proj(core.reshape(num_tokens, -1))
 
 
 OLMO_HYBRID_GATED_DELTA_NET = register_kind(

@@ -15,10 +15,13 @@ block accumulates. The block returns (output, None), as the Hugging Face one doe
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .base import RecurrentKind, StateShapes, register_kind
+from .base import RecurrentKind, StateShapes, projection_weight, register_kind
 from .chunk_layout import ChunkLayout
 from .conv_varlen import causal_conv1d_varlen
 from .decode_split import scan_split
@@ -61,6 +64,20 @@ def _rg_lru_inputs(rg_lru, u: torch.Tensor, is_first: torch.Tensor) -> tuple[tor
     return decay, u * input_gate * multiplier.to(u.dtype)
 
 
+class RecurrentBlockModule(Protocol):
+    """What the kind reads of transformers' RecurrentGemmaRecurrentBlock; projections
+    typed as any module (LoRA wraps them), its RG-LRU read by ``_rg_lru_inputs``."""
+
+    linear_x: nn.Module
+    linear_y: nn.Module
+    linear_out: nn.Module
+    act_fn: nn.Module
+    conv_1d: nn.Conv1d  # depthwise, weight [W, 1, K]
+    rg_lru: nn.Module
+    conv1d_width: int
+    lru_width: int
+
+
 class RGLRUBlockKind(RecurrentKind):
     """RecurrentGemmaRecurrentBlock."""
 
@@ -73,9 +90,9 @@ class RGLRUBlockKind(RecurrentKind):
     reference_dtype = torch.float32  # HF accumulates the recurrence in float32
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        m = hf_module
+        m = cast(RecurrentBlockModule, hf_module)
         return {
-            "conv": ((m.conv1d_width - 1, m.lru_width), m.linear_x.weight.dtype),
+            "conv": ((m.conv1d_width - 1, m.lru_width), projection_weight(m.linear_x).dtype),
             "recurrent": ((m.lru_width,), torch.float32),
         }
 
@@ -88,7 +105,7 @@ class RGLRUBlockKind(RecurrentKind):
         states: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["conv"]: [B, K-1, W]; states["recurrent"]: [B, W]
-        m = hf_module
+        m = cast(RecurrentBlockModule, hf_module)
         y = m.act_fn(m.linear_y(hidden_states))
         u = causal_conv1d_varlen(
             m.linear_x(hidden_states), m.conv_1d.weight.squeeze(1), m.conv_1d.bias, cu_seqlens, has_initial_state,

@@ -7,10 +7,22 @@ request's state is its last W - 1 convolution inputs.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
+from torch import nn
 
 from .base import RecurrentKind, StateShapes, register_kind
 from .conv_varlen import causal_conv1d_varlen
+
+
+class ShortConvModule(Protocol):
+    """What the kind reads of the transformers modules registered for it (below);
+    projections typed as any module (LoRA wraps them)."""
+
+    in_proj: nn.Module
+    out_proj: nn.Module
+    conv: nn.Conv1d  # depthwise, weight [D, 1, W]
 
 
 class ShortConvKind(RecurrentKind):
@@ -22,16 +34,17 @@ class ShortConvKind(RecurrentKind):
     has_native_core = True
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        weight = hf_module.conv.weight  # [D, 1, W]
+        weight = cast(ShortConvModule, hf_module).conv.weight  # [D, 1, W]
         return {"conv": ((weight.shape[2] - 1, weight.shape[0]), weight.dtype)}
 
     def forward(self, hf_module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
         # hidden_states: [T, hidden]
-        b_gate, c_gate, x = hf_module.in_proj(hidden_states).chunk(3, dim=-1)
-        conv = causal_conv1d_varlen(b_gate * x, hf_module.conv.weight[:, 0, :], hf_module.conv.bias, cu_seqlens,
+        m = cast(ShortConvModule, hf_module)
+        b_gate, c_gate, x = m.in_proj(hidden_states).chunk(3, dim=-1)
+        conv = causal_conv1d_varlen(b_gate * x, m.conv.weight[:, 0, :], m.conv.bias, cu_seqlens,
                                     has_initial_state, states["conv"], native=self.native_core)
-        return hf_module.out_proj(c_gate * conv)
+        return m.out_proj(c_gate * conv)
 
 
 SHORT_CONV = register_kind(ShortConvKind(), ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from ..errors import UnsupportedLayerError
 from ..surgery import decoder_layers, replace
@@ -77,7 +78,7 @@ class StepHolder:
 class RecurrentLayer(nn.Module):
     """Runs ``layer`` (an HF recurrent mixer) through its kind over the packed batch."""
 
-    def __init__(self, layer: nn.Module, kind: RecurrentKind, layer_idx: int, hf_config,
+    def __init__(self, layer: nn.Module, kind: RecurrentKind, layer_idx: int, hf_config: PretrainedConfig,
                  holder: StepHolder | None = None) -> None:
         super().__init__()
         self.layer = layer
@@ -159,7 +160,7 @@ def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
     position of the decoder layer holding it (surgery.decoder_layers). A module inside
     one replaced runs as part of it, so it is not replaced itself."""
     installed: dict[int, RecurrentLayer] = {}
-    text_config = model.config.get_text_config()
+    text_config = _text_config(model)
     holder = StepHolder()
     layer_of = {id(module): index for index, layer in enumerate(decoder_layers(model)[1]) for module in layer.modules()}
     replaced: list[str] = []
@@ -178,6 +179,13 @@ def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
         model.register_forward_pre_hook(holder.hold, with_kwargs=True)
         model.register_forward_hook(holder.release, always_call=True)
     return installed
+
+
+def _text_config(model: nn.Module) -> PretrainedConfig:
+    """The text part of a transformers model's config (``model.config``)."""
+    config = model.config
+    assert isinstance(config, PretrainedConfig), f"{type(model).__name__} has no transformers config"
+    return config.get_text_config()
 
 
 @dataclass(frozen=True)

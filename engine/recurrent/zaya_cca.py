@@ -23,9 +23,29 @@ request into chunks gives the same outputs.
 
 from __future__ import annotations
 
-import torch
+from typing import Protocol, cast
 
-from .base import RecurrentKind, StateShapes, register_kind
+import torch
+from torch import nn
+
+from .base import RecurrentKind, StateShapes, projection_out_features, projection_weight, register_kind
+
+
+class ZayaCCAModule(Protocol):
+    """What the kind reads of transformers' ZayaCCAProjection; projections typed as any
+    module (LoRA wraps them)."""
+
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj_current: nn.Module
+    v_proj_delayed: nn.Module
+    conv_qk_depthwise: nn.Conv1d
+    conv_qk_grouped: nn.Conv1d
+    conv_kernel_size: int  # K: the two convolutions' widths less one each
+    head_dim: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_key_value_groups: int
 
 
 class ZayaCCAKind(RecurrentKind):
@@ -34,17 +54,18 @@ class ZayaCCAKind(RecurrentKind):
     name = "zaya_cca"
 
     def state_shapes(self, hf_module: torch.nn.Module, hf_config) -> StateShapes:
-        dtype = hf_module.q_proj.weight.dtype
-        channels = hf_module.conv_qk_depthwise.in_channels
+        m = cast(ZayaCCAModule, hf_module)
+        dtype = projection_weight(m.q_proj).dtype
+        channels = m.conv_qk_depthwise.in_channels
         return {
-            "conv": ((hf_module.conv_kernel_size, channels), dtype),
-            "delayed_value": ((hf_module.v_proj_delayed.out_features,), dtype),
+            "conv": ((m.conv_kernel_size, channels), dtype),
+            "delayed_value": ((projection_out_features(m.v_proj_delayed),), dtype),
         }
 
     def forward(self, hf_module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
         # hidden_states: [T, hidden]; states["conv"]: [B, K, C]; states["delayed_value"]: [B, Vd]
-        m = hf_module
+        m = cast(ZayaCCAModule, hf_module)
         num_tokens = hidden_states.shape[0]
         head_dim, groups = m.head_dim, m.num_key_value_groups
         queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
@@ -78,10 +99,11 @@ class ZayaCCAKind(RecurrentKind):
     def module_output(self, hf_module: torch.nn.Module, packed: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """packed [1, T, (Hq + 2 Hkv) * D] -> (query [1, T, Hq, D], key, value [1, T, Hkv, D])."""
-        query_width = hf_module.num_attention_heads * hf_module.head_dim
-        key_width = hf_module.num_key_value_heads * hf_module.head_dim
+        m = cast(ZayaCCAModule, hf_module)
+        query_width = m.num_attention_heads * m.head_dim
+        key_width = m.num_key_value_heads * m.head_dim
         query, key, value = packed.split([query_width, key_width, key_width], dim=-1)
-        shape = (*packed.shape[:2], -1, hf_module.head_dim)
+        shape = (*packed.shape[:2], -1, m.head_dim)
         return query.reshape(shape), key.reshape(shape), value.reshape(shape)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import inspect
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +27,35 @@ from ...attention.context import AttentionContext, paged_attention_forward
 
 class UnsupportedAttentionError(ValueError):
     """An adapted module's configuration has no exact reference to run it by."""
+
+
+_Value = TypeVar("_Value")
+
+
+def layer_attribute(module: nn.Module, name: str, kind: type[_Value]) -> _Value:
+    """``module.<name>``, an attribute a transformers attention module sets in its
+    __init__ (a head count, a layer kind, its config), checked to be a ``kind``: the
+    module's structure is only known at run time, so an adapter reads what it needs
+    once, through this, into attributes of its own type."""
+    value = getattr(module, name)
+    if not isinstance(value, kind):
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__}.{name} is {value!r}; its adapter reads a {kind.__name__} there")
+    return value
+
+
+def layer_flag(module: nn.Module, name: str) -> bool:
+    """``module.<name>``, a switch the module tests for truth (a config flag), as a bool."""
+    return bool(getattr(module, name))
+
+
+def layer_scale(module: nn.Module, name: str) -> float:
+    """``module.<name>``, a scale or a bound (an int or a float), as a float."""
+    value = getattr(module, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__}.{name} is {value!r}; its adapter reads a number there")
+    return float(value)
 
 
 class StepScope:
@@ -121,6 +150,7 @@ class PagedAttentionAdapter(_Replacement, abc.ABC):
     ``project`` and ``finish``; ``scale``, ``sliding_window``, ``alibi_slopes`` (or
     ``alibi_slopes_for``) and ``position_bias_for`` are the layer's attention options."""
 
+    layer_idx: int
     scale: float
     sliding_window: int | None = None
 

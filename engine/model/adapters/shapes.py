@@ -27,13 +27,19 @@ import sys
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
-from .base import PagedAttentionAdapter, StepScope
+from .base import PagedAttentionAdapter, StepScope, layer_attribute, layer_flag, layer_scale
 
 
 def _model_function(module: nn.Module, name: str):
     """A function of the original module's modeling file (its rotary or ALiBi code)."""
     return getattr(sys.modules[type(module).__module__], name)
+
+
+def _config(module: nn.Module) -> PretrainedConfig:
+    """The original module's model config."""
+    return layer_attribute(module, "config", PretrainedConfig)
 
 
 def _apply_rotary(module: nn.Module, query: torch.Tensor, key: torch.Tensor, position_embeddings,
@@ -60,14 +66,19 @@ class SeparateProjectionsAttention(PagedAttentionAdapter):
     ``query_scaling``: the original multiplies its query projection by its
     ``scaling`` (xglm); else scores are scaled by ``scores_scale`` (gpt_neo: 1)."""
 
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    out_proj: nn.Module
     query_scaling = False
     scores_scale: float | None = None
 
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.num_heads
-        self.head_dim = original.head_dim
+        self.num_heads = layer_attribute(original, "num_heads", int)
+        self.head_dim = layer_attribute(original, "head_dim", int)
         if self.query_scaling:
+            self._query_scale = layer_scale(original, "scaling")
             self.scale = 1.0
         else:
             self.scale = self.scores_scale if self.scores_scale is not None else self.head_dim ** -0.5
@@ -75,7 +86,7 @@ class SeparateProjectionsAttention(PagedAttentionAdapter):
     def project(self, hidden_states, call):
         query = self.q_proj(hidden_states)
         if self.query_scaling:
-            query = query * self.original.scaling
+            query = query * self._query_scale
         shape = (hidden_states.shape[0], -1, self.head_dim)
         return (query.view(shape), self.k_proj(hidden_states).view(shape), self.v_proj(hidden_states).view(shape))
 
@@ -91,8 +102,8 @@ class GPTNeoAttention(SeparateProjectionsAttention):
 
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        if original.attention_type == "local":
-            self.sliding_window = original.config.window_size
+        if layer_attribute(original, "attention_type", str) == "local":
+            self.sliding_window = _config(original).window_size
 
 
 class XGLMAttention(SeparateProjectionsAttention):
@@ -102,14 +113,18 @@ class XGLMAttention(SeparateProjectionsAttention):
 class OpenAIGPTAttention(PagedAttentionAdapter):
     """openai-gpt: c_attn (Conv1D) gives [q | k | v]; scores scaled when ``scale``."""
 
+    c_attn: nn.Module
+    c_proj: nn.Module
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.n_head
-        self.head_dim = original.split_size // original.n_head
-        self.scale = self.head_dim ** -0.5 if original.scale else 1.0
+        self.num_heads = layer_attribute(original, "n_head", int)
+        self._split_size = layer_attribute(original, "split_size", int)
+        self.head_dim = self._split_size // self.num_heads
+        self.scale = self.head_dim ** -0.5 if layer_flag(original, "scale") else 1.0
 
     def project(self, hidden_states, call):
-        query, key, value = self.c_attn(hidden_states).split(self.original.split_size, dim=-1)
+        query, key, value = self.c_attn(hidden_states).split(self._split_size, dim=-1)
         shape = (hidden_states.shape[0], self.num_heads, self.head_dim)
         return query.reshape(shape), key.reshape(shape), value.reshape(shape)
 
@@ -121,16 +136,20 @@ class GPTNeoXJapaneseAttention(PagedAttentionAdapter):
     """gpt_neox_japanese: query_key_value laid out [H, 3D]; partial rotary; returns the
     output, no weights, and its separate output bias."""
 
+    query_key_value: nn.Module
+    dense: nn.Module
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.num_attention_heads
-        self.head_dim = original.head_size
-        self.scale = 1.0 / original.norm_factor
+        self.num_heads = layer_attribute(original, "num_attention_heads", int)
+        self.head_dim = layer_attribute(original, "head_size", int)
+        self.scale = 1.0 / layer_scale(original, "norm_factor")
+        self._rotary_dims = layer_attribute(original, "rotary_ndims", int)
 
     def project(self, hidden_states, call):
         qkv = self.query_key_value(hidden_states).view(hidden_states.shape[0], self.num_heads, 3 * self.head_dim)
         query, key, value = qkv.split(self.head_dim, dim=-1)
-        query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self.original.rotary_ndims)
+        query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self._rotary_dims)
         return query, key, value
 
     def finish(self, attention, call):
@@ -153,15 +172,22 @@ class FalconAttention(PagedAttentionAdapter):
     load check's reference runs the model eager) the original is given a zero bias for
     its scores, so it adds the mask's bias once, as its SDPA attention does."""
 
+    query_key_value: nn.Module
+    dense: nn.Module
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.num_heads
-        self.head_dim = original.head_dim
-        self.scale = original.inv_norm_factor
+        self.num_heads = layer_attribute(original, "num_heads", int)
+        self.head_dim = layer_attribute(original, "head_dim", int)
+        self.scale = layer_scale(original, "inv_norm_factor")
+        self._new_decoder_architecture = layer_flag(original, "new_decoder_architecture")
+        self._multi_query = layer_flag(original, "multi_query")
+        self._num_kv_heads = layer_attribute(original, "num_kv_heads", int)
+        self._config = _config(original)
         self._bias_table: torch.Tensor | None = None  # [H, L] ALiBi by key position, grown as contexts grow
 
     def forward(self, *args, **kwargs):
-        if self._scope.ctx is None and self.original.config.alibi:
+        if self._scope.ctx is None and self._config.alibi:
             call = self._signature.bind(*args, **kwargs)
             if call.arguments.get("alibi") is not None:
                 call.arguments["alibi"] = torch.zeros_like(call.arguments["alibi"])
@@ -170,12 +196,14 @@ class FalconAttention(PagedAttentionAdapter):
 
     @property
     def uses_position_bias(self) -> bool:
-        return bool(self.original.config.alibi)
+        return bool(self._config.alibi)
 
     def position_bias_for(self, call, query):
         if call.get("alibi") is None:
             return None
-        length = self._scope.ctx.max_seq_len
+        ctx = self._scope.ctx
+        assert ctx is not None, "position_bias_for is asked inside a step"
+        length = ctx.max_seq_len
         table = self._bias_table
         if table is None or table.shape[1] < length or table.dtype != query.dtype or table.device != query.device:
             table = self._bias_table = self._alibi_table(max(256, 1 << (length - 1).bit_length()), query)
@@ -184,26 +212,26 @@ class FalconAttention(PagedAttentionAdapter):
     def _alibi_table(self, length: int, query: torch.Tensor) -> torch.Tensor:
         """[H, length]: the model's ALiBi bias at key positions 0 .. length - 1, in
         ``query``'s dtype, divided by sqrt(head size) as FalconModel divides it."""
-        config = self.original.config
+        config = self._config
         mask = torch.ones((1, length), dtype=torch.long, device=query.device)  # the model's own mask dtype
         alibi = _model_function(self.original, "build_alibi_tensor")(mask, self.num_heads, query.dtype)
         return alibi[:, 0] / math.sqrt(config.hidden_size // self.num_heads)
 
     def project(self, hidden_states, call):
-        original, tokens = self.original, hidden_states.shape[0]
+        tokens = hidden_states.shape[0]
         fused = self.query_key_value(hidden_states)
-        if original.new_decoder_architecture:
-            qkv = fused.view(tokens, original.num_kv_heads, -1, self.head_dim)
+        if self._new_decoder_architecture:
+            qkv = fused.view(tokens, self._num_kv_heads, -1, self.head_dim)
             query = qkv[:, :, :-2].reshape(tokens, self.num_heads, self.head_dim)
             key, value = qkv[:, :, -2], qkv[:, :, -1]
-        elif original.multi_query:
+        elif self._multi_query:
             qkv = fused.view(tokens, self.num_heads + 2, self.head_dim)
             query, key, value = qkv[:, :-2], qkv[:, -2:-1], qkv[:, -1:]
         else:
             qkv = fused.view(tokens, self.num_heads, 3, self.head_dim)
             query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if call.get("alibi") is None:
-            query, key = _apply_rotary(original, query, key, call["position_embeddings"], self.head_dim)
+            query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self.head_dim)
         return query, key, value
 
     def finish(self, attention, call):
@@ -213,13 +241,16 @@ class FalconAttention(PagedAttentionAdapter):
 class BloomAttention(PagedAttentionAdapter):
     """bloom: query_key_value as [H, 3, D], ALiBi, and the residual added inside."""
 
+    query_key_value: nn.Module
+    dense: nn.Module
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.num_heads
-        self.head_dim = original.head_dim
-        self.scale = original.inv_norm_factor
+        self.num_heads = layer_attribute(original, "num_heads", int)
+        self.head_dim = layer_attribute(original, "head_dim", int)
+        self.scale = layer_scale(original, "inv_norm_factor")
         alibi = _model_function(original, "build_alibi_tensor")(torch.ones(1, 2), self.num_heads, torch.float32)
-        self.alibi_slopes = _alibi_slopes(alibi) * original.beta
+        self.alibi_slopes = _alibi_slopes(alibi) * layer_scale(original, "beta")
 
     def project(self, hidden_states, call):
         qkv = self.query_key_value(hidden_states).view(hidden_states.shape[0], self.num_heads, 3, self.head_dim)
@@ -233,11 +264,15 @@ class MptAttention(PagedAttentionAdapter):
     """mpt: Wqkv split in thirds (clipped where the config says), ALiBi when the model
     passes a position bias."""
 
+    Wqkv: nn.Module
+    out_proj: nn.Module
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.num_heads = original.n_heads
-        self.head_dim = original.head_dim
-        self.scale = original.softmax_scale
+        self.num_heads = layer_attribute(original, "n_heads", int)
+        self.head_dim = layer_attribute(original, "head_dim", int)
+        self.scale = layer_scale(original, "softmax_scale")
+        self._clip_qkv = None if original.clip_qkv is None else layer_scale(original, "clip_qkv")
         self._slopes = _alibi_slopes(_model_function(original, "build_mpt_alibi_tensor")(self.num_heads, 2))
 
     def alibi_slopes_for(self, call):
@@ -245,8 +280,8 @@ class MptAttention(PagedAttentionAdapter):
 
     def project(self, hidden_states, call):
         qkv = self.Wqkv(hidden_states)
-        if self.original.clip_qkv:
-            qkv = qkv.clamp(min=-self.original.clip_qkv, max=self.original.clip_qkv)
+        if self._clip_qkv:
+            qkv = qkv.clamp(min=-self._clip_qkv, max=self._clip_qkv)
         shape = (hidden_states.shape[0], self.num_heads, self.head_dim)
         query, key, value = qkv.chunk(3, dim=-1)
         return query.reshape(shape), key.reshape(shape), value.reshape(shape)
@@ -263,10 +298,22 @@ class DiffLlamaAttention(PagedAttentionAdapter):
     that are the two sets side by side (head size 2D, as the cache spec holds them for
     diffllama), which gives both outputs at once."""
 
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    groupnorm: nn.Module
+    # The original's own parameters, taken over under their names (the same objects).
+    lambda_q1: nn.Parameter
+    lambda_k1: nn.Parameter
+    lambda_q2: nn.Parameter
+    lambda_k2: nn.Parameter
+
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
-        self.head_dim = original.head_dim
-        self.scale = original.scaling
+        self.head_dim = layer_attribute(original, "head_dim", int)
+        self.scale = layer_scale(original, "scaling")
+        self._lambda_init = layer_scale(original, "lambda_init")
 
     def project(self, hidden_states, call):
         tokens = hidden_states.shape[0]
@@ -278,14 +325,13 @@ class DiffLlamaAttention(PagedAttentionAdapter):
         return query, key, torch.cat((first.repeat(1, 2, 1), second.repeat(1, 2, 1)), dim=-1)
 
     def finish(self, attention, call):
-        original = self.original
         tokens = attention.shape[1]
         both = attention.view(1, tokens, -1, 2 * self.head_dim)  # [1, T, H, 2D]: out1 | out2 per head
         # transformers concatenates the two calls' outputs on the last axis and then
         # splits the heads in two: the first half of the heads combines with the second.
         out1, out2 = both.chunk(2, dim=2)
-        lambda_1 = torch.exp(torch.sum(original.lambda_q1 * original.lambda_k1, dim=-1, dtype=torch.float32))
-        lambda_2 = torch.exp(torch.sum(original.lambda_q2 * original.lambda_k2, dim=-1, dtype=torch.float32))
-        lambda_full = lambda_1.to(both.dtype) - lambda_2.to(both.dtype) + original.lambda_init
-        combined = (1 - original.lambda_init) * self.groupnorm(out1 - lambda_full * out2)
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1, dtype=torch.float32))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1, dtype=torch.float32))
+        lambda_full = lambda_1.to(both.dtype) - lambda_2.to(both.dtype) + self._lambda_init
+        combined = (1 - self._lambda_init) * self.groupnorm(out1 - lambda_full * out2)
         return self.o_proj(combined.reshape(1, tokens, -1)), None
