@@ -38,7 +38,7 @@ import transformers
 
 from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
 from shardline import LLM, SamplingParams
-from shardline.engine.cpu.paths import host_cpu
+from shardline.engine.cpu.capability import host_cpu
 
 # What the runs are timed by: the wall clock, or with --cpu-time the thread's CPU time.
 clock: Callable[[], float] = time.perf_counter

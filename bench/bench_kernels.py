@@ -132,7 +132,7 @@ def best_cpu_seconds(run, repeat: int) -> float:
 def bench_cpu(repeat: int) -> None:
     """The C decode and prefill kernels on bench_engine's workload (see the module docstring)."""
     from common import LLAMA_BENCH_CONFIG, random_prompts
-    from shardline.engine.cpu.paths import host_cpu
+    from shardline.engine.cpu.capability import host_cpu
     from shardline.engine.kernels.cpu_attention import decode_attention
     from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
 

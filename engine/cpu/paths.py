@@ -1,15 +1,7 @@
 """Which fast paths the CPU engine takes on this host, chosen once when it loads.
 
 Each path is taken only where the host can run it, by what the libraries report of
-themselves, never by an assumed instruction set:
-- packed linears: torch built with oneDNN and a probe matmul that must give torch's
-  answer; for bfloat16, oneDNN's own bfloat16 support query (it needs AVX-512
-  BW/VL/DQ or AVX-NE-CONVERT). Where that query says no, bfloat16 linears can be
-  packed as float32 copies instead (cpu/linear.py), if twice their weights' memory
-  is free;
-- fused elementwise kernels, native decode and prefill attention, the recurrent
-  layers' kernel (convolutions, gated delta-net and Kimi delta attention cores): a C
-  compiler, the library built for the kernel target (kernels/native.py), the dtype.
+themselves, never by an assumed instruction set (engine/cpu/capability.py asks them).
 
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
@@ -33,19 +25,27 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import native
+from ..kernels import cpu_prefill_attention, native
+from .capability import (
+    ModelShape,
+    decode_kernel_capability,
+    fused_kernels_capability,
+    host_cpu,
+    packed_copy_dtype,
+    packed_linears_capability,
+    prefill_kernel_capability,
+    recurrent_kernel_capability,
+)
 from .hybrid_layers import optimize_hybrid_layers
 from .layers import fuse_decoder_layers, fuse_rms_norms
-from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears, packed_matmul
+from .linear import fuse_gated_mlps, pack_linears, packed_matmul
 from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
@@ -53,74 +53,6 @@ logger = logging.getLogger(__name__)
 PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
-
-
-@dataclass(frozen=True)
-class HostCpu:
-    """What the host's CPU and libraries say they can do."""
-
-    model: str
-    machine: str
-    torch_isa: str  # the vector level torch's own kernels dispatch to
-    kernel_isa: str | None  # what the C kernels are built with; None: no compiler
-    kernel_target: str
-    onednn: bool
-    onednn_bfloat16: bool
-
-    def describe(self) -> str:
-        kernels = f"{self.kernel_isa} (-march={self.kernel_target})" if self.kernel_isa else "none (no C compiler)"
-        return (f"{self.model} ({self.machine}); torch kernels {self.torch_isa}; C kernels {kernels}; "
-                f"oneDNN {'yes' if self.onednn else 'no'}, bfloat16 {'yes' if self.onednn_bfloat16 else 'no'}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model", "Hardware")) and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def host_cpu() -> HostCpu:
-    """The host's CPU as torch, oneDNN and the C compiler report it."""
-    onednn = torch.backends.mkldnn.is_available()
-    return HostCpu(
-        model=_cpu_model(),
-        machine=platform.machine(),
-        torch_isa=torch.backends.cpu.get_cpu_capability(),
-        kernel_isa=native.built_vector_isa(),
-        kernel_target=native.kernel_target(),
-        onednn=onednn,
-        onednn_bfloat16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shapes the measurements run: the model's widest linear and its heads."""
-
-    hidden_size: int
-    widest_linear: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    # Elements in the model's linear weights (what packed copies would hold); not part
-    # of a measurement's key.
-    linear_weights: int = field(default=0, repr=False, compare=False)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> "ModelShape":
-        """The decoder's width and its widest linear on the hidden states (the LM head,
-        as wide as the vocabulary, aside)."""
-        hidden_size = model.get_input_embeddings().weight.shape[1]
-        vocab_size = model.get_input_embeddings().weight.shape[0]
-        linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
-        widths = [module.out_features for module in linears
-                  if module.in_features == hidden_size and module.out_features != vocab_size]
-        return cls(hidden_size, max(widths, default=hidden_size), num_heads, num_kv_heads, head_dim,
-                   linear_weights=sum(module.weight.numel() for module in linears))
 
 
 @dataclass(frozen=True)
@@ -163,14 +95,14 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     log the decision once."""
     host = host_cpu()
     settings = path_settings()
-    packed_dtype = _packed_dtype(host, dtype)
+    packed_dtype = packed_copy_dtype(host, dtype)
     checks = {
-        "packed_linears": (_packed_linears(host, dtype, shape),
+        "packed_linears": (packed_linears_capability(host, dtype, shape),
                            lambda: _linear_speedup(dtype, packed_dtype or dtype, shape, rows_hint), "torch's matmul"),
-        "fused_kernels": (_fused_kernels(dtype), None, ""),
-        "decode_kernel": (_decode_kernel(dtype, shape), None, ""),
-        "prefill_kernel": (_prefill_kernel(dtype, shape), lambda: _prefill_speedup(dtype, shape), "SDPA"),
-        "recurrent_kernel": (_recurrent_kernel(dtype), None, ""),
+        "fused_kernels": (fused_kernels_capability(dtype), None, ""),
+        "decode_kernel": (decode_kernel_capability(dtype, shape), None, ""),
+        "prefill_kernel": (prefill_kernel_capability(dtype, shape), lambda: _prefill_speedup(dtype, shape), "SDPA"),
+        "recurrent_kernel": (recurrent_kernel_capability(dtype), None, ""),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -192,100 +124,6 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     logger.info("CPU paths for %s on %s: %s", str(dtype).removeprefix("torch."), host.describe(), paths.describe())
     return paths
 
-
-def _packed_dtype(host: HostCpu, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype packed copies of ``dtype`` linears would take where it is not
-    ``dtype``: float32 for bfloat16 where oneDNN has no bfloat16."""
-    return torch.float32 if dtype == torch.bfloat16 and host.onednn and not host.onednn_bfloat16 else None
-
-
-# The float32 copies of a bfloat16 model's linears are taken only if this many times
-# their size is free: the KV cache and the step's temporaries come after them.
-COPY_HEADROOM = 2
-
-
-def _packed_linears(host: HostCpu, dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False, f"oneDNN has no {str(dtype).removeprefix('torch.')} matmul"
-    if not host.onednn:
-        return False, "torch built without oneDNN"
-    packed_dtype = _packed_dtype(host, dtype) or dtype
-    if not onednn_linear_available(packed_dtype):
-        return False, "oneDNN's packed linear fails its probe here"
-    if packed_dtype == dtype:
-        return True, "oneDNN runs it"
-    copies, free = shape.linear_weights * packed_dtype.itemsize, available_memory()
-    if free is not None and copies * COPY_HEADROOM > free:
-        return False, (f"oneDNN has no bfloat16 on this CPU and float32 copies of the linears "
-                       f"({copies / 2**30:.1f} GiB) do not fit {COPY_HEADROOM}x in the {free / 2**30:.1f} GiB free")
-    return True, f"as float32 copies ({copies / 2**30:.2f} GiB): oneDNN has no bfloat16 on this CPU"
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the host reports available to allocate, or None where it does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _fused_kernels(dtype: torch.dtype) -> tuple[bool, str]:
-    from ..kernels.cpu_fused import SOURCE, fused_kernels_available
-
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False, "float32 and bfloat16 only"
-    if not fused_kernels_available(dtype):
-        return False, f"{SOURCE.name} could not be built (see its warning)"
-    return True, "built"
-
-
-def _recurrent_kernel(dtype: torch.dtype) -> tuple[bool, str]:
-    from ..kernels import cpu_recurrent
-
-    if dtype not in cpu_recurrent.DTYPES:
-        return False, "float32 and float64 only"
-    if cpu_recurrent.load_library() is None:
-        return False, f"{cpu_recurrent.SOURCE.name} could not be built (see its warning)"
-    return True, "built"
-
-
-def _decode_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from ..kernels import cpu_attention
-
-    return _attention_kernel(cpu_attention, cpu_attention.decode_kernel_available, dtype, shape,
-                             "reads each context row once")
-
-
-def _prefill_kernel(dtype: torch.dtype, shape: ModelShape) -> tuple[bool, str]:
-    from ..kernels import cpu_prefill_attention
-
-    return _attention_kernel(cpu_prefill_attention, cpu_prefill_attention.prefill_kernel_available, dtype, shape,
-                             "built")
-
-
-def _attention_kernel(kernel: object, available: Callable[[torch.Tensor, int], bool], dtype: torch.dtype,
-                      shape: ModelShape, why: str) -> tuple[bool, str]:
-    """Whether a native attention kernel (a module with SOURCE, DTYPES and
-    load_library) runs this model's dtype and heads here, and why."""
-    if dtype not in kernel.DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in kernel.DTYPES)
-        return False, f"{names} only"
-    if kernel.load_library() is None:
-        return False, f"{kernel.SOURCE.name} could not be built (see its warning)"
-    if not available(_cache_probe(dtype, shape), shape.num_heads):
-        return False, (f"the kernel does not take {shape.num_heads} heads over {shape.num_kv_heads} of size "
-                       f"{shape.head_dim}")
-    return True, why
-
-
-def _cache_probe(dtype: torch.dtype, shape: ModelShape) -> torch.Tensor:
-    return torch.empty((1, 16, shape.num_kv_heads, shape.head_dim), dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -311,6 +149,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     PREPARATION_ORDER."""
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
+        assert paths.dtype is not None, "a path is chosen for the model's dtype (choose_cpu_paths)"
         packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype)
         mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
     if paths.fused_kernels:
@@ -368,7 +207,9 @@ def _race(default: Callable[[], object], alternative: Callable[[], object], roun
     thread and are timed by its CPU time, which other work on the machine does not
     inflate; on several, by the wall clock."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    default(), alternative()  # warm up: oneDNN and the kernels build their code on first use
+    # Warm up: oneDNN and the kernels build their code on first use.
+    default()
+    alternative()
     best = [float("inf"), float("inf")]
     for _ in range(rounds):
         for index, run in enumerate((default, alternative)):
@@ -403,8 +244,8 @@ MEASURED_PROMPTS = (48, 160, 300)
 
 @torch.inference_mode()
 def _prefill_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
-    from ..kernels.cpu_prefill_attention import prefill_attention
-
+    """How many times faster the native prefill kernel attends fresh prompts of
+    MEASURED_PROMPTS' lengths than SDPA does, one call per prompt."""
     block_size, generator = 16, torch.Generator().manual_seed(0)
     tokens = sum(MEASURED_PROMPTS)
     blocks = [-(-length // block_size) for length in MEASURED_PROMPTS]
@@ -426,11 +267,13 @@ def _prefill_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
     requests, out, scale = torch.arange(len(MEASURED_PROMPTS)), torch.empty_like(query), shape.head_dim ** -0.5
 
     def kernel() -> None:
-        prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, requests, out, scale)
+        cpu_prefill_attention.prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                requests, out, scale)
 
     def sdpa() -> None:
         for first, end in zip(starts, starts[1:]):
-            F.scaled_dot_product_attention(*(x[first:end].transpose(0, 1) for x in (query, key, value)),
-                                           is_causal=True, scale=scale, enable_gqa=True)
+            F.scaled_dot_product_attention(query[first:end].transpose(0, 1), key[first:end].transpose(0, 1),
+                                           value[first:end].transpose(0, 1), is_causal=True, scale=scale,
+                                           enable_gqa=True)
 
     return _race(kernel, sdpa)

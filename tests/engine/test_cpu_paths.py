@@ -13,10 +13,12 @@ import pytest
 import torch
 import transformers
 
+from shardline.engine.cpu import capability as cpu_capability
 from shardline.engine.cpu import paths as cpu_paths
+from shardline.engine.cpu.capability import HostCpu, ModelShape, host_cpu
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
-from shardline.engine.cpu.paths import PATH_NAMES, ModelShape, choose_cpu_paths, host_cpu, path_settings
+from shardline.engine.cpu.paths import PATH_NAMES, choose_cpu_paths, path_settings
 from shardline.engine.kernels import native
 
 SHAPE = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -173,7 +175,7 @@ def test_an_avx2_host_loads_bfloat16_and_gives_the_same_tokens(tiny_llama_dir, h
     assert all(len(tokens) == 8 for tokens in result["bfloat16"]["tokens"])
 
 
-def host_without_onednn_bfloat16() -> cpu_paths.HostCpu:
+def host_without_onednn_bfloat16() -> HostCpu:
     """This host as one whose oneDNN has no bfloat16 (AVX2 without AVX-NE-CONVERT)."""
     return dataclasses.replace(host_cpu(), onednn_bfloat16=False)
 
@@ -187,7 +189,7 @@ def test_bfloat16_without_onednn_bfloat16_packs_float32_copies_where_they_fit(mo
     assert "as float32 copies (0.00 GiB)" in dict(paths.reasons)["packed_linears"]
     assert choose_cpu_paths(torch.float32, shape, rows_hint=64).packed_dtype is None
     # Copies that would not fit twice in the memory free are not made.
-    monkeypatch.setattr(cpu_paths, "available_memory", lambda: 6 << 30)
+    monkeypatch.setattr(cpu_capability, "available_memory", lambda: 6 << 30)
     huge = dataclasses.replace(SHAPE, linear_weights=1 << 30)  # 4 GiB of float32 copies
     paths = choose_cpu_paths(torch.bfloat16, huge, rows_hint=64)
     assert not paths.packed_linears and paths.packed_dtype is None
