@@ -26,9 +26,12 @@ class ShardProgress:
     def __init__(self, total: int, finished: int = 0) -> None:
         self.total = total
         self.finished = finished
-        self.artifact_id: UUID = create_progress_artifact(
+        artifact_id = create_progress_artifact(
             progress=self._percent(), key=f"{ARTIFACT_PREFIX}-progress", description=self._description()
         )
+        # Prefect dispatches on the caller: from a sync flow it runs the call and returns the id.
+        assert isinstance(artifact_id, UUID), f"create_progress_artifact returned {artifact_id!r}, not an id"
+        self.artifact_id = artifact_id
 
     def advance(self) -> None:
         self.finished += 1

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
@@ -122,7 +123,11 @@ def run_partition_task(job: BatchJob, partition: str, execution: Execution, repr
         flow_run = run_deployment(deployment, flow_run_name=run_name, timeout=None, parameters={
             "job": part.public_fields(), "execution": execution.model_dump(mode="json"),
             "reprocess_completed": redo})
+        # Prefect dispatches on the caller: from a sync task it waits and returns the run,
+        # which timeout=None leaves in a final state.
+        assert isinstance(flow_run, FlowRun), f"run_deployment returned {flow_run!r}, not a flow run"
         state, flow_run_id = flow_run.state, flow_run.id
+        assert state is not None, f"flow run {flow_run_id} of {deployment} finished without a state"
         outcome = {"state": "completed" if state.is_completed() else "failed",
                    "message": None if state.is_completed() else f"{state.type.value}: {state.message}"}
     else:

@@ -11,7 +11,7 @@ the next shard (tasks/engine_cache.py). prefect-ray is imported only when used.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .execution import Execution
@@ -21,7 +21,7 @@ class RayUnavailable(RuntimeError):
     """task_runner=ray was asked for but prefect-ray / ray is not installed."""
 
 
-def shard_remote_options(execution: Execution, cluster_resources: dict[str, float]) -> dict[str, Any]:
+def shard_remote_options(execution: Execution, cluster_resources: Mapping[str, float]) -> dict[str, Any]:
     """The ``ray.remote`` options of one shard task on a cluster with ``cluster_resources``."""
     max_calls = 0 if execution.reuse_ray_workers else 1
     if cluster_resources.get("GPU", 0) > 0:

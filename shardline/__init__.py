@@ -8,7 +8,13 @@ does not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names __getattr__ resolves, for type checkers
+    from shardline.engine.llm import LLM
+    from shardline.engine.lora.request import LoRARequest
+    from shardline.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from shardline.engine.params import PoolingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -23,7 +29,9 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "shardline.engine.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+# _EXPORTS' names, sorted (a literal, so type checkers read it).
+__all__ = ["CompletionOutput", "EmbeddingRequestOutput", "LLM", "LoRARequest", "PoolingParams", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

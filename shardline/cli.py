@@ -142,7 +142,9 @@ def job_from_args(args: argparse.Namespace) -> Any:
     """The BatchJob a ``shardline run`` command line describes."""
     from shardline.tasks.job import BatchJob
 
-    return BatchJob(
+    # Validated from plain values, so a bad value's error names its field's path
+    # (sampling.max_tokens), which _flag turns into the flag that set it.
+    return BatchJob.model_validate(dict(
         input=args.input, output=args.output, model=args.model, revision=args.revision, task=args.task,
         input_format=args.input_format, output_format=args.output_format, served_model_name=args.served_model_name,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -152,7 +154,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
         shards_in_flight=args.shards_in_flight,
-    )
+    ))
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -297,9 +299,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         build_tiny_model(model_dir, arch="llama")
     print("[3/3] running the batch-inference flow")
-    job = BatchJob(input=str(root / "input"), output=str(root / "output"), model=str(model_dir),
-                   sampling={"max_tokens": args.max_tokens, "temperature": 0.8, "seed": 0},
-                   engine_options={"max_num_seqs": 64}, pass_through=["topic"], shards_in_flight=3)
+    job = BatchJob.model_validate(dict(
+        input=str(root / "input"), output=str(root / "output"), model=str(model_dir),
+        sampling={"max_tokens": args.max_tokens, "temperature": 0.8, "seed": 0},
+        engine_options={"max_num_seqs": 64}, pass_through=["topic"], shards_in_flight=3))
     code, summary = run_job(job)
     if summary is None:
         return code

@@ -172,14 +172,18 @@ def classify(exc: BaseException) -> ErrorKind:
 
 
 def _library_kind(exc: BaseException) -> ErrorKind | None:
-    """The kind of a botocore, aiohttp, Ray or fsspec exception; None for anything else."""
+    """The kind of a botocore, aiohttp, Ray or fsspec exception; None for anything else.
+
+    The libraries are looked up among the loaded modules (an exception of one that is
+    not loaded cannot occur), so their classes are untyped here and the attributes of
+    their exceptions are read with getattr."""
     fsspec_exceptions = sys.modules.get("fsspec.exceptions")
     if fsspec_exceptions is not None and isinstance(exc, fsspec_exceptions.FSTimeoutError):
         return ErrorKind.TRANSIENT
     botocore = sys.modules.get("botocore.exceptions")
     if botocore is not None:
         if isinstance(exc, botocore.ClientError):
-            return _client_error_kind(exc.response)
+            return _client_error_kind(getattr(exc, "response", None))
         if isinstance(exc, (botocore.NoCredentialsError, botocore.PartialCredentialsError,
                             botocore.NoRegionError, botocore.ParamValidationError)):
             return ErrorKind.PERMANENT
@@ -195,7 +199,8 @@ def _library_kind(exc: BaseException) -> ErrorKind | None:
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
         if isinstance(exc, aiohttp.ClientResponseError):
-            return ErrorKind.TRANSIENT if exc.status >= 500 or exc.status == 429 else ErrorKind.PERMANENT
+            status: int = getattr(exc, "status", 0)
+            return ErrorKind.TRANSIENT if status >= 500 or status == 429 else ErrorKind.PERMANENT
         return ErrorKind.TRANSIENT  # connection refused or reset, server disconnected, payload cut
     return None
 

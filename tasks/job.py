@@ -61,17 +61,18 @@ class SamplingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(256, ge=1, description="Most tokens generated per completion.")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass.")
-    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 keeps all.")
-    seed: int | None = Field(None, description="Per-request sampling seed; none means the engine's generator.")
-    n: int = Field(1, ge=1, description="Completions per row; more than one writes a `texts` list column.")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens generated per completion.")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass.")
+    top_k: int = Field(default=0, ge=0, description="Keep only the k most likely tokens; 0 keeps all.")
+    seed: int | None = Field(default=None, description="Per-request sampling seed; none means the engine's generator.")
+    n: int = Field(default=1, ge=1, description="Completions per row; more than one writes a `texts` list column.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="Above 1 discourages repeated tokens.")
+    ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="Above 1 discourages repeated tokens.")
     max_reasoning_tokens: int | None = Field(
-        None, ge=0, description="Most thinking tokens before the answer is forced to begin; needs reasoning_parser.")
+        default=None, ge=0,
+        description="Most thinking tokens before the answer is forced to begin; needs reasoning_parser.")
 
 
 class PoolingDefaults(BaseModel):
@@ -79,8 +80,8 @@ class PoolingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    normalize: bool | None = Field(None, description="L2-normalise embeddings; none uses the model's default.")
-    dimensions: int | None = Field(None, ge=1, description="Truncate embeddings to this many dimensions.")
+    normalize: bool | None = Field(default=None, description="L2-normalise embeddings; none uses the model's default.")
+    dimensions: int | None = Field(default=None, ge=1, description="Truncate embeddings to this many dimensions.")
 
 
 class BatchJob(BaseModel):
@@ -95,16 +96,18 @@ class BatchJob(BaseModel):
     )
     output: str = Field(..., description="Prefix that receives <shard>.parquet and _manifests/<shard>.json.")
     model: str = Field(..., description="Hugging Face hub id or local model directory.")
-    revision: str | None = Field(None, description="Model revision (branch, tag or commit); part of the fingerprint.")
-    task: JobTask = Field(JobTask.GENERATE, description="generate: complete `prompt`; chat: answer "
+    revision: str | None = Field(
+        default=None, description="Model revision (branch, tag or commit); part of the fingerprint.")
+    task: JobTask = Field(default=JobTask.GENERATE, description="generate: complete `prompt`; chat: answer "
                           "`messages`; embed: embed `prompt` (OpenAI Batch requests: their url picks chat or "
                           "completion; embed serves /v1/embeddings).")
-    input_format: InputFormat = Field(InputFormat.AUTO, description="Shard format; auto goes by extension "
+    input_format: InputFormat = Field(default=InputFormat.AUTO, description="Shard format; auto goes by extension "
                                       "(JSON Lines of OpenAI Batch requests are read as openai).")
-    output_format: OutputFormat = Field(OutputFormat.PARQUET, description="parquet: <shard>.parquet rows; "
+    output_format: OutputFormat = Field(default=OutputFormat.PARQUET, description="parquet: <shard>.parquet rows; "
                                         "openai: OpenAI Batch output lines in <shard>.jsonl.")
     served_model_name: str | None = Field(
-        None, description="The model name OpenAI Batch requests may give (besides `model`) and responses carry.")
+        default=None,
+        description="The model name OpenAI Batch requests may give (besides `model`) and responses carry.")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Sampling defaults.")
     pooling: PoolingDefaults = Field(default_factory=PoolingDefaults, description="Embedding options.")
     engine_options: dict[str, Any] = Field(
@@ -122,15 +125,15 @@ class BatchJob(BaseModel):
         "Prefer environment variables or the platform's own credentials.",
     )
     shards_in_flight: int = Field(
-        4, ge=1, le=256, description="Shards fed to the engine at once; 2 or more keep its batch full "
+        default=4, ge=1, le=256, description="Shards fed to the engine at once; 2 or more keep its batch full "
         "across shard boundaries.",
     )
     structured_outputs: StructuredOutputs | None = Field(
-        None, description="Constrain every output to a JSON schema, regex, choice list or grammar (rows may "
+        default=None, description="Constrain every output to a JSON schema, regex, choice list or grammar (rows may "
         "override it with a `response_format` or `json_schema` column); JSON outputs are validated into `parsed`.",
     )
     reasoning_parser: str | None = Field(
-        None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
+        default=None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
         f"{', '.join(REASONING_PARSERS)}.",
     )
 

@@ -131,8 +131,8 @@ def prepare_openai_shard(raw: RawShard, job: BatchJob) -> PreparedShard:
 
 
 def _check_unique_ids(raw: RawShard) -> None:
-    counts = Counter(record.get("custom_id") for record in raw.records
-                     if isinstance(record, dict) and isinstance(record.get("custom_id"), str))
+    counts = Counter(custom_id for record in raw.records
+                     if isinstance(record, dict) and isinstance(custom_id := record.get("custom_id"), str))
     repeated = sorted(custom_id for custom_id, count in counts.items() if count > 1)
     if repeated:
         shown = ", ".join(map(repr, repeated[:5])) + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else "")
@@ -177,6 +177,7 @@ def _check_parquet_can_hold(row: OpenAIRow, job: BatchJob) -> None:
         name = "input" if row.kind == EMBEDDING else "prompt"
         raise _invalid(name, f"holds {len(row.more) + 1} texts, and a Parquet output row holds one; use "
                        "--output-format openai")
+    assert row.request is not None, f"row {row.index}: its requests are built before this check"
     params = row.request.params
     if isinstance(params, SamplingParams) and params.n != job.sampling.n:
         raise _invalid("n", f"={params.n} differs from the job's n ({job.sampling.n}), which a Parquet output "
@@ -245,6 +246,7 @@ def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowReq
         normalize_messages(messages, "openai")  # roles and text content; the template renders them later
     except ChatRenderError as exc:
         raise _invalid("messages", f"are malformed: {exc}") from None
+    assert messages is not None, "normalize_messages refuses a missing conversation"
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
             raise _invalid("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")

@@ -67,12 +67,14 @@ def _line(row: OpenAIRow, results: list[RowResult | None], created: int) -> dict
             line["response"] = {"status_code": row.status_code, "request_id": _request_id(), "body": {"error": {
                 "message": row.error, "type": "invalid_request_error", "param": row.param,
                 "code": row.error_code}}}
-    elif not results or any(result is None or result.output is None for result in results):
+        return line
+    outputs = [result.output for result in results if result is not None and result.output is not None]
+    if not results or len(outputs) < len(results):
         failed = next((result for result in results if result is None or result.output is None), None)
         message = "internal error: the row never came back from the engine" if failed is None else failed.error
         line["error"] = {"code": "request_failed", "message": message}
     else:
-        body = response_body(row, [result.output for result in results], created)
+        body = response_body(row, outputs, created)
         line["response"] = {"status_code": 200, "request_id": _request_id(), "body": body}
     return line
 

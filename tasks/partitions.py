@@ -160,13 +160,13 @@ class PartitionSelection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    start: dt.date | None = Field(None, description="First date of the range (inclusive).")
-    end: dt.date | None = Field(None, description="Last date of the range (inclusive); defaults to start.")
-    template: str = Field("date={date:%Y-%m-%d}", description="Partition name of a date, a Python format "
+    start: dt.date | None = Field(default=None, description="First date of the range (inclusive).")
+    end: dt.date | None = Field(default=None, description="Last date of the range (inclusive); defaults to start.")
+    template: str = Field(default="date={date:%Y-%m-%d}", description="Partition name of a date, a Python format "
                           "string over {date}, e.g. 'date={date:%Y-%m-%d}' or '{date:%Y/%m/%d}'.")
     names: list[str] = Field(default_factory=list, description="Explicit partitions instead of a date range, "
                              "e.g. ['region=eu', 'region=us'].")
-    last_days: int | None = Field(None, ge=1, le=3660, description="Instead of start/end: the N days before "
+    last_days: int | None = Field(default=None, ge=1, le=3660, description="Instead of start/end: the N days before "
                                   "the run's scheduled date (3: the three days up to yesterday), for schedules.")
 
     @model_validator(mode="after")

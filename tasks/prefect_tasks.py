@@ -26,7 +26,7 @@ from .job import BatchJob
 from .manifest import ShardManifest
 from .shard_job import ShardPipeline, task_may_retry
 
-_RETRY_DELAYS = [2, 10]
+_RETRY_DELAYS: list[float] = [2, 10]
 # Manifest checks in flight at once (storage round trips, mostly waiting).
 _CHECK_THREADS = 16
 

@@ -267,6 +267,7 @@ class ShardRunner:
 
     def _render(self, row: RowRequest) -> str | dict[str, Any]:
         if row.messages is None:
+            assert row.prompt is not None, f"row {row.index} has neither a prompt nor messages"
             return row.prompt
         return {"prompt_token_ids": self.llm.render_chat(row.messages, **(row.chat_options or {}))}
 

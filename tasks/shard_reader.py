@@ -106,7 +106,7 @@ def _read_parquet(shard: Shard, storage_options: dict[str, Any] | None) -> RawSh
         table = pq.read_table(io.BytesIO(data))
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise ShardError(shard.uri, f"not a readable Parquet file ({exc})") from exc
-    records = [_drop_nans(record) for record in table.to_pylist()]
+    records: list[dict[str, Any] | RecordProblem] = [_drop_nans(record) for record in table.to_pylist()]
     columns = {name: table.column(name) for name in table.column_names}
     return RawShard(shard, records, _arrow_schema(table.schema), columns)
 
@@ -130,8 +130,10 @@ def _read_jsonl(shard: Shard, storage_options: dict[str, Any] | None) -> RawShar
             for key, value in record.items():
                 types.setdefault(key, set()).add(_json_type(value))
     if records and not types:
+        first = records[0]
+        assert isinstance(first, RecordProblem), "a line that parsed to an object has its keys in types"
         raise ShardError(shard.uri, f"not JSON Lines: none of its {len(records)} line(s) is a JSON object "
-                         f"(line 1: {records[0].message})")
+                         f"(line 1: {first.message})")
     schema = {key: "|".join(sorted(names)) for key, names in sorted(types.items())}
     return RawShard(shard, records, schema)
 
@@ -141,8 +143,10 @@ def _decompressed(uri: str, data: bytes) -> bytes:
     codec = infer_compression(uri)
     if codec is None:
         return data
+    # fsspec's codec -> opener registry, untyped (pyright reads its key type off its one literal entry, None).
+    openers: dict[Any, Any] = compr
     try:
-        with compr[codec](io.BytesIO(data), mode="rb") as stream:
+        with openers[codec](io.BytesIO(data), mode="rb") as stream:
             return stream.read()
     except Exception as exc:  # EOFError (truncated), BadGzipFile, zstd errors: all mean corrupt
         raise ShardError(uri, f"not a readable {codec} file, truncated or corrupt "

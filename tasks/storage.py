@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -26,6 +26,8 @@ __all__ = ["NoShardsFound", "Shard", "StorageError", "exists", "filesystem", "jo
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 _GLOB_CHARS = re.compile(r"[*?\[]")
+# An fsspec listing with detail=True: path -> info (type, size, ...).
+_Listing = dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -86,15 +88,17 @@ def list_shards(
     Raises NoShardsFound when there is none, StorageError when listing fails."""
     fs, path = filesystem(input_url, storage_options)
     excluded = filesystem(exclude, storage_options)[1].rstrip("/") + "/" if exclude else None
+    # fsspec's listings are untyped; with detail=True they map each path to its info dict.
     if _GLOB_CHARS.search(path):
         root = _GLOB_CHARS.split(path, 1)[0].rsplit("/", 1)[0]
-        found = retry_storage(lambda: fs.glob(path, detail=True), "list", input_url, fs)
+        found = cast(_Listing, retry_storage(lambda: fs.glob(path, detail=True), "list", input_url, fs))
     elif retry_storage(lambda: fs.isfile(path), "list", input_url, fs):
         root = path.rsplit("/", 1)[0]
         found = {path: retry_storage(lambda: fs.info(path), "list", input_url, fs)}
     else:
         root = path.rstrip("/")
-        found = retry_storage(lambda: fs.find(path, detail=True), "list", input_url, fs)  # no bucket: raises
+        # No bucket: raises.
+        found = cast(_Listing, retry_storage(lambda: fs.find(path, detail=True), "list", input_url, fs))
     shards = []
     for found_path, info in found.items():
         found_path = found_path.rstrip("/")
@@ -134,7 +138,7 @@ def read_bytes(uri: str, storage_options: dict[str, Any] | None = None) -> bytes
     """The whole object at ``uri``, as stored (no decompression: a corrupt object
     must fail as corrupt, not be retried as a storage error)."""
     fs, path = filesystem(uri, storage_options)
-    return retry_storage(lambda: fs.cat_file(path), "read", uri, fs)
+    return cast(bytes, retry_storage(lambda: fs.cat_file(path), "read", uri, fs))  # fsspec: untyped, bytes
 
 
 def write_atomic(uri: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
@@ -177,7 +181,8 @@ def remove_stale_temporaries(uri: str, storage_options: dict[str, Any] | None = 
     fs, path = filesystem(uri, storage_options)
     directory, name = path.rsplit("/", 1)
     try:
-        stale = retry_storage(lambda: fs.glob(f"{directory}/_tmp/{name}.*"), "list", f"{uri} temporaries", fs)
+        stale = cast("list[str]", retry_storage(lambda: fs.glob(f"{directory}/_tmp/{name}.*"), "list",
+                                                f"{uri} temporaries", fs))
     except StorageNotFound:
         return 0
     for temp_path in stale:

@@ -27,12 +27,13 @@ class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     json_schema: dict[str, Any] | str | None = Field(
-        None, description="A JSON Schema (an object, or its JSON text) every output must match.")
-    regex: str | None = Field(None, description="A regular expression every output must match in full.")
-    choice: list[str] | None = Field(None, description="Every output is exactly one of these strings.")
-    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's dialect, rule `root`).")
-    json_object: bool | None = Field(None, description="Every output is some JSON object (OpenAI's json_object).")
-    disable_any_whitespace: bool = Field(False, description="Compact JSON: no whitespace between tokens.")
+        default=None, description="A JSON Schema (an object, or its JSON text) every output must match.")
+    regex: str | None = Field(default=None, description="A regular expression every output must match in full.")
+    choice: list[str] | None = Field(default=None, description="Every output is exactly one of these strings.")
+    grammar: str | None = Field(default=None, description="An EBNF grammar (xgrammar's dialect, rule `root`).")
+    json_object: bool | None = Field(
+        default=None, description="Every output is some JSON object (OpenAI's json_object).")
+    disable_any_whitespace: bool = Field(default=False, description="Compact JSON: no whitespace between tokens.")
 
     @model_validator(mode="after")
     def _one_valid_constraint(self) -> StructuredOutputs:
@@ -79,7 +80,7 @@ def check_constraint(params: StructuredOutputsParams) -> None:
 
 def check_json_schema(schema: Any) -> None:
     """ValueError if ``schema`` is not a valid JSON Schema for its declared draft."""
-    import jsonschema
+    import jsonschema.validators
 
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be a JSON object, got {type(schema).__name__} {schema!r:.80}")

@@ -143,8 +143,12 @@ def check_outputs(rows: list[Any], outputs: list[Any], job: BatchJob, input_colu
     parsed: list[list[str | None] | None] = []
     for row, output in zip(rows, outputs):
         constraint = getattr(row.request.params, "structured_outputs", None) if row.request is not None else None
-        if output is None or constraint is None:
-            parsed.append(None if output is None else [None] * len(output.outputs))
+        if output is None:
+            parsed.append(None)
+            continue
+        if constraint is None:
+            unparsed: list[str | None] = [None] * len(output.outputs)
+            parsed.append(unparsed)
             continue
         values, problems = [], []
         for sample in output.outputs:
@@ -217,6 +221,7 @@ class OutputChecker:
                 return None, problem
             return json.dumps(value, ensure_ascii=False, separators=(",", ":")), None
         if constraint.kind == "choice":
+            assert constraint.choice is not None, "a choice constraint has its choices"
             if text in constraint.choice:
                 return None, None
             return None, f"the output {text!r:.80} is not one of the choices {constraint.choice!r:.200}"
@@ -229,6 +234,7 @@ class OutputChecker:
     def _json_problem(self, value: Any, constraint: StructuredOutputsParams) -> str | None:
         if constraint.kind == "json_object":
             return None if isinstance(value, dict) else f"the output is JSON {type(value).__name__}, not an object"
+        assert constraint.json is not None, "a json constraint has its schema"
         schema = constraint.json if isinstance(constraint.json, dict) else schema_object(constraint.json)
         validator = self._validator(schema)
         error = next(iter(sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))), None)
@@ -238,7 +244,7 @@ class OutputChecker:
         return f"the output does not match the JSON schema at {where}: {error.message:.200}"
 
     def _validator(self, schema: dict[str, Any]) -> Any:
-        import jsonschema
+        import jsonschema.validators
 
         key = json.dumps(schema, sort_keys=True)
         if key not in self._validators:

@@ -87,7 +87,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 def summary_table(summary: dict[str, Any]) -> str:
     """A plain-text table of the shards and the totals (what the CLI prints)."""
-    header = list(SHARD_COLUMNS)
+    header: list[str] = list(SHARD_COLUMNS)
     rows = [[str(entry[name]) for name in header] for entry in summary["shards"]]
     totals = summary["totals"]
     rows.append(["TOTAL", f"{totals['done']} done/{totals['skipped']} skipped/{totals['failed']} failed",

@@ -44,7 +44,7 @@ def usage_fields(prepared: PreparedShard, results: dict[int, RowResult], job: Ba
             cached += getattr(output, "num_cached_tokens", 0)
             if isinstance(output.outputs, list):  # an embedding's prompt is all it costs
                 completion += sum(len(sample.token_ids) for sample in output.outputs)
-    kinds = {getattr(row, "kind", None) for row in prepared.rows} - {None}
+    kinds = {kind for row in prepared.rows if (kind := getattr(row, "kind", None)) is not None}
     endpoints = sorted(_KIND_ENDPOINTS[kind] for kind in kinds) if kinds else [_TASK_ENDPOINTS[job.task]]
     return {"rows": len(prepared.rows), "errors": failed, "prompt_tokens": prompt, "completion_tokens": completion,
             "cached_prompt_tokens": cached, "endpoints": endpoints}

@@ -14,7 +14,14 @@ so importing this package needs neither Airflow nor torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names __getattr__ resolves, for type checkers
+    from shardline.providers.airflow.connection import storage_options_from_connection
+    from shardline.providers.airflow.listing import list_shards
+    from shardline.providers.airflow.operator import ShardInferenceOperator
+    from shardline.providers.airflow.shard_batch import ShardBatch
+    from shardline.providers.airflow.usage import batch_usage
 
 _EXPORTS = {
     "ShardInferenceOperator": "shardline.providers.airflow.operator",
@@ -24,7 +31,9 @@ _EXPORTS = {
     "batch_usage": "shardline.providers.airflow.usage",
 }
 
-__all__ = sorted([*_EXPORTS, "get_provider_info"])
+# _EXPORTS' names and get_provider_info, sorted (a literal, so type checkers read it).
+__all__ = ["ShardBatch", "ShardInferenceOperator", "batch_usage", "get_provider_info", "list_shards",
+           "storage_options_from_connection"]
 
 
 def get_provider_info() -> dict[str, Any]:

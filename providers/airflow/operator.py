@@ -69,8 +69,9 @@ class ShardInferenceOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
         job = make_job(self.job, get_storage_options(self.storage_conn_id))
-        one = isinstance(self.shards, Mapping)
-        shards = [shard_from_xcom(value) for value in ([self.shards] if one else self.shards)]
+        rendered = self.shards  # one shard or a list of them
+        one = isinstance(rendered, Mapping)
+        shards = [shard_from_xcom(value) for value in ([rendered] if isinstance(rendered, Mapping) else rendered)]
         self._batch = ShardBatch(job, engine_service=self.engine_service)
         try:
             manifests = self._batch.run(shards)

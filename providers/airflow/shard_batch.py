@@ -52,12 +52,13 @@ def job_fields(job: BatchJob | Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def make_job(fields: Mapping[str, Any], storage_options: dict[str, Any]) -> BatchJob:
-    """The BatchJob of rendered ``fields`` plus the connection's storage options."""
+def make_job(fields: object, storage_options: dict[str, Any]) -> BatchJob:
+    """The BatchJob of rendered ``fields`` plus the connection's storage options; TypeError
+    when the job's template rendered to anything but a mapping of fields."""
     if not isinstance(fields, Mapping):
         raise TypeError(f"the job rendered to a {type(fields).__name__}, not BatchJob fields: {fields!r:.200}; "
                         "a whole-job template needs the DAG's render_template_as_native_obj=True")
-    return BatchJob(**job_fields(fields), storage_options=storage_options)
+    return BatchJob.model_validate({**job_fields(fields), "storage_options": storage_options})
 
 
 def shard_to_xcom(shard: Shard) -> dict[str, Any]:

@@ -62,8 +62,9 @@ JOB = {
     tags=["shardline"],
 )
 def shardline_batch():
+    # A template in place of the int: rendered as a native int (render_template_as_native_obj).
     shards = list_shards(job=JOB, storage_conn_id="{{ params.storage_conn_id }}",
-                         shards_per_task="{{ params.shards_per_task }}")
+                         shards_per_task="{{ params.shards_per_task }}")  # pyright: ignore[reportArgumentType]
     infer = ShardInferenceOperator.partial(
         task_id="infer", job=JOB, storage_conn_id="{{ params.storage_conn_id }}", retries=2,
         max_active_tis_per_dag=1,
