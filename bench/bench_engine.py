@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 import transformers
-
 from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
+
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
 

@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_engine
 import torch
 import transformers
-
-import bench_engine
 from bench_engine import run_hf_static, run_shardline
 from common import LLAMA_BENCH_CONFIG, build_bench_model, random_prompts
+
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny import build_tokenizer
 
@@ -114,7 +114,8 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, LLAMA_BENCH_CONFIG["vocab_size"])
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
           f"({sum(len(p) for p in prompts)} prompt tokens), {args.output_len} output tokens each, greedy, "
-          f"float32, {torch.get_num_threads()} threads, timed by {'CPU' if args.cpu_time else 'wall'} time, {args.repeat} interleaved round(s), best of each compared")
+          f"float32, {torch.get_num_threads()} threads, timed by {'CPU' if args.cpu_time else 'wall'} time, "
+          f"{args.repeat} interleaved round(s), best of each compared")
     hybrid = side_by_side("hybrid (3 gated delta-net : 1 full attention, hidden 512, 8 layers)",
                           build_hybrid_model(), prompts, args)
     if args.llama:

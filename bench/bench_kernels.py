@@ -132,6 +132,7 @@ def best_cpu_seconds(run, repeat: int) -> float:
 def bench_cpu(repeat: int) -> None:
     """The C decode and prefill kernels on bench_engine's workload (see the module docstring)."""
     from common import LLAMA_BENCH_CONFIG, random_prompts
+
     from shardline.engine.cpu.capability import host_cpu
     from shardline.engine.kernels.cpu_attention import decode_attention
     from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
@@ -156,8 +157,9 @@ def bench_cpu(repeat: int) -> None:
     kv_bytes = 2 * sum(lengths) * kv_heads * head_dim * 4
     for order, tables in (("shuffled", block_tables), ("engine order", engine_order_tables(prompts, lengths,
                                                                                             block_size))):
-        seconds = best_cpu_seconds(lambda: [decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale)
-                                            for k, v in caches], repeat) / layers
+        seconds = best_cpu_seconds(lambda tables=tables: [
+            decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale) for k, v in caches],
+            repeat) / layers
         print(f"{f'decode 64 x {sum(lengths) // 64} ctx, {order}':<34} {seconds * 1e3:8.2f} ms/layer "
               f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV")
 

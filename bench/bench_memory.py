@@ -51,7 +51,8 @@ def main() -> None:
               f"(after loading {r['rss_before_mb']:.1f} MB; outputs hold ~{r['output_mb']:.2f} MB)")
     small, large = results
     growth = large["peak_rss_mb"] - small["peak_rss_mb"]
-    print(f"growth for {args.factor}x prompts: {growth:.1f} MB; outputs grew {large['output_mb'] - small['output_mb']:.2f} MB")
+    print(f"growth for {args.factor}x prompts: {growth:.1f} MB; "
+          f"outputs grew {large['output_mb'] - small['output_mb']:.2f} MB")
 
 
 if __name__ == "__main__":

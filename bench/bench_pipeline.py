@@ -57,7 +57,7 @@ class CpuMeter:
     """CPU seconds over a block: this process (all threads), the whole machine
     (every process: Prefect's server too) and time stolen by the host."""
 
-    def __enter__(self) -> "CpuMeter":
+    def __enter__(self) -> CpuMeter:
         self._start = (time.process_time(), *machine_cpu())
         return self
 
@@ -86,7 +86,7 @@ class StepTrace:
     def __init__(self) -> None:
         self.steps: list[tuple[float, float]] = []
 
-    def __enter__(self) -> "StepTrace":
+    def __enter__(self) -> StepTrace:
         from shardline.engine.llm_engine import LLMEngine
 
         self._step, steps = LLMEngine.step, self.steps

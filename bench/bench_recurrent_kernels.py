@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 
@@ -139,9 +140,9 @@ def main() -> None:
         if args.smoke:
             print(f"{name:<42} {'-':>10} {'-':>10}  {diff:.1e}")
             continue
-        triton_ms = triton.testing.do_bench(lambda: run("triton"))
+        triton_ms = triton.testing.do_bench(functools.partial(run, "triton"))
         with torch_path():
-            torch_ms = triton.testing.do_bench(lambda: run("torch"))
+            torch_ms = triton.testing.do_bench(functools.partial(run, "torch"))
         print(f"{name:<42} {triton_ms * 1e3:8.0f}us {torch_ms * 1e3:8.0f}us  {diff:.1e}")
 
 

@@ -17,6 +17,7 @@ Not a test: the numbers depend on the machine (and, on a shared one, on its load
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 
@@ -101,8 +102,8 @@ def bench_layer(name, kind, module, config, takes_cache, prompts: int, prompt_le
         _hf_call(module, torch.randn(decode_batch, 4, HIDDEN, generator=gen), cache)  # HF's prefill fills its cache
         ours = _timed(lambda: kind.forward(module, step, cu, continuing, states), repeats=10)
         theirs = _timed(lambda: _hf_call(module, step[:, None], cache), repeats=10)
-    print(f"{name:18s} decode {decode_batch} requests: shardline {ours * 1e3:6.2f} ms  HF batched {theirs * 1e3:6.2f} ms  "
-          f"ratio {theirs / ours:5.2f}")
+    print(f"{name:18s} decode {decode_batch} requests: shardline {ours * 1e3:6.2f} ms  "
+          f"HF batched {theirs * 1e3:6.2f} ms  ratio {theirs / ours:5.2f}")
 
 
 def bench_delta_chunks(chunk_sizes: list[int], num_prompts: int = 8, heads: int = 8, head_dim: int = 64) -> None:
@@ -151,10 +152,10 @@ def bench_gated_delta_core(num_prompts: int = 32, decode_batch: int = 32) -> Non
         flags = torch.full((len(lengths),), continuing)
         states = {n: torch.zeros((len(lengths), *shape), dtype=dtype)
                   for n, (shape, dtype) in GATED_DELTA_NET.state_shapes(module, config).items()}
-        runs = {"kernel": lambda: delta_rule_core(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, g,
-                                                  beta, cu, flags, states["conv"], states["recurrent"],
-                                                  module.num_k_heads),
-                "torch": lambda: _torch_core(module, mixed, g, beta, cu, flags, states)}
+        runs = {"kernel": functools.partial(delta_rule_core, mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                            g, beta, cu, flags, states["conv"], states["recurrent"],
+                                            module.num_k_heads),
+                "torch": functools.partial(_torch_core, module, mixed, g, beta, cu, flags, states)}
         best = dict.fromkeys(runs, float("inf"))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

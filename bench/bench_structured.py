@@ -53,8 +53,8 @@ import time
 
 import torch
 import xgrammar
-
 from common import StepProfile, build_bench_model, random_prompts
+
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.sampling.structured import apply_token_bitmask, apply_token_bitmask_reference, new_bitmask

@@ -89,12 +89,12 @@ class StepProfile:
         import time
 
         from shardline.engine import llm_engine
-        from shardline.engine.sampling import output_processor, sampler
         from shardline.engine.attention import backends as attention_backends
         from shardline.engine.attention import torch_path as torch_attention
         from shardline.engine.core import scheduler
         from shardline.engine.cpu import layers as cpu_layers
         from shardline.engine.model import runner as model_runner
+        from shardline.engine.sampling import output_processor, sampler
 
         self.clock = clock or time.perf_counter
         self.seconds: dict[str, float] = {}

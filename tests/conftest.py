@@ -146,9 +146,9 @@ def _wait_until_ready(server: S3Server, process: subprocess.Popen, log_path: Pat
             fs.mkdir(TEST_BUCKET)
             fs.pipe_file(f"{TEST_BUCKET}/ready-probe", b"ok")
             return
-        except Exception:
+        except Exception as exc:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"SeaweedFS did not become ready: {log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"SeaweedFS did not become ready: {log_path.read_text()[-2000:]}") from exc
             time.sleep(0.3)
 
 
@@ -223,9 +223,10 @@ class ControlledS3Server(S3Server):
                     fs.mkdir(TEST_BUCKET)
                 fs.pipe_file(f"{TEST_BUCKET}/ready-probe", b"ok")
                 return
-            except Exception:
+            except Exception as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS did not come up: {(self.root / 'weed.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"SeaweedFS did not come up: {(self.root / 'weed.log').read_text()[-2000:]}") from exc
                 time.sleep(0.3)
 
 

@@ -6,7 +6,7 @@ import base64
 import json
 
 import numpy as np
-from openai.types import CreateEmbeddingResponse, Completion
+from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict
 

@@ -77,7 +77,8 @@ def test_invalid_fields_print_one_line_each(tiny_model, capsys):
     code, _, lines = _run_cli(["run", "in", "out", "--model", tiny_model, "--max-tokens", "-5", "--top-p", "3"],
                               capsys)
     assert code == 2
-    assert lines == ["shardline run: --max-tokens must be >= 1, got -5", "shardline run: --top-p must be <= 1.0, got 3.0"]
+    assert lines == ["shardline run: --max-tokens must be >= 1, got -5",
+                     "shardline run: --top-p must be <= 1.0, got 3.0"]
 
 
 def test_an_unknown_model_fails_in_seconds_with_one_line(tmp_path, capsys):
@@ -85,7 +86,8 @@ def test_an_unknown_model_fails_in_seconds_with_one_line(tmp_path, capsys):
     for model in (str(tmp_path / "no-such-model"), "no-such-org/no-such-model"):
         code, elapsed, lines = _run_cli(["run", str(tmp_path / "in"), str(tmp_path / "out"), "--model", model], capsys)
         assert code == 2, (elapsed, lines)
-        assert len(lines) == 1 and lines[0].startswith(f"shardline: pre-flight check failed: load model {model} failed:")
+        assert len(lines) == 1
+        assert lines[0].startswith(f"shardline: pre-flight check failed: load model {model} failed:")
         with capsys.disabled():
             print(f"\nunknown model {model}: exit {code} in {elapsed:.1f}s: {lines}")
 

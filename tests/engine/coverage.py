@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path

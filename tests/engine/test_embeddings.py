@@ -18,12 +18,12 @@ import torch
 import transformers
 
 from shardline import LLM, PoolingParams, SamplingParams
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput
+from shardline.engine.params import PoolingTask
+from shardline.engine.pooling.engine import PoolingRequest, PoolingScheduler, TaskMismatchError
 from shardline.engine.pooling.packed_attention import PackedAttentionContext, packed_attention_forward
 from shardline.engine.pooling.pooler import PoolingType, UnsupportedPoolingError, pool, read_pooler_config
-from shardline.engine.pooling.engine import PoolingRequest, PoolingScheduler, TaskMismatchError
-from shardline.engine.params import PoolingTask
-from shardline.engine.model.tiny import build_tiny_model
 
 _BASE = [
     "Hi.", "The cat sat on the mat.", "A man is playing a guitar on the street corner.",

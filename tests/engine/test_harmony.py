@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from shardline import LLM, SamplingParams
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.sampling.harmony import HarmonyTracker
 from shardline.engine.sampling.reasoning import Phase, ReasoningParserError, TokenRole, make_reasoning_parser
-from shardline.engine.model.tiny import build_tiny_model
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>"]
 CHOICES = ["positive", "negative", "neutral"]

@@ -12,8 +12,8 @@ import torch
 
 from shardline import LLM, SamplingParams
 from shardline.engine.config import EngineConfig
-from shardline.engine.model.loader import load_hf_config
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.loader import load_hf_config
 from shardline.engine.model.tiny import TINY_ARCHS, build_tiny_model
 
 from .hf_reference import hf_greedy, load_hf_model, random_prompts

@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec, plan_num_blocks
 from shardline.engine.errors import UnsupportedLayerError
+from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec, plan_num_blocks
 from shardline.engine.model.tiny import build_tiny_model
 
 

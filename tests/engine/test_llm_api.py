@@ -93,7 +93,7 @@ def test_rendering_streams_into_the_engine(tiny_llama_dir):
 class RecordingBar:
     """A tqdm-like progress bar whose clock reads one second."""
 
-    instances: list["RecordingBar"] = []
+    instances: list[RecordingBar] = []
 
     def __init__(self, total=None, desc=None, **kwargs):
         self.total, self.desc, self.n, self.postfix = total, desc, 0, kwargs.get("postfix")

@@ -22,9 +22,9 @@ import torch
 import transformers
 
 from shardline import LLM, SamplingParams
-from shardline.engine.lora.request import LoRAError, LoRARequest, lora_cache_salt, resolve_lora_request
 from shardline.engine.lora.adapter import ADAPTER_CONFIG
 from shardline.engine.lora.manager import LoRAManager
+from shardline.engine.lora.request import LoRAError, LoRARequest, lora_cache_salt, resolve_lora_request
 from shardline.engine.model.tiny import build_tiny_model
 
 from .hf_reference import hf_greedy, load_hf_model, random_prompts

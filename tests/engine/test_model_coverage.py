@@ -35,8 +35,9 @@ def test_representative_type_is_exact_or_refused(model_type, tmp_path):
 def test_a_model_whose_tokens_ignore_the_context_is_not_counted_as_parity(tmp_path):
     """The sweep's own guard: at transformers' default weight scale a tiny model's
     greedy tokens follow the last token alone, and the sweep says so."""
-    from .coverage import _context_matters, _load_reference
     from shardline.engine.model.tiny import build_tiny_model
+
+    from .coverage import _context_matters, _load_reference
 
     model_dir = build_tiny_model(tmp_path / "flat", "llama", num_hidden_layers=1)
     model, expected, _ = _load_reference(str(model_dir))

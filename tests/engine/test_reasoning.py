@@ -10,11 +10,15 @@ import pytest
 
 from shardline import LLM, SamplingParams
 from shardline.engine.config import ConfigError
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.sampling.reasoning import (
-    Phase, ReasoningParserError, ReasoningTracker, TokenRole, make_reasoning_parser,
+    Phase,
+    ReasoningParserError,
+    ReasoningTracker,
+    TokenRole,
+    make_reasoning_parser,
 )
-from shardline.engine.model.tiny import build_tiny_model
 
 THINK_TAGS = ["<think>", "</think>"]
 CHOICES = ["positive", "negative", "neutral"]

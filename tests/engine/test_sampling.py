@@ -7,8 +7,8 @@ import json
 import pytest
 
 from shardline import LLM, SamplingParams
-from shardline.engine.sampling.detokenizer import IncrementalDetokenizer
 from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.sampling.detokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -364,7 +364,7 @@ def test_random_workloads_finish_every_request_with_correct_kv(seed):
     pending = list(requests)
     tracker = KVTracker(block_size)
     aborted = set()
-    for num_steps in range(3000):
+    for _ in range(3000):
         while pending and rng.random() < 0.5:
             scheduler.add_request(pending.pop(0))
         if not pending and not scheduler.has_unfinished_requests():

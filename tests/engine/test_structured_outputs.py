@@ -14,8 +14,14 @@ import torch
 from shardline import LLM, SamplingParams
 from shardline.engine.params import StructuredOutputsParams
 from shardline.engine.sampling.structured import (
-    StructuredOutputError, allow_only, allow_token, apply_token_bitmask, apply_token_bitmask_reference,
-    forbidden_picks, grammar_key, new_bitmask,
+    StructuredOutputError,
+    allow_only,
+    allow_token,
+    apply_token_bitmask,
+    apply_token_bitmask_reference,
+    forbidden_picks,
+    grammar_key,
+    new_bitmask,
 )
 
 from ..schemas import LABELS, ORDER, PERSON
@@ -91,7 +97,8 @@ def test_choice_outputs_are_always_one_of_the_choices(tiny_llm):
     assert len({o.outputs[0].text for o in sampled}) > 1
 
 
-@pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(red|green|blue)( [0-9]+)?", r"[A-Z][a-z]{0,6}@[a-z]{1,6}\.com"])
+@pytest.mark.parametrize("pattern",
+                         [r"\d{3}-[a-z]{2,5}", r"(red|green|blue)( [0-9]+)?", r"[A-Z][a-z]{0,6}@[a-z]{1,6}\.com"])
 def test_regex_outputs_fullmatch(tiny_llm, pattern):
     outputs = tiny_llm.generate(PROMPTS, [structured(seed=i, regex=pattern, max_tokens=64)
                                           for i in range(len(PROMPTS))], use_tqdm=False)
@@ -174,8 +181,8 @@ def test_stop_strings_min_tokens_and_logprobs_compose(tiny_llm):
         use_tqdm=False)
     assert short.outputs[0].text in choices and short.outputs[0].finish_reason == "stop"
     [scored] = tiny_llm.generate(PROMPTS[2], SamplingParams(
-        temperature=1.0, seed=5, max_tokens=20, logprobs=-1, structured_outputs=StructuredOutputsParams(choice=choices)),
-        use_tqdm=False)
+        temperature=1.0, seed=5, max_tokens=20, logprobs=-1,
+        structured_outputs=StructuredOutputsParams(choice=choices)), use_tqdm=False)
     completion = scored.outputs[0]
     assert completion.text in choices
     for token_id, position in zip(completion.token_ids, completion.logprobs):
