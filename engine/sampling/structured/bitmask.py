@@ -14,7 +14,7 @@ import contextlib
 import torch
 import xgrammar
 
-from ...kernels._triton import KERNEL_DTYPES, interpreter_active
+from ...kernels._triton import KERNEL_DTYPES, interpreter_active, launcher
 from ..harmony import HarmonyTracker
 from ..reasoning import Phase, ReasoningTracker
 from .grammar import GrammarCompiler, GrammarState
@@ -137,7 +137,7 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> N
     # xgrammar's launch: each thread stores 16 bytes of a 4096-token block.
     num_warps = _KERNEL_BLOCK_SIZE // warp_size // (16 // logits.element_size())
     with device_scope:
-        apply_token_bitmask_inplace_kernel[(num_programs,)](
+        launcher(apply_token_bitmask_inplace_kernel, (num_programs,))(
             logits, bitmask, None, num_rows, vocab_size, logits.stride(0), bitmask.stride(0),
             num_programs, _KERNEL_BLOCK_SIZE, num_warps=num_warps, num_stages=3)
 
