@@ -23,8 +23,9 @@ import torch
 from ..attention.backends import AttentionBackend, choose_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import Scheduler, SchedulerConfig
+from ..cpu.capability import ModelShape
 from ..cpu.memory import keep_freed_memory
-from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, ModelShape, choose_cpu_paths, optimize_for_cpu
+from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, choose_cpu_paths, optimize_for_cpu
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
 from ..model.kv_cache_spec import KVCacheSpec
@@ -103,6 +104,12 @@ def resolve_for_device(config: EngineConfig, device: torch.device) -> EngineConf
     return config.with_token_budget(device.type)
 
 
+def token_budget(config: EngineConfig) -> int:
+    """A config's tokens per step, once ``resolve_for_device`` has filled it in."""
+    assert config.max_num_batched_tokens is not None, "the config is not resolved for its device"
+    return config.max_num_batched_tokens
+
+
 def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineModel:
     """Every change to the loaded model before its cache is planned: the CPU paths this
     host takes are chosen (``choose_host_paths``), the engine's replacements are made
@@ -138,7 +145,7 @@ def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSp
     if first_attention is None:
         return None
     shape = ModelShape.of(loaded.model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
-    return choose_cpu_paths(loaded.dtype, shape, config.max_num_batched_tokens)
+    return choose_cpu_paths(loaded.dtype, shape, token_budget(config))
 
 
 def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None) -> Preparation:
@@ -151,7 +158,7 @@ def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: Cpu
     step of this one preparation."""
     lora = (partial(LoRAManager, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                     device=loaded.device, dtype=loaded.dtype) if config.enable_lora else None)
-    cpu_layers = (partial(optimize_for_cpu, paths=cpu_paths, rows_hint=config.max_num_batched_tokens)
+    cpu_layers = (partial(optimize_for_cpu, paths=cpu_paths, rows_hint=token_budget(config))
                   if cpu_paths is not None else None)
     return Preparation(
         attention_adapters=adapt_attention, lora=lora,
@@ -175,7 +182,7 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=num_state_slots or config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=token_budget(config),
         max_model_len=max_model_len,
         max_loras=config.max_loras if config.enable_lora else None,
         block_size=config.block_size,
@@ -221,16 +228,16 @@ def kv_cache_budget(config: EngineConfig, device: torch.device, model: torch.nn.
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
     _, total = torch.cuda.mem_get_info(device)
-    peak = profile_peak_bytes(model, attention, spec, config.max_num_batched_tokens, config.block_size, device,
-                              model_len)
+    peak = profile_peak_bytes(model, attention, spec, token_budget(config), config.block_size, device, model_len)
     return int(total * config.gpu_memory_utilization) - peak
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
     """EOS ids from the tokenizer and the model's generation_config."""
     ids: set[int] = set()
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
+    tokenizer_eos = loaded.tokenizer.eos_token_id
+    if isinstance(tokenizer_eos, int):
+        ids.add(tokenizer_eos)
     gen_eos = getattr(loaded.generation_config, "eos_token_id", None)
     if isinstance(gen_eos, int):
         ids.add(gen_eos)
