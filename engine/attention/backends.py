@@ -25,17 +25,8 @@ from typing import Protocol
 import torch
 
 from .context import AttentionContext, AttentionOptions, StepBatch
-from .torch_path import (
-    DecodeBatch,
-    PrefillBatch,
-    TorchAttentionPlan,
-    TorchPlans,
-    attend_last_tokens,
-    attention_groups,
-    fresh_prompts,
-    torch_paged_attention,
-    write_kv_cache,
-)
+from .torch_path import attend_last_tokens, torch_paged_attention, write_kv_cache
+from .torch_plans import DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, attention_groups, fresh_prompts
 
 BACKEND_NAMES = ("cpu", "torch", "triton")
 

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 if TYPE_CHECKING:
     from .backends import AttentionBackend, TritonIndices
-    from .torch_path import TorchPlans
+    from .torch_plans import TorchPlans
 
 ATTN_IMPLEMENTATION = "shardline"
 

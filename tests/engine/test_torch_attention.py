@@ -9,14 +9,9 @@ import torch
 
 from shardline.engine.attention.backends import StepBatch, TorchBackend
 from shardline.engine.attention.context import AttentionOptions
+from shardline.engine.attention.torch_path import padded_attention, torch_paged_attention
+from shardline.engine.attention.torch_plans import DECODE_GROUP_SIZE, attention_groups, fresh_prompts
 from shardline.engine.kernels import paged_attention_reference
-from shardline.engine.attention.torch_path import (
-    DECODE_GROUP_SIZE,
-    attention_groups,
-    fresh_prompts,
-    padded_attention,
-    torch_paged_attention,
-)
 
 # (context_lens, query_lens): cached tokens and new tokens per request.
 DECODE = ([7, 33, 0, 64], [1, 1, 1, 1])
