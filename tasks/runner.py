@@ -28,13 +28,19 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from shardline.engine.outputs import PoolingRequestOutput
 
 from .executor import RowRequest, RowResult, RunnerError, ShardAborted
 
 if TYPE_CHECKING:
     from shardline import LLM
+    from shardline.engine.outputs import EmbeddingRequestOutput, RequestOutput
+
+    EngineOutput = RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput
 
 logger = logging.getLogger("shardline.tasks.runner")
 
@@ -282,9 +288,9 @@ class ShardRunner:
             entry = self._in_flight.pop(output.request_id, None)
             if entry is not None:  # None: the last word of an aborted request
                 work, position = entry
-                work.complete(position, RowResult(work.rows[position].index, output=output))
+                work.complete(position, RowResult(work.rows[position].index, output=_row_output(output)))
 
-    def _engine_step(self) -> list[Any]:
+    def _engine_step(self) -> Sequence[EngineOutput]:
         """One engine step, counted in the driver's stats (failed steps too)."""
         started = time.monotonic()
         try:
@@ -342,7 +348,7 @@ class ShardRunner:
                     entry = pending.pop(output.request_id, None)
                     if entry is not None:
                         work, position = entry
-                        work.complete(position, RowResult(work.rows[position].index, output=output))
+                        work.complete(position, RowResult(work.rows[position].index, output=_row_output(output)))
         except Exception as exc:
             self._engine.abort_request(list(pending))
             return exc, list(pending.values())
@@ -363,3 +369,10 @@ class ShardRunner:
             for work in waiting:
                 work.failure = exc
                 work.done.set()
+
+
+def _row_output(output: EngineOutput) -> RequestOutput | EmbeddingRequestOutput:
+    """A finished request's output as a row's result: the runner adds generate and embed
+    requests only, never other pooling tasks."""
+    assert not isinstance(output, PoolingRequestOutput), f"request {output.request_id} was a pooling task"
+    return output

@@ -13,7 +13,7 @@ import io
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,6 +29,9 @@ from .shard_reader import ShardError, read_input_schema
 from .storage import Shard, exists, filesystem, join, remove_stale_temporaries, retry_storage, write_atomic
 from .structured_rows import check_outputs, count_invalid_outputs
 from .usage import usage_fields
+
+if TYPE_CHECKING:
+    from shardline.engine.outputs import EmbeddingRequestOutput
 
 
 def output_uri(job: BatchJob, shard: Shard) -> str:
@@ -55,7 +58,8 @@ def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], j
     outputs = [results[row.index].output if row.index in results else None for row in prepared.rows]
     if job.task == JobTask.EMBED:
         columns["embedding"] = pa.array(
-            [None if o is None else list(o.outputs.embedding) for o in outputs], pa.list_(pa.float32()))
+            [None if o is None else list(cast("EmbeddingRequestOutput", o).outputs.embedding) for o in outputs],
+            pa.list_(pa.float32()))  # an embed job's rows all get embeddings
         columns["prompt_tokens"] = _ints([None if o is None else len(o.prompt_token_ids) for o in outputs])
     else:
         columns.update(_completion_columns(outputs, job.sampling.n))
