@@ -29,13 +29,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, rms_norm
-from ..recurrent.gated_delta_net import GatedDeltaNetKind, PackedInputProjections, StridedGateNorm, input_projections
+from ..recurrent.base import projection_out_features
+from ..recurrent.gated_delta_net import (
+    GatedDeltaNetKind,
+    GatedDeltaNetModule,
+    PackedInputProjections,
+    StridedGateNorm,
+    input_projections,
+)
 from ..recurrent.state import RecurrentLayer, StepHolder
 from ..surgery import decoder_layers, replace
 from .hybrid_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
@@ -45,12 +53,31 @@ from .linear import FusedGatedMLP, packable_side_by_side, packed_matmul
 logger = logging.getLogger(__name__)
 
 
+class _ReorderedProjections(Protocol):
+    """Qwen3-Next's input projections (q|k|v|z and b|a), which its module reorders."""
+
+    in_proj_qkvz: nn.Module
+    in_proj_ba: nn.Module
+
+    def fix_query_key_value_ordering(self, mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor
+                                     ) -> tuple[torch.Tensor, ...]: ...
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor:
+    """A norm's ``weight`` tensor (checked where a fused norm is built)."""
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor), f"{type(norm).__name__}.weight is not a tensor"
+    return weight
+
+
 class FusedOffsetRMSNorm(FusedRMSNorm):
     """A zero-centred RMSNorm, ``(1 + weight) * x / rms(x)``, through the fused kernel."""
 
+    scale: torch.Tensor  # 1 + the norm's weight, a buffer
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__(norm)
-        self.register_buffer("scale", 1 + norm.weight.detach(), persistent=False)
+        self.register_buffer("scale", 1 + norm_weight(norm).detach(), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,12 +90,14 @@ class FusedGatedRMSNorm(StridedGateNorm):
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
+        eps = norm_epsilon(norm)
+        assert eps is not None, f"{type(norm).__name__} has no epsilon"
         self.norm = norm
-        self.eps = norm_epsilon(norm)
+        self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [rows, D] -> [rows, D]
-        weight = self.norm.weight
+        weight = norm_weight(self.norm)
         if x.dtype != weight.dtype or gate.dtype != weight.dtype or torch.is_grad_enabled():
             return self.norm(x, gate)
         rows = x.reshape(-1, x.shape[-1])
@@ -124,16 +153,18 @@ def _projection_rows(module: nn.Module) -> tuple[tuple[str, ...], list[torch.Ten
     """The layer's input projections by name, for each the order of its output rows in
     the packed matmul, and the output sizes (q|k|v, z, b, a); None for a layer
     without Qwen3.5's or Qwen3-Next's projections."""
-    conv_dim, value_dim, heads = 2 * module.key_dim + module.value_dim, module.value_dim, module.num_v_heads
+    layer = cast(GatedDeltaNetModule, module)  # a gated delta-net layer (its kind's module)
+    conv_dim, value_dim, heads = 2 * layer.key_dim + layer.value_dim, layer.value_dim, layer.num_v_heads
     sizes = [conv_dim, value_dim, heads, heads]
     if all(hasattr(module, name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        return names, [torch.arange(getattr(module, name).out_features) for name in names], sizes
+        return names, [torch.arange(projection_out_features(getattr(module, name))) for name in names], sizes
     if hasattr(module, "in_proj_qkvz") and hasattr(module, "in_proj_ba"):
+        reordered = cast(_ReorderedProjections, module)
         # The layer's own reordering, applied to row numbers, says which row lands where.
-        qkvz_rows = torch.arange(module.in_proj_qkvz.out_features, dtype=torch.float64)[None, None]
-        ba_rows = torch.arange(module.in_proj_ba.out_features, dtype=torch.float64)[None, None]
-        query, key, value, z, b, a = module.fix_query_key_value_ordering(qkvz_rows, ba_rows)
+        qkvz_rows = torch.arange(projection_out_features(reordered.in_proj_qkvz), dtype=torch.float64)[None, None]
+        ba_rows = torch.arange(projection_out_features(reordered.in_proj_ba), dtype=torch.float64)[None, None]
+        query, key, value, z, b, a = reordered.fix_query_key_value_ordering(qkvz_rows, ba_rows)
         order = [torch.cat([x.reshape(-1) for x in group]).long() for group in ((query, key, value, z), (b, a))]
         return ("in_proj_qkvz", "in_proj_ba"), order, sizes
     return None
@@ -161,7 +192,7 @@ def pack_gated_delta_net_projections(model: nn.Module, rows_hint: int) -> int:
             [linear.bias.detach()[order] for linear, order in zip(linears, orders)]).to(packed_dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype), rows_hint)
         joint = GatedDeltaNetProjections(linears[0], packed, bias, sizes)
-        probe = _probe(module.hidden_size, linears[0].weight.dtype)
+        probe = _probe(linears[0].in_features, linears[0].weight.dtype)  # the layer's hidden size
         with torch.no_grad():
             expected = input_projections(module, probe)
             for name, linear in zip(names, linears):  # their own packed copies are no longer read
@@ -202,12 +233,15 @@ def fuse_hybrid_norms(model: nn.Module) -> int:
     num_fused = 0
     for name, module in list(model.named_modules()):
         gated = _is_gated_norm(module)
-        if not (gated or _is_zero_centred_norm(module)) or not fused_kernels_available(module.weight.dtype):
+        if not (gated or _is_zero_centred_norm(module)):
             continue
-        x = _probe(module.weight.shape[0], module.weight.dtype)
+        weight = norm_weight(module)
+        if not fused_kernels_available(weight.dtype):
+            continue
+        x = _probe(weight.shape[0], weight.dtype)
         with torch.no_grad():
             if gated:
-                gate = _probe(module.weight.shape[0], module.weight.dtype, seed=1)
+                gate = _probe(weight.shape[0], weight.dtype, seed=1)
                 fused = FusedGatedRMSNorm(module)
                 same = same_output(fused(x, gate), module(x, gate))
             else:
@@ -230,8 +264,8 @@ def sample_last_mlp(model: nn.Module) -> int:
         return 0  # those run their sampled rows themselves
     last = layers[-1]
     mlp = getattr(last, "mlp", None)
-    if not (isinstance(mlp, FusedGatedMLP) or all(isinstance(getattr(mlp, name, None), nn.Linear)
-                                                   for name in ("gate_proj", "up_proj", "down_proj"))):
+    if not isinstance(mlp, nn.Module) or not (isinstance(mlp, FusedGatedMLP) or all(
+            isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))):
         return 0
     holder = StepHolder()
     replace(model, ".".join(filter(None, (layers_name, str(len(layers) - 1), "mlp"))), SampledRowsMLP(mlp, holder))
