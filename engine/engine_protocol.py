@@ -3,8 +3,10 @@ engine implement, so LLM drives either without reaching into its internals."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
+
+from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 
 
 class Engine(Protocol):
@@ -31,9 +33,11 @@ class Engine(Protocol):
     def has_capacity(self) -> bool:
         """Whether adding more requests before the next step still pays (the engine
         holds less than two steps' worth of sequences)."""
+        ...
 
-    def step(self) -> list:
+    def step(self) -> Sequence[RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput]:
         """Run one iteration; return the outputs of requests that finished in it."""
+        ...
 
     def close(self) -> None:
         """Abort everything and release what the engine holds besides memory (threads)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from tqdm.auto import tqdm
 
@@ -25,7 +25,11 @@ from .lora.request import LoRARequest, resolve_lora_request
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams
 from .pooling.engine import (
-    PoolingEngine, TaskMismatchError, as_pooling_output, pooling_params_for, wants_pooling_engine,
+    PoolingEngine,
+    TaskMismatchError,
+    as_pooling_output,
+    pooling_params_for,
+    wants_pooling_engine,
 )
 
 
@@ -57,8 +61,7 @@ class LLM:
         """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: later
         prompts compute them again (benchmarks that repeat a workload call it between
         runs). Blocks of running requests keep their contents."""
-        self._require_generation("LLM.reset_prefix_cache")
-        self.llm_engine.reset_prefix_cache()
+        self._require_generation("LLM.reset_prefix_cache").reset_prefix_cache()
         return True
 
     # ----------------------------------------------------------------- generate
@@ -73,16 +76,19 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt; one RequestOutput per prompt, in input order."""
         self._require_generation("LLM.generate")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        return self._run(prompts, lambda prompt: prompt, sampling_params, use_tqdm, lora_request, priority)
+        return self._run(_prompt_list(prompts), lambda prompt: prompt, sampling_params, use_tqdm, lora_request,
+                         priority)
 
-    def _require_generation(self, method: str) -> None:
-        if self.llm_engine.task != "generate":
+    def _require_generation(self, method: str) -> LLMEngine:
+        """The generation engine; TaskMismatchError naming ``method`` on an embedding one."""
+        engine = self.llm_engine
+        if engine.task != "generate":
             raise TaskMismatchError(
                 f"{method} needs a generative model, but {self.engine_config.model!r} was loaded as an "
                 f"embedding model (task={self.engine_config.task!r}); use LLM.embed or LLM.encode"
             )
+        assert isinstance(engine, LLMEngine), f"a {type(engine).__name__} has task 'generate'"
+        return engine
 
     def chat(
         self,
@@ -166,7 +172,7 @@ class LLM:
     def _batch_is_full(self) -> bool:
         return not self.llm_engine.has_capacity()
 
-    def _step_into(self, outputs: dict[str, Any], progress: "_ProgressBar") -> None:
+    def _step_into(self, outputs: dict[str, Any], progress: _ProgressBar) -> None:
         for output in self.llm_engine.step():
             outputs[output.request_id] = output
             progress.update(output)
@@ -217,10 +223,21 @@ class LLM:
                 f"{method} needs an embedding model, but {self.engine_config.model!r} was loaded for "
                 f"generation (task={self.engine_config.task!r}); load it with task='embed'"
             )
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
         params = pooling_params_for(pooling_params, task, truncate_prompt_tokens)
-        return self._run(prompts, lambda prompt: prompt, params, use_tqdm, lora_request, priority)
+        return self._run(_prompt_list(prompts), lambda prompt: prompt, params, use_tqdm, lora_request, priority)
+
+
+def _is_one_prompt(value: object) -> TypeGuard[PromptType]:
+    """Whether ``value`` is one prompt (its text, or a dict of its fields), not an
+    iterable of prompts: a dict is always one prompt, never its keys."""
+    return isinstance(value, (str, dict))
+
+
+def _prompt_list(prompts: PromptType | Iterable[PromptType]) -> Iterable[PromptType]:
+    """A single prompt as a one-item list; an iterable of prompts as it is."""
+    if _is_one_prompt(prompts):
+        return [prompts]
+    return prompts
 
 
 def _keep_special_tokens(params: Any) -> Any:

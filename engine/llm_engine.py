@@ -112,7 +112,8 @@ class LLMEngine:
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
                 prompt_token_ids=token_ids,
-                max_tokens=params.max_tokens,
+                # Request.max_tokens is resolved: no limit of the request's own means max_model_len's.
+                max_tokens=params.max_tokens if params.max_tokens is not None else self.max_model_len,
                 priority=priority,
                 arrival_index=arrival,
                 params=params,
@@ -232,6 +233,7 @@ class LLMEngine:
             rows, logits = self.structured.release(rows, logits, state_of, self.sequences.held_row, failures, wait)
         if not rows:
             return LaunchedStep([], None, None, set(), failures, deferred=False)
+        assert logits is not None, "rows to sample come with their logits"
         bitmask, restricted = None, set()
         if not plain:
             bitmask, restricted = self.structured.bitmask(rows, rows)
@@ -251,12 +253,14 @@ class LLMEngine:
         are appended (their finished outputs come from the next step)."""
         failures = launched.failures
         finished_states = []
+        sampled = launched.sampled
         if launched.rows:
-            token_ids = launched.sampled.host_token_ids()
+            assert sampled is not None, "a step with rows has sampled them"
+            token_ids = sampled.host_token_ids()
             forbidden = forbidden_picks(launched.bitmask, launched.restricted, token_ids)
             deferred = launched.deferred
             append_plain, append_token = self.output_processor.append_plain, self.output_processor.append_token
-            rows = zip(launched.rows, token_ids, launched.sampled.logprobs)
+            rows = zip(launched.rows, token_ids, sampled.logprobs)
             for i, (sample, token_id, logprobs) in enumerate(rows):
                 sequence = sample.sequence
                 if deferred:
@@ -305,7 +309,11 @@ class LLMEngine:
             prompt = state.prompt_token_ids
             logprobs = torch.log_softmax(model_output.logits[first_row : first_row + num_rows].double(), dim=-1)
             targets = torch.tensor(prompt[position + 1 : position + 1 + num_rows], device=logprobs.device)
-            entries = gather_logprobs(logprobs, targets, [state.params.prompt_logprobs] * num_rows)
+            num_top = state.params.prompt_logprobs
+            assert num_top is not None, f"prompt rows of {request_id!r}, which asks for no prompt logprobs"
+            # Every row asks (num_top is set), so no entry is None.
+            entries = [entry for entry in gather_logprobs(logprobs, targets, [num_top] * num_rows)
+                       if entry is not None]
             self.output_processor.record_prompt_logprobs(state, position, entries)
 
     def _finish(self, state: RequestState) -> RequestOutput:
@@ -332,6 +340,7 @@ class LaunchedStep:
         """The runner's view of the sampled ids the next step reads, if deferred."""
         if not self.deferred:
             return None
+        assert self.sampled is not None, "a deferred step has sampled its rows"
         return PendingTokens(self.sampled.token_ids, {row.sequence.request_id: i for i, row in enumerate(self.rows)})
 
 

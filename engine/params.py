@@ -124,24 +124,28 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        # From here on ``stop`` and ``stop_token_ids`` are lists (see ``stop_lists``).
+        stop: list[str]
         if self.stop is None:
-            self.stop = []
+            stop = []
         elif isinstance(self.stop, str):
-            self.stop = [self.stop]
+            stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            stop = list(self.stop)
+        stop_token_ids = list(self.stop_token_ids or [])
+        self.stop, self.stop_token_ids = stop, stop_token_ids
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        self._validate()
+        self._validate(stop, stop_token_ids)
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.all_stop_token_ids = set(stop_token_ids)
 
-    def _validate(self) -> None:
+    def _validate(self, stop: list[str], stop_token_ids: list[int]) -> None:
+        """Check every field; ``stop`` and ``stop_token_ids`` as normalized to lists."""
         _check_int("n", self.n, minimum=1)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -169,9 +173,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value != -1:
                 _check_int(name, value, minimum=0)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        for token_id in self.stop_token_ids:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+        for token_id in stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
@@ -185,6 +189,13 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.max_reasoning_tokens is not None:
             _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)
+
+    def stop_lists(self) -> tuple[list[str], list[int]]:
+        """``stop`` and ``stop_token_ids`` as the lists __post_init__ made them (the
+        fields' declared types are the wider forms a caller may pass)."""
+        stop, stop_token_ids = self.stop, self.stop_token_ids
+        assert isinstance(stop, list) and stop_token_ids is not None, "normalized in __post_init__"
+        return stop, stop_token_ids
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -47,8 +47,10 @@ class OutputProcessor:
     def new_sample(self, state: RequestState, sequence: Request, index: int) -> SequenceRecord:
         """The record of ``state``'s sample ``index``, generated as ``sequence``."""
         params, traits = state.params, state.traits
+        stop_strings, stop_token_ids = params.stop_lists()
         sample = SequenceRecord(sequence, index, state, params, traits, self._detokenizer(sequence, params),
                                 text_at_finish=traits.text_at_finish, stop_token_ids=params.all_stop_token_ids,
+                                stop_strings=stop_strings, requested_stop_token_ids=stop_token_ids,
                                 logprobs=[] if traits.wants_logprobs else None)
         if self.reasoning_parser is not None:
             sample.reasoning = self.reasoning_parser.tracker(sequence.prompt_token_ids, params.max_reasoning_tokens)
@@ -76,7 +78,7 @@ class OutputProcessor:
 
     def stop_token_ids(self, params: SamplingParams) -> set[int]:
         """Token ids that end a sequence under ``params`` (EOS unless ignored)."""
-        ids = set(params.stop_token_ids)
+        ids = set(params.stop_lists()[1])
         return ids if params.ignore_eos else ids | self.eos_token_ids
 
     def append_token(self, state: RequestState, sample: SequenceRecord, token_id: int,
@@ -103,7 +105,8 @@ class OutputProcessor:
             sample.reasoning_detokenizer.add_token(token_id)
             sample.reasoning_text = sample.reasoning_detokenizer.text
         status = self._check_stop(sample, params, token_id, delta_len)
-        if status is not None or (role is TokenRole.TAG and sample.reasoning.phase is Phase.ANSWER):
+        if status is not None or (role is TokenRole.TAG and sample.reasoning is not None
+                                  and sample.reasoning.phase is Phase.ANSWER):
             self._flush_reasoning(sample)
         # A stop string already cut the text; otherwise emit any held-back tail.
         if (status is not None and sample.detokenizer is not None and not sample.text_at_finish
@@ -135,6 +138,8 @@ class OutputProcessor:
         """append_plain for a sample with stop strings: its text made token by token and
         searched for them, in ``_check_stop``'s order."""
         detokenizer = sample.detokenizer
+        # A plain sample whose text is made per step detokenizes (SamplingTraits.of).
+        assert detokenizer is not None, "a sample with stop strings has a detokenizer"
         delta = detokenizer.add_token(token_id)
         sample.text = detokenizer.text
         params = sample.owner.params
@@ -145,7 +150,7 @@ class OutputProcessor:
                     sample.stop_reason = token_id
                 status = RequestStatus.FINISHED_STOPPED
             elif delta:
-                match = find_stop_string(sample.text, len(delta), params.stop)
+                match = find_stop_string(sample.text, len(delta), sample.stop_strings)
                 if match is not None:
                     stop_str, index = match
                     end = index + len(stop_str) if params.include_stop_str_in_output else index
@@ -200,17 +205,17 @@ class OutputProcessor:
         if sample.grammar is not None and sample.grammar.is_terminated:
             # The grammar is complete and took its stop token: nothing can follow,
             # even under ignore_eos or before min_tokens.
-            if token_id in params.stop_token_ids:
+            if token_id in sample.requested_stop_token_ids:
                 sample.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+            if token_id in sample.requested_stop_token_ids:
                 sample.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-            if params.stop and delta_len:
-                match = find_stop_string(sample.text, delta_len, params.stop)
+            if sample.stop_strings and delta_len:
+                match = find_stop_string(sample.text, delta_len, sample.stop_strings)
                 if match is not None:
                     stop_str, index = match
                     end = index + len(stop_str) if params.include_stop_str_in_output else index
@@ -228,7 +233,7 @@ class OutputProcessor:
         if sample.logprobs is not None:
             position = {}
             for token_id, value, rank in entries:
-                position[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
+                position[token_id] = Logprob(value, rank, self._token_text(token_id))
             sample.logprobs.append(position)
 
     def record_prompt_logprobs(self, state: RequestState, first_position: int,
@@ -241,9 +246,15 @@ class OutputProcessor:
             if first_position + 1 + offset != len(state.prompt_logprobs):
                 continue
             state.prompt_logprobs.append({
-                token_id: Logprob(value, rank, self.tokenizer.decode([token_id]))
+                token_id: Logprob(value, rank, self._token_text(token_id))
                 for token_id, value, rank in position_entries
             })
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as logprob entries show it."""
+        text = self.tokenizer.decode([token_id])
+        assert isinstance(text, str), "one list of ids decodes to one string"
+        return text
 
     @staticmethod
     def _reasoning_of(sample: SequenceRecord, params: SamplingParams) -> str | None:

@@ -2,11 +2,11 @@
 
 Order of operations (vLLM's): a structured-output bitmask, when any row has one,
 sets the tokens its grammar forbids to -inf; logprobs are taken from these logits
-(the model's own where no row is restricted); then logit processors (allowed tokens, logit bias, bad words, min_tokens, penalties),
-then greedy rows take the argmax and random rows are tempered, truncated by top-k,
-top-p and min-p, and drawn by inverse-CDF with one uniform per row. A seeded request
-draws its uniform from its own generator, so its tokens do not depend on what else
-is in the batch.
+(the model's own where no row is restricted); then logit processors (allowed tokens,
+logit bias, bad words, min_tokens, penalties), then greedy rows take the argmax and
+random rows are tempered, truncated by top-k, top-p and min-p, and drawn by
+inverse-CDF with one uniform per row. A seeded request draws its uniform from its
+own generator, so its tokens do not depend on what else is in the batch.
 
 A row is a sequence's SequenceRecord (sequences.py): its Request, params, generator,
 per-token bans and its request's SamplingTraits, which say once per request whether
@@ -23,6 +23,9 @@ import torch
 from .sequences import SequenceRecord
 from .structured import apply_token_bitmask
 
+# One row's logprobs: (sampled token's logprob, [(token_id, logprob, rank), ...]).
+TokenLogprobs = tuple[float, list[tuple[int, float, int]]]
+
 
 @dataclass
 class SamplerOutput:
@@ -31,14 +34,15 @@ class SamplerOutput:
     prepare the next step while the device still samples."""
 
     token_ids: torch.Tensor
-    # Per row: (sampled logprob, [(token_id, logprob, rank), ...]) or None.
-    logprobs: list[tuple[float, list[tuple[int, float, int]]] | None]
-    # The host copy of token_ids (pinned on CUDA) and the event that marks it filled.
-    host_ids: torch.Tensor | None = None
+    # Per row: its TokenLogprobs, or None where the row asks for none.
+    logprobs: list[TokenLogprobs | None]
+    # The host copy of token_ids (pinned on CUDA; token_ids itself on the CPU) and
+    # the event that marks it filled (None on the CPU).
+    host_ids: torch.Tensor
     copied: torch.cuda.Event | None = None
 
     @classmethod
-    def start_copy(cls, token_ids: torch.Tensor, logprobs: list) -> SamplerOutput:
+    def start_copy(cls, token_ids: torch.Tensor, logprobs: list[TokenLogprobs | None]) -> SamplerOutput:
         if token_ids.device.type != "cuda":
             return cls(token_ids, logprobs, token_ids)
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
@@ -73,8 +77,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = apply_logit_processors(logits, rows)
         token_ids = self._choose_tokens(logits, rows, [i for i, r in enumerate(rows) if r.traits.is_random])
-        logprobs = (gather_logprobs(raw_logprobs, token_ids, [r.params.logprobs for r in rows]) if want_logprobs
-                    else [None] * len(rows))
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, [r.params.logprobs for r in rows])
         return SamplerOutput.start_copy(token_ids, logprobs)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SequenceRecord], random_rows: list[int]) -> torch.Tensor:
@@ -211,7 +216,7 @@ def sample_random(logits: torch.Tensor, rows: list[SequenceRecord], uniforms: to
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
-) -> list[tuple[float, list[tuple[int, float, int]]] | None]:
+) -> list[TokenLogprobs | None]:
     """Per row that asks (num_top not None): the chosen token's logprob, and the
     top-k entries (token_id, logprob, rank) followed by the chosen token's entry.
     logprobs: [N, V] log-softmax; token_ids: [N]; k = -1 means the whole vocabulary."""
@@ -220,11 +225,12 @@ def gather_logprobs(
     chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     max_k = max((k for k in ks if k is not None), default=0)
-    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    top = logprobs.topk(max_k, dim=-1) if max_k else None
     chosen_list, ranks_list, ids_list = chosen[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
-    top_values = top_values.tolist() if max_k else None
-    top_ids = top_ids.tolist() if max_k else None
-    result = []
+    # [N, max_k] each; empty when no row asks for top entries (every k is 0).
+    top_values: list[list[float]] = top.values.tolist() if top is not None else []
+    top_ids: list[list[int]] = top.indices.tolist() if top is not None else []
+    result: list[TokenLogprobs | None] = []
     for i, k in enumerate(ks):
         if k is None:
             result.append(None)

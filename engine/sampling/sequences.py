@@ -54,6 +54,9 @@ class SequenceRecord:
     text_at_finish: bool = False
     # The params' all_stop_token_ids: stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: set[int] = field(default_factory=set)
+    # The params' own stop strings and stop_token_ids (SamplingParams.stop_lists).
+    stop_strings: list[str] = field(default_factory=list)
+    requested_stop_token_ids: list[int] = field(default_factory=list)
     # The output length that ends it: max_tokens, or what max_model_len leaves.
     max_output_tokens: int = 0
     # Sample row: the step's logits row it samples from, and whether nothing else
