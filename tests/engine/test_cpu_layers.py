@@ -10,6 +10,7 @@ import transformers
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available
+from shardline.engine.cpu.paths import path_settings
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.surgery import replace
 
@@ -17,6 +18,14 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: the engine keeps its torch ops")
 
 FUSED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def taken_unless_forced_off(*names: str) -> pytest.MarkDecorator:
+    """Skip a test that asserts the CPU paths ``names`` are taken when
+    SHARDLINE_CPU_PATHS turns any of them off (read as the engine reads it)."""
+    off = [name for name in names if path_settings().get(name) is False]
+    return pytest.mark.skipif(bool(off), reason=f"SHARDLINE_CPU_PATHS turns off {', '.join(off)}, "
+                                                  "a path this test asserts is taken")
 
 
 @pytest.fixture(scope="module", params=FUSED_ARCHS + ("gemma2", "phi3"))
@@ -47,6 +56,7 @@ def generate(llm, prompts):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+@taken_unless_forced_off("packed_linears", "fused_kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
     """Prompts past Mistral's 48-token window and across prefill chunks and decode."""
@@ -83,6 +93,7 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
             assert step_ours[token].logprob == pytest.approx(step_theirs[token].logprob, abs=tolerance)
 
 
+@taken_unless_forced_off("fused_kernels", "decode_kernel")
 def test_steps_of_partial_chunks_and_of_sampled_rows_only(tmp_path):
     """One prompt far past the token budget: steps that sample nothing (partial
     chunks), then a step whose last layer attends one sampled row, then decoding."""

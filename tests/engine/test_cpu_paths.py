@@ -25,6 +25,14 @@ SHAPE = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=
 PROMPTS = [[5, 6, 7], list(range(3, 60)), [(7 * i) % 200 + 3 for i in range(90)]]
 
 
+def taken_unless_forced_off(*names: str) -> pytest.MarkDecorator:
+    """Skip a test that asserts the CPU paths ``names`` are taken when
+    SHARDLINE_CPU_PATHS turns any of them off (read as the engine reads it)."""
+    off = [name for name in names if path_settings().get(name) is False]
+    return pytest.mark.skipif(bool(off), reason=f"SHARDLINE_CPU_PATHS turns off {', '.join(off)}, "
+                                                  "a path this test asserts is taken")
+
+
 def greedy(llm, max_tokens: int = 8) -> list[list[int]]:
     from shardline import SamplingParams
 
@@ -145,6 +153,7 @@ AVX2_HOST = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_E
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None
                     or native.compiler_vector_isa(native._compiler(), "x86-64-v3") != "avx2",
                     reason="an AVX2 configuration needs an x86-64 host and a compiler that targets AVX2")
+@taken_unless_forced_off("packed_linears", "prefill_kernel")
 def test_an_avx2_host_loads_bfloat16_and_gives_the_same_tokens(tiny_llama_dir, hf_float32_tokens):
     """oneDNN limited to AVX2, torch's kernels at AVX2 and the C kernels built for
     x86-64-v3, as on an AVX2 host: bfloat16 loads (its linears through torch's
@@ -181,6 +190,7 @@ def host_without_onednn_bfloat16() -> HostCpu:
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@taken_unless_forced_off("packed_linears")
 def test_bfloat16_without_onednn_bfloat16_packs_float32_copies_where_they_fit(monkeypatch):
     monkeypatch.setattr(cpu_paths, "host_cpu", host_without_onednn_bfloat16)
     shape = dataclasses.replace(SHAPE, linear_weights=1 << 20)
