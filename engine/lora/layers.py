@@ -43,25 +43,38 @@ class LoRATokenGroups:
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
 
+# The layers LoRA can adapt.
+AdaptableLinear = nn.Linear | Conv1D
+
+
 def layer_features(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a layer LoRA can adapt, else None."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    if isinstance(module, Conv1D):  # GPT-2's transposed linear: weight [in, out]
-        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    if isinstance(module, (nn.Linear, Conv1D)):
+        return _features(module)
     return None
+
+
+def _features(layer: AdaptableLinear) -> tuple[int, int]:
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    # GPT-2's Conv1D, a transposed linear: weight [in, out]
+    return int(layer.weight.shape[0]), int(layer.weight.shape[1])
 
 
 class BatchedLoRALinear(nn.Module):
     """A linear layer plus one LoRA delta per slot, applied per token group."""
 
+    # Registered buffers (see __init__): every slot's A and scaled B.
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
     def __init__(self, base_layer: nn.Module, max_loras: int, max_lora_rank: int,
                  token_groups: LoRATokenGroups, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        features = layer_features(base_layer)
-        assert features is not None, f"{type(base_layer).__name__} is not an adaptable linear layer"
-        self.base_layer = base_layer
-        self.in_features, self.out_features = features
+        assert isinstance(base_layer, (nn.Linear, Conv1D)), \
+            f"{type(base_layer).__name__} is not an adaptable linear layer"
+        self.base_layer: AdaptableLinear = base_layer
+        self.in_features, self.out_features = _features(base_layer)
         self.token_groups = token_groups
         # ranks[s] == 0: slot s leaves this layer alone (empty, or its adapter skips it).
         self.ranks = [0] * max_loras
@@ -120,7 +133,9 @@ def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, 
                           device: torch.device, dtype: torch.dtype) -> dict[str, BatchedLoRALinear]:
     """Replace every adaptable layer of ``model`` (not its output embeddings) by a
     BatchedLoRALinear, in place (through surgery.replace); return them by module name."""
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # A transformers model names its output embeddings; a bare nn.Module has none.
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
     targets = []
     for name, module in model.named_modules():
         if isinstance(module, BatchedLoRALinear):

@@ -25,9 +25,9 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 
-from .request import LoRAError, LoRARequest
 from .adapter import AdapterSpec, inspect_adapter, load_adapter_weights
 from .layers import BatchedLoRALinear, LoRATokenGroups, wrap_adaptable_layers
+from .request import LoRAError, LoRARequest
 
 logger = logging.getLogger(__name__)
 

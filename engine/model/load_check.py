@@ -35,11 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..errors import ModelLoadError
 from ..params import SamplingParams
+from ..recurrent.state import RecurrentLayer
 from ..surgery import decoder_layers
 from .runner import ModelRunner
 
@@ -63,15 +65,18 @@ class _Trace:
 
 def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, architecture: str) -> None:
     """Run the check (see the module docstring); raise ModelMismatchError on a mismatch."""
-    _, layers = decoder_layers(runner.model)
+    model = runner.model
+    # The reference is the model's own transformers forward (its config, eager attention).
+    assert isinstance(model, PreTrainedModel), f"{type(model).__name__} is not a transformers model"
+    _, layers = decoder_layers(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
     with torch.inference_mode():
         requests, traces = _run_paged(runner, layers, prompts, max_model_len)
-        incremental = _decode_differs_from_scan(runner.model)
+        incremental = _decode_differs_from_scan(model)
         for request in requests:
-            _compare(runner.model, layers, request.all_token_ids[:-1], traces[request.request_id],
-                     _reference_dtype(runner), architecture,
+            _compare(model, layers, request.all_token_ids[:-1], traces[request.request_id],
+                     _reference_dtype(runner, model.config), architecture,
                      request.num_prompt_tokens if incremental else None)
 
 
@@ -81,15 +86,13 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
 FLOAT32_ATTENTION_MODEL_TYPES = frozenset({"granite_swa", "granitemoe_swa", "flint"})
 
 
-def _reference_dtype(runner: ModelRunner) -> torch.dtype:
+def _reference_dtype(runner: ModelRunner, config: PretrainedConfig) -> torch.dtype:
     """The dtype the model's own forward is exact to: the cache's, or float32 where a
     recurrent layer's own code or the model's attention code computes in float32 (and
     the cache's is wider)."""
-    from ..recurrent.state import RecurrentLayer
-
     if runner.spec.dtype != torch.float64:
         return runner.spec.dtype
-    if runner.model.config.get_text_config().model_type in FLOAT32_ATTENTION_MODEL_TYPES:
+    if config.get_text_config().model_type in FLOAT32_ATTENTION_MODEL_TYPES:
         return torch.float32
     kinds = [m.kind for m in runner.model.modules() if isinstance(m, RecurrentLayer)]
     if any(k.reference_dtype == torch.float32 for k in kinds):
@@ -100,8 +103,6 @@ def _reference_dtype(runner: ModelRunner) -> torch.dtype:
 def _decode_differs_from_scan(model: nn.Module) -> bool:
     """Whether a recurrent layer's own code computes a continuing single token otherwise
     than its chunked scan would (a kind's ``decode_differs_from_scan``)."""
-    from ..recurrent.state import RecurrentLayer
-
     return any(module.kind.decode_differs_from_scan(module.layer)
                for module in model.modules() if isinstance(module, RecurrentLayer))
 
@@ -165,7 +166,7 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
     return requests, traces
 
 
-def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
+def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
              architecture: str, num_prompt_tokens: int | None = None) -> None:
     """The model's own forward over ``token_ids`` against ``trace``; with
     ``num_prompt_tokens``, the prompt in one forward and each later token alone on the
@@ -173,6 +174,7 @@ def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trac
     outputs: dict[int, torch.Tensor] = {}
     hooks = _record_layers(layers, outputs)
     implementation = model.config._attn_implementation
+    assert implementation is not None, "the loader names the model's attention implementation"
     try:
         model.set_attn_implementation("eager")
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)
@@ -203,7 +205,7 @@ def _compare(model: nn.Module, layers: nn.ModuleList, token_ids: list[int], trac
                 f"(LLM(..., check_model=False) skips this check at your own risk)")
 
 
-def _incremental_forward(model: nn.Module, ids: torch.Tensor, num_prompt_tokens: int,
+def _incremental_forward(model: PreTrainedModel, ids: torch.Tensor, num_prompt_tokens: int,
                          outputs: dict[int, torch.Tensor]) -> torch.Tensor:
     """The prompt of ``ids`` [1, T] in one forward, then each later token alone on the
     model's own cache; ``outputs`` (filled by the layer hooks) ends holding each layer's

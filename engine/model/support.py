@@ -37,7 +37,8 @@ from torch import nn
 from ..errors import UnsupportedLayerError, UnsupportedModelError
 from ..recurrent.base import kind_for_module
 from ..recurrent.state import prepare_recurrent_layers
-from .adapters import UnsupportedAttentionError, adapt_attention, has_adapter
+from .adapters import adapt_attention, has_adapter
+from .adapters.base import UnsupportedAttentionError
 from .layer_kinds import (
     NO_STATE,
     RECURRENT,

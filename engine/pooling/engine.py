@@ -21,15 +21,22 @@ import torch
 import transformers
 
 from ..config import EngineConfig
+from ..inputs.prompts import PromptType, tokenize_prompt
 from ..model.loader import LoadedModel, load_hf_config, load_model
 from ..model.runner import model_max_len
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
-from .packed_attention import PackedAttentionContext, register as register_packed_attention
 from ..params import PoolingParams, PoolingTask
 from ..parts.build import resolve_for_device, resolve_max_model_len
-from ..inputs.prompts import PromptType, tokenize_prompt
+from .packed_attention import PackedAttentionContext
+from .packed_attention import register as register_packed_attention
 from .pooler import (
-    PoolerConfig, at_least_float32, finish_embedding, is_causal_config, pool, read_pooler_config, resolve_dimensions,
+    PoolerConfig,
+    at_least_float32,
+    finish_embedding,
+    is_causal_config,
+    pool,
+    read_pooler_config,
+    resolve_dimensions,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,7 +144,9 @@ class PoolingEngine:
         self.position_offset = _position_offset(self.model)
         self.max_model_len = resolve_pooling_max_len(config, self.hf_config, self.pooler_config, self.position_offset)
         self._takes_token_type_ids = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        self.scheduler = PoolingScheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        token_budget = config.max_num_batched_tokens
+        assert token_budget is not None, "resolve_for_device fills in the token budget"
+        self.scheduler = PoolingScheduler(config.max_num_seqs, token_budget)
         self._states: dict[str, PoolingRequest] = {}
         self._arrivals = itertools.count()
 
@@ -235,13 +244,14 @@ class PoolingEngine:
         ctx = PackedAttentionContext.from_seq_lens(seq_lens, self.device)
         token_ids = [t for r in batch for t in r.prompt_token_ids]
         positions = [self.position_offset + p for n in seq_lens for p in range(n)]
-        model_inputs = dict(
-            input_ids=torch.tensor([token_ids], dtype=torch.int64, device=self.device),
+        input_ids = torch.tensor([token_ids], dtype=torch.int64, device=self.device)
+        model_inputs: dict[str, torch.Tensor | PackedAttentionContext] = dict(
+            input_ids=input_ids,
             position_ids=torch.tensor([positions], dtype=torch.int64, device=self.device),
             shardline_packed_ctx=ctx,
         )
         if self._takes_token_type_ids:
-            model_inputs["token_type_ids"] = torch.zeros_like(model_inputs["input_ids"])
+            model_inputs["token_type_ids"] = torch.zeros_like(input_ids)
         outputs = self.model(**model_inputs, use_cache=False)
         return outputs.last_hidden_state[0], ctx.cu_seqlens
 
@@ -283,7 +293,7 @@ def _resolve_task(request_id: str, task: Any) -> PoolingTask:
 def _position_offset(model: torch.nn.Module) -> int:
     """RoBERTa-family embeddings number positions from padding_idx + 1, not 0."""
     embeddings = getattr(model, "embeddings", None)
-    if hasattr(embeddings, "create_position_ids_from_input_ids"):
+    if embeddings is not None and hasattr(embeddings, "create_position_ids_from_input_ids"):
         return int(embeddings.padding_idx) + 1
     return 0
 
@@ -306,7 +316,13 @@ def pooling_params_for(params: PoolingParams | Any, task: PoolingTask,
     if truncate_prompt_tokens is not None:
         PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # validates it
     if isinstance(params, (list, tuple)):
-        return [pooling_params_for(p, task, truncate_prompt_tokens) for p in params]
+        return [_pooling_params_one(p, task, truncate_prompt_tokens) for p in params]
+    return _pooling_params_one(params, task, truncate_prompt_tokens)
+
+
+def _pooling_params_one(params: object, task: PoolingTask,
+                        truncate_prompt_tokens: int | None) -> PoolingParams:
+    """pooling_params_for of one entry: a copy of ``params`` (None: defaults)."""
     if params is None:
         params = PoolingParams()
     if not isinstance(params, PoolingParams):

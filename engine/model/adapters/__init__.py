@@ -23,7 +23,6 @@ from .base import (
     ContextForwardingAttention,
     PagedAttentionAdapter,
     StepScope,
-    UnsupportedAttentionError,
 )
 from .shapes import (
     BloomAttention,
