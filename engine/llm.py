@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine_protocol import Engine
 from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
@@ -31,6 +30,43 @@ from .pooling.engine import (
     pooling_params_for,
     wants_pooling_engine,
 )
+
+
+class Engine(Protocol):
+    """What LLM asks of an engine: the interface both the generation and the pooling
+    engine implement, so LLM drives either without reaching into its internals (and the
+    pipeline's shard runner steps it the same way). Requests are identified by the
+    caller's ids."""
+
+    # "generate" or "embed": what LLM may ask of this engine.
+    task: str
+    tokenizer: Any
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, lora_request: Any = None,
+                    priority: int = 0) -> None:
+        """Queue a request; raises ValueError naming it if it can never run."""
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop requests wherever they are; unknown ids are ignored."""
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def has_capacity(self) -> bool:
+        """Whether adding more requests before the next step still pays (the engine
+        holds less than two steps' worth of sequences)."""
+        ...
+
+    def step(self) -> Sequence[RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput]:
+        """Run one iteration; return the outputs of requests that finished in it."""
+        ...
+
+    def close(self) -> None:
+        """Abort everything and release what the engine holds besides memory (threads)."""
 
 
 class LLM:

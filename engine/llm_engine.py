@@ -40,7 +40,7 @@ from .sampling.structured import StructuredOutputError, forbidden_picks
 
 class LLMEngine:
     """Continuous-batching engine over one model; driven by ``step()`` (an
-    engine_protocol.Engine)."""
+    llm.Engine)."""
 
     task = "generate"
 
@@ -148,7 +148,7 @@ class LLMEngine:
         return len(self.sequences)
 
     def has_capacity(self) -> bool:
-        """Whether to add more requests before the next step (see engine_protocol.Engine).
+        """Whether to add more requests before the next step (see llm.Engine).
         Requests waiting for their grammar to compile count: they are added work."""
         return len(self.sequences) < 2 * self.config.max_num_seqs
 

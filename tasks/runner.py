@@ -104,7 +104,7 @@ class ShardRunner:
                  owner_drives: bool = False) -> None:
         self.llm = llm
         # The pipeline's only reach past the LLM API, kept in this class: the driver steps the
-        # engine itself (llm.llm_engine, vLLM's public engine object, engine_protocol.Engine)
+        # engine itself (llm.llm_engine, vLLM's public engine object, llm.Engine)
         # so the rows of many shards share one batch.
         self._engine = llm.llm_engine
         self._max_queued = max_queued

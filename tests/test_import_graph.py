@@ -207,3 +207,11 @@ def test_engine_subpackages_depend_one_way(graph):
             and _engine_part(target) != source and frozenset({source, _engine_part(target)}) not in KNOWN_TWO_WAY)
     cycle = find_cycle(packages)
     assert cycle is None, "engine subpackages depend on each other both ways: " + " -> ".join(cycle)
+
+
+def test_engine_keeps_at_most_eight_top_level_modules():
+    """engine/'s top level is its public surface and the loop (llm, llm_engine, config,
+    params, outputs) plus the two low modules every layer may import (errors, surgery);
+    everything else lives in a subpackage."""
+    modules = sorted(path.name for path in _package_folder(ENGINE).glob("*.py"))
+    assert len(modules) <= 8, f"engine/ has {len(modules)} top-level modules: {', '.join(modules)}"

@@ -124,7 +124,7 @@ class PoolingScheduler:
 
 class PoolingEngine:
     """Embeds prompts with an encoder or decoder base model; driven by ``step()`` (an
-    engine_protocol.Engine)."""
+    llm.Engine)."""
 
     task = "embed"
 

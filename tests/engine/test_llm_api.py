@@ -182,7 +182,7 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny_llm):
 
 def test_llm_drives_either_engine_through_the_engine_protocol(tiny_llama_dir, embedding_model):
     """LLM reaches no engine internals: both engines answer the same calls."""
-    from shardline.engine.engine_protocol import Engine
+    from shardline.engine.llm import Engine
 
     for llm, task in ((LLM(tiny_llama_dir, dtype="float32"), "generate"), (LLM(embedding_model), "embed")):
         engine = llm.llm_engine
