@@ -52,7 +52,7 @@ def test_example_dag_runs_every_shard_and_pushes_only_manifests(airflow_db, tmp_
         assert set(manifest) >= {"rows", "errors", "fingerprint", "output"} and "text" not in manifest
         assert xcom_bytes(manifest) < 4096
         output = pq.read_table(tmp_path / "out" / DS / f"{shard.key}.parquet")
-        expected = pq.read_table(process_shard(shard, reference)["output"].removeprefix("file://"))
+        expected = pq.read_table(process_shard(shard, reference).output.removeprefix("file://"))
         assert output.column_names == expected.column_names  # the Prefect flow's output contract
         assert output.drop(["error"]).to_pylist() == expected.drop(["error"]).to_pylist()
         assert output.column("error").to_pylist() == expected.column("error").to_pylist()
