@@ -11,5 +11,5 @@ if not torch.cuda.is_available():
 
 # The engine's CPU fast paths are taken wherever the host can run them, without the
 # load-time race against their torch alternatives, so every test runs the same paths
-# on a given host; tests/engine/test_cpu_paths.py covers the race and each fallback.
+# on a given host; tests/engine/cpu/test_cpu_paths.py covers the race and each fallback.
 os.environ.setdefault("SHARDLINE_CPU_PATHS", "all=on")

@@ -17,7 +17,7 @@ from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec
 from shardline.engine.model.runner import plan_kv_cache
 from shardline.engine.recurrent.state import RecurrentStateSpec
 
-from ..test_scheduler import make_requests, make_scheduler
+from ..core.test_scheduler import make_requests, make_scheduler
 
 
 def _check_slots(scheduler) -> None:

@@ -17,7 +17,7 @@ import transformers
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny import build_tiny_model
 
-from .hf_reference import hf_greedy
+from ..hf_reference import hf_greedy
 
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 MLA = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=32,

@@ -24,7 +24,7 @@ from shardline.engine.sampling.structured import (
     new_bitmask,
 )
 
-from ..schemas import LABELS, ORDER, PERSON
+from ...schemas import LABELS, ORDER, PERSON
 
 PROMPTS = [f"Row {i}: {text}" for i, text in enumerate(
     ["The quick brown fox", "Summarize the text", "café 東京", "def main():", "Question: two plus two?",

@@ -16,7 +16,7 @@ from shardline.engine.model.adapters import PagedAttentionAdapter
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parts.build import uses_position_bias
 
-from .hf_reference import hf_greedy, load_hf_model, random_prompts
+from ..hf_reference import hf_greedy, load_hf_model, random_prompts
 
 MAX_NEW_TOKENS = 6
 

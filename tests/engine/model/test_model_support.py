@@ -10,7 +10,7 @@ from shardline.engine.errors import UnsupportedLayerError, UnsupportedModelError
 from shardline.engine.model.support import model_support, require_supported, routes_attention_interface
 from shardline.engine.model.tiny import tiny_config
 
-from .coverage import VOCAB_SIZE, tiny_overrides
+from ..coverage import VOCAB_SIZE, tiny_overrides
 
 
 def _tiny(model_type: str, **overrides) -> transformers.PretrainedConfig:

@@ -42,7 +42,7 @@ def test_the_check_can_be_turned_off(tmp_path):
 @pytest.mark.parametrize("arch,overrides", [("gpt_oss", GPT_OSS), ("llama4_text", LLAMA4_TEXT)])
 def test_attention_sinks_and_chunked_attention_pass(tmp_path, arch, overrides):
     """Sinks (gpt_oss) and chunked local attention (llama4_text) run exactly: the check
-    passes (tests/engine/test_attention_features.py compares their greedy tokens)."""
+    passes (tests/engine/attention/test_attention_features.py compares their greedy tokens)."""
     model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
     LLM(model_dir, dtype="float32").close()
 
@@ -65,7 +65,7 @@ def test_per_layer_head_sizes_run_exactly(tmp_path):
     from shardline import SamplingParams
     from shardline.engine.model.kv_cache_spec import KVCacheSpec
 
-    from .hf_reference import hf_greedy, load_hf_model
+    from ..hf_reference import hf_greedy, load_hf_model
 
     model_dir = str(build_tiny_model(tmp_path, "gemma4_text", head_dim=16, global_head_dim=32, sliding_window=8))
     llm = LLM(model_dir, dtype="float64")

@@ -190,7 +190,7 @@ def test_lora_adapters_and_prompt_logprobs_through_fused_layers(tiny_llama_dir, 
     from shardline import LLM, SamplingParams
     from shardline.engine.lora.request import LoRARequest
 
-    from .test_lora import make_adapter
+    from ..lora.test_lora import make_adapter
 
     adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter", seed=1, r=4, lora_alpha=8,
                            target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])

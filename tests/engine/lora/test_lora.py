@@ -27,7 +27,7 @@ from shardline.engine.lora.manager import LoRAManager
 from shardline.engine.lora.request import LoRAError, LoRARequest, lora_cache_salt, resolve_lora_request
 from shardline.engine.model.tiny import build_tiny_model
 
-from .hf_reference import hf_greedy, load_hf_model, random_prompts
+from ..hf_reference import hf_greedy, load_hf_model, random_prompts
 
 ATOL = 1e-9  # float64 logits of size ~10: far above rounding, far below any real difference
 

@@ -62,7 +62,7 @@ def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path,
     from shardline.engine.errors import UnsupportedModelError
     from shardline.engine.model.tiny import build_tiny_model
 
-    from .coverage import tiny_overrides
+    from ..coverage import tiny_overrides
 
     model_dir = str(build_tiny_model(tmp_path, arch, **tiny_overrides(arch)))
     with pytest.raises(UnsupportedModelError, match=reason):
