@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..recurrent.state import RecurrentLayer
+
 
 class WeightedNorm(Protocol):
     """A norm with a ``weight`` tensor (RMSNorm-like), as a fused norm reads it."""
@@ -79,6 +81,36 @@ class LlamaDecoder(Protocol):
     mlp: nn.Module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class GatedAttention(HeadNormedAttention, Protocol):
+    """What FusedHybridDecoderLayer reads of a hybrid's gated full attention (Qwen3.5's,
+    Qwen3-Next's): Qwen3's layout, but q_proj gives each head's queries and output gates
+    side by side ([H, 2, D] per row)."""
+
+
+class HybridDecoder(Protocol):
+    """What FusedHybridDecoderLayer reads of a hybrid decoder layer (Qwen3.5,
+    Qwen3-Next), whichever its mixer."""
+
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class GatedAttentionDecoder(HybridDecoder, Protocol):
+    """A hybrid decoder layer whose mixer is gated full attention."""
+
+    self_attn: GatedAttention
+
+
+class RecurrentDecoder(HybridDecoder, Protocol):
+    """A hybrid decoder layer whose mixer is a recurrent layer (a gated delta-net run
+    through the engine's RecurrentLayer)."""
+
+    linear_attn: RecurrentLayer
 
 
 # transformers' attention functions (ALL_ATTENTION_FUNCTIONS): (module, query, key,
