@@ -4,8 +4,8 @@ A replacement holds the module it replaces (registered as its submodule) and cal
 that module's own submodules on every step: a decoder layer's projections and norms,
 an MLP's gate, up and down projections. torch types a module's children as
 ``Tensor | Module``; these Protocols type them by what is read of them instead. Each
-is checked where the replacement is built (the ``TypeIs`` guards beside them in
-layers.py and linear.py), never per step.
+is checked where the replacement is built (the ``TypeIs`` guards in
+layers.py, linear.py and hybrid_decoder.py), never per step.
 """
 
 from __future__ import annotations

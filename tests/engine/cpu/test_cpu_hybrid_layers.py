@@ -25,7 +25,7 @@ from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.recurrent.gated_delta_net import input_projections
 from shardline.engine.recurrent.state import install_recurrent_layers
 
-from .hf_reference import hf_greedy, random_prompts
+from ..hf_reference import hf_greedy, random_prompts
 
 needs_kernels = pytest.mark.skipif(not fused_kernels_available(torch.float32),
                                    reason="the fused CPU kernels could not be built here")
