@@ -191,11 +191,10 @@ class SamplingParams:
             _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)
 
     def stop_lists(self) -> tuple[list[str], list[int]]:
-        """``stop`` and ``stop_token_ids`` as the lists __post_init__ made them (the
-        fields' declared types are the wider forms a caller may pass)."""
-        stop, stop_token_ids = self.stop, self.stop_token_ids
-        assert isinstance(stop, list) and stop_token_ids is not None, "normalized in __post_init__"
-        return stop, stop_token_ids
+        """``stop`` and ``stop_token_ids`` as lists (the fields take the wider forms vLLM's
+        do: one string, None), also when a caller set them after construction."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return stop, list(self.stop_token_ids or [])
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -212,3 +212,17 @@ def test_detokenize_false_returns_tokens_only(tiny_llm):
 def test_invalid_values_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_stop_set_after_construction_as_one_string_is_one_stop_string(tiny_llm):
+    """vLLM's fields take a bare string; a caller that sets one on an existing
+    SamplingParams gets the same stop as passing it to the constructor."""
+    free = tiny_llm.generate(["The quick brown fox"], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    text = free.outputs[0].text
+    assert len(text) > 2
+    stop = text[1:3]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    params.stop = stop
+    stopped = tiny_llm.generate(["The quick brown fox"], params)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert text.startswith(stopped.text)
