@@ -15,7 +15,7 @@ from shardline.tasks.storage import filesystem
 
 from .helpers import everything_as_text, flow_run_record
 
-OUTAGE_SECONDS = 45  # the server is down this long, plus its restart (about 20 s)
+OUTAGE_SECONDS = 61  # the server is down over a minute on its own; its restart adds more
 ROWS = 6  # good rows per shard; the sample's first three shards add one bad row each
 
 
