@@ -92,7 +92,6 @@ class StepProfile:
         from shardline.engine.attention import backends as attention_backends
         from shardline.engine.attention import torch_path as torch_attention
         from shardline.engine.core import scheduler
-        from shardline.engine.cpu import layers as cpu_layers
         from shardline.engine.model import runner as model_runner
         from shardline.engine.sampling import output_processor, sampler
 
@@ -109,9 +108,8 @@ class StepProfile:
             (torch_attention, "_attend_decode", "decode attention"),
             (torch_attention, "_attend_fresh", "prefill attention"),
             (torch_attention, "_attend_prefill", "prefill attention"),
-            (cpu_layers, "decode_attention", "last layer, sampled rows"),
+            (attention_backends.TorchBackend, "attend_sampled_rows", "last layer, sampled rows"),
             (attention_backends, "write_kv_cache", "kv cache writes"),
-            (cpu_layers, "write_kv_cache", "kv cache writes"),
             (attention_backends.TorchBackend, "build_context", "attention plans"),
             (model_runner.ModelRunner, "execute", "model forward"),
             (model_runner.ModelRunner, "prepare_inputs", "batch preparation"),
