@@ -88,9 +88,17 @@ class ServiceFiles:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock on ``path`` (created 0600 if missing); released on exit or death."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+def file_lock(path: Path, directory_may_be_gone: bool = False) -> Iterator[None]:
+    """An exclusive flock on ``path`` (created 0600 if missing); released on exit or death.
+    ``directory_may_be_gone``: when ``path``'s directory was removed, go on without the
+    lock (no one can take it then, nor find the files it guards)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:
+        if not directory_may_be_gone or path.parent.exists():
+            raise
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

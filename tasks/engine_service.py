@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -163,13 +164,16 @@ class EngineService:
 
     def _retire(self, only_if_idle: bool) -> bool:
         """Remove the socket and key (so no client finds this service), then stop the driver."""
-        with file_lock(self.lock_path):
+        # The runtime directory may have been removed under a running service (a cleaned-up
+        # temporary directory): it must retire all the same, or it would run on for nobody.
+        with file_lock(self.lock_path, directory_may_be_gone=True):
             with self._state:
                 idle_for = time.monotonic() - self._idle_since if self._connections == 0 else 0.0
                 if only_if_idle and idle_for < self.idle_timeout:
                     return False
                 self._retiring = True
-            self._listener.close()  # removes the socket file
+            with contextlib.suppress(FileNotFoundError):  # its socket file is gone with the directory
+                self._listener.close()  # removes the socket file
             for path in self.owned_files:
                 path.unlink(missing_ok=True)
         logger.info("engine service pid %d retiring (%s); driver %s", os.getpid(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import threading
@@ -96,3 +97,17 @@ def test_abort_stops_one_shard_on_the_service_and_another_shard_goes_on(service)
     assert service.service_info()["unfinished_requests"] == 0
     short = service.run_shard("short", _rows(2, SamplingParams(max_tokens=2, temperature=0.0)))
     assert [len(result.output.outputs[0].token_ids) for result in short] == [2, 2, 2]
+
+
+def test_a_service_whose_runtime_directory_was_removed_still_retires_on_sigterm(monkeypatch, tiny_model):
+    """A runtime directory removed under a running service (a temporary directory cleaned
+    up, a test's tmp dir deleted) leaves no process behind: SIGTERM still retires it."""
+    runtime = tempfile.mkdtemp(prefix="sl-run-")
+    monkeypatch.setenv("SHARDLINE_RUNTIME_DIR", runtime)
+    client = engine_cache.get_executor(tiny_model, EngineHost.SERVICE, **OPTIONS)
+    assert isinstance(client, ServiceClient)
+    pid = client.service_info()["pid"]
+    engine_cache.close_engines()
+    shutil.rmtree(runtime)
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not _is_engine_service(pid), "the service to retire")
