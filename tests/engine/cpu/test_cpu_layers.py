@@ -10,22 +10,15 @@ import transformers
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available
-from shardline.engine.cpu.paths import path_settings
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.surgery import replace
+
+from .paths_taken import taken_unless_forced_off
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine keeps its torch ops")
 
 FUSED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def taken_unless_forced_off(*names: str) -> pytest.MarkDecorator:
-    """Skip a test that asserts the CPU paths ``names`` are taken when
-    SHARDLINE_CPU_PATHS turns any of them off (read as the engine reads it)."""
-    off = [name for name in names if path_settings().get(name) is False]
-    return pytest.mark.skipif(bool(off), reason=f"SHARDLINE_CPU_PATHS turns off {', '.join(off)}, "
-                                                  "a path this test asserts is taken")
 
 
 @pytest.fixture(scope="module", params=FUSED_ARCHS + ("gemma2", "phi3"))
@@ -183,6 +176,7 @@ def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+@taken_unless_forced_off("packed_linears", "fused_kernels")
 def test_lora_adapters_and_prompt_logprobs_through_fused_layers(tiny_llama_dir, tmp_path):
     """float32 (the fused path): LoRA wrappers inside fused layers, prompt logprobs
     (every row read, so no sampled-rows shortcut), seeded n=2 sampling and penalties

@@ -6,6 +6,8 @@ from torch import nn
 
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available, pack_linears
 
+from .paths_taken import taken_unless_forced_off
+
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 
 
@@ -63,6 +65,7 @@ def test_gradients_still_flow_through_the_original_weight():
     assert model[0].weight.grad is not None
 
 
+@taken_unless_forced_off("packed_linears")
 def test_engine_packs_linears_on_cpu(tiny_llama_dir):
     from shardline import LLM
 
@@ -137,6 +140,7 @@ def test_an_mlp_with_another_formula_keeps_its_forward():
         torch.testing.assert_close(mlp(x), GatedMLPOtherWay.forward(mlp, x))
 
 
+@taken_unless_forced_off("packed_linears")
 def test_engine_fuses_the_llama_mlp(tiny_llama_dir):
     from shardline import LLM
 

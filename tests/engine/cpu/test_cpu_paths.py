@@ -21,16 +21,10 @@ from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
 from shardline.engine.cpu.paths import PATH_NAMES, choose_cpu_paths, path_settings
 from shardline.engine.kernels import native
 
+from .paths_taken import taken_unless_forced_off
+
 SHAPE = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=2, head_dim=16)
 PROMPTS = [[5, 6, 7], list(range(3, 60)), [(7 * i) % 200 + 3 for i in range(90)]]
-
-
-def taken_unless_forced_off(*names: str) -> pytest.MarkDecorator:
-    """Skip a test that asserts the CPU paths ``names`` are taken when
-    SHARDLINE_CPU_PATHS turns any of them off (read as the engine reads it)."""
-    off = [name for name in names if path_settings().get(name) is False]
-    return pytest.mark.skipif(bool(off), reason=f"SHARDLINE_CPU_PATHS turns off {', '.join(off)}, "
-                                                  "a path this test asserts is taken")
 
 
 def greedy(llm, max_tokens: int = 8) -> list[list[int]]:
