@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 from shardline.engine.model.tiny import build_tiny_model
@@ -22,3 +24,10 @@ def resolve_model(args: argparse.Namespace) -> str:
     if not (model_dir / "config.json").exists():
         build_tiny_model(model_dir, arch="llama")
     return str(model_dir)
+
+
+def shardline_run(input_dir: Path, output_dir: Path, model: str, *options: str) -> None:
+    """``shardline run INPUT OUTPUT --model MODEL OPTIONS...`` as a user types it; its exit
+    status is left to the caller's reading of the outputs (bad rows make error rows)."""
+    subprocess.run([sys.executable, "-m", "shardline", "run", str(input_dir), str(output_dir), "--model", model,
+                    *options], check=False)

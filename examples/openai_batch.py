@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from _tiny import model_argument, resolve_model
+from _tiny import model_argument, resolve_model, shardline_run
 
 
 def requests(model: str) -> list[dict]:
@@ -37,8 +35,7 @@ def main() -> None:
     (root / "batches").mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(request) + "\n" for request in requests(model))
     (root / "batches" / "requests.jsonl").write_text(lines)
-    subprocess.run([sys.executable, "-m", "shardline", "run", str(root / "batches"), str(root / "results"),
-                    "--model", model, "--output-format", "openai"], check=False)
+    shardline_run(root / "batches", root / "results", model, "--output-format", "openai")
     for line in (root / "results" / "requests.jsonl").read_text().splitlines():
         result = json.loads(line)
         print(result["custom_id"], "error:" if result["error"] else "ok:", result["error"] or

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from _tiny import model_argument, resolve_model
+from _tiny import model_argument, resolve_model, shardline_run
 
 SCHEMA = {"type": "object",
           "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 99999},
@@ -42,9 +40,8 @@ def main() -> None:
     (root / "tickets").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(TICKETS), root / "tickets" / "part-0.parquet")
     (root / "order.schema.json").write_text(json.dumps(SCHEMA))
-    subprocess.run([sys.executable, "-m", "shardline", "run", str(root / "tickets"), str(root / "out"),
-                    "--model", model, "--json-schema", str(root / "order.schema.json"), "--compact-json",
-                    "--temperature", "0"], check=False)
+    shardline_run(root / "tickets", root / "out", model, "--json-schema", str(root / "order.schema.json"),
+                  "--compact-json", "--temperature", "0")
     for row in pq.read_table(root / "out" / "part-0.parquet").to_pylist():
         print({key: row[key] for key in ("id", "parsed", "finish_reason", "error")})
 
