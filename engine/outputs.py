@@ -111,3 +111,18 @@ class PoolingRequestOutput:
     finished: bool = True
     prompt: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's load at one moment, for health lines: requests running (holding
+    cache) and waiting, the share of KV-cache blocks held, the prefix cache's hit rate
+    over every admission so far, and preemptions and steps so far. Fields an engine
+    has no such part for (the pooling engine's cache) are None."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float | None = None
+    prefix_cache_hit_rate: float | None = None  # None: prefix caching is off
+    num_preemptions: int = 0
+    num_steps: int = 0

@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..outputs import EngineStats
 from .kv_cache import KVCacheManager, blocks_needed
 from .request import Request, RequestStatus
 from .state_slots import StateSlots
@@ -139,6 +140,7 @@ class Scheduler:
         # Ties on (priority, arrival_index) fall back to the order of add_request.
         self._add_order: dict[str, int] = {}
         self._add_counter = itertools.count()
+        self.num_preemptions = 0  # every preemption so far
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises PromptTooLongError if it could never be scheduled."""
@@ -162,6 +164,14 @@ class Scheduler:
             preempted=step.preempted,
             num_scheduled_tokens=budget - step.token_budget,
         )
+
+    def stats(self, num_steps: int = 0) -> EngineStats:
+        """Requests running and waiting, KV-cache use, prefix-cache hit rate, preemptions."""
+        kv_cache = self.kv_cache
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv_cache.usage,
+            prefix_cache_hit_rate=kv_cache.stats.hit_rate if kv_cache.enable_prefix_caching else None,
+            num_preemptions=self.num_preemptions, num_steps=num_steps)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (or abort) requests: remove them, free their blocks, set ``status``.
@@ -310,6 +320,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         step.preempted.append(victim)
         self._push_waiting(victim)
 
