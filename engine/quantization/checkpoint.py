@@ -1,0 +1,109 @@
+"""Lazy access to a checkpoint's safetensors tensors by name.
+
+A quantized checkpoint is read tensor by tensor as each quantized module is built, so
+no file is read whole and no tensor is held twice. ``CheckpointTensors`` opens the
+checkpoint's safetensors files once (one file, or the shards its
+``model.safetensors.index.json`` lists) and answers by tensor name; a name the
+checkpoint lacks is one error line naming the tensor, what it was needed for and the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class QuantizedCheckpointError(ModelLoadError):
+    """A quantized checkpoint's tensors cannot be used as its quantization_config says
+    (a missing scale, a block size that does not match the weight, a wrong dtype or
+    shape); the message names the tensor and the problem."""
+
+
+class CheckpointTensors:
+    """The tensors of one checkpoint directory, read lazily by name.
+
+    ``get(name)`` reads one tensor (onto ``device``); ``dtype``/``shape`` read only the
+    header. The file handles stay open for the object's life (``close`` ends it)."""
+
+    def __init__(self, directory: str | os.PathLike[str], device: torch.device | str = "cpu") -> None:
+        self.directory = Path(directory)
+        self.device = torch.device(device)
+        self._file_of: dict[str, str] = _tensor_files(self.directory)
+        self._handles: dict[str, Any] = {}
+
+    def names(self) -> set[str]:
+        """Every tensor name the checkpoint holds."""
+        return set(self._file_of)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def _handle(self, name: str, what: str) -> Any:
+        file_name = self._file_of.get(name)
+        if file_name is None:
+            raise QuantizedCheckpointError(
+                f"checkpoint {self.directory} has no tensor {name!r}{f' ({what})' if what else ''}")
+        handle = self._handles.get(file_name)
+        if handle is None:
+            handle = safe_open(str(self.directory / file_name), framework="pt", device=str(self.device))
+            self._handles[file_name] = handle
+        return handle
+
+    def get(self, name: str, what: str = "") -> torch.Tensor:
+        """The tensor ``name`` on this object's device; ``what`` says what it is needed
+        for in the error raised when the checkpoint lacks it."""
+        return self._handle(name, what).get_tensor(name)
+
+    def dtype(self, name: str, what: str = "") -> torch.dtype:
+        """The stored dtype of ``name`` (reads the header only)."""
+        return _SAFETENSORS_DTYPES[self._handle(name, what).get_slice(name).get_dtype()]
+
+    def shape(self, name: str, what: str = "") -> tuple[int, ...]:
+        """The stored shape of ``name`` (reads the header only)."""
+        return tuple(self._handle(name, what).get_slice(name).get_shape())
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+def _tensor_files(directory: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (relative to ``directory``) that holds it."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise QuantizedCheckpointError(f"{index} has no weight_map")
+        return {str(name): str(file) for name, file in weight_map.items()}
+    files = [SINGLE_FILE] if (directory / SINGLE_FILE).is_file() else sorted(
+        path.name for path in directory.glob("*.safetensors"))
+    if not files:
+        raise QuantizedCheckpointError(f"checkpoint {directory} has no safetensors files")
+    found: dict[str, str] = {}
+    for file_name in files:
+        with safe_open(str(directory / file_name), framework="pt") as handle:
+            found.update((name, file_name) for name in handle.keys())
+    return found

@@ -1,0 +1,80 @@
+"""compressed-tensors checkpoints (Red Hat / Neural Magic's llm-compressor output):
+their config read by the compressed-tensors package, mapped to a QuantScheme.
+
+Read: FP8 W8A8 ("float-quantized": fp8 weight, per-tensor, per-channel or block
+``weight_scale``), INT8 W8A8 ("int-quantized": symmetric int8 weight, per-tensor or
+per-channel scale) and W4A16 ("pack-quantized": 4-bit ints eight to an int32 in
+``weight_packed``, group or channel ``weight_scale``, ``weight_zero_point`` when
+asymmetric, ``weight_g_idx`` with group act-order). Refused with one line: NVFP4 and
+the MX formats, 2:4 sparsity, several schemes in one checkpoint, other bit widths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import UnsupportedModelError
+from .scheme import QuantScheme
+
+_NVFP4_FORMATS = {"nvfp4-pack-quantized"}
+_READ_FORMATS = {"float-quantized", "int-quantized", "pack-quantized", "naive-quantized"}
+
+
+def parse_compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
+    """The QuantScheme of a compressed-tensors ``quantization_config``."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        parsed = QuantizationConfig.model_validate(dict(config))
+    except ValueError as exc:
+        message = " ".join(str(exc).split())[:300]
+        raise UnsupportedModelError(f"compressed-tensors quantization_config cannot be read: {message}") from exc
+    schemes = [group for group in parsed.config_groups.values() if not isinstance(group, list)]
+    weights = {group.weights.model_dump_json() if group.weights is not None else "" for group in schemes}
+    formats = {group.format or parsed.format for group in schemes}
+    if len(weights) != 1 or len(formats) != 1:
+        raise UnsupportedModelError(
+            f"compressed-tensors checkpoint with {len(schemes)} config_groups of different schemes "
+            f"(formats {sorted(map(str, formats))}) is not run by shardline (it runs one scheme per checkpoint); "
+            "vLLM runs mixed schemes")
+    scheme = schemes[0]
+    fmt = str(formats.pop())
+    if scheme.weights is None:
+        raise UnsupportedModelError("compressed-tensors checkpoint quantizes no weights (activations or the KV "
+                                    "cache only), which shardline does not run; vLLM does")
+    if fmt in _NVFP4_FORMATS:
+        raise UnsupportedModelError(f"NVFP4 weights (compressed-tensors format {fmt!r}) are not run by shardline "
+                                    "(no FP4 kernel); vLLM runs them on GPUs with FP4 tensor cores (NVIDIA Blackwell)")
+    if fmt not in _READ_FORMATS:
+        raise UnsupportedModelError(f"compressed-tensors format {fmt!r} is not read by shardline (it reads "
+                                    f"{', '.join(sorted(_READ_FORMATS))}); vLLM runs it")
+    return _weight_scheme(scheme.weights, scheme.input_activations, fmt, tuple(parsed.ignore or ()))
+
+
+def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, ...]) -> QuantScheme:
+    """The QuantScheme of one config group's weight (and input activation) arguments."""
+    kind, bits, strategy = str(weights.type), int(weights.num_bits), str(weights.strategy)
+    described = f"compressed-tensors {kind}{bits} weights ({fmt}, strategy {strategy!r})"
+    act = "none" if activations is None else ("dynamic" if activations.dynamic else "static")
+    if kind == "float" and bits == 8 and strategy in ("tensor", "channel", "block"):
+        block = tuple(weights.block_structure) if strategy == "block" else None
+        if strategy == "block" and (block is None or len(block) != 2):
+            raise UnsupportedModelError(f"{described}: block_structure {weights.block_structure!r} is not [rows, cols]")
+        return QuantScheme(method="compressed-tensors", weights="fp8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
+                           block=(int(block[0]), int(block[1])) if block else None, activations=act, ignore=ignore)
+    if kind == "int" and bits == 8 and strategy in ("tensor", "channel"):
+        if not weights.symmetric:
+            raise UnsupportedModelError(f"{described}: asymmetric int8 weights are not run by shardline "
+                                        "(its int8 layout has no zero point); vLLM runs them")
+        return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
+                           activations=act, ignore=ignore)
+    if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
+        group_size = int(weights.group_size) if strategy == "group" else None
+        if group_size is not None and (group_size <= 0 or group_size % 2):
+            raise UnsupportedModelError(f"{described}: group_size {group_size} is not an even positive integer")
+        return QuantScheme(method="compressed-tensors", weights="int4", layout="packed", strategy="group",
+                           group_size=group_size, symmetric=bool(weights.symmetric),
+                           act_order=weights.actorder is not None, ignore=ignore)
+    raise UnsupportedModelError(f"{described} are not run by shardline (it runs fp8 and int8 per tensor or "
+                                "channel, fp8 blocks, and pack-quantized int4 by group or channel); vLLM runs others")
