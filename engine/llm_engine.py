@@ -30,7 +30,8 @@ from .inputs.prompts import PromptType, tokenize_prompt
 from .lora.request import lora_cache_salt
 from .model.loader import LoadedModel
 from .model.runner import ModelOutput, PendingTokens
-from .outputs import RequestMetrics, RequestOutput
+from .multimodal.media import check_prompt_keys, prompt_media, refuse_media
+from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams, SamplingTraits
 from .parts.build import EngineParts, build_engine_parts
 from .sampling.sampler import SamplerOutput, gather_logprobs
@@ -98,6 +99,8 @@ class LLMEngine:
         if params.max_reasoning_tokens is not None and self.reasoning_parser is None:
             raise ValueError(f"request {request_id!r} sets max_reasoning_tokens={params.max_reasoning_tokens}, "
                              "but this engine was built without a reasoning_parser")
+        check_prompt_keys(request_id, prompt)
+        refuse_media(request_id, prompt_media(request_id, prompt), self.config.model)
         # A constraint that cannot compile fails here, before anything is queued.
         grammar = self.structured.submit(request_id, params.structured_outputs)
         text, token_ids = self.tokenize_prompt(prompt)
@@ -151,6 +154,10 @@ class LLMEngine:
         """Whether to add more requests before the next step (see llm.Engine).
         Requests waiting for their grammar to compile count: they are added work."""
         return len(self.sequences) < 2 * self.config.max_num_seqs
+
+    def stats(self) -> EngineStats:
+        """The engine's load now (see llm.Engine): the scheduler's counts and the steps run."""
+        return self.scheduler.stats(num_steps=self.num_steps)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; blocks of running requests keep their contents."""

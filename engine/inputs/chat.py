@@ -9,6 +9,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from ..multimodal.media import MEDIA_PART_TYPES
+
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 # A template that loops over a message's content, or tests whether it is a string,
@@ -62,6 +64,11 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
+            modality = MEDIA_PART_TYPES.get(str(part.get("type"))) if isinstance(part, dict) else None
+            if modality is not None:
+                raise ChatRenderError(
+                    f"{where}: a {part['type']!r} part carries {modality} input, which this model cannot take; "
+                    "the conversation is refused rather than run without it")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ChatRenderError(
                     f"{where}: content parts must be {{'type': 'text', 'text': str}}, got {part!r:.100}")

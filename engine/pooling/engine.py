@@ -24,7 +24,8 @@ from ..config import EngineConfig
 from ..inputs.prompts import PromptType, tokenize_prompt
 from ..model.loader import LoadedModel, load_hf_config, load_model
 from ..model.runner import model_max_len
-from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
+from ..multimodal.media import check_prompt_keys, prompt_media, refuse_media
+from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineStats, PoolingOutput, PoolingRequestOutput
 from ..params import PoolingParams, PoolingTask
 from ..parts.build import resolve_for_device, resolve_max_model_len
 from .packed_attention import PackedAttentionContext
@@ -171,6 +172,8 @@ class PoolingEngine:
                              "but embedding models run without LoRA")
         task = _resolve_task(request_id, params.task)
         # The same validation as LLMEngine: both engines accept and reject the same prompts.
+        check_prompt_keys(request_id, prompt)
+        refuse_media(request_id, prompt_media(request_id, prompt), self.config.model)
         text, token_ids = tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
         token_ids = self._truncate(request_id, token_ids, params.truncate_prompt_tokens)
         if len(token_ids) > self.max_model_len:
@@ -219,6 +222,10 @@ class PoolingEngine:
 
     def has_capacity(self) -> bool:
         return len(self._states) < 2 * self.config.max_num_seqs
+
+    def stats(self) -> EngineStats:
+        """Prompts waiting for a step (see llm.Engine); a pooling step holds no cache."""
+        return EngineStats(num_running=0, num_waiting=len(self._states))
 
     def close(self) -> None:
         self.abort_all()
