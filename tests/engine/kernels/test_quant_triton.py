@@ -1,0 +1,160 @@
+"""The quantized-weight Triton kernels (interpreted on CPU) against quant_reference.py.
+
+Shapes are odd on purpose (partial M, N and K tiles, partial scale blocks); every case
+runs with M = 1 and with several tile rows, in float16, bfloat16 and float32.
+"""
+
+import pytest
+import torch
+
+from shardline.engine.kernels import triton_available
+from shardline.engine.kernels.quant_reference import (
+    dequantize_w4,
+    dequantize_w8,
+    quantized_linear_reference,
+)
+
+from .conftest import DEVICE
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# Both sides round the same float32 product to the activation's dtype once; they differ
+# by summation order, so by at most an ulp or so of the output.
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def activations(num_rows: int, in_features: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, in_features, generator=generator).to(DEVICE, dtype)
+
+
+def make_w8(out_features: int, in_features: int, weight_dtype: torch.dtype, scale_kind, seed: int = 0):
+    """A W8 weight and its float32 scale: "tensor", "channel" or a (bn, bk) block. Weights
+    span the format's range; scales bring each output to order one."""
+    generator = torch.Generator().manual_seed(seed)
+    if weight_dtype == torch.int8:
+        weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        magnitude = 127.0
+    else:
+        weight = (torch.randn(out_features, in_features, generator=generator) * 100).clamp(-448, 448)
+        weight = weight.to(torch.float8_e4m3fn)
+        magnitude = 100.0
+    if scale_kind == "tensor":
+        shape = (1, 1)
+    elif scale_kind == "channel":
+        shape = (out_features, 1)
+    else:
+        shape = (-(-out_features // scale_kind[0]), -(-in_features // scale_kind[1]))
+    scale = (torch.rand(shape, generator=generator) + 0.5) / (magnitude * in_features ** 0.5)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    rtol, atol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+W8_CASES = [
+    ("tensor", None), ("channel", None), ((128, 128), (128, 128)), ((16, 32), (16, 32)), ((24, 40), (24, 40)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("scale_kind, block", W8_CASES, ids=["tensor", "channel", "block128", "block16x32",
+                                                               "block24x40_per_element"])
+def test_w8_linear_matches_reference(scale_kind, block, weight_dtype, dtype):
+    from shardline.engine.kernels.quant_linear import triton_w8_linear
+
+    weight, scale = make_w8(136, 200, weight_dtype, scale_kind)  # partial N, K and scale blocks
+    bias = torch.randn(136).to(DEVICE)
+    expected_weight = dequantize_w8(weight, scale, block)
+    for num_rows in (1, 37):
+        x = activations(num_rows, 200, dtype)
+        expected = quantized_linear_reference(x, expected_weight, bias)
+        assert_close(triton_w8_linear(x, weight, scale, block, bias), expected)
+
+
+def test_w8_linear_keeps_leading_dims_and_strided_rows():
+    from shardline.engine.kernels.quant_linear import triton_w8_linear
+
+    weight, scale = make_w8(48, 64, torch.float8_e4m3fn, "channel")
+    wide = activations(6, 96, torch.float32)  # rows of 96 read 64 at a time: a strided view
+    x = wide[:, :64].reshape(2, 3, 64)
+    out = triton_w8_linear(x, weight, scale, None, None)
+    assert out.shape == (2, 3, 48)
+    assert_close(out, quantized_linear_reference(x.reshape(6, 64), dequantize_w8(weight, scale)).reshape(2, 3, 48))
+
+
+def test_w8_linear_refuses_bad_layouts():
+    from shardline.engine.kernels.quant_linear import triton_w8_linear
+
+    weight, scale = make_w8(48, 64, torch.float8_e4m3fn, (16, 16))
+    x = activations(2, 64, torch.float32)
+    with pytest.raises(AssertionError, match=r"block \(16, 32\) scale \(3, 4\), expected \(3, 2\)"):
+        triton_w8_linear(x, weight, scale, (16, 32), None)
+    with pytest.raises(AssertionError, match="neither per tensor"):
+        triton_w8_linear(x, weight, scale, None, None)
+    with pytest.raises(AssertionError, match="scale torch.float16"):
+        triton_w8_linear(x, weight, scale.half(), (16, 16), None)
+    with pytest.raises(TypeError, match="float64"):
+        triton_w8_linear(x.double(), weight, scale, (16, 16), None)
+    with pytest.raises(AssertionError, match="x has 63 features"):
+        triton_w8_linear(x[:, :63], weight, scale, (16, 16), None)
+    with pytest.raises(AssertionError, match=r"weight torch.float16"):
+        triton_w8_linear(x, weight.half(), scale, (16, 16), None)
+
+
+def make_w4(out_features: int, in_features: int, group_size: int, asymmetric: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=generator, dtype=torch.uint8)
+    groups = -(-in_features // group_size)
+    scales = (torch.rand(out_features, groups, generator=generator) + 0.5) / (4 * in_features ** 0.5)
+    zeros = torch.randint(3, 13, (out_features, groups), generator=generator).float() if asymmetric else None
+    return packed.to(DEVICE), scales.to(DEVICE), None if zeros is None else zeros.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size, in_features", [(128, 256), (32, 200), (64, 4 * 64 + 32), (16, 72), (40, 200)],
+                         ids=["g128", "g32_partial_k", "g64_partial_group", "g16_per_element", "g40_per_element"])
+@pytest.mark.parametrize("asymmetric", [True, False], ids=["zeros", "symmetric"])
+def test_w4_linear_matches_reference(asymmetric, group_size, in_features, dtype):
+    from shardline.engine.kernels.quant_linear import triton_w4_linear
+
+    packed, scales, zeros = make_w4(72, in_features, group_size, asymmetric)
+    bias = torch.randn(72).to(DEVICE) if asymmetric else None
+    expected_weight = dequantize_w4(packed, scales, zeros, group_size)
+    for num_rows in (1, 37):
+        x = activations(num_rows, in_features, dtype)
+        expected = quantized_linear_reference(x, expected_weight, bias)
+        assert_close(triton_w4_linear(x, packed, scales, zeros, group_size, bias), expected)
+
+
+def test_w4_linear_with_act_order_permutation():
+    """A GPTQ act-order weight: the caller permutes x's columns into the stored order."""
+    from shardline.engine.kernels.quant_linear import triton_w4_linear
+
+    packed, scales, zeros = make_w4(40, 128, 32, True)
+    input_perm = torch.randperm(128, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = activations(3, 128, torch.float32)
+    expected = quantized_linear_reference(x, dequantize_w4(packed, scales, zeros, 32), input_perm=input_perm)
+    assert_close(triton_w4_linear(x[:, input_perm], packed, scales, zeros, 32, None), expected)
+    unpermuted = triton_w4_linear(x, packed, scales, zeros, 32, None)
+    assert not torch.allclose(unpermuted, expected, atol=1e-2)
+
+
+def test_w4_linear_refuses_bad_layouts():
+    from shardline.engine.kernels.quant_linear import triton_w4_linear
+
+    packed, scales, zeros = make_w4(40, 128, 32, True)
+    x = activations(2, 128, torch.float32)
+    with pytest.raises(AssertionError, match=r"scales torch.float32 \(40, 4\), expected float32 \(40, 2\)"):
+        triton_w4_linear(x, packed, scales, zeros, 64, None)
+    with pytest.raises(AssertionError, match="zeros torch.float16"):
+        triton_w4_linear(x, packed, scales, zeros.half(), 32, None)  # type: ignore[union-attr]
+    with pytest.raises(AssertionError, match="packed must be"):
+        triton_w4_linear(x, packed.to(torch.int8), scales, zeros, 32, None)
+    with pytest.raises(AssertionError, match="group_size 33"):
+        triton_w4_linear(x, packed, scales, zeros, 33, None)
