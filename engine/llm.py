@@ -21,7 +21,7 @@ from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_sp
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
 from .lora.request import LoRARequest, resolve_lora_request
-from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from .outputs import EmbeddingRequestOutput, EngineStats, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams
 from .pooling.engine import (
     PoolingEngine,
@@ -63,6 +63,10 @@ class Engine(Protocol):
 
     def step(self) -> Sequence[RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput]:
         """Run one iteration; return the outputs of requests that finished in it."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Its load now: requests running and waiting, cache use, preemptions (health lines)."""
         ...
 
     def close(self) -> None:

@@ -17,9 +17,10 @@ socket nobody listens on (its service died) is stale: it is removed and a new
 service started.
 
 Protocol (multiprocessing.connection, pickled tuples, one connection per shard):
-the service greets with ("ready", info); the client sends ("run", service id, rows)
-and perhaps ("abort",); the reply is ("results", rows), ("aborted", message) or
-("failed", message). ("info",) is answered with ("info", info).
+the service greets with ("ready", info); the client sends ("run", service id, rows,
+report rows) and perhaps ("abort",); the reply is ("results", rows), ("aborted", message)
+or ("failed", message), after ("rows", [RowDone, ...]) messages as rows finish when the
+client asked for them. ("info",) is answered with ("info", info).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from .executor import RowRequest, RowResult, RunnerError, ShardAborted
+from .executor import EngineReading, RowCallback, RowRequest, RowResult, RunnerError, ShardAborted, report_row
 
 RUNTIME_DIR_ENV = "SHARDLINE_RUNTIME_DIR"
 IDLE_TIMEOUT_ENV = "SHARDLINE_ENGINE_IDLE_TIMEOUT"
@@ -50,6 +51,7 @@ START_TIMEOUT_ENV = "SHARDLINE_ENGINE_START_TIMEOUT"
 DEFAULT_IDLE_TIMEOUT = 600.0
 DEFAULT_START_TIMEOUT = 1800.0  # a large model can take many minutes to load
 GREETING_TIMEOUT = 60.0
+READING_SECONDS = 5.0  # engine_reading asks the service at most this often
 _SOCKET_PATH_MAX = 100  # AF_UNIX paths are limited to 107 bytes on Linux
 
 
@@ -182,6 +184,8 @@ class ServiceClient:
         self._pending_aborts: set[str] = set()
         self._ids = itertools.count(1)
         self._closed = False
+        self._reading: EngineReading | None = None  # engine_reading's last answer, and when
+        self._reading_at: float | None = None
 
     def ensure_started(self) -> dict[str, Any]:
         """Start the service if it is not running; return its info (pid, loads, ...)."""
@@ -203,8 +207,9 @@ class ServiceClient:
             raise EngineServiceError(f"the engine service did not answer an info request in {timeout:.0f}s")
         return conn.recv()[1]
 
-    def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
-        """Run ``rows`` of shard ``key`` on the service; one RowResult each, in order."""
+    def run_shard(self, key: str, rows: list[RowRequest], on_row: RowCallback | None = None) -> list[RowResult]:
+        """Run ``rows`` of shard ``key`` on the service; one RowResult each, in order; ``on_row``
+        is told of each as it finishes (in batches, on this thread)."""
         if not rows:
             return []
         with self._lock:
@@ -216,7 +221,7 @@ class ServiceClient:
         try:
             conn, info = self._connect()
             try:
-                conn.send(("run", service_id, list(rows)))
+                conn.send(("run", service_id, list(rows), on_row is not None))
                 with self._lock:
                     self._starting.discard(key)
                     self._calls[key] = (conn, service_id)
@@ -224,6 +229,10 @@ class ServiceClient:
                         self._pending_aborts.discard(key)
                         self._send_abort(conn)
                 kind, payload = conn.recv()
+                while kind == "rows" and on_row is not None:
+                    for done in payload:
+                        report_row(on_row, done)
+                    kind, payload = conn.recv()
             finally:
                 with self._lock:
                     self._calls.pop(key, None)
@@ -239,6 +248,21 @@ class ServiceClient:
             return payload
         message = payload.replace(service_id, key)
         raise ShardAborted(message) if kind == "aborted" else RunnerError(message)
+
+    def engine_reading(self) -> EngineReading | None:
+        """The service's engine load (a round trip, at most every READING_SECONDS; None when
+        no service is running: this never starts one)."""
+        now = time.monotonic()
+        if self._reading_at is not None and now - self._reading_at < READING_SECONDS:
+            return self._reading
+        self._reading_at = now
+        connected = self._try_connect(self.files)
+        if connected is None:
+            self._reading = None
+        else:
+            with connected[0] as conn:
+                self._reading = self._ask_info(conn, GREETING_TIMEOUT).get("engine_reading")
+        return self._reading
 
     def abort_shard(self, key: str) -> bool:
         """Ask the service to abort shard ``key``; its ``run_shard`` raises ShardAborted.

@@ -35,12 +35,13 @@ from typing import Any
 
 from . import engine_cache
 from .engine_client import file_lock
-from .executor import ShardAborted
+from .executor import RowDone, ShardAborted
 from .runner import ShardRunner
 
 logger = logging.getLogger("shardline.tasks.engine_service")
 
 ABORT_POLL_SECONDS = 0.2  # how soon a finished shard's hang-up watcher notices
+ROW_REPORT_SECONDS = 0.5  # how often a shard's finished rows are sent to its client
 
 
 class EngineService:
@@ -77,6 +78,7 @@ class EngineService:
         return {"pid": os.getpid(), "loads": sum(engine_cache.engine_loads().values()),
                 "connections": connections, "shards_run": shards_run,
                 "unfinished_requests": self.runner.unfinished_requests(),
+                "engine_reading": self.runner.engine_reading(),
                 "driver": self.runner.stats()}
 
     # ------------------------------------------------------------- connections
@@ -103,8 +105,8 @@ class EngineService:
             conn.send(("ready", self.info()))
             while True:
                 request = conn.recv()
-                if request[0] == "run":
-                    self._run_shard(conn, request[1], request[2])
+                if request[0] == "run":  # ("run", service id, rows[, report rows as they finish])
+                    self._run_shard(conn, request[1], request[2], len(request) > 3 and bool(request[3]))
                 elif request[0] == "info":
                     conn.send(("info", self.info()))
                 # ("abort",) after its shard finished: nothing left to abort
@@ -117,13 +119,15 @@ class EngineService:
                 if self._connections == 0:
                     self._idle_since = time.monotonic()
 
-    def _run_shard(self, conn: Connection, service_id: str, rows: list[Any]) -> None:
+    def _run_shard(self, conn: Connection, service_id: str, rows: list[Any], report_rows: bool) -> None:
         done = threading.Event()
+        reports = _RowReports(conn) if report_rows else None
         watcher = threading.Thread(target=self._abort_on_request_or_hang_up, args=(conn, service_id, done),
                                    daemon=True, name="shardline-service-watch")
         watcher.start()
         try:
-            reply: tuple[str, Any] = ("results", self.runner.run_shard(service_id, rows))
+            reply: tuple[str, Any] = ("results", self.runner.run_shard(service_id, rows,
+                                                                       reports.add if reports else None))
         except ShardAborted as exc:
             reply = ("aborted", str(exc))
         except Exception as exc:
@@ -133,6 +137,8 @@ class EngineService:
             with self._state:
                 self._shards_run += 1
         watcher.join()  # the watcher reads the connection: it must stop before the next recv
+        if reports is not None:
+            reports.stop()  # the last rows go before the reply
         conn.send(reply)
 
     def _abort_on_request_or_hang_up(self, conn: Connection, service_id: str, done: threading.Event) -> None:
@@ -180,6 +186,43 @@ class EngineService:
                     f"idle for {idle_for:.0f}s" if only_if_idle else "asked to stop", self.runner.stats())
         self.runner.close()  # the main thread's drive() returns
         return True
+
+
+class _RowReports:
+    """A shard's finished rows, collected on the driver thread and sent to its client as
+    ("rows", [RowDone, ...]) every ROW_REPORT_SECONDS by a thread of their own, so a slow
+    client never holds up the engine."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._rows: list[RowDone] = []
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._send_until_stopped, daemon=True, name="shardline-service-rows")
+        self._thread.start()
+
+    def add(self, done: RowDone) -> None:
+        with self._lock:
+            self._rows.append(done)
+
+    def stop(self) -> None:
+        """Stop the sender and send what is left."""
+        self._stopped.set()
+        self._thread.join()
+        self._send()
+
+    def _send_until_stopped(self) -> None:
+        while not self._stopped.wait(ROW_REPORT_SECONDS):
+            self._send()
+
+    def _send(self) -> None:
+        with self._lock:
+            rows, self._rows = self._rows, []
+        if rows:
+            try:
+                self._conn.send(("rows", rows))
+            except OSError:
+                pass  # the client went away; its shard is aborted by the watcher
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,16 +19,23 @@ Invariants every ShardExecutor keeps:
   gets it), and after ``close``.
 - ``abort_shard`` and ``abort_all`` may be called from any thread or a signal
   handler: they take only reentrant locks.
-- RowRequest and RowResult pickle (they cross the service's socket).
+- RowRequest, RowResult, RowDone and EngineReading pickle (they cross the service's socket).
+- ``on_row`` hears of each row that finishes once, before ``run_shard`` returns or
+  raises; a failing ``on_row`` never fails the shard.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the engine's public types, for annotations only
     from shardline import EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams
+    from shardline.engine.outputs import EngineStats
+
+logger = logging.getLogger("shardline.tasks.executor")
 
 
 @dataclass
@@ -53,6 +60,46 @@ class RowResult:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RowDone:
+    """A row's engine request finished (progress reports; the RowResult comes with the shard)."""
+
+    index: int
+    completion_tokens: int
+    failed: bool
+
+
+# on_row(done): told as each request of a shard finishes, on the executor's driver thread;
+# must be quick and must not raise (report_row logs what it raises and goes on).
+RowCallback = Callable[[RowDone], None]
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """An engine host's load as last seen by its driver: the engine's own counts and the
+    seconds the driver has waited with nothing to run (since it started), read at
+    ``at`` (time.monotonic()). Two readings give the share of time the engine was starved."""
+
+    stats: EngineStats
+    idle_seconds: float
+    at: float
+
+
+def row_done(result: RowResult) -> RowDone:
+    """What a progress report says of a finished row."""
+    completions = getattr(result.output, "outputs", None)
+    tokens = sum(len(sample.token_ids) for sample in completions) if isinstance(completions, list) else 0
+    return RowDone(result.index, tokens, result.error is not None)
+
+
+def report_row(on_row: RowCallback, done: RowDone) -> None:
+    """Call ``on_row``; a failing report is logged, never raised into the engine loop."""
+    try:
+        on_row(done)
+    except Exception:
+        logger.warning("a progress report failed (the row itself is done)", exc_info=True)
+
+
 class RunnerError(RuntimeError):
     """The engine host itself failed (not a row), or is closed."""
 
@@ -65,8 +112,13 @@ class ShardAborted(RuntimeError):
 class ShardExecutor(Protocol):
     """Runs the rows of many shards through one engine, each shard abortable alone."""
 
-    def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
-        """Run ``rows`` of shard ``key``; one RowResult each, in order (blocks until done)."""
+    def run_shard(self, key: str, rows: list[RowRequest], on_row: RowCallback | None = None) -> list[RowResult]:
+        """Run ``rows`` of shard ``key``; one RowResult each, in order (blocks until done).
+        ``on_row`` is told of each row as it finishes."""
+        ...
+
+    def engine_reading(self) -> EngineReading | None:
+        """The engine's load as last seen (None before its first step); any thread."""
         ...
 
     def abort_shard(self, key: str) -> bool:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardline.engine.outputs import PoolingRequestOutput
 
-from .executor import RowRequest, RowResult, RunnerError, ShardAborted
+from .executor import EngineReading, RowCallback, RowRequest, RowResult, RunnerError, ShardAborted, report_row, row_done
 
 if TYPE_CHECKING:
     from shardline import LLM
@@ -71,6 +71,7 @@ class DriverStats:
     idle_seconds: float = 0.0
     first_step_at: float | None = None  # time.monotonic() of the first and last step
     last_step_at: float | None = None
+    idle_since: float | None = None  # set while the driver waits with nothing in flight
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "requests_added": self.requests_added, "step_seconds": round(self.step_seconds, 3),
@@ -85,6 +86,7 @@ class _ShardWork:
     key: str
     rows: list[RowRequest]
     request_prefix: str  # unique in the runner: the key and the shard's serial
+    on_row: RowCallback | None = None
     next_row: int = 0
     results: dict[int, RowResult] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -92,6 +94,8 @@ class _ShardWork:
 
     def complete(self, position: int, result: RowResult) -> None:
         self.results[position] = result
+        if self.on_row is not None:
+            report_row(self.on_row, row_done(result))
         if len(self.results) == len(self.rows):
             self.done.set()
 
@@ -120,10 +124,12 @@ class ShardRunner:
         self._closed = False
         self._abort_keys: set[str] = set()  # shards to abort, handed to the driver
         self._stats = DriverStats()  # written by the driver thread only
+        self._reading: EngineReading | None = None  # the engine's load after the last step (driver)
 
-    def run_shard(self, key: str, rows: list[RowRequest]) -> list[RowResult]:
-        """Run ``rows`` (of shard ``key``) and return one RowResult each, in order."""
-        work = _ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}")
+    def run_shard(self, key: str, rows: list[RowRequest], on_row: RowCallback | None = None) -> list[RowResult]:
+        """Run ``rows`` (of shard ``key``) and return one RowResult each, in order; ``on_row``
+        is told of each as it finishes (on the driver thread)."""
+        work = _ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}", on_row)
         if not work.rows:
             return []
         with self._cond:
@@ -173,6 +179,13 @@ class ShardRunner:
         """The driver's counters so far (DriverStats.as_dict); a snapshot, any thread."""
         return self._stats.as_dict()
 
+    def engine_reading(self) -> EngineReading | None:
+        """The engine's load after the last step (the driver reads it), with the driver's idle
+        seconds up to now; any thread."""
+        reading, idle_since, now = self._reading, self._stats.idle_since, time.monotonic()
+        idle = self._stats.idle_seconds + (now - idle_since if idle_since is not None else 0.0)
+        return None if reading is None else EngineReading(reading.stats, idle, now)
+
     def close(self) -> None:
         """Stop the driver; shards still waiting fail with RunnerError."""
         with self._cond:
@@ -211,10 +224,11 @@ class ShardRunner:
     def _wait_for_work(self) -> bool:
         with self._cond:
             if not self._closed and not self._queue and not self._in_flight:
-                waited = time.monotonic()
+                waited = self._stats.idle_since = time.monotonic()
                 while not self._closed and not self._queue and not self._in_flight:
                     self._cond.wait()
                 self._stats.idle_seconds += time.monotonic() - waited
+                self._stats.idle_since = None
             return not self._closed
 
     def _abort_requested(self) -> None:
@@ -272,8 +286,11 @@ class ShardRunner:
             return False
 
     def _render(self, row: RowRequest) -> str | dict[str, Any]:
+        assert row.images is None, f"row {row.index}: its images are read before the engine (tasks/image_feed.py)"
         if row.messages is None:
             assert row.prompt is not None, f"row {row.index} has neither a prompt nor messages"
+            if row.multi_modal_data is not None:
+                return {"prompt": row.prompt, "multi_modal_data": row.multi_modal_data}
             return row.prompt
         return {"prompt_token_ids": self.llm.render_chat(row.messages, **(row.chat_options or {}))}
 
@@ -301,6 +318,12 @@ class ShardRunner:
             stats.step_seconds += ended - started
             stats.first_step_at = stats.first_step_at or started
             stats.last_step_at = ended
+            self._read_engine(ended)
+
+    def _read_engine(self, now: float) -> None:
+        """Record the engine's load after a step (logged per step at debug level)."""
+        self._reading = EngineReading(self._engine.stats(), self._stats.idle_seconds, now)
+        logger.debug("step %d: %s", self._stats.steps, self._reading.stats)
 
     # ----------------------------------------------------------------- recovery
     def _recover(self, exc: Exception) -> None:

@@ -39,6 +39,7 @@ from .executor import RowResult, RunnerError, ShardAborted, ShardExecutor
 from .job import BatchJob
 from .manifest import ShardManifest
 from .openai_requests import is_openai_batch, prepare_openai_shard
+from .progress import JobProgress
 from .rows import PreparedShard, prepare_shard
 from .shard_reader import read_shard_records
 from .shard_writer import completed_manifest, write_shard_output
@@ -79,8 +80,9 @@ class ShardPipeline:
     once; ``abort`` (any thread, or a signal handler) stops every one of them."""
 
     def __init__(self, job: BatchJob, engine_host: EngineHost = EngineHost.THREAD,
-                 engine_slot: EngineSlot | None = None) -> None:
+                 engine_slot: EngineSlot | None = None, progress: JobProgress | None = None) -> None:
         self.job = job
+        self.progress = progress  # told of each shard's rows as they are read and finish
         self.engine_host = EngineHost(engine_host)
         self._engine_slot = engine_slot
         self._aborted = threading.Event()
@@ -97,6 +99,10 @@ class ShardPipeline:
                 logger.info("shard %s already done with this job's fingerprint: skipped", shard.key)
                 return done
         prepared = read_shard(shard, self.job)
+        if self.progress is not None:  # a row refused here is done (an error); others count per request
+            counts = [len(row.engine_requests()) for row in prepared.rows]
+            refused = counts.count(0)
+            self.progress.shard_read(shard.key, sum(counts) + refused, errors=refused)
         with self._engine_slot(shard) if self._engine_slot else contextlib.nullcontext():
             run = self._run(prepared)
         self._raise_if_stopped(f"the write of shard {shard.key}")
@@ -121,11 +127,14 @@ class ShardPipeline:
         results: list[RowResult] = []
         if requests:
             executor = self._load_executor()  # outside the lock, which abort takes
+            if self.progress is not None:
+                self.progress.watch_engine(executor.engine_reading)
             with self._lock:
                 self._raise_if_stopped(f"shard {prepared.key}")
                 self._running[prepared.key] = executor
             try:
-                results = executor.run_shard(prepared.key, requests)
+                on_row = self.progress.on_row(prepared.key) if self.progress is not None else None
+                results = executor.run_shard(prepared.key, requests, on_row=on_row)
             except ShardAborted:
                 raise  # stopped on purpose: no output, no retry
             except (RunnerError, RuntimeError, MemoryError) as exc:  # the engine itself failed, not a row
