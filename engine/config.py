@@ -11,10 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .sampling.reasoning import REASONING_PARSERS
+from .tools import TOOL_CALL_PARSERS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 TASKS = ("auto", "generate", "embed")
+# "fp8"/"int8": online quantization, or a checkpoint's own fp8/int8 format; the rest name
+# a checkpoint's quant_method (engine/quantization/methods.py).
+QUANTIZATIONS = ("fp8", "int8", "compressed-tensors", "gptq", "awq", "mxfp4")
 
 
 # Tokens per step when max_num_batched_tokens is None. A GPU wants large steps to fill
@@ -42,7 +46,10 @@ class EngineConfig:
     knows its device (``with_token_budget``). ``reasoning_parser`` ("qwen3",
     "deepseek_r1" or "openai_gptoss", vLLM's names) splits a reasoning model's thinking
     from its answer (CompletionOutput.reasoning) and holds structured-output
-    constraints back until the thinking ends.
+    constraints back until the thinking ends. ``tool_call_parser`` (vLLM's names: "hermes",
+    "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "openai") reads the tool
+    calls of requests that offered tools (CompletionOutput.tool_calls); None takes the
+    one the chat template implies, if any (engine/tools/).
     """
 
     model: str
@@ -67,14 +74,26 @@ class EngineConfig:
     max_lora_rank: int = 16
     # Modality -> adapter path used for prompts with that modality's data (vLLM's rule).
     default_mm_loras: dict[str, str] | None = None
+    # Images in prompts (vision-language models, engine/multimodal/): the most items of
+    # each modality one prompt may hold (None: the model's own limit), the folder local
+    # image files may be read from and the domains image links may be fetched from
+    # (None: neither is read).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
     enforce_eager: bool = False
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     # None picks by device and dtype (engine/attention/backends.py); "triton", "cpu"
     # (torch with the native CPU kernels chosen for the host) or "torch" (torch ops alone).
     attention_backend: str | None = None
     # Compare the engine's paged path with the model's own forward at load and refuse a
     # model it would run wrongly (engine/model/load_check.py).
     check_model: bool = True
+    # Quantization of the weights (vLLM's option): "fp8" or "int8" quantize a 16/32-bit
+    # checkpoint's linears at load (per output channel); on a quantized checkpoint it
+    # must name the checkpoint's own format or be left None (engine/quantization/).
+    quantization: str | None = None
     # Prepare step N+1 while step N runs on the device and process N's outputs after
     # N+1 is queued (engine/llm_engine.py). None: on for CUDA, off elsewhere (a CPU
     # runs the forward itself, so there is nothing to overlap with).
@@ -99,10 +118,19 @@ class EngineConfig:
             )
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.tool_call_parser is not None:
+            _check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ("cpu", "torch", "triton"))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
+        if self.allowed_media_domains is not None:
+            object.__setattr__(self, "allowed_media_domains",
+                               tuple(str(domain).lower() for domain in self.allowed_media_domains))
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 

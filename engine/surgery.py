@@ -127,19 +127,24 @@ def replace_if_reproduces(model: nn.Module, name: str, candidate: nn.Module, pro
 #    AttentionInterface become adapters calling the paged attention. First: every later
 #    step sees the model's final attention modules, and adapters take over the original
 #    projections under their names, so LoRA target names are unchanged.
-# 2. lora: adaptable linears are wrapped (BatchedLoRALinear). Before the recurrent and
+# 2. quantized_linears: the linears a quantized checkpoint stores quantized (or that
+#    online quantization quantizes), left on the meta device by the loader, become
+#    QuantizedLinears (engine/quantization/). After the adapters, which keep the
+#    projections under their names; before LoRA, which wraps the linear it finds, and the
+#    CPU step, which packs nn.Linears only and so leaves QuantizedLinears alone.
+# 3. lora: adaptable linears are wrapped (BatchedLoRALinear). Before the recurrent and
 #    CPU replacements, which keep the linears they find inside their new modules and so
 #    keep the wrappers; before the KV cache is sized, as the adapter slots take memory.
-# 3. recurrent_layers: recurrent modules become RecurrentLayers with per-request state.
+# 4. recurrent_layers: recurrent modules become RecurrentLayers with per-request state.
 #    Before the CPU step, whose hybrid layers and native recurrent core replace those
 #    wrappers' parts.
-# 4. cpu_layers: packed linears, then fused MLPs, norms and decoder layers (the order
+# 5. cpu_layers: packed linears, then fused MLPs, norms and decoder layers (the order
 #    within written in engine/cpu/paths.py's optimize_for_cpu). Last: it packs the
 #    weights of whatever linears the steps before left (inside LoRA wrappers too), and
 #    its fused layers call the modules the earlier steps installed.
-# Quantized and tensor-parallel linears go between 1 and 2 once they exist: they change
-# what a linear holds, and LoRA and the CPU step wrap, or leave alone, the linear they find.
-PREPARATION_ORDER = ("attention_adapters", "lora", "recurrent_layers", "cpu_layers")
+# Tensor-parallel linears go beside 2 once they exist: they change what a linear holds,
+# and LoRA and the CPU step wrap, or leave alone, the linear they find.
+PREPARATION_ORDER = ("attention_adapters", "quantized_linears", "lora", "recurrent_layers", "cpu_layers")
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Preparation:
     (None: not taken); ``prepare_model`` runs them in PREPARATION_ORDER."""
 
     attention_adapters: Callable[[nn.Module], int] | None = None
+    quantized_linears: Callable[[nn.Module], int] | None = None
     lora: Callable[[nn.Module], LoRAManager] | None = None
     recurrent_layers: Callable[[nn.Module], RecurrentStateSpec | None] | None = None
     cpu_layers: Callable[[nn.Module], CpuRewrites] | None = None
@@ -156,10 +162,12 @@ class Preparation:
 @dataclass(frozen=True)
 class PreparedModel:
     """What each step of a Preparation returned (None for a step not taken): how many
-    attention modules were adapted, the LoRA manager, the recurrent layers' state spec
-    (None without recurrent layers) and the CPU replacements by kind."""
+    attention modules were adapted, how many linears became quantized ones, the LoRA
+    manager, the recurrent layers' state spec (None without recurrent layers) and the
+    CPU replacements by kind."""
 
     attention_adapters: int | None = None
+    quantized_linears: int | None = None
     lora: LoRAManager | None = None
     recurrent_layers: RecurrentStateSpec | None = None
     cpu_layers: CpuRewrites | None = None

@@ -346,7 +346,9 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
     if not _has_llama_layout(layer):
         return None
     attention = layer.self_attn
-    weight = attention.o_proj.weight
+    # A quantized o_proj (engine/quantization/) holds no float weight: the layer's dtype
+    # and width are its input norm's.
+    weight = attention.o_proj.weight if isinstance(attention.o_proj, nn.Linear) else layer.input_layernorm.weight
     if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(weight.dtype):
         return None
     attend = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)

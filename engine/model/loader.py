@@ -12,7 +12,9 @@ import transformers
 
 from ..attention.context import register as register_attention
 from ..config import EngineConfig
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, UnsupportedModelError
+from ..quantization.load import QuantizedWeights, checkpoint_directory, load_quantized_model
+from ..quantization.methods import resolve_scheme
 from .adapters import has_adapter
 
 # recurrent_layer_indices: the engine reads it here beside load_causal_lm (llm_engine.py).
@@ -31,12 +33,17 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
+    """A loaded model and what came with it; ``quantized``: the linears a quantized
+    checkpoint (or online quantization) leaves for the ``quantized_linears``
+    preparation step (engine/quantization/load.py), None for a float model."""
+
     model: torch.nn.Module
     tokenizer: transformers.PreTrainedTokenizerBase
     hf_config: transformers.PretrainedConfig
     generation_config: transformers.GenerationConfig | None
     device: torch.device
     dtype: torch.dtype
+    quantized: QuantizedWeights | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -128,6 +135,17 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
     model_class = auto_class._model_mapping.get(type(hf_config), None)
     if model_class is not None and has_adapter(model_class):
         attn_implementation = "eager"  # its adapters call the paged attention; its own code wants eager
+    scheme = resolve_scheme(hf_config, config.quantization)
+    if scheme is not None:
+        if task != "generate":
+            raise UnsupportedModelError(f"{config.model} is quantized as {scheme.description}, which only the "
+                                        "generation engine runs (task 'generate')")
+        model, quantized = load_quantized_model(
+            auto_class, hf_config, checkpoint_directory(config.model, config.revision), scheme, dtype, device,
+            attn_implementation)
+        logger.info("loaded %s (%s) on %s in %s, %s", config.model, type(model).__name__, device, dtype,
+                    scheme.description)
+        return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype, quantized)
     try:
         model = auto_class.from_pretrained(
             config.model,

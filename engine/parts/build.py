@@ -34,6 +34,7 @@ from ..model.load_check import check_model
 from ..model.loader import LoadedModel, load_causal_lm
 from ..model.profiling import profile_peak_bytes
 from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
+from ..quantization.load import put_quantized_linears
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
 from ..sampling.output_processor import OutputProcessor
@@ -41,6 +42,7 @@ from ..sampling.reasoning import ReasoningParser, make_reasoning_parser
 from ..sampling.sampler import Sampler
 from ..sampling.structured import StructuredOutputManager
 from ..surgery import Preparation, prepare_model
+from ..tools import ToolCallParser, tool_parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class EngineParts:
     scheduler: Scheduler
     sampler: Sampler
     reasoning_parser: ReasoningParser | HarmonyParser | None
+    tool_parser: ToolCallParser | None  # reads requests' tool calls (engine/tools/)
     output_processor: OutputProcessor
     structured: StructuredOutputManager
 
@@ -90,10 +93,13 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         check_model(runner, vocab_size, max_model_len, type(loaded.model).__name__)
     reasoning_parser = (make_reasoning_parser(config.reasoning_parser, loaded.tokenizer)
                         if config.reasoning_parser is not None else None)
-    output_processor = OutputProcessor(loaded.tokenizer, eos_token_ids(loaded), max_model_len, reasoning_parser)
+    tool_parser = tool_parser_for(config.tool_call_parser, loaded.tokenizer)
+    output_processor = OutputProcessor(loaded.tokenizer, eos_token_ids(loaded), max_model_len, reasoning_parser,
+                                       tool_parser)
     return EngineParts(
         config=config, loaded=loaded, vocab_size=vocab_size, max_model_len=max_model_len, prepared=prepared,
         runner=runner, scheduler=scheduler, sampler=Sampler(config.seed), reasoning_parser=reasoning_parser,
+        tool_parser=tool_parser,
         output_processor=output_processor,
         structured=StructuredOutputManager(loaded.tokenizer, vocab_size, output_processor.eos_token_ids),
     )
@@ -150,7 +156,8 @@ def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSp
 
 def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None) -> Preparation:
     """The engine's steps of the module surgery, which ``prepare_model`` runs in
-    PREPARATION_ORDER: the attention adapters, LoRA's wrappers (with enable_lora), the
+    PREPARATION_ORDER: the attention adapters, the quantized linears (for a quantized
+    checkpoint or online quantization), LoRA's wrappers (with enable_lora), the
     recurrent layers with per-request state slots (refusing a model whose recurrent
     layer got none), and the CPU paths' replacements (where ``cpu_paths`` were chosen).
     The adapters are installed here, on the model already on its device (their
@@ -160,8 +167,10 @@ def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: Cpu
                     device=loaded.device, dtype=loaded.dtype) if config.enable_lora else None)
     cpu_layers = (partial(optimize_for_cpu, paths=cpu_paths, rows_hint=token_budget(config))
                   if cpu_paths is not None else None)
+    quantized = (partial(put_quantized_linears, weights=loaded.quantized)
+                 if loaded.quantized is not None else None)
     return Preparation(
-        attention_adapters=adapt_attention, lora=lora,
+        attention_adapters=adapt_attention, quantized_linears=quantized, lora=lora,
         recurrent_layers=partial(prepare_recurrent_layers, recurrent_layers=recurrent_layer_indices(loaded.hf_config)),
         cpu_layers=cpu_layers)
 

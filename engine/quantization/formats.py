@@ -1,0 +1,214 @@
+"""A checkpoint's quantized linear, read in its on-disk layout and converted to the
+engine's W8 or W4 layout (engine/kernels/quant_reference.py) as a QuantizedLinear.
+
+On-disk layouts read (each tensor named ``<module>.<name>``):
+- "w8" (quant_method fp8; compressed-tensors float- and int-quantized): ``weight``
+  [N, K] float8_e4m3fn or int8, ``weight_scale_inv`` or ``weight_scale`` per tensor,
+  per output channel or per block; both are multiplied (w = q * scale).
+- "packed" (compressed-tensors pack-quantized int4): ``weight_packed`` int32
+  [N, K / 8], eight signed 4-bit values offset by 8, low bits first; ``weight_scale``
+  [N, K / g]; ``weight_zero_point`` int32 [N / 8, K / g] packed along the output
+  channels when asymmetric; ``weight_g_idx`` [K] with group act-order.
+- "gptq": ``qweight`` int32 [K / 8, N] packed along the input columns, ``qzeros``
+  int32 [K / g, N / 8] along the output channels (stored one less than the zero point
+  in checkpoint_format "gptq", v1), ``scales`` [K / g, N], ``g_idx`` [K].
+- "awq" (gemm): ``qweight`` int32 [K, N / 8] and ``qzeros`` [K / g, N / 8], both
+  packed along the output channels in AWQ's interleaved nibble order, ``scales`` [K / g, N].
+Each problem is one QuantizedCheckpointError naming the tensor and what is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.quant_reference import W8_DTYPES
+from .checkpoint import CheckpointTensors, QuantizedCheckpointError
+from .linear import QuantizedLinear
+from .scheme import QuantScheme
+
+# The tensor whose presence marks a module as stored quantized, by on-disk layout.
+QUANTIZED_MARKERS = {"packed": "weight_packed", "gptq": "qweight", "awq": "qweight"}
+# AWQ packs output column j of each eight into nibble AWQ_NIBBLE[j].
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def stored_quantized(tensors: CheckpointTensors, module: str, scheme: QuantScheme) -> bool:
+    """Whether the checkpoint stores linear ``module`` quantized in ``scheme``'s layout."""
+    if scheme.layout == "w8":
+        weight = f"{module}.weight"
+        return (weight in tensors and tensors.dtype(weight) in W8_DTYPES) or any(
+            f"{module}.{name}" in tensors for name in scheme.scale_names)
+    marker = QUANTIZED_MARKERS.get(scheme.layout)
+    return marker is not None and f"{module}.{marker}" in tensors
+
+
+def read_quantized_linear(tensors: CheckpointTensors, module: str, scheme: QuantScheme,
+                          shape: tuple[int, int], bias_dtype: torch.dtype) -> QuantizedLinear:
+    """The QuantizedLinear of linear ``module`` ([N, K] = ``shape``) from the checkpoint."""
+    bias_name = f"{module}.bias"
+    bias = tensors.get(bias_name).to(bias_dtype) if bias_name in tensors else None
+    readers = {"w8": _read_w8, "packed": _read_packed, "gptq": _read_gptq, "awq": _read_awq}
+    return readers[scheme.layout](tensors, module, scheme, shape, bias)
+
+
+def _check(condition: bool, name: str, problem: str) -> None:
+    if not condition:
+        raise QuantizedCheckpointError(f"{name}: {problem}")
+
+
+def _scale(tensors: CheckpointTensors, name: str, what: str) -> torch.Tensor:
+    """A float scale tensor, as float32; refused when stored as another dtype."""
+    dtype = tensors.dtype(name, what)
+    _check(dtype in _FLOAT_DTYPES, name, f"scale stored as {dtype}, expected a float dtype "
+           "(float32, bfloat16 or float16)")
+    return tensors.get(name).float()
+
+
+def _read_w8(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
+             bias: torch.Tensor | None) -> QuantizedLinear:
+    weight_name = f"{module}.weight"
+    expected = torch.float8_e4m3fn if scheme.weights == "fp8" else torch.int8
+    dtype = tensors.dtype(weight_name, "the quantized weight")
+    _check(dtype == expected, weight_name, f"stored as {dtype}, the scheme {scheme.description} stores {expected}")
+    stored = tensors.shape(weight_name)
+    _check(stored == shape, weight_name, f"shape {list(stored)} where the model's linear is {list(shape)}")
+    scale_name = next((f"{module}.{name}" for name in scheme.scale_names if f"{module}.{name}" in tensors), None)
+    _check(scale_name is not None, weight_name,
+           f"quantized weight has no scale tensor ({' or '.join(f'{module}.{n}' for n in scheme.scale_names)} missing)")
+    assert scale_name is not None
+    scale = _scale(tensors, scale_name, "the weight's scale")
+    scale, block = _w8_scale(scale, scale_name, scheme, shape)
+    return QuantizedLinear.w8(tensors.get(weight_name), scale, block, bias)
+
+
+def _w8_scale(scale: torch.Tensor, name: str, scheme: QuantScheme,
+              shape: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """A W8 scale reshaped to its layout ([1, 1], [N, 1] or per block) and the block."""
+    rows, cols = shape
+    if scheme.strategy == "block":
+        assert scheme.block is not None
+        block_rows, block_cols = scheme.block
+        expected = (-(-rows // block_rows), -(-cols // block_cols))
+        _check(tuple(scale.shape) == expected, name,
+               f"block size {list(scheme.block)} does not match the weight {list(shape)}: its scale is "
+               f"{list(scale.shape)}, blocks of {list(scheme.block)} need {list(expected)}")
+        return scale, scheme.block
+    if scale.numel() == 1 and scheme.strategy in (None, "tensor"):
+        return scale.reshape(1, 1), None
+    _check(scale.numel() == rows and scheme.strategy in (None, "channel") and scale.dim() <= 2, name,
+           f"scale of shape {list(scale.shape)} is neither per tensor nor per output channel ({rows}) of the "
+           f"weight {list(shape)}")
+    return scale.reshape(rows, 1), None
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> W4's [N, K // 2] uint8 (column 2j low nibble, 2j + 1 high)."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 words of eight 4-bit codes -> the codes (int32), eight per word along ``dim``;
+    element j of each eight is in nibble ``order[j]``."""
+    shifts = torch.tensor([4 * nibble for nibble in order], dtype=torch.int32, device=packed.device)
+    if dim == 0:
+        codes = (packed.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF  # [R, 8, C]
+        return codes.reshape(packed.shape[0] * 8, packed.shape[1])
+    codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8]
+    return codes.reshape(packed.shape[0], packed.shape[1] * 8)
+
+
+def _group_size(scheme: QuantScheme, cols: int, name: str) -> int:
+    group_size = scheme.group_size or cols
+    _check(cols % group_size == 0, name, f"group_size {group_size} does not divide the input width {cols}")
+    return group_size
+
+
+def _act_order(g_idx: torch.Tensor, group_size: int, name: str) -> torch.Tensor | None:
+    """The input permutation that sorts act-order columns by group (None when they are
+    already in group order); each group must hold group_size columns."""
+    g_idx = g_idx.long()
+    cols = g_idx.numel()
+    if torch.equal(g_idx, torch.arange(cols, device=g_idx.device) // group_size):
+        return None
+    counts = torch.bincount(g_idx, minlength=cols // group_size)
+    _check(counts.numel() == cols // group_size and bool((counts == group_size).all()), name,
+           f"act-order g_idx does not put {group_size} columns in each of {cols // group_size} groups")
+    return torch.sort(g_idx, stable=True).indices
+
+
+def _w4_linear(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+               g_idx: torch.Tensor | None, g_idx_name: str, bias: torch.Tensor | None) -> QuantizedLinear:
+    """The W4 linear of [N, K] codes, [N, K / g] scales and zeros, in act-order when g_idx says so."""
+    perm = None if g_idx is None else _act_order(g_idx, group_size, g_idx_name)
+    if perm is not None:
+        codes = codes[:, perm]
+    return QuantizedLinear.w4(pack_int4(codes), scales, zeros, group_size, perm, bias)
+
+
+def _read_packed(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
+                 bias: torch.Tensor | None) -> QuantizedLinear:
+    rows, cols = shape
+    packed_name, scale_name = f"{module}.weight_packed", f"{module}.weight_scale"
+    _check(tensors.dtype(packed_name) == torch.int32, packed_name, f"stored as {tensors.dtype(packed_name)}, "
+           "pack-quantized stores int32")
+    stored = tensors.shape(packed_name)
+    _check(stored == (rows, -(-cols // 8)), packed_name,
+           f"shape {list(stored)} where the model's linear [{rows}, {cols}] packs to [{rows}, {-(-cols // 8)}]")
+    group_size = _group_size(scheme, cols, scale_name)
+    scales = _scale(tensors, scale_name, "the weight's group scales")
+    _check(tuple(scales.shape) == (rows, cols // group_size), scale_name,
+           f"shape {list(scales.shape)} where groups of {group_size} need [{rows}, {cols // group_size}]")
+    codes = _unpack_int32(tensors.get(packed_name), dim=1)[:, :cols]
+    zeros = None
+    if not scheme.symmetric:
+        zero_name = f"{module}.weight_zero_point"
+        zeros = _unpack_int32(tensors.get(zero_name, "the asymmetric weight's zero points"), dim=0)[:rows]
+        _check(tuple(zeros.shape) == tuple(scales.shape), zero_name, f"unpacks to {list(zeros.shape)}, "
+               f"the scales are {list(scales.shape)}")
+        zeros = zeros.float()
+    g_idx_name = f"{module}.weight_g_idx"
+    g_idx = tensors.get(g_idx_name) if g_idx_name in tensors else None
+    return _w4_linear(codes, scales, zeros, group_size, g_idx, g_idx_name, bias)
+
+
+def _read_gptq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
+               bias: torch.Tensor | None) -> QuantizedLinear:
+    rows, cols = shape
+    group_size = _group_size(scheme, cols, f"{module}.scales")
+    groups = cols // group_size
+    qweight = _packed_tensor(tensors, f"{module}.qweight", (cols // 8, rows))
+    qzeros = _packed_tensor(tensors, f"{module}.qzeros", (groups, -(-rows // 8)))
+    scales = _scale(tensors, f"{module}.scales", "the weight's group scales")
+    _check(tuple(scales.shape) == (groups, rows), f"{module}.scales",
+           f"shape {list(scales.shape)} where groups of {group_size} need [{groups}, {rows}]")
+    codes = _unpack_int32(qweight, dim=0).t()  # [N, K]
+    zeros = ((_unpack_int32(qzeros, dim=1)[:, :rows] + scheme.zero_offset) & 0xF).t().float()
+    g_idx_name = f"{module}.g_idx"
+    g_idx = tensors.get(g_idx_name) if g_idx_name in tensors else None
+    return _w4_linear(codes, scales.t(), zeros, group_size, g_idx, g_idx_name, bias)
+
+
+def _read_awq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
+              bias: torch.Tensor | None) -> QuantizedLinear:
+    rows, cols = shape
+    group_size = _group_size(scheme, cols, f"{module}.scales")
+    groups = cols // group_size
+    qweight = _packed_tensor(tensors, f"{module}.qweight", (cols, rows // 8))
+    qzeros = _packed_tensor(tensors, f"{module}.qzeros", (groups, rows // 8))
+    scales = _scale(tensors, f"{module}.scales", "the weight's group scales")
+    _check(tuple(scales.shape) == (groups, rows), f"{module}.scales",
+           f"shape {list(scales.shape)} where groups of {group_size} need [{groups}, {rows}]")
+    codes = _unpack_int32(qweight, dim=1, order=AWQ_NIBBLE).t()
+    zeros = _unpack_int32(qzeros, dim=1, order=AWQ_NIBBLE).t().float()
+    return _w4_linear(codes, scales.t(), zeros, group_size, None, "", bias)
+
+
+def _packed_tensor(tensors: CheckpointTensors, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An int32 tensor of packed 4-bit codes, checked for its dtype and shape."""
+    dtype = tensors.dtype(name, "packed 4-bit codes")
+    _check(dtype == torch.int32, name, f"stored as {dtype}, expected int32 words of eight 4-bit codes")
+    stored = tensors.shape(name)
+    _check(stored == shape, name, f"shape {list(stored)} where the model's linear needs {list(shape)}")
+    return tensors.get(name)

@@ -1,0 +1,159 @@
+"""QuantizedLinear: a linear layer whose weight stays in the W8 or W4 layout of
+engine/kernels/quant_reference.py, multiplied by the kernel for its device.
+
+Not an nn.Linear subclass: the CPU step's packing (engine/cpu/linear.py) replaces
+nn.Linear only, so it leaves these alone, and nothing reads a float ``weight`` it
+does not hold.
+
+Invariants:
+- The module holds its weight quantized (W8: ``weight`` float8_e4m3fn or int8 [N, K]
+  and a float32 ``scale``; W4: ``packed`` uint8 [N, K // 2], float32 ``scales`` and
+  ``zeros`` [N, K // group_size]); no float copy of the weight is kept: the torch path
+  dequantizes a tile of output rows at a time.
+- Every path computes ``quantized_linear_reference`` over the dequantized weight (the
+  float32 product rounded to x's dtype once), within float32 rounding; the load check
+  runs the model once with ``use_reference`` set to compare against it.
+- An act-order ``input_perm`` reorders x's columns before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
+
+# Float32 elements of dequantized weight the torch path holds at once (a tile of rows).
+TILE_ELEMENTS = 1 << 20
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ w.T + bias with w kept quantized (see the module docstring); built by
+    ``w8`` or ``w4``. ``activations`` "dynamic": a W8A8 kernel may quantize x per
+    token where the device has FP8 tensor cores; every other path is weight-only."""
+
+    weight: torch.Tensor | None
+    scale: torch.Tensor | None
+    packed: torch.Tensor | None
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    input_perm: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, layout: Literal["w8", "w4"],
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.layout = in_features, out_features, layout
+        self.block: tuple[int, int] | None = None
+        self.group_size = 0
+        self.activations: Literal["none", "dynamic", "static"] = "none"
+        self.use_reference = False
+        for name in ("weight", "scale", "packed", "scales", "zeros", "input_perm"):
+            self.register_buffer(name, None)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def w8(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+           bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per block."""
+        rows, cols = weight.shape
+        layer = cls(cols, rows, "w8", bias)
+        layer.weight, layer.scale, layer.block = weight, scale.float(), block
+        return layer
+
+    @classmethod
+    def w4(cls, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+           input_perm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """A W4 linear: ``packed`` [N, K // 2] uint8, ``scales``/``zeros`` [N, K // group_size]."""
+        rows, half = packed.shape
+        layer = cls(2 * half, rows, "w4", bias)
+        layer.packed, layer.scales, layer.group_size = packed, scales.float(), group_size
+        layer.zeros = None if zeros is None else zeros.float()
+        layer.input_perm = input_perm
+        return layer
+
+    def extra_repr(self) -> str:
+        stored = self.weight if self.layout == "w8" else self.packed
+        detail = f"block={self.block}" if self.layout == "w8" else f"group_size={self.group_size}"
+        dtype = stored.dtype if stored is not None else None
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.layout} {dtype}, "
+                f"{detail}, bias={self.bias is not None}")
+
+    def dequantized_rows(self, start: int, end: int) -> torch.Tensor:
+        """The float32 weight rows [start, end) ([end - start, K], in stored column order)."""
+        if self.layout == "w8":
+            assert self.weight is not None and self.scale is not None
+            return dequantize_w8(self.weight[start:end], self._scale_rows(start, end), self.block)
+        assert self.packed is not None and self.scales is not None
+        zeros = None if self.zeros is None else self.zeros[start:end]
+        return dequantize_w4(self.packed[start:end], self.scales[start:end], zeros, self.group_size)
+
+    def _scale_rows(self, start: int, end: int) -> torch.Tensor:
+        assert self.scale is not None
+        if self.block is not None:
+            rows = self.block[0]
+            assert start % rows == 0, (start, rows)
+            return self.scale[start // rows:-(-end // rows)]
+        return self.scale if self.scale.shape[0] == 1 else self.scale[start:end]
+
+    def tile_rows(self) -> int:
+        """Output rows the torch path dequantizes at once: a multiple of the block's rows."""
+        step = self.block[0] if self.block is not None else 1
+        rows = max(step, TILE_ELEMENTS // max(self.in_features, 1) // step * step)
+        return min(rows, -(-self.out_features // step) * step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        rows = x.reshape(-1, self.in_features)
+        if self.input_perm is not None:
+            rows = rows[:, self.input_perm]
+        return quantized_matmul(self, rows).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (act-order permutation applied) times ``layer``'s weight, plus its bias:
+    [M, N] in x's dtype, by the kernel for x's device. The one dispatch: each kernel
+    family is wired here in one line where it runs."""
+    if layer.use_reference:
+        return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    return torch_quantized_matmul(layer, x)
+
+
+def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The torch path: a tile of output rows dequantized at a time, multiplied in float32."""
+    # x: [M, K], out: [M, N] float32 until the one rounding to x's dtype
+    x32 = x.float()
+    out = torch.empty(x.shape[0], layer.out_features, dtype=torch.float32, device=x.device)
+    step = layer.tile_rows()
+    for start in range(0, layer.out_features, step):
+        end = min(start + step, layer.out_features)
+        out[:, start:end] = x32 @ layer.dequantized_rows(start, end).t()
+    if layer.bias is not None:
+        out += layer.bias.float()
+    return out.to(x.dtype)
+
+
+def quantized_linears(model: nn.Module) -> Iterator[tuple[str, QuantizedLinear]]:
+    """(name, module) of every QuantizedLinear in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            yield name, module
+
+
+@contextmanager
+def dequantized_reference(model: nn.Module) -> Iterator[None]:
+    """Within: every QuantizedLinear of ``model`` computes through the plain-torch
+    reference (its whole weight dequantized per call, dropped after), which is the
+    model's forward with the weights dequantized; the load check's reference."""
+    layers = [module for _, module in quantized_linears(model)]
+    for module in layers:
+        module.use_reference = True
+    try:
+        yield
+    finally:
+        for module in layers:
+            module.use_reference = False
