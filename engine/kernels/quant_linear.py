@@ -32,7 +32,7 @@ SCALE_PER_ROW, SCALE_PER_TILE, SCALE_PER_ELEMENT = 0, 1, 2
 if triton is not None:
 
     @triton.jit
-    def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """This program's row and column offsets, row tiles taken GROUP_M at a time."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -45,7 +45,7 @@ if triton is not None:
         return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
-    def _store_output(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr):
+    def store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr):
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         offs = rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -60,7 +60,7 @@ if triton is not None:
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         # x: [M, K]; w: [N, K] fp8/int8; scale: [N // bn, K // bk] (strides 0 where broadcast)
-        rows, cols = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row_valid, col_valid = rows < M, cols < N
         scale_rows = scale_ptr + (cols // scale_block_n) * stride_sn  # [BN]
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
@@ -82,7 +82,7 @@ if triton is not None:
             acc += part
         if SCALE_MODE == 0:
             acc = acc * tl.load(scale_rows, mask=col_valid, other=0.0)[None, :]
-        _store_output(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+        store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
     @triton.jit
     def _w4_weight_halves(packed_cols, scale_cols, zero_cols, k0, ks_even, k_valid, col_valid, group_size,
@@ -120,7 +120,7 @@ if triton is not None:
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         # x: [M, K]; packed: [N, K // 2] uint8; scales, zeros: [N, ceil(K / group_size)]
-        rows, cols = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row_valid, col_valid = rows < M, cols < N
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
         packed_cols = packed_ptr + cols.to(tl.int64)[None, :] * stride_pn
@@ -140,7 +140,7 @@ if triton is not None:
             if not PER_ELEMENT:
                 part = part * tl.load(scale_cols + k0 // group_size, mask=col_valid[None, :], other=0.0)
             acc += part
-        _store_output(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+        store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
 
 def dot_dtype(dtype: torch.dtype):

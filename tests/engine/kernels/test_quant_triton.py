@@ -158,3 +158,63 @@ def test_w4_linear_refuses_bad_layouts():
         triton_w4_linear(x, packed.to(torch.int8), scales, zeros, 32, None)
     with pytest.raises(AssertionError, match="group_size 33"):
         triton_w4_linear(x, packed, scales, zeros, 33, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [200, 64, 48])
+def test_fp8_row_quantization_is_bit_exact(group_size, dtype):
+    """The kernel's own rounding onto the E4M3 grid equals torch's cast, scales included;
+    the rows span zeros, subnormal E4M3 values and ties."""
+    from shardline.engine.kernels.fp8_w8a8 import quantize_fp8_rows, quantize_fp8_rows_reference
+
+    x = activations(5, 200, torch.float32) * torch.logspace(-4, 2, 200).to(DEVICE)
+    x[1] = 0.0
+    x[2, :100] = 1e-6
+    x = x.to(dtype)
+    q, scale = quantize_fp8_rows(x, group_size)
+    expected_q, expected_scale = quantize_fp8_rows_reference(x, group_size)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+
+
+def test_fp8_reference_rounds_ties_to_even():
+    from shardline.engine.kernels.fp8_w8a8 import quantize_fp8_rows
+
+    # With amax 448 the scale is 1; each value lies halfway between two E4M3 neighbours
+    # (spacing 1 in [8, 16), 2 in [16, 32), 2^-9 among the subnormals).
+    tiny = 2.0 ** -9
+    ties = [8.5, 9.5, -8.5, 17.0, 19.0, 2.5 * tiny, 3.5 * tiny]
+    x = torch.tensor([[448.0, *ties] + [0.0] * 8]).to(DEVICE)
+    q, scale = quantize_fp8_rows(x, 16)
+    assert scale.item() == 1.0
+    assert q.float()[0, :8].tolist() == [448.0, 8.0, 10.0, -8.0, 16.0, 20.0, 2 * tiny, 4 * tiny]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_kind, block", [("tensor", None), ("channel", None), ((32, 64), (32, 64)),
+                                               ((128, 128), (128, 128))],
+                         ids=["tensor", "channel", "block32x64", "block128"])
+def test_fp8_w8a8_matches_reference(scale_kind, block, dtype):
+    from shardline.engine.kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_reference
+
+    weight, scale = make_w8(136, 200, torch.float8_e4m3fn, scale_kind)
+    bias = torch.randn(136).to(DEVICE)
+    for num_rows in (1, 37):
+        x = activations(num_rows, 200, dtype)
+        expected = fp8_w8a8_reference(x, weight, scale, block, bias)
+        assert_close(fp8_w8a8_linear(x, weight, scale, block, bias), expected)
+        # The activation's quantization is what differs from the W8A16 product; it stays small.
+        weight_only = quantized_linear_reference(x, dequantize_w8(weight, scale, block), bias)
+        relative_error = (expected.float() - weight_only.float()).norm() / weight_only.float().norm()
+        assert relative_error < 0.05
+
+
+def test_fp8_w8a8_refuses_blocks_it_cannot_tile():
+    from shardline.engine.kernels.fp8_w8a8 import fp8_w8a8_linear
+
+    weight, scale = make_w8(48, 64, torch.float8_e4m3fn, (24, 40))
+    with pytest.raises(ValueError, match=r"multiple of 16, got block \(24, 40\)"):
+        fp8_w8a8_linear(activations(2, 64, torch.float32), weight, scale, (24, 40), None)
+    weight, scale = make_w8(48, 64, torch.int8, "channel")
+    with pytest.raises(AssertionError, match="float8_e4m3fn"):
+        fp8_w8a8_linear(activations(2, 64, torch.float32), weight, scale, None, None)
