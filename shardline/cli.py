@@ -1,5 +1,5 @@
 """The ``shardline`` command: ``run`` a batch job, ``check`` whether a model can run,
-or run the ``demo``.
+ask the ``status`` of a job's output, or run the ``demo``.
 
 ``check MODEL`` prints the engine's verdict (engine/model/support.py) from the
 model's config alone: ``supported: ...`` (exit 0) or ``refused: ...`` and why (exit 1).
@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--task", choices=["generate", "embed"], default="generate")
     check.add_argument("--revision", help="model revision")
     check.add_argument("--trust-remote-code", action="store_true", help="let the config's auto_map name its classes")
+
+    status = commands.add_parser("status", help="how far the job writing OUTPUT got: each shard done, failed or "
+                                 "missing, with rows, errors, tokens and time from its manifest; totals")
+    status.add_argument("output", help="the job's output prefix (any fsspec URL)")
+    status.add_argument("--storage-options", type=_json_object, default={}, metavar="JSON",
+                        help="fsspec storage options as JSON, as given to run")
+    status.add_argument("--json", action="store_true", help="print the status as one JSON object")
 
     demo = commands.add_parser("demo", help="write a sample dataset and a tiny model, then run the flow on them")
     demo.add_argument("dir", nargs="?", default=DEMO_DIR, help=f"where to put everything (default ./{DEMO_DIR})")
@@ -229,6 +236,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the output's status (tasks/status.py); exit 2 when it cannot be read."""
+    from shardline.tasks.errors import PipelineError
+    from shardline.tasks.status import output_status, status_table
+
+    try:
+        status = output_status(args.output, args.storage_options)
+    except PipelineError as exc:
+        _report(exc, "status")
+        return EXIT_JOB_FAILED
+    print(json.dumps(status.as_json(), indent=2) if args.json else status_table(status))
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Print the engine's verdict on the model: ``supported: ...`` (exit 0) or
     ``refused: ...`` with the reason (exit 1); exit 2 when its config cannot be read."""
@@ -335,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     previous = _handle_signals()
     try:
-        return {"run": cmd_run, "check": cmd_check, "demo": cmd_demo}[args.command](args)
+        return {"run": cmd_run, "check": cmd_check, "status": cmd_status, "demo": cmd_demo}[args.command](args)
     except Interrupted as stop:
         print(f"shardline: stopped by {stop}: running requests aborted, nothing partial written; "
               "shards already committed are kept and rerunning the same command resumes", file=sys.stderr)
