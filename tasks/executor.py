@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the engine's public types, for annotations only
     from shardline import EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams
     from shardline.engine.outputs import EngineStats
 
+    from .media import ImageSource
+
 logger = logging.getLogger("shardline.tasks.executor")
 
 
@@ -49,6 +51,10 @@ class RowRequest:
     lora_request: LoRARequest | None = None
     priority: int = 0
     chat_options: dict[str, Any] | None = None  # LLM.render_chat keywords (tools, chat_template_kwargs, ...)
+    # Images still to read (tasks/image_feed.py resolves them before the engine sees the row) ...
+    images: list[ImageSource] | None = None
+    # ... and, once read, a prompt's decoded images (vLLM's multi_modal_data); a chat's are image_pil parts.
+    multi_modal_data: dict[str, Any] | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, Secret, field_validator, mode
 from shardline.engine.config import EngineConfig
 from shardline.engine.sampling.reasoning import REASONING_PARSERS
 
+from .media import ImageOptions
 from .structured_job import StructuredOutputs
 
 # Columns every output shard may carry; pass-through columns must not shadow them.
@@ -135,6 +136,10 @@ class BatchJob(BaseModel):
     reasoning_parser: str | None = Field(
         default=None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
         f"{', '.join(REASONING_PARSERS)}.",
+    )
+    images: ImageOptions = Field(
+        default_factory=ImageOptions, description="Images in rows: the image column, the hosts http(s) image URLs "
+        "may name, size limits.",
     )
 
     @field_validator("engine_options")

@@ -34,6 +34,7 @@ from shardline.engine.inputs.chat import ChatRenderError, normalize_messages
 
 from .executor import RowRequest
 from .job import BatchJob, InputFormat, JobTask, OutputFormat
+from .media import ImageError, ImageSource, chat_images, without_image_markers
 from .rows import PreparedRow, PreparedShard
 from .shard_reader import RawShard, RecordProblem, ShardError
 
@@ -241,9 +242,9 @@ def _texts(value: Any, name: str) -> list[str]:
 
 # ----------------------------------------------------------- chat, completion
 def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowRequest:
-    messages = body.get("messages")
+    messages, images = _chat_images(body.get("messages"), job)
     try:
-        normalize_messages(messages, "openai")  # roles and text content; the template renders them later
+        normalize_messages(without_image_markers(messages), "openai")  # roles and text; the template renders them later
     except ChatRenderError as exc:
         raise _invalid("messages", f"are malformed: {exc}") from None
     assert messages is not None, "normalize_messages refuses a missing conversation"
@@ -262,7 +263,20 @@ def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowReq
     if body.get("tools"):
         chat_options["tools"] = body["tools"]
     return RowRequest(index=row.index, prompt=None, messages=[dict(m) for m in messages],
-                      params=_sampling(body, job, row.logprobs, structured), chat_options=chat_options or None)
+                      params=_sampling(body, job, row.logprobs, structured), chat_options=chat_options or None,
+                      images=images or None)
+
+
+def _chat_images(messages: Any, job: BatchJob) -> tuple[Any, list[ImageSource]]:
+    """The messages with their image_url parts as image markers, and the images those name
+    (read later, ahead of the engine: tasks/image_feed.py)."""
+    if not isinstance(messages, list) or not all(isinstance(message, dict) for message in messages):
+        return messages, []  # normalize_messages names what is wrong
+    try:
+        return chat_images(messages, [], job.images)
+    except ImageError as exc:
+        raise RequestError("invalid_image_url", str(exc), "messages") from None
+
 
 
 def _completion_requests(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> list[RowRequest]:

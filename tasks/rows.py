@@ -18,6 +18,7 @@ from shardline import LoRARequest, PoolingParams, SamplingParams
 
 from .executor import RowRequest
 from .job import BatchJob, JobTask
+from .media import chat_images, column_images
 from .shard_reader import RawShard, RecordProblem, ShardError
 from .structured_rows import RowConstraints
 
@@ -76,6 +77,10 @@ def _check_columns(raw: RawShard, job: BatchJob) -> None:
     if raw.records and needed not in raw.schema:
         raise ShardError(raw.shard.uri, f"no {needed!r} column, which task={job.task.value} needs "
                                         f"(columns: {', '.join(columns) or 'none'})")
+    image_column = job.images.column
+    if raw.records and image_column is not None and image_column not in raw.schema:
+        raise ShardError(raw.shard.uri, f"no {image_column!r} column, which images.column names "
+                                        f"(columns: {', '.join(columns) or 'none'})")
     missing = [name for name in job.pass_through if name not in raw.schema]
     if raw.records and missing:
         raise ShardError(raw.shard.uri, f"pass-through column(s) {', '.join(map(repr, missing))} not in the "
@@ -94,8 +99,10 @@ def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: di
     lora_name = overrides.pop("lora")
     if job.task != JobTask.EMBED:
         overrides["structured_outputs"] = constraints.of(record)
+    images = column_images(record.get(job.images.column), job.images) if job.images.column else []
     if job.task == JobTask.CHAT:
-        prompt, messages = None, _messages(record.get("messages"))
+        prompt = None
+        messages, images = chat_images(_messages(record.get("messages")), images, job.images)
     else:
         prompt, messages = _prompt(record.get("prompt")), None
     return RowRequest(
@@ -105,6 +112,7 @@ def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: di
         params=_params(job, overrides),
         lora_request=_lora(lora_name, job, lora_ids),
         priority=0 if priority is None else priority,
+        images=images or None,
     )
 
 
@@ -142,10 +150,19 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                          f"got {value!r:.80}")
     for position, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise ValueError(f"malformed messages: message {position} must be an object with string "
-                             f"'role' and 'content', got {message!r:.80}")
+                or not _is_content(message.get("content")):
+            raise ValueError(f"malformed messages: message {position} must be an object with a string 'role' "
+                             f"and a 'content' string or list of text and image_url parts, got {message!r:.80}")
     return [dict(message) for message in value]
+
+
+def _is_content(content: Any) -> bool:
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and (part.get("type") in ("image_url", "image")
+                                    or (part.get("type") == "text" and isinstance(part.get("text"), str)))
+        for part in content)
 
 
 def _params(job: BatchJob, overrides: dict[str, Any]) -> SamplingParams | PoolingParams:

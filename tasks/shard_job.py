@@ -36,6 +36,7 @@ from typing import Any
 from .engine_cache import EngineHost, get_executor
 from .errors import EngineError, ErrorKind, ModelUnusable, PipelineError, classify, describe
 from .executor import RowResult, RunnerError, ShardAborted, ShardExecutor
+from .image_feed import ImageFeed
 from .job import BatchJob
 from .manifest import ShardManifest
 from .openai_requests import is_openai_batch, prepare_openai_shard
@@ -129,6 +130,8 @@ class ShardPipeline:
             executor = self._load_executor()  # outside the lock, which abort takes
             if self.progress is not None:
                 self.progress.watch_engine(executor.engine_reading)
+            if any(request.images for request in requests):  # read ahead of the engine, memory bounded
+                executor = ImageFeed(executor, self.job.images, self.job.storage())
             with self._lock:
                 self._raise_if_stopped(f"shard {prepared.key}")
                 self._running[prepared.key] = executor

@@ -181,7 +181,9 @@ def test_request_bodies_map_onto_engine_parameters(tmp_path, make_job):
         "choice": ({"messages": CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
         "messages": ({"messages": "hi"}, "messages", "non-empty list"),
         "image": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-                  "messages", "message 0: content parts must be"),
+                  "messages", "image URL 'x' has no scheme"),
+        "audio": ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                  "messages", "message 0: a 'input_audio' part carries audio input"),
         "tokens": ({"max_tokens": 0, "messages": CHAT}, "max_tokens", "integer >= 1"),
     }
     lines = good + [request(name, "/v1/chat/completions", **body) for name, (body, _, _) in bad.items()]

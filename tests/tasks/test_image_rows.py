@@ -1,0 +1,154 @@
+"""Rows with images through the shard pipeline: an image column (bytes or URLs), image parts in
+chats and in OpenAI Batch lines; unreadable images become error rows, order kept, the job goes on."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.tasks.image_feed import ImageFeed
+from shardline.tasks.job import BatchJob
+from shardline.tasks.runner import ShardRunner
+from shardline.tasks.sample_data import write_rows
+from shardline.tasks.shard_job import process_shard, read_shard
+from shardline.tasks.shard_reader import ShardError
+from shardline.tasks.storage import filesystem, list_shards
+
+from .test_media import data_url, png_bytes
+
+TEXT_MODEL_REFUSAL = r"carries 1 image item\(s\).*cannot take image input"
+
+
+def run_job(job: BatchJob) -> list[dict]:
+    [shard] = list_shards(job.input, job.storage())
+    process_shard(shard, job)
+    fs, path = filesystem(job.output, job.storage())
+    return pq.read_table(io.BytesIO(fs.cat_file(f"{path}/{shard.key}.parquet"))).to_pylist()
+
+
+def test_image_column_rows_on_a_text_model(make_job, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "0")
+    good = png_bytes(1)
+    (tmp_path / "cat.png").write_bytes(good)
+    rows = [
+        {"id": "data", "prompt": "<image> what is it?", "image": data_url(good)},
+        {"id": "none", "prompt": "no image here", "image": None},
+        {"id": "broken", "prompt": "<image>", "image": data_url(b"\x89PNG but not really")},
+        {"id": "file", "prompt": "<image>", "image": f"file://{tmp_path}/cat.png"},
+        {"id": "missing", "prompt": "<image>", "image": f"file://{tmp_path}/dog.png"},
+        {"id": "web", "prompt": "<image>", "image": "https://example.com/cat.png"},
+        {"id": "unreachable", "prompt": "<image>", "image": "http://127.0.0.1:9/cat.png"},
+        {"id": "big", "prompt": "<image>", "image": data_url(png_bytes(2, size=(64, 64)))},
+    ]
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), rows)
+    job = make_job(images={"column": "image", "allowed_domains": ["127.0.0.1"], "max_image_bytes": 4000})
+    out = run_job(job)
+    assert [row["id"] for row in out] == [row["id"] for row in rows]
+    errors = {row["id"]: row["error"] for row in out}
+    assert errors["none"] is None and out[1]["text"]
+    for name in ("data", "file"):  # read and decoded; the text model refuses them (never run without)
+        assert errors[name] is not None and re.search(TEXT_MODEL_REFUSAL, errors[name])
+    assert errors["broken"].startswith("row 2: image 1 (data:image/png;base64,... (50 characters)) is not an image")
+    assert errors["missing"].startswith(f"row 4: file://{tmp_path}/dog.png could not be read (FileNotFoundError")
+    assert "host 'example.com' is not in images.allowed_domains" in errors["web"]
+    assert errors["unreachable"].startswith("row 6: http://127.0.0.1:9/cat.png could not be read")
+    assert "over images.max_image_bytes=4000" in errors["big"]
+    assert all(row["prompt_tokens"] is None for row in out if row["error"] is not None)
+
+
+def test_parquet_image_bytes_column(make_job, tmp_path):
+    rows = [{"id": "good", "prompt": "<image>", "image": png_bytes(7)},
+            {"id": "none", "prompt": "plain", "image": None},
+            {"id": "broken", "prompt": "<image>", "image": b"\x89PNG but not really"}]
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    out = run_job(make_job(images={"column": "image"}))
+    assert [row["id"] for row in out] == ["good", "none", "broken"]
+    assert "cannot take image input" in out[0]["error"] and out[1]["error"] is None
+    assert out[2]["error"].startswith("row 2: image 1 (image bytes (19 bytes)) is not an image PIL can read")
+
+
+def test_parquet_image_column_of_hugging_face_structs(make_job, tmp_path):
+    good = png_bytes(3)
+    rows = [{"id": "a", "prompt": "<image>", "picture": {"bytes": good, "path": "a.png"}},
+            {"id": "b", "prompt": "plain", "picture": {"bytes": None, "path": None}}]
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    out = run_job(make_job(images={"column": "picture"}))
+    assert out[0]["error"] is not None and "cannot take image input" in out[0]["error"]
+    assert out[1]["error"] is None
+
+
+def test_a_shard_without_the_image_column_fails_whole(make_job, tmp_path):
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), [{"prompt": "hi"}])
+    job = make_job(images={"column": "image"})
+    [shard] = list_shards(job.input)
+    with pytest.raises(ShardError, match="no 'image' column, which images.column names"):
+        read_shard(shard, job)
+
+
+def test_chat_rows_with_image_url_parts(make_job, tmp_path):
+    image_part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(4))}}
+    rows = [
+        {"id": "image", "messages": [{"role": "user", "content": [{"type": "text", "text": "What?"}, image_part]}]},
+        {"id": "text", "messages": [{"role": "user", "content": "Hello"}]},
+        {"id": "bad-part", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"id": "bad-url", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]},
+    ]
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), rows)
+    out = run_job(make_job(task="chat"))
+    errors = {row["id"]: row["error"] for row in out}
+    assert "image input" in errors["image"] and "refused" in errors["image"]
+    assert errors["text"] is None
+    assert "an image_url part needs" in errors["bad-part"]
+    assert "base64 payload is malformed" in errors["bad-url"]
+
+
+def test_openai_batch_lines_with_image_url_parts(make_job, tmp_path):
+    def line(custom_id: str, content: object) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": content}]}}
+
+    lines = [line("image", [{"type": "text", "text": "What?"},
+                            {"type": "image_url", "image_url": {"url": data_url(png_bytes(5)), "detail": "low"}}]),
+             line("text", "Hello"),
+             line("web", [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}])]
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), lines)
+    job = make_job(output_format="openai")
+    [shard] = list_shards(job.input)
+    process_shard(shard, job)
+    out = [json.loads(text) for text in (tmp_path / "out" / "part-0.jsonl").read_text().splitlines()]
+    by_id = {entry["custom_id"]: entry for entry in out}
+    assert [entry["custom_id"] for entry in out] == ["image", "text", "web"]
+    assert "image input" in by_id["image"]["error"]["message"] and "refused" in by_id["image"]["error"]["message"]
+    assert by_id["text"]["error"] is None
+    assert by_id["web"]["error"]["code"] == "invalid_image_url"
+    assert "not in images.allowed_domains" in by_id["web"]["error"]["message"]
+
+
+def test_the_feed_holds_at_most_its_prefetch_budget(tiny_model, tmp_path):
+    from shardline import LLM
+
+    images = [png_bytes(seed, size=(16, 16)) for seed in range(24)]
+    rows = [{"id": str(n), "prompt": "<image>", "image": data} for n, data in enumerate(images)]
+    rows.insert(5, {"id": "plain", "prompt": "hello", "image": None})
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    budget = 3 * 16 * 16 * 3  # three decoded images
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_model,
+                   sampling={"max_tokens": 2, "temperature": 0.0},
+                   images={"column": "image", "prefetch_bytes": budget})
+    prepared = read_shard(list_shards(job.input)[0], job)
+    requests = [row.request for row in prepared.rows if row.request is not None]
+    runner = ShardRunner(LLM(tiny_model, max_num_seqs=4))
+    try:
+        feed = ImageFeed(runner, job.images, {})
+        results = feed.run_shard("part-0", requests)
+    finally:
+        runner.close()
+    assert [result.index for result in results] == list(range(len(rows)))
+    assert results[5].error is None and results[5].output is not None
+    assert all(result.error and "cannot take image input" in result.error for n, result in enumerate(results) if n != 5)
+    assert 0 < feed.peak_bytes <= budget
