@@ -30,6 +30,10 @@ FP8_TENSOR_CORES = (8, 9)
 if triton is not None:
     from .quant_linear import store_output_tile, tile_coords  # jitted helpers shared with W8A16
 
+    # Module constants a kernel reads must be Triton constexprs.
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _MIN_SCALE = tl.constexpr(MIN_SCALE)
+
     @triton.jit
     def _round_to_e4m3(v):
         """v (float32, |v| <= 448 after clamping) rounded to nearest even on the E4M3 grid."""
@@ -37,8 +41,9 @@ if triton is not None:
         # Normal E4M3 values keep 3 mantissa bits; below 2^-6 the spacing stays 2^-9.
         exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
         spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        steps = tl.abs(v) / spacing + 12582912.0  # 1.5 * 2^23: float32 addition rounds to an integer
-        magnitude = tl.minimum((steps - 12582912.0) * spacing, FP8_MAX)
+        inverse_spacing = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # exact: powers of two
+        steps = tl.abs(v) * inverse_spacing + 12582912.0  # 1.5 * 2^23: float32 addition rounds to an integer
+        magnitude = tl.minimum((steps - 12582912.0) * spacing, _FP8_MAX)
         return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit, so -0.0 stays -0.0
 
     @triton.jit
@@ -54,7 +59,7 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)  # IEEE, as torch divides
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _FP8_MAX), _MIN_SCALE)  # IEEE, as torch divides
         tl.store(scale_ptr + row * stride_sm + group, scale)
         for k0 in range(start, end, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)

@@ -4,6 +4,9 @@ Shapes are odd on purpose (partial M, N and K tiles, partial scale blocks); ever
 runs with M = 1 and with several tile rows, in float16, bfloat16 and float32.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
 import pytest
 import torch
 
@@ -50,9 +53,9 @@ def make_w8(out_features: int, in_features: int, weight_dtype: torch.dtype, scal
     return weight.to(DEVICE), scale.to(DEVICE)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, slack: float = 1.0) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    rtol, atol = TOLERANCES[expected.dtype]
+    rtol, atol = (slack * tolerance for tolerance in TOLERANCES[expected.dtype])
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
 
 
@@ -218,3 +221,131 @@ def test_fp8_w8a8_refuses_blocks_it_cannot_tile():
     weight, scale = make_w8(48, 64, torch.int8, "channel")
     with pytest.raises(AssertionError, match="float8_e4m3fn"):
         fp8_w8a8_linear(activations(2, 64, torch.float32), weight, scale, None, None)
+
+
+def make_mxfp4(num_experts: int, out_features: int, in_features: int, typical_exponent: int, seed: int):
+    """MXFP4 blocks and scales with scales within a few binades of 2^typical_exponent."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (num_experts, out_features, in_features // 32, 16), generator=generator,
+                           dtype=torch.uint8)
+    scales = torch.randint(127 + typical_exponent - 2, 127 + typical_exponent + 1,
+                           (num_experts, out_features, in_features // 32), generator=generator, dtype=torch.uint8)
+    return blocks.to(DEVICE), scales.to(DEVICE)
+
+
+@dataclass
+class MoeCase:
+    """mxfp4_moe's arguments but the activation."""
+
+    hidden: torch.Tensor
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    down_bias: torch.Tensor | None
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+    def run(self, moe: Callable[..., torch.Tensor], activation) -> torch.Tensor:
+        return moe(self.hidden, self.gate_up_blocks, self.gate_up_scales, self.gate_up_bias, self.down_blocks,
+                   self.down_scales, self.down_bias, self.topk_ids, self.topk_weights, activation)
+
+
+def make_moe_case(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int, dtype,
+                  with_bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = make_mxfp4(num_experts, 2 * intermediate, hidden, -3, seed)  # gate_up spans the clamp limit
+    down = make_mxfp4(num_experts, hidden, intermediate, -6, seed + 1)
+    biases = (torch.randn(num_experts, 2 * intermediate, generator=generator).to(DEVICE),
+              torch.randn(num_experts, hidden, generator=generator).to(DEVICE)) if with_bias else (None, None)
+    x = activations(num_tokens, hidden, dtype, seed + 2)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    topk_weights = torch.randn(num_tokens, top_k, generator=generator).softmax(dim=-1)
+    return MoeCase(x, gate_up[0], gate_up[1], biases[0], down[0], down[1], biases[1],
+                   topk_ids.to(DEVICE), topk_weights.to(DEVICE))
+
+
+def moe_activations():
+    from shardline.engine.kernels.quant_moe import SILU_GATED_HALVES, GatedActivation
+
+    return {"clamped_swiglu": GatedActivation.clamped_swiglu(alpha=1.702, limit=7.0), "silu": SILU_GATED_HALVES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation, with_bias", [("clamped_swiglu", True), ("silu", False)])
+def test_mxfp4_moe_matches_reference(activation, with_bias, dtype):
+    from shardline.engine.kernels.quant_moe import mxfp4_moe, mxfp4_moe_reference
+
+    for num_tokens in (1, 9):  # hidden 96: a partial K tile; intermediate 64
+        case = make_moe_case(num_tokens, 96, 64, num_experts=5, top_k=2, dtype=dtype, with_bias=with_bias)
+        act = moe_activations()[activation]
+        expected = case.run(mxfp4_moe_reference, act)
+        # Both round the intermediate to the activations' dtype twice (gate_up, then the
+        # activation's output): an ulp there, from summation order, reaches the output.
+        assert_close(case.run(mxfp4_moe, act), expected, slack=3.0)
+
+
+def test_mxfp4_moe_reference_clamps_and_routes():
+    """The reference's checks: the clamp limit is reached, and each route matters."""
+    from shardline.engine.kernels.quant_moe import mxfp4_moe_reference
+    from shardline.engine.kernels.quant_reference import dequantize_mxfp4
+
+    case = make_moe_case(9, 96, 64, num_experts=5, top_k=2, dtype=torch.float32, with_bias=True)
+    gate_up = case.hidden @ dequantize_mxfp4(case.gate_up_blocks[0], case.gate_up_scales[0]).t()
+    assert (gate_up.abs() > 7.0).any() and (gate_up.abs() < 7.0).any()
+    act = moe_activations()["clamped_swiglu"]
+    base = case.run(mxfp4_moe_reference, act)
+    rerouted = replace(case, topk_ids=(case.topk_ids + 1) % 5)
+    assert not torch.allclose(rerouted.run(mxfp4_moe_reference, act), base, atol=1e-3)
+
+
+def test_mxfp4_moe_skips_routes_outside_the_experts():
+    """Routes to an id outside [0, E) contribute nothing (transformers skips them too)."""
+    from shardline.engine.kernels.quant_moe import mxfp4_moe
+
+    case = make_moe_case(6, 64, 32, num_experts=4, top_k=2, dtype=torch.float32, with_bias=True)
+    act = moe_activations()["clamped_swiglu"]
+    skipped = replace(case, topk_ids=case.topk_ids.clone())
+    skipped.topk_ids[::2, 1] = 4  # == E
+    skipped.topk_ids[1, 0] = -1
+    only_kept = replace(case, topk_weights=case.topk_weights.clone())
+    only_kept.topk_weights[::2, 1] = 0.0
+    only_kept.topk_weights[1, 0] = 0.0
+    assert_close(skipped.run(mxfp4_moe, act), only_kept.run(mxfp4_moe, act))
+
+
+def test_route_blocks_pads_each_expert_to_whole_blocks():
+    from shardline.engine.kernels.quant_moe import route_blocks
+
+    topk_ids = torch.tensor([[0, 3], [3, 1], [3, 0], [2, 3], [7, 3]], device=DEVICE)  # 7: outside E = 4
+    routes = route_blocks(topk_ids, num_experts=4, block_m=2)
+    num_slots = topk_ids.numel()
+    rows = routes.row_slots[:routes.max_blocks * 2].view(routes.max_blocks, 2).tolist()
+    experts = routes.block_expert.tolist()
+    flat = topk_ids.flatten().tolist()
+    seen = []
+    for block, (expert, slots) in enumerate(zip(experts, rows)):
+        real = [slot for slot in slots if slot < num_slots]
+        if expert == 4:
+            assert not real  # past the last block
+            continue
+        assert real and all(flat[slot] == expert for slot in real), (block, expert, slots)
+        seen += real
+    assert sorted(seen) == [slot for slot, expert in enumerate(flat) if expert < 4]
+    assert experts == sorted(experts)
+
+
+def test_mxfp4_moe_refuses_bad_layouts():
+    from shardline.engine.kernels.quant_moe import mxfp4_moe
+
+    case = make_moe_case(2, 64, 32, num_experts=4, top_k=2, dtype=torch.float32, with_bias=True)
+    act = moe_activations()["silu"]
+    with pytest.raises(AssertionError, match=r"down scales torch.int8 \(4, 64, 1\), expected contiguous uint8"):
+        replace(case, down_scales=case.down_scales.to(torch.int8)).run(mxfp4_moe, act)
+    with pytest.raises(AssertionError, match=r"gate_up blocks torch.uint8 \(4, 32, 2, 16\)"):
+        replace(case, gate_up_blocks=case.gate_up_blocks[:, :32].contiguous()).run(mxfp4_moe, act)
+    with pytest.raises(AssertionError, match="topk_ids torch.float32"):
+        replace(case, topk_ids=case.topk_ids.float()).run(mxfp4_moe, act)
+    with pytest.raises(AssertionError, match="gate_up bias"):
+        replace(case, gate_up_bias=torch.zeros(4, 10, device=DEVICE)).run(mxfp4_moe, act)
