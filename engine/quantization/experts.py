@@ -1,18 +1,147 @@
-"""Quantized MoE experts: a checkpoint's expert tensors put in place kept quantized.
+"""Quantized MoE experts: a model's fused experts module replaced by one whose weights
+stay in the checkpoint's quantized layout, computing only the experts a token routes to.
 
-``replace_quantized_experts`` is the loader's one call for a model's experts (called
-after the dense linears are read, engine/quantization/load.py): it returns how many
-expert modules it replaced. Until expert kernels land, a checkpoint whose experts are
-stored quantized is refused with one line naming the format and a tensor.
+``replace_quantized_experts`` is the loader's one call for a model's experts (after the
+dense linears are read, engine/quantization/load.py); it returns how many experts
+modules it replaced, and refuses a checkpoint whose quantized expert tensors it cannot
+hold with one line naming the model type, the format and a tensor.
+
+transformers holds a MoE layer's experts as one module with 3D weights (``gate_up_proj``
+[E, 2I, H], ``down_proj`` [E, H, I]) and calls it as ``experts(hidden_states [T, H],
+top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. ``QuantizedExperts`` keeps that
+call and holds each projection of every expert quantized: MXFP4 as gpt-oss ships it
+(engine/quantization/mxfp4.py), or W8/W4 (engine/kernels/quant_reference.py's layouts)
+stacked over the experts from a checkpoint that stores each expert's linears apart
+(``{experts}.{e}.gate_proj.weight`` and its scales, as transformers' weight conversion
+reads Qwen3-MoE, DeepSeek-V3 and Mixtral checkpoints before fusing them).
+
+Invariants:
+- No float copy of an expert's weight is kept: a projection dequantizes inside its
+  kernel, or a tile of rows at a time on the torch path.
+- The forward follows the replaced module's own: per routed expert, gate_up (+ bias),
+  the module's activation, down (+ bias), weighted by the route's weight and summed
+  into the token's row; each projection's product is float32, rounded to the
+  activations' dtype once. Routes to ids outside [0, E) are skipped, as transformers
+  skips them.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..surgery import replace
 from .checkpoint import CheckpointTensors
+from .mxfp4 import Mxfp4ExpertWeights, read_float_bias, read_mxfp4_projection
 from .scheme import QuantScheme
+
+# What holds one projection of every expert: ``matmul(expert, x [T, K])`` gives the
+# float32 [T, N] product with that expert's weight.
+ExpertWeights = Mxfp4ExpertWeights
+
+
+class SiluGatedHalves(nn.Module):
+    """``act_fn(gate) * up`` with gate the first half of the gate_up rows and up the
+    second (transformers' default expert gate: Qwen-MoE, DeepSeek-V3, Mixtral)."""
+
+    def __init__(self, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.act_fn = act_fn
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's gate: interleaved rows (gate at even, up at odd positions), the gate
+    clamped above at ``limit``, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.limit = limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
+class QuantizedExperts(nn.Module):
+    """A MoE layer's experts with quantized weights, called as transformers' experts
+    modules are: ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+
+    gate_up: ExpertWeights
+    down: ExpertWeights
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    def __init__(self, gate_up: ExpertWeights, down: ExpertWeights, activation: nn.Module,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.gate_up = gate_up
+        self.down = down
+        self.activation = activation
+        self.register_buffer("gate_up_bias", gate_up_bias)
+        self.register_buffer("down_bias", down_bias)
+
+    @property
+    def num_experts(self) -> int:
+        return self.down.num_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [T, H], top_k_index / top_k_weights: [T, k]
+        output = torch.zeros_like(hidden_states)
+        num_experts = self.num_experts
+        for expert in torch.unique(top_k_index).tolist():
+            if not 0 <= expert < num_experts:
+                continue
+            token_idx, top_k_pos = torch.where(top_k_index == expert)
+            routed = self.expert_forward(expert, hidden_states[token_idx])
+            weighted = routed * top_k_weights[token_idx, top_k_pos, None]
+            output.index_add_(0, token_idx, weighted.to(output.dtype))
+        return output
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert`` on its tokens x [t, H]: [t, H] in x's dtype."""
+        gate_up = self.gate_up.matmul(expert, x)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[expert]
+        gated = self.activation(gate_up.to(x.dtype))
+        out = self.down.matmul(expert, gated)
+        if self.down_bias is not None:
+            out = out + self.down_bias[expert]
+        return out.to(x.dtype)
+
+
+
+# Experts classes whose forward is the one QuantizedExperts follows (transformers'
+# per-expert loop over gate_up, the gate, down, weighted and summed): checked by
+# reading each, and only these are replaced.
+GATED_HALVES_EXPERTS = ("Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts", "MixtralExperts",
+                        "DeepseekV3Experts")
+GATED_HALVES_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
+MXFP4_EXPERTS = ("GptOssExperts",)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every fused experts module of ``model`` (a module with 3D ``gate_up_proj`` and
+    ``down_proj`` weights), by name."""
+    found = []
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3:
+            found.append((name, module))
+    return found
+
 
 # Name endings of the tensors a quantized expert is stored as (MXFP4's _blocks/_scales,
 # FP8's scales, GPTQ/AWQ's and compressed-tensors' packed weights).
@@ -20,20 +149,69 @@ QUANTIZED_SUFFIXES = ("_blocks", "_scales", ".weight_scale", ".weight_scale_inv"
                       ".weight_packed", ".scales")
 
 
-def quantized_expert_tensors(tensors: CheckpointTensors) -> list[str]:
-    """The checkpoint's tensors that belong to quantized MoE experts, sorted."""
+def quantized_expert_tensors(tensors: CheckpointTensors, prefix: str = "") -> list[str]:
+    """The checkpoint's tensors (under ``prefix``) that belong to quantized MoE experts, sorted."""
     return sorted(name for name in tensors.names()
-                  if ".experts." in name and name.endswith(QUANTIZED_SUFFIXES))
+                  if name.startswith(prefix) and ".experts." in f"{name}." and name.endswith(QUANTIZED_SUFFIXES))
 
 
 def replace_quantized_experts(model: nn.Module, tensors: CheckpointTensors, scheme: QuantScheme) -> int:
-    """Put the model's quantized experts in place from ``tensors``; return how many
-    expert modules were replaced (0 when the checkpoint stores no quantized experts).
-    UnsupportedModelError where it does, naming the format and one tensor."""
-    del model  # read once expert kernels land
-    found = quantized_expert_tensors(tensors)
-    if not found:
-        return 0
+    """Put a QuantizedExperts in place of each of ``model``'s experts modules whose
+    weights the checkpoint stores quantized (those ``scheme``'s ignore list names stay
+    as they are); return how many. UnsupportedModelError naming the model type, the
+    format and a tensor for quantized expert tensors this cannot hold;
+    QuantizedCheckpointError naming a tensor that is missing or of the wrong dtype or shape."""
+    model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+    read_prefixes: list[str] = []
+    for name, module in experts_modules(model):
+        if scheme.online or scheme.ignores(name):
+            continue
+        if scheme.weights == "mxfp4":
+            read = _mxfp4_experts(tensors, name, module, model_type)
+        else:
+            read = _per_expert_experts(tensors, name, module, scheme, model_type)
+        if read is None:
+            continue
+        prefix, quantized = read
+        replace(model, name, quantized)
+        read_prefixes.append(prefix + ".")
+    unread = [tensor for tensor in quantized_expert_tensors(tensors) if not tensor.startswith(tuple(read_prefixes))]
+    if unread:
+        raise UnsupportedModelError(
+            f"MoE experts of model type {model_type!r} quantized as {scheme.description} ({unread[0]} and "
+            f"{len(unread) - 1} more tensors) are not run by shardline: it holds mxfp4 experts of gpt_oss and "
+            f"fp8/int8/int4 experts of {', '.join(GATED_HALVES_MODEL_TYPES)}")
+    return len(read_prefixes)
+
+
+def _mxfp4_experts(tensors: CheckpointTensors, name: str, module: nn.Module,
+                   model_type: str) -> tuple[str, QuantizedExperts] | None:
+    """gpt-oss's experts from their MXFP4 blocks and scales and float biases, with the
+    checkpoint prefix they were read under (None: the checkpoint stores them unquantized)."""
+    if not quantized_expert_tensors(tensors, name + "."):
+        return None
+    if type(module).__name__ not in MXFP4_EXPERTS:
+        raise UnsupportedModelError(
+            f"MoE experts of model type {model_type!r} ({type(module).__name__} at {name}) quantized as mxfp4 "
+            f"are not supported: shardline runs mxfp4 experts of gpt_oss only")
+    num_experts, hidden, intermediate = (int(_number(module, "num_experts")), int(_number(module, "hidden_size")),
+                                         int(_number(module, "intermediate_size")))
+    gate_up = read_mxfp4_projection(tensors, f"{name}.gate_up_proj", 2 * intermediate, hidden, num_experts)
+    down = read_mxfp4_projection(tensors, f"{name}.down_proj", hidden, intermediate, num_experts)
+    gate_up_bias = read_float_bias(tensors, f"{name}.gate_up_proj_bias", (num_experts, 2 * intermediate))
+    down_bias = read_float_bias(tensors, f"{name}.down_proj_bias", (num_experts, hidden))
+    activation = ClampedSwiGLU(_number(module, "alpha"), _number(module, "limit"))
+    return name, QuantizedExperts(gate_up, down, activation, gate_up_bias, down_bias)
+
+
+def _per_expert_experts(tensors: CheckpointTensors, name: str, module: nn.Module, scheme: QuantScheme,
+                        model_type: str) -> tuple[str, QuantizedExperts] | None:
     raise UnsupportedModelError(
-        f"MoE experts quantized as {scheme.description} ({found[0]} and {len(found) - 1} more tensors) are not "
-        "run by shardline yet; vLLM runs them")
+        f"MoE experts of model type {model_type!r} quantized as {scheme.description} are not supported yet")
+
+
+def _number(module: nn.Module, name: str) -> float:
+    """A plain number the experts module keeps from its config (its sizes, gpt-oss's alpha)."""
+    value = module.__dict__.get(name)
+    assert isinstance(value, (int, float)), (type(module).__name__, name, value)
+    return value

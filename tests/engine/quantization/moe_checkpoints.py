@@ -1,0 +1,102 @@
+"""Tiny quantized MoE checkpoints written locally in the exact on-disk layouts: gpt-oss
+with MXFP4 experts, Qwen3-MoE with FP8 block-quantized linears per expert. Each starts
+from engine/model/tiny.py's random model (weights ~N(0, 0.2)), scaled by powers of two
+per block so the checkpoint's scales vary, and quantized here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardline.engine.kernels.quant_reference import FP4_E2M1_VALUES
+from shardline.engine.model.tiny import build_tiny_model
+
+# gpt-oss's own list of what its checkpoints leave unquantized.
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+FP8_MAX = 448.0
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (blocks [..., N, K // 32, 16] uint8, scales [..., N, K // 32]
+    uint8): OCP MX scaling (shared exponent floor(log2(amax)) - 2), values rounded to
+    the nearest E2M1 value, lower index in the low nibble."""
+    *lead, rows, cols = weight.shape
+    groups = weight.float().reshape(*lead, rows, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponent = torch.floor(torch.log2(amax)) - 2
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(FP4_E2M1_VALUES[:8])
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    codes = codes + 8 * ((scaled < 0) & (codes > 0)).long()
+    pairs = codes.to(torch.uint8).reshape(*lead, rows, cols // 32, 16, 2)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 weight_scale_inv [N // bn, K // bk]),
+    w = q * scale per block (block sizes dividing the weight, as transformers' own FP8
+    dequantization requires)."""
+    block_rows, block_cols = block
+    rows, cols = weight.shape
+    grid = weight.float().reshape(rows // block_rows, block_rows, cols // block_cols, block_cols)
+    scale = grid.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    quantized = (grid / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return quantized, scale
+
+
+def _varied(weight: torch.Tensor, generator: torch.Generator, block: tuple[int, int]) -> torch.Tensor:
+    """``weight`` [..., N, K] times a power of two (1/8 .. 4) drawn per (bn, bk) block."""
+    *lead, rows, cols = weight.shape
+    grid = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    factors = torch.exp2(torch.randint(-3, 3, grid, generator=generator).float())
+    factors = factors.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
+    return weight * factors
+
+
+def _set_quantization_config(path: Path, quantization_config: dict) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_gpt_oss_mxfp4(path: str | Path, seed: int = 0) -> Path:
+    """A tiny gpt-oss checkpoint whose experts are MXFP4 (``_blocks``/``_scales`` [E, N, K // 32, ...]
+    with the float biases) and the rest float32, with gpt-oss's quantization_config."""
+    path = build_tiny_model(path, "gpt_oss", seed=seed, head_dim=16, sliding_window=8, num_local_experts=4,
+                            num_experts_per_tok=2, intermediate_size=64)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers holds them [E, K, N]; the checkpoint stores [E, N, K].
+            blocks, scales = quantize_mxfp4(_varied(tensor.transpose(1, 2), generator, (1, 32)))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    _set_quantization_config(path, {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED})
+    return path
+
+
+def write_qwen3_moe_fp8(path: str | Path, block: tuple[int, int] = (16, 32), seed: int = 0) -> Path:
+    """A tiny Qwen3-MoE checkpoint as Qwen's FP8 releases are stored: every projection
+    (attention and each expert's gate/up/down) float8_e4m3fn with a ``weight_scale_inv``
+    per ``block``; router, norms, embeddings and head float32."""
+    path = build_tiny_model(path, "qwen3_moe", seed=seed, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            weight, scale = quantize_fp8_block(_varied(tensor, generator, block), block)
+            tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = weight, scale
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    _set_quantization_config(path, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                    "weight_block_size": list(block)})
+    return path

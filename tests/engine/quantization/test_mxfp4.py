@@ -1,0 +1,142 @@
+"""gpt-oss MXFP4 experts kept MXFP4: the tile-by-tile product against the layout's
+reference, greedy tokens against transformers' own MXFP4 dequantization and against
+the reference-dequantized model, memory held as uint8, broken checkpoints refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers.utils.quantization_config import Mxfp4Config
+
+from shardline.engine.kernels.quant_reference import dequantize_mxfp4
+from shardline.engine.quantization import mxfp4
+from shardline.engine.quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
+from shardline.engine.quantization.experts import QuantizedExperts, replace_quantized_experts
+from shardline.engine.quantization.methods import parse_quantization_config
+
+from .moe_checkpoints import write_gpt_oss_mxfp4
+
+PROMPTS = [[5, 9, 33, 70, 100, 7, 8, 200], [6, 10, 34, 71, 101, 7, 8, 200], [300, 12, 45]]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory) -> Path:
+    return write_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+def _scheme(path: Path):
+    return parse_quantization_config(json.loads((path / "config.json").read_text())["quantization_config"])
+
+
+def _transformers_dequantized(path: Path) -> transformers.PreTrainedModel:
+    """transformers' own reading of the checkpoint, its experts dequantized to float32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+
+
+def _reference_dequantized(path: Path) -> transformers.PreTrainedModel:
+    """The same checkpoint with its experts dequantized by quant_reference.dequantize_mxfp4."""
+    config_dict = json.loads((path / "config.json").read_text())
+    config_dict.pop("quantization_config")
+    config = transformers.AutoConfig.for_model(**config_dict)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    stored = load_file(path / "model.safetensors")
+    state = {name: tensor for name, tensor in stored.items() if not name.endswith(("_blocks", "_scales"))}
+    for name in stored:
+        if name.endswith("_blocks"):
+            weight = name.removesuffix("_blocks")
+            state[weight] = dequantize_mxfp4(stored[name], stored[f"{weight}_scales"]).transpose(1, 2)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _with_quantized_experts(model: transformers.PreTrainedModel, path: Path) -> transformers.PreTrainedModel:
+    ours = copy.deepcopy(model)
+    assert replace_quantized_experts(ours, CheckpointTensors(path), _scheme(path)) == ours.config.num_hidden_layers
+    return ours
+
+
+def _greedy(model: transformers.PreTrainedModel, prompt: list[int], new_tokens: int = 12) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),  # pyright: ignore[reportCallIssue]
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def test_matmul_dequantizes_tile_by_tile_as_the_reference(monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 70, 3, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 134, (3, 70, 3), generator=generator, dtype=torch.uint8)
+    weights = mxfp4.Mxfp4ExpertWeights(blocks, scales)
+    monkeypatch.setattr(mxfp4, "TILE_ELEMENTS", 96 * 16)  # tiles of 16 rows, the last one partial
+    x = torch.randn(5, 96, generator=generator)
+    reference = dequantize_mxfp4(blocks, scales)
+    for expert in range(3):
+        expected = x @ reference[expert].t()
+        tolerance = 1e-5 * float(expected.abs().max())
+        torch.testing.assert_close(weights.matmul(expert, x), expected, rtol=1e-5, atol=tolerance)
+        torch.testing.assert_close(weights.dequantize_rows(expert, 16, 40), reference[expert, 16:40], rtol=0, atol=0)
+
+
+def test_greedy_tokens_match_transformers_mxfp4_and_the_reference(gpt_oss_dir) -> None:
+    hf = _transformers_dequantized(gpt_oss_dir)
+    reference = _reference_dequantized(gpt_oss_dir)
+    ours = _with_quantized_experts(hf, gpt_oss_dir)
+    outputs = []
+    for prompt in PROMPTS:
+        expected = _greedy(hf, prompt)
+        assert _greedy(reference, prompt) == expected
+        assert _greedy(ours, prompt) == expected, prompt
+        outputs.append(expected)
+    assert len({tuple(tokens) for tokens in outputs}) == len(PROMPTS)  # the tokens depend on the input
+
+
+def test_experts_are_held_as_mxfp4(gpt_oss_dir) -> None:
+    ours = _with_quantized_experts(_transformers_dequantized(gpt_oss_dir), gpt_oss_dir)
+    config = ours.config
+    experts = [module for module in ours.modules() if isinstance(module, QuantizedExperts)]
+    assert len(experts) == config.num_hidden_layers
+    for module in experts:
+        assert not list(module.parameters())
+        float_tensors = {name: tuple(tensor.shape) for name, tensor in module.named_buffers()
+                         if tensor.dtype.is_floating_point}
+        # Only the biases and the two 256-entry lookup tables are float.
+        assert float_tensors == {
+            "gate_up_bias": (4, 2 * config.intermediate_size), "down_bias": (4, config.hidden_size),
+            "gate_up.pair_values": (256, 2), "gate_up.exponents": (256,),
+            "down.pair_values": (256, 2), "down.exponents": (256,)}
+        assert module.gate_up.blocks.dtype == module.gate_up.scales.dtype == torch.uint8
+        assert tuple(module.gate_up.blocks.shape) == (4, 2 * config.intermediate_size, config.hidden_size // 32, 16)
+
+
+def _broken_copy(source: Path, target: Path, edit) -> Path:
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.pop("model.layers.1.mlp.experts.down_proj_scales"),
+     "no tensor 'model.layers.1.mlp.experts.down_proj_scales'"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj_scales":
+                         t["model.layers.0.mlp.experts.gate_up_proj_scales"].to(torch.int32)}),
+     "MXFP4 tensor model.layers.0.mlp.experts.gate_up_proj_scales is torch.int32; expected torch.uint8"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_blocks":
+                         t["model.layers.0.mlp.experts.down_proj_blocks"][:, :-1].contiguous()}),
+     "MXFP4 tensor model.layers.0.mlp.experts.down_proj_blocks has shape (4, 63, 2, 16); expected (4, 64, 2, 16)"),
+], ids=["missing-scale", "scale-dtype", "blocks-shape"])
+def test_broken_checkpoints_are_refused_naming_the_tensor(gpt_oss_dir, tmp_path, edit, message) -> None:
+    broken = _broken_copy(gpt_oss_dir, tmp_path / "broken", edit)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(gpt_oss_dir))
+    with pytest.raises(QuantizedCheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        replace_quantized_experts(model, CheckpointTensors(broken), _scheme(broken))
