@@ -30,6 +30,7 @@ from .pooling.engine import (
     pooling_params_for,
     wants_pooling_engine,
 )
+from .tools import ToolChoice
 
 
 class Engine(Protocol):
@@ -146,12 +147,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
         tokenizer's chat template (or ``chat_template``)."""
-        self._require_generation("LLM.chat")
+        engine = self._require_generation("LLM.chat")
         options = ChatOptions(chat_template, chat_template_content_format, add_generation_prompt,
                               continue_final_message, tools, chat_template_kwargs or {})
         conversations = [messages] if is_conversation(messages) else list(messages)
         if keeps_special_tokens(self.get_tokenizer(), options):
             sampling_params = _keep_special_tokens(sampling_params)
+        if tools and engine.tool_parser is not None:
+            sampling_params = _offer_tools(sampling_params, tools)
         render = lambda item: self._render_indexed(item, options)  # noqa: E731
         return self._run(list(enumerate(conversations)), render, sampling_params, use_tqdm, lora_request, None)
 
@@ -289,6 +292,23 @@ def _keep_special_tokens(params: Any) -> Any:
         params.skip_special_tokens = False
         return params
     return [_keep_special_tokens(p) for p in params]
+
+
+def _offer_tools(params: Any, tools: list[dict]) -> Any:
+    """Copies of ``params`` whose completions' tool calls the engine reads (tool_choice
+    "auto" over ``tools``' function names), unless a copy already sets its tool_choice."""
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        if params.tool_choice is not None:
+            return params
+        names = tuple(tool["function"]["name"] for tool in tools
+                      if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+                      and isinstance(tool["function"].get("name"), str))
+        params = params.clone()
+        params.tool_choice = ToolChoice("auto", names)
+        return params
+    return [_offer_tools(p, tools) for p in params]
 
 
 def _per_item_values(num_items: int | None, **values: Any) -> dict[str, Iterable[Any]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tools.calls import ToolCallOutput
+
 # One position's logprobs: token id -> Logprob (the sampled token is always present).
 SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
@@ -45,7 +47,13 @@ class CompletionOutput:
     the text between the think tags, tags excluded, while ``text`` is the answer
     after them. It is None when the engine has no parser or the sample did not
     reason. ``token_ids`` and ``logprobs`` cover every generated token, both parts
-    and the tags.
+    and the tags. ``num_reasoning_tokens`` counts the generated tokens the parser put
+    in the reasoning (tags excluded; 0 without a parser).
+
+    ``tool_calls`` (shardline's) is the answer read for tool calls when the request
+    set a ``tool_choice`` (engine/tools/): the calls, the content beside them, or
+    why a call could not be read (``text`` stays the whole answer). None when the
+    request set no tool_choice.
     """
 
     index: int
@@ -56,6 +64,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     reasoning: str | None = None
+    num_reasoning_tokens: int = 0
+    tool_calls: ToolCallOutput | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

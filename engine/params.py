@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tools.calls import ToolChoice
+
 _SAMPLING_EPS = 1e-5
 # Field values SamplingParams.clone shares instead of copying.
 _IMMUTABLE_TYPES = frozenset({type(None), bool, int, float, str})
@@ -119,6 +121,10 @@ class SamplingParams:
     # begin (the end-of-reasoning token is sampled next); needs the engine's
     # reasoning_parser. shardline's own option: vLLM's offline API has none.
     max_reasoning_tokens: int | None = None
+    # How the completion may call the tools its chat offered; the engine then reads its
+    # calls into CompletionOutput.tool_calls (engine/tools/). shardline's own field:
+    # LLM.chat sets mode "auto" when given tools and the engine has a tool-call parser.
+    tool_choice: ToolChoice | None = None
     # Filled by the engine from the model's generation_config (EOS ids beyond the
     # tokenizer's own), not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -189,6 +195,10 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.max_reasoning_tokens is not None:
             _check_int("max_reasoning_tokens", self.max_reasoning_tokens, minimum=0)
+        if self.tool_choice is not None and not isinstance(self.tool_choice, ToolChoice):
+            raise ValueError(f"tool_choice must be a ToolChoice, got {type(self.tool_choice).__name__}")
+        if self.tool_choice is not None and not self.detokenize:
+            raise ValueError("tool_choice needs detokenize=True (calls are read from the answer)")
 
     def stop_lists(self) -> tuple[list[str], list[int]]:
         """``stop`` and ``stop_token_ids`` as lists (the fields take the wider forms vLLM's

@@ -26,9 +26,10 @@ from transformers import PreTrainedTokenizerBase
 from ..core.request import Request, RequestStatus
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..params import SamplingParams
+from ..tools import ToolCallOutput, ToolCallParser, read_tool_calls
 from .detokenizer import IncrementalDetokenizer, TokenizerDecoding, find_stop_string
 from .harmony import HarmonyParser
-from .reasoning import Phase, ReasoningParser, TokenRole
+from .reasoning import Phase, ReasoningParser, TokenRole, answer_token_ids
 from .sequences import RequestState, SequenceRecord
 from .structured import StructuredOutputError
 
@@ -37,11 +38,13 @@ class OutputProcessor:
     """Applies sampled tokens to sequences and reports which ones stop."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], max_model_len: int,
-                 reasoning_parser: ReasoningParser | HarmonyParser | None = None) -> None:
+                 reasoning_parser: ReasoningParser | HarmonyParser | None = None,
+                 tool_parser: ToolCallParser | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
         self.decoding = TokenizerDecoding(tokenizer)
 
     def new_sample(self, state: RequestState, sequence: Request, index: int) -> SequenceRecord:
@@ -276,20 +279,35 @@ class OutputProcessor:
             sample.text_at_finish = False  # made: a second output reads it as it is
         return sample.text
 
+    def _tool_calls_of(self, state: RequestState, sample: SequenceRecord, text: str) -> ToolCallOutput | None:
+        """The sample's answer read for tool calls, when its request set a tool_choice. The
+        model's own format is read on the answer's tokens (harmony's parser reads every
+        channel itself); forced calls on the answer text."""
+        choice = state.params.tool_choice
+        if choice is None:
+            return None
+        token_ids = list(sample.sequence.output_token_ids)
+        if self.reasoning_parser is not None and not (self.tool_parser and self.tool_parser.name == "openai"):
+            token_ids = answer_token_ids(self.reasoning_parser, state.prompt_token_ids, token_ids)
+        return read_tool_calls(self.tool_parser, choice, token_ids, text)
+
     def make_output(self, state: RequestState, num_cached_tokens: int) -> RequestOutput:
         """The final RequestOutput of a request whose samples have all finished."""
         completions = []
         for sample in sorted(state.samples, key=lambda s: s.index):
             status = sample.sequence.status
+            text = self._final_text(sample)
             completions.append(CompletionOutput(
                 index=sample.index,
-                text=self._final_text(sample),
+                text=text,
                 token_ids=list(sample.sequence.output_token_ids),
                 cumulative_logprob=sample.cumulative_logprob if state.params.logprobs is not None else None,
                 logprobs=sample.logprobs,
                 finish_reason=status.value if status.is_finished else None,
                 stop_reason=sample.stop_reason,
                 reasoning=self._reasoning_of(sample, state.params),
+                num_reasoning_tokens=0 if sample.reasoning is None else sample.reasoning.num_reasoning_tokens,
+                tool_calls=self._tool_calls_of(state, sample, text),
             ))
         state.metrics.finished_time = time.monotonic()
         state.metrics.num_preemptions = sum(s.sequence.num_preemptions for s in state.samples)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the config imports this module; it stays free of transforme
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["REASONING_PARSERS", "Phase", "ReasoningParser", "ReasoningParserError", "ReasoningTracker", "TokenRole",
-           "make_reasoning_parser"]
+           "answer_token_ids", "make_reasoning_parser"]
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 
@@ -120,3 +120,11 @@ class ReasoningTracker:
         """The reasoning budget is spent: the next token must be the end tag."""
         return (self.phase == Phase.REASONING and self.max_reasoning_tokens is not None
                 and self.num_reasoning_tokens >= self.max_reasoning_tokens)
+
+
+def answer_token_ids(parser: ReasoningParser | HarmonyParser, prompt_token_ids: list[int],
+                     output_token_ids: list[int]) -> list[int]:
+    """The generated tokens ``parser`` puts in the answer, as a tracker classified them
+    while they were sampled (a budget only forces which tokens come, not their roles)."""
+    tracker = parser.tracker(prompt_token_ids, None)
+    return [token_id for token_id in output_token_ids if tracker.feed(token_id) is TokenRole.ANSWER]

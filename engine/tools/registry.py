@@ -65,6 +65,21 @@ def detect_tool_parser(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return None
 
 
+def tool_parser_for(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ToolCallParser | None:
+    """The engine's parser: ``name``'s (ToolParserError when it cannot read this
+    tokenizer), else the one the chat template implies when the tokenizer has its
+    tokens, else None (requests may still force calls; an ``auto`` one is refused)."""
+    if name is not None:
+        return make_tool_parser(name, tokenizer)
+    detected = detect_tool_parser(tokenizer)
+    if detected is None:
+        return None
+    try:
+        return make_tool_parser(detected, tokenizer)
+    except ToolParserError:
+        return None
+
+
 def read_tool_calls(parser: ToolCallParser | None, choice: ToolChoice, token_ids: list[int],
                     text: str) -> ToolCallOutput:
     """A sample's calls under ``choice``: forced calls from the answer ``text``, the
