@@ -65,6 +65,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.sampler = parts.sampler
         self.reasoning_parser = parts.reasoning_parser
+        self.tool_parser = parts.tool_parser
         self.output_processor = parts.output_processor
         self.structured = parts.structured
         # Every unfinished request and one record per sequence (sampling/sequences.py).
@@ -99,6 +100,11 @@ class LLMEngine:
         if params.max_reasoning_tokens is not None and self.reasoning_parser is None:
             raise ValueError(f"request {request_id!r} sets max_reasoning_tokens={params.max_reasoning_tokens}, "
                              "but this engine was built without a reasoning_parser")
+        if params.tool_choice is not None and params.tool_choice.mode == "auto" and self.tool_parser is None:
+            raise ValueError(f"request {request_id!r} lets the model call tools (tool_choice 'auto'), but this "
+                             f"engine has no tool_call_parser and the chat template of {self.config.model!r} "
+                             "implies none; set tool_call_parser (hermes, llama3_json, mistral, deepseek_v3, "
+                             "deepseek_v31, openai)")
         check_prompt_keys(request_id, prompt)
         refuse_media(request_id, prompt_media(request_id, prompt), self.config.model)
         # A constraint that cannot compile fails here, before anything is queued.
