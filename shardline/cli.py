@@ -44,7 +44,9 @@ _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": 
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
           "structured_outputs": "--json-schema/--choice/--regex/--grammar", "reasoning_parser": "--reasoning-parser",
-          "sampling.max_reasoning_tokens": "--max-reasoning-tokens"}
+          "sampling.max_reasoning_tokens": "--max-reasoning-tokens", "images.column": "--image-column",
+          "images.allowed_domains": "--allowed-media-domain", "images.max_image_bytes": "--max-image-bytes",
+          "images.prefetch_bytes": "--image-prefetch-bytes"}
 # The flags that set the job's structured_outputs, and the field each sets.
 _CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "choice": "--choice", "regex": "--regex", "grammar": "--grammar"}
 
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fsspec storage options as JSON (prefer AWS_* environment variables for credentials)")
     run.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter (repeatable)")
     run.add_argument("--shards-in-flight", type=int, default=4)
+    run.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
+                     help="seconds between progress lines (rows, tokens/s, ETA, engine health) when stderr is not "
+                          "a terminal; a terminal gets a progress bar")
     structured = run.add_argument_group(
         "structured outputs and reasoning", "constrain every output to one of these (rows may override it with a "
         "response_format or json_schema column); JSON outputs are validated into the `parsed` column")
@@ -101,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                             help="qwen3, deepseek_r1 or openai_gptoss: put the model's thinking in a "
                                  "`reasoning` column")
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
+    images = run.add_argument_group("images", "rows with images: an image column, or image_url parts in messages")
+    images.add_argument("--image-column", metavar="COLUMN", help="the column of each row's image(s): encoded bytes, "
+                        "a URL (data:, s3://, file://, ...) or a list of them")
+    images.add_argument("--allowed-media-domain", action="append", default=[], metavar="HOST",
+                        help="a host http(s) image URLs may name, with its subdomains (repeatable; none: refused)")
+    images.add_argument("--max-image-bytes", type=int, metavar="N", help="largest encoded image read (default 20 MiB)")
+    images.add_argument("--image-prefetch-bytes", type=int, metavar="N",
+                        help="most decoded image bytes held ahead of the engine per shard (default 512 MiB)")
 
     check = commands.add_parser("check", help="say whether shardline can run MODEL, and if not why (reads its config "
                                 "and builds it on the meta device: no weights)")
@@ -160,8 +173,15 @@ def job_from_args(args: argparse.Namespace) -> Any:
         structured_outputs=_structured_outputs(args), reasoning_parser=args.reasoning_parser,
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
-        shards_in_flight=args.shards_in_flight,
+        shards_in_flight=args.shards_in_flight, images=_image_options(args),
     ))
+
+
+def _image_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's images options from the --image-column group (unset flags keep the defaults)."""
+    options = {"column": args.image_column, "allowed_domains": args.allowed_media_domain,
+               "max_image_bytes": args.max_image_bytes, "prefetch_bytes": args.image_prefetch_bytes}
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -192,14 +212,14 @@ def _flag(loc: tuple[Any, ...]) -> str:
     return f"{_FLAGS[top]} ({dotted})" if top in _FLAGS else dotted or "the job"
 
 
-def run_job(job: Any) -> tuple[int, dict[str, Any] | None]:
+def run_job(job: Any, progress_interval: float = 30.0) -> tuple[int, dict[str, Any] | None]:
     """Run the flow; (exit code, summary). Exit 1 when shards failed, 2 when the job could not run."""
     from shardline.flows.batch_inference import batch_inference
     from shardline.tasks.summary import ShardsFailed
 
     if not _debug():
         _quiet_console_tracebacks()
-    state = batch_inference(job, return_state=True)
+    state = batch_inference(job, progress_interval=progress_interval, return_state=True)
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, ShardsFailed):
         return EXIT_SHARDS_FAILED, outcome.summary
@@ -230,7 +250,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except PipelineError as exc:
         _report(exc, "pre-flight check failed")
         return EXIT_JOB_FAILED
-    code, summary = run_job(job)
+    if args.progress_interval <= 0:
+        print(f"shardline run: --progress-interval must be a positive number of seconds, got "
+              f"{args.progress_interval}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    code, summary = run_job(job, args.progress_interval)
     if summary is not None:
         print(summary_table(summary))
     return code

@@ -3,7 +3,7 @@
 A rerun skips a shard only when its manifest carries the same fingerprint: the same
 model (hub id, revision, and for a local directory a digest of its config and weight
 files), task, sampling or pooling parameters, engine options, LoRA adapters,
-pass-through columns, and the same input shard (schema and size). Storage options
+pass-through columns, image options, and the same input shard (schema and size). Storage options
 are not part of it: credentials change, outputs do not.
 """
 
@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from .job import BatchJob, JobTask, OutputFormat
+from .media import ImageOptions
 from .storage import Shard
 
 # Bumped when the output layout changes, so old outputs are redone.
@@ -46,6 +47,9 @@ def fingerprint_fields(job: BatchJob, shard: Shard, input_schema: dict[str, str]
     for name in ("structured_outputs", "reasoning_parser"):
         if getattr(job, name) is not None:
             fields[name] = job.model_dump(mode="json", include={name})[name]
+    images = job.images.model_dump(mode="json", exclude={"prefetch_bytes"})  # how far ahead: not in the output
+    if images != ImageOptions().model_dump(mode="json", exclude={"prefetch_bytes"}):
+        fields["images"] = images
     if job.output_format != OutputFormat.PARQUET or job.served_model_name is not None:  # OpenAI Batch output
         fields["output_format"] = job.output_format.value
         fields["served_model_name"] = job.served_model_name

@@ -12,6 +12,7 @@ import pytest
 
 from shardline.tasks.image_feed import ImageFeed
 from shardline.tasks.job import BatchJob
+from shardline.tasks.media import ImageOptions
 from shardline.tasks.runner import ShardRunner
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import process_shard, read_shard
@@ -152,3 +153,50 @@ def test_the_feed_holds_at_most_its_prefetch_budget(tiny_model, tmp_path):
     assert results[5].error is None and results[5].output is not None
     assert all(result.error and "cannot take image input" in result.error for n, result in enumerate(results) if n != 5)
     assert 0 < feed.peak_bytes <= budget
+
+
+def test_s3_image_urls_in_an_s3_job(s3_server, make_job, monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("SHARDLINE_STORAGE_RETRY_SECONDS", "0")
+    prefix, options = s3_server.new_prefix(), s3_server.storage_options()
+    s3fs.S3FileSystem(**options, skip_instance_cache=True).pipe_file(f"{prefix}/img/a.png", png_bytes(8))
+    rows = [{"id": "a", "prompt": "<image>", "image": f"s3://{prefix}/img/a.png"},
+            {"id": "gone", "prompt": "<image>", "image": f"s3://{prefix}/img/gone.png"},
+            {"id": "text", "prompt": "hello", "image": None}]
+    write_rows(f"s3://{prefix}/in/part-0.jsonl", rows, options)
+    job = make_job(input=f"s3://{prefix}/in", output=f"s3://{prefix}/out", storage_options=options,
+                   images={"column": "image"})
+    out = run_job(job)
+    assert [row["id"] for row in out] == ["a", "gone", "text"]
+    assert "cannot take image input" in out[0]["error"]  # read with the job's storage options, then refused
+    assert out[1]["error"].startswith(f"row 1: s3://{prefix}/img/gone.png could not be read")
+    assert out[2]["error"] is None
+    assert s3_server.secret_key not in out[1]["error"]
+
+
+def test_cli_flags_set_the_image_options(capsys):
+    from shardline.cli import build_parser, job_from_args, main
+
+    args = build_parser().parse_args(["run", "in", "out", "--model", "m", "--image-column", "img",
+                                      "--allowed-media-domain", "example.com", "--max-image-bytes", "1000"])
+    images = job_from_args(args).images
+    assert (images.column, images.allowed_domains, images.max_image_bytes) == ("img", ["example.com"], 1000)
+    assert images.prefetch_bytes == ImageOptions().prefetch_bytes
+    assert main(["run", "in", "out", "--model", "m", "--max-image-bytes", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["shardline run: --max-image-bytes must be >= 1, got 0"]
+
+
+def test_image_options_in_the_fingerprint(make_job):
+    from shardline.tasks.fingerprint import fingerprint, fingerprint_fields
+    from shardline.tasks.storage import Shard
+
+    shard = Shard("file:///in/part-0.jsonl", "part-0", "jsonl", 10)
+
+    def print_of(**images: object) -> str:
+        return fingerprint(fingerprint_fields(make_job(images=images), shard, {"prompt": "string"}))
+
+    assert "images" not in fingerprint_fields(make_job(), shard, {})  # jobs without images keep their prints
+    assert print_of() == print_of(prefetch_bytes=1024)  # how far ahead images are read changes no output
+    assert len({print_of(), print_of(column="image"), print_of(column="image", max_image_bytes=10),
+                print_of(column="image", allowed_domains=["example.com"])}) == 4
