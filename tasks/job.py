@@ -191,6 +191,13 @@ class BatchJob(BaseModel):
                              "reasoning_parser")
         return self
 
+    @model_validator(mode="after")
+    def _images_need_generation(self) -> BatchJob:
+        if self.task == JobTask.EMBED and self.images.column is not None:
+            raise ValueError(f"images.column={self.images.column!r} applies to generate and chat jobs; task=embed "
+                             "embeds text only")
+        return self
+
     def storage(self) -> dict[str, Any]:
         """The fsspec storage options, credentials included: pass on, never print."""
         return dict(self.storage_options.get_secret_value())

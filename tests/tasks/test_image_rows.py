@@ -200,3 +200,8 @@ def test_image_options_in_the_fingerprint(make_job):
     assert print_of() == print_of(prefetch_bytes=1024)  # how far ahead images are read changes no output
     assert len({print_of(), print_of(column="image"), print_of(column="image", max_image_bytes=10),
                 print_of(column="image", allowed_domains=["example.com"])}) == 4
+
+
+def test_an_embed_job_takes_no_image_column(make_job):
+    with pytest.raises(ValueError, match="images.column='image' applies to generate and chat jobs"):
+        make_job(task="embed", images={"column": "image"})
