@@ -1,0 +1,387 @@
+/* Quantized linears for the CPU path: out = x @ w.T (+ bias), w held in 8 or 4 bits
+ * (the W8 and W4 layouts of kernels/quant_reference.py) and never dequantized whole.
+ *
+ *   w8_linear / w4_linear: the decode shapes (few rows of x). The threads split the
+ *       output columns; each streams its weight rows once, R rows at a time, and
+ *       dequantizes VL weights at a time in registers (codes -> float32, times the
+ *       scale, less the zero point for W4), multiplying MT rows of x at once.
+ *   w8_dequantize / w4_dequantize: rows n0 .. n1 of the weight dequantized into a
+ *       panel (float32, bfloat16 or float16), which the launcher multiplies with the
+ *       prefill shapes' many rows of x through torch's matmul, panel by panel.
+ *
+ * Everything multiplies and accumulates in float32 and rounds to the output dtype
+ * once. x is first converted to float32 (and, for W4, each group's columns reordered
+ * in runs of 2 VL: the even columns, then the odd ones, as a packed byte's low and
+ * high nibbles hold them) into a scratch the launcher allocates.
+ *
+ * Layouts (asserted by the launcher, kernels/cpu_quant.py):
+ *   x:       [M, K] rows of K contiguous elements, x_stride apart; float32 (kind 0),
+ *            bfloat16 (1) or float16 (2)
+ *   weight:  [N, K] int8 (kind 0) or float8_e4m3fn (kind 1) bytes, contiguous
+ *   scale:   float32 [ceil(N / bn), scale_cols] contiguous, scale_cols = ceil(K / bk):
+ *            w[n, k] = weight[n, k] * scale[n / bn, k / bk]
+ *   packed:  [N, K / 2] uint8 contiguous, column 2j in byte j's low nibble
+ *   scales, zeros: float32 [N, K / G] contiguous (zeros NULL: 8); K % G == 0, G even
+ *   bias:    float32 [N] or NULL
+ *   out:     [M, N] rows out_stride apart, x's kind; panel: [n1 - n0, K] contiguous
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Weight rows and x rows one tile multiplies together. */
+#define R 4
+#if VL == 16
+#define MT 4
+#else
+#define MT 2
+#endif
+/* Below this many multiply-adds a call runs on one thread. */
+#define PARALLEL_MIN_WORK (1 << 18)
+
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---- Element conversions ---- */
+
+/* float8_e4m3fn code -> float32, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
+ * bits; exponent 0 is subnormal (m * 2^-9); 0x7f and 0xff are NaN. Built from the
+ * bits (no subnormal float arithmetic, so flush-to-zero modes do not change it). */
+static inline float fp8_to_f32(uint8_t code) {
+    const uint32_t magnitude = code & 0x7fu;
+    uint32_t bits;
+    if (magnitude == 0x7fu) {
+        bits = 0x7fc00000u;
+    } else if (magnitude < 8u) {
+        const float value = (float)magnitude * (1.0f / 512.0f);
+        memcpy(&bits, &value, sizeof bits);
+    } else {
+        bits = (magnitude << 20) + (120u << 23);
+    }
+    bits |= (uint32_t)(code & 0x80u) << 24;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* VL bytes at p widened to int32 lanes, sign- or zero-extended. x86 gets its widening
+ * loads (GCC lowers __builtin_convertvector's byte-to-int lane by lane). */
+static inline vi widen_bytes(const uint8_t *p, int is_signed) {
+#if defined(__AVX512F__)
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    return (vi)(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+#elif defined(__AVX2__)
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    return (vi)(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+#else
+    vi out;
+    for (int lane = 0; lane < VL; lane++) out[lane] = is_signed ? (int8_t)p[lane] : p[lane];
+    return out;
+#endif
+}
+
+static inline vi select_i(vi mask, vi a, vi b) { return (mask & a) | (~mask & b); }
+
+/* fp8_to_f32 on VL codes. */
+static inline vf fp8_to_f32_v(vi code) {
+    const vi magnitude = code & 0x7f;
+    const vf subnormal = __builtin_convertvector(magnitude, vf) * (1.0f / 512.0f);
+    vi bits = select_i(magnitude < 8, (vi)subnormal, (magnitude << 20) + (120 << 23));
+    bits = select_i(magnitude == 0x7f, (vi){0} + 0x7fc00000, bits);
+    return (vf)(bits | ((code & 0x80) << 24));
+}
+
+static inline float w8_code(const uint8_t *weight, int64_t k, int fp8) {
+    return fp8 ? fp8_to_f32(weight[k]) : (float)(int8_t)weight[k];
+}
+
+static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8) {
+    if (fp8) return fp8_to_f32_v(widen_bytes(weight + k, 0));
+    return __builtin_convertvector(widen_bytes(weight + k, 1), vf);
+}
+
+static inline float load_x(const void *x, int64_t index, int kind) {
+#ifdef __FLT16_MAX__
+    if (kind == 2) return (float)((const _Float16 *)x)[index];
+#endif
+    return load1(x, index, kind == 1);
+}
+
+static inline void store_out(void *out, int64_t index, float value, int kind) {
+    if (kind == 0) ((float *)out)[index] = value;
+    else if (kind == 1) ((uint16_t *)out)[index] = f32_to_bf16(value);
+#ifdef __FLT16_MAX__
+    else ((_Float16 *)out)[index] = (_Float16)value;
+#endif
+}
+
+/* VL float32 values stored at out[index ..] in the panel's dtype (kind as x's),
+ * rounded to nearest even. Weights hold no NaN but fp8's, which stays NaN. */
+static inline void store_panel(void *out, int64_t index, vf value, int kind) {
+    if (kind == 0) {
+        memcpy((float *)out + index, &value, sizeof value);
+    } else if (kind == 1) {
+#if defined(__AVX512BF16__) && VL == 16
+        const __m256bh half = _mm512_cvtneps_pbh((__m512)value);
+        memcpy((uint16_t *)out + index, &half, sizeof half);
+#else
+        const vu bits = (vu)value;
+        const vh half = __builtin_convertvector((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, vh);
+        memcpy((uint16_t *)out + index, &half, sizeof half);
+#endif
+    } else {
+        for (int lane = 0; lane < VL; lane++) store_out(out, index + lane, value[lane], kind);
+    }
+}
+
+/* ---- x into float32 scratch ---- */
+
+/* x [M, K] (x_stride apart) -> xf [M, K] float32 contiguous. With group > 0 (W4),
+ * each run of 2 VL columns of a group is reordered: its VL even columns, then its VL
+ * odd ones; a group's last G % (2 VL) columns keep their order. */
+static void prepare_x(const void *x, int64_t x_stride, int kind, float *xf, int64_t rows, int64_t K,
+                      int64_t group) {
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t base = m * x_stride;
+        float *xr = xf + m * K;
+        for (int64_t k = 0; k < K; k++) xr[k] = load_x(x, base + k, kind);
+        if (group <= 0) continue;
+        const int64_t runs = group / (2 * VL);
+        float run[2 * VL];
+        for (int64_t g = 0; g < K; g += group) {
+            for (int64_t c = 0; c < runs; c++) {
+                float *start = xr + g + c * 2 * VL;
+                for (int i = 0; i < VL; i++) {
+                    run[i] = start[2 * i];
+                    run[VL + i] = start[2 * i + 1];
+                }
+                memcpy(start, run, sizeof run);
+            }
+        }
+    }
+}
+
+/* ---- Decode tiles: R weight rows times MT rows of x ---- */
+
+/* result[r][m] = sum_k w8(n_r, k) * x[m][k]. scale_rows[r]: row n_r / bn of scale. */
+static inline __attribute__((always_inline)) void w8_tile(
+    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R], int64_t K,
+    int64_t bk, int fp8, const int mt, float result[R][MT]) {
+    vf acc[R][MT];
+    float tail[R][MT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = 0.0f;
+    for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
+        const int64_t k1 = min64(K, k0 + bk);
+        float s[R];
+        for (int r = 0; r < R; r++) s[r] = scale_rows[r][kb];
+        int64_t k = k0;
+        for (; k + VL <= k1; k += VL) {
+            vf xv[MT];
+            for (int m = 0; m < mt; m++) memcpy(&xv[m], x[m] + k, sizeof(vf));
+            for (int r = 0; r < R; r++) {
+                const vf wv = w8_codes(w[r], k, fp8) * s[r];
+                for (int m = 0; m < mt; m++) acc[r][m] += wv * xv[m];
+            }
+        }
+        for (; k < k1; k++)
+            for (int r = 0; r < R; r++) {
+                const float wv = w8_code(w[r], k, fp8) * s[r];
+                for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
+}
+
+/* result[r][m] = sum_k w4(n_r, k) * x[m][k], x reordered by prepare_x. */
+static inline __attribute__((always_inline)) void w4_tile(
+    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R],
+    const float *const zero_rows[R], int64_t K, int64_t group, const int mt, float result[R][MT]) {
+    vf acc[R][MT];
+    float tail[R][MT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = 0.0f;
+    const int64_t vector_end = group / (2 * VL) * 2 * VL;
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        float s[R], z[R];
+        for (int r = 0; r < R; r++) s[r] = scale_rows[r][g], z[r] = zero_rows[r] ? zero_rows[r][g] : 8.0f;
+        for (int64_t c = g0; c < g0 + vector_end; c += 2 * VL) {
+            vf even[MT], odd[MT];
+            for (int m = 0; m < mt; m++) {
+                memcpy(&even[m], x[m] + c, sizeof(vf));
+                memcpy(&odd[m], x[m] + c + VL, sizeof(vf));
+            }
+            for (int r = 0; r < R; r++) {
+                const vi codes = widen_bytes(w[r] + c / 2, 0);
+                const vf low = (__builtin_convertvector(codes & 15, vf) - z[r]) * s[r];
+                const vf high = (__builtin_convertvector(codes >> 4, vf) - z[r]) * s[r];
+                for (int m = 0; m < mt; m++) acc[r][m] += low * even[m] + high * odd[m];
+            }
+        }
+        for (int64_t k = g0 + vector_end; k < g0 + group; k++)
+            for (int r = 0; r < R; r++) {
+                const uint8_t byte = w[r][k / 2];
+                const float wv = ((float)((k & 1) ? byte >> 4 : byte & 15) - z[r]) * s[r];
+                for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
+}
+
+/* Rows past N (or past M) repeat the last valid one; their results are not stored. */
+static inline void tile_rows(const float *xf, int64_t m0, int64_t rows, int64_t K, const float *x_rows[MT]) {
+    for (int m = 0; m < MT; m++) x_rows[m] = xf + min64(m0 + m, rows - 1) * K;
+}
+
+static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64_t N, int64_t rows,
+                              const float *bias, void *out, int64_t out_stride, int kind) {
+    for (int r = 0; r < R && n0 + r < N; r++)
+        for (int m = 0; m < MT && m0 + m < rows; m++)
+            store_out(out, (m0 + m) * out_stride + n0 + r, result[r][m] + (bias ? bias[n0 + r] : 0.0f), kind);
+}
+
+static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight, int fp8, const float *scale,
+                           int64_t scale_cols, int64_t bn, int64_t bk, const float *bias, void *out,
+                           int64_t out_stride, int kind, int64_t N, int64_t K, int num_threads) {
+    const int64_t blocks = (N + R - 1) / R;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * R;
+        const uint8_t *w[R];
+        const float *scale_rows[R];
+        for (int r = 0; r < R; r++) {
+            const int64_t n = min64(n0 + r, N - 1);
+            w[r] = weight + n * K;
+            scale_rows[r] = scale + n / bn * scale_cols;
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
+            const float *x_rows[MT];
+            float result[R][MT];
+            tile_rows(xf, m0, rows, K, x_rows);
+            /* One instance per (format, rows of x): each keeps its accumulators in registers. */
+#define W8_TILE(FP8, ROWS) w8_tile(x_rows, w, scale_rows, K, bk, FP8, ROWS, result)
+            switch ((int)min64(rows - m0, MT) * 2 + fp8) {
+            case 2: W8_TILE(0, 1); break;
+            case 3: W8_TILE(1, 1); break;
+            case 4: W8_TILE(0, 2); break;
+            case 5: W8_TILE(1, 2); break;
+#if MT == 4
+            case 6: W8_TILE(0, 3); break;
+            case 7: W8_TILE(1, 3); break;
+            case 8: W8_TILE(0, 4); break;
+            case 9: W8_TILE(1, 4); break;
+#endif
+            }
+#undef W8_TILE
+            store_tile(result, n0, m0, N, rows, bias, out, out_stride, kind);
+        }
+    }
+}
+
+void w8_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t rows, const uint8_t *weight,
+               int fp8, const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
+               void *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    prepare_x(x, x_stride, kind, xf, rows, K, 0);
+    w8_linear_rows(xf, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, kind, N, K,
+                   num_threads);
+}
+
+void w4_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t rows, const uint8_t *packed,
+               const float *scales, const float *zeros, int64_t group, const float *bias, void *out,
+               int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    prepare_x(x, x_stride, kind, xf, rows, K, group);
+    const int64_t groups = K / group, blocks = (N + R - 1) / R;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * R;
+        const uint8_t *w[R];
+        const float *scale_rows[R], *zero_rows[R];
+        for (int r = 0; r < R; r++) {
+            const int64_t n = min64(n0 + r, N - 1);
+            w[r] = packed + n * (K / 2);
+            scale_rows[r] = scales + n * groups;
+            zero_rows[r] = zeros ? zeros + n * groups : NULL;
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
+            const float *x_rows[MT];
+            float result[R][MT];
+            tile_rows(xf, m0, rows, K, x_rows);
+#define W4_TILE(ROWS) w4_tile(x_rows, w, scale_rows, zero_rows, K, group, ROWS, result)
+            switch ((int)min64(rows - m0, MT)) {
+            case 1: W4_TILE(1); break;
+            case 2: W4_TILE(2); break;
+#if MT == 4
+            case 3: W4_TILE(3); break;
+            case 4: W4_TILE(4); break;
+#endif
+            }
+#undef W4_TILE
+            store_tile(result, n0, m0, N, rows, bias, out, out_stride, kind);
+        }
+    }
+}
+
+/* ---- Panels for the prefill shapes ---- */
+
+static inline void w8_dequantize_row(const uint8_t *w, const float *scale_row, int64_t K, int64_t bk, int fp8,
+                                     void *panel, int64_t base, int kind) {
+    for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
+        const int64_t k1 = min64(K, k0 + bk);
+        const float s = scale_row[kb];
+        int64_t k = k0;
+        for (; k + VL <= k1; k += VL) store_panel(panel, base + k, w8_codes(w, k, fp8) * s, kind);
+        for (; k < k1; k++) store_out(panel, base + k, w8_code(w, k, fp8) * s, kind);
+    }
+}
+
+void w8_dequantize(const uint8_t *weight, int fp8, const float *scale, int64_t scale_cols, int64_t bn,
+                   int64_t bk, int64_t n0, int64_t n1, int64_t K, void *panel, int kind, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t n = n0; n < n1; n++) {
+        const float *scale_row = scale + n / bn * scale_cols;
+        if (fp8) w8_dequantize_row(weight + n * K, scale_row, K, bk, 1, panel, (n - n0) * K, kind);
+        else w8_dequantize_row(weight + n * K, scale_row, K, bk, 0, panel, (n - n0) * K, kind);
+    }
+}
+
+void w4_dequantize(const uint8_t *packed, const float *scales, const float *zeros, int64_t group, int64_t n0,
+                   int64_t n1, int64_t K, void *panel, int kind, int num_threads) {
+    const int64_t groups = K / group;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = packed + n * (K / 2);
+        const int64_t base = (n - n0) * K;
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = scales[n * groups + g], z = zeros ? zeros[n * groups + g] : 8.0f;
+            int64_t k = g * group;
+            for (; k + 2 * VL <= (g + 1) * group; k += 2 * VL) {
+                const vi codes = widen_bytes(w + k / 2, 0);
+                const vf low = (__builtin_convertvector(codes & 15, vf) - z) * s;
+                const vf high = (__builtin_convertvector(codes >> 4, vf) - z) * s;
+                store_panel(panel, base + k, SHUFFLE2(low, high, ZIP_LOW), kind);
+                store_panel(panel, base + k + VL, SHUFFLE2(low, high, ZIP_HIGH), kind);
+            }
+            for (; k < (g + 1) * group; k++) {
+                const uint8_t byte = w[k / 2];
+                store_out(panel, base + k, ((float)((k & 1) ? byte >> 4 : byte & 15) - z) * s, kind);
+            }
+        }
+    }
+}
+
+/* Whether this build stores float16 (the compiler knows _Float16). */
+int quant_takes_float16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
+#else
+    return 0;
+#endif
+}

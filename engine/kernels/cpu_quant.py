@@ -1,0 +1,178 @@
+"""Launchers of the quantized linears for the CPU path (cpu_quant.c): x @ w.T + bias
+with w in the W8 or W4 layout of kernels/quant_reference.py, whose
+``quantized_linear_reference`` over the dequantized weight is what they compute.
+
+Two paths by the number of rows of x. Up to ``DECODE_MAX_ROWS`` (the decode shapes)
+the kernel streams the quantized weight once, dequantizing in registers, the threads
+splitting the output columns; a decode step reads a quarter (W4) or half (W8) of the
+bfloat16 weight's bytes. Above it (prefill), a panel of weight rows at a time is
+dequantized into a scratch of x's dtype and multiplied by torch's matmul, so the
+prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
+dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
+the decode path and float32 activations keep the float32 weight.
+
+x is float32, bfloat16 or float16 (``cpu_quant_available(dtype)``), the output of
+x's dtype. Without a C compiler the library does not build and
+``cpu_quant_available`` is False: the callers dequantize through quant_reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .native import NativeLibrary, declare
+from .quant_reference import W8_DTYPES
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+# The C kernels' dtype codes for x, the output and the prefill panel.
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# At most this many rows of x take the streaming kernel; more go through panels.
+DECODE_MAX_ROWS = 16
+# A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
+PANEL_BYTES = 2 << 20
+
+_P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "w8_linear": [_P, _I, _N, _P, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
+    "w4_linear": [_P, _I, _N, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
+    "w8_dequantize": [_P, _N, _P, _I, _I, _I, _I, _I, _I, _P, _N, _N],
+    "w4_dequantize": [_P, _P, _P, _I, _I, _I, _I, _P, _N, _N],
+}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    for name, argtypes in _SIGNATURES.items():
+        declare(library, [name], argtypes, None)
+    declare(library, ["quant_takes_float16"], [], ctypes.c_int)
+
+
+_LIBRARY = NativeLibrary(SOURCE, _declare, "quantized linears dequantize their weight through torch")
+
+
+def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels built here and take activations of ``dtype``."""
+    library = _LIBRARY.load()
+    if library is None or dtype not in _KINDS:
+        return False
+    return dtype != torch.float16 or bool(library.quant_takes_float16())
+
+
+def _library() -> ctypes.CDLL:
+    library = _LIBRARY.load()
+    assert library is not None, "call cpu_quant_available first"
+    return library
+
+
+def w8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, int]:
+    """The (rows, columns) of weight one scale covers: the whole weight for a [1, 1]
+    scale, a row for an [N, 1] one, ``block`` otherwise (see quant_reference)."""
+    rows, cols = weight.shape
+    if block is None:
+        if scale.numel() == 1:
+            return rows, cols
+        assert scale.shape == (rows, 1), f"a W8 scale without a block is [1, 1] or [{rows}, 1], not {scale.shape}"
+        return 1, cols
+    block_rows, block_cols = block
+    assert block_rows > 0 and block_cols > 0, block
+    expected = (-(-rows // block_rows), -(-cols // block_cols))
+    assert tuple(scale.shape) == expected, f"W8 block scale {tuple(scale.shape)}, expected {expected}"
+    return block_rows, block_cols
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., K] as [M, K] with contiguous rows, checked."""
+    assert x.device.type == "cpu" and x.dtype in _KINDS, (x.device, x.dtype)
+    assert x.shape[-1] == in_features, (tuple(x.shape), in_features)
+    rows = x.reshape(-1, in_features)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _float32_vector(values: torch.Tensor | None, size: int, name: str) -> torch.Tensor | None:
+    if values is None:
+        return None
+    assert values.shape == (size,), f"{name} {tuple(values.shape)}, expected [{size}]"
+    return values.detach().to(torch.float32).contiguous()
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                   dequantize: Callable[[int, int, torch.Tensor], None]) -> None:
+    """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows, each
+    ``dequantize(n0, n1, panel)``d into a scratch of x's dtype; x: [M, K]."""
+    in_features, out_features = x.shape[1], out.shape[1]
+    panel_rows = max(16, PANEL_BYTES // (in_features * x.element_size()))
+    panel = torch.empty(min(panel_rows, out_features), in_features, dtype=x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    for n0 in range(0, out_features, panel_rows):
+        n1 = min(out_features, n0 + panel_rows)
+        rows = panel[: n1 - n0]
+        dequantize(n0, n1, rows)
+        product = (torch.mm(x, rows.t()) if bias is None else torch.addmm(bias[n0:n1], x, rows.t()))
+        out[:, n0:n1] = product
+
+
+def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  block: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) -> [..., N] of x's dtype; w: ``weight`` [N, K] int8 or
+    float8_e4m3fn times ``scale`` float32 ([1, 1], [N, 1], or per ``block``)."""
+    out_features, in_features = weight.shape
+    assert weight.dtype in W8_DTYPES and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
+    assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
+    block_rows, block_cols = w8_blocks(weight, scale, block)
+    scale_cols = -(-in_features // block_cols)
+    x2 = _rows(x, in_features)
+    bias32 = _float32_vector(bias, out_features, "bias")
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
+    fp8, kind, threads = int(weight.dtype == torch.float8_e4m3fn), _KINDS[x.dtype], torch.get_num_threads()
+    library = _library()
+    if x2.shape[0] <= DECODE_MAX_ROWS:
+        scratch = torch.empty(x2.shape, dtype=torch.float32)
+        library.w8_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], weight.data_ptr(),
+                          fp8, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32),
+                          out.data_ptr(), out.stride(0), out_features, in_features, threads)
+    else:
+        def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
+            library.w8_dequantize(weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols,
+                                  n0, n1, in_features, panel.data_ptr(), kind, threads)
+        _panel_product(x2, out, bias, dequantize)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  group_size: int, bias: torch.Tensor | None = None,
+                  input_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) -> [..., N] of x's dtype; w: ``packed`` [N, K / 2]
+    uint8 nibbles, ``scales`` and ``zeros`` (None: 8) float32 [N, K / group_size];
+    ``input_perm`` [K] reorders x's columns first (act-order)."""
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu", packed.dtype
+    assert group_size > 0 and group_size % 2 == 0 and in_features % group_size == 0, (group_size, in_features)
+    groups = (out_features, in_features // group_size)
+    for table in (scales,) if zeros is None else (scales, zeros):
+        assert table.dtype == torch.float32 and table.is_contiguous(), (table.dtype, table.stride())
+        assert tuple(table.shape) == groups, f"W4 scales/zeros {tuple(table.shape)}, expected {groups}"
+    if input_perm is not None:
+        assert input_perm.shape == (in_features,), tuple(input_perm.shape)
+        x = x.index_select(-1, input_perm)
+    x2 = _rows(x, in_features)
+    bias32 = _float32_vector(bias, out_features, "bias")
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
+    kind, threads, library = _KINDS[x.dtype], torch.get_num_threads(), _library()
+    if x2.shape[0] <= DECODE_MAX_ROWS:
+        scratch = torch.empty(x2.shape, dtype=torch.float32)
+        library.w4_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], packed.data_ptr(),
+                          scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(),
+                          out.stride(0), out_features, in_features, threads)
+    else:
+        def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
+            library.w4_dequantize(packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, n0, n1,
+                                  in_features, panel.data_ptr(), kind, threads)
+        _panel_product(x2, out, bias, dequantize)
+    return out.view(*x.shape[:-1], out_features)

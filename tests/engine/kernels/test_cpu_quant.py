@@ -1,0 +1,164 @@
+"""The CPU quantized linears (C, through ctypes) against quant_reference's
+dequantize-then-multiply, for every W8 scale kind and W4 group, both paths (the
+streaming decode kernel and the prefill panels), on each build target."""
+
+import shutil
+
+import pytest
+import torch
+
+from shardline.engine.kernels.cpu_quant import DECODE_MAX_ROWS, cpu_quant_available, cpu_w4_linear, cpu_w8_linear
+from shardline.engine.kernels.quant_reference import (
+    dequantize_w4,
+    dequantize_w8,
+    quantized_linear_reference,
+)
+
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: quantized linears dequantize through torch"),
+              pytest.mark.usefixtures("kernel_target")]  # each build target in turn
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Each remainder of the kernel's tiles of x rows, both sides of DECODE_MAX_ROWS, and a prefill's many.
+ROWS = [1, 2, 3, 5, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 300]
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, rows: int) -> None:
+    """float32: the reference's float32 product up to the order of its sums. 16-bit:
+    one rounding of the float32 sum on the decode path; on the prefill path the panel
+    also rounds each dequantized weight to x's dtype (bfloat16: a relative 2^-9)."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    scale = expected.float().abs().max().item()
+    if out.dtype == torch.float32:
+        rtol, atol = 1e-5, 1e-5
+    elif rows <= DECODE_MAX_ROWS:
+        rtol, atol = 8e-3, 1e-3
+    else:
+        rtol, atol = 2e-2, 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol * scale)
+
+
+def w8_weight(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+    values = torch.randn(rows, cols, generator=generator(1))
+    if dtype == torch.int8:
+        return (values * 40).round().clamp(-127, 127).to(torch.int8)
+    return (values * 60).to(torch.float8_e4m3fn)  # every exponent, subnormals included
+
+
+W8_SCALES = {  # name: (scale shape from (N, K), block)
+    "tensor": (lambda n, k: (1, 1), None),
+    "channel": (lambda n, k: (n, 1), None),
+    "block128": (lambda n, k: (-(-n // 128), -(-k // 128)), (128, 128)),
+    "block_64x32": (lambda n, k: (-(-n // 64), -(-k // 32)), (64, 32)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("scale_kind", list(W8_SCALES))
+@pytest.mark.parametrize("out_features,in_features", [(256, 256), (37, 200)])
+def test_w8_linear(dtype, weight_dtype, scale_kind, out_features, in_features):
+    """(37, 200) ends in partial blocks, a tile of weight rows short and a row of x
+    not a whole number of vectors."""
+    assert cpu_quant_available(dtype)
+    weight = w8_weight(weight_dtype, out_features, in_features)
+    shape, block = W8_SCALES[scale_kind]
+    scale = torch.rand(shape(out_features, in_features), generator=generator(2)) * 0.02 + 0.001
+    bias = torch.randn(out_features, generator=generator(3))
+    dense = dequantize_w8(weight, scale, block)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
+        with_bias = bias.to(dtype) if rows % 2 else None
+        out = cpu_w8_linear(x, weight, scale, block, with_bias)
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128, 18])  # 18: no whole vector run in a group
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])
+@pytest.mark.parametrize("out_features", [256, 37])
+def test_w4_linear(dtype, group_size, with_zeros, out_features):
+    assert cpu_quant_available(dtype)
+    in_features = group_size * 6
+    packed = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=generator(1))
+    groups = (out_features, in_features // group_size)
+    scales = torch.rand(groups, generator=generator(2)) * 0.05 + 0.005
+    zeros = torch.randint(0, 16, groups, generator=generator(3)).float() if with_zeros else None
+    bias = torch.randn(out_features, generator=generator(4))
+    dense = dequantize_w4(packed, scales, zeros, group_size)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
+        with_bias = bias.to(dtype) if rows % 2 else None
+        out = cpu_w4_linear(x, packed, scales, zeros, group_size, with_bias)
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows)
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_w4_act_order_permutes_the_input(rows):
+    in_features, group_size = 128, 32
+    packed = torch.randint(0, 256, (48, in_features // 2), dtype=torch.uint8, generator=generator(1))
+    scales = torch.rand(48, in_features // group_size, generator=generator(2)) * 0.05
+    perm = torch.randperm(in_features, generator=generator(3))
+    x = torch.randn(rows, in_features, generator=generator(4))
+    expected = quantized_linear_reference(x, dequantize_w4(packed, scales, None, group_size), input_perm=perm)
+    assert_matches(cpu_w4_linear(x, packed, scales, None, group_size, input_perm=perm), expected, rows)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_every_w8_code_decodes_exactly(weight_dtype):
+    """One-hot rows of x pick single weights: every one of the 256 codes (fp8's
+    subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if weight_dtype == torch.float8_e4m3fn:
+        codes[[0x7F, 0xFF]] = 0  # fp8's NaNs: a NaN weight makes its whole row's products NaN
+    codes = codes.view(weight_dtype).reshape(16, 16)
+    scale = torch.rand(16, 1, generator=generator(1)) + 0.5
+    expected = dequantize_w8(codes, scale)
+    for rows in (list(range(16)), [0, 5, 10, 15], [7]):  # decode path: tiles of 4, 4 and 1 rows
+        assert torch.equal(cpu_w8_linear(torch.eye(16)[rows], codes, scale), expected.t()[rows])
+
+
+def test_a_nan_fp8_weight_gives_nan():
+    codes = torch.zeros(4, 16, dtype=torch.uint8)
+    codes[1, 3] = 0x7F
+    out = cpu_w8_linear(torch.ones(1, 16), codes.view(torch.float8_e4m3fn), torch.ones(1, 1))
+    assert out.isnan().tolist() == [[False, True, False, False]]
+
+
+def test_float16_activations():
+    if not cpu_quant_available(torch.float16):
+        pytest.skip("this compiler has no _Float16")
+    weight, scale = w8_weight(torch.int8, 64, 96), torch.rand(64, 1, generator=generator(2)) * 0.01
+    for rows in (3, 40):
+        x = torch.randn(rows, 96, generator=generator(5)).half()
+        expected = quantized_linear_reference(x, dequantize_w8(weight, scale))
+        assert_matches(cpu_w8_linear(x, weight, scale), expected, rows)
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_strided_and_batched_inputs(rows):
+    """x as a column slice of a wider matrix and as [B, T, K]: the output keeps x's leading shape."""
+    weight, scale = w8_weight(torch.int8, 32, 64), torch.rand(32, 1, generator=generator(2)) * 0.01
+    wide = torch.randn(rows, 100, generator=generator(6))
+    x = wide[:, 10:74]
+    expected = quantized_linear_reference(x, dequantize_w8(weight, scale))
+    assert_matches(cpu_w8_linear(x, weight, scale), expected, rows)
+    batched = cpu_w8_linear(x.reshape(2, rows // 2, 64), weight, scale)
+    assert batched.shape == (2, rows // 2, 32)
+    assert_matches(batched.reshape(rows, 32), expected, rows)
+
+
+def test_layouts_the_kernels_do_not_take_are_refused():
+    weight = w8_weight(torch.int8, 32, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(AssertionError, match="block scale"):
+        cpu_w8_linear(x, weight, torch.ones(1, 1), block=(16, 16))
+    with pytest.raises(AssertionError):
+        cpu_w8_linear(x, weight, torch.ones(32, 1, dtype=torch.float64))
+    with pytest.raises(AssertionError):
+        cpu_w4_linear(x, torch.zeros(32, 32, dtype=torch.uint8), torch.ones(32, 3), None, 24)
+    assert not cpu_quant_available(torch.float64)
