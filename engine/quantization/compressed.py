@@ -11,6 +11,8 @@ the MX formats, 2:4 sparsity, several schemes in one checkpoint, other bit width
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +27,9 @@ def parse_compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
     """The QuantScheme of a compressed-tensors ``quantization_config``."""
     from compressed_tensors.quantization import QuantizationConfig
 
+    config, group_act_order = _without_group_act_order(config)
     try:
-        parsed = QuantizationConfig.model_validate(dict(config))
+        parsed = QuantizationConfig.model_validate(config)
     except ValueError as exc:
         message = " ".join(str(exc).split())[:300]
         raise UnsupportedModelError(f"compressed-tensors quantization_config cannot be read: {message}") from exc
@@ -49,7 +52,22 @@ def parse_compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
     if fmt not in _READ_FORMATS:
         raise UnsupportedModelError(f"compressed-tensors format {fmt!r} is not read by shardline (it reads "
                                     f"{', '.join(sorted(_READ_FORMATS))}); vLLM runs it")
-    return _weight_scheme(scheme.weights, scheme.input_activations, fmt, tuple(parsed.ignore or ()))
+    found = _weight_scheme(scheme.weights, scheme.input_activations, fmt, tuple(parsed.ignore or ()))
+    return dataclasses.replace(found, act_order=True) if group_act_order else found
+
+
+def _without_group_act_order(config: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The config with actorder "group" read as "weight", and whether any group said
+    "group". Checkpoints made with it store ``weight_g_idx`` (read by formats.py),
+    while current compressed-tensors releases no longer validate the value."""
+    config = copy.deepcopy(dict(config))
+    found = False
+    for group in (config.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("actorder") == "group":
+            weights["actorder"] = "weight"
+            found = True
+    return config, found
 
 
 def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, ...]) -> QuantScheme:

@@ -1,0 +1,202 @@
+"""Tiny quantized checkpoints built locally in each format's on-disk layout, and the
+float32 transformers model with the same weights dequantized (the reference).
+
+A tiny random model (engine/model/tiny.py, weights N(0, 0.2)) is written once; each
+builder quantizes its decoder linears itself (the lm_head and embeddings stay
+float), writes the format's tensors and quantization_config beside the float ones,
+and returns the dequantized weights by module, computed from the integer codes and
+scales it wrote (not by reading the files back), so the reference is independent of
+the engine's readers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from compressed_tensors.compressors import pack_to_int32
+from safetensors.torch import load_file, save_file
+
+FP8_MAX = 448.0
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of each word holds column AWQ_ORDER[i]
+Written = tuple[dict[str, torch.Tensor], torch.Tensor]  # (tensors on disk, dequantized weight)
+
+
+def decoder_linears(state: dict[str, torch.Tensor]) -> list[str]:
+    """The decoder layers' linear modules of a float checkpoint (lm_head aside)."""
+    return sorted(name[: -len(".weight")] for name, tensor in state.items()
+                  if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2)
+
+
+def write_quantized(float_dir: str | Path, out_dir: str | Path, quantization_config: dict[str, Any],
+                    quantize: Callable[[str, torch.Tensor], Written],
+                    modules: Callable[[list[str]], list[str]] = lambda names: names) -> dict[str, torch.Tensor]:
+    """Copy ``float_dir`` to ``out_dir`` with ``modules`` of its decoder linears replaced by
+    ``quantize(name, weight)``'s tensors; return the dequantized weights by module."""
+    float_dir, out_dir = Path(float_dir), Path(out_dir)
+    shutil.copytree(float_dir, out_dir, dirs_exist_ok=True)
+    state = load_file(str(float_dir / "model.safetensors"))
+    dequantized = {}
+    for module in modules(decoder_linears(state)):
+        tensors, weight = quantize(module, state.pop(f"{module}.weight").float())
+        state.update({f"{module}.{name}": tensor.contiguous() for name, tensor in tensors.items()})
+        dequantized[module] = weight
+    save_file(state, str(out_dir / "model.safetensors"))
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return dequantized
+
+
+def reference_model(float_dir: str | Path, dequantized: dict[str, torch.Tensor],
+                    dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """The float model of ``float_dir`` with ``dequantized`` weights in place (eager attention)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=dtype,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        for module, weight in dequantized.items():
+            model.get_submodule(module).weight.copy_(weight)
+    return model
+
+
+# Per format: (name, weight [N, K] float32) -> (tensors as the format stores them, dequantized weight).
+
+def fp8_per_tensor(scale_name: str = "weight_scale") -> Callable[[str, torch.Tensor], Written]:
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        scale = weight.abs().max() / FP8_MAX
+        codes = (weight / scale).to(torch.float8_e4m3fn)
+        return {"weight": codes, scale_name: scale.reshape(()), "input_scale": torch.tensor(0.05)}, \
+            codes.float() * scale
+    return quantize
+
+
+def fp8_per_channel(name: str, weight: torch.Tensor) -> Written:
+    scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    codes = (weight / scale).to(torch.float8_e4m3fn)
+    return {"weight": codes, "weight_scale": scale.to(torch.bfloat16)}, codes.float() * scale.to(torch.bfloat16).float()
+
+
+def fp8_blocks(block: tuple[int, int], scale_name: str = "weight_scale_inv") -> Callable[[str, torch.Tensor], Written]:
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        rows, cols = weight.shape
+        br, bc = block
+        scale = torch.empty(-(-rows // br), -(-cols // bc))
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                scale[i, j] = weight[i * br:(i + 1) * br, j * bc:(j + 1) * bc].abs().max() / FP8_MAX
+        expanded = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        codes = (weight / expanded).to(torch.float8_e4m3fn)
+        return {"weight": codes, scale_name: scale}, codes.float() * expanded
+    return quantize
+
+
+def int8_per_channel(name: str, weight: torch.Tensor) -> Written:
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127.0
+    codes = (weight / scale).round().clamp(-127, 127).to(torch.int8)
+    return {"weight": codes, "weight_scale": scale}, codes.float() * scale
+
+
+def int4_groups(weight: torch.Tensor, group_size: int, symmetric: bool,
+                column_group: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K] 0..15, float16 scales [N, G], zero points [N, G] 0..15) of ``weight``,
+    column k in group ``column_group[k]`` (k // group_size by default)."""
+    rows, cols = weight.shape
+    groups = cols // group_size
+    column_group = torch.arange(cols) // group_size if column_group is None else column_group.long()
+    scales = torch.empty(rows, groups)
+    zeros = torch.empty(rows, groups)
+    for group in range(groups):
+        block = weight[:, column_group == group]
+        if symmetric:
+            scales[:, group] = block.abs().amax(dim=1) / 7.5
+            zeros[:, group] = 8
+        else:
+            low, high = block.amin(dim=1).clamp(max=0), block.amax(dim=1).clamp(min=0)
+            scales[:, group] = (high - low) / 15
+            zeros[:, group] = (-low / scales[:, group]).round().clamp(0, 15)
+    scales = scales.half()
+    expand = scales.float()[:, column_group], zeros[:, column_group]
+    codes = (weight / expand[0] + expand[1]).round().clamp(0, 15)
+    return codes.to(torch.int32), scales, zeros.to(torch.int32)
+
+
+def dequantized_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     column_group: torch.Tensor) -> torch.Tensor:
+    return (codes.float() - zeros.float()[:, column_group.long()]) * scales.float()[:, column_group.long()]
+
+
+def pack_quantized(group_size: int, symmetric: bool, act_order: bool = False) -> Callable[[str, torch.Tensor], Written]:
+    """compressed-tensors' pack-quantized layout, packed by the compressed-tensors package."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        rows, cols = weight.shape
+        column_group = _act_order_groups(cols, group_size, name) if act_order else torch.arange(cols) // group_size
+        codes, scales, zeros = int4_groups(weight, group_size, symmetric, column_group)
+        tensors = {"weight_packed": pack_to_int32((codes - 8).to(torch.int8), 4),
+                   "weight_scale": scales, "weight_shape": torch.tensor([rows, cols], dtype=torch.int32)}
+        if not symmetric:
+            tensors["weight_zero_point"] = pack_to_int32((zeros - 8).to(torch.int8), 4, packed_dim=0)
+        if act_order:
+            tensors["weight_g_idx"] = column_group.to(torch.int32)
+        return tensors, dequantized_int4(codes, scales, zeros, column_group)
+    return quantize
+
+
+def _act_order_groups(cols: int, group_size: int, name: str) -> torch.Tensor:
+    """An act-order g_idx: columns quantized in a random order, group = position // g."""
+    order = torch.randperm(cols, generator=torch.Generator().manual_seed(sum(name.encode())))
+    column_group = torch.empty(cols, dtype=torch.int64)
+    column_group[order] = torch.arange(cols) // group_size
+    return column_group
+
+
+def _pack_words(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit codes per int32 along ``dim``; nibble i holds element ``order[i]``."""
+    codes = codes.to(torch.int64)
+    moved = codes if dim == 1 else codes.t()
+    rows, cols = moved.shape
+    eights = moved.reshape(rows, cols // 8, 8)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for nibble, element in enumerate(order):
+        words |= eights[:, :, element] << (4 * nibble)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words if dim == 1 else words.t()
+
+
+def gptq(group_size: int, symmetric: bool, act_order: bool = False,
+         version: str = "gptq") -> Callable[[str, torch.Tensor], Written]:
+    """GPTQ's layout: qweight [K/8, N], qzeros [G, N/8] (zero - 1 in v1), scales [G, N], g_idx."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        cols = weight.shape[1]
+        column_group = _act_order_groups(cols, group_size, name) if act_order else torch.arange(cols) // group_size
+        codes, scales, zeros = int4_groups(weight, group_size, symmetric, column_group)
+        stored_zeros = (zeros - 1) & 0xF if version == "gptq" else zeros
+        tensors = {"qweight": _pack_words(codes.t(), dim=0), "qzeros": _pack_words(stored_zeros.t(), dim=1),
+                   "scales": scales.t(), "g_idx": column_group.to(torch.int32)}
+        return tensors, dequantized_int4(codes, scales, zeros, column_group)
+    return quantize
+
+
+def awq(group_size: int) -> Callable[[str, torch.Tensor], Written]:
+    """AWQ gemm's layout: qweight [K, N/8] and qzeros [G, N/8] in its nibble order, scales [G, N]."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        cols = weight.shape[1]
+        column_group = torch.arange(cols) // group_size
+        codes, scales, zeros = int4_groups(weight, group_size, False, column_group)
+        tensors = {"qweight": _pack_words(codes.t(), dim=1, order=AWQ_ORDER),
+                   "qzeros": _pack_words(zeros.t(), dim=1, order=AWQ_ORDER), "scales": scales.t()}
+        return tensors, dequantized_int4(codes, scales, zeros, column_group)
+    return quantize
+
+
+def compressed_config(fmt: str, weights: dict[str, Any], input_activations: dict[str, Any] | None = None,
+                      ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
+    """A compressed-tensors quantization_config with one scheme over every Linear."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": input_activations}},
+            "ignore": list(ignore)}

@@ -1,0 +1,143 @@
+"""Each quantized checkpoint format, built locally in its on-disk layout, runs token for
+token as transformers' generate of the same model with the weights dequantized
+(float32), and stays quantized in memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from shardline import LLM, SamplingParams
+from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.quantization.linear import QuantizedLinear, quantized_linears
+
+from ..hf_reference import hf_greedy, random_prompts
+from . import checkpoints as ckpt
+
+MAX_NEW_TOKENS = 8
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+PROMPTS = random_prompts(6, (2, 40), 512, seed=3)
+
+
+def _gptq_config(**overrides):
+    return {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+            "checkpoint_format": "gptq", **overrides}
+
+
+_INT4_GROUPS = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+# name: (architecture, quantization_config, quantizer, in-memory weight dtype)
+FORMATS = {
+    "fp8_per_tensor_static": ("llama", {"quant_method": "fp8", "activation_scheme": "static"},
+                              ckpt.fp8_per_tensor(), torch.float8_e4m3fn),
+    "fp8_blocks_scale_inv": ("qwen3", {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                       "weight_block_size": [32, 32]}, ckpt.fp8_blocks((32, 32)), torch.float8_e4m3fn),
+    "fp8_partial_blocks": ("llama", {"quant_method": "fp8", "weight_block_size": [48, 48]},
+                           ckpt.fp8_blocks((48, 48), "weight_scale"), torch.float8_e4m3fn),
+    "compressed_fp8_w8a8_channel": (
+        "qwen3", ckpt.compressed_config(
+            "float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+            {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}),
+        ckpt.fp8_per_channel, torch.float8_e4m3fn),
+    "compressed_fp8_blocks": (
+        "llama", ckpt.compressed_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
+                                                            "strategy": "block", "block_structure": [32, 64]}),
+        ckpt.fp8_blocks((32, 64), "weight_scale"), torch.float8_e4m3fn),
+    "compressed_int8_w8a8_channel": (
+        "llama", ckpt.compressed_config(
+            "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+            {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
+        ckpt.int8_per_channel, torch.int8),
+    "compressed_w4a16_symmetric": (
+        "qwen3", ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": True}),
+        ckpt.pack_quantized(32, True), torch.uint8),
+    "compressed_w4a16_asymmetric_act_order": (
+        "llama", ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": False, "actorder": "group"}),
+        ckpt.pack_quantized(32, False, act_order=True), torch.uint8),
+    "gptq_v1_symmetric": ("llama", _gptq_config(), ckpt.gptq(32, True), torch.uint8),
+    "gptq_v1_desc_act": ("qwen3", _gptq_config(desc_act=True, sym=False), ckpt.gptq(32, False, act_order=True),
+                         torch.uint8),
+    "gptq_v2": ("llama", _gptq_config(checkpoint_format="gptq_v2", sym=False), ckpt.gptq(32, False, version="gptq_v2"),
+                torch.uint8),
+    "awq_gemm": ("qwen3", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+                 ckpt.awq(32), torch.uint8),
+}
+
+
+@pytest.fixture(scope="module")
+def float_dirs(tmp_path_factory):
+    """One tiny float checkpoint per architecture."""
+    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"float-{arch}"), arch) for arch in ("llama", "qwen3")}
+
+
+def _engine_tokens(model_dir, prompts=PROMPTS, **options):
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
+    return llm, [output.outputs[0].token_ids for output in outputs]
+
+
+def assert_kept_quantized(model: nn.Module, modules: list[str], dtype: torch.dtype) -> None:
+    """Every quantized module is a QuantizedLinear holding ``dtype`` codes and no float weight."""
+    # The CPU path's fused decoder layers keep the original layer as their ``layer``.
+    found = {name.replace(".layer.", "."): layer for name, layer in quantized_linears(model)}
+    assert sorted(found) == sorted(modules)
+    for layer in found.values():
+        stored = layer.weight if layer.layout == "w8" else layer.packed
+        assert stored is not None and stored.dtype == dtype
+        floats = [name for name, tensor in layer.named_buffers() if tensor.dtype in FLOAT_DTYPES
+                  and tensor.numel() >= layer.in_features * layer.out_features // 4]
+        assert not floats, floats  # scales only: no float copy of the weight
+        assert not isinstance(layer, nn.Linear)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_format_matches_dequantized_transformers(name, float_dirs, tmp_path):
+    arch, config, quantize, dtype = FORMATS[name]
+    dequantized = ckpt.write_quantized(float_dirs[arch], tmp_path / name, config, quantize)
+    reference = ckpt.reference_model(float_dirs[arch], dequantized)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    llm, tokens = _engine_tokens(tmp_path / name)
+    assert tokens == expected
+    assert_kept_quantized(llm.llm_engine.model, list(dequantized), dtype)
+
+
+def test_reference_tokens_depend_on_the_input(float_dirs, tmp_path):
+    """The tiny models' greedy tokens change with the prompt, so the comparisons test something."""
+    dequantized = ckpt.write_quantized(float_dirs["llama"], tmp_path / "gptq", _gptq_config(), ckpt.gptq(32, True))
+    reference = ckpt.reference_model(float_dirs["llama"], dequantized)
+    outputs = {tuple(hf_greedy(reference, prompt, MAX_NEW_TOKENS)) for prompt in PROMPTS}
+    assert len(outputs) == len(PROMPTS)
+
+
+def test_fp8_blocks_match_transformers_own_fp8_loader(float_dirs, tmp_path):
+    """A second, independent reference: transformers' own FP8 loader (it dequantizes
+    block FP8 to the load dtype on CPU) generates the same tokens."""
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    ckpt.write_quantized(float_dirs["llama"], tmp_path / "fp8", config, ckpt.fp8_blocks((32, 32)))
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "fp8"), dtype=torch.float32, attn_implementation="eager").eval()
+    except Exception as error:  # noqa: BLE001 - transformers' FP8 path may want a GPU or a kernel download
+        pytest.skip(f"transformers' FP8 loader does not load on this host: {error}")
+    expected = [hf_greedy(theirs, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    _, tokens = _engine_tokens(tmp_path / "fp8")
+    assert tokens == expected
+
+
+def test_ignored_modules_stay_float(float_dirs, tmp_path):
+    """Modules the config's ignore list names are stored and run unquantized."""
+    kept = "model.layers.1.mlp.down_proj"
+    config = ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": True}, ignore=("lm_head", kept))
+    dequantized = ckpt.write_quantized(float_dirs["llama"], tmp_path / "ignore", config, ckpt.pack_quantized(32, True),
+                                       modules=lambda names: [n for n in names if n != kept])
+    reference = ckpt.reference_model(float_dirs["llama"], dequantized)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    llm, tokens = _engine_tokens(tmp_path / "ignore")
+    assert tokens == expected
+    model = llm.llm_engine.model
+    assert_kept_quantized(model, list(dequantized), torch.uint8)
+    assert not any(isinstance(module, QuantizedLinear) for name, module in model.named_modules()
+                   if name.replace(".layer.", ".") == kept)
