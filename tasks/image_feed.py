@@ -107,24 +107,24 @@ class _ShardFeed:
         self.ready: list[tuple[RowRequest, int]] = [(row, 0) for row in rows if not row.images]
         self.to_fetch = iter([row for row in rows if row.images])
         self.fetching = 0  # workers reading or decoding now (not waiting for room)
-        self.fetchers_left = 0
         self.windows: dict[str, list[RowRequest]] = {}  # window key -> its rows, while on the engine
         self.window_ids = itertools.count(1)
         self.failure: BaseException | None = None
 
     def run(self) -> list[RowResult]:
         workers = min(FETCH_WORKERS, sum(1 for row in self.rows if row.images))
-        self.fetchers_left = workers
-        with ThreadPoolExecutor(max(workers, 1), thread_name_prefix="shardline-images") as fetchers, \
-                ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="shardline-image-windows") as windows:
+        fetchers = ThreadPoolExecutor(max(workers, 1), thread_name_prefix="shardline-images")
+        windows = ThreadPoolExecutor(MAX_WINDOWS, thread_name_prefix="shardline-image-windows")
+        try:
             for _ in range(workers):
                 fetchers.submit(self._fetch_rows)
-            try:
-                self._hand_over(windows)
-            finally:  # every row has its result, or the shard failed: fetchers stop after their row
-                self.stopped.set()
-                with self.cond:
-                    self.cond.notify_all()
+            self._hand_over(windows)
+        finally:  # every row has its result, or the shard failed: fetchers stop after their row
+            self.stopped.set()
+            with self.cond:
+                self.cond.notify_all()
+            fetchers.shutdown(wait=self.failure is None)  # a failed shard does not wait out a slow read
+            windows.shutdown(wait=True)
         if self.failure is not None:
             raise self.failure
         return [self.results[row.index] for row in self.rows]
@@ -179,23 +179,22 @@ class _ShardFeed:
 
     # --------------------------------------------------------------- fetching
     def _fetch_rows(self) -> None:
-        try:
-            while not self.stopped.is_set():
-                with self.cond:
-                    row = next(self.to_fetch, None)
-                    if row is None:
-                        return
-                    self.fetching += 1
-                try:
-                    self._fetch_row(row)
-                finally:
-                    with self.cond:
-                        self.fetching -= 1
-                        self.cond.notify_all()
-        finally:
+        while not self.stopped.is_set():
             with self.cond:
-                self.fetchers_left -= 1
-                self.cond.notify_all()
+                row = next(self.to_fetch, None)
+                if row is None:
+                    return
+                self.fetching += 1
+            try:
+                self._fetch_row(row)
+            except BaseException as exc:  # not an image's fault (those are error rows): a bug, out of memory
+                with self.cond:
+                    self.failure = self.failure or exc
+                    self.stopped.set()
+            finally:
+                with self.cond:
+                    self.fetching -= 1
+                    self.cond.notify_all()
 
     def _fetch_row(self, row: RowRequest) -> None:
         """Read, size and decode ``row``'s images; the row is ready, or has its error result."""

@@ -27,7 +27,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, cast
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import PipelineError, redact_url
@@ -285,12 +285,13 @@ def decode_image(data: bytes, what: str) -> Image.Image:
         try:
             image.load()
             return image.convert("RGB") if image.mode != "RGB" else image.copy()
-        except (OSError, ValueError, SyntaxError) as exc:  # truncated data, a broken stream
-            raise ImageError(f"{what} could not be decoded, truncated or corrupt ({exc})") from None
+        except Exception as exc:  # truncated data, a broken stream: PIL's decoders raise many types
+            raise ImageError(f"{what} could not be decoded, truncated or corrupt ({type(exc).__name__}: {exc})") \
+                from None
 
 
 def _open(data: bytes, what: str) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except Exception as exc:  # UnidentifiedImageError, DecompressionBombError, a plugin's own errors
         raise ImageError(f"{what} is not an image PIL can read ({type(exc).__name__}: {exc})") from None

@@ -3,13 +3,16 @@ chats and in OpenAI Batch lines; unreadable images become error rows, order kept
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import re
+import threading
 
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.tasks.executor import RunnerError, ShardAborted
 from shardline.tasks.image_feed import ImageFeed
 from shardline.tasks.job import BatchJob
 from shardline.tasks.media import ImageOptions
@@ -205,3 +208,64 @@ def test_image_options_in_the_fingerprint(make_job):
 def test_an_embed_job_takes_no_image_column(make_job):
     with pytest.raises(ValueError, match="images.column='image' applies to generate and chat jobs"):
         make_job(task="embed", images={"column": "image"})
+
+
+def _requests_of(rows: list[dict], tmp_path, **images: object) -> tuple[BatchJob, list]:
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), rows)
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model="unused",
+                   images={"column": "image", **images})
+    prepared = read_shard(list_shards(job.input)[0], job)
+    return job, [row.request for row in prepared.rows if row.request is not None]
+
+
+def test_an_abort_does_not_wait_for_a_slow_image(tiny_model, tmp_path):
+    from shardline import LLM
+
+    asked, release = threading.Event(), threading.Event()
+
+    class SlowHost(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.set()
+            release.wait(60)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowHost)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = [{"prompt": "hello", "image": None},
+            {"prompt": "<image>", "image": f"http://127.0.0.1:{server.server_address[1]}/slow.png"}]
+    job, requests = _requests_of(rows, tmp_path, allowed_domains=["127.0.0.1"])
+    runner = ShardRunner(LLM(tiny_model, max_num_seqs=4))
+    feed = ImageFeed(runner, job.images, {})
+    outcome: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(outcome, feed.run_shard, "part-0", requests))
+    try:
+        thread.start()
+        assert asked.wait(30)
+        assert feed.abort_shard("part-0")
+        thread.join(30)  # a guard against a hang, not a measure of speed
+        assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], ShardAborted)
+    finally:
+        release.set()
+        server.shutdown()
+        runner.close()
+
+
+def test_a_failed_engine_host_fails_the_shard(tiny_model, tmp_path):
+    from shardline import LLM
+
+    job, requests = _requests_of([{"prompt": "<image>", "image": data_url(png_bytes(9))}], tmp_path)
+    runner = ShardRunner(LLM(tiny_model, max_num_seqs=4))
+    runner.close()
+    with pytest.raises(RunnerError, match="closed"):
+        ImageFeed(runner, job.images, {}).run_shard("part-0", requests)
+
+
+def _capture(outcome: list[BaseException], call, *args) -> None:
+    try:
+        call(*args)
+    except BaseException as exc:
+        outcome.append(exc)
