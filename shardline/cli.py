@@ -44,6 +44,7 @@ _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": 
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
           "structured_outputs": "--json-schema/--choice/--regex/--grammar", "reasoning_parser": "--reasoning-parser",
+          "quantization": "--quantization",
           "sampling.max_reasoning_tokens": "--max-reasoning-tokens", "images.column": "--image-column",
           "images.allowed_domains": "--allowed-media-domain", "images.max_image_bytes": "--max-image-bytes",
           "images.prefetch_bytes": "--image-prefetch-bytes"}
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fsspec storage options as JSON (prefer AWS_* environment variables for credentials)")
     run.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="LoRA adapter (repeatable)")
     run.add_argument("--shards-in-flight", type=int, default=4)
+    run.add_argument("--quantization", metavar="NAME", help="fp8 or int8: quantize a 16/32-bit checkpoint's "
+                     "linears at load; or a quantized checkpoint's own format (its quant_method)")
     run.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
                      help="seconds between progress lines (rows, tokens/s, ETA, engine health) when stderr is not "
                           "a terminal; a terminal gets a progress bar")
@@ -121,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--task", choices=["generate", "embed"], default="generate")
     check.add_argument("--revision", help="model revision")
     check.add_argument("--trust-remote-code", action="store_true", help="let the config's auto_map name its classes")
+    check.add_argument("--quantization", metavar="NAME", help="the engine's quantization option (fp8, int8, ...)")
 
     status = commands.add_parser("status", help="how far the job writing OUTPUT got: each shard done, failed or "
                                  "missing, with rows, errors, tokens and time from its manifest; totals")
@@ -173,7 +177,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         structured_outputs=_structured_outputs(args), reasoning_parser=args.reasoning_parser,
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
-        shards_in_flight=args.shards_in_flight, images=_image_options(args),
+        shards_in_flight=args.shards_in_flight, quantization=args.quantization, images=_image_options(args),
     ))
 
 
@@ -282,7 +286,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from shardline.tasks.preflight import model_verdict
 
     try:
-        support = model_verdict(args.model, JobTask(args.task), args.revision, args.trust_remote_code)
+        support = model_verdict(args.model, JobTask(args.task), args.revision, args.trust_remote_code,
+                                args.quantization)
     except PipelineError as exc:
         _report(exc, "check failed")
         return EXIT_JOB_FAILED

@@ -47,6 +47,8 @@ def fingerprint_fields(job: BatchJob, shard: Shard, input_schema: dict[str, str]
     for name in ("structured_outputs", "reasoning_parser"):
         if getattr(job, name) is not None:
             fields[name] = job.model_dump(mode="json", include={name})[name]
+    if job.quantization is not None:
+        fields["quantization"] = job.quantization
     images = job.images.model_dump(mode="json", exclude={"prefetch_bytes"})  # how far ahead: not in the output
     if images != ImageOptions().model_dump(mode="json", exclude={"prefetch_bytes"}):
         fields["images"] = images

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, Secret, field_validator, model_validator
 
-from shardline.engine.config import EngineConfig
+from shardline.engine.config import QUANTIZATIONS, EngineConfig
 from shardline.engine.sampling.reasoning import REASONING_PARSERS
 
 from .media import ImageOptions
@@ -137,6 +137,10 @@ class BatchJob(BaseModel):
         default=None, description=f"Split a reasoning model's thinking into a `reasoning` column: "
         f"{', '.join(REASONING_PARSERS)}.",
     )
+    quantization: str | None = Field(
+        default=None, description="Quantize a 16/32-bit checkpoint's linears at load (fp8 or int8, per output "
+        "channel), or name a quantized checkpoint's own format (fp8, int8, compressed-tensors, gptq, awq, mxfp4).",
+    )
     images: ImageOptions = Field(
         default_factory=ImageOptions, description="Images in rows: the image column, the hosts http(s) image URLs "
         "may name, size limits.",
@@ -192,6 +196,14 @@ class BatchJob(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _known_quantization(self) -> BatchJob:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if "quantization" in self.engine_options:
+            raise ValueError("set quantization as the job's own field, not in engine_options")
+        return self
+
+    @model_validator(mode="after")
     def _images_need_generation(self) -> BatchJob:
         if self.task == JobTask.EMBED and self.images.column is not None:
             raise ValueError(f"images.column={self.images.column!r} applies to generate and chat jobs; task=embed "
@@ -209,6 +221,8 @@ class BatchJob(BaseModel):
             kwargs["revision"] = self.revision
         if self.lora_adapters:
             kwargs["enable_lora"] = True
+        if self.quantization is not None:
+            kwargs["quantization"] = self.quantization
         if self.reasoning_parser is not None:
             kwargs["reasoning_parser"] = self.reasoning_parser
         return kwargs

@@ -90,7 +90,7 @@ def check_model(job: BatchJob) -> str:
             make_reasoning_parser(job.reasoning_parser, resolved_tokenizer)
         except ReasoningParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
-    architecture = check_support(job.model, config, job.task, trust)
+    architecture = check_support(job.model, config, job.task, trust, job.quantization)
     for name, path in job.lora_adapters.items():
         if _looks_local(path) and not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
             raise ModelUnusable("load", f"LoRA adapter {name} at {path}", "no adapter_config.json there")
@@ -137,21 +137,22 @@ def _check_local_path(model: str, what: str = "model") -> None:
         raise ModelUnusable("load", f"{what} {model}", "no such local directory (and a path is not a hub id)")
 
 
-def check_support(model: str, config: Any, task: JobTask, trust_remote_code: bool) -> str:
+def check_support(model: str, config: Any, task: JobTask, trust_remote_code: bool,
+                  quantization: str | None = None) -> str:
     """Ask the engine's verdict (engine/model/support.py: the config and the model built
     on the meta device, no weights) whether it can run this model for ``task``; return
     the class it would load. Raises ModelUnusable with the verdict's message, the same
     line the engine's loader would raise."""
     from shardline.engine.model.support import model_support  # here: it imports torch and transformers
 
-    support = model_support(config, engine_task(task), trust_remote_code=trust_remote_code)
+    support = model_support(config, engine_task(task), trust_remote_code=trust_remote_code, quantization=quantization)
     if not support.ok:
         raise ModelUnusable("load", f"model {model}", support.message)
     return support.architecture
 
 
 def model_verdict(model: str, task: JobTask, revision: str | None = None,
-                  trust_remote_code: bool = False) -> Support:
+                  trust_remote_code: bool = False, quantization: str | None = None) -> Support:
     """The engine's verdict on ``model`` for ``task``, from its config (a local directory,
     the Hugging Face cache or the hub) and the model built on the meta device: no
     tokenizer, no weights. Raises ModelUnusable when the config cannot be resolved."""
@@ -161,7 +162,7 @@ def model_verdict(model: str, task: JobTask, revision: str | None = None,
 
     _check_local_path(model)
     config = _resolve(transformers.AutoConfig, "model", model, revision=revision, trust_remote_code=trust_remote_code)
-    return model_support(config, engine_task(task), trust_remote_code=trust_remote_code)
+    return model_support(config, engine_task(task), trust_remote_code=trust_remote_code, quantization=quantization)
 
 
 def engine_task(task: JobTask) -> Task:

@@ -127,7 +127,7 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
     AutoModel) with its attention layers calling ``attn_implementation``. The model is
     refused (``require_supported``, engine/model/support.py) before any weight is read."""
     hf_config = load_hf_config(config)
-    require_supported(hf_config, task, trust_remote_code=config.trust_remote_code)
+    require_supported(hf_config, task, trust_remote_code=config.trust_remote_code, quantization=config.quantization)
     tokenizer = load_tokenizer(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)

@@ -7,7 +7,9 @@ the meta device: no weight is read, so the loader asks it before loading and the
 pipeline's pre-flight check asks it before any shard is read. Its rules, in order:
 
 1. the config alone (engine/model/refusals.py): refused model types, sparse-attention
-   indexers, a loop layout the paged attention cannot follow;
+   indexers, a loop layout the paged attention cannot follow; a quantization format
+   (config.json's quantization_config, or the ``quantization`` option) the engine does
+   not run (engine/quantization/methods.py);
 2. each decoder layer's kind (engine/model/layer_kinds.py): a layer type no cache
    kind holds; for "embed", layers the packed forward cannot run (recurrent state,
    chunked attention);
@@ -35,6 +37,7 @@ import transformers
 from torch import nn
 
 from ..errors import UnsupportedLayerError, UnsupportedModelError
+from ..quantization.methods import quantization_config_of, quantization_refusal
 from ..recurrent.base import kind_for_module
 from ..recurrent.state import prepare_recurrent_layers
 from .adapters import adapt_attention, has_adapter
@@ -87,9 +90,10 @@ class Support:
 
 
 def model_support(hf_config: transformers.PretrainedConfig, task: Task = "generate", *,
-                  trust_remote_code: bool = False) -> Support:
+                  trust_remote_code: bool = False, quantization: str | None = None) -> Support:
     """Whether the model of ``hf_config`` can run with ``task`` ("generate" or "embed"),
-    and if not, why; ``trust_remote_code`` lets a config's ``auto_map`` name its class.
+    and if not, why; ``trust_remote_code`` lets a config's ``auto_map`` name its class;
+    ``quantization`` is the engine's option of that name (engine/quantization/).
     Reads no weights (see the module docstring for the rules)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -100,6 +104,9 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
     verdict = _config_verdict(hf_config, task)
     if verdict is not None:
         return Support(hf_config.model_type, architecture, task, *verdict)
+    refused = _quantization_verdict(hf_config, task, quantization)
+    if refused is not None:
+        return Support(hf_config.model_type, architecture, task, refused)
     remote = trust_remote_code and auto_class.__name__ in (getattr(hf_config, "auto_map", None) or {})
     if model_class is None and not remote:
         kind = "embedding model" if task == "embed" else "causal language model"
@@ -117,15 +124,26 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
 
 
 def require_supported(hf_config: transformers.PretrainedConfig, task: Task = "generate", *,
-                      trust_remote_code: bool = False) -> Support:
+                      trust_remote_code: bool = False, quantization: str | None = None) -> Support:
     """``model_support``, raising when the model is refused: UnsupportedLayerError when
     the reason is one layer, else UnsupportedModelError; the message names the
     architecture, the model type and the reason."""
-    support = model_support(hf_config, task, trust_remote_code=trust_remote_code)
+    support = model_support(hf_config, task, trust_remote_code=trust_remote_code, quantization=quantization)
     if not support.ok:
         error = UnsupportedLayerError if support.layer is not None else UnsupportedModelError
         raise error(support.message)
     return support
+
+
+def _quantization_verdict(hf_config: transformers.PretrainedConfig, task: Task,
+                          quantization: str | None) -> str | None:
+    """Rule 1's quantization part: a checkpoint format (or ``quantization`` option) the
+    engine does not run, or quantized weights for the pooling engine, which has no
+    quantized-linear step."""
+    refused = quantization_refusal(hf_config, quantization)
+    if refused is None and task == "embed" and (quantization or quantization_config_of(hf_config)):
+        refused = "quantized weights run in the generation engine only (task 'generate'), not the pooling engine"
+    return refused
 
 
 def _config_verdict(hf_config: transformers.PretrainedConfig, task: Task) -> tuple[str, int | None] | None:
