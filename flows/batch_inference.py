@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,16 +34,21 @@ from shardline.tasks.errors import PipelineError, redact_url
 from shardline.tasks.job import BatchJob
 from shardline.tasks.outcomes import settle_failed
 from shardline.tasks.prefect_tasks import completed_manifests_task, preflight_task
+from shardline.tasks.progress import JobProgress, ThroughputLog
+from shardline.tasks.progress_report import DEFAULT_INTERVAL_SECONDS, show_progress
+from shardline.tasks.status import write_job_record
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import ShardsFailed, failure_message, job_summary, shard_entry
 from shardline.tasks.usage import BATCH_OBJECT, write_batch_object
 
-from .artifacts import ShardProgress, publish_summary
+from .artifacts import ProgressArtifact, publish_summary
 from .execution import Execution, TaskRunnerKind
 from .ray_scale_out import ray_submitter
 from .shard_loop import Submit, run_shards
 
 _log = logging.getLogger(__name__)
+HEARTBEAT_SECONDS = 1.0  # how often progress is checked when no row finishes
+THROUGHPUT_SECONDS = 5.0  # between two points of the summary's throughput chart
 
 
 class ConcurrencyLimitMissing(ValueError):
@@ -52,7 +58,8 @@ class ConcurrencyLimitMissing(ValueError):
 @flow(name="batch-inference", description="Run an LLM over every prompt shard under a prefix; "
       "write one ordered output shard per input shard, resumably.")
 def batch_inference(
-    job: BatchJob, execution: Execution = Execution(), reprocess_completed: bool = False
+    job: BatchJob, execution: Execution = Execution(), reprocess_completed: bool = False,
+    progress_interval: float = DEFAULT_INTERVAL_SECONDS,
 ) -> dict[str, Any]:
     """Run ``job``; return the summary (per-shard entries and totals).
 
@@ -60,7 +67,11 @@ def batch_inference(
         job: what to run: input and output prefixes, model, sampling and engine options.
         execution: where shard tasks run (threads or a Ray cluster) and the GPU concurrency limit.
         reprocess_completed: rerun shards even when their manifest says they are done.
+        progress_interval: seconds between progress lines in the log (rows, tokens/s, ETA, the
+            engine's health); a terminal gets a bar instead.
     """
+    if progress_interval <= 0:
+        raise ValueError(f"progress_interval must be a positive number of seconds, got {progress_interval}")
     logger = get_run_logger()
     started, created_at = time.perf_counter(), time.time()
     logger.info("batch inference %s -> %s: model %s, task %s", redact_url(job.input), redact_url(job.output),
@@ -70,11 +81,14 @@ def batch_inference(
     shards = preflight_task(job, model_here=execution.task_runner != TaskRunnerKind.RAY)
     entries, todo = ([], shards) if reprocess_completed else _skip_done(shards, job)
     logger.info("%d shard(s): %d already done, %d to run", len(shards), len(entries), len(todo))
-    progress = ShardProgress(total=len(shards), finished=len(entries))
-    with engines_held(), _engine_preloaded(job, execution, todo), _shard_submitter(execution) as submit:
+    _record_job(job, shards, created_at)
+    progress = JobProgress(todo, shards_done_before=len(entries))
+    with engines_held(), _engine_preloaded(job, execution, todo), _shard_submitter(execution) as submit, \
+            _watched(progress, progress_interval) as throughput:
         entries += run_shards(todo, job, progress, submit, execution)
     entries = settle_failed(entries, shards, job)
     summary = job_summary(entries, time.perf_counter() - started, redact_url(job.output))
+    summary["throughput"] = throughput.spans()
     try:  # the job's request counts and usage as an OpenAI batch object, <output>/_batch.json
         summary["batch"] = write_batch_object(job, summary, created_at)
     except PipelineError as exc:  # the shards are committed; a rerun skips them and writes it again
@@ -83,6 +97,32 @@ def batch_inference(
     if summary["totals"]["failed"]:
         raise ShardsFailed(failure_message(summary), summary)
     return summary
+
+
+@contextlib.contextmanager
+def _watched(progress: JobProgress, interval: float) -> Iterator[ThroughputLog]:
+    """While the shards run: progress to the log (or a bar on a terminal) and to the progress
+    artifact, also when no row finishes (a heartbeat); yields the throughput log the summary's
+    chart is drawn from."""
+    bar = show_progress(progress, get_run_logger(), sys.stderr, interval)
+    ProgressArtifact(progress)
+    throughput = ThroughputLog()
+    progress.add_sink(throughput, THROUGHPUT_SECONDS)
+    try:
+        with progress.heartbeat(min(interval, HEARTBEAT_SECONDS)):
+            yield throughput
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _record_job(job: BatchJob, shards: list[Shard], created_at: float) -> None:
+    """Write the job record ``shardline status`` reads; a failure costs only its list of missing shards."""
+    try:
+        write_job_record(job, shards, created_at)
+    except PipelineError as exc:
+        get_run_logger().warning("the job record was not written (shardline status will not list shards not "
+                                 "committed yet): %s", exc)
 
 
 @contextlib.contextmanager

@@ -24,12 +24,12 @@ from shardline.tasks.engine_cache import request_shutdown
 from shardline.tasks.errors import PipelineError, describe
 from shardline.tasks.job import BatchJob
 from shardline.tasks.prefect_tasks import process_shard_task
+from shardline.tasks.progress import JobProgress
 from shardline.tasks.shutdown import shutdown_reason
 from shardline.tasks.storage import Shard
 from shardline.tasks.summary import shard_entry
 
-from .artifacts import ShardProgress
-from .execution import Execution
+from .execution import Execution, TaskRunnerKind
 
 # submit(task, parameters) -> future: how a shard task reaches its task runner.
 Submit = Callable[[Any, dict[str, Any]], PrefectFuture]
@@ -47,10 +47,13 @@ class JobInterrupted(RuntimeError):
         return (JobInterrupted, (self.args[0], self.entries))
 
 
-def run_shards(todo: list[Shard], job: BatchJob, progress: ShardProgress, submit: Submit,
+def run_shards(todo: list[Shard], job: BatchJob, progress: JobProgress, submit: Submit,
                execution: Execution) -> list[dict[str, Any]]:
-    """Run ``todo`` with at most ``job.shards_in_flight`` shard tasks at once; one entry each."""
+    """Run ``todo`` with at most ``job.shards_in_flight`` shard tasks at once; one entry each.
+    Shard tasks in this process report their rows to ``progress``; on Ray workers (other
+    processes) a shard counts when its task ends."""
     waiting = collections.deque(todo)
+    rows_progress = None if execution.task_runner == TaskRunnerKind.RAY else progress
     running: dict[int, tuple[PrefectFuture, Shard]] = {}
     entries: list[dict[str, Any]] = []
     try:
@@ -59,7 +62,8 @@ def run_shards(todo: list[Shard], job: BatchJob, progress: ShardProgress, submit
                 shard = waiting.popleft()
                 future = submit(process_shard_task, {"shard": shard, "job": job, "gpu_limit":
                                                      execution.gpu_concurrency_limit,
-                                                     "engine_host": execution.engine_host})
+                                                     "engine_host": execution.engine_host,
+                                                     "progress": rows_progress})
                 running[id(future)] = (future, shard)
             finished = next(as_completed([future for future, _ in running.values()]))
             entries.append(_entry(*running.pop(id(finished)), progress))
@@ -74,20 +78,22 @@ def run_shards(todo: list[Shard], job: BatchJob, progress: ShardProgress, submit
     return entries
 
 
-def _entry(future: PrefectFuture, shard: Shard, progress: ShardProgress) -> dict[str, Any]:
+def _entry(future: PrefectFuture, shard: Shard, progress: JobProgress) -> dict[str, Any]:
     logger = get_run_logger()
     try:
-        entry = shard_entry(shard.key, "done", future.result())
-        logger.info("shard %s done (%d of %d finished)", shard.key, progress.finished + 1, progress.total)
+        manifest = future.result()
     except Exception as exc:  # the task failed for good; the other shards go on
         message = str(exc) if isinstance(exc, PipelineError) else describe(exc)
         logger.error("shard %s failed: %s", shard.key, message)
-        entry = shard_entry(shard.key, "failed", message=message)
-    progress.advance()
-    return entry
+        progress.shard_finished(shard.key, None)
+        return shard_entry(shard.key, "failed", message=message)
+    progress.shard_finished(shard.key, manifest)
+    snapshot = progress.snapshot()
+    logger.info("shard %s done (%d of %d finished)", shard.key, snapshot.shards_finished, snapshot.shards_total)
+    return shard_entry(shard.key, "done", manifest)
 
 
-def _drain(running: dict[int, tuple[PrefectFuture, Shard]], progress: ShardProgress) -> list[dict[str, Any]]:
+def _drain(running: dict[int, tuple[PrefectFuture, Shard]], progress: JobProgress) -> list[dict[str, Any]]:
     """Wait up to DRAIN_SECONDS for the running shard tasks (aborted, or committing)."""
     deadline = time.monotonic() + DRAIN_SECONDS
     entries = []

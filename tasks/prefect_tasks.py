@@ -24,6 +24,7 @@ from . import preflight, shard_writer, storage
 from .engine_cache import EngineHost
 from .job import BatchJob
 from .manifest import ShardManifest
+from .progress import JobProgress
 from .shard_job import ShardPipeline, task_may_retry
 
 _RETRY_DELAYS: list[float] = [2, 10]
@@ -63,14 +64,16 @@ def completed_manifests_task(shards: list[storage.Shard], job: BatchJob) -> list
 @task(name="process-shard", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=_RETRY_DELAYS,
       retry_condition_fn=_retriable, task_run_name="shard-{shard.key}")
 def process_shard_task(shard: storage.Shard, job: BatchJob, gpu_limit: str | None = None,
-                       engine_host: EngineHost = EngineHost.THREAD) -> ShardManifest:
+                       engine_host: EngineHost = EngineHost.THREAD,
+                       progress: JobProgress | None = None) -> ShardManifest:
     """Read, run and write one shard on the engine ``engine_host`` names; return its manifest.
+    ``progress`` (the flow's, when the task runs in its process) hears of its rows.
 
     With ``gpu_limit`` (a Prefect global concurrency limit's name) the shard holds
     one slot of it while it runs on the engine, so the limit caps shard tasks on
     GPUs across every run; reading and writing hold none."""
     engine_slot = functools.partial(_gpu_slot, gpu_limit) if gpu_limit else None
-    return ShardPipeline(job, engine_host, engine_slot).process(shard)
+    return ShardPipeline(job, engine_host, engine_slot, progress).process(shard)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import threading
@@ -256,3 +257,37 @@ class JobProgress:
                 sink(snapshot)
             except Exception:  # a watcher's failure (an API down) never stops the job
                 logger.warning("a progress report failed", exc_info=True)
+
+
+class ThroughputLog:
+    """Rows done and output tokens over a run, one point per call: a JobProgress sink whose
+    ``spans`` give the summary's throughput chart."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (elapsed s, rows done, output tokens)
+
+    def __call__(self, snapshot: ProgressSnapshot) -> None:
+        self.points.append((snapshot.elapsed_seconds, snapshot.rows_done, snapshot.completion_tokens))
+
+    def spans(self, count: int = 12) -> list[dict[str, float]]:
+        """Rows/s and output tokens/s over ``count`` equal spans of the run (fewer for a
+        short one), counts read between points on a straight line."""
+        end = self.points[-1][0]
+        if end <= 0:
+            return []
+        count = max(1, min(count, len(self.points) - 1))
+        edges = [end * i / count for i in range(count + 1)]
+        at = [self._at(edge) for edge in edges]
+        return [{"from_seconds": round(edges[i], 3), "to_seconds": round(edges[i + 1], 3),
+                 "rows_per_second": round(max(0.0, at[i + 1][0] - at[i][0]) / (edges[i + 1] - edges[i]), 3),
+                 "tokens_per_second": round(max(0.0, at[i + 1][1] - at[i][1]) / (edges[i + 1] - edges[i]), 3)}
+                for i in range(count)]
+
+    def _at(self, elapsed: float) -> tuple[float, float]:
+        """(rows done, output tokens) at ``elapsed`` seconds, between the points around it."""
+        times = [point[0] for point in self.points]
+        right = min(bisect.bisect_left(times, elapsed), len(self.points) - 1)
+        left = max(right - 1, 0)
+        (t0, r0, k0), (t1, r1, k1) = self.points[left], self.points[right]
+        share = 0.0 if t1 <= t0 else min(1.0, max(0.0, (elapsed - t0) / (t1 - t0)))
+        return r0 + (r1 - r0) * share, k0 + (k1 - k0) * share

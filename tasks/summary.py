@@ -84,9 +84,27 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "## Failed shards", ""] + [f"- `{e['shard']}`: {e['message']}" for e in failed]
     return "\n".join(lines) + "\n"
 
+    if summary.get("throughput"):
+        lines += ["", "## Throughput over the run", "", "| from | to | rows/s | output tok/s | |",
+                  "|---:|---:|---:|---:|:---|"]
+        lines += [f"| {start} | {end} | {rows} | {tokens} | {bar} |"
+                  for start, end, rows, tokens, bar in _throughput_rows(summary["throughput"])]
 
 def summary_table(summary: dict[str, Any]) -> str:
     """A plain-text table of the shards and the totals (what the CLI prints)."""
+def _throughput_rows(spans: list[dict[str, Any]], width: int = 30) -> list[tuple[str, str, str, str, str]]:
+    """Each span as (from, to, rows/s, tokens/s, a bar of tokens/s scaled to the fastest span)."""
+    peak = max(span["tokens_per_second"] for span in spans) or 1.0
+    return [(_clock(span["from_seconds"]), _clock(span["to_seconds"]), f"{span['rows_per_second']:.2f}",
+             f"{span['tokens_per_second']:.1f}", "█" * round(width * span["tokens_per_second"] / peak))
+            for span in spans]
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
     header: list[str] = list(SHARD_COLUMNS)
     rows = [[str(entry[name]) for name in header] for entry in summary["shards"]]
     totals = summary["totals"]
@@ -107,6 +125,10 @@ def summary_table(summary: dict[str, Any]) -> str:
     lines.append(f"completion tokens/s: {totals['completion_tokens_per_second']}   output: {summary['output']}")
     return "\n".join(lines)
 
+    if summary.get("throughput"):
+        lines += ["", "throughput over the run (output tokens/s):"]
+        lines += [f"  {start}-{end}  {tokens:>10} tok/s  {rows:>8} rows/s  {bar}"
+                  for start, end, rows, tokens, bar in _throughput_rows(summary["throughput"])]
 
 def _invalid_outputs_line(totals: dict[str, Any]) -> str:
     return (f"{totals['invalid_outputs']} of the {totals['errors']} row error(s) are structured outputs that did "
