@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shards-in-flight", type=int, default=4)
     run.add_argument("--quantization", metavar="NAME", help="fp8 or int8: quantize a 16/32-bit checkpoint's "
                      "linears at load; or a quantized checkpoint's own format (its quant_method)")
-    run.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
+    run.add_argument("--progress-interval", type=_positive_seconds, default=30.0, metavar="SECONDS",
                      help="seconds between progress lines (rows, tokens/s, ETA, engine health) when stderr is not "
                           "a terminal; a terminal gets a progress bar")
     structured = run.add_argument_group(
@@ -150,6 +150,16 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def _lora_adapters(specs: list[str]) -> dict[str, str]:
@@ -253,10 +263,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         preflight(job)  # in seconds, before Prefect starts; the flow checks again (UI runs)
     except PipelineError as exc:
         _report(exc, "pre-flight check failed")
-        return EXIT_JOB_FAILED
-    if args.progress_interval <= 0:
-        print(f"shardline run: --progress-interval must be a positive number of seconds, got "
-              f"{args.progress_interval}", file=sys.stderr)
         return EXIT_JOB_FAILED
     code, summary = run_job(job, args.progress_interval)
     if summary is not None:
