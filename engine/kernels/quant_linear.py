@@ -15,6 +15,8 @@ float32 product up to summation order:
   each tile's product;
 - otherwise (a block or group size no power of two >= 16 divides) each weight element is
   dequantized in float32 before the dot, rounded to the dot dtype.
+FP8 weights are read as bytes and decoded from their bits (e4m3_bits_to_float), since
+Triton takes FP8 tensors only on GPUs with FP8 support and W8A16 serves older ones too.
 W4 tiles are never unpacked in registers: the low nibbles (even columns) and the high
 nibbles (odd columns) each meet the matching columns of x in their own dot.
 """
@@ -52,14 +54,25 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
     @triton.jit
+    def e4m3_bits_to_float(bits):
+        """FP8 E4M3 codes (uint8) -> float32, from their bits: Triton accepts FP8 tensors only on
+        GPUs with FP8 support (8.9+), and the W8A16 kernel runs on older ones too. The 7 bits
+        below the sign, placed under float16's exponent, give the value / 2^8 exactly
+        (subnormals included); the code 0x7F is nan, as in torch."""
+        bits = bits.to(tl.int16)
+        half_bits = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
+        value = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+
+    @triton.jit
     def _w8_linear_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
         stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k,
-        SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
-        # x: [M, K]; w: [N, K] fp8/int8; scale: [N // bn, K // bk] (strides 0 where broadcast)
+        # x: [M, K]; w: [N, K] int8, or FP8 E4M3 codes as uint8; scale: [N // bn, K // bk] (strides 0 where broadcast)
         rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row_valid, col_valid = rows < M, cols < N
         scale_rows = scale_ptr + (cols // scale_block_n) * stride_sn  # [BN]
@@ -70,7 +83,9 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             k_valid = ks < K
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w_cols + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BK, BN]
+            w = tl.load(w_cols + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0)  # [BK, BN]
+            if WEIGHT_FP8:
+                w = e4m3_bits_to_float(w)
             if SCALE_MODE == 2:
                 s = tl.load(scale_rows[None, :] + (ks // scale_block_k)[:, None] * stride_sk,
                             mask=k_valid[:, None] & col_valid[None, :], other=0.0)
@@ -227,10 +242,12 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         tile = tile_k_for(block_k)
         mode, block_k_tile = (SCALE_PER_TILE, tile) if tile else (SCALE_PER_ELEMENT, 64)
     grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n_tile),)
+    weight_fp8 = weight.dtype == torch.float8_e4m3fn
     launcher(_w8_linear_kernel, grid)(
-        rows, weight, scale, bias if bias is not None else scale, out, num_rows, out_features, in_features,
+        rows, weight.view(torch.uint8) if weight_fp8 else weight, scale, bias if bias is not None else scale, out,
+        num_rows, out_features, in_features,
         rows.stride(0), weight.stride(0), stride_sn, stride_sk, out.stride(0), block_n, block_k,
-        SCALE_MODE=mode, HAS_BIAS=bias is not None,
+        SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n_tile, BLOCK_K=block_k_tile, GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3,

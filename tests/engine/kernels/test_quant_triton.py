@@ -4,8 +4,12 @@ Shapes are odd on purpose (partial M, N and K tiles, partial scale blocks); ever
 runs with M = 1 and with several tile rows, in float16, bfloat16 and float32.
 """
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +112,27 @@ def test_w8_linear_refuses_bad_layouts():
         triton_w8_linear(x[:, :63], weight, scale, (16, 16), None)
     with pytest.raises(AssertionError, match=r"weight torch.float16"):
         triton_w8_linear(x, weight.half(), scale, (16, 16), None)
+
+
+def test_w8_linear_decodes_every_fp8_code():
+    """Every E4M3 code, subnormals and both zeros included, through the kernel's own decoding
+    of the bits; the nan code gives nan, as the reference's cast does."""
+    from shardline.engine.kernels.quant_linear import triton_w8_linear
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # 254 codes
+    weight = torch.stack([finite.roll(shift) for shift in range(0, 254, 16)]).view(torch.float8_e4m3fn)
+    scale = torch.full((weight.shape[0], 1), 1.0 / 448)
+    x = torch.zeros(weight.shape[0], 254)
+    x[torch.arange(weight.shape[0]), torch.arange(weight.shape[0]) * 7] = 1.0  # row i reads column 7i
+    x += activations(weight.shape[0], 254, torch.float32) * 1e-3
+    weight, scale, x = weight.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
+    expected = quantized_linear_reference(x, dequantize_w8(weight, scale))
+    assert_close(triton_w8_linear(x, weight, scale, None, None), expected)
+    with_nan = weight.view(torch.uint8).clone()
+    with_nan[3, 5] = 0xFF
+    out = triton_w8_linear(x, with_nan.view(torch.float8_e4m3fn), scale, None, None)
+    assert out[:, 3].isnan().all() and not out[:, :3].isnan().any()
 
 
 def make_w4(out_features: int, in_features: int, group_size: int, asymmetric: bool, seed: int = 0):
@@ -349,3 +374,40 @@ def test_mxfp4_moe_refuses_bad_layouts():
         replace(case, topk_ids=case.topk_ids.float()).run(mxfp4_moe, act)
     with pytest.raises(AssertionError, match="gate_up bias"):
         replace(case, gate_up_bias=torch.zeros(4, 10, device=DEVICE)).run(mxfp4_moe, act)
+
+
+CUDA_COMPILE = Path(__file__).with_name("cuda_compile.py")
+NON_FP8_CASES = ["w8_fp8_block_bf16", "w8_int8_channel_fp16", "w8_fp8_per_element_bf16", "w4_group_bf16",
+                 "w4_per_element_fp16", "mxfp4_moe_bf16"]
+FP8_W8A8_CASES = ["fp8_w8a8_channel_bf16", "fp8_w8a8_block_bf16"]
+
+
+def compile_for_cuda(capability: int, cases: list[str]) -> list[str]:
+    """cuda_compile.py's report lines, run without the interpreter in a fresh process."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is not installed")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(CUDA_COMPILE), str(capability), *cases], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert {line.split()[0] for line in lines} == set(cases), lines
+    return lines
+
+
+def test_kernels_compile_for_hopper():
+    """Triton's real compiler (through ptxas) takes every kernel for sm_90, which the
+    interpreter never checks."""
+    lines = compile_for_cuda(90, NON_FP8_CASES + FP8_W8A8_CASES)
+    assert all(line.endswith(" ok") for line in lines), "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_ampere_and_ada():
+    """The weight-only kernels compile for sm_80 (no FP8 types there: FP8 weights are read
+    as bytes), FP8 W8A8 for sm_89; on sm_80 FP8 W8A8 cannot compile, which its launcher refuses."""
+    lines = compile_for_cuda(80, NON_FP8_CASES)
+    assert all(line.endswith(" ok") for line in lines), "\n".join(lines)
+    lines = compile_for_cuda(89, FP8_W8A8_CASES)
+    assert all(line.endswith(" ok") for line in lines), "\n".join(lines)
+    lines = compile_for_cuda(80, FP8_W8A8_CASES[:1])
+    assert any("FAIL" in line and "fp8e4nv" in line for line in lines), "\n".join(lines)
