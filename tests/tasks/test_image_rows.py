@@ -22,6 +22,7 @@ from shardline.tasks.shard_job import process_shard, read_shard
 from shardline.tasks.shard_reader import ShardError
 from shardline.tasks.storage import filesystem, list_shards
 
+from .test_engine_client import service  # noqa: F401 (the engine service fixture)
 from .test_media import data_url, png_bytes
 
 TEXT_MODEL_REFUSAL = r"carries 1 image item\(s\).*cannot take image input"
@@ -269,3 +270,14 @@ def _capture(outcome: list[BaseException], call, *args) -> None:
         call(*args)
     except BaseException as exc:
         outcome.append(exc)
+
+
+def test_decoded_images_cross_to_the_engine_service(service, tmp_path):  # noqa: F811 (the fixture)
+    rows = [{"prompt": "<image>", "image": data_url(png_bytes(10))}, {"prompt": "hi", "image": None},
+            {"prompt": "<image>", "image": data_url(b"not an image")}]
+    job, requests = _requests_of(rows, tmp_path)
+    results = ImageFeed(service, job.images, {}).run_shard("part-0", requests)
+    assert [result.index for result in results] == [0, 1, 2]
+    assert re.search(TEXT_MODEL_REFUSAL, results[0].error or "")  # the service's engine saw the image
+    assert results[1].error is None and results[1].output is not None
+    assert (results[2].error or "").startswith("row 2: image 1")
