@@ -101,8 +101,41 @@ static inline float w8_code(const uint8_t *weight, int64_t k, int fp8) {
     return fp8 ? fp8_to_f32(weight[k]) : (float)(int8_t)weight[k];
 }
 
+#if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__))
+/* fp8_to_f32 on VL codes through float16, whose conversion instruction takes
+ * subnormals whatever the flush-to-zero modes: the code sign-extended to 16 bits and
+ * shifted left 7 keeps its sign in bit 15 and its exponent and mantissa in float16's
+ * low exponent and high mantissa bits (bit 14, a copy of the sign, cleared): that
+ * float16 is the fp8 value times 2^-8, subnormals included. The NaN codes come out as
+ * +-1.875 (exponent 15 is normal in float16), which no other code gives. */
+static inline vf fp8_codes(const uint8_t *p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m256i half = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    half = _mm256_and_si256(_mm256_slli_epi16(half, 7), _mm256_set1_epi16((short)0xbf80));
+    const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(half, _mm256_set1_epi16(0x3f80)),
+                                                     _mm256_set1_epi16(0x3f80));
+    const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+    return (vf)_mm512_mask_mov_ps(value, is_nan, _mm512_set1_ps(__builtin_nanf("")));
+#else
+#if defined(__AVX512F__)
+    __m256i half = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    half = _mm256_and_si256(_mm256_slli_epi16(half, 7), _mm256_set1_epi16((short)0xbf80));
+    const vf value = (vf)_mm512_cvtph_ps(half);
+#else
+    __m128i half = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    half = _mm_and_si128(_mm_slli_epi16(half, 7), _mm_set1_epi16((short)0xbf80));
+    const vf value = (vf)_mm256_cvtph_ps(half);
+#endif
+    const vi is_nan = ((vi)value & 0x7fffffff) == 0x3ff00000;  /* 1.875 */
+    return blend(is_nan, splat(__builtin_nanf("")), value * 256.0f);
+#endif
+}
+#else
+static inline vf fp8_codes(const uint8_t *p) { return fp8_to_f32_v(widen_bytes(p, 0)); }
+#endif
+
 static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8) {
-    if (fp8) return fp8_to_f32_v(widen_bytes(weight + k, 0));
+    if (fp8) return fp8_codes(weight + k);
     return __builtin_convertvector(widen_bytes(weight + k, 1), vf);
 }
 

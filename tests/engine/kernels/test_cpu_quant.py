@@ -108,10 +108,21 @@ def test_w4_act_order_permutes_the_input(rows):
     assert_matches(cpu_w4_linear(x, packed, scales, None, group_size, input_perm=perm), expected, rows)
 
 
+@pytest.fixture(params=[False, True], ids=["denormals", "flush_denormal"])
+def flush_denormal(request):
+    """Each test using it also runs with the CPU flushing subnormals (torch.set_flush_denormal)."""
+    if request.param and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
+@pytest.mark.usefixtures("flush_denormal")
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 def test_every_w8_code_decodes_exactly(weight_dtype):
     """One-hot rows of x pick single weights: every one of the 256 codes (fp8's
-    subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly."""
+    subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly,
+    whether or not the CPU flushes subnormals (the decoding builds them from bits)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if weight_dtype == torch.float8_e4m3fn:
         codes[[0x7F, 0xFF]] = 0  # fp8's NaNs: a NaN weight makes its whole row's products NaN
