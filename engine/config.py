@@ -81,6 +81,13 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] | None = None
+    # Images in prompts (vision-language models, engine/multimodal/): the most items of
+    # each modality one prompt may hold (None: the model's own limit), the folder local
+    # image files may be read from and the domains image links may be fetched from
+    # (None: neither is read).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
     enforce_eager: bool = False
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -126,6 +133,11 @@ class EngineConfig:
             _check_choice("attention_backend", self.attention_backend, ("cpu", "torch", "triton"))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
+        if self.allowed_media_domains is not None:
+            object.__setattr__(self, "allowed_media_domains",
+                               tuple(str(domain).lower() for domain in self.allowed_media_domains))
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
         if self.allowed_media_domains is not None:

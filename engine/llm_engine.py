@@ -30,6 +30,7 @@ from .inputs.prompts import PromptType, tokenize_prompt
 from .lora.request import lora_cache_salt
 from .model.loader import LoadedModel
 from .model.runner import ModelOutput, PendingTokens
+from .multimodal.inputs import ImageInput, ProcessedPrompt
 from .multimodal.media import check_prompt_keys, prompt_media, refuse_media
 from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams, SamplingTraits
@@ -58,6 +59,7 @@ class LLMEngine:
         self.vocab_size = parts.vocab_size
         self.max_model_len = parts.max_model_len
         self.lora_manager = parts.prepared.lora_manager
+        self.multimodal = parts.multimodal  # a vision-language model's processor step, else None
         self.cpu_paths = parts.prepared.cpu_paths  # the CPU fast paths taken on this host (engine/cpu/paths.py)
         self.cpu_rewrites = parts.prepared.cpu_rewrites  # and the modules they replaced
         self.attention = parts.prepared.attention
@@ -84,7 +86,23 @@ class LLMEngine:
         """(prompt text or None, token ids) of a str, {"prompt": str} or {"prompt_token_ids": [...]}."""
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def preprocess(self, request_id: str, prompt: PromptType | ProcessedPrompt) -> PromptType | ProcessedPrompt:
+        """The prompt with its images through the model's processor (a ProcessedPrompt); a
+        prompt without media as it is. ValueError naming the request for media the model
+        cannot take or cannot use. Reads only the processor: llm.py runs it on worker
+        threads ahead of add_request, so image decoding does not hold up the steps."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        check_prompt_keys(request_id, prompt)
+        media = prompt_media(request_id, prompt)
+        if not media or not isinstance(prompt, dict):
+            return prompt
+        if self.multimodal is None:
+            refuse_media(request_id, media, self.config.model)
+        assert self.multimodal is not None, "refuse_media raised for a text-only model"
+        return self.multimodal.process(request_id, prompt, media)
+
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     lora_request: Any = None, priority: int = 0) -> None:
         """Tokenize ``prompt`` and queue it. Raises ValueError (naming the request)
         if it can never run; nothing is queued then."""
@@ -105,11 +123,14 @@ class LLMEngine:
                              f"engine has no tool_call_parser and the chat template of {self.config.model!r} "
                              "implies none; set tool_call_parser (hermes, llama3_json, mistral, deepseek_v3, "
                              "deepseek_v31, openai)")
-        check_prompt_keys(request_id, prompt)
-        refuse_media(request_id, prompt_media(request_id, prompt), self.config.model)
+        prompt = self.preprocess(request_id, prompt)
+        images: tuple[ImageInput, ...] = ()
+        if isinstance(prompt, ProcessedPrompt):
+            text, token_ids, images = prompt.prompt, prompt.prompt_token_ids, prompt.images
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
         # A constraint that cannot compile fails here, before anything is queued.
         grammar = self.structured.submit(request_id, params.structured_outputs)
-        text, token_ids = self.tokenize_prompt(prompt)
         params = params.clone()
         params.all_stop_token_ids = self.output_processor.stop_token_ids(params)
         state = RequestState(request_id, text, token_ids, params,
@@ -127,6 +148,7 @@ class LLMEngine:
                 arrival_index=arrival,
                 params=params,
                 prompt=text,
+                images=images,
                 lora_request=lora_request,
                 # Prompt logprobs need logits at every prompt position: no prefix hits.
                 cache_salt=(lora_cache_salt(lora_request) if params.prompt_logprobs is None

@@ -9,7 +9,9 @@ Invariants:
 - A block is either owned (ref_cnt > 0, held by the block tables of ref_cnt running
   requests) or free (ref_cnt == 0, in the pool's LRU free queue). Never both.
 - A block hash covers one FULL block and, through the chain, every token before it:
-  hash_i = H(hash_{i-1}, tokens of block i); block 0 folds in request.cache_salt.
+  hash_i = H(hash_{i-1}, tokens of block i, hashes of the images filling block i);
+  block 0 folds in request.cache_salt. So a cached prefix is reused only for the same
+  images: their placeholder tokens are the same whatever the image.
   ``cached_blocks`` maps each hash to at most one block and that block carries it.
 - A free block keeps its hash until it is allocated again, so a later request with
   the same prefix can take it back ("touch") before the LRU queue reuses it.
@@ -40,7 +42,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: CacheSalt | None = None
+    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: CacheSalt | None = None,
+    image_hashes: Sequence[str] = (),
 ) -> BlockHash:
     """Stable digest of one full block chained to the hash of the block before it.
 
@@ -55,6 +58,8 @@ def hash_block_tokens(
     else:
         hasher.update(b"P" + parent_hash)
     hasher.update(array("q", token_ids).tobytes())
+    for image_hash in image_hashes:
+        hasher.update(b"I" + image_hash.encode())
     return hasher.digest()
 
 
@@ -352,5 +357,6 @@ class KVCacheManager:
             index = len(block_hashes)
             parent = block_hashes[-1] if block_hashes else None
             tokens = request.token_ids_slice(index * size, (index + 1) * size)
-            block_hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+            images = request.image_hashes_in(index * size, (index + 1) * size) if request.images else ()
+            block_hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, images))
         return block_hashes[:num_blocks]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # Annotations only: core/ imports nothing above it at run time.
     from ..lora.request import LoRARequest
+    from ..multimodal.inputs import ImageInput
     from ..params import PoolingParams, SamplingParams
 
 
@@ -51,7 +52,9 @@ class Request:
     built by tests of those two); ``max_tokens`` is already resolved against
     max_model_len. ``cache_salt`` separates prefix-cache entries that must not be
     shared (for example different LoRA adapters, ``lora_cache_salt``): it is folded
-    into the first block hash.
+    into the first block hash. ``images``: the prompt's images (opaque here but for
+    their hashes and spans, which the KV cache folds into the hashes of the blocks
+    they fill).
     """
 
     request_id: str
@@ -63,6 +66,7 @@ class Request:
     cache_salt: CacheSalt | None = None
     lora_request: LoRARequest | None = None
     prompt: str | None = None
+    images: tuple[ImageInput, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -100,6 +104,10 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def image_hashes_in(self, start: int, end: int) -> tuple[str, ...]:
+        """Hashes of the prompt's images that fill any position in [start, end)."""
+        return tuple(image.image_hash for image in self.images if image.start < end and image.end > start)
 
     @property
     def is_finished(self) -> bool:

@@ -166,6 +166,19 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
     return requests, traces
 
 
+def _attention_implementations(config: PretrainedConfig) -> str | dict[str, str]:
+    """The model's attention implementation, per sub-config where they differ (a
+    vision-language model's text part attends the paged cache, its encoders do not)."""
+    implementation = config._attn_implementation
+    assert implementation is not None, "the loader names the model's attention implementation"
+    sub_configs = {name: getattr(config, name, None) for name in getattr(config, "sub_configs", {})}
+    per_part = {name: sub._attn_implementation for name, sub in sub_configs.items()
+                if isinstance(sub, PretrainedConfig) and sub._attn_implementation is not None}
+    if all(value == implementation for value in per_part.values()):
+        return implementation
+    return {"": implementation, **per_part}
+
+
 def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
              architecture: str, num_prompt_tokens: int | None = None) -> None:
     """The model's own forward over ``token_ids`` against ``trace``; with
@@ -173,8 +186,7 @@ def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int]
     model's cache (as its generate runs them)."""
     outputs: dict[int, torch.Tensor] = {}
     hooks = _record_layers(layers, outputs)
-    implementation = model.config._attn_implementation
-    assert implementation is not None, "the loader names the model's attention implementation"
+    implementation = _attention_implementations(model.config)
     try:
         model.set_attn_implementation("eager")
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)

@@ -19,7 +19,7 @@ from .adapters import has_adapter
 
 # recurrent_layer_indices: the engine reads it here beside load_causal_lm (llm_engine.py).
 from .layer_kinds import recurrent_layer_indices  # noqa: F401
-from .support import AUTO_CLASSES, Task, require_supported
+from .support import AUTO_CLASSES, Task, auto_class_for, require_supported
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +131,13 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
     tokenizer = load_tokenizer(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    auto_class = AUTO_CLASSES[task]
+    auto_class = auto_class_for(hf_config, task)
     model_class = auto_class._model_mapping.get(type(hf_config), None)
     if model_class is not None and has_adapter(model_class):
         attn_implementation = "eager"  # its adapters call the paged attention; its own code wants eager
+    implementation: str | dict[str, str] = attn_implementation
+    if auto_class is not AUTO_CLASSES[task]:
+        implementation = text_attention_only(hf_config, attn_implementation)
     scheme = resolve_scheme(hf_config, config.quantization)
     if scheme is not None:
         if task != "generate":
@@ -150,7 +153,7 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
         model = auto_class.from_pretrained(
             config.model,
             dtype=dtype,
-            attn_implementation=attn_implementation,
+            attn_implementation=implementation,
             use_safetensors=config.use_safetensors,
             **_hub_kwargs(config),
         )
@@ -159,6 +162,16 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
     model.to(device).eval()  # on its device before the engine's surgery (engine/parts/build.py)
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
+
+
+def text_attention_only(hf_config: transformers.PretrainedConfig, attn_implementation: str) -> dict[str, str]:
+    """Per sub-config attention implementations of a vision-language model: the text
+    model's is ``attn_implementation`` (the paged attention), the encoders' sdpa (they
+    run on whole images, outside the paged cache)."""
+    text_key = next((name for name in getattr(hf_config, "sub_configs", {})
+                     if getattr(hf_config, name, None) is hf_config.get_text_config()), "text_config")
+    implementations = {name: "sdpa" for name in getattr(hf_config, "sub_configs", {})}
+    return {"": "sdpa", **implementations, text_key: attn_implementation}
 
 
 def load_causal_lm(config: EngineConfig) -> LoadedModel:

@@ -33,6 +33,7 @@ from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 
 if TYPE_CHECKING:
     from ..lora.manager import LoRAManager
+    from ..multimodal.encoder_cache import EncoderCache
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class ModelRunner:
         self.spec = spec
         self.lora_manager = lora_manager  # set when enable_lora
         self.decode_graphs: DecodeGraphs | None = None  # see enable_decode_graphs
+        # Vision-language models: the encoder outputs scattered at image placeholders.
+        self.encoder_cache: EncoderCache | None = None
         self.block_size = block_size
         self.device = device
         # Written in full now, not left to the first write of each page: the free queue
@@ -117,6 +120,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
+                and not any(item.request.images for item in scheduler_output.scheduled)
                 and graphs.qualifies(scheduler_output)):
             return graphs
         return None
@@ -154,11 +158,13 @@ class ModelRunner:
                 assert pending is not None, "pending positions without the step in flight's sampled ids"
                 input_ids[0, to_device(packed.pending_positions, dev)] = \
                     pending.token_ids[to_device(packed.pending_rows, dev)]
-        model_inputs = ModelInputs(
-            input_ids=input_ids,
-            position_ids=to_device(packed.positions[None], dev),
-            shardline_ctx=ctx,
-        )
+        model_inputs = ModelInputs(position_ids=to_device(packed.positions[None], dev), shardline_ctx=ctx)
+        embeddings = (self.encoder_cache.step_embeddings(input_ids, scheduled, packed.query_start_loc)
+                      if self.encoder_cache is not None else None)
+        if embeddings is not None:
+            model_inputs["inputs_embeds"] = embeddings  # the ids' embeddings with image rows scattered in
+        else:
+            model_inputs["input_ids"] = input_ids
         if self.recurrent_states:
             model_inputs["shardline_state"] = self._recurrent_step(scheduler_output)
         return model_inputs, plan
@@ -204,7 +210,7 @@ class ModelRunner:
             return ModelOutput(logits, sample_rows, {})
         model_inputs, plan = self.prepare_inputs(scheduler_output, pending)
         # Kept positions are increasing: as many as the step's tokens is all of them.
-        num_tokens = model_inputs["input_ids"].shape[1]
+        num_tokens = model_inputs["position_ids"].shape[1]
         keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
@@ -242,14 +248,16 @@ def to_device(values: np.ndarray | list[int], device: torch.device) -> torch.Ten
 
 
 class _RequiredModelInputs(TypedDict):
-    input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     shardline_ctx: AttentionContext
 
 
 class ModelInputs(_RequiredModelInputs, total=False):
-    """The keyword arguments of one packed forward (besides use_cache and logits_to_keep)."""
+    """The keyword arguments of one packed forward (besides use_cache and logits_to_keep):
+    ``input_ids``, or ``inputs_embeds`` where a step fills image placeholders."""
 
+    input_ids: torch.Tensor  # [1, T]
+    inputs_embeds: torch.Tensor  # [1, T, hidden]
     shardline_state: RecurrentStep  # models with recurrent layers only
 
 

@@ -37,6 +37,7 @@ import transformers
 from torch import nn
 
 from ..errors import UnsupportedLayerError, UnsupportedModelError
+from ..multimodal.specs import VISION_SPECS, vision_spec
 from ..quantization.methods import quantization_config_of, quantization_refusal
 from ..recurrent.base import kind_for_module
 from ..recurrent.state import prepare_recurrent_layers
@@ -61,6 +62,9 @@ AUTO_CLASSES: dict[Task, type] = {"generate": transformers.AutoModelForCausalLM,
 # their classes do not declare _supports_attention_backend (read in their modeling code;
 # the load check compares their outputs with their own forward all the same).
 UNDECLARED_ATTENTION_INTERFACE = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+# transformers' image-text-to-text classes by model type (vision-language models).
+_IMAGE_TEXT_TO_TEXT: dict[str, str] = dict(
+    transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 # Layer kinds the pooling engine's packed forward runs: it keeps no recurrent state
 # (its prompts share one packed sequence) and masks no chunks.
 _EMBED_KINDS = {"full", "sliding_window", NO_STATE}
@@ -89,6 +93,15 @@ class Support:
         return f"{self.architecture} ({self.model_type}) cannot run on shardline: {self.reason}"
 
 
+def auto_class_for(hf_config: transformers.PretrainedConfig, task: Task) -> type:
+    """The transformers auto class ``task`` loads the config's model through: for
+    "generate", AutoModelForImageTextToText for a vision-language model whose images
+    the engine runs (engine/multimodal/specs.py), else AutoModelForCausalLM."""
+    if task == "generate" and vision_spec(hf_config) is not None:
+        return transformers.AutoModelForImageTextToText
+    return AUTO_CLASSES[task]
+
+
 def model_support(hf_config: transformers.PretrainedConfig, task: Task = "generate", *,
                   trust_remote_code: bool = False, quantization: str | None = None) -> Support:
     """Whether the model of ``hf_config`` can run with ``task`` ("generate" or "embed"),
@@ -97,7 +110,7 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
     Reads no weights (see the module docstring for the rules)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-    auto_class = AUTO_CLASSES[task]
+    auto_class = auto_class_for(hf_config, task)
     model_class = auto_class._model_mapping.get(type(hf_config), None)
     declared = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
     architecture = model_class.__name__ if model_class is not None else declared
@@ -111,7 +124,8 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
     if model_class is None and not remote:
         kind = "embedding model" if task == "embed" else "causal language model"
         return Support(hf_config.model_type, architecture, task,
-                       f"transformers has no {kind} class for model_type {hf_config.model_type!r} (task {task})")
+                       f"transformers has no {kind} class for model_type {hf_config.model_type!r} (task {task})"
+                       + _vision_note(hf_config, task))
     try:
         with torch.device("meta"):
             model = auto_class.from_config(hf_config, trust_remote_code=trust_remote_code)
@@ -121,6 +135,14 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
                        f"transformers cannot build its model from the config: {type(exc).__name__}: {message}")
     reason, layer = _module_verdict(model, hf_config, task)
     return Support(hf_config.model_type, type(model).__name__, task, reason, layer)
+
+
+def _vision_note(hf_config: transformers.PretrainedConfig, task: Task) -> str:
+    """What a refusal adds for an image-text-to-text model the engine runs no images of."""
+    if task != "generate" or hf_config.model_type not in _IMAGE_TEXT_TO_TEXT:
+        return ""
+    return (f"; it is a vision-language model ({_IMAGE_TEXT_TO_TEXT[hf_config.model_type]}) whose image path "
+            f"shardline does not run (vision-language types it runs: {', '.join(sorted(VISION_SPECS))})")
 
 
 def require_supported(hf_config: transformers.PretrainedConfig, task: Task = "generate", *,

@@ -34,6 +34,8 @@ from ..model.load_check import check_model
 from ..model.loader import LoadedModel, load_causal_lm
 from ..model.profiling import profile_peak_bytes
 from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
+from ..multimodal.encoder_cache import EncoderCache
+from ..multimodal.processor import MultimodalProcessor
 from ..quantization.load import put_quantized_linears
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
@@ -78,6 +80,8 @@ class EngineParts:
     tool_parser: ToolCallParser | None  # reads requests' tool calls (engine/tools/)
     output_processor: OutputProcessor
     structured: StructuredOutputManager
+    # A vision-language model's processor step (None for a text-only model).
+    multimodal: MultimodalProcessor | None = None
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
@@ -88,6 +92,9 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
     prepared = prepare_engine_model(config, loaded)
     runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
+    multimodal = MultimodalProcessor.load(config, loaded.hf_config)
+    if multimodal is not None:
+        runner.encoder_cache = EncoderCache(loaded.model, multimodal.spec)
     max_model_len = scheduler.config.max_model_len
     if config.check_model:
         check_model(runner, vocab_size, max_model_len, type(loaded.model).__name__)
@@ -102,6 +109,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         tool_parser=tool_parser,
         output_processor=output_processor,
         structured=StructuredOutputManager(loaded.tokenizer, vocab_size, output_processor.eos_token_ids),
+        multimodal=multimodal,
     )
 
 

@@ -1,0 +1,126 @@
+"""The vision encoder's outputs, cached by image hash, and their scatter into a step's
+input embeddings at the image placeholders.
+
+Invariants:
+- An image's encoder output is computed once while it stays cached: a step encodes,
+  in one batch per pixel shape, only the images whose rows it needs and the cache
+  does not hold; ``num_encoded_images`` counts them.
+- A step's embeddings are the token embeddings of its input ids, with each scheduled
+  placeholder position that an image fills replaced by that image's encoder row for
+  it: a chunked prefill that splits an image's placeholders takes the rows of the
+  positions it computes, and positions a prefix-cache hit skipped need none.
+- The cache holds at most ``capacity_rows`` rows of images not needed by the step
+  being built (least recently used leave first); an image it dropped is encoded again
+  when next needed, to the same output.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .inputs import ImageInput
+from .specs import VisionSpec
+
+if TYPE_CHECKING:
+    from ..core.scheduler import ScheduledRequest
+
+DEFAULT_CAPACITY_ROWS = 1 << 16
+
+
+class EncoderCache:
+    """Encoder outputs ([rows, hidden], in the model's dtype, on its device) by image hash."""
+
+    def __init__(self, model: nn.Module, spec: VisionSpec, capacity_rows: int = DEFAULT_CAPACITY_ROWS) -> None:
+        assert isinstance(model, PreTrainedModel), f"{type(model).__name__} is not a transformers model"
+        self.model = model
+        self.spec = spec
+        self.capacity_rows = capacity_rows
+        self.outputs: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.num_rows = 0
+        self.num_encoded_images = 0  # images the vision encoder has run on
+        self.num_encoder_calls = 0  # batches it ran
+
+    def get(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """The encoder output of each image, encoding the missing ones in batches."""
+        missing: dict[str, ImageInput] = {}
+        for image in images:
+            if image.image_hash in self.outputs:
+                self.outputs.move_to_end(image.image_hash)
+            else:
+                missing.setdefault(image.image_hash, image)
+        found = {image_hash: self.outputs[image_hash] for image_hash in {i.image_hash for i in images}
+                 if image_hash in self.outputs}
+        found.update(self._encode(list(missing.values())))
+        self._evict(keep=set(found))
+        return [found[image.image_hash] for image in images]
+
+    def _encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Run the encoder on ``images``, one batch per shape of their pixel tensors."""
+        encoded: dict[str, torch.Tensor] = {}
+        groups: dict[tuple, list[ImageInput]] = {}
+        for image in images:
+            shape = tuple((key, tuple(value.shape)) for key, value in sorted(image.pixel_inputs.items()))
+            groups.setdefault(shape, []).append(image)
+        parameter = next(self.model.parameters())
+        for group in groups.values():
+            batch = {key: torch.cat([image.pixel_inputs[key] for image in group]).to(parameter.device)
+                     for key in group[0].pixel_inputs}
+            batch = {key: value.to(parameter.dtype) if value.is_floating_point() else value
+                     for key, value in batch.items()}
+            outputs = self.spec.encode(self.model, batch, len(group))
+            self.num_encoder_calls += 1
+            for image, output in zip(group, outputs):
+                if output.shape[0] != image.num_rows:
+                    raise RuntimeError(f"the vision encoder gave {output.shape[0]} rows for an image the processor "
+                                       f"gave {image.num_rows} placeholder tokens")
+                encoded[image.image_hash] = output.to(parameter.dtype)
+                self.outputs[image.image_hash] = encoded[image.image_hash]
+                self.num_rows += image.num_rows
+                self.num_encoded_images += 1
+        return encoded
+
+    def _evict(self, keep: set[str]) -> None:
+        for image_hash in list(self.outputs):
+            if self.num_rows <= self.capacity_rows:
+                return
+            if image_hash not in keep:
+                self.num_rows -= self.outputs.pop(image_hash).shape[0]
+
+    def clear(self) -> None:
+        self.outputs.clear()
+        self.num_rows = 0
+
+    def step_embeddings(self, input_ids: torch.Tensor, scheduled: Sequence[ScheduledRequest],
+                        query_starts: np.ndarray | Sequence[int]) -> torch.Tensor | None:
+        """The step's input embeddings [1, T, hidden] with image rows scattered in, or
+        None when no scheduled token is an image placeholder (the ids suffice).
+        ``query_starts[i]``: where request i's tokens start in the packed step."""
+        # input_ids: [1, T]
+        needed: list[tuple[int, ImageInput, int, int]] = []  # (packed offset of position 0, image, rows)
+        for index, item in enumerate(scheduled):
+            images = item.request.images
+            if not images:
+                continue
+            start, end = item.start, item.start + item.num_new_tokens
+            for image in images:
+                if image.end <= start or image.start >= end:
+                    continue
+                first, last = image.rows_in(start, end)
+                if first < last:
+                    needed.append((int(query_starts[index]) - start, image, first, last))
+        if not needed:
+            return None
+        outputs = self.get([image for _, image, _, _ in needed])
+        embeddings = self.model.get_input_embeddings()(input_ids)
+        targets = [offset + position for offset, image, first, last in needed
+                   for position in image.positions[first:last]]
+        rows = torch.cat([output[first:last] for (_, _, first, last), output in zip(needed, outputs)])
+        embeddings[0, torch.tensor(targets, device=embeddings.device)] = rows.to(embeddings.dtype)
+        return embeddings

@@ -1,0 +1,168 @@
+"""The processor step: a prompt with images becomes token ids in which each image is
+expanded into the model's placeholder tokens, plus one ImageInput per image (its
+hash, the positions its encoder rows fill, its pixel tensors).
+
+The model's own processor (transformers' AutoProcessor, read from the model
+directory) does the expansion and the pixel preprocessing, so the engine's prompt is
+the one transformers' generate sees. A text prompt goes through the processor whole;
+a token prompt (``prompt_token_ids``, and chats, which the chat template renders)
+holds one placeholder token per image, which is replaced by what the processor
+writes for that image alone.
+
+Runs on the caller's threads (llm.py's worker pool): it reads only the processor and
+the tokenizer, which it does not change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from PIL import Image
+
+from ..config import EngineConfig
+from .inputs import ImageInput, ProcessedPrompt
+from .loading import MediaOptions, as_image
+from .media import media_uuids, refuse_media
+from .specs import VisionSpec, vision_spec
+
+# Processor outputs that are not an image's own tensors.
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+def image_hash(image: Image.Image, uuid: str | None) -> str:
+    """The name of an image's pixels (``uuid`` when the user named it)."""
+    if uuid is not None:
+        return f"uuid:{uuid}"
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(f"{image.mode}:{image.size}".encode())
+    hasher.update(image.tobytes())
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class MultimodalProcessor:
+    """Expands image prompts for one vision-language model (see the module docstring)."""
+
+    processor: Any  # a transformers ProcessorMixin
+    spec: VisionSpec
+    image_token_id: int
+    max_images: int | None
+    media_options: MediaOptions
+    model: str
+
+    @classmethod
+    def load(cls, config: EngineConfig, hf_config: transformers.PretrainedConfig) -> MultimodalProcessor | None:
+        """The processor of ``config.model`` if it is a vision-language model shardline
+        runs with images, else None."""
+        spec = vision_spec(hf_config)
+        if spec is None:
+            return None
+        processor = transformers.AutoProcessor.from_pretrained(
+            config.tokenizer or config.model, revision=config.tokenizer_revision or config.revision,
+            trust_remote_code=config.trust_remote_code)
+        limits = config.limit_mm_per_prompt or {}
+        max_images = limits.get("image", spec.max_images)
+        if spec.max_images is not None and max_images is not None:
+            max_images = min(max_images, spec.max_images)
+        options = MediaOptions(config.allowed_local_media_path, config.allowed_media_domains)
+        return cls(processor, spec, spec.image_token_id(hf_config), max_images, options, config.model)
+
+    @property
+    def image_token(self) -> str:
+        token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        assert isinstance(token, str), f"image token id {self.image_token_id} has no token"
+        return token
+
+    def process(self, request_id: str, prompt: Mapping[str, Any], media: Mapping[str, Sequence[Any]]) \
+            -> ProcessedPrompt:
+        """The prompt's token ids with its images expanded, and its ImageInputs.
+        ValueError naming the request for a modality the model does not take, an image
+        that cannot be used, too many images, or placeholders that do not match them."""
+        refuse_media(request_id, media, self.model, accepted=("image",))
+        uuids = media_uuids(request_id, prompt, media)["image"]
+        images = [as_image(request_id, item, f"image {index}") for index, item in enumerate(media["image"])]
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ValueError(f"request {request_id!r} has {len(images)} images; model {self.model!r} takes at "
+                             f"most {self.max_images} per prompt (limit_mm_per_prompt)")
+        if "prompt_token_ids" in prompt:
+            token_ids, pixels, counts = self._expand_token_ids(request_id, prompt["prompt_token_ids"], images)
+            text = prompt.get("prompt")
+        else:
+            text = prompt.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"request {request_id!r}: an image prompt needs a non-empty 'prompt' str or "
+                                 "'prompt_token_ids'")
+            token_ids, pixels, counts = self._process_text(request_id, text, images)
+        positions = [i for i, token_id in enumerate(token_ids) if token_id == self.image_token_id]
+        if sum(counts) != len(positions):
+            raise ValueError(f"request {request_id!r}: the prompt has {len(positions)} image placeholder tokens "
+                             f"where its {len(images)} image(s) need {sum(counts)}")
+        inputs, first = [], 0
+        for image, uuid, pixel_inputs, count in zip(images, uuids, pixels, counts):
+            inputs.append(ImageInput(image_hash(image, uuid), tuple(positions[first:first + count]), pixel_inputs))
+            first += count
+        return ProcessedPrompt(text, token_ids, tuple(inputs))
+
+    def _call(self, request_id: str, text: str, images: list[Image.Image], **kwargs: Any) -> Any:
+        try:
+            return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: the model's processor cannot take this prompt and its "
+                             f"{len(images)} image(s): {exc}") from exc
+
+    def _process_text(self, request_id: str, text: str, images: list[Image.Image]) \
+            -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
+        outputs = self._call(request_id, text, images)
+        token_ids = outputs["input_ids"][0].tolist()
+        pixels = _split_images(outputs, len(images))
+        counts = self._counts(request_id, token_ids, images)
+        return token_ids, pixels, counts
+
+    def _counts(self, request_id: str, token_ids: list[int], images: list[Image.Image]) -> list[int]:
+        """How many placeholder tokens each image of a processed text prompt has."""
+        total = sum(1 for token_id in token_ids if token_id == self.image_token_id)
+        count_tokens = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if count_tokens is not None:
+            counts = list(count_tokens(image_sizes=[(image.height, image.width) for image in images])
+                          .num_image_tokens)
+            if sum(counts) == total:
+                return counts
+        if total % len(images):
+            raise ValueError(f"request {request_id!r}: {total} image placeholder tokens do not split evenly "
+                             f"among {len(images)} images")
+        return [total // len(images)] * len(images)
+
+    def _expand_token_ids(self, request_id: str, token_ids: Any, images: list[Image.Image]) \
+            -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
+        """Replace the one placeholder token of each image by its processor expansion."""
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints")
+        found = [i for i, token_id in enumerate(token_ids) if token_id == self.image_token_id]
+        if len(found) != len(images):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids hold {len(found)} image placeholder "
+                             f"token(s) ({self.image_token!r}, id {self.image_token_id}) for {len(images)} "
+                             "image(s); put one where each image goes")
+        expanded: list[int] = []
+        pixels, counts, previous = [], [], 0
+        for position, image in zip(found, images):
+            outputs = self._call(request_id, self.image_token, [image], add_special_tokens=False)
+            expansion = outputs["input_ids"][0].tolist()
+            expanded += list(token_ids[previous:position]) + expansion
+            pixels += _split_images(outputs, 1)
+            counts.append(sum(1 for token_id in expansion if token_id == self.image_token_id))
+            previous = position + 1
+        return expanded + list(token_ids[previous:]), pixels, counts
+
+
+def _split_images(outputs: Mapping[str, Any], num_images: int) -> list[dict[str, torch.Tensor]]:
+    """The processor's image tensors, one dict per image (each keeps a batch dim of 1)."""
+    tensors = {key: value for key, value in outputs.items()
+               if key not in _TEXT_KEYS and isinstance(value, torch.Tensor)}
+    for key, value in tensors.items():
+        assert value.shape[0] == num_images, f"processor output {key} {tuple(value.shape)} for {num_images} images"
+    return [{key: value[i : i + 1] for key, value in tensors.items()} for i in range(num_images)]

@@ -1,0 +1,64 @@
+"""Per-architecture facts the engine needs to run a vision-language model: the config
+field naming its image placeholder token, how its vision encoder turns one batch of
+processed images into one block of embedding rows per image, and how many images a
+prompt may hold. A model type absent here takes no images on shardline (its text
+part may still run as a causal LM, and its image prompts are refused).
+
+The encoder output of an image has exactly one row per placeholder position the
+processor wrote for it (checked when it is scattered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+
+# One batch of processed images (the processor's tensors, concatenated on dim 0) ->
+# one [rows, hidden] tensor per image, in order.
+Encoder = Callable[[nn.Module, dict[str, torch.Tensor], int], list[torch.Tensor]]
+
+
+def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor], num_images: int) -> list[torch.Tensor]:
+    """The model's own ``get_image_features`` (vision tower, feature selection and
+    projector), split into one tensor per image."""
+    get_image_features = model.get_image_features
+    assert callable(get_image_features), f"{type(model).__name__} has no get_image_features"
+    output = get_image_features(**pixel_inputs, return_dict=True)
+    features = output.pooler_output
+    if isinstance(features, torch.Tensor):
+        features = list(features.unbind(0)) if features.dim() == 3 else [features]
+    features = list(features)
+    assert len(features) == num_images, f"{len(features)} feature blocks for {num_images} images"
+    return features
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How the engine runs one vision-language architecture (see the module docstring).
+    ``max_images`` None: no limit of the model's own."""
+
+    model_type: str
+    encode: Encoder = image_features
+    max_images: int | None = None
+
+    def image_token_id(self, hf_config: transformers.PretrainedConfig) -> int:
+        """The placeholder token id the processor writes for every image row."""
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(hf_config, name, None)
+            if isinstance(value, int):
+                return value
+        raise ValueError(f"{self.model_type} config names no image token (image_token_id / image_token_index)")
+
+
+VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
+    VisionSpec("llava"),
+)}
+
+
+def vision_spec(hf_config: transformers.PretrainedConfig) -> VisionSpec | None:
+    """The spec of the config's model type, None for a model that takes no images here."""
+    return VISION_SPECS.get(hf_config.model_type)
