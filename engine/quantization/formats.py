@@ -49,7 +49,9 @@ def read_quantized_linear(tensors: CheckpointTensors, module: str, scheme: Quant
     bias_name = f"{module}.bias"
     bias = tensors.get(bias_name).to(bias_dtype) if bias_name in tensors else None
     readers = {"w8": _read_w8, "packed": _read_packed, "gptq": _read_gptq, "awq": _read_awq}
-    return readers[scheme.layout](tensors, module, scheme, shape, bias)
+    layer = readers[scheme.layout](tensors, module, scheme, shape, bias)
+    layer.activations = scheme.activations
+    return layer
 
 
 def _check(condition: bool, name: str, problem: str) -> None:

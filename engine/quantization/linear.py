@@ -11,8 +11,9 @@ Invariants:
   ``zeros`` [N, K // group_size]); no float copy of the weight is kept: the torch path
   dequantizes a tile of output rows at a time.
 - Every path computes ``quantized_linear_reference`` over the dequantized weight (the
-  float32 product rounded to x's dtype once), within float32 rounding; the load check
-  runs the model once with ``use_reference`` set to compare against it.
+  float32 product rounded to x's dtype once), within float32 rounding, except that the
+  CPU kernels' prefill panels round the dequantized weight to a 16-bit x's dtype once;
+  the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
 """
 
@@ -25,6 +26,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..kernels.cpu_quant import cpu_quant_available, cpu_w4_linear, cpu_w8_linear, w4_layout_supported
 from ..kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 
 # Float32 elements of dequantized weight the torch path holds at once (a tile of rows).
@@ -120,7 +122,24 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     family is wired here in one line where it runs."""
     if layer.use_reference:
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    if x.device.type == "cpu" and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
+        return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
+
+
+def cpu_kernel_takes(layer: QuantizedLinear) -> bool:
+    """Whether the CPU C kernels (kernels/cpu_quant.py) take this layer's layout."""
+    return layer.layout == "w8" or w4_layout_supported(layer.in_features, layer.group_size)
+
+
+def cpu_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The CPU C kernels: the decode shapes stream the quantized weight, dequantizing in
+    registers; the prefill shapes multiply panels of it dequantized to x's dtype."""
+    if layer.layout == "w8":
+        assert layer.weight is not None and layer.scale is not None
+        return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+    assert layer.packed is not None and layer.scales is not None
+    return cpu_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
 
 def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -157,3 +176,18 @@ def dequantized_reference(model: nn.Module) -> Iterator[None]:
     finally:
         for module in layers:
             module.use_reference = False
+
+
+# How far a kernel that quantizes activations (FP8 W8A8 on GPUs with FP8 tensor cores)
+# may move a layer's output from the weight-only reference, relative to its largest
+# value: per-token FP8 activations round each element to 3 mantissa bits.
+ACTIVATION_QUANTIZED_TOLERANCE = 0.1
+
+
+def quantized_tolerance(model: nn.Module) -> float:
+    """The load check's tolerance the model's quantized linears need beyond their
+    dtype's: ACTIVATION_QUANTIZED_TOLERANCE where a W8A8 layer runs on CUDA, else 0 (every
+    weight-only path computes the reference's float32 product)."""
+    needs = any(layer.activations != "none" and layer.layout == "w8" and layer.weight is not None
+                and layer.weight.device.type == "cuda" for _, layer in quantized_linears(model))
+    return ACTIVATION_QUANTIZED_TOLERANCE if needs else 0.0
