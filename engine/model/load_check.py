@@ -19,6 +19,13 @@ float32 whatever the model's dtype (a kind's ``reference_dtype``, e.g. the gated
 rule), or whose attention code does (FLOAT32_ATTENTION_MODEL_TYPES), is compared at
 float32's tolerance at most: its own forward is no more exact.
 
+A quantized model's reference runs its quantized linears through the plain-torch
+references (engine/kernels/quant_reference.py): its transformers forward with the
+weights dequantized, against the engine's kernels. Weight-only kernels compute the same
+float32 product and take the dtype's tolerance; a layer whose kernel quantizes its
+activations (FP8 W8A8 on CUDA) takes at least ACTIVATION_QUANTIZED_TOLERANCE
+(engine/quantization/linear.py).
+
 The reference is the model's forward over the whole sequence, except where a recurrent
 layer's own code computes a single token that continues a state differently from a
 chunk of the same tokens (a kind's ``decode_differs_from_scan``: Mamba-2's mixers floor
@@ -41,6 +48,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..errors import ModelLoadError
 from ..params import SamplingParams
+from ..quantization.linear import dequantized_reference, quantized_tolerance
 from ..recurrent.state import RecurrentLayer
 from ..surgery import decoder_layers
 from .runner import ModelRunner
@@ -74,10 +82,11 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
     with torch.inference_mode():
         requests, traces = _run_paged(runner, layers, prompts, max_model_len)
         incremental = _decode_differs_from_scan(model)
-        for request in requests:
-            _compare(model, layers, request.all_token_ids[:-1], traces[request.request_id],
-                     _reference_dtype(runner, model.config), architecture,
-                     request.num_prompt_tokens if incremental else None)
+        with dequantized_reference(model):  # quantized linears through the plain-torch references
+            for request in requests:
+                _compare(model, layers, request.all_token_ids[:-1], traces[request.request_id],
+                         _reference_dtype(runner, model.config), architecture,
+                         request.num_prompt_tokens if incremental else None)
 
 
 # Model types whose own attention code computes in float32 whatever the model's dtype:
@@ -198,7 +207,7 @@ def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int]
         model.set_attn_implementation(implementation)
         for hook in hooks:
             hook.remove()
-    tolerance = TOLERANCES.get(dtype, 0.1)
+    tolerance = max(TOLERANCES.get(dtype, 0.1), quantized_tolerance(model))
     for index in sorted(trace.layers):
         for position in sorted(trace.layers[index]):
             expected = outputs[index][0, position].float()
