@@ -1,0 +1,88 @@
+"""Broken quantized checkpoints fail at load with one line naming the tensor and the problem."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shardline import LLM
+from shardline.engine.errors import ModelLoadError, UnsupportedModelError
+from shardline.engine.model.tiny import build_tiny_model
+
+from . import checkpoints as ckpt
+
+MODULE = "model.layers.1.self_attn.q_proj"
+FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("float"), "llama")
+
+
+def _broken(quantize: Callable, change: Callable[[dict[str, torch.Tensor]], None]) -> Callable:
+    """``quantize`` with ``change`` applied to MODULE's tensors."""
+    def broken(name: str, weight: torch.Tensor):
+        tensors, dequantized = quantize(name, weight)
+        if name == MODULE:
+            change(tensors)
+        return tensors, dequantized
+    return broken
+
+
+def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.pop(name)
+
+
+def _set(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.__setitem__(name, value(tensors[name]))
+
+
+BROKEN = {
+    "missing_scale": (FP8_BLOCKS, _broken(ckpt.fp8_blocks((32, 32)), _drop("weight_scale_inv")),
+                      [f"{MODULE}.weight", "no scale tensor", f"{MODULE}.weight_scale_inv"]),
+    "block_size_mismatch": (FP8_BLOCKS, ckpt.fp8_blocks((16, 16)),
+                            ["weight_scale_inv", "block size [32, 32] does not match the weight"]),
+    "scale_wrong_dtype": (FP8_BLOCKS, _broken(ckpt.fp8_blocks((32, 32)),
+                                              _set("weight_scale_inv", lambda scale: scale.to(torch.int32))),
+                          [f"{MODULE}.weight_scale_inv", "scale stored as torch.int32"]),
+    "weight_wrong_dtype": ({"quant_method": "fp8"}, _broken(ckpt.fp8_per_tensor(),
+                                                            _set("weight", lambda weight: weight.to(torch.int8))),
+                           [f"{MODULE}.weight", "stored as torch.int8", "float8_e4m3fn"]),
+    "qweight_wrong_shape": (GPTQ, _broken(ckpt.gptq(32, True), _set("qweight", lambda qweight: qweight[:-1])),
+                            [f"{MODULE}.qweight", "shape [7, 64]", "[8, 64]"]),
+    "missing_qzeros": (GPTQ, _broken(ckpt.gptq(32, True), _drop("qzeros")), [f"{MODULE}.qzeros", "has no tensor"]),
+    "group_scales_wrong_shape": (
+        ckpt.compressed_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": 32}),
+        _broken(ckpt.pack_quantized(32, True), _set("weight_scale", lambda scale: scale[:, :1])),
+        [f"{MODULE}.weight_scale", "shape [64, 1]", "[64, 2]"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_checkpoint_names_tensor_and_problem(name, float_dir, tmp_path):
+    config, quantize, named = BROKEN[name]
+    ckpt.write_quantized(float_dir, tmp_path / name, config, quantize)
+    with pytest.raises(ModelLoadError) as error:
+        LLM(str(tmp_path / name), dtype="float32", device="cpu")
+    message = str(error.value)
+    assert "\n" not in message
+    for part in named:
+        assert part in message, (part, message)
+
+
+def test_unknown_quant_method_is_refused_at_load(float_dir, tmp_path):
+    ckpt.write_quantized(float_dir, tmp_path / "unknown", {"quant_method": "squeezellm"}, ckpt.int8_per_channel)
+    with pytest.raises(UnsupportedModelError, match="quant_method 'squeezellm' is not a quantization shardline reads"):
+        LLM(str(tmp_path / "unknown"), dtype="float32", device="cpu")
+
+
+def test_module_listed_unquantized_but_stored_quantized(float_dir, tmp_path):
+    config = {**FP8_BLOCKS, "modules_to_not_convert": ["lm_head", MODULE]}
+    ckpt.write_quantized(float_dir, tmp_path / "ignored", config, ckpt.fp8_blocks((32, 32)))
+    with pytest.raises(ModelLoadError, match=f"{MODULE}: stored quantized, but the quantization_config lists it"):
+        LLM(str(tmp_path / "ignored"), dtype="float32", device="cpu")
