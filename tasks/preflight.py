@@ -4,7 +4,8 @@
   ValidationError into one line per invalid field, named as the caller names them
   (``--max-tokens must be >= 1, got -5`` on the command line);
 - the model: its config and tokenizer resolve (a local directory, or a hub id),
-  the tokenizer has the tokens the job's reasoning parser needs, and the engine's
+  the tokenizer has the tokens the job's reasoning parser needs, a job with an image
+  column names a model whose images the engine runs, and the engine's
   one verdict on whether it can run the model for the job's task says yes
   (engine/model/support.py: the config and the model built on the meta device; no
   weights are loaded, no engine is built), so a model the engine would refuse fails
@@ -91,6 +92,8 @@ def check_model(job: BatchJob) -> str:
         except ReasoningParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
     architecture = check_support(job.model, config, job.task, trust, job.quantization)
+    if job.images.column is not None:
+        check_takes_images(job.model, config, job.images.column)
     for name, path in job.lora_adapters.items():
         if _looks_local(path) and not os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
             raise ModelUnusable("load", f"LoRA adapter {name} at {path}", "no adapter_config.json there")
@@ -149,6 +152,17 @@ def check_support(model: str, config: Any, task: JobTask, trust_remote_code: boo
     if not support.ok:
         raise ModelUnusable("load", f"model {model}", support.message)
     return support.architecture
+
+
+def check_takes_images(model: str, config: Any, column: str) -> None:
+    """ModelUnusable when the job gives rows images (``column``) and the engine runs no images
+    of the model (engine/multimodal/specs.py answers, as for the loader): every row would fail."""
+    from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec  # here: it imports torch
+
+    if vision_spec(config) is None:
+        raise ModelUnusable("load", f"model {model}", f"images.column={column!r} gives rows images, but shardline "
+                            f"runs no images of model type {config.model_type!r} (vision-language types it runs: "
+                            f"{', '.join(sorted(VISION_SPECS))}); every row would fail")
 
 
 def model_verdict(model: str, task: JobTask, revision: str | None = None,
