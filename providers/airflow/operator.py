@@ -29,7 +29,9 @@ class ShardInferenceOperator(BaseOperator):
     :param job: BatchJob fields (or a BatchJob without storage_options); templated, so
         ``"input": "s3://bucket/prompts/{{ ds }}"`` makes a backfill run per partition. A
         template of the whole job (``"{{ params.job }}"``) needs the DAG's
-        ``render_template_as_native_obj=True``.
+        ``render_template_as_native_obj=True``. Rows with images take ``"images"``
+        (``{"column": ..., "allowed_domains": [...], "max_image_bytes": ...}``); their
+        images are read with the connection's storage options, like the shards.
     :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
     :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
         connection: login, password, extra.endpoint_url); none for local paths.
