@@ -61,6 +61,11 @@ def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.float16 or bool(library.quant_takes_float16())
 
 
+def w4_layout_supported(in_features: int, group_size: int) -> bool:
+    """Whether ``cpu_w4_linear`` takes groups of ``group_size`` over ``in_features`` columns."""
+    return group_size > 0 and group_size % 2 == 0 and in_features % group_size == 0
+
+
 def _library() -> ctypes.CDLL:
     library = _LIBRARY.load()
     assert library is not None, "call cpu_quant_available first"
@@ -153,7 +158,7 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     ``input_perm`` [K] reorders x's columns first (act-order)."""
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu", packed.dtype
-    assert group_size > 0 and group_size % 2 == 0 and in_features % group_size == 0, (group_size, in_features)
+    assert w4_layout_supported(in_features, group_size), (group_size, in_features)
     groups = (out_features, in_features // group_size)
     for table in (scales,) if zeros is None else (scales, zeros):
         assert table.dtype == torch.float32 and table.is_contiguous(), (table.dtype, table.stride())

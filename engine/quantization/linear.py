@@ -64,7 +64,7 @@ class QuantizedLinear(nn.Module):
         """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per block."""
         rows, cols = weight.shape
         layer = cls(cols, rows, "w8", bias)
-        layer.weight, layer.scale, layer.block = weight, scale.float(), block
+        layer.weight, layer.scale, layer.block = weight.contiguous(), scale.float().contiguous(), block
         return layer
 
     @classmethod
@@ -73,8 +73,9 @@ class QuantizedLinear(nn.Module):
         """A W4 linear: ``packed`` [N, K // 2] uint8, ``scales``/``zeros`` [N, K // group_size]."""
         rows, half = packed.shape
         layer = cls(2 * half, rows, "w4", bias)
-        layer.packed, layer.scales, layer.group_size = packed, scales.float(), group_size
-        layer.zeros = None if zeros is None else zeros.float()
+        # Contiguous, as the kernels read them (a checkpoint's conversion may leave views).
+        layer.packed, layer.scales, layer.group_size = packed.contiguous(), scales.float().contiguous(), group_size
+        layer.zeros = None if zeros is None else zeros.float().contiguous()
         layer.input_perm = input_perm
         return layer
 
