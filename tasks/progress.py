@@ -37,6 +37,7 @@ from .storage import Shard
 logger = logging.getLogger("shardline.tasks.progress")
 
 Sink = Callable[["ProgressSnapshot"], None]
+HEARTBEAT_MIN_SECONDS = 0.1
 Clock = Callable[[], float]
 
 
@@ -153,6 +154,12 @@ class JobProgress:
         """The ShardExecutor's ``on_row`` for shard ``key``."""
         return lambda done: self.row_done(key, done)
 
+    def was_read(self, key: str) -> bool:
+        """Whether shard ``key`` was read in this run and has not ended (else it was skipped)."""
+        with self._lock:
+            count = self._shards.get(key)
+            return count is not None and count.rows is not None
+
     def shard_finished(self, key: str, manifest: ShardManifest | None, ran: bool = True) -> None:
         """Shard ``key`` ended: committed (``manifest``; ``ran`` False when it was skipped as
         already done) or failed (None)."""
@@ -190,8 +197,10 @@ class JobProgress:
 
     @contextlib.contextmanager
     def heartbeat(self, every_seconds: float) -> Iterator[None]:
-        """Poll every ``every_seconds`` from a thread of its own while the block runs, then finish."""
+        """Poll every ``every_seconds`` (at least HEARTBEAT_MIN_SECONDS) from a thread of its own
+        while the block runs, then finish."""
         stop = threading.Event()
+        every_seconds = max(every_seconds, HEARTBEAT_MIN_SECONDS)
 
         def beat() -> None:
             while not stop.wait(every_seconds):

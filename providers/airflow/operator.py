@@ -15,6 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from shardline.tasks.errors import PipelineError
 from shardline.tasks.job import BatchJob
+from shardline.tasks.progress_report import DEFAULT_INTERVAL_SECONDS
 from shardline.tasks.shard_job import task_may_retry
 
 from .connection import get_storage_options
@@ -40,6 +41,8 @@ class ShardInferenceOperator(BaseOperator):
         instead of loading the model again, and it exits after
         ``SHARDLINE_ENGINE_IDLE_TIMEOUT`` seconds (default 600) without work. Off, each
         task instance loads its own engine in its own process.
+    :param progress_interval: seconds between progress lines in the task log (rows done of
+        rows known, errors, tokens/s, ETA, and the engine's health).
 
     Returns one manifest for one shard, else a list of manifests. A shard already done
     with this job's fingerprint is skipped (its manifest is returned), so clearing a
@@ -60,6 +63,7 @@ class ShardInferenceOperator(BaseOperator):
         shards: ShardValue | Sequence[ShardValue],
         storage_conn_id: str | None = None,
         engine_service: bool = True,
+        progress_interval: float = DEFAULT_INTERVAL_SECONDS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -67,6 +71,9 @@ class ShardInferenceOperator(BaseOperator):
         self.shards = shards
         self.storage_conn_id = storage_conn_id
         self.engine_service = engine_service
+        if not progress_interval > 0:
+            raise ValueError(f"progress_interval must be a positive number of seconds, got {progress_interval!r}")
+        self.progress_interval = progress_interval
         self._batch: ShardBatch | None = None
 
     def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
@@ -76,7 +83,7 @@ class ShardInferenceOperator(BaseOperator):
         shards = [shard_from_xcom(value) for value in ([rendered] if isinstance(rendered, Mapping) else rendered)]
         self._batch = ShardBatch(job, engine_service=self.engine_service)
         try:
-            manifests = self._batch.run(shards)
+            manifests = self._batch.run(shards, log=self.log, progress_interval=self.progress_interval)
         except PipelineError as exc:  # one line naming operation and object (tasks/errors.py)
             if task_may_retry(exc):
                 raise  # an engine that failed: Airflow's retries may run the task again

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from shardline.tasks.engine_cache import EngineHost
 from shardline.tasks.job import BatchJob
 from shardline.tasks.manifest import ShardManifest
+from shardline.tasks.progress import JobProgress
+from shardline.tasks.progress_report import DEFAULT_INTERVAL_SECONDS, log_sink
 from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard
 
@@ -83,13 +86,31 @@ class ShardBatch:
         self.job = job
         self._pipeline = ShardPipeline(job, EngineHost.SERVICE if engine_service else EngineHost.THREAD)
 
-    def run(self, shards: list[Shard]) -> list[ShardManifest]:
-        """Each shard's manifest, in order; a failed shard raises after the others finish."""
-        if len(shards) <= 1:  # in this thread: a signal reaches it
-            return [self._pipeline.process(shard, skip_done=True) for shard in shards]
-        with ThreadPoolExecutor(min(len(shards), self.job.shards_in_flight), "shardline-shard") as pool:
-            futures = [pool.submit(self._pipeline.process, shard, True) for shard in shards]
-            return [future.result() for future in futures]
+    def run(self, shards: list[Shard], log: logging.Logger | logging.LoggerAdapter[Any] | None = None,
+            progress_interval: float = DEFAULT_INTERVAL_SECONDS) -> list[ShardManifest]:
+        """Each shard's manifest, in order; a failed shard raises after the others finish.
+        With ``log`` (the task's log), a progress line every ``progress_interval`` seconds:
+        rows, errors, tokens/s, ETA and the engine's health."""
+        progress = self._pipeline.progress = JobProgress(shards)
+        if log is not None:
+            progress.add_sink(log_sink(log), progress_interval)
+        with progress.heartbeat(min(progress_interval, 1.0)):
+            if len(shards) <= 1:  # in this thread: a signal reaches it
+                return [self._process(shard) for shard in shards]
+            with ThreadPoolExecutor(min(len(shards), self.job.shards_in_flight), "shardline-shard") as pool:
+                futures = [pool.submit(self._process, shard) for shard in shards]
+                return [future.result() for future in futures]
+
+    def _process(self, shard: Shard) -> ShardManifest:
+        progress = self._pipeline.progress
+        assert progress is not None, "run() sets the batch's progress"
+        try:
+            manifest = self._pipeline.process(shard, skip_done=True)
+        except BaseException:
+            progress.shard_finished(shard.key, None)
+            raise
+        progress.shard_finished(shard.key, manifest, ran=progress.was_read(shard.key))
+        return manifest
 
     def abort(self) -> None:
         """Stop every shard: abort the rows in the engine, commit no output."""
