@@ -1,6 +1,7 @@
 """Batched LoRA layers: each token of one packed forward uses its own adapter, or none.
 
-Every adaptable linear layer (nn.Linear or GPT-2's Conv1D, except the output
+Every adaptable linear layer (nn.Linear, GPT-2's Conv1D or a QuantizedLinear, whose
+weight stays quantized while the delta is added on top; except the output
 embeddings) is wrapped once, when the LoRAManager is built, so the memory for all
 adapter slots is taken before the KV cache is sized. A wrapper holds the adapters
 of all slots stacked and zero-padded to max_lora_rank:
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..quantization.linear import QuantizedLinear
 from ..surgery import replace, submodule
 
 
@@ -44,18 +46,18 @@ class LoRATokenGroups:
 
 
 # The layers LoRA can adapt.
-AdaptableLinear = nn.Linear | Conv1D
+AdaptableLinear = nn.Linear | Conv1D | QuantizedLinear
 
 
 def layer_features(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a layer LoRA can adapt, else None."""
-    if isinstance(module, (nn.Linear, Conv1D)):
+    if isinstance(module, (nn.Linear, Conv1D, QuantizedLinear)):
         return _features(module)
     return None
 
 
 def _features(layer: AdaptableLinear) -> tuple[int, int]:
-    if isinstance(layer, nn.Linear):
+    if isinstance(layer, (nn.Linear, QuantizedLinear)):
         return layer.in_features, layer.out_features
     # GPT-2's Conv1D, a transposed linear: weight [in, out]
     return int(layer.weight.shape[0]), int(layer.weight.shape[1])
@@ -71,7 +73,7 @@ class BatchedLoRALinear(nn.Module):
     def __init__(self, base_layer: nn.Module, max_loras: int, max_lora_rank: int,
                  token_groups: LoRATokenGroups, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        assert isinstance(base_layer, (nn.Linear, Conv1D)), \
+        assert isinstance(base_layer, (nn.Linear, Conv1D, QuantizedLinear)), \
             f"{type(base_layer).__name__} is not an adaptable linear layer"
         self.base_layer: AdaptableLinear = base_layer
         self.in_features, self.out_features = _features(base_layer)
@@ -84,7 +86,8 @@ class BatchedLoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(shape_b, device=device, dtype=dtype), persistent=False)
 
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor | None:
+        """The base layer's weight (a QuantizedLinear's codes, or None for its W4 layout)."""
         return self.base_layer.weight
 
     @property
