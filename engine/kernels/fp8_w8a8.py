@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import check_kernel_dtype, interpreter_active, launcher, next_power_of_2, require_triton, tl, triton
-from .quant_linear import tile_k_for
+from .quant_linear import output_strides, plan_tiles, tile_k_for
 from .quant_reference import dequantize_w8, expand_block_scale
 
 FP8_MAX = 448.0
@@ -28,7 +28,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 FP8_TENSOR_CORES = (8, 9)
 
 if triton is not None:
-    from .quant_linear import store_output_tile, tile_coords  # jitted helpers shared with W8A16
+    from .quant_linear import split_k_range, store_output_tile, tile_coords  # jitted helpers shared with W8A16
 
     # Module constants a kernel reads must be Triton constexprs.
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -71,7 +71,7 @@ if triton is not None:
     def _fp8_gemm_kernel(
         q_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
         stride_qm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_om, scale_block_n, scale_block_k,
-        PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        k_per_split, stride_split, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # q: [M, K] fp8 with x_scale [M, groups]; w: [N, K] fp8 with w_scale [N // bn, K // bk]
@@ -82,7 +82,8 @@ if triton is not None:
         x_scale_rows = x_scale_ptr + rows * stride_xsm
         w_scale_cols = w_scale_ptr + (cols // scale_block_n) * stride_wsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_valid = ks < K
             q = tl.load(q_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
@@ -159,9 +160,11 @@ def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
 
 
 def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
+                    block: tuple[int, int] | None, bias: torch.Tensor | None, *,
+                    split_k: int | None = None) -> torch.Tensor:
     """x [..., K] quantized per token (and K block) to FP8, times the FP8 weight [N, K],
-    plus bias; returns [..., N] in x's dtype. fp8_w8a8_reference is its plain-torch twin."""
+    plus bias; returns [..., N] in x's dtype. fp8_w8a8_reference is its plain-torch twin.
+    ``split_k`` as quant_linear.triton_w8_linear's."""
     require_triton()
     _check_weight(weight, scale, block)
     out_features, in_features = weight.shape
@@ -175,9 +178,8 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     rows = x.reshape(-1, in_features)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     num_rows = rows.shape[0]
-    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out.reshape(*x.shape[:-1], out_features)
+        return x.new_empty((*x.shape[:-1], out_features))
     q, x_scale = quantize_fp8_rows(rows, activation_group_size(in_features, block))
     per_channel = block is None and scale.shape[0] == out_features
     stride_wsn, stride_wsk = (scale.stride(0), 0) if per_channel else (0, 0)
@@ -187,17 +189,17 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         stride_wsn, stride_wsk = scale.stride(0), scale.stride(1)
         scale_block_n, scale_block_k = block
         block_k = min(128, tile_k_for(block[1]) or 16)
-    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64 if num_rows <= 64 else 128
-    block_n = 64 if num_rows <= 64 or out_features <= 64 else 128
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n),)
-    launcher(_fp8_gemm_kernel, grid)(
+    plan = plan_tiles(num_rows, out_features, in_features, block_k, x.device, split_k)
+    out = plan.output(num_rows, out_features, x)
+    stride_om, stride_split = output_strides(out)
+    launcher(_fp8_gemm_kernel, plan.grid(num_rows, out_features))(
         q, x_scale, weight, scale, bias if bias is not None else scale, out, num_rows, out_features, in_features,
-        q.stride(0), x_scale.stride(0), weight.stride(0), stride_wsn, stride_wsk, out.stride(0),
-        scale_block_n, scale_block_k,
-        PER_TILE=block is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3,
+        q.stride(0), x_scale.stride(0), weight.stride(0), stride_wsn, stride_wsk, stride_om,
+        scale_block_n, scale_block_k, plan.k_per_split, stride_split,
+        PER_TILE=block is not None, HAS_BIAS=bias is not None and plan.split_k == 1,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=3,
     )
-    return out.reshape(*x.shape[:-1], out_features)
+    return plan.finish(out, bias, x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def quantize_fp8_rows_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,8 @@ nibbles (odd columns) each meet the matching columns of x in their own dot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import check_kernel_dtype, interpreter_active, launcher, require_triton, tl, triton
@@ -47,6 +49,13 @@ if triton is not None:
         return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
+    def split_k_range(K, k_per_split, out_ptr, stride_split):
+        """This program's K range [k_start, k_end) and its output (its split's partial sums)."""
+        split = tl.program_id(1)
+        k_start = split * k_per_split
+        return k_start, tl.minimum(k_start + k_per_split, K), out_ptr + split.to(tl.int64) * stride_split
+
+    @triton.jit
     def store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr):
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -67,7 +76,7 @@ if triton is not None:
     @triton.jit
     def _w8_linear_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
-        stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k,
+        stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k, k_per_split, stride_split,
         SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -79,7 +88,8 @@ if triton is not None:
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
         w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_valid = ks < K
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
@@ -129,7 +139,7 @@ if triton is not None:
     @triton.jit
     def _w4_linear_kernel(
         x_ptr, packed_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, M, N, K, group_size,
-        stride_xm, stride_pn, stride_sn, stride_zn, stride_om,
+        stride_xm, stride_pn, stride_sn, stride_zn, stride_om, k_per_split, stride_split,
         HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PER_ELEMENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -142,7 +152,8 @@ if triton is not None:
         scale_cols = scales_ptr + cols[None, :] * stride_sn
         zero_cols = zeros_ptr + cols[None, :] * stride_zn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             k_valid = ks_even < K  # K is even: the odd column is valid with its even one
             x_mask = row_valid[:, None] & k_valid[None, :]
@@ -186,6 +197,63 @@ def _tile_mn(num_rows: int, num_cols: int) -> tuple[int, int]:
     return block_m, block_n
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """A launch's tiling: BLOCK_M x BLOCK_N output tiles walking K in BLOCK_K tiles, K cut
+    into ``split_k`` ranges of ``k_per_split`` columns (a multiple of BLOCK_K) whose float32
+    partial sums are added after the kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+
+    def grid(self, num_rows: int, out_features: int) -> tuple[int, int]:
+        return -(-num_rows // self.block_m) * -(-out_features // self.block_n), self.split_k
+
+    def output(self, num_rows: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+        """[M, N] in x's dtype, or the splits' float32 partial sums [split_k, M, N]."""
+        if self.split_k == 1:
+            return torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+        return torch.empty((self.split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
+
+    def finish(self, out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The [M, N] result: the partial sums (and the bias, which the kernel leaves to this
+        when K is split) added in float32 and rounded once."""
+        if self.split_k == 1:
+            return out
+        total = out.sum(dim=0)
+        if bias is not None:
+            total += bias.float()
+        return total.to(dtype)
+
+
+def output_strides(out: torch.Tensor) -> tuple[int, int]:
+    """(row stride, split stride) of a TilePlan.output buffer."""
+    return (out.stride(1), out.stride(0)) if out.dim() == 3 else (out.stride(0), 0)
+
+
+def plan_tiles(num_rows: int, out_features: int, in_features: int, block_k: int, device: torch.device,
+               split_k: int | None) -> TilePlan:
+    """The tiling for an [M, K] x [K, N] launch; ``split_k`` None: chosen for the device."""
+    block_m, block_n = _tile_mn(num_rows, out_features)
+    k_tiles = -(-in_features // block_k)
+    if split_k is None:
+        split_k = _default_split_k(-(-num_rows // block_m) * -(-out_features // block_n), k_tiles, device)
+    tiles_per_split = -(-k_tiles // max(1, min(split_k, k_tiles)))
+    return TilePlan(block_m, block_n, block_k, -(-k_tiles // tiles_per_split), tiles_per_split * block_k)
+
+
+def _default_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Decode-sized grids have too few programs to stream a weight at the GPU's bandwidth:
+    K is split until there are about four programs per SM, each keeping four K tiles or more."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-4 * sms // tiles), k_tiles // 4, 16))
+
+
 def _as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x [..., K] as a 2-D [M, K] view (a copy only when the rows are not strided)."""
     check_kernel_dtype("x", x)
@@ -219,9 +287,11 @@ def _w8_scale_layout(weight: torch.Tensor, scale: torch.Tensor,
 
 
 def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
+                     block: tuple[int, int] | None, bias: torch.Tensor | None, *,
+                     split_k: int | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_w8(weight, scale, block).T + bias, as
-    quant_reference.quantized_linear_reference; returns [..., N] in x's dtype."""
+    quant_reference.quantized_linear_reference; returns [..., N] in x's dtype.
+    ``split_k``: K ranges summed after the kernel (None: chosen for the device)."""
     # x: [..., K] float16/bfloat16/float32; weight: [N, K] fp8 e4m3 or int8; scale: float32
     require_triton()
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, f"weight {weight.dtype} {tuple(weight.shape)}"
@@ -232,27 +302,27 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_bias(bias, out_features, x.device)
     assert weight.device == scale.device == x.device, f"devices {weight.device}, {scale.device}, {x.device}"
     num_rows = rows.shape[0]
-    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out.reshape(*x.shape[:-1], out_features)
-    block_m, block_n_tile = _tile_mn(num_rows, out_features)
+        return x.new_empty((*x.shape[:-1], out_features))
     if stride_sk == 0:
         mode, block_k_tile = SCALE_PER_ROW, 128 if in_features >= 128 else 64
     else:
         tile = tile_k_for(block_k)
         mode, block_k_tile = (SCALE_PER_TILE, tile) if tile else (SCALE_PER_ELEMENT, 64)
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n_tile),)
+    plan = plan_tiles(num_rows, out_features, in_features, block_k_tile, x.device, split_k)
+    out = plan.output(num_rows, out_features, x)
+    stride_om, stride_split = output_strides(out)
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
-    launcher(_w8_linear_kernel, grid)(
+    launcher(_w8_linear_kernel, plan.grid(num_rows, out_features))(
         rows, weight.view(torch.uint8) if weight_fp8 else weight, scale, bias if bias is not None else scale, out,
-        num_rows, out_features, in_features,
-        rows.stride(0), weight.stride(0), stride_sn, stride_sk, out.stride(0), block_n, block_k,
-        SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n_tile, BLOCK_K=block_k_tile, GROUP_M=8,
+        num_rows, out_features, in_features, rows.stride(0), weight.stride(0), stride_sn, stride_sk,
+        stride_om, block_n, block_k, plan.k_per_split, stride_split,
+        SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_BIAS=bias is not None and plan.split_k == 1,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k_tile, GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3,
     )
-    return out.reshape(*x.shape[:-1], out_features)
+    return plan.finish(out, bias, x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def _check_w4_layout(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -270,9 +340,10 @@ def _check_w4_layout(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def triton_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                     group_size: int, bias: torch.Tensor | None, *, split_k: int | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_w4(packed, scales, zeros, group_size).T + bias, with x's
-    columns already in the weight's stored order; returns [..., N] in x's dtype."""
+    columns already in the weight's stored order; returns [..., N] in x's dtype.
+    ``split_k`` as triton_w8_linear's."""
     # x: [..., K]; packed: [N, K // 2] uint8; scales, zeros: [N, ceil(K / group_size)] float32
     require_triton()
     _check_w4_layout(packed, scales, zeros, group_size)
@@ -281,21 +352,20 @@ def triton_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     _check_bias(bias, out_features, x.device)
     assert packed.device == x.device, f"packed on {packed.device}, x on {x.device}"
     num_rows = rows.shape[0]
-    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out.reshape(*x.shape[:-1], out_features)
-    block_m, block_n = _tile_mn(num_rows, out_features)
+        return x.new_empty((*x.shape[:-1], out_features))
     tile = tile_k_for(group_size, smallest=32)  # each half of a tile feeds a dot of K >= 16
-    block_k = tile or 64
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n),)
-    launcher(_w4_linear_kernel, grid)(
+    plan = plan_tiles(num_rows, out_features, in_features, tile or 64, x.device, split_k)
+    out = plan.output(num_rows, out_features, x)
+    stride_om, stride_split = output_strides(out)
+    launcher(_w4_linear_kernel, plan.grid(num_rows, out_features))(
         rows, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         out, num_rows, out_features, in_features, group_size,
         rows.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
-        out.stride(0),
-        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PER_ELEMENT=tile is None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        stride_om, plan.k_per_split, stride_split,
+        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and plan.split_k == 1, PER_ELEMENT=tile is None,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3,
     )
-    return out.reshape(*x.shape[:-1], out_features)
+    return plan.finish(out, bias, x.dtype).reshape(*x.shape[:-1], out_features)

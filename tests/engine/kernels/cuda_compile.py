@@ -96,6 +96,8 @@ def _cases() -> dict[str, Callable[[], object]]:
     return {
         "w8_fp8_block_bf16": lambda: quant_linear.triton_w8_linear(x.to(bf16), fp8_weight, block_scale, (128, 128),
                                                                    bias),
+        "w8_fp8_block_bf16_split_k": lambda: quant_linear.triton_w8_linear(
+            x.to(bf16), fp8_weight, block_scale, (128, 128), bias, split_k=2),
         "w8_int8_channel_fp16": lambda: quant_linear.triton_w8_linear(x.to(fp16), int8_weight, channel_scale,
                                                                       None, None),
         "w8_fp8_per_element_bf16": lambda: quant_linear.triton_w8_linear(

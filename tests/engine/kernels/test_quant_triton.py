@@ -376,9 +376,44 @@ def test_mxfp4_moe_refuses_bad_layouts():
         replace(case, gate_up_bias=torch.zeros(4, 10, device=DEVICE)).run(mxfp4_moe, act)
 
 
+def test_split_k_plans_cover_k_without_empty_splits():
+    from shardline.engine.kernels.quant_linear import plan_tiles
+
+    for in_features, block_k, split_k in [(520, 128, 3), (4096, 128, 5), (200, 64, 16), (64, 64, 4), (12288, 128, 7)]:
+        plan = plan_tiles(1, 4096, in_features, block_k, torch.device("cpu"), split_k)
+        assert plan.k_per_split % block_k == 0
+        assert (plan.split_k - 1) * plan.k_per_split < in_features <= plan.split_k * plan.k_per_split
+        assert plan.split_k <= split_k
+    assert plan_tiles(1, 4096, 4096, 128, torch.device("cpu"), None).split_k == 1  # chosen by SM count on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_k_sums_partials_once(dtype):
+    """K cut into ranges whose float32 partial sums (and the bias) are added after the kernel:
+    the same result as one range, for every kernel."""
+    from shardline.engine.kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_reference
+    from shardline.engine.kernels.quant_linear import triton_w4_linear, triton_w8_linear
+
+    bias = torch.randn(72).to(DEVICE)
+    fp8_weight, block_scale = make_w8(72, 520, torch.float8_e4m3fn, (32, 128))
+    int8_weight, channel_scale = make_w8(72, 520, torch.int8, "channel")
+    packed, scales, zeros = make_w4(72, 520, 32, True)
+    for num_rows in (1, 37):
+        x = activations(num_rows, 520, dtype)
+        for split_k in (1, 3):
+            assert_close(triton_w8_linear(x, fp8_weight, block_scale, (32, 128), bias, split_k=split_k),
+                         quantized_linear_reference(x, dequantize_w8(fp8_weight, block_scale, (32, 128)), bias))
+            assert_close(triton_w8_linear(x, int8_weight, channel_scale, None, bias, split_k=split_k),
+                         quantized_linear_reference(x, dequantize_w8(int8_weight, channel_scale), bias))
+            assert_close(triton_w4_linear(x, packed, scales, zeros, 32, bias, split_k=split_k),
+                         quantized_linear_reference(x, dequantize_w4(packed, scales, zeros, 32), bias))
+            assert_close(fp8_w8a8_linear(x, fp8_weight, block_scale, (32, 128), bias, split_k=split_k),
+                         fp8_w8a8_reference(x, fp8_weight, block_scale, (32, 128), bias))
+
+
 CUDA_COMPILE = Path(__file__).with_name("cuda_compile.py")
-NON_FP8_CASES = ["w8_fp8_block_bf16", "w8_int8_channel_fp16", "w8_fp8_per_element_bf16", "w4_group_bf16",
-                 "w4_per_element_fp16", "mxfp4_moe_bf16"]
+NON_FP8_CASES = ["w8_fp8_block_bf16", "w8_fp8_block_bf16_split_k", "w8_int8_channel_fp16", "w8_fp8_per_element_bf16",
+                 "w4_group_bf16", "w4_per_element_fp16", "mxfp4_moe_bf16"]
 FP8_W8A8_CASES = ["fp8_w8a8_channel_bf16", "fp8_w8a8_block_bf16"]
 
 
