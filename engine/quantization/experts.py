@@ -27,18 +27,48 @@ Invariants:
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..surgery import replace
 from .checkpoint import CheckpointTensors
+from .formats import read_quantized_linear, stored_quantized
+from .linear import QuantizedLinear
 from .mxfp4 import Mxfp4ExpertWeights, read_float_bias, read_mxfp4_projection
 from .scheme import QuantScheme
 
+
+class LinearsPerExpert(nn.Module):
+    """One projection of every expert from a checkpoint that stores each expert's
+    linears apart: a QuantizedLinear (W8 or W4) per expert and part, the parts side by
+    side in the output (gate then up for gate_up). Each multiplies through
+    engine/quantization/linear.py's one dispatch, so its kernels serve experts too.
+    Registered by name (``parts[part][expert]``), not in ModuleLists: the decoder's
+    layers are the model's longest ModuleList (engine/surgery.py's decoder_layers)."""
+
+    def __init__(self, parts: dict[str, list[QuantizedLinear]]) -> None:
+        super().__init__()
+        linears = list(parts.values())
+        assert linears and all(len(part) == len(linears[0]) for part in linears), {k: len(v) for k, v in parts.items()}
+        self.parts = nn.ModuleDict({name: nn.ModuleDict({str(expert): linear for expert, linear in enumerate(part)})
+                                    for name, part in parts.items()})
+        self._linears = linears  # the same modules, typed, for the hot path
+        self.num_experts = len(linears[0])
+        self.in_features = linears[0][0].in_features
+        self.out_features = sum(part[0].out_features for part in linears)
+
+    def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]."""
+        x32 = x.float()
+        return torch.cat([part[expert](x32) for part in self._linears], dim=-1)
+
+
 # What holds one projection of every expert: ``matmul(expert, x [T, K])`` gives the
 # float32 [T, N] product with that expert's weight.
-ExpertWeights = Mxfp4ExpertWeights
+ExpertWeights = Mxfp4ExpertWeights | LinearsPerExpert
 
 
 class SiluGatedHalves(nn.Module):
@@ -206,8 +236,73 @@ def _mxfp4_experts(tensors: CheckpointTensors, name: str, module: nn.Module,
 
 def _per_expert_experts(tensors: CheckpointTensors, name: str, module: nn.Module, scheme: QuantScheme,
                         model_type: str) -> tuple[str, QuantizedExperts] | None:
-    raise UnsupportedModelError(
-        f"MoE experts of model type {model_type!r} quantized as {scheme.description} are not supported yet")
+    """The experts of a checkpoint that stores each expert's linears apart, in W8/W4,
+    with the checkpoint prefix they were read under (None: stored unquantized)."""
+    gate_up_names, down_names, renamings = per_expert_names(model_type)
+    prefix = next((candidate for candidate in _checkpoint_prefixes(name, renamings)
+                   if stored_quantized(tensors, f"{candidate}.0.{(gate_up_names or down_names or ('',))[0]}", scheme)),
+                  None)
+    if prefix is None:
+        return None
+    if type(module).__name__ not in GATED_HALVES_EXPERTS or not gate_up_names or not down_names:
+        raise UnsupportedModelError(
+            f"MoE experts of model type {model_type!r} ({type(module).__name__} at {name}) quantized as "
+            f"{scheme.description} are not supported: shardline runs per-expert fp8/int8/int4 experts of "
+            f"{', '.join(GATED_HALVES_MODEL_TYPES)}")
+    gate_up_weight, down_weight = _tensor(module, "gate_up_proj"), _tensor(module, "down_proj")
+    num_experts, gate_up_rows, hidden = gate_up_weight.shape
+    intermediate = gate_up_rows // len(gate_up_names)
+
+    def projection(names: tuple[str, ...], shape: tuple[int, int]) -> LinearsPerExpert:
+        return LinearsPerExpert({
+            part: [read_quantized_linear(tensors, f"{prefix}.{expert}.{part}", scheme, shape, down_weight.dtype)
+                   for expert in range(num_experts)] for part in names})
+
+    gate_up = projection(gate_up_names, (intermediate, hidden))
+    down = projection(down_names, (hidden, intermediate))
+    act_fn = module.act_fn
+    assert isinstance(act_fn, nn.Module), type(act_fn)
+    return prefix, QuantizedExperts(gate_up, down, SiluGatedHalves(act_fn))
+
+
+def per_expert_names(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """How transformers' weight conversion fuses ``model_type``'s per-expert checkpoint
+    linears: the checkpoint's linear names whose outputs make gate_up (in order), those
+    making down, and the (checkpoint, model) renamings of module paths it applies first."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    gate_up: tuple[str, ...] = ()
+    down: tuple[str, ...] = ()
+    renamings: list[tuple[str, str]] = []
+    for conversion in get_checkpoint_conversion_mapping(model_type) or []:
+        sources, targets = list(conversion.source_patterns), list(conversion.target_patterns)
+        if isinstance(conversion, WeightRenaming) and not isinstance(conversion, WeightConverter):
+            renamings += [(source, target) for source, target in zip(sources, targets, strict=False)
+                          if re.fullmatch(r"[\w.]+", source) and re.fullmatch(r"[\w.]+", target)]
+            continue
+        linears = tuple(source.split(".*.", 1)[-1].removesuffix(".weight") for source in sources if ".*." in source)
+        if targets and targets[0].endswith("experts.gate_up_proj"):
+            gate_up = linears
+        elif targets and targets[0].endswith("experts.down_proj"):
+            down = linears
+    return gate_up, down, tuple(renamings)
+
+
+def _checkpoint_prefixes(name: str, renamings: tuple[tuple[str, str], ...]) -> list[str]:
+    """Where a checkpoint may store the experts module ``name``'s tensors: under its own
+    name, or under the name transformers' renamings map to it."""
+    candidates = [name]
+    for source, target in renamings:
+        if target in f".{name}.":
+            candidates.append(f".{name}.".replace(target, source, 1).strip("."))
+    return candidates
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    tensor = getattr(module, name)
+    assert isinstance(tensor, torch.Tensor), (type(module).__name__, name)
+    return tensor
 
 
 def _number(module: nn.Module, name: str) -> float:

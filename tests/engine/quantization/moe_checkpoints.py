@@ -1,14 +1,17 @@
-"""Tiny quantized MoE checkpoints written locally in the exact on-disk layouts: gpt-oss
-with MXFP4 experts, Qwen3-MoE with FP8 block-quantized linears per expert. Each starts
-from engine/model/tiny.py's random model (weights ~N(0, 0.2)), scaled by powers of two
-per block so the checkpoint's scales vary, and quantized here."""
+"""Tiny MoE checkpoints for the quantized-experts tests: gpt-oss with MXFP4 experts in
+its exact on-disk layout (engine/model/tiny.py's random model, weights ~N(0, 0.2),
+scaled by powers of two per 32-element block so the scales vary, quantized here);
+a float Qwen3-MoE whose per-expert linears checkpoints.py's writers quantize; and the
+float reference model with per-expert dequantized weights fused as transformers holds them."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from shardline.engine.kernels.quant_reference import FP4_E2M1_VALUES
@@ -16,7 +19,6 @@ from shardline.engine.model.tiny import build_tiny_model
 
 # gpt-oss's own list of what its checkpoints leave unquantized.
 GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-FP8_MAX = 448.0
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,18 +36,6 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = codes.to(torch.uint8).reshape(*lead, rows, cols // 32, 16, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
     return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float32 weight_scale_inv [N // bn, K // bk]),
-    w = q * scale per block (block sizes dividing the weight, as transformers' own FP8
-    dequantization requires)."""
-    block_rows, block_cols = block
-    rows, cols = weight.shape
-    grid = weight.float().reshape(rows // block_rows, block_rows, cols // block_cols, block_cols)
-    scale = grid.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    quantized = (grid / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
-    return quantized, scale
 
 
 def _varied(weight: torch.Tensor, generator: torch.Generator, block: tuple[int, int]) -> torch.Tensor:
@@ -82,21 +72,29 @@ def write_gpt_oss_mxfp4(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def write_qwen3_moe_fp8(path: str | Path, block: tuple[int, int] = (16, 32), seed: int = 0) -> Path:
-    """A tiny Qwen3-MoE checkpoint as Qwen's FP8 releases are stored: every projection
-    (attention and each expert's gate/up/down) float8_e4m3fn with a ``weight_scale_inv``
-    per ``block``; router, norms, embeddings and head float32."""
-    path = build_tiny_model(path, "qwen3_moe", seed=seed, head_dim=16, num_experts=4, num_experts_per_tok=2,
+def tiny_qwen3_moe(path: str | Path, seed: int = 0) -> Path:
+    """A tiny float32 Qwen3-MoE checkpoint; its experts stored per expert
+    (``mlp.experts.{e}.gate_proj.weight`` ...), as transformers saves them."""
+    return build_tiny_model(path, "qwen3_moe", seed=seed, head_dim=16, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32, norm_topk_prob=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, tensor in load_file(path / "model.safetensors").items():
-        if name.endswith("_proj.weight"):
-            weight, scale = quantize_fp8_block(_varied(tensor, generator, block), block)
-            tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = weight, scale
-        else:
-            tensors[name] = tensor
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    _set_quantization_config(path, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                    "weight_block_size": list(block)})
-    return path
+
+
+def fused_reference_model(float_dir: str | Path, dequantized: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
+    """The float32 model of ``float_dir`` with ``dequantized`` weights (by linear module
+    name, as the checkpoint stores them) in place: per-expert ``gate_proj``/``up_proj``
+    into the fused ``gate_up_proj``'s halves, ``down_proj`` into ``down_proj``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            fused = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
+            if fused is None:
+                model.get_parameter(f"{name}.weight").copy_(weight)
+                continue
+            experts, expert, part = fused.group(1), int(fused.group(2)), fused.group(3)
+            if part == "down_proj":
+                model.get_parameter(f"{experts}.down_proj")[expert].copy_(weight)
+            else:
+                rows = weight.shape[0]
+                start = 0 if part == "gate_proj" else rows
+                model.get_parameter(f"{experts}.gate_up_proj")[expert, start:start + rows].copy_(weight)
+    return model

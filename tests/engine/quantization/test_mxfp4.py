@@ -15,6 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.utils.quantization_config import Mxfp4Config
 
+from shardline import LLM, SamplingParams
 from shardline.engine.kernels.quant_reference import dequantize_mxfp4
 from shardline.engine.quantization import mxfp4
 from shardline.engine.quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
@@ -99,6 +100,17 @@ def test_greedy_tokens_match_transformers_mxfp4_and_the_reference(gpt_oss_dir) -
     assert len({tuple(tokens) for tokens in outputs}) == len(PROMPTS)  # the tokens depend on the input
 
 
+def test_engine_generates_transformers_greedy_tokens(gpt_oss_dir) -> None:
+    hf = _transformers_dequantized(gpt_oss_dir)
+    expected = [_greedy(hf, prompt) for prompt in PROMPTS]
+    llm = LLM(str(gpt_oss_dir), dtype="float32", max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    model = llm.llm_engine.model  # pyright: ignore[reportAttributeAccessIssue]
+    assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == hf.config.num_hidden_layers
+
+
 def test_experts_are_held_as_mxfp4(gpt_oss_dir) -> None:
     ours = _with_quantized_experts(_transformers_dequantized(gpt_oss_dir), gpt_oss_dir)
     config = ours.config
@@ -113,6 +125,7 @@ def test_experts_are_held_as_mxfp4(gpt_oss_dir) -> None:
             "gate_up_bias": (4, 2 * config.intermediate_size), "down_bias": (4, config.hidden_size),
             "gate_up.pair_values": (256, 2), "gate_up.exponents": (256,),
             "down.pair_values": (256, 2), "down.exponents": (256,)}
+        assert isinstance(module.gate_up, mxfp4.Mxfp4ExpertWeights)
         assert module.gate_up.blocks.dtype == module.gate_up.scales.dtype == torch.uint8
         assert tuple(module.gate_up.blocks.shape) == (4, 2 * config.intermediate_size, config.hidden_size // 32, 16)
 

@@ -1,0 +1,143 @@
+"""Quantized MoE experts from checkpoints that store each expert's linears apart
+(Qwen3-MoE FP8 blocks with ``weight_scale_inv``, compressed-tensors W4A16, GPTQ int4):
+greedy tokens through the engine against transformers (its own FP8 loader, and the
+float model with the dequantized weights fused as it holds them), the experts held
+quantized, and the refusals of experts the engine cannot hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from accelerate import init_empty_weights
+
+from shardline import LLM, SamplingParams
+from shardline.engine.errors import UnsupportedModelError
+from shardline.engine.quantization.checkpoint import CheckpointTensors
+from shardline.engine.quantization.experts import (
+    LinearsPerExpert,
+    QuantizedExperts,
+    per_expert_names,
+    replace_quantized_experts,
+)
+from shardline.engine.quantization.linear import QuantizedLinear
+from shardline.engine.quantization.methods import parse_quantization_config
+
+from . import checkpoints as ckpt
+from .moe_checkpoints import fused_reference_model, tiny_qwen3_moe
+
+PROMPTS = [[5, 9, 33, 70, 100, 7, 8, 200], [6, 10, 34, 71, 101, 7, 8, 200], [300, 12, 45]]
+NEW_TOKENS = 12
+FP8_BLOCK = (16, 32)
+
+FORMATS = {
+    "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                   "weight_block_size": list(FP8_BLOCK)}, ckpt.fp8_blocks(FP8_BLOCK), torch.float8_e4m3fn),
+    "compressed_w4a16": (ckpt.compressed_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}),
+        ckpt.pack_quantized(32, True), torch.uint8),
+    "gptq_int4": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+                   "checkpoint_format": "gptq"}, ckpt.gptq(32, True), torch.uint8),
+}
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory) -> Path:
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe-float"))
+
+
+def _greedy_hf(model: transformers.PreTrainedModel, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),  # pyright: ignore[reportCallIssue]
+                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy_engine(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def _experts(llm: LLM) -> list[QuantizedExperts]:
+    model = llm.llm_engine.model  # pyright: ignore[reportAttributeAccessIssue]
+    return [module for module in model.modules() if isinstance(module, QuantizedExperts)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir, tmp_path, fmt) -> None:
+    quantization_config, quantize, stored_dtype = FORMATS[fmt]
+    out_dir = tmp_path / fmt
+    dequantized = ckpt.write_quantized(float_dir, out_dir, quantization_config, quantize)
+    assert any(".experts.3.down_proj" in name for name in dequantized)
+    expected = [_greedy_hf(fused_reference_model(float_dir, dequantized), prompt) for prompt in PROMPTS]
+    assert len({tuple(tokens) for tokens in expected}) == len(PROMPTS)  # the tokens depend on the input
+    if fmt == "fp8_block":  # transformers' own FP8 loader (it dequantizes on CPU) agrees
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+        assert [_greedy_hf(hf, prompt) for prompt in PROMPTS] == expected
+
+    llm = LLM(str(out_dir), dtype="float32", max_num_seqs=4)
+    assert _greedy_engine(llm) == expected
+    experts = _experts(llm)
+    assert len(experts) == 2
+    for module in experts:
+        assert not list(module.parameters())
+        for projection in (module.gate_up, module.down):
+            assert isinstance(projection, LinearsPerExpert) and projection.num_experts == 4
+            linears = [linear for linear in projection.modules() if isinstance(linear, QuantizedLinear)]
+            assert len(linears) == 4 * (2 if projection is module.gate_up else 1)
+            for linear in linears:
+                stored = linear.weight if linear.layout == "w8" else linear.packed
+                assert stored is not None and stored.dtype == stored_dtype
+                # No 16/32-bit float tensor as large as the weight: scales and zero points only.
+                weight_elements = linear.in_features * linear.out_features
+                assert all(buffer.numel() < weight_elements // 8 for buffer in linear.buffers()
+                           if buffer.dtype.is_floating_point and buffer.element_size() > 1)
+
+
+def test_transformers_weight_conversion_names_each_experts_linears() -> None:
+    assert per_expert_names("qwen3_moe") == (("gate_proj", "up_proj"), ("down_proj",), ())
+    assert per_expert_names("deepseek_v3") == (("gate_proj", "up_proj"), ("down_proj",), ())
+    # Mixtral's checkpoints name them w1/w3/w2 under block_sparse_moe, which transformers renames to mlp.
+    assert per_expert_names("mixtral") == (("w1", "w3"), ("w2",), ((".block_sparse_moe.", ".mlp."),))
+
+
+def _skeleton(directory: Path) -> transformers.PreTrainedModel:
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("quantization_config", None)
+    with init_empty_weights(include_buffers=False):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+
+
+def _scheme(directory: Path):
+    return parse_quantization_config(json.loads((directory / "config.json").read_text())["quantization_config"])
+
+
+def test_mxfp4_experts_of_another_model_type_are_refused(float_dir, tmp_path) -> None:
+    def as_mxfp4(name: str, weight: torch.Tensor) -> ckpt.Written:
+        rows, cols = weight.shape
+        return {"weight_blocks": torch.zeros(rows, cols // 32, 16, dtype=torch.uint8),
+                "weight_scales": torch.full((rows, cols // 32), 127, dtype=torch.uint8)}, weight
+
+    out_dir = tmp_path / "mxfp4"
+    ckpt.write_quantized(float_dir, out_dir, {"quant_method": "mxfp4"}, as_mxfp4,
+                         modules=lambda names: [name for name in names if ".experts." in name])
+    refusal = r"model type 'qwen3_moe' \(Qwen3MoeExperts at model.layers.0.mlp.experts\) quantized as mxfp4 "
+    with pytest.raises(UnsupportedModelError, match=refusal + "are not supported"):
+        replace_quantized_experts(_skeleton(out_dir), CheckpointTensors(out_dir), _scheme(out_dir))
+
+
+def test_quantized_experts_of_an_unknown_experts_module_are_refused(float_dir, tmp_path) -> None:
+    out_dir = tmp_path / "renamed"
+    ckpt.write_quantized(float_dir, out_dir, FORMATS["fp8_block"][0], ckpt.fp8_blocks(FP8_BLOCK))
+    tensors = CheckpointTensors(out_dir)
+    model = _skeleton(out_dir)
+    # The checkpoint's experts under a name no experts module of the model answers to.
+    del model.model.layers[1].mlp.experts
+    with pytest.raises(UnsupportedModelError, match=r"model type 'qwen3_moe' quantized as fp8 \(fp8\) "
+                                                    r"\(model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"):
+        replace_quantized_experts(model, tensors, _scheme(out_dir))
