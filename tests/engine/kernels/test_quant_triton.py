@@ -387,7 +387,7 @@ def test_split_k_plans_cover_k_without_empty_splits():
     assert plan_tiles(1, 4096, 4096, 128, torch.device("cpu"), None).split_k == 1  # chosen by SM count on CUDA
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 def test_split_k_sums_partials_once(dtype):
     """K cut into ranges whose float32 partial sums (and the bias) are added after the kernel:
     the same result as one range, for every kernel."""
