@@ -11,7 +11,9 @@ id, which is input order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeGuard
 
 from tqdm.auto import tqdm
@@ -21,6 +23,9 @@ from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_sp
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
 from .lora.request import LoRARequest, resolve_lora_request
+from .multimodal.inputs import ProcessedPrompt
+from .multimodal.loading import chat_part_image
+from .multimodal.processor import MultimodalProcessor
 from .outputs import EmbeddingRequestOutput, EngineStats, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, PoolingTask, SamplingParams
 from .pooling.engine import (
@@ -31,6 +36,11 @@ from .pooling.engine import (
     wants_pooling_engine,
 )
 from .tools import ToolChoice
+
+# Image prompts are prepared (decoded, preprocessed) on this many worker threads, at
+# most this many ahead of the engine.
+PREPROCESS_WORKERS = 2
+PREPROCESS_WINDOW = 16
 
 
 class Engine(Protocol):
@@ -164,10 +174,22 @@ class LLM:
 
     def _render_indexed(self, item: tuple[int, list[dict]], options: ChatOptions) -> PromptType:
         index, conversation = item
+        multimodal = self._multimodal()
+        media: list[dict] | None = [] if multimodal is not None else None
         try:
-            return {"prompt_token_ids": render_chat(self.get_tokenizer(), conversation, options)}
+            token_ids = render_chat(self.get_tokenizer(), conversation, options, media)
         except ChatRenderError as exc:
             raise ChatRenderError(f"conversation {index}: {exc}") from exc
+        if not media:
+            return {"prompt_token_ids": token_ids}
+        assert multimodal is not None, "media parts are collected for a model that takes images only"
+        where = f"conversation {index}"
+        images = [chat_part_image(where, part, multimodal.media_options) for part in media]
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+
+    def _multimodal(self) -> MultimodalProcessor | None:
+        engine = self.llm_engine
+        return engine.multimodal if isinstance(engine, LLMEngine) else None
 
     def _run(self, items: Iterable[Any], render: Callable[[Any], PromptType], params: Any,
              use_tqdm: Any, lora_request: Any, priority: Any) -> list:
@@ -180,19 +202,19 @@ class LLM:
         added: list[str] = []
         outputs: dict[str, Any] = {}
         progress = _ProgressBar(use_tqdm, num_items)
+        prepared = self._prepared(items, render)
         try:
-            for item, item_params, item_lora, item_priority in zip(
-                items, per_item["params"], per_item["lora_request"], per_item["priority"]
+            for (request_id, prompt, ready), item_params, item_lora, item_priority in zip(
+                prepared, per_item["params"], per_item["lora_request"], per_item["priority"]
             ):
-                request_id = str(next(self.request_counter))
-                prompt = render(item)
                 if self.engine_config.default_mm_loras:
                     item_lora = resolve_lora_request(prompt, item_lora, self.engine_config.default_mm_loras)
-                self.llm_engine.add_request(request_id, prompt, item_params, item_lora, item_priority or 0)
+                self.llm_engine.add_request(request_id, ready, item_params, item_lora, item_priority or 0)
                 added.append(request_id)
                 if self._batch_is_full():
                     self._step_into(outputs, progress)
         except BaseException:
+            prepared.close()  # cancels prompts still being prepared
             self.llm_engine.abort_request(added)
             progress.close()
             raise
@@ -211,6 +233,41 @@ class LLM:
             raise RuntimeError(f"the engine finished without an output for requests {missing[:10]} "
                                f"({len(missing)} of {len(added)})")
         return [outputs[request_id] for request_id in sorted(added, key=int)]
+
+    def _prepared(self, items: Iterable[Any], render: Callable[[Any], PromptType]) \
+            -> Generator[tuple[str, PromptType, PromptType | ProcessedPrompt]]:
+        """(request id, rendered prompt, prompt ready for add_request) per item, in order.
+        A vision-language model's items are rendered and run through its processor
+        (image decoding and preprocessing) on a small worker pool, up to
+        PREPROCESS_WINDOW items ahead of the engine, so the step loop is not held up by
+        them; a text model's are rendered here, one at a time."""
+        engine = self.llm_engine
+        if not isinstance(engine, LLMEngine) or engine.multimodal is None:
+            for item in items:
+                request_id = str(next(self.request_counter))
+                prompt = render(item)
+                yield request_id, prompt, prompt
+            return
+
+        def prepare(request_id: str, item: Any) -> tuple[PromptType, PromptType | ProcessedPrompt]:
+            prompt = render(item)
+            return prompt, engine.preprocess(request_id, prompt)
+
+        window: deque[tuple[str, Future]] = deque()
+        with ThreadPoolExecutor(PREPROCESS_WORKERS, thread_name_prefix="shardline-preprocess") as pool:
+            try:
+                for item in items:
+                    request_id = str(next(self.request_counter))
+                    window.append((request_id, pool.submit(prepare, request_id, item)))
+                    if len(window) >= PREPROCESS_WINDOW:
+                        request_id, future = window.popleft()
+                        yield request_id, *future.result()
+                while window:
+                    request_id, future = window.popleft()
+                    yield request_id, *future.result()
+            finally:
+                for _, future in window:
+                    future.cancel()
 
     def _batch_is_full(self) -> bool:
         return not self.llm_engine.has_capacity()

@@ -56,7 +56,9 @@ def is_conversation(value: Any) -> bool:
     )
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, media: list[dict] | None = None) -> str:
+    """The text of a message's content; image parts go to ``media`` (a model that
+    takes images) or are refused (``media`` None)."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -65,6 +67,9 @@ def _text_of(content: Any, where: str) -> str:
         texts = []
         for part in content:
             modality = MEDIA_PART_TYPES.get(str(part.get("type"))) if isinstance(part, dict) else None
+            if modality == "image" and media is not None:
+                media.append(part)
+                continue
             if modality is not None:
                 raise ChatRenderError(
                     f"{where}: a {part['type']!r} part carries {modality} input, which this model cannot take; "
@@ -77,8 +82,11 @@ def _text_of(content: Any, where: str) -> str:
     raise ChatRenderError(f"{where}: content must be a string or a list of text parts, got {content!r:.100}")
 
 
-def normalize_messages(conversation: Any, content_format: str) -> list[dict]:
-    """Validate messages and shape their content as the template expects."""
+def normalize_messages(conversation: Any, content_format: str, media: list[dict] | None = None) -> list[dict]:
+    """Validate messages and shape their content as the template expects. With
+    ``media`` (a model that takes images), image parts are appended to it in order and
+    become transformers' ``{"type": "image"}`` parts, which the template renders as the
+    model's image placeholder."""
     if not isinstance(conversation, Sequence) or isinstance(conversation, str) or not conversation:
         raise ChatRenderError(f"a conversation must be a non-empty list of messages, got {conversation!r:.100}")
     messages = []
@@ -88,8 +96,15 @@ def normalize_messages(conversation: Any, content_format: str) -> list[dict]:
             raise ChatRenderError(f"{where} must be a dict with a string 'role', got {message!r:.100}")
         message = dict(message)
         content = message.get("content")
-        text = _text_of(content, where)  # validates the parts too
-        if content_format == "string":
+        num_media = len(media) if media is not None else 0
+        text = _text_of(content, where, media)  # validates the parts too
+        if media is not None and len(media) > num_media and isinstance(content, list):
+            if content_format == "string":
+                raise ChatRenderError(f"{where} has image parts, but the chat template takes string content, "
+                                      "where they would be lost (chat_template_content_format='openai' keeps them)")
+            message["content"] = [{"type": "image"} if MEDIA_PART_TYPES.get(str(part.get("type"))) else part
+                                  for part in content]
+        elif content_format == "string":
             message["content"] = text
         elif not isinstance(content, list):
             message["content"] = [{"type": "text", "text": text}]
@@ -106,9 +121,11 @@ def resolve_content_format(options: ChatOptions, tokenizer: PreTrainedTokenizerB
     return "openai" if _ITERATES_CONTENT.search(template) else "string"
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: Any, options: ChatOptions) -> list[int]:
-    """Token ids of ``conversation`` rendered with the chat template."""
-    messages = normalize_messages(conversation, resolve_content_format(options, tokenizer))
+def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: Any, options: ChatOptions,
+                media: list[dict] | None = None) -> list[int]:
+    """Token ids of ``conversation`` rendered with the chat template; with ``media``, a
+    model that takes images: their parts are appended to it (see normalize_messages)."""
+    messages = normalize_messages(conversation, resolve_content_format(options, tokenizer), media)
     # transformers takes tools as JSON schemas or functions (a list of either).
     tools: list[dict[str, Any] | Callable[..., Any]] | None = None if options.tools is None else list(options.tools)
     try:

@@ -135,3 +135,23 @@ def _within_limit(request_id: str, url: str, data: bytes) -> bytes:
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"request {request_id!r}: image {url[:200]!r} is larger than {MAX_IMAGE_BYTES} bytes")
     return data
+
+
+def chat_part_image(request_id: str, part: dict[str, Any], options: MediaOptions) -> Image.Image:
+    """The image of one chat content part: ``image_url`` ({"url": ...} or a str),
+    ``image_pil`` (vLLM's), ``input_image`` (the Responses API's) or transformers'
+    ``image`` (a PIL image or a URL)."""
+    kind = part.get("type")
+    if kind == "image_url":
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, dict) else value
+        return load_image_url(request_id, url, options)
+    if kind == "input_image":
+        return load_image_url(request_id, part.get("image_url"), options)
+    if kind in ("image_pil", "image"):
+        value = part.get(kind)
+        if isinstance(value, str):
+            return load_image_url(request_id, value, options)
+        return as_image(request_id, value, f"the {kind!r} part's image")
+    raise ValueError(f"request {request_id!r}: a {kind!r} chat part is not taken (precomputed image embeddings "
+                     "are not); send the image itself (image_url, image_pil)")

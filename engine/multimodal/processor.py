@@ -9,15 +9,16 @@ a token prompt (``prompt_token_ids``, and chats, which the chat template renders
 holds one placeholder token per image, which is replaced by what the processor
 writes for that image alone.
 
-Runs on the caller's threads (llm.py's worker pool): it reads only the processor and
-the tokenizer, which it does not change.
+Runs on the caller's threads (llm.py's worker pool): images are decoded and hashed
+in parallel, the processor is called under a lock.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +55,9 @@ class MultimodalProcessor:
     max_images: int | None
     media_options: MediaOptions
     model: str
+    # The processor's tokenizer is not safe to call from two threads at once (its Rust
+    # side refuses a second borrow); image decoding and hashing run unlocked.
+    lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @classmethod
     def load(cls, config: EngineConfig, hf_config: transformers.PretrainedConfig) -> MultimodalProcessor | None:
@@ -110,7 +114,8 @@ class MultimodalProcessor:
 
     def _call(self, request_id: str, text: str, images: list[Image.Image], **kwargs: Any) -> Any:
         try:
-            return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+            with self.lock:
+                return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: the model's processor cannot take this prompt and its "
                              f"{len(images)} image(s): {exc}") from exc

@@ -11,7 +11,7 @@ from shardline import LLM, SamplingParams
 from .conftest import images
 
 MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 PROMPTS = ["hi <image> what is this?", "<image> Describe it.", "two: <image> and <image>, compare."]
 
 
@@ -104,7 +104,7 @@ def test_n_greater_than_one_and_preemption(tiny_llava_dir, llava_reference):
     llm = LLM(tiny_llava_dir, dtype="float32", block_size=4, kv_cache_memory_bytes=3 * 4 * 2 * 2 * 16 * 4 * 24,
               max_num_seqs=4, max_model_len=64)
     cases = _image_prompts(images(5))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)
     outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": p}} for t, p in cases], params,
                            use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
