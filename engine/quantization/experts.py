@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.quant_moe import GatedActivation, mxfp4_moe
 from ..surgery import replace
 from .checkpoint import CheckpointTensors
 from .formats import read_quantized_linear, stored_quantized
@@ -84,23 +86,10 @@ class SiluGatedHalves(nn.Module):
         return self.act_fn(gate) * up
 
 
-class ClampedSwiGLU(nn.Module):
-    """gpt-oss's gate: interleaved rows (gate at even, up at odd positions), the gate
-    clamped above at ``limit``, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-
-    def __init__(self, alpha: float, limit: float) -> None:
-        super().__init__()
-        self.alpha = alpha
-        self.limit = limit
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-    def extra_repr(self) -> str:
-        return f"alpha={self.alpha}, limit={self.limit}"
+# How gate_up's output becomes down's input: the replaced module's own activation over
+# halves, or gpt-oss's clamped SwiGLU over interleaved rows (the Triton kernel's
+# GatedActivation, whose plain-torch call computes it as transformers' GptOssExperts does).
+ExpertActivation = SiluGatedHalves | GatedActivation
 
 
 class QuantizedExperts(nn.Module):
@@ -112,7 +101,7 @@ class QuantizedExperts(nn.Module):
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
 
-    def __init__(self, gate_up: ExpertWeights, down: ExpertWeights, activation: nn.Module,
+    def __init__(self, gate_up: ExpertWeights, down: ExpertWeights, activation: ExpertActivation,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.gate_up = gate_up
@@ -128,6 +117,8 @@ class QuantizedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, H], top_k_index / top_k_weights: [T, k]
+        if self.runs_mxfp4_kernel(hidden_states):
+            return self.mxfp4_kernel_forward(hidden_states, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden_states)
         num_experts = self.num_experts
         for expert in torch.unique(top_k_index).tolist():
@@ -138,6 +129,22 @@ class QuantizedExperts(nn.Module):
             weighted = routed * top_k_weights[token_idx, top_k_pos, None]
             output.index_add_(0, token_idx, weighted.to(output.dtype))
         return output
+
+    def runs_mxfp4_kernel(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call goes to the Triton MXFP4 kernel: MXFP4 experts with a gated
+        activation, on CUDA, in a dtype the kernel takes."""
+        return (hidden_states.is_cuda and triton_available() and hidden_states.dtype in KERNEL_DTYPES
+                and isinstance(self.gate_up, Mxfp4ExpertWeights) and isinstance(self.down, Mxfp4ExpertWeights)
+                and isinstance(self.activation, GatedActivation))
+
+    def mxfp4_kernel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward through engine/kernels/quant_moe.py's grouped MXFP4 kernel."""
+        gate_up, down, activation = self.gate_up, self.down, self.activation
+        assert isinstance(gate_up, Mxfp4ExpertWeights) and isinstance(down, Mxfp4ExpertWeights)
+        assert isinstance(activation, GatedActivation)
+        return mxfp4_moe(hidden_states.contiguous(), gate_up.blocks, gate_up.scales, self.gate_up_bias, down.blocks,
+                         down.scales, self.down_bias, top_k_index, top_k_weights, activation)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert`` on its tokens x [t, H]: [t, H] in x's dtype."""
@@ -230,7 +237,7 @@ def _mxfp4_experts(tensors: CheckpointTensors, name: str, module: nn.Module,
     down = read_mxfp4_projection(tensors, f"{name}.down_proj", hidden, intermediate, num_experts)
     gate_up_bias = read_float_bias(tensors, f"{name}.gate_up_proj_bias", (num_experts, 2 * intermediate))
     down_bias = read_float_bias(tensors, f"{name}.down_proj_bias", (num_experts, hidden))
-    activation = ClampedSwiGLU(_number(module, "alpha"), _number(module, "limit"))
+    activation = GatedActivation.clamped_swiglu(_number(module, "alpha"), _number(module, "limit"))
     return name, QuantizedExperts(gate_up, down, activation, gate_up_bias, down_bias)
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils.quantization_config import Mxfp4Config
 
 from shardline import LLM, SamplingParams
+from shardline.engine.kernels import triton_available
 from shardline.engine.kernels.quant_reference import dequantize_mxfp4
 from shardline.engine.quantization import mxfp4
 from shardline.engine.quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
@@ -128,6 +132,43 @@ def test_experts_are_held_as_mxfp4(gpt_oss_dir) -> None:
         assert isinstance(module.gate_up, mxfp4.Mxfp4ExpertWeights)
         assert module.gate_up.blocks.dtype == module.gate_up.scales.dtype == torch.uint8
         assert tuple(module.gate_up.blocks.shape) == (4, 2 * config.intermediate_size, config.hidden_size // 32, 16)
+
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before triton is imported,
+# and transformers (imported by this module) imports it.
+KERNEL_WIRING = """
+import torch
+from shardline.engine.kernels.quant_moe import GatedActivation
+from shardline.engine.quantization.experts import QuantizedExperts
+from shardline.engine.quantization.mxfp4 import Mxfp4ExpertWeights
+
+generator = torch.Generator().manual_seed(0)
+experts, hidden, intermediate, tokens = 4, 64, 32, 7
+
+def projection(rows, cols):
+    return Mxfp4ExpertWeights(
+        torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=generator, dtype=torch.uint8),
+        torch.randint(120, 128, (experts, rows, cols // 32), generator=generator, dtype=torch.uint8))
+
+module = QuantizedExperts(projection(2 * intermediate, hidden), projection(hidden, intermediate),
+                          GatedActivation.clamped_swiglu(1.702, 7.0),
+                          torch.randn(experts, 2 * intermediate, generator=generator),
+                          torch.randn(experts, hidden, generator=generator))
+x = torch.randn(tokens, hidden, generator=generator)
+top_k_index = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 4], [1, 3], [0, 1], [2, 3]])  # 4: not an expert here
+top_k_weights = torch.rand(tokens, 2, generator=generator)
+expected = module(x, top_k_index, top_k_weights)  # the CPU path
+actual = module.mxfp4_kernel_forward(x, top_k_index, top_k_weights)
+torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+print("kernel path agrees")
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_the_cuda_path_hands_the_mxfp4_kernel_what_the_cpu_path_computes() -> None:
+    result = subprocess.run([sys.executable, "-c", KERNEL_WIRING], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0 and "kernel path agrees" in result.stdout, result.stderr[-3000:]
 
 
 def _broken_copy(source: Path, target: Path, edit) -> Path:
