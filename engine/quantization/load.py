@@ -69,7 +69,7 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
 
     config = copy.deepcopy(hf_config)
     if hasattr(config, "quantization_config"):
-        del config.quantization_config
+        delattr(config, "quantization_config")
     with torch.device(device), init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     tensors = CheckpointTensors(directory, device)

@@ -33,8 +33,9 @@ def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
     if isinstance(raw, Mapping):
         return dict(raw)
     to_dict = getattr(raw, "to_dict", None)
-    if callable(to_dict):
-        return dict(to_dict())
+    converted = to_dict() if callable(to_dict) else None
+    if isinstance(converted, Mapping):
+        return dict(converted)
     raise UnsupportedModelError(f"quantization_config of type {type(raw).__name__} is not a mapping")
 
 

@@ -22,6 +22,9 @@ import transformers
 from compressed_tensors.compressors import pack_to_int32
 from safetensors.torch import load_file, save_file
 
+from shardline import LLM
+from shardline.engine.llm_engine import LLMEngine
+
 FP8_MAX = 448.0
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of each word holds column AWQ_ORDER[i]
 Written = tuple[dict[str, torch.Tensor], torch.Tensor]  # (tensors on disk, dequantized weight)
@@ -60,8 +63,17 @@ def reference_model(float_dir: str | Path, dequantized: dict[str, torch.Tensor],
                                                               attn_implementation="eager").eval()
     with torch.no_grad():
         for module, weight in dequantized.items():
-            model.get_submodule(module).weight.copy_(weight)
+            linear = model.get_submodule(module)
+            assert isinstance(linear, torch.nn.Linear), module
+            linear.weight.copy_(weight)
     return model
+
+
+def engine_model(llm: LLM) -> torch.nn.Module:
+    """The model an LLM's generation engine runs."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    return engine.model
 
 
 # Per format: (name, weight [N, K] float32) -> (tensors as the format stores them, dequantized weight).

@@ -34,7 +34,9 @@ def _broken(quantize: Callable, change: Callable[[dict[str, torch.Tensor]], None
 
 
 def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
-    return lambda tensors: tensors.pop(name)
+    def drop(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[name]
+    return drop
 
 
 def _set(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], None]:

@@ -101,7 +101,7 @@ def test_format_matches_dequantized_transformers(name, float_dirs, tmp_path):
     expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
     llm, tokens = _engine_tokens(tmp_path / name)
     assert tokens == expected
-    assert_kept_quantized(llm.llm_engine.model, list(dequantized), dtype)
+    assert_kept_quantized(ckpt.engine_model(llm), list(dequantized), dtype)
 
 
 def test_reference_tokens_depend_on_the_input(float_dirs, tmp_path):
@@ -137,7 +137,7 @@ def test_ignored_modules_stay_float(float_dirs, tmp_path):
     expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
     llm, tokens = _engine_tokens(tmp_path / "ignore")
     assert tokens == expected
-    model = llm.llm_engine.model
+    model = ckpt.engine_model(llm)
     assert_kept_quantized(model, list(dequantized), torch.uint8)
     assert not any(isinstance(module, QuantizedLinear) for name, module in model.named_modules()
                    if name.replace(".layer.", ".") == kept)

@@ -41,7 +41,7 @@ def test_lora_on_a_gptq_base(tmp_path):
                            use_tqdm=False)
     tokens = [output.outputs[0].token_ids for output in outputs]
     assert tokens == with_adapter + without
-    wrapped = [module for module in llm.llm_engine.model.modules() if isinstance(module, BatchedLoRALinear)]
+    wrapped = [module for module in ckpt.engine_model(llm).modules() if isinstance(module, BatchedLoRALinear)]
     assert wrapped and all(isinstance(module.base_layer, QuantizedLinear) for module in wrapped
                            if module.out_features != 512)
     assert any(isinstance(module.base_layer, QuantizedLinear) and module.base_layer.packed is not None

@@ -13,6 +13,7 @@ from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.quantization.linear import quantized_linears
 
 from ..hf_reference import hf_greedy, random_prompts
+from . import checkpoints as ckpt
 from .checkpoints import decoder_linears, reference_model
 from .test_formats import MAX_NEW_TOKENS, assert_kept_quantized
 
@@ -47,6 +48,6 @@ def test_online_quantization_matches_dequantized_transformers(method, dtype, flo
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
-    model = llm.llm_engine.model
+    model = ckpt.engine_model(llm)
     assert_kept_quantized(model, modules, dtype)
     assert all(".layers." in name for name, _ in quantized_linears(model))  # the lm_head stays float
