@@ -44,7 +44,7 @@ def fingerprint_fields(job: BatchJob, shard: Shard, input_schema: dict[str, str]
         # Options left at None stay out, so jobs that do not use them keep their fingerprints.
         unset = {"max_reasoning_tokens"} if job.sampling.max_reasoning_tokens is None else set()
         fields["sampling"] = job.sampling.model_dump(mode="json", exclude=unset)
-    for name in ("structured_outputs", "reasoning_parser"):
+    for name in ("structured_outputs", "reasoning_parser", "tool_call_parser"):
         if getattr(job, name) is not None:
             fields[name] = job.model_dump(mode="json", include={name})[name]
     if job.quantization is not None:

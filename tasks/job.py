@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, Secret, field_validator, mode
 
 from shardline.engine.config import QUANTIZATIONS, EngineConfig
 from shardline.engine.sampling.reasoning import REASONING_PARSERS
+from shardline.engine.tools import TOOL_CALL_PARSERS
 
 from .media import ImageOptions
 from .structured_job import StructuredOutputs
@@ -26,7 +27,7 @@ from .structured_job import StructuredOutputs
 # Columns every output shard may carry; pass-through columns must not shadow them.
 OUTPUT_COLUMNS = (
     "id", "text", "texts", "finish_reason", "prompt_tokens", "completion_tokens", "error", "embedding",
-    "parsed", "reasoning",
+    "parsed", "reasoning", "tool_calls",
 )
 
 
@@ -146,6 +147,11 @@ class BatchJob(BaseModel):
         "may name, size limits.",
     )
 
+    tool_call_parser: str | None = Field(
+        default=None, description=f"Read the tool calls of requests that offer tools (tool_choice auto) in this "
+        f"model's format: {', '.join(TOOL_CALL_PARSERS)}; none takes the one the chat template implies.",
+    )
+
     @field_validator("engine_options")
     @classmethod
     def _known_engine_options(cls, options: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +187,13 @@ class BatchJob(BaseModel):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
         return name
 
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
+        return name
+
     @model_validator(mode="after")
     def _structured_and_reasoning(self) -> BatchJob:
         if self.task == JobTask.EMBED and self.structured_outputs is not None:
@@ -188,8 +201,9 @@ class BatchJob(BaseModel):
         if self.input_format == InputFormat.OPENAI and self.structured_outputs is not None:
             raise ValueError("structured_outputs does not apply to input_format openai: each request's body "
                              "sets its own response_format")
-        if "reasoning_parser" in self.engine_options:
-            raise ValueError("set reasoning_parser as the job's own field, not in engine_options")
+        for name in ("reasoning_parser", "tool_call_parser"):
+            if name in self.engine_options:
+                raise ValueError(f"set {name} as the job's own field, not in engine_options")
         if self.sampling.max_reasoning_tokens is not None and self.reasoning_parser is None:
             raise ValueError(f"sampling.max_reasoning_tokens={self.sampling.max_reasoning_tokens} needs a "
                              "reasoning_parser")
@@ -225,6 +239,8 @@ class BatchJob(BaseModel):
             kwargs["quantization"] = self.quantization
         if self.reasoning_parser is not None:
             kwargs["reasoning_parser"] = self.reasoning_parser
+        if self.tool_call_parser is not None:
+            kwargs["tool_call_parser"] = self.tool_call_parser
         return kwargs
 
     def public_fields(self) -> dict[str, Any]:

@@ -23,7 +23,9 @@ class ShardManifest:
     """One shard's committed output: counts (requests, failed requests, tokens), where
     it came from and went, how long each stage took, and the job's fingerprint and
     public fields. ``invalid_outputs`` (structured outputs that did not validate,
-    counted among ``errors``) is None for OpenAI Batch outputs, which do not count them."""
+    counted among ``errors``) is None for OpenAI Batch outputs, which do not count them.
+    ``reasoning_tokens`` counts the completion tokens a reasoning parser put in the
+    reasoning (None, and absent from the JSON, in manifests written before it was counted)."""
 
     shard: str
     input: str
@@ -39,6 +41,7 @@ class ShardManifest:
     fingerprint: str
     job: Mapping[str, Any]  # the fields the fingerprint is taken over (tasks/fingerprint.py)
     invalid_outputs: int | None = None
+    reasoning_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as its JSON object, keys in their on-disk order."""
@@ -49,6 +52,8 @@ class ShardManifest:
         }
         if self.invalid_outputs is not None:
             counts["invalid_outputs"] = self.invalid_outputs
+        if self.reasoning_tokens is not None:
+            counts["reasoning_tokens"] = self.reasoning_tokens
         return {
             "shard": self.shard, "input": self.input, "output": self.output, **counts,
             "seconds": dict(self.seconds), "written_at": self.written_at, "fingerprint": self.fingerprint,
@@ -72,6 +77,7 @@ class ShardManifest:
             seconds=_field(data, "seconds", dict), written_at=_field(data, "written_at", str),
             fingerprint=_field(data, "fingerprint", str), job=_field(data, "job", dict),
             invalid_outputs=None if invalid is None else _field(data, "invalid_outputs", int),
+            reasoning_tokens=None if data.get("reasoning_tokens") is None else _field(data, "reasoning_tokens", int),
         )
 
 

@@ -3,7 +3,8 @@
 A shard of request lines ``{"custom_id", "method": "POST", "url", "body"}`` (the OpenAI
 Batch API's input file, which ``vllm run-batch`` reads too) becomes one OpenAIRow per
 line, in order. The url picks what the row is: /v1/chat/completions a chat,
-/v1/completions a text completion, /v1/embeddings an embedding. The body's fields map
+/v1/completions a text completion, /v1/embeddings an embedding, /v1/responses a
+Responses API request (run as the chat it maps onto: tasks/responses_requests.py). The body's fields map
 onto SamplingParams (or PoolingParams); what the job's ``sampling`` sets fills what the
 body leaves out (``max_tokens`` included, so a job bounds every request's length).
 
@@ -17,7 +18,9 @@ Invariants:
 - Duplicate custom_id values fail the whole shard (ShardError naming them), as the
   OpenAI Batch API refuses such a file.
 - A row's structured output comes from ``response_format`` or from a named or
-  ``required`` ``tool_choice`` (the tool's parameters schema), never both.
+  ``required`` ``tool_choice`` (the tool's parameters schema), never both. A row with
+  tools and a tool_choice other than "none" has its calls read by the engine
+  (SamplingParams.tool_choice; "auto" needs the engine's tool-call parser).
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ from typing import Any
 
 from shardline import PoolingParams, SamplingParams, StructuredOutputsParams
 from shardline.engine.inputs.chat import ChatRenderError, normalize_messages
+from shardline.engine.tools import ToolChoice
 
 from .executor import RowRequest
 from .job import BatchJob, InputFormat, JobTask, OutputFormat
 from .media import ImageError, ImageSource, chat_images, without_image_markers
+from .responses_requests import ResponsesInputError, chat_body_of_response
 from .rows import PreparedRow, PreparedShard
 from .shard_reader import RawShard, RecordProblem, ShardError
 
-CHAT, COMPLETION, EMBEDDING = "chat.completion", "text_completion", "embedding"
-ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING}
+CHAT, COMPLETION, EMBEDDING, RESPONSE = "chat.completion", "text_completion", "embedding", "response"
+ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING,
+             "/v1/responses": RESPONSE}
 REQUEST_KEYS = ("custom_id", "method", "url", "body")
 
 # Body fields each endpoint maps (vLLM's sampling extras included, so vllm run-batch
@@ -57,7 +63,7 @@ _COMPLETION_FIELDS = {*_SAMPLING_FIELDS, "model", "prompt", "logprobs", "respons
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
 MAX_TEXTS_PER_LINE = 2048  # OpenAI's limit on an embeddings input list
-_ALLOWED = {CHAT: _CHAT_FIELDS, COMPLETION: _COMPLETION_FIELDS, EMBEDDING: _EMBEDDING_FIELDS}
+_ALLOWED = {CHAT: _CHAT_FIELDS, COMPLETION: _COMPLETION_FIELDS, EMBEDDING: _EMBEDDING_FIELDS, RESPONSE: _CHAT_FIELDS}
 # The job's sampling defaults a body may leave out.
 _JOB_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos",
                  "repetition_penalty", "max_reasoning_tokens")
@@ -77,7 +83,7 @@ class OpenAIRow(PreparedRow):
     """A request line: the PreparedRow plus what its response needs."""
 
     custom_id: str | None = None
-    kind: str = CHAT  # CHAT, COMPLETION or EMBEDDING: the response object it gets
+    kind: str = CHAT  # CHAT, COMPLETION, EMBEDDING or RESPONSE: the response object it gets
     model_name: str = ""  # the model its response names
     logprobs: int | None = None  # top logprobs per position when the body asked for logprobs
     tool_mode: str | None = None  # "named" or "required": the output is tool calls
@@ -86,6 +92,8 @@ class OpenAIRow(PreparedRow):
     error_code: str | None = None
     status_code: int | None = None
     param: str | None = None
+    # A /v1/responses line's fields its Response object repeats (instructions, tools, ...).
+    echo: dict[str, Any] = field(default_factory=dict)
     # The line's further prompts when its prompt or input is a list: engine requests whose
     # indexes follow the shard's last row, so every request of the shard has its own.
     more: list[RowRequest] = field(default_factory=list)
@@ -156,15 +164,23 @@ def _fill(row: OpenAIRow, record: dict[str, Any], job: BatchJob, extra_indexes: 
     if not isinstance(body, dict):
         raise RequestError("invalid_body", f"body must be a JSON object, got {body!r:.80}", "body")
     row.kind = ENDPOINTS[url]
+    if row.kind == RESPONSE:
+        try:
+            body, row.echo = chat_body_of_response(body)
+        except ResponsesInputError as exc:
+            raise RequestError(exc.code, str(exc), exc.param) from None
     _check_fields(body, row.kind, url)
     _check_model(body, job)
     _check_endpoint(url, row.kind, job)
     if row.kind == EMBEDDING:
         requests = _embedding_requests(row, body, job)
-    elif row.kind == CHAT:
+    elif row.kind in (CHAT, RESPONSE):
         requests = [_chat_request(row, body, job)]
     else:
         requests = _completion_requests(row, body, job)
+    if row.kind == RESPONSE and isinstance(params := requests[0].params, SamplingParams) and params.n != 1:
+        raise _invalid("n", f"is {params.n} for this job, but a Response holds one answer; run /v1/responses "
+                       "lines with n=1")
     row.request = requests[0]
     row.more = [dataclasses.replace(request, index=next(extra_indexes)) for request in requests[1:]]
     if job.output_format == OutputFormat.PARQUET:
@@ -256,15 +272,15 @@ def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowReq
         row.logprobs = _integer(body, "top_logprobs", minimum=0, maximum=20) or 0
     elif body.get("top_logprobs") is not None:
         raise _invalid("top_logprobs", "needs logprobs=true")
-    structured = _tool_constraint(row, body)
+    structured, tool_choice = _tool_constraint(row, body)
     structured = _response_format(body.get("response_format"), structured)
     chat_options = {name: body[name] for name in ("chat_template_kwargs", "add_generation_prompt",
                                                   "continue_final_message") if body.get(name) is not None}
     if body.get("tools"):
         chat_options["tools"] = body["tools"]
     return RowRequest(index=row.index, prompt=None, messages=[dict(m) for m in messages],
-                      params=_sampling(body, job, row.logprobs, structured), chat_options=chat_options or None,
-                      images=images or None)
+                      params=_sampling(body, job, row.logprobs, structured, tool_choice),
+                      chat_options=chat_options or None, images=images or None)
 
 
 def _chat_images(messages: Any, job: BatchJob) -> tuple[Any, list[ImageSource]]:
@@ -294,7 +310,7 @@ def _completion_requests(row: OpenAIRow, body: dict[str, Any], job: BatchJob) ->
 
 
 def _sampling(body: dict[str, Any], job: BatchJob, logprobs: int | None,
-              structured: StructuredOutputsParams | None) -> SamplingParams:
+              structured: StructuredOutputsParams | None, tool_choice: ToolChoice | None = None) -> SamplingParams:
     """The body's sampling fields over the job's defaults, OpenAI's ranges checked."""
     values = {name: value for name, value in job.sampling.model_dump().items() if name in _JOB_DEFAULTS}
     _number(body, "temperature", 0.0, 2.0)
@@ -307,7 +323,7 @@ def _sampling(body: dict[str, Any], job: BatchJob, logprobs: int | None,
         raise _invalid("stop", f"holds {len(stop)} strings; at most 4")
     values.update({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
     values["logit_bias"] = _logit_bias(body.get("logit_bias"))
-    return SamplingParams(**values, logprobs=logprobs, structured_outputs=structured)
+    return SamplingParams(**values, logprobs=logprobs, structured_outputs=structured, tool_choice=tool_choice)
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -343,9 +359,13 @@ def _response_format(value: Any, structured: StructuredOutputsParams | None) -> 
     raise _invalid("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {value!r:.80}")
 
 
-def _tool_constraint(row: OpenAIRow, body: dict[str, Any]) -> StructuredOutputsParams | None:
-    """A named or ``required`` tool_choice forces tool calls: the output is constrained to
-    the tool's parameters (named) or a list of {name, parameters} calls (required)."""
+def _tool_constraint(row: OpenAIRow, body: dict[str, Any]) -> tuple[StructuredOutputsParams | None,
+                                                                    ToolChoice | None]:
+    """The row's constraint and tool choice. A named or ``required`` tool_choice forces tool
+    calls: the output is constrained to the tool's parameters (named) or a list of
+    {name, parameters} calls (required), as compact JSON (a call's arguments are data, and
+    free whitespace is where a model drifts until max_tokens cuts the call); with tools,
+    "auto" (or no tool_choice) lets the model call them in its own format."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
@@ -353,21 +373,26 @@ def _tool_constraint(row: OpenAIRow, body: dict[str, Any]) -> StructuredOutputsP
         raise _invalid("tools", f"must be a list of {{'type': 'function', 'function': {{'name': ...}}}}, "
                        f"got {tools!r:.80}")
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools or []}
-    if choice in (None, "none", "auto"):
-        return None
+    names = tuple(functions)
+    if choice == "none" or (choice in (None, "auto") and not functions):
+        return None, None
+    if choice in (None, "auto"):
+        return None, ToolChoice("auto", names)
     if not functions:
         raise _invalid("tool_choice", f"{choice!r:.80} needs tools")
     if choice == "required":
         row.tool_mode = "required"
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
                   "required": ["name", "parameters"]} for name, parameters in functions.items()]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        return (StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
+                                        disable_any_whitespace=True), ToolChoice("required", names))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name not in functions:
         raise _invalid("tool_choice", f"must be 'none', 'auto', 'required' or a function among the tools "
                        f"({', '.join(functions)}), got {choice!r:.80}")
     row.tool_mode, row.tool_name = "named", name
-    return StructuredOutputsParams(json=functions[name])
+    return (StructuredOutputsParams(json=functions[name], disable_any_whitespace=True),
+            ToolChoice("named", names, name))
 
 
 # ----------------------------------------------------------------- checks

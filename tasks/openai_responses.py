@@ -2,15 +2,19 @@
 
 ``<output>/<key>.jsonl`` holds a line per input row,
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``,
-whose body is a chat.completion, text_completion or embedding list object as the
-OpenAI API returns it (usage included, logprobs when asked). ``<key>.errors.jsonl``
+whose body is a chat.completion, text_completion, embedding list or (for
+/v1/responses lines) response object as the OpenAI API returns it (usage, with
+reasoning tokens, included; logprobs when asked; tool calls as ``tool_calls`` or
+function_call items, tasks/responses_output.py). ``<key>.errors.jsonl``
 holds the failed rows' lines again, as OpenAI's error file does (empty when none
 failed, so a rerun never leaves an earlier run's errors beside a new output).
 
 A failed row's line has an ``error`` ``{"code", "message"}``; a request the job
 refused (a bad field, another model) also has a 400 response whose body carries
 OpenAI's error object, while a line that was no request (not JSON, no custom_id)
-and a row the engine failed have ``response: null``. Rows of Parquet or plain
+and a row the engine failed have ``response: null``. A row whose tool call the model
+botched keeps its response (the text as content) and has an ``invalid_tool_call``
+error beside it. Rows of Parquet or plain
 JSON Lines input get the response of the job's task, their ``id`` as custom_id.
 """
 
@@ -26,7 +30,8 @@ import numpy as np
 
 from .executor import RowResult
 from .job import BatchJob, JobTask
-from .openai_requests import CHAT, COMPLETION, EMBEDDING, OpenAIRow
+from .openai_requests import CHAT, COMPLETION, EMBEDDING, RESPONSE, OpenAIRow
+from .responses_output import response_object
 from .rows import PreparedRow, PreparedShard
 
 _TASK_KINDS = {JobTask.CHAT: CHAT, JobTask.GENERATE: COMPLETION, JobTask.EMBED: EMBEDDING}
@@ -76,6 +81,10 @@ def _line(row: OpenAIRow, results: list[RowResult | None], created: int) -> dict
     else:
         body = response_body(row, outputs, created)
         line["response"] = {"status_code": 200, "request_id": _request_id(), "body": body}
+        botched = [sample.tool_calls.error for output in outputs if isinstance(output.outputs, list)
+                   for sample in output.outputs if sample.tool_calls is not None and sample.tool_calls.error]
+        if botched:
+            line["error"] = {"code": "invalid_tool_call", "message": botched[0]}
     return line
 
 
@@ -87,11 +96,15 @@ def response_body(row: OpenAIRow, outputs: list[Any], created: int) -> dict[str,
     """The API's response object for one finished row (``outputs``: one per prompt of the line)."""
     if row.kind == EMBEDDING:
         return _embedding_body(row, outputs)
+    if row.kind == RESPONSE:
+        return response_object(row, outputs[0], created)
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    completion_tokens = sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+    samples = [sample for output in outputs for sample in output.outputs]
+    completion_tokens = sum(len(sample.token_ids) for sample in samples)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
+             "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)},
+             "completion_tokens_details": {"reasoning_tokens": sum(s.num_reasoning_tokens for s in samples)}}
     if row.kind == CHAT:
         choices = [_chat_choice(row, sample) for sample in outputs[0].outputs]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": CHAT, "created": created, "model": row.model_name,
@@ -108,34 +121,16 @@ def response_body(row: OpenAIRow, outputs: list[Any], created: int) -> dict[str,
 def _chat_choice(row: OpenAIRow, sample: Any) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": sample.text}
     finish_reason = sample.finish_reason
-    calls = _tool_calls(row, sample.text)
-    if calls is not None:
-        message["content"], message["tool_calls"] = None, calls
-        if row.tool_mode == "required" and finish_reason == "stop":
+    calls = sample.tool_calls
+    if calls is not None and calls.calls:
+        message["content"], message["tool_calls"] = calls.content, [call.to_openai() for call in calls.calls]
+        # OpenAI answers a named tool_choice with "stop", a call the model chose with "tool_calls".
+        if row.tool_mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
     if sample.reasoning is not None:
         message["reasoning_content"] = sample.reasoning
     logprobs = None if row.logprobs is None else {"content": _chat_logprobs(sample, row.logprobs), "refusal": None}
     return {"index": sample.index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
-
-
-def _tool_calls(row: OpenAIRow, text: str) -> list[dict[str, Any]] | None:
-    """The forced tool calls of a sample (None when the row forced none, or when a
-    ``required`` sample was cut before its JSON closed: its text stays the content)."""
-    if row.tool_mode == "named":
-        return [_call(row.tool_name, text)]
-    if row.tool_mode != "required":
-        return None
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
-
-
-def _call(name: str | None, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 def _positions(sample: Any, top: int) -> list[tuple[Any, list[Any]]]:

@@ -2,6 +2,10 @@
 
 Output: ``<output>/<key>.parquet``, exactly one row per input row in input order, or
 with output_format openai ``<key>.jsonl`` and ``<key>.errors.jsonl`` (tasks/openai_responses.py).
+A Parquet output of OpenAI chat or Responses requests has a ``tool_calls`` column: the
+JSON text of the calls the engine read (OpenAI's ``tool_calls`` entries; a list per
+sample when n > 1), null for a row that called none; a call the model botched is the
+row's error, its text kept.
 Manifest: ``<output>/_manifests/<key>.json``. Both are written atomically
 (storage.write_atomic), the manifest last: the manifest is the commit marker, so a
 shard with a manifest whose fingerprint matches the job is complete.
@@ -23,6 +27,7 @@ from .executor import RowResult
 from .fingerprint import fingerprint, fingerprint_fields
 from .job import BatchJob, JobTask, OutputFormat
 from .manifest import ManifestError, ShardManifest
+from .openai_requests import CHAT, RESPONSE
 from .openai_responses import openai_lines
 from .rows import PreparedShard
 from .shard_reader import ShardError, read_input_schema
@@ -65,8 +70,11 @@ def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], j
         columns.update(_completion_columns(outputs, job.sampling.n))
     checked = check_outputs(prepared.rows, outputs, job, prepared.raw.schema)  # parsed, reasoning
     columns.update(checked.columns)
+    tool_errors: dict[int, str] = {}
+    if any(getattr(row, "kind", None) in (CHAT, RESPONSE) for row in prepared.rows):
+        columns["tool_calls"], tool_errors = _tool_calls_column(prepared, outputs, job.sampling.n)
     columns["error"] = pa.array([_row_error(row, results) or checked.errors.get(row.index)
-                                 for row in prepared.rows], pa.string())
+                                 or tool_errors.get(row.index) for row in prepared.rows], pa.string())
     for name in job.pass_through:
         columns[name] = prepared.raw.pass_through_array(name)
     return pa.table(columns)
@@ -86,6 +94,23 @@ def _completion_columns(outputs: list[Any], n: int) -> dict[str, pa.Array]:
     columns["completion_tokens"] = _ints(
         [None if o is None else sum(len(c.token_ids) for c in o.outputs) for o in outputs])
     return columns
+
+
+def _tool_calls_column(prepared: PreparedShard, outputs: list[Any], n: int) -> tuple[pa.Array, dict[int, str]]:
+    """The ``tool_calls`` column (JSON text) and the rows whose calls could not be read."""
+    texts: list[str | None] = []
+    errors: dict[int, str] = {}
+    for row, output in zip(prepared.rows, outputs):
+        samples = [] if output is None else [sample.tool_calls for sample in output.outputs]
+        for read in samples:
+            if read is not None and read.error is not None:
+                errors.setdefault(row.index, read.error)
+        calls = [[call.to_openai() for call in read.calls] if read is not None else [] for read in samples]
+        if not any(calls):
+            texts.append(None)
+        else:
+            texts.append(json.dumps(calls[0] if n == 1 else calls, ensure_ascii=False))
+    return pa.array(texts, pa.string()), errors
 
 
 def _ints(values: list[int | None]) -> pa.Array:
@@ -128,6 +153,7 @@ def write_shard_output(
         rows=counts["rows"], errors=counts["errors"], prompt_tokens=counts["prompt_tokens"],
         completion_tokens=counts["completion_tokens"], cached_prompt_tokens=counts["cached_prompt_tokens"],
         endpoints=tuple(counts["endpoints"]), invalid_outputs=counts.get("invalid_outputs"),
+        reasoning_tokens=counts["reasoning_tokens"],
         seconds={**seconds, "write": round(time.perf_counter() - started, 4)},
         written_at=datetime.now(timezone.utc).isoformat(), fingerprint=fingerprint(fields), job=fields,
     )

@@ -21,8 +21,8 @@ def shard_entry(key: str, status: str, manifest: ShardManifest | None = None,
     zero counts)."""
     if manifest is None:
         return {"shard": key, "status": status, "rows": 0, "errors": 0, "invalid_outputs": 0, "prompt_tokens": 0,
-                "completion_tokens": 0, "cached_prompt_tokens": 0, "endpoints": [], "seconds": 0.0,
-                "message": message}
+                "completion_tokens": 0, "cached_prompt_tokens": 0, "reasoning_tokens": 0, "endpoints": [],
+                "seconds": 0.0, "message": message}
     return {
         "shard": key,
         "status": status,
@@ -32,6 +32,7 @@ def shard_entry(key: str, status: str, manifest: ShardManifest | None = None,
         "prompt_tokens": manifest.prompt_tokens,
         "completion_tokens": manifest.completion_tokens,
         "cached_prompt_tokens": manifest.cached_prompt_tokens,  # prompt tokens the prefix cache held
+        "reasoning_tokens": manifest.reasoning_tokens or 0,  # of the completion tokens: the reasoning's
         "endpoints": list(manifest.endpoints),  # the OpenAI endpoints its requests are answered as
         "seconds": round(sum(manifest.seconds.values()), 3) if status == "done" else 0.0,
         "message": message,
@@ -55,6 +56,7 @@ def job_summary(entries: list[dict[str, Any]], wall_seconds: float, output: str)
         "prompt_tokens": sum(e["prompt_tokens"] for e in entries),
         "completion_tokens": sum(e["completion_tokens"] for e in entries),
         "cached_prompt_tokens": sum(e["cached_prompt_tokens"] for e in entries),
+        "reasoning_tokens": sum(e.get("reasoning_tokens", 0) for e in entries),
         "wall_seconds": round(wall_seconds, 3),
         "prompt_tokens_per_second": round(prompt / wall_seconds, 1) if wall_seconds > 0 else 0.0,
         "completion_tokens_per_second": round(generated / wall_seconds, 1) if wall_seconds > 0 else 0.0,
@@ -82,16 +84,14 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     failed = [e for e in summary["shards"] if e["status"] == "failed"]
     if failed:
         lines += ["", "## Failed shards", ""] + [f"- `{e['shard']}`: {e['message']}" for e in failed]
-    return "\n".join(lines) + "\n"
-
     if summary.get("throughput"):
         lines += ["", "## Throughput over the run", "", "| from | to | rows/s | output tok/s | |",
                   "|---:|---:|---:|---:|:---|"]
         lines += [f"| {start} | {end} | {rows} | {tokens} | {bar} |"
                   for start, end, rows, tokens, bar in _throughput_rows(summary["throughput"])]
+    return "\n".join(lines) + "\n"
 
-def summary_table(summary: dict[str, Any]) -> str:
-    """A plain-text table of the shards and the totals (what the CLI prints)."""
+
 def _throughput_rows(spans: list[dict[str, Any]], width: int = 30) -> list[tuple[str, str, str, str, str]]:
     """Each span as (from, to, rows/s, tokens/s, a bar of tokens/s scaled to the fastest span)."""
     peak = max(span["tokens_per_second"] for span in spans) or 1.0
@@ -105,6 +105,8 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
+def summary_table(summary: dict[str, Any]) -> str:
+    """A plain-text table of the shards and the totals (what the CLI prints)."""
     header: list[str] = list(SHARD_COLUMNS)
     rows = [[str(entry[name]) for name in header] for entry in summary["shards"]]
     totals = summary["totals"]
@@ -123,12 +125,12 @@ def _clock(seconds: float) -> str:
     if totals.get("invalid_outputs"):
         lines.append(_invalid_outputs_line(totals))
     lines.append(f"completion tokens/s: {totals['completion_tokens_per_second']}   output: {summary['output']}")
-    return "\n".join(lines)
-
     if summary.get("throughput"):
         lines += ["", "throughput over the run (output tokens/s):"]
         lines += [f"  {start}-{end}  {tokens:>10} tok/s  {rows:>8} rows/s  {bar}"
                   for start, end, rows, tokens, bar in _throughput_rows(summary["throughput"])]
+    return "\n".join(lines)
+
 
 def _invalid_outputs_line(totals: dict[str, Any]) -> str:
     return (f"{totals['invalid_outputs']} of the {totals['errors']} row error(s) are structured outputs that did "

@@ -2,7 +2,8 @@
 
 Every manifest carries its shard's usage (``usage_fields``): rows (requests), errors
 (failed requests), prompt, completion and cached prompt tokens (prompt tokens whose
-keys and values the engine's prefix cache already held). The job summary sums the
+keys and values the engine's prefix cache already held), and reasoning tokens (the
+completion tokens the reasoning parser put in the reasoning). The job summary sums the
 manifests; at the end of a job ``<output>/_batch.json`` holds the same totals as an
 OpenAI Batch object (``request_counts`` and ``usage``), whatever the output format.
 
@@ -27,12 +28,12 @@ BATCH_OBJECT = "_batch.json"
 _TASK_ENDPOINTS = {JobTask.CHAT: "/v1/chat/completions", JobTask.GENERATE: "/v1/completions",
                    JobTask.EMBED: "/v1/embeddings"}
 _KIND_ENDPOINTS = {"chat.completion": "/v1/chat/completions", "text_completion": "/v1/completions",
-                   "embedding": "/v1/embeddings"}
+                   "embedding": "/v1/embeddings", "response": "/v1/responses"}
 
 
 def usage_fields(prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob) -> dict[str, Any]:
     """A shard's manifest fields for its usage: request counts, token counts, endpoints."""
-    prompt = completion = cached = failed = 0
+    prompt = completion = cached = failed = reasoning = 0
     for row in prepared.rows:
         found = [results.get(request.index) for request in row.engine_requests()]
         outputs = [result.output for result in found if result is not None and result.output is not None]
@@ -44,10 +45,11 @@ def usage_fields(prepared: PreparedShard, results: dict[int, RowResult], job: Ba
             cached += getattr(output, "num_cached_tokens", 0)
             if isinstance(output.outputs, list):  # an embedding's prompt is all it costs
                 completion += sum(len(sample.token_ids) for sample in output.outputs)
+                reasoning += sum(sample.num_reasoning_tokens for sample in output.outputs)
     kinds = {kind for row in prepared.rows if (kind := getattr(row, "kind", None)) is not None}
     endpoints = sorted(_KIND_ENDPOINTS[kind] for kind in kinds) if kinds else [_TASK_ENDPOINTS[job.task]]
     return {"rows": len(prepared.rows), "errors": failed, "prompt_tokens": prompt, "completion_tokens": completion,
-            "cached_prompt_tokens": cached, "endpoints": endpoints}
+            "cached_prompt_tokens": cached, "endpoints": endpoints, "reasoning_tokens": reasoning}
 
 
 def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> dict[str, Any]:
@@ -81,8 +83,8 @@ def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> d
         "request_counts": {"total": totals["rows"], "completed": totals["rows"] - totals["errors"],
                            "failed": totals["errors"]},
         "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": totals["cached_prompt_tokens"]},
-                  # thinking tokens are in output_tokens; the engine does not count them apart
-                  "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                  "output_tokens": completion,  # reasoning tokens included, and counted apart
+                  "output_tokens_details": {"reasoning_tokens": totals.get("reasoning_tokens", 0)},
                   "total_tokens": prompt + completion},
         "shard_counts": {name: totals[name] for name in ("shards", "done", "skipped", "failed")},
     }

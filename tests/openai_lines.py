@@ -8,6 +8,7 @@ import json
 import numpy as np
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 
@@ -34,7 +35,8 @@ class OutputLine(BaseModel):
     error: LineError | None
 
 
-BODY_TYPES = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse}
+BODY_TYPES = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse,
+              "response": Response}
 
 
 def read_output_lines(text: str) -> list[dict]:

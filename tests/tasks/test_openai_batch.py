@@ -54,7 +54,7 @@ def test_mixed_file_every_line_validates_and_bad_lines_become_error_lines(tmp_pa
                 temperature=0),
         "{not json",
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
-        request("url", "/v1/responses", input="hi"),
+        request("url", "/v1/audio/speech", input="hi"),
         request("hot", "/v1/chat/completions", messages=CHAT, temperature=2.5),
         request("audio", "/v1/chat/completions", messages=CHAT, audio={"voice": "alloy"}),
         request("other-model", "/v1/chat/completions", model="gpt-4o-mini", messages=CHAT),
