@@ -4,7 +4,7 @@
 the model is loaded, then prepared (``prepare_engine_model``: the CPU paths this host
 takes are chosen, then the one module-surgery step, engine/surgery.py's
 ``prepare_model``, makes the engine's replacements in its PREPARATION_ORDER:
-attention adapters, LoRA, recurrent layers, CPU layers; then the attention backend is
+attention adapters, quantized linears, LoRA, recurrent layers, CPU layers; then the attention backend is
 chosen, once), then the KV cache is planned from what memory is left (after LoRA's
 adapter slots), then the runner (with its LoRA manager), its CUDA graphs, the
 scheduler and the load-time check; last the sampling side (sampler, reasoning
