@@ -74,21 +74,13 @@ if triton is not None:
         return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
 
     @triton.jit
-    def _w8_linear_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
-        stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k, k_per_split, stride_split,
-        SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    ):
-        # x: [M, K]; w: [N, K] int8, or FP8 E4M3 codes as uint8; scale: [N // bn, K // bk] (strides 0 where broadcast)
-        rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        row_valid, col_valid = rows < M, cols < N
-        scale_rows = scale_ptr + (cols // scale_block_n) * stride_sn  # [BN]
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-        w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
+    def w8_product(x_rows, row_valid, w_cols, scale_rows, col_valid, k_start, k_end, K, stride_sk, scale_block_k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_MODE: tl.constexpr,
+                   WEIGHT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """[BM, BN] float32: x's rows times the W8 weight's rows over K in [k_start, k_end),
+        scaled; x_rows [BM, 1] and w_cols [1, BN] point at the rows, scale_rows [BN] at
+        each weight row's scale row."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_valid = ks < K
@@ -107,6 +99,25 @@ if triton is not None:
             acc += part
         if SCALE_MODE == 0:
             acc = acc * tl.load(scale_rows, mask=col_valid, other=0.0)[None, :]
+        return acc
+
+    @triton.jit
+    def _w8_linear_kernel(
+        x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
+        stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k, k_per_split, stride_split,
+        SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):
+        # x: [M, K]; w: [N, K] int8, or FP8 E4M3 codes as uint8; scale: [N // bn, K // bk] (strides 0 where broadcast)
+        rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        row_valid, col_valid = rows < M, cols < N
+        k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
+        acc = w8_product(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_valid,
+                         w_ptr + cols.to(tl.int64)[None, :] * stride_wn,
+                         scale_ptr + (cols // scale_block_n) * stride_sn, col_valid, k_start, k_end, K,
+                         stride_sk, scale_block_k, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_MODE, WEIGHT_FP8,
+                         DOT_DTYPE, INPUT_PRECISION)
         store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
     @triton.jit
@@ -286,6 +297,15 @@ def _w8_scale_layout(weight: torch.Tensor, scale: torch.Tensor,
     return scale.stride(0), scale.stride(1), block_n, block_k
 
 
+def w8_scale_mode(stride_sk: int, block_k: int, in_features: int) -> tuple[int, int]:
+    """(SCALE_MODE, BLOCK_K) for a W8 scale: once per row when constant along K (stride 0),
+    per K tile when a power-of-two tile divides the block, else per element."""
+    if stride_sk == 0:
+        return SCALE_PER_ROW, 128 if in_features >= 128 else 64
+    tile = tile_k_for(block_k)
+    return (SCALE_PER_TILE, tile) if tile else (SCALE_PER_ELEMENT, 64)
+
+
 def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int] | None, bias: torch.Tensor | None, *,
                      split_k: int | None = None) -> torch.Tensor:
@@ -304,11 +324,7 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     num_rows = rows.shape[0]
     if num_rows == 0:
         return x.new_empty((*x.shape[:-1], out_features))
-    if stride_sk == 0:
-        mode, block_k_tile = SCALE_PER_ROW, 128 if in_features >= 128 else 64
-    else:
-        tile = tile_k_for(block_k)
-        mode, block_k_tile = (SCALE_PER_TILE, tile) if tile else (SCALE_PER_ELEMENT, 64)
+    mode, block_k_tile = w8_scale_mode(stride_sk, block_k, in_features)
     plan = plan_tiles(num_rows, out_features, in_features, block_k_tile, x.device, split_k)
     out = plan.output(num_rows, out_features, x)
     stride_om, stride_split = output_strides(out)

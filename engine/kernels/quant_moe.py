@@ -25,7 +25,9 @@ quant_linear.py's W4 kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -129,16 +131,29 @@ if triton is not None:
         acc = _project(x_rows, slot_valid, expert_blocks + rows[None, :] * stride_bn,
                        expert_scales + rows[None, :] * stride_sn, col_valid, K,
                        tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_K, DOT_DTYPE, INPUT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + expert * stride_bias_e + rows, mask=col_valid, other=0.0)[None, :]
-        out_dtype = out_ptr.dtype.element_ty
+        up = acc
         if GATED:
             up_rows = rows + up_row_offset
             up = _project(x_rows, slot_valid, expert_blocks + up_rows[None, :] * stride_bn,
                           expert_scales + up_rows[None, :] * stride_sn, col_valid, K,
                           tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_K, DOT_DTYPE, INPUT_PRECISION)
+        finish_expert_tile(acc, up, expert, rows, up_row_offset, slots, slot_valid, cols, col_valid,
+                           bias_ptr, route_weight_ptr, out_ptr, stride_bias_e, stride_om, alpha, limit, up_shift,
+                           GATED, HAS_LIMIT, HAS_BIAS)
+
+    @triton.jit
+    def finish_expert_tile(acc, up, expert, rows, up_row_offset, slots, slot_valid, cols, col_valid,
+                           bias_ptr, route_weight_ptr, out_ptr, stride_bias_e, stride_om, alpha, limit, up_shift,
+                           GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """An expert tile's products (gate and up, or down) to its output rows: plus bias, then
+        the gated activation (gate_up) or times the route's weight (down)."""
+        bias_row = bias_ptr + expert * stride_bias_e
+        if HAS_BIAS:
+            acc += tl.load(bias_row + rows, mask=col_valid, other=0.0)[None, :]
+        out_dtype = out_ptr.dtype.element_ty
+        if GATED:
             if HAS_BIAS:
-                up += tl.load(bias_ptr + expert * stride_bias_e + up_rows, mask=col_valid, other=0.0)[None, :]
+                up += tl.load(bias_row + rows + up_row_offset, mask=col_valid, other=0.0)[None, :]
             # gate_up is rounded to the activations' dtype before the activation, as the torch path does
             gate = acc.to(out_dtype).to(tl.float32)
             up = up.to(out_dtype).to(tl.float32)
@@ -213,52 +228,81 @@ def mxfp4_moe(hidden: torch.Tensor, gate_up_blocks: torch.Tensor, gate_up_scales
     assert hidden.dim() == 2 and hidden.stride(1) == 1, f"hidden {tuple(hidden.shape)} must be [T, H], rows contiguous"
     assert down_blocks.dim() == 4, f"down blocks {tuple(down_blocks.shape)}, expected [E, H, I // 32, 16]"
     num_experts, intermediate = down_blocks.shape[0], down_blocks.shape[2] * MXFP4_BLOCK
-    num_tokens, hidden_size = hidden.shape
+    hidden_size = hidden.shape[1]
     assert hidden_size % MXFP4_BLOCK == 0, f"hidden size {hidden_size} is not a multiple of {MXFP4_BLOCK}"
     _check_projection("gate_up", gate_up_blocks, gate_up_scales, gate_up_bias,
                       (num_experts, 2 * intermediate, hidden_size), hidden.device)
     _check_projection("down", down_blocks, down_scales, down_bias, (num_experts, hidden_size, intermediate),
                       hidden.device)
+    gate_up = partial(_launch_mxfp4, gate_up_blocks, gate_up_scales, gate_up_bias)
+    down = partial(_launch_mxfp4, down_blocks, down_scales, down_bias)
+    return routed_experts(hidden, topk_ids, topk_weights, num_experts, intermediate, activation, gate_up, down)
+
+
+@dataclass(frozen=True)
+class RoutedBatch:
+    """What both projections of one MoE call share."""
+
+    routes: RoutedBlocks
+    route_weights: torch.Tensor  # [T * k] float, by slot
+    num_slots: int
+    num_experts: int
+    top_k: int
+
+
+# project(x, out, batch, activation): out's rows (by slot) = x's routed rows (by token when
+# activation is set, the gate_up projection; by slot otherwise, down) times one projection.
+Projection = Callable[[torch.Tensor, torch.Tensor, RoutedBatch, "GatedActivation | None"], None]
+
+
+def routed_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   intermediate: int, activation: GatedActivation, gate_up: Projection,
+                   down: Projection) -> torch.Tensor:
+    """The MoE output [T, H]: routes sorted into blocks, gate_up with ``activation`` into
+    the intermediate [T * k, I], down into float32 [T * k, H], summed over k and rounded once."""
+    num_tokens, hidden_size = hidden.shape
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and not topk_ids.is_floating_point(), (
         f"topk_ids {topk_ids.dtype} {tuple(topk_ids.shape)}, expected integer [{num_tokens}, k]")
     assert topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), (
         f"topk_weights {topk_weights.dtype} {tuple(topk_weights.shape)}, expected float {tuple(topk_ids.shape)}")
+    assert topk_ids.device == topk_weights.device == hidden.device, "routes and hidden on different devices"
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(hidden)
     block_m = 16 if num_slots <= 16 * num_experts else 32 if num_slots <= 32 * num_experts else 64
-    routes = route_blocks(topk_ids, num_experts, block_m)
+    batch = RoutedBatch(route_blocks(topk_ids, num_experts, block_m), topk_weights.reshape(-1).contiguous(),
+                        num_slots, num_experts, top_k)
     intermediate_rows = torch.empty((num_slots, intermediate), dtype=hidden.dtype, device=hidden.device)
     out_slots = torch.zeros((num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
-    route_weights = topk_weights.reshape(-1).contiguous()
-    common = dict(num_slots=num_slots, num_experts=num_experts, top_k=top_k, block_m=block_m)
-    _launch(hidden, gate_up_blocks, gate_up_scales, gate_up_bias, route_weights, intermediate_rows, routes,
-            activation, intermediate, hidden_size, **common)
-    _launch(intermediate_rows, down_blocks, down_scales, down_bias, route_weights, out_slots, routes,
-            None, hidden_size, intermediate, **common)
+    gate_up(hidden, intermediate_rows, batch, activation)
+    down(intermediate_rows, out_slots, batch, None)
     return out_slots.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 
 
-def _launch(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-            route_weights: torch.Tensor, out: torch.Tensor, routes: RoutedBlocks,
-            activation: GatedActivation | None, out_features: int, in_features: int,
-            num_slots: int, num_experts: int, top_k: int, block_m: int) -> None:
-    """One grouped projection: gate_up with ``activation`` fused, or down (activation None)."""
+def gated_launch_args(activation: GatedActivation | None, out_features: int) -> tuple[tuple, dict]:
+    """The experts kernels' activation arguments: (up_row_offset, alpha, limit, up_shift)
+    and the GATED, GATE_ROW_STRIDE and HAS_LIMIT switches (activation None: down)."""
     gated = activation is not None
     act = activation or SILU_GATED_HALVES
+    positional = (out_features if gated and not act.interleaved else 1, float(act.alpha), float(act.limit or 0.0),
+                  float(act.up_shift))
+    return positional, dict(GATED=gated, GATE_ROW_STRIDE=2 if gated and act.interleaved else 1,
+                            HAS_LIMIT=act.limit is not None)
+
+
+def _launch_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                  out: torch.Tensor, batch: RoutedBatch, activation: GatedActivation | None) -> None:
+    out_features, in_features = out.shape[1], x.shape[1]
     block_n = 64 if out_features >= 64 else 32
-    grid = (routes.max_blocks, triton.cdiv(out_features, block_n))
-    launcher(_mxfp4_experts_kernel, grid)(
-        x, blocks, scales, bias if bias is not None else scales, route_weights, out,
-        routes.row_slots, routes.block_expert,
-        out_features, in_features, num_slots, num_experts, top_k,
-        out_features if gated and not act.interleaved else 1,
-        float(act.alpha), float(act.limit or 0.0), float(act.up_shift),
+    positional, switches = gated_launch_args(activation, out_features)
+    launcher(_mxfp4_experts_kernel, (batch.routes.max_blocks, triton.cdiv(out_features, block_n)))(
+        x, blocks, scales, bias if bias is not None else scales, batch.route_weights, out,
+        batch.routes.row_slots, batch.routes.block_expert,
+        out_features, in_features, batch.num_slots, batch.num_experts, batch.top_k, *positional,
         x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0),
-        GATED=gated, GATE_ROW_STRIDE=2 if gated and act.interleaved else 1, HAS_LIMIT=act.limit is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+        bias.stride(0) if bias is not None else 0, out.stride(0), **switches,
+        HAS_BIAS=bias is not None, BLOCK_M=batch.routes.block_m, BLOCK_N=block_n, BLOCK_K=64,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3,
     )
