@@ -39,6 +39,7 @@ from shardline.engine.tools import ToolChoice
 from .executor import RowRequest
 from .job import BatchJob, InputFormat, JobTask, OutputFormat
 from .media import ImageError, ImageSource, chat_images, without_image_markers
+from .openai_tools import ToolFieldError, tool_request
 from .responses_requests import ResponsesInputError, chat_body_of_response
 from .rows import PreparedRow, PreparedShard
 from .shard_reader import RawShard, RecordProblem, ShardError
@@ -272,7 +273,12 @@ def _chat_request(row: OpenAIRow, body: dict[str, Any], job: BatchJob) -> RowReq
         row.logprobs = _integer(body, "top_logprobs", minimum=0, maximum=20) or 0
     elif body.get("top_logprobs") is not None:
         raise _invalid("top_logprobs", "needs logprobs=true")
-    structured, tool_choice = _tool_constraint(row, body)
+    try:
+        structured, tool_choice = tool_request(body)  # tasks/openai_tools.py
+    except ToolFieldError as exc:
+        raise _invalid(exc.param, str(exc)) from None
+    if tool_choice is not None and tool_choice.mode != "auto":
+        row.tool_mode, row.tool_name = tool_choice.mode, tool_choice.name
     structured = _response_format(body.get("response_format"), structured)
     chat_options = {name: body[name] for name in ("chat_template_kwargs", "add_generation_prompt",
                                                   "continue_final_message") if body.get(name) is not None}
@@ -357,42 +363,6 @@ def _response_format(value: Any, structured: StructuredOutputsParams | None) -> 
                            f"{schema!r:.80}")
         return StructuredOutputsParams(json=schema["schema"])
     raise _invalid("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {value!r:.80}")
-
-
-def _tool_constraint(row: OpenAIRow, body: dict[str, Any]) -> tuple[StructuredOutputsParams | None,
-                                                                    ToolChoice | None]:
-    """The row's constraint and tool choice. A named or ``required`` tool_choice forces tool
-    calls: the output is constrained to the tool's parameters (named) or a list of
-    {name, parameters} calls (required), as compact JSON (a call's arguments are data, and
-    free whitespace is where a model drifts until max_tokens cuts the call); with tools,
-    "auto" (or no tool_choice) lets the model call them in its own format."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is not None and (not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise _invalid("tools", f"must be a list of {{'type': 'function', 'function': {{'name': ...}}}}, "
-                       f"got {tools!r:.80}")
-    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools or []}
-    names = tuple(functions)
-    if choice == "none" or (choice in (None, "auto") and not functions):
-        return None, None
-    if choice in (None, "auto"):
-        return None, ToolChoice("auto", names)
-    if not functions:
-        raise _invalid("tool_choice", f"{choice!r:.80} needs tools")
-    if choice == "required":
-        row.tool_mode = "required"
-        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
-                  "required": ["name", "parameters"]} for name, parameters in functions.items()]
-        return (StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
-                                        disable_any_whitespace=True), ToolChoice("required", names))
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name not in functions:
-        raise _invalid("tool_choice", f"must be 'none', 'auto', 'required' or a function among the tools "
-                       f"({', '.join(functions)}), got {choice!r:.80}")
-    row.tool_mode, row.tool_name = "named", name
-    return (StructuredOutputsParams(json=functions[name], disable_any_whitespace=True),
-            ToolChoice("named", names, name))
 
 
 # ----------------------------------------------------------------- checks

@@ -1,0 +1,53 @@
+"""Tools in an OpenAI chat request body: the constraint and the engine's tool choice.
+
+A named or ``required`` ``tool_choice`` forces tool calls: the output is constrained to
+the tool's parameters (named) or to a list of ``{name, parameters}`` calls (required),
+as compact JSON (a call's arguments are data, and free whitespace is where a model
+drifts until max_tokens cuts the call). With tools, ``auto`` (or no tool_choice) lets
+the model call them in its own format, which the engine's tool-call parser reads;
+``none`` offers them to the template and reads no calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardline import StructuredOutputsParams
+from shardline.engine.tools import ToolChoice
+
+
+class ToolFieldError(ValueError):
+    """A ``tools`` or ``tool_choice`` value that cannot be used; ``param`` names the field."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(problem)
+        self.param = param
+
+
+def tool_request(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, ToolChoice | None]:
+    """The constraint and the tool choice of a chat body's ``tools`` and ``tool_choice``."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise ToolFieldError("tools", f"must be a list of {{'type': 'function', 'function': {{'name': ...}}}}, "
+                             f"got {tools!r:.80}")
+    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools or []}
+    names = tuple(functions)
+    if choice == "none" or (choice in (None, "auto") and not functions):
+        return None, None
+    if choice in (None, "auto"):
+        return None, ToolChoice("auto", names)
+    if not functions:
+        raise ToolFieldError("tool_choice", f"{choice!r:.80} needs tools")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
+                  "required": ["name", "parameters"]} for name, parameters in functions.items()]
+        return (StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
+                                        disable_any_whitespace=True), ToolChoice("required", names))
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in functions:
+        raise ToolFieldError("tool_choice", f"must be 'none', 'auto', 'required' or a function among the tools "
+                             f"({', '.join(functions)}), got {choice!r:.80}")
+    return (StructuredOutputsParams(json=functions[name], disable_any_whitespace=True),
+            ToolChoice("named", names, name))
