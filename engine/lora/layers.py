@@ -132,6 +132,19 @@ class BatchedLoRALinear(nn.Module):
         return out
 
 
+def _text_modules(model: nn.Module) -> set[int] | None:
+    """ids of the modules of a vision-language model's text decoder, where LoRA applies
+    (as vLLM's: its vision encoders and projector run outside the step's packed forward,
+    without adapters, so an adapter with weights for them is refused as one for modules
+    the model lacks); None for a text model: every layer may be adapted."""
+    config = getattr(model, "config", None)
+    get_decoder = getattr(model, "get_decoder", None)
+    if config is None or get_decoder is None or config.get_text_config() is config:
+        return None
+    decoder = get_decoder()
+    return {id(module) for module in decoder.modules()} if isinstance(decoder, nn.Module) else None
+
+
 def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, token_groups: LoRATokenGroups,
                           device: torch.device, dtype: torch.dtype) -> dict[str, BatchedLoRALinear]:
     """Replace every adaptable layer of ``model`` (not its output embeddings) by a
@@ -139,11 +152,13 @@ def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, 
     # A transformers model names its output embeddings; a bare nn.Module has none.
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
+    text_modules = _text_modules(model)
     targets = []
     for name, module in model.named_modules():
         if isinstance(module, BatchedLoRALinear):
             raise ValueError(f"model already has LoRA layers (at {name!r}); build one LoRAManager per model")
-        if module is not output_embeddings and layer_features(module) is not None:
+        if module is not output_embeddings and layer_features(module) is not None \
+                and (text_modules is None or id(module) in text_modules):
             targets.append(name)
     wrapped = {}
     for name in targets:
