@@ -75,10 +75,10 @@ def compile_launches(case: str, launches: list[tuple[Any, tuple, dict]], capabil
 
 
 def _cases() -> dict[str, Callable[[], object]]:
-    from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe
+    from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe, quant_moe_w8
 
     fp8_w8a8._require_fp8_device = lambda device: None  # the target decides, not this host
-    bf16, fp16 = torch.bfloat16, torch.float16
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
     x = torch.randn(5, 256)
     fp8_weight = torch.randn(192, 256).to(torch.float8_e4m3fn)
     int8_weight = torch.randint(-127, 128, (192, 256), dtype=torch.int8)
@@ -112,15 +112,20 @@ def _cases() -> dict[str, Callable[[], object]]:
         "mxfp4_moe_bf16": lambda: quant_moe.mxfp4_moe(
             torch.randn(3, hidden_size).to(bf16), *moe, torch.randint(0, experts, (3, 2)), torch.rand(3, 2),
             quant_moe.GatedActivation.clamped_swiglu(1.702, 7.0)),
+        "w8_moe_fp8_block_bf16": lambda: quant_moe_w8.w8_moe(
+            torch.randn(3, hidden_size).to(bf16), torch.randn(experts, 2 * intermediate, hidden_size).to(fp8),
+            torch.ones(experts, 1, 1), None, torch.randn(experts, hidden_size, intermediate).to(fp8),
+            torch.ones(experts, 1, 1), None, (128, 128), torch.randint(0, experts, (3, 2)), torch.rand(3, 2),
+            quant_moe.SILU_GATED_HALVES),
     }
 
 
 def main(capability: int, names: list[str]) -> None:
-    from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe
+    from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe, quant_moe_w8
 
     cases = _cases()
     for name in names:
-        launches = record_launches(cases[name], [quant_linear, fp8_w8a8, quant_moe])
+        launches = record_launches(cases[name], [quant_linear, fp8_w8a8, quant_moe, quant_moe_w8])
         print("\n".join(compile_launches(name, launches, capability)), flush=True)
 
 

@@ -311,6 +311,57 @@ def test_mxfp4_moe_matches_reference(activation, with_bias, dtype):
         assert_close(case.run(mxfp4_moe, act), expected, slack=3.0)
 
 
+def make_w8_experts(num_experts: int, out_features: int, in_features: int, weight_dtype, scale_kind, seed: int):
+    """W8 weights [E, N, K] and scales [E, ...] stacked from make_w8's, one expert at a time."""
+    pairs = [make_w8(out_features, in_features, weight_dtype, scale_kind, seed=seed + expert)
+             for expert in range(num_experts)]
+    return torch.stack([weight for weight, _ in pairs]), torch.stack([scale for _, scale in pairs])
+
+
+W8_MOE_CASES = [
+    pytest.param(torch.float8_e4m3fn, (32, 64), torch.bfloat16, "silu", id="fp8_block_bf16"),
+    pytest.param(torch.float8_e4m3fn, (32, 64), torch.float32, "clamped_swiglu", id="fp8_block_f32_swiglu"),
+    pytest.param(torch.float8_e4m3fn, (32, 64), torch.float16, "silu", id="fp8_block_f16", marks=pytest.mark.slow),
+    pytest.param(torch.float8_e4m3fn, "channel", torch.bfloat16, "silu", id="fp8_channel_bf16"),
+    pytest.param(torch.int8, "channel", torch.float16, "silu", id="int8_channel_f16"),
+    pytest.param(torch.float8_e4m3fn, "tensor", torch.float32, "silu", id="fp8_tensor_f32", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("weight_dtype, scale_kind, dtype, activation", W8_MOE_CASES)
+def test_w8_moe_matches_reference(weight_dtype, scale_kind, dtype, activation):
+    """FP8/int8 experts (DeepSeek-V3's and Qwen3's FP8 releases: 128x128 blocks) stacked [E, N, K]."""
+    from shardline.engine.kernels.quant_moe_w8 import w8_moe, w8_moe_reference
+
+    block = scale_kind if isinstance(scale_kind, tuple) else None
+    gate_up = make_w8_experts(5, 128, 96, weight_dtype, scale_kind, seed=0)  # partial K blocks
+    down = make_w8_experts(5, 96, 64, weight_dtype, scale_kind, seed=10)
+    act = moe_activations()[activation]
+    generator = torch.Generator().manual_seed(4)
+    biases = (torch.randn(5, 128, generator=generator).to(DEVICE), torch.randn(5, 96, generator=generator).to(DEVICE))
+    for num_tokens in (1, 9):
+        case = make_moe_case(num_tokens, 96, 64, num_experts=5, top_k=2, dtype=dtype, with_bias=False)
+        args = (case.hidden, *gate_up, biases[0], *down, biases[1], block, case.topk_ids, case.topk_weights, act)
+        expected = w8_moe_reference(*args)
+        assert_close(w8_moe(*args), expected, slack=3.0)
+        rerouted = (*args[:8], (case.topk_ids + 1) % 5, *args[9:])
+        assert not torch.allclose(w8_moe_reference(*rerouted).float(), expected.float(), atol=1e-2)
+
+
+def test_w8_moe_refuses_bad_layouts():
+    from shardline.engine.kernels.quant_moe_w8 import w8_moe
+
+    gate_up = make_w8_experts(3, 64, 64, torch.float8_e4m3fn, (32, 32), seed=0)
+    down = make_w8_experts(3, 64, 32, torch.float8_e4m3fn, (32, 32), seed=5)
+    case = make_moe_case(2, 64, 32, num_experts=3, top_k=2, dtype=torch.float32, with_bias=False)
+    act = moe_activations()["silu"]
+    with pytest.raises(AssertionError, match=r"gate_up block \(32, 64\) scale \(3, 2, 2\), expected \(3, 2, 1\)"):
+        w8_moe(case.hidden, *gate_up, None, *down, None, (32, 64), case.topk_ids, case.topk_weights, act)
+    with pytest.raises(AssertionError, match="down weight torch.float16"):
+        w8_moe(case.hidden, *gate_up, None, down[0].half(), down[1], None, (32, 32), case.topk_ids,
+               case.topk_weights, act)
+
+
 def test_mxfp4_moe_reference_clamps_and_routes():
     """The reference's checks: the clamp limit is reached, and each route matters."""
     from shardline.engine.kernels.quant_moe import mxfp4_moe_reference
@@ -413,7 +464,7 @@ def test_split_k_sums_partials_once(dtype):
 
 CUDA_COMPILE = Path(__file__).with_name("cuda_compile.py")
 NON_FP8_CASES = ["w8_fp8_block_bf16", "w8_fp8_block_bf16_split_k", "w8_int8_channel_fp16", "w8_fp8_per_element_bf16",
-                 "w4_group_bf16", "w4_per_element_fp16", "mxfp4_moe_bf16"]
+                 "w4_group_bf16", "w4_per_element_fp16", "mxfp4_moe_bf16", "w8_moe_fp8_block_bf16"]
 FP8_W8A8_CASES = ["fp8_w8a8_channel_bf16", "fp8_w8a8_block_bf16"]
 
 
