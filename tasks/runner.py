@@ -3,7 +3,9 @@
 Invariants:
 - Only the driver thread touches the engine (chat rendering, add_request, step,
   abort_request). Shard callers, from any thread, hand over their rows and wait
-  for their shard's last row; nothing else needs a lock around the engine.
+  for their shard's last row; nothing else needs a lock around the engine. Rows
+  with images are the exception: the caller's thread prepares their prompts
+  (tasks/image_prompts.py; the tokenizer and processor are only read).
 - The driver adds rows while the engine reports capacity (or up to ``max_queued``
   requests when given), taking rows from shards in the order the shards arrived, so the batch stays full across shard
   boundaries and the earliest shard finishes (and is written) first.
@@ -35,10 +37,13 @@ from typing import TYPE_CHECKING, Any
 from shardline.engine.outputs import PoolingRequestOutput
 
 from .executor import EngineReading, RowCallback, RowRequest, RowResult, RunnerError, ShardAborted, report_row, row_done
+from .image_prompts import has_images, image_prompt, prepare_image_rows
 
 if TYPE_CHECKING:
     from shardline import LLM
     from shardline.engine.outputs import EmbeddingRequestOutput, RequestOutput
+
+    from .image_prompts import Prepared
 
     EngineOutput = RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput
 
@@ -87,6 +92,7 @@ class _ShardWork:
     rows: list[RowRequest]
     request_prefix: str  # unique in the runner: the key and the shard's serial
     on_row: RowCallback | None = None
+    prepared: dict[int, Prepared] = field(default_factory=dict)  # image rows' prompts, by position
     next_row: int = 0
     results: dict[int, RowResult] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -132,6 +138,7 @@ class ShardRunner:
         work = _ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}", on_row)
         if not work.rows:
             return []
+        work.prepared = prepare_image_rows(self.llm, work.rows, work.request_prefix)  # off the driver thread
         with self._cond:
             if self._closed:
                 raise RunnerError("the shard runner is closed")
@@ -274,7 +281,9 @@ class ShardRunner:
         """Add one row; a row the engine refuses becomes an error row (False)."""
         row = work.rows[position]
         try:
-            prompt = self._render(row)
+            prompt = work.prepared.get(position) or self._render(row)
+            if isinstance(prompt, ValueError):
+                raise prompt
             self._engine.add_request(request_id, prompt, row.params, lora_request=row.lora_request,
                                      priority=row.priority)
             self._stats.requests_added += 1
@@ -287,10 +296,10 @@ class ShardRunner:
 
     def _render(self, row: RowRequest) -> str | dict[str, Any]:
         assert row.images is None, f"row {row.index}: its images are read before the engine (tasks/image_feed.py)"
+        if has_images(row):
+            return image_prompt(self.llm, row)
         if row.messages is None:
             assert row.prompt is not None, f"row {row.index} has neither a prompt nor messages"
-            if row.multi_modal_data is not None:
-                return {"prompt": row.prompt, "multi_modal_data": row.multi_modal_data}
             return row.prompt
         return {"prompt_token_ids": self.llm.render_chat(row.messages, **(row.chat_options or {}))}
 

@@ -19,7 +19,7 @@ from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import process_shard, read_shard
 from shardline.tasks.storage import list_shards
 
-from .test_media import png_bytes
+from .test_media import data_url, png_bytes
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -105,3 +105,35 @@ def test_preflight_refuses_an_image_column_for_a_model_that_takes_no_images(tiny
         check_model(job(tiny_model))
     assert check_model(job(tiny_llava)) == "LlavaForConditionalGeneration"
     assert check_model(job(tiny_model).model_copy(update={"images": ImageOptions()}))  # no image column: text runs
+
+
+def test_chat_rows_with_image_parts_equal_llm_chat(llava_llm, tiny_llava, tmp_path):
+    images = [png_bytes(seed, size=(30, 36)) for seed in (21, 22)]
+
+    def chat(image: bytes | None, text: str) -> list[dict]:
+        parts: list[dict] = [{"type": "text", "text": text}]
+        if image is not None:
+            parts.insert(0, {"type": "image_url", "image_url": {"url": data_url(image)}})
+        return [{"role": "user", "content": parts}]
+
+    rows = [{"id": "a", "messages": chat(images[0], "What is it?")}, {"id": "t", "messages": chat(None, "Hi")},
+            {"id": "b", "messages": chat(images[1], "What is it?")}]
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), rows)
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_llava, task="chat",
+                   sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0})
+    prepared = read_shard(list_shards(job.input)[0], job)
+    runner = ShardRunner(llava_llm)
+    try:
+        results = ImageFeed(runner, job.images, {}).run_shard(
+            "part-0", [row.request for row in prepared.rows if row.request is not None])
+    finally:
+        runner.close()
+    as_pil = [[{**message, "content": [
+        {"type": "image_pil", "image_pil": Image.open(io.BytesIO(image)).convert("RGB")}
+        if part["type"] == "image_url" else part for part in message["content"]]} for message in row["messages"]]
+        for row, image in zip(rows, [images[0], None, images[1]], strict=True)]
+    expected = llava_llm.chat(as_pil, GREEDY, use_tqdm=False)
+    assert [result.error for result in results] == [None, None, None]
+    assert [list(r.output.outputs[0].token_ids) for r in results] == [list(e.outputs[0].token_ids) for e in expected]
+    assert [list(r.output.prompt_token_ids) for r in results] == [list(e.prompt_token_ids) for e in expected]
+    assert list(expected[0].outputs[0].token_ids) != list(expected[2].outputs[0].token_ids)  # the image decides
