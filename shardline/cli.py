@@ -44,7 +44,7 @@ _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": 
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
           "structured_outputs": "--json-schema/--choice/--regex/--grammar", "reasoning_parser": "--reasoning-parser",
-          "quantization": "--quantization",
+          "quantization": "--quantization", "tool_call_parser": "--tool-call-parser",
           "sampling.max_reasoning_tokens": "--max-reasoning-tokens", "images.column": "--image-column",
           "images.allowed_domains": "--allowed-media-domain", "images.max_image_bytes": "--max-image-bytes",
           "images.prefetch_bytes": "--image-prefetch-bytes"}
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="qwen3, deepseek_r1 or openai_gptoss: put the model's thinking in a "
                                  "`reasoning` column")
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
+    structured.add_argument("--tool-call-parser", metavar="NAME",
+                            help="hermes, llama3_json, mistral, deepseek_v3, deepseek_v31 or openai: read the tool "
+                                 "calls of OpenAI requests that offer tools (default: the one the chat template "
+                                 "implies)")
     images = run.add_argument_group("images", "rows with images: an image column, or image_url parts in messages")
     images.add_argument("--image-column", metavar="COLUMN", help="the column of each row's image(s): encoded bytes, "
                         "a URL (data:, s3://, file://, ...) or a list of them")
@@ -185,6 +189,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
                   "top_k": args.top_k, "seed": args.seed, "n": args.n, "stop": args.stop,
                   "max_reasoning_tokens": args.max_reasoning_tokens},
         structured_outputs=_structured_outputs(args), reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
         shards_in_flight=args.shards_in_flight, quantization=args.quantization, images=_image_options(args),

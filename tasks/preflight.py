@@ -4,7 +4,7 @@
   ValidationError into one line per invalid field, named as the caller names them
   (``--max-tokens must be >= 1, got -5`` on the command line);
 - the model: its config and tokenizer resolve (a local directory, or a hub id),
-  the tokenizer has the tokens the job's reasoning parser needs, a job with an image
+  the tokenizer has the tokens the job's reasoning and tool-call parsers need, a job with an image
   column names a model whose images the engine runs, and the engine's
   one verdict on whether it can run the model for the job's task says yes
   (engine/model/support.py: the config and the model built on the meta device; no
@@ -90,6 +90,13 @@ def check_model(job: BatchJob) -> str:
         try:
             make_reasoning_parser(job.reasoning_parser, resolved_tokenizer)
         except ReasoningParserError as exc:
+            raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
+    if job.tool_call_parser is not None:
+        from shardline.engine.tools import ToolParserError, make_tool_parser
+
+        try:
+            make_tool_parser(job.tool_call_parser, resolved_tokenizer)
+        except ToolParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
     architecture = check_support(job.model, config, job.task, trust, job.quantization)
     if job.images.column is not None:

@@ -32,6 +32,12 @@ def test_flags_set_the_jobs_constraint_and_reasoning(tmp_path):
     assert _job().structured_outputs is None and _job().reasoning_parser is None
 
 
+def test_tool_call_parser_flag_sets_the_jobs_field():
+    job = _job("--tool-call-parser", "hermes")
+    assert job.tool_call_parser == "hermes" and job.engine_kwargs()["tool_call_parser"] == "hermes"
+    assert _job().tool_call_parser is None and "tool_call_parser" not in _job().engine_kwargs()
+
+
 @pytest.mark.parametrize("flags, line", [
     (["--regex", "a", "--choice", "b"], "shardline run: --choice and --regex cannot be combined: give one constraint"),
     (["--json-schema", "/no/such/schema.json"],
@@ -42,6 +48,9 @@ def test_flags_set_the_jobs_constraint_and_reasoning(tmp_path):
      "shardline run: --reasoning-parser: reasoning_parser must be one of qwen3, deepseek_r1, openai_gptoss, "
      "got 'o1'"),
     (["--compact-json"], "shardline run: --compact-json needs --json-schema"),
+    (["--tool-call-parser", "pythonic"],
+     "shardline run: --tool-call-parser: tool_call_parser must be one of hermes, llama3_json, mistral, deepseek_v3, "
+     "deepseek_v31, openai, got 'pythonic'"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, line, capsys):
     assert main(["run", "in", "out", "--model", "some/model", *flags]) == 2

@@ -32,7 +32,9 @@ class ShardInferenceOperator(BaseOperator):
         template of the whole job (``"{{ params.job }}"``) needs the DAG's
         ``render_template_as_native_obj=True``. Rows with images take ``"images"``
         (``{"column": ..., "allowed_domains": [...], "max_image_bytes": ...}``); their
-        images are read with the connection's storage options, like the shards.
+        images are read with the connection's storage options, like the shards. OpenAI
+        requests that offer tools have their calls read by ``"tool_call_parser"`` (vLLM's
+        names; none takes the one the model's chat template implies).
     :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
     :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
         connection: login, password, extra.endpoint_url); none for local paths.

@@ -40,6 +40,12 @@ def test_a_usable_model_passes_and_every_problem_is_named_at_once(tmp_path, make
     assert isinstance(raised.value.errors[1], StorageError)
 
 
+def test_a_tool_call_parser_the_tokenizer_cannot_serve_is_refused(make_job, tiny_model):
+    with pytest.raises(ModelUnusable, match=r"^load tokenizer .* needs the token \[TOOL_CALLS\]"):
+        check_model(make_job(tool_call_parser="mistral"))
+    check_model(make_job(tool_call_parser="hermes"))  # read on the text when the markers are not tokens
+
+
 def test_an_architecture_the_paged_attention_cannot_run_is_refused(tmp_path, make_job, tiny_model):
     model = tmp_path / "rwkv-like"
     shutil.copytree(tiny_model, model)
