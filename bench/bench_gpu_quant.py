@@ -14,7 +14,9 @@ prefill (4096). Times bfloat16 ``F.linear`` (cuBLAS) and, on the same input:
 and prints ms per call, the ratio bf16 time / kernel time (above 1: faster than bf16)
 per linear, and the four linears of one decoder layer summed. ``--moe`` adds the MXFP4
 experts (engine/kernels/quant_moe.py) on gpt-oss-20b's shapes (hidden 2880, 32 experts
-of 2880, top 4) against transformers' way, a bfloat16 matmul per routed expert.
+of 2880, top 4) and the FP8 128x128-block experts (quant_moe_w8.py) on Qwen3-30B-A3B's
+(hidden 2048, 128 experts of 768, top 8), each against transformers' way, a bfloat16
+matmul per routed expert.
 Each kernel's output is checked against its plain-torch reference before it is timed.
 
     python bench/bench_gpu_quant.py [--rows 1 16 64 256 1024 4096] [--moe]
@@ -183,10 +185,42 @@ def bench_moe(rows_list: list[int]) -> None:
               f"({bf16_ms / kernel_ms:4.2f}x)", flush=True)
 
 
+def bench_fp8_moe(rows_list: list[int]) -> None:
+    """Qwen3-30B-A3B's experts: FP8 128x128 blocks in Triton against a bf16 matmul per routed expert."""
+    from shardline.engine.kernels.quant_moe import SILU_GATED_HALVES
+    from shardline.engine.kernels.quant_moe_w8 import w8_moe, w8_moe_reference
+    from shardline.engine.kernels.quant_reference import dequantize_w8
+
+    hidden, intermediate, experts, top_k, block = 2048, 768, 128, 8, (128, 128)
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, shape in (("gate_up", (2 * intermediate, hidden)), ("down", (hidden, intermediate))):
+        pairs = [quantize_w8(torch.randn(*shape, device="cuda") * 0.02, torch.float8_e4m3fn, block)
+                 for _ in range(experts)]
+        weights[name] = (torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]))
+    bf16 = {name: torch.stack([dequantize_w8(q[e], s[e], block) for e in range(experts)]).to(torch.bfloat16)
+            for name, (q, s) in weights.items()}
+    print(f"\nFP8 block MoE, {experts} experts {hidden} -> {intermediate}, top {top_k}: ms (bf16 / kernel)")
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        topk_ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(rows)])
+        topk_weights = torch.rand(rows, top_k, device="cuda").softmax(-1)
+        (gate_up, gate_up_scale), (down, down_scale) = weights["gate_up"], weights["down"]
+        kernel = partial(w8_moe, x, gate_up, gate_up_scale, None, down, down_scale, None, block, topk_ids,
+                         topk_weights, SILU_GATED_HALVES)
+        reference = partial(w8_moe_reference, x, gate_up, gate_up_scale, None, down, down_scale, None, block,
+                            topk_ids, topk_weights, SILU_GATED_HALVES)
+        _check(f"fp8 moe M={rows}", kernel(), reference())
+        bf16_ms = time_ms(partial(bf16_experts, x, bf16["gate_up"], bf16["down"], topk_ids, topk_weights,
+                                  SILU_GATED_HALVES))
+        kernel_ms = time_ms(kernel)
+        print(f"  M={rows:5d}  bf16 per expert {bf16_ms:8.4f} | fp8 block triton {kernel_ms:8.4f} "
+              f"({bf16_ms / kernel_ms:4.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
-    parser.add_argument("--moe", action="store_true", help="also time the MXFP4 MoE experts")
+    parser.add_argument("--moe", action="store_true", help="also time the MXFP4 and FP8-block MoE experts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu_quant.py needs a CUDA GPU (torch.cuda.is_available() is False here); the kernels "
@@ -201,6 +235,7 @@ def main() -> None:
     bench_linears(args.rows, fp8_tensor_cores)
     if args.moe:
         bench_moe(args.rows)
+        bench_fp8_moe(args.rows)
 
 
 if __name__ == "__main__":
