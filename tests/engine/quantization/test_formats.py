@@ -61,6 +61,7 @@ FORMATS = {
                          torch.uint8),
     "gptq_v2": ("llama", _gptq_config(checkpoint_format="gptq_v2", sym=False), ckpt.gptq(32, False, version="gptq_v2"),
                 torch.uint8),
+    "gptq_tied_embeddings": ("qwen3_tied", _gptq_config(), ckpt.gptq(32, True), torch.uint8),
     "awq_gemm": ("qwen3", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
                  ckpt.awq(32), torch.uint8),
 }
@@ -69,7 +70,10 @@ FORMATS = {
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
     """One tiny float checkpoint per architecture."""
-    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"float-{arch}"), arch) for arch in ("llama", "qwen3")}
+    dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(f"float-{arch}"), arch) for arch in ("llama", "qwen3")}
+    dirs["qwen3_tied"] = build_tiny_model(tmp_path_factory.mktemp("float-qwen3-tied"), "qwen3",
+                                          tie_word_embeddings=True)
+    return dirs
 
 
 def _engine_tokens(model_dir, prompts=PROMPTS, **options):
@@ -141,3 +145,16 @@ def test_ignored_modules_stay_float(float_dirs, tmp_path):
     assert_kept_quantized(model, list(dequantized), torch.uint8)
     assert not any(isinstance(module, QuantizedLinear) for name, module in model.named_modules()
                    if name.replace(".layer.", ".") == kept)
+
+
+@pytest.mark.parametrize("name", ["fp8_blocks_scale_inv", "gptq_v1_desc_act"])
+def test_bfloat16_serving_passes_the_load_check(name, float_dirs, tmp_path):
+    """Served in bfloat16 (the CPU kernels' bfloat16 paths), a quantized model passes the
+    load check against its dequantized reference and stays quantized."""
+    arch, config, quantize, dtype = FORMATS[name]
+    dequantized = ckpt.write_quantized(float_dirs[arch], tmp_path / name, config, quantize)
+    llm = LLM(str(tmp_path / name), dtype="bfloat16", device="cpu")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
+    assert all(len(output.outputs[0].token_ids) == MAX_NEW_TOKENS for output in outputs)
+    assert_kept_quantized(ckpt.engine_model(llm), list(dequantized), dtype)

@@ -101,3 +101,18 @@ def test_batch_job_takes_quantization(tmp_path):
     with pytest.raises(ValueError, match="job's own field"):
         BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model="m",
                  engine_options={"quantization": "fp8"})
+
+
+def test_command_line_and_fingerprint_carry_quantization(tmp_path):
+    from shardline.cli import build_parser, job_from_args
+    from shardline.tasks.fingerprint import fingerprint_fields
+    from shardline.tasks.storage import Shard
+
+    args = build_parser().parse_args(["run", str(tmp_path / "in"), str(tmp_path / "out"), "--model", "m",
+                                      "--quantization", "fp8"])
+    job = job_from_args(args)
+    assert job.quantization == "fp8"
+    shard = Shard(uri=str(tmp_path / "in" / "a.jsonl"), key="a", format="jsonl", size=1)
+    plain = job.model_copy(update={"quantization": None})
+    assert fingerprint_fields(job, shard, {})["quantization"] == "fp8"
+    assert "quantization" not in fingerprint_fields(plain, shard, {})
