@@ -137,3 +137,23 @@ def test_chat_rows_with_image_parts_equal_llm_chat(llava_llm, tiny_llava, tmp_pa
     assert [list(r.output.outputs[0].token_ids) for r in results] == [list(e.outputs[0].token_ids) for e in expected]
     assert [list(r.output.prompt_token_ids) for r in results] == [list(e.prompt_token_ids) for e in expected]
     assert list(expected[0].outputs[0].token_ids) != list(expected[2].outputs[0].token_ids)  # the image decides
+
+
+def test_openai_batch_lines_with_images_answer_as_llm_chat(llava_llm, tiny_llava, tmp_path):
+    import json
+
+    image = png_bytes(31, size=(33, 29))
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "Caption"}]
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": tiny_llava, "messages": [{"role": "user", "content": content}],
+                     "max_tokens": MAX_TOKENS, "temperature": 0}}
+    write_rows(str(tmp_path / "in" / "part-0.jsonl"), [line])
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_llava, output_format="openai")
+    process_shard(list_shards(job.input)[0], job)
+    [answer] = [json.loads(text) for text in (tmp_path / "out" / "part-0.jsonl").read_text().splitlines()]
+    pil = Image.open(io.BytesIO(image)).convert("RGB")
+    [expected] = llava_llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": pil}, content[1]]}],
+                                GREEDY, use_tqdm=False)
+    body = answer["response"]["body"]
+    assert answer["error"] is None and body["choices"][0]["message"]["content"] == expected.outputs[0].text
+    assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)  # image tokens are prompt tokens
