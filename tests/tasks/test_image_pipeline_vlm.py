@@ -157,3 +157,29 @@ def test_openai_batch_lines_with_images_answer_as_llm_chat(llava_llm, tiny_llava
     body = answer["response"]["body"]
     assert answer["error"] is None and body["choices"][0]["message"]["content"] == expected.outputs[0].text
     assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)  # image tokens are prompt tokens
+
+
+def test_an_image_column_in_a_chat_job_goes_before_the_first_user_text(llava_llm, tiny_llava, tmp_path):
+    image = png_bytes(41, size=(26, 30))
+    rows = [{"id": "a", "messages": json_messages("Who?"), "image": image},
+            {"id": "b", "messages": json_messages("Who?"), "image": None}]
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_llava, task="chat",
+                   sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0}, images={"column": "image"})
+    process_shard(list_shards(job.input)[0], job)
+    out = pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()
+    pil = Image.open(io.BytesIO(image)).convert("RGB")
+    expected = llava_llm.chat([
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "image_pil", "image_pil": pil}, {"type": "text", "text": "Who?"}]}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who?"}]], GREEDY, use_tqdm=False)
+    assert [row["error"] for row in out] == [None, None]
+    assert [row["text"] for row in out] == [e.outputs[0].text for e in expected]
+    assert [row["prompt_tokens"] for row in out] == [len(e.prompt_token_ids) for e in expected]
+
+
+def json_messages(text: str) -> str:
+    """A chat as a JSON string (a Parquet column of text)."""
+    import json
+
+    return json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}])
