@@ -121,7 +121,8 @@ if triton is not None:
         store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
     @triton.jit
-    def _w4_weight_halves(packed_cols, scale_cols, zero_cols, k0, ks_even, k_valid, col_valid, group_size,
+    def _w4_weight_halves(packed_cols, scale_cols, zero_cols, stride_sg, stride_zg, k0, ks_even, k_valid, col_valid,
+                          group_size,
                           HAS_ZEROS: tl.constexpr, PER_ELEMENT: tl.constexpr):
         """The even-column and odd-column weights of one K tile, each [BLOCK_K // 2, BN] in
         float32: codes minus zero point, times the scale only when PER_ELEMENT."""
@@ -133,15 +134,15 @@ if triton is not None:
             groups_even = (ks_even // group_size)[:, None]
             groups_odd = ((ks_even + 1) // group_size)[:, None]
             if HAS_ZEROS:
-                low -= tl.load(zero_cols + groups_even, mask=mask, other=0.0)
-                high -= tl.load(zero_cols + groups_odd, mask=mask, other=0.0)
+                low -= tl.load(zero_cols + groups_even * stride_zg, mask=mask, other=0.0)
+                high -= tl.load(zero_cols + groups_odd * stride_zg, mask=mask, other=0.0)
             else:
                 low, high = low - 8.0, high - 8.0
-            low *= tl.load(scale_cols + groups_even, mask=mask, other=0.0)
-            high *= tl.load(scale_cols + groups_odd, mask=mask, other=0.0)
+            low *= tl.load(scale_cols + groups_even * stride_sg, mask=mask, other=0.0)
+            high *= tl.load(scale_cols + groups_odd * stride_sg, mask=mask, other=0.0)
         else:  # the whole tile lies in group k0 // group_size
             if HAS_ZEROS:
-                zero = tl.load(zero_cols + k0 // group_size, mask=col_valid[None, :], other=0.0)
+                zero = tl.load(zero_cols + (k0 // group_size) * stride_zg, mask=col_valid[None, :], other=0.0)
                 low, high = low - zero, high - zero
             else:
                 low, high = low - 8.0, high - 8.0
@@ -150,7 +151,7 @@ if triton is not None:
     @triton.jit
     def _w4_linear_kernel(
         x_ptr, packed_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, M, N, K, group_size,
-        stride_xm, stride_pn, stride_sn, stride_zn, stride_om, k_per_split, stride_split,
+        stride_xm, stride_pn, stride_sn, stride_sg, stride_zn, stride_zg, stride_om, k_per_split, stride_split,
         HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PER_ELEMENT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -170,12 +171,12 @@ if triton is not None:
             x_mask = row_valid[:, None] & k_valid[None, :]
             x_even = tl.load(x_rows + ks_even[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
             x_odd = tl.load(x_rows + ks_even[None, :] + 1, mask=x_mask, other=0.0).to(DOT_DTYPE)
-            low, high = _w4_weight_halves(packed_cols, scale_cols, zero_cols, k0, ks_even, k_valid, col_valid,
-                                          group_size, HAS_ZEROS, PER_ELEMENT)
+            low, high = _w4_weight_halves(packed_cols, scale_cols, zero_cols, stride_sg, stride_zg, k0, ks_even,
+                                          k_valid, col_valid, group_size, HAS_ZEROS, PER_ELEMENT)
             part = tl.dot(x_even, low.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
             part = tl.dot(x_odd, high.to(DOT_DTYPE), acc=part, input_precision=INPUT_PRECISION)
             if not PER_ELEMENT:
-                part = part * tl.load(scale_cols + k0 // group_size, mask=col_valid[None, :], other=0.0)
+                part = part * tl.load(scale_cols + (k0 // group_size) * stride_sg, mask=col_valid[None, :], other=0.0)
             acc += part
         store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
@@ -350,8 +351,8 @@ def _check_w4_layout(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     expected = (out_features, -(-in_features // group_size))
     for name, tensor in (("scales", scales), ("zeros", zeros)):
         if tensor is not None:
-            assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expected and tensor.stride(1) == 1, (
-                f"{name} {tensor.dtype} {tuple(tensor.shape)}, expected float32 {expected} with contiguous rows")
+            assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expected, (
+                f"{name} {tensor.dtype} {tuple(tensor.shape)}, expected float32 {expected}")
             assert tensor.device == packed.device, f"{name} on {tensor.device}, packed on {packed.device}"
 
 
@@ -377,8 +378,8 @@ def triton_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     launcher(_w4_linear_kernel, plan.grid(num_rows, out_features))(
         rows, packed, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         out, num_rows, out_features, in_features, group_size,
-        rows.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
-        stride_om, plan.k_per_split, stride_split,
+        rows.stride(0), packed.stride(0), scales.stride(0), scales.stride(1),
+        *(zeros.stride() if zeros is not None else (0, 0)), stride_om, plan.k_per_split, stride_split,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and plan.split_k == 1, PER_ELEMENT=tile is None,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -160,6 +160,21 @@ def test_w4_linear_matches_reference(asymmetric, group_size, in_features, dtype)
         assert_close(triton_w4_linear(x, packed, scales, zeros, group_size, bias), expected)
 
 
+@pytest.mark.parametrize("group_size", [32, 16], ids=["per_tile", "per_element"])
+def test_w4_linear_reads_transposed_scales_and_zeros(group_size):
+    """GPTQ and AWQ store scales and zeros [K // g, N]; the loader hands them over transposed."""
+    from shardline.engine.kernels.quant_linear import triton_w4_linear
+
+    packed, scales, zeros = make_w4(40, 128, group_size, True)
+    assert zeros is not None
+    scales_t, zeros_t = scales.t().contiguous().t(), zeros.t().contiguous().t()
+    assert scales_t.stride(1) != 1 and zeros_t.stride(1) != 1
+    for num_rows in (1, 19):
+        x = activations(num_rows, 128, torch.float32)
+        expected = quantized_linear_reference(x, dequantize_w4(packed, scales, zeros, group_size))
+        assert_close(triton_w4_linear(x, packed, scales_t, zeros_t, group_size, None), expected)
+
+
 def test_w4_linear_with_act_order_permutation():
     """A GPTQ act-order weight: the caller permutes x's columns into the stored order."""
     from shardline.engine.kernels.quant_linear import triton_w4_linear
