@@ -5,9 +5,11 @@ with w in the W8 or W4 layout of kernels/quant_reference.py, whose
 Two paths by the number of rows of x. Up to ``DECODE_MAX_ROWS`` (the decode shapes)
 the kernel streams the quantized weight once, dequantizing in registers, the threads
 splitting the output columns; a decode step reads a quarter (W4) or half (W8) of the
-bfloat16 weight's bytes. Above it (prefill), a panel of weight rows at a time is
-dequantized into a scratch of x's dtype and multiplied by torch's matmul, so the
-prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
+bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
+cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
+(exactly) by the bfloat16 dot-product instruction. Above it (prefill), a panel of
+weight rows at a time is dequantized into a scratch of x's dtype and multiplied by
+torch's matmul, so the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
 the decode path and float32 activations keep the float32 weight.
 
@@ -28,10 +30,11 @@ from .native import NativeLibrary, declare
 from .quant_reference import W8_DTYPES
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
+BF16_SOURCE = Path(__file__).with_name("cpu_quant_bf16.c")
 # The C kernels' dtype codes for x, the output and the prefill panel.
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # At most this many rows of x take the streaming kernel; more go through panels.
-DECODE_MAX_ROWS = 16
+DECODE_MAX_ROWS = 8
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 
@@ -51,6 +54,26 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "quantized linears dequantize their weight through torch")
+_BF16_SIGNATURES = {
+    "w8_linear_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
+    "w4_linear_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
+}
+
+
+def _declare_bf16(library: ctypes.CDLL) -> None:
+    declare(library, ["quant_bf16_dot"], [], ctypes.c_int)
+    if library.quant_bf16_dot():
+        for name, argtypes in _BF16_SIGNATURES.items():
+            declare(library, [name], argtypes, None)
+
+
+_BF16_LIBRARY = NativeLibrary(BF16_SOURCE, _declare_bf16, "bfloat16 decode shapes take the float32 kernel")
+
+
+def _bf16_dot_library() -> ctypes.CDLL | None:
+    """cpu_quant_bf16.c's library where it was built with AVX512_BF16, else None."""
+    library = _BF16_LIBRARY.load()
+    return library if library is not None and library.quant_bf16_dot() else None
 
 
 def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -137,7 +160,12 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     fp8, kind, threads = int(weight.dtype == torch.float8_e4m3fn), _KINDS[x.dtype], torch.get_num_threads()
     library = _library()
-    if x2.shape[0] <= DECODE_MAX_ROWS:
+    dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 else None
+    if x2.shape[0] <= DECODE_MAX_ROWS and dot_library is not None:
+        dot_library.w8_linear_bf16(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(),
+                                   scale_cols, block_rows, block_cols, _pointer(bias32), out.data_ptr(),
+                                   out.stride(0), out_features, in_features, threads)
+    elif x2.shape[0] <= DECODE_MAX_ROWS:
         scratch = torch.empty(x2.shape, dtype=torch.float32)
         library.w8_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], weight.data_ptr(),
                           fp8, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32),
@@ -170,7 +198,13 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     bias32 = _float32_vector(bias, out_features, "bias")
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     kind, threads, library = _KINDS[x.dtype], torch.get_num_threads(), _library()
-    if x2.shape[0] <= DECODE_MAX_ROWS:
+    dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 and group_size % 32 == 0 else None
+    if x2.shape[0] <= DECODE_MAX_ROWS and dot_library is not None:
+        sums = torch.empty(x2.shape[0], in_features // group_size, dtype=torch.float32)
+        dot_library.w4_linear_bf16(x2.data_ptr(), x2.stride(0), x2.shape[0], sums.data_ptr(), packed.data_ptr(),
+                                   scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32),
+                                   out.data_ptr(), out.stride(0), out_features, in_features, threads)
+    elif x2.shape[0] <= DECODE_MAX_ROWS:
         scratch = torch.empty(x2.shape, dtype=torch.float32)
         library.w4_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], packed.data_ptr(),
                           scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(),

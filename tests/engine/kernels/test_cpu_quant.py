@@ -7,7 +7,9 @@ import shutil
 import pytest
 import torch
 
+from shardline.engine.kernels import cpu_quant
 from shardline.engine.kernels.cpu_quant import DECODE_MAX_ROWS, cpu_quant_available, cpu_w4_linear, cpu_w8_linear
+from shardline.engine.kernels.native import cpu_signature
 from shardline.engine.kernels.quant_reference import (
     dequantize_w4,
     dequantize_w8,
@@ -173,3 +175,11 @@ def test_layouts_the_kernels_do_not_take_are_refused():
     with pytest.raises(AssertionError):
         cpu_w4_linear(x, torch.zeros(32, 32, dtype=torch.uint8), torch.ones(32, 3), None, 24)
     assert not cpu_quant_available(torch.float64)
+
+
+def test_bf16_dot_product_kernel_builds_where_the_cpu_has_it(kernel_target):
+    """bfloat16 decode shapes take cpu_quant_bf16.c where the build has AVX512_BF16 (the
+    tests above then check it); the narrower targets keep the float32 kernel."""
+    flags = set(cpu_signature().decode().split())
+    expected = kernel_target == "native" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
+    assert (cpu_quant._bf16_dot_library() is not None) == expected

@@ -1,0 +1,203 @@
+"""Quantized weights against bfloat16 on CPU, side by side in one process.
+
+Two modes:
+
+``--mode kernel``: one linear of the model's shapes (o_proj, gate and up packed
+together, down_proj), x of M = 1, 8, 64, 512 rows in bfloat16: the engine's bfloat16
+linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
+CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
+blocks and int4 groups of 128. Prints milliseconds per call and bf16 / quantized.
+
+``--mode model`` (default): bench_engine's Llama-shaped model at a size where the
+decoder's linears dominate memory, served in bfloat16 from its float checkpoint, with
+online FP8 and int8 (``quantization="fp8" | "int8"``) and from a GPTQ int4 checkpoint
+(groups of 128, written in GPTQ's on-disk layout by the quantized-checkpoint tests'
+builder). For each: the resident weight bytes (every tensor the engine's model holds,
+oneDNN's packed copies included), decode-heavy throughput (a few short prompts, many
+output tokens) and prefill throughput (long prompts, one output token), with ratios to
+bfloat16. Runs are interleaved round by round and the best of each compared.
+
+    python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
+                                [--cpu-time]
+
+``--cpu-time`` runs on one thread timed by its CPU time (for a machine other work is
+loading; the absolute figures are then one core's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import build_bench_model, random_prompts
+
+from shardline import LLM, SamplingParams
+from shardline.engine.cpu.capability import host_cpu
+from shardline.engine.cpu.linear import PackedLinear
+from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear
+from shardline.engine.llm_engine import LLMEngine
+
+clock: Callable[[], float] = time.perf_counter
+ROWS = (1, 8, 64, 512)
+
+
+def best_ms(call: Callable[[], object], repeats: int = 5) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        call()
+        best = min(best, clock() - start)
+    return best * 1e3
+
+
+def kernel_calls(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """The bf16 linear as the engine runs it and each quantized kernel, on x."""
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weights["bf16"], x.shape[0])
+    return {
+        "bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+        "int8": lambda: cpu_w8_linear(x, weights["int8"], weights["channel"]),
+        "fp8": lambda: cpu_w8_linear(x, weights["fp8"], weights["channel"]),
+        "fp8 128x128": lambda: cpu_w8_linear(x, weights["fp8"], weights["blocks"], (128, 128)),
+        "int4 g128": lambda: cpu_w4_linear(x, weights["packed"], weights["groups"], weights["zeros"], 128),
+    }
+
+
+def kernel_mode(hidden: int, intermediate: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for name, (rows, cols) in {"o_proj": (hidden, hidden), "gate_up": (2 * intermediate, hidden),
+                               "down_proj": (hidden, intermediate)}.items():
+        weights = {
+            "bf16": torch.randn(rows, cols, generator=generator).bfloat16() * 0.02,
+            "int8": torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator),
+            "fp8": (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn),
+            "channel": torch.rand(rows, 1, generator=generator) * 1e-3,
+            "blocks": torch.rand(-(-rows // 128), -(-cols // 128), generator=generator) * 1e-3,
+            "packed": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
+            "groups": torch.rand(rows, cols // 128, generator=generator) * 1e-3,
+            "zeros": torch.full((rows, cols // 128), 8.0),
+        }
+        for m in ROWS:
+            x = torch.randn(m, cols, generator=generator).bfloat16()
+            times = {kind: best_ms(call) for kind, call in kernel_calls(x, weights).items()}
+            line = ", ".join(f"{kind} {ms:.3f} ms" + ("" if kind == "bf16" else f" ({times['bf16'] / ms:.2f}x)")
+                             for kind, ms in times.items())
+            print(f"{name:9s} [{rows}, {cols}] M={m:<4d} {line}", flush=True)
+
+
+def write_int4_checkpoint(float_dir: str, group_size: int) -> str:
+    """A GPTQ (v1, symmetric, no act-order) copy of ``float_dir``'s decoder linears."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.engine.quantization import checkpoints
+
+    out_dir = tempfile.mkdtemp(prefix="shardline-bench-gptq-")
+    config = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": True,
+              "checkpoint_format": "gptq"}
+    checkpoints.write_quantized(float_dir, out_dir, config, checkpoints.gptq(group_size, True))
+    return out_dir
+
+
+def weight_bytes(llm: LLM) -> tuple[int, int]:
+    """Bytes of every tensor the engine's model holds (each storage once), and of
+    oneDNN's packed copies of its linears (opaque tensors: element count times size)."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine), type(engine)
+    model = engine.model
+    seen: set[int] = set()
+    held = packed = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            packed += module.packed_weight.numel() * module.packed_weight.element_size()
+    return held, packed
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
+    start = clock()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = clock() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+    return elapsed
+
+
+def model_mode(args: argparse.Namespace) -> None:
+    overrides = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                     num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
+                     vocab_size=args.vocab)
+    float_dir = build_bench_model(**overrides)
+    int4_dir = write_int4_checkpoint(float_dir, 128)
+    variants = {"bf16": (float_dir, None), "fp8": (float_dir, "fp8"), "int8": (float_dir, "int8"),
+                "int4 (GPTQ g128)": (int4_dir, None)}
+    engines, memory = {}, {}
+    for name, (directory, quantization) in variants.items():
+        llm = LLM(directory, dtype="bfloat16", quantization=quantization)
+        llm.generate({"prompt_token_ids": [5] * 8}, SamplingParams(max_tokens=2), use_tqdm=False)
+        engines[name], memory[name] = llm, weight_bytes(llm)
+        gc.collect()
+    decode_prompts = random_prompts(args.decode_prompts, 8, 24, args.vocab, seed=1)
+    prefill_prompts = random_prompts(args.prefill_prompts, args.prefill_len, args.prefill_len, args.vocab, seed=2)
+    workloads = {"decode": (decode_prompts, args.output_len), "prefill": (prefill_prompts, 1)}
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeat):  # interleaved: a slow phase of the machine hits every variant
+        for workload, (prompts, max_tokens) in workloads.items():
+            for name, llm in engines.items():
+                with torch.inference_mode():
+                    seconds.setdefault((workload, name), []).append(run(llm, prompts, max_tokens))
+    print(f"host: {host_cpu().describe()}")
+    print(f"model: Llama-shaped, {overrides}, bfloat16 activations, {torch.get_num_threads()} threads")
+    print(f"decode: {len(decode_prompts)} prompts of 8-24 tokens, {args.output_len} output tokens each; "
+          f"prefill: {len(prefill_prompts)} prompts of {args.prefill_len} tokens, 1 output token; "
+          f"{args.repeat} interleaved round(s), best of each")
+    decode_tokens = len(decode_prompts) * args.output_len
+    prefill_tokens = sum(len(p) for p in prefill_prompts)
+    base_decode, base_prefill = min(seconds[("decode", "bf16")]), min(seconds[("prefill", "bf16")])
+    base_held, base_packed = memory["bf16"]
+    for name in engines:
+        decode, prefill = min(seconds[("decode", name)]), min(seconds[("prefill", name)])
+        held, packed = memory[name]
+        print(f"{name:17s} weights {held / 2**20:6.1f} MiB ({held / base_held:.0%} of bf16's; with oneDNN's packed "
+              f"copies {(held + packed) / 2**20:6.1f} MiB, {(held + packed) / (base_held + base_packed):.0%})  "
+              f"decode {decode_tokens / decode:6.1f} tok/s ({base_decode / decode:.2f}x, runs "
+              f"{', '.join(f'{s:.2f}' for s in seconds[('decode', name)])} s)  "
+              f"prefill {prefill_tokens / prefill:6.1f} tok/s ({base_prefill / prefill:.2f}x, runs "
+              f"{', '.join(f'{s:.2f}' for s in seconds[('prefill', name)])} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Quantized weights against bfloat16 on CPU")
+    parser.add_argument("--mode", choices=["model", "kernel"], default="model")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--decode-prompts", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--prefill-prompts", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
+    args = parser.parse_args()
+    if args.cpu_time:
+        global clock
+        torch.set_num_threads(1)
+        clock = time.thread_time
+    if args.mode == "kernel":
+        kernel_mode(args.hidden, args.intermediate)
+    else:
+        model_mode(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+/* The decode shapes of the quantized linears (cpu_quant.c) for bfloat16 x on CPUs with
+ * AVX512_BF16: the weight codes are widened to bfloat16 and multiplied by x's
+ * bfloat16 values with the bfloat16 dot-product instruction (vdpbf16ps: pairs of
+ * products added into float32 lanes), 32 weights per instruction where the float32
+ * kernel takes 16.
+ *
+ * Exactness: every int8 code, every fp8 code (times 2^-8, the scale carrying 2^8) and
+ * every 4-bit code is a bfloat16 value exactly, and a product of two bfloat16 values
+ * is exact in float32, so the sums are those of the float32 kernel up to their order.
+ * The scales multiply the float32 sums of their block (W8) or group (W4) once; a W4
+ * zero point enters as zero * scale * (the group's sum of x), so the codes stay exact
+ * whatever the zero (x's group sums are float32).
+ *
+ * Built for every target; without AVX512_BF16 (and AVX512BW) quant_bf16_dot() is 0 and
+ * the launcher keeps the float32 kernel. Layouts: as cpu_quant.c's, x bfloat16 only;
+ * W4 groups a multiple of 32 (the launcher checks).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define R 4
+#define MT 4
+#define PARALLEL_MIN_WORK (1 << 18)
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The float32 value of a W8 code, as cpu_quant.c decodes it (fp8: exact, NaN kept). */
+static inline float w8_scalar(uint8_t code, int fp8) {
+    if (!fp8) return (float)(int8_t)code;
+    const uint32_t magnitude = code & 0x7fu;
+    uint32_t bits;
+    if (magnitude == 0x7fu) {
+        bits = 0x7fc00000u;
+    } else if (magnitude < 8u) {
+        const float value = (float)magnitude * (1.0f / 512.0f);
+        memcpy(&bits, &value, sizeof bits);
+    } else {
+        bits = (magnitude << 20) + (120u << 23);
+    }
+    bits |= (uint32_t)(code & 0x80u) << 24;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* 32 W8 codes at p as bfloat16, in order. fp8 goes through float16 as in cpu_quant.c
+ * (the value times 2^-8; NaN codes made float16 NaN). */
+static inline __m512bh w8_codes_bf16(const uint8_t *p, int fp8) {
+    __m512 low, high;
+    if (fp8) {
+        __m512i half = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        half = _mm512_and_si512(_mm512_slli_epi16(half, 7), _mm512_set1_epi16((short)0xbf80));
+        const __mmask32 is_nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(half, _mm512_set1_epi16(0x3f80)),
+                                                         _mm512_set1_epi16(0x3f80));
+        half = _mm512_mask_mov_epi16(half, is_nan, _mm512_set1_epi16(0x7e00));
+        low = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+        high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    } else {
+        low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    }
+    return _mm512_cvtne2ps_pbh(high, low);  /* lanes 0-15 from low, 16-31 from high */
+}
+
+/* 16 packed bytes (32 nibbles) as bfloat16 codes 0..15 in column order: each 32-bit lane
+ * gets byte j's low nibble in its low half and its high nibble in its high half, and
+ * the 16-bit halves index a table of bfloat16(0 .. 15). */
+static inline __m512bh w4_codes_bf16(const uint8_t *p, __m512i table) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i pairs = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)),
+                                          _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0xf0)), 12));
+    return (__m512bh)_mm512_permutexvar_epi16(pairs, table);
+}
+
+static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loadu_si512(x); }
+
+/* result[r][m] = sum_k w8(n_r, k) * x[m][k]; scale_rows[r]: row n_r / bn of scale. */
+static inline __attribute__((always_inline)) void w8_tile(
+    const uint16_t *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R], int64_t K,
+    int64_t bk, int fp8, const int mt, float result[R][MT]) {
+    __m512 acc[R][MT];
+    float tail[R][MT];
+    const float unit = fp8 ? 256.0f : 1.0f;
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), tail[r][m] = 0.0f;
+    for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
+        const int64_t k1 = min64(K, k0 + bk);
+        __m512 part[R][MT];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 32 <= k1; k += 32) {
+            __m512bh xv[MT];
+            for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
+            for (int r = 0; r < R; r++) {
+                const __m512bh wv = w8_codes_bf16(w[r] + k, fp8);
+                for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float s = scale_rows[r][kb];
+            for (int64_t j = k; j < k1; j++) {
+                const float wv = w8_scalar(w[r][j], fp8) * s;
+                for (int m = 0; m < mt; m++) tail[r][m] += wv * bf16_to_f32(x[m][j]);
+            }
+            for (int m = 0; m < mt; m++)
+                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s * unit), acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = _mm512_reduce_add_ps(acc[r][m]) + tail[r][m];
+}
+
+/* result[r][m] = sum_k w4(n_r, k) * x[m][k]; x_sums[m][g]: x's sum over group g. */
+static inline __attribute__((always_inline)) void w4_tile(
+    const uint16_t *const x[MT], const float *const x_sums[MT], const uint8_t *const w[R],
+    const float *const scale_rows[R], const float *const zero_rows[R], int64_t K, int64_t group,
+    __m512i table, const int mt, float result[R][MT]) {
+    __m512 acc[R][MT];
+    float shift[R][MT];  /* sum over groups of zero * scale * the group's sum of x */
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), shift[r][m] = 0.0f;
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        __m512 part[R][MT];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + group; k += 32) {
+            __m512bh xv[MT];
+            for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
+            for (int r = 0; r < R; r++) {
+                const __m512bh wv = w4_codes_bf16(w[r] + k / 2, table);
+                for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float s = scale_rows[r][g], zs = (zero_rows[r] ? zero_rows[r][g] : 8.0f) * s;
+            for (int m = 0; m < mt; m++) {
+                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
+                shift[r][m] += zs * x_sums[m][g];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = _mm512_reduce_add_ps(acc[r][m]) - shift[r][m];
+}
+
+static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64_t N, int64_t rows,
+                              const float *bias, uint16_t *out, int64_t out_stride) {
+    for (int r = 0; r < R && n0 + r < N; r++)
+        for (int m = 0; m < MT && m0 + m < rows; m++)
+            out[(m0 + m) * out_stride + n0 + r] = f32_to_bf16(result[r][m] + (bias ? bias[n0 + r] : 0.0f));
+}
+
+/* One instance per (format, rows of x), so each keeps its accumulators in registers. */
+#define BY_ROWS(CALL, count) do {                                                  \
+        switch (count) {                                                           \
+        case 1: CALL(1); break;                                                    \
+        case 2: CALL(2); break;                                                    \
+        case 3: CALL(3); break;                                                    \
+        default: CALL(4); break;                                                   \
+        }                                                                          \
+    } while (0)
+
+int quant_bf16_dot(void) { return 1; }
+
+void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
+                    const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
+                    uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    const int64_t blocks = (N + R - 1) / R;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * R;
+        const uint8_t *w[R];
+        const float *scale_rows[R];
+        for (int r = 0; r < R; r++) {
+            const int64_t n = min64(n0 + r, N - 1);  /* rows past N repeat the last; not stored */
+            w[r] = weight + n * K;
+            scale_rows[r] = scale + n / bn * scale_cols;
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
+            const uint16_t *x_rows[MT];
+            float result[R][MT];
+            for (int m = 0; m < MT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
+#define INT8_TILE(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, ROWS, result)
+#define FP8_TILE(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, ROWS, result)
+            if (fp8) BY_ROWS(FP8_TILE, (int)min64(rows - m0, MT));
+            else BY_ROWS(INT8_TILE, (int)min64(rows - m0, MT));
+            store_tile(result, n0, m0, N, rows, bias, out, out_stride);
+        }
+    }
+}
+
+/* x_sums: [rows, K / group] float32 scratch. */
+void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
+                    const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
+                    int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    const int64_t groups = K / group, blocks = (N + R - 1) / R;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; k++) sum += bf16_to_f32(x[m * x_stride + k]);
+            x_sums[m * groups + g] = sum;
+        }
+    float table_values[32];
+    for (int i = 0; i < 32; i++) table_values[i] = (float)(i & 15);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(table_values + 16),
+                                                       _mm512_loadu_ps(table_values));
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * R;
+        const uint8_t *w[R];
+        const float *scale_rows[R], *zero_rows[R];
+        for (int r = 0; r < R; r++) {
+            const int64_t n = min64(n0 + r, N - 1);
+            w[r] = packed + n * (K / 2);
+            scale_rows[r] = scales + n * groups;
+            zero_rows[r] = zeros ? zeros + n * groups : NULL;
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
+            const uint16_t *x_rows[MT];
+            const float *sum_rows[MT];
+            float result[R][MT];
+            for (int m = 0; m < MT; m++) {
+                const int64_t row = min64(m0 + m, rows - 1);
+                x_rows[m] = x + row * x_stride;
+                sum_rows[m] = x_sums + row * groups;
+            }
+#define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, ROWS, result)
+            BY_ROWS(W4_TILE, (int)min64(rows - m0, MT));
+            store_tile(result, n0, m0, N, rows, bias, out, out_stride);
+        }
+    }
+}
+
+#else
+
+/* Without AVX512_BF16 the launcher keeps cpu_quant.c's float32 kernel. */
+int quant_bf16_dot(void) { return 0; }
+
+#endif
