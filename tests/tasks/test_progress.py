@@ -19,11 +19,12 @@ import termios
 import pytest
 
 from shardline.tasks.executor import RowDone
-from shardline.tasks.progress import JobProgress, ProgressSnapshot
+from shardline.tasks.progress import JobProgress, ProgressSnapshot, ThroughputLog
 from shardline.tasks.progress_report import TerminalBar, duration, progress_line, show_progress
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard, list_shards
+from shardline.tasks.summary import job_summary, summary_markdown, summary_table
 
 
 class StepClock:
@@ -132,7 +133,7 @@ def test_a_json_lines_shard_counts_once_read_and_the_rest_is_estimated_by_size(t
 def test_a_failed_shard_leaves_the_totals_and_a_retry_counts_afresh():
     shards = [Shard(f"file:///{key}.jsonl", key, "jsonl", 100) for key in ("a", "b")]
     progress = JobProgress(shards, shards_done_before=1, clock=StepClock())
-    for attempt in range(2):  # a task retry reads the shard again
+    for _attempt in range(2):  # a task retry reads the shard again
         progress.shard_read("a", 5, errors=1)
         for index in range(3):
             progress.row_done("a", RowDone(index, 2, failed=index == 0))
@@ -161,3 +162,20 @@ def test_a_failing_sink_never_stops_the_rows(tmp_path, make_job, caplog):
 @pytest.mark.parametrize(("seconds", "text"), [(None, "?"), (4.4, "4s"), (185, "3m05s"), (3725, "1h02m")])
 def test_durations_read_as_a_person_would(seconds, text):
     assert duration(seconds) == text
+
+
+def test_throughput_spans_read_the_counts_between_points_and_chart_them():
+    log = ThroughputLog()
+    for elapsed, rows, tokens in [(10.0, 10, 100), (20.0, 30, 300), (30.0, 30, 300), (40.0, 30, 300)]:
+        log(ProgressSnapshot(elapsed, 1, 0, 0, 0, rows, 30, 30, 0, tokens, 0.0, 0.0, None))
+    spans = log.spans(count=4)  # 10 s each: 1 row/s, then 2 rows/s, then nothing for 20 s
+    assert [(s["from_seconds"], s["to_seconds"]) for s in spans] == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert [s["rows_per_second"] for s in spans] == [1.0, 2.0, 0.0, 0.0]
+    assert [s["tokens_per_second"] for s in spans] == [10.0, 20.0, 0.0, 0.0]
+    summary = job_summary([], 40.0, "out")
+    summary["throughput"] = spans
+    table = summary_table(summary).splitlines()
+    assert table[-5] == "throughput over the run (output tokens/s):"
+    assert table[-3].endswith("20.0 tok/s      2.00 rows/s  " + "█" * 30) and table[-4].endswith("█" * 15)
+    assert "| 0:00:10 | 0:00:20 | 2.00 | 20.0 | " + "█" * 30 + " |" in summary_markdown(summary)
+    assert ThroughputLog().spans() == []  # a run that never reported
