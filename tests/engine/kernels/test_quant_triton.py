@@ -175,6 +175,26 @@ def test_w4_linear_reads_transposed_scales_and_zeros(group_size):
         assert_close(triton_w4_linear(x, packed, scales_t, zeros_t, group_size, None), expected)
 
 
+def test_kernels_take_quantized_linear_layouts():
+    """What engine/quantization's QuantizedLinear holds (GPTQ-style transposed float16 group
+    scales made float32, a per-tensor FP8 scale, a bfloat16 bias) goes to the kernels as
+    is, and they agree with its torch path."""
+    from shardline.engine.kernels.quant_linear import triton_w4_linear, triton_w8_linear
+    from shardline.engine.quantization.linear import QuantizedLinear, torch_quantized_matmul
+
+    packed, scales, zeros = make_w4(40, 128, 32, True)
+    assert zeros is not None
+    w4 = QuantizedLinear.w4(packed, scales.t().contiguous().half().t(), zeros.t().contiguous().t(), 32,
+                            bias=torch.randn(40).to(DEVICE, torch.bfloat16))
+    weight, scale = make_w8(40, 128, torch.float8_e4m3fn, "tensor")
+    w8 = QuantizedLinear.w8(weight, scale.reshape(()).reshape(1, 1), None, bias=w4.bias)
+    x = activations(3, 128, torch.bfloat16)
+    assert w4.packed is not None and w4.scales is not None and w8.weight is not None and w8.scale is not None
+    assert_close(triton_w4_linear(x, w4.packed, w4.scales, w4.zeros, w4.group_size, w4.bias),
+                 torch_quantized_matmul(w4, x))
+    assert_close(triton_w8_linear(x, w8.weight, w8.scale, w8.block, w8.bias), torch_quantized_matmul(w8, x))
+
+
 def test_w4_linear_with_act_order_permutation():
     """A GPTQ act-order weight: the caller permutes x's columns into the stored order."""
     from shardline.engine.kernels.quant_linear import triton_w4_linear
