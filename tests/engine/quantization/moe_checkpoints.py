@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,6 +81,41 @@ def tiny_qwen3_moe(path: str | Path, seed: int = 0) -> Path:
                             moe_intermediate_size=32, norm_topk_prob=True)
 
 
+def tiny_moe(path: str | Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny float32 MoE checkpoint of ``model_type`` ("mixtral" or "deepseek_v3",
+    sizes as tests/engine/coverage.py shrinks them), experts stored per expert."""
+    sizes: dict[str, dict] = {
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "deepseek_v3": dict(head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+                            num_key_value_heads=4)}
+    return build_tiny_model(path, model_type, seed=seed, **sizes[model_type])
+
+
+def write_quantized_experts(float_dir: str | Path, out_dir: str | Path, quantization_config: dict,
+                            quantize: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+                            ) -> dict[str, torch.Tensor]:
+    """Copy ``float_dir`` to ``out_dir`` with every expert's linears (``...experts.{e}.<name>.weight``,
+    whatever ``<name>``) replaced by ``quantize(module, weight)``'s tensors; return the
+    dequantized weights by module (checkpoints.py's write_quantized covers ``*_proj`` names only)."""
+    float_dir, out_dir = Path(float_dir), Path(out_dir)
+    shutil.copytree(float_dir, out_dir, dirs_exist_ok=True)
+    state = load_file(str(float_dir / "model.safetensors"))
+    dequantized = {}
+    for name in [name for name in state if re.search(r"\.experts\.\d+\.\w+\.weight$", name)]:
+        module = name.removesuffix(".weight")
+        tensors, dequantized[module] = quantize(module, state.pop(name).float())
+        state.update({f"{module}.{part}": tensor.contiguous() for part, tensor in tensors.items()})
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _set_quantization_config(out_dir, quantization_config)
+    return dequantized
+
+
+# A per-expert checkpoint linear's part of the fused experts weights, by its name.
+FUSED_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
 def fused_reference_model(float_dir: str | Path, dequantized: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
     """The float32 model of ``float_dir`` with ``dequantized`` weights (by linear module
     name, as the checkpoint stores them) in place: per-expert ``gate_proj``/``up_proj``
@@ -86,15 +123,17 @@ def fused_reference_model(float_dir: str | Path, dequantized: dict[str, torch.Te
     model = transformers.AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, weight in dequantized.items():
-            fused = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
+            fused = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)", name)
             if fused is None:
                 model.get_parameter(f"{name}.weight").copy_(weight)
                 continue
-            experts, expert, part = fused.group(1), int(fused.group(2)), fused.group(3)
-            if part == "down_proj":
+            # Mixtral's checkpoints keep its experts under block_sparse_moe; transformers under mlp.
+            experts = fused.group(1).replace(".block_sparse_moe.", ".mlp.")
+            expert, part = int(fused.group(2)), FUSED_PART[fused.group(3)]
+            if part == "down":
                 model.get_parameter(f"{experts}.down_proj")[expert].copy_(weight)
             else:
                 rows = weight.shape[0]
-                start = 0 if part == "gate_proj" else rows
+                start = 0 if part == "gate" else rows
                 model.get_parameter(f"{experts}.gate_up_proj")[expert, start:start + rows].copy_(weight)
     return model

@@ -27,7 +27,7 @@ from shardline.engine.quantization.linear import QuantizedLinear
 from shardline.engine.quantization.methods import parse_quantization_config
 
 from . import checkpoints as ckpt
-from .moe_checkpoints import fused_reference_model, tiny_qwen3_moe
+from .moe_checkpoints import fused_reference_model, tiny_moe, tiny_qwen3_moe, write_quantized_experts
 
 PROMPTS = [[5, 9, 33, 70, 100, 7, 8, 200], [6, 10, 34, 71, 101, 7, 8, 200], [300, 12, 45]]
 NEW_TOKENS = 12
@@ -97,6 +97,47 @@ def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir,
                 weight_elements = linear.in_features * linear.out_features
                 assert all(buffer.numel() < weight_elements // 8 for buffer in linear.buffers()
                            if buffer.dtype.is_floating_point and buffer.element_size() > 1)
+
+
+FP8_SMALL_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [8, 8]}
+
+
+def test_deepseek_v3_fp8_block_experts(tmp_path) -> None:
+    """Every linear FP8 with weight_scale_inv (latent attention, a dense first layer and
+    shared experts beside the routed ones), as DeepSeek-V3's checkpoints are."""
+    float_dir = tiny_moe(tmp_path / "float", "deepseek_v3")
+    out_dir = tmp_path / "fp8"
+    dequantized = ckpt.write_quantized(float_dir, out_dir, FP8_SMALL_BLOCKS, ckpt.fp8_blocks((8, 8)))
+    assert any(".experts.3." in name for name in dequantized)
+    expected = [_greedy_hf(fused_reference_model(float_dir, dequantized), prompt) for prompt in PROMPTS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert [_greedy_hf(hf, prompt) for prompt in PROMPTS] == expected
+    llm = LLM(str(out_dir), dtype="float32", max_num_seqs=4)
+    assert _greedy_engine(llm) == expected
+    assert len(_experts(llm)) == 1  # the second layer's; the first is dense
+
+
+def test_mixtral_experts_read_under_their_checkpoint_names(tmp_path) -> None:
+    """Mixtral's checkpoints keep experts as block_sparse_moe.experts.{e}.w1/w3/w2, which
+    transformers renames and fuses into mlp.experts; read from there, each layer's
+    experts compute the reference model's."""
+    float_dir = tiny_moe(tmp_path / "float", "mixtral")
+    out_dir = tmp_path / "fp8"
+    dequantized = write_quantized_experts(float_dir, out_dir, FP8_SMALL_BLOCKS, ckpt.fp8_blocks((8, 8)))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2" in dequantized
+    reference = fused_reference_model(float_dir, dequantized)
+    model = _skeleton(out_dir)
+    assert replace_quantized_experts(model, CheckpointTensors(out_dir), _scheme(out_dir)) == 2
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, reference.config.hidden_size, generator=generator)
+    top_k_index = torch.randint(0, 4, (9, 2), generator=generator)
+    top_k_weights = torch.rand(9, 2, generator=generator)
+    for layer in range(2):
+        ours = model.get_submodule(f"model.layers.{layer}.mlp.experts")
+        assert isinstance(ours, QuantizedExperts)
+        with torch.no_grad():
+            expected = reference.get_submodule(f"model.layers.{layer}.mlp.experts")(hidden, top_k_index, top_k_weights)
+            torch.testing.assert_close(ours(hidden, top_k_index, top_k_weights), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_transformers_weight_conversion_names_each_experts_linears() -> None:
