@@ -11,7 +11,9 @@ On-disk layouts read (each tensor named ``<module>.<name>``):
   channels when asymmetric; ``weight_g_idx`` [K] with group act-order.
 - "gptq": ``qweight`` int32 [K / 8, N] packed along the input columns, ``qzeros``
   int32 [K / g, N / 8] along the output channels (stored one less than the zero point
-  in checkpoint_format "gptq", v1), ``scales`` [K / g, N], ``g_idx`` [K].
+  in checkpoint_format "gptq", v1), ``scales`` [K / g, N], ``g_idx`` [K]; 8-bit GPTQ
+  packs four codes to a word and, symmetric (zero point 128), becomes W8 int8 with
+  blocks of one row by a group.
 - "awq" (gemm): ``qweight`` int32 [K, N / 8] and ``qzeros`` [K / g, N / 8], both
   packed along the output channels in AWQ's interleaved nibble order, ``scales`` [K / g, N].
 Each problem is one QuantizedCheckpointError naming the tensor and what is wrong.
@@ -110,15 +112,19 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def _unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """int32 words of eight 4-bit codes -> the codes (int32), eight per word along ``dim``;
-    element j of each eight is in nibble ``order[j]``."""
-    shifts = torch.tensor([4 * nibble for nibble in order], dtype=torch.int32, device=packed.device)
+def _unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8)),
+                  bits: int = 4) -> torch.Tensor:
+    """int32 words of 32 / ``bits`` codes -> the codes (int32), that many per word along
+    ``dim``; element j of each word is in field ``order[j]`` (``bits`` wide, low first)."""
+    per_word = 32 // bits
+    order = order[:per_word]
+    shifts = torch.tensor([bits * field for field in order], dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
     if dim == 0:
-        codes = (packed.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF  # [R, 8, C]
-        return codes.reshape(packed.shape[0] * 8, packed.shape[1])
-    codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8]
-    return codes.reshape(packed.shape[0], packed.shape[1] * 8)
+        codes = (packed.unsqueeze(1) >> shifts.view(1, per_word, 1)) & mask  # [R, per_word, C]
+        return codes.reshape(packed.shape[0] * per_word, packed.shape[1])
+    codes = (packed.unsqueeze(-1) >> shifts) & mask  # [R, C, per_word]
+    return codes.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
 def _group_size(scheme: QuantScheme, cols: int, name: str) -> int:
@@ -178,18 +184,29 @@ def _read_packed(tensors: CheckpointTensors, module: str, scheme: QuantScheme, s
 def _read_gptq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
                bias: torch.Tensor | None) -> QuantizedLinear:
     rows, cols = shape
+    bits = 8 if scheme.weights == "int8" else 4
+    per_word = 32 // bits
     group_size = _group_size(scheme, cols, f"{module}.scales")
     groups = cols // group_size
-    qweight = _packed_tensor(tensors, f"{module}.qweight", (cols // 8, rows))
-    qzeros = _packed_tensor(tensors, f"{module}.qzeros", (groups, -(-rows // 8)))
+    qweight = _packed_tensor(tensors, f"{module}.qweight", (cols // per_word, rows), bits)
+    qzeros = _packed_tensor(tensors, f"{module}.qzeros", (groups, -(-rows // per_word)), bits)
     scales = _scale(tensors, f"{module}.scales", "the weight's group scales")
     _check(tuple(scales.shape) == (groups, rows), f"{module}.scales",
            f"shape {list(scales.shape)} where groups of {group_size} need [{groups}, {rows}]")
-    codes = _unpack_int32(qweight, dim=0).t()  # [N, K]
-    zeros = ((_unpack_int32(qzeros, dim=1)[:, :rows] + scheme.zero_offset) & 0xF).t().float()
+    codes = _unpack_int32(qweight, dim=0, bits=bits).t()  # [N, K]
+    mask = (1 << bits) - 1
+    zeros = ((_unpack_int32(qzeros, dim=1, bits=bits)[:, :rows] + scheme.zero_offset) & mask).t()
     g_idx_name = f"{module}.g_idx"
     g_idx = tensors.get(g_idx_name) if g_idx_name in tensors else None
-    return _w4_linear(codes, scales.t(), zeros, group_size, g_idx, g_idx_name, bias)
+    if bits == 4:
+        return _w4_linear(codes, scales.t(), zeros.float(), group_size, g_idx, g_idx_name, bias)
+    # 8-bit GPTQ as W8 int8 with blocks of one row by group_size columns: symmetric only.
+    _check(bool((zeros == 128).all()), f"{module}.qzeros", "8-bit zero points other than 128 (asymmetric), "
+           "which the int8 layout (no zero point) cannot hold")
+    perm = None if g_idx is None else _act_order(g_idx, group_size, g_idx_name)
+    if perm is not None:
+        codes = codes[:, perm]
+    return QuantizedLinear.w8((codes - 128).to(torch.int8), scales.t(), (1, group_size), bias, perm)
 
 
 def _read_awq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
@@ -207,10 +224,10 @@ def _read_awq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shap
     return _w4_linear(codes, scales.t(), zeros, group_size, None, "", bias)
 
 
-def _packed_tensor(tensors: CheckpointTensors, name: str, shape: tuple[int, int]) -> torch.Tensor:
-    """An int32 tensor of packed 4-bit codes, checked for its dtype and shape."""
-    dtype = tensors.dtype(name, "packed 4-bit codes")
-    _check(dtype == torch.int32, name, f"stored as {dtype}, expected int32 words of eight 4-bit codes")
+def _packed_tensor(tensors: CheckpointTensors, name: str, shape: tuple[int, int], bits: int = 4) -> torch.Tensor:
+    """An int32 tensor of packed ``bits``-bit codes, checked for its dtype and shape."""
+    dtype = tensors.dtype(name, f"packed {bits}-bit codes")
+    _check(dtype == torch.int32, name, f"stored as {dtype}, expected int32 words of {32 // bits} {bits}-bit codes")
     stored = tensors.shape(name)
     _check(stored == shape, name, f"shape {list(stored)} where the model's linear needs {list(shape)}")
     return tensors.get(name)

@@ -60,11 +60,13 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def w8(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-           bias: torch.Tensor | None = None) -> QuantizedLinear:
-        """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per block."""
+           bias: torch.Tensor | None = None, input_perm: torch.Tensor | None = None) -> QuantizedLinear:
+        """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per
+        block; ``input_perm`` for act-order columns stored by group (8-bit GPTQ)."""
         rows, cols = weight.shape
         layer = cls(cols, rows, "w8", bias)
         layer.weight, layer.scale, layer.block = weight.contiguous(), scale.float().contiguous(), block
+        layer.input_perm = input_perm
         return layer
 
     @classmethod

@@ -3,7 +3,7 @@
 ``quant_scheme(hf_config)`` reads fp8 (per tensor or channel, or ``weight_block_size``
 blocks; ``weight_scale_inv`` or ``weight_scale``), compressed-tensors (FP8 and INT8
 W8A8, W4A16 pack-quantized; its config read by the compressed-tensors package), gptq
-(4-bit, group_size, desc_act, sym, checkpoint_format), awq (gemm) and mxfp4 (gpt-oss's
+(4-bit, and symmetric 8-bit; group_size, desc_act, sym, checkpoint_format), awq (gemm) and mxfp4 (gpt-oss's
 experts). A format the engine does not run (NVFP4, bitsandbytes, GGUF, an unknown
 method, a bit width other than 4 or 8, a layout it has no kernel for) raises
 UnsupportedModelError with one line naming the format and what would run it;
@@ -131,18 +131,21 @@ def _parse_fp8(config: Mapping[str, Any]) -> QuantScheme:
 
 def _parse_gptq(config: Mapping[str, Any]) -> QuantScheme:
     bits = config.get("bits")
-    if bits != 4:
-        raise UnsupportedModelError(f"gptq with bits={bits!r} is not run by shardline (it runs 4-bit GPTQ); "
-                                    "vLLM's gptq kernels run 2, 3 and 8 bits")
+    if bits not in (4, 8):
+        raise UnsupportedModelError(f"gptq with bits={bits!r} is not run by shardline (it runs 4- and 8-bit "
+                                    "GPTQ); vLLM's gptq kernels run 2 and 3 bits")
+    if bits == 8 and not config.get("sym", True):
+        raise UnsupportedModelError("asymmetric 8-bit gptq (sym false) is not run by shardline (its int8 layout "
+                                    "has no zero point); vLLM's gptq kernels run it")
     checkpoint_format = str(config.get("checkpoint_format", "gptq") or "gptq").lower()
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"gptq checkpoint_format {checkpoint_format!r} is not read by shardline (it "
                                     "reads 'gptq' and 'gptq_v2'); gptqmodel converts it")
     return QuantScheme(
-        method="gptq", weights="int4", layout="gptq", strategy="group", group_size=_group_size(config, "gptq"),
-        symmetric=bool(config.get("sym", True)), act_order=bool(config.get("desc_act", False)),
-        zero_offset=1 if checkpoint_format == "gptq" else 0,
-        ignore=_names(config, "modules_to_not_convert", "modules_in_block_to_quantize_not"))
+        method="gptq", weights="int8" if bits == 8 else "int4", layout="gptq", strategy="group",
+        group_size=_group_size(config, "gptq"), symmetric=bool(config.get("sym", True)),
+        act_order=bool(config.get("desc_act", False)), zero_offset=1 if checkpoint_format == "gptq" else 0,
+        ignore=_names(config, "modules_to_not_convert"))
 
 
 def _parse_awq(config: Mapping[str, Any]) -> QuantScheme:

@@ -166,17 +166,33 @@ def _act_order_groups(cols: int, group_size: int, name: str) -> torch.Tensor:
     return column_group
 
 
-def _pack_words(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """Eight 4-bit codes per int32 along ``dim``; nibble i holds element ``order[i]``."""
+def _pack_words(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8)), bits: int = 4) -> torch.Tensor:
+    """32 / ``bits`` codes per int32 along ``dim``; field i holds element ``order[i]``."""
+    per_word = 32 // bits
     codes = codes.to(torch.int64)
     moved = codes if dim == 1 else codes.t()
     rows, cols = moved.shape
-    eights = moved.reshape(rows, cols // 8, 8)
-    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for nibble, element in enumerate(order):
-        words |= eights[:, :, element] << (4 * nibble)
+    grouped = moved.reshape(rows, cols // per_word, per_word)
+    words = torch.zeros(rows, cols // per_word, dtype=torch.int64)
+    for field, element in enumerate(order[:per_word]):
+        words |= grouped[:, :, element] << (bits * field)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words if dim == 1 else words.t()
+
+
+def gptq_8bit(group_size: int, act_order: bool = False) -> Callable[[str, torch.Tensor], Written]:
+    """8-bit symmetric GPTQ (v1): four codes per int32, zero point 128 stored as 127."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        cols = weight.shape[1]
+        column_group = _act_order_groups(cols, group_size, name) if act_order else torch.arange(cols) // group_size
+        scales = torch.stack([weight[:, column_group == group].abs().amax(dim=1) / 127.0
+                              for group in range(cols // group_size)], dim=1).half()
+        codes = (weight / scales.float()[:, column_group]).round().clamp(-128, 127) + 128
+        zeros = torch.full_like(scales, 128, dtype=torch.int64)
+        tensors = {"qweight": _pack_words(codes.t(), dim=0, bits=8), "qzeros": _pack_words((zeros - 1).t(), 1, bits=8),
+                   "scales": scales.t(), "g_idx": column_group.to(torch.int32)}
+        return tensors, dequantized_int4(codes, scales, zeros, column_group)
+    return quantize
 
 
 def gptq(group_size: int, symmetric: bool, act_order: bool = False,

@@ -31,6 +31,8 @@ REFUSED = {
     "gguf": ({"quant_method": "gguf"}, "GGUF"),
     "unknown_method": ({"quant_method": "hqq"}, "quant_method 'hqq'"),
     "gptq_3_bits": ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+    "gptq_8_bits_asymmetric": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False},
+                               "asymmetric 8-bit gptq"),
     "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
     "int8_asymmetric": (compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
                                                             "strategy": "channel"}), "asymmetric int8"),
