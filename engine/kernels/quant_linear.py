@@ -15,8 +15,9 @@ float32 product up to summation order:
   each tile's product;
 - otherwise (a block or group size no power of two >= 16 divides) each weight element is
   dequantized in float32 before the dot, rounded to the dot dtype.
-FP8 weights are read as bytes and decoded from their bits (e4m3_bits_to_float), since
-Triton takes FP8 tensors only on GPUs with FP8 support and W8A16 serves older ones too.
+FP8 weights are read as FP8 on GPUs of capability 8.9+; elsewhere as bytes decoded from
+their bits (e4m3_bits_to_float), since Triton takes FP8 tensors only on GPUs with FP8
+support and W8A16 serves older ones too.
 W4 tiles are never unpacked in registers: the low nibbles (even columns) and the high
 nibbles (odd columns) each meet the matching columns of x in their own dot.
 """
@@ -85,8 +86,8 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             k_valid = ks < K
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w_cols + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0)  # [BK, BN]
-            if WEIGHT_FP8:
+            w = tl.load(w_cols + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # [BK, BN]
+            if WEIGHT_FP8:  # FP8 codes as bytes
                 w = e4m3_bits_to_float(w)
             if SCALE_MODE == 2:
                 s = tl.load(scale_rows[None, :] + (ks // scale_block_k)[:, None] * stride_sk,
@@ -298,6 +299,20 @@ def _w8_scale_layout(weight: torch.Tensor, scale: torch.Tensor,
     return scale.stride(0), scale.stride(1), block_n, block_k
 
 
+def reads_fp8_natively(device: torch.device) -> bool:
+    """Whether the W8 kernels take FP8 weights as FP8 tensors (converted by the hardware):
+    on CUDA GPUs of capability 8.9+, the only ones where Triton accepts FP8 tensors.
+    Elsewhere, the CPU interpreter included, they read the bytes and decode the bits."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A W8 weight as the kernels read it, and WEIGHT_FP8: True when it is FP8 codes as bytes."""
+    if weight.dtype != torch.float8_e4m3fn or reads_fp8_natively(weight.device):
+        return weight, False
+    return weight.view(torch.uint8), True
+
+
 def w8_scale_mode(stride_sk: int, block_k: int, in_features: int) -> tuple[int, int]:
     """(SCALE_MODE, BLOCK_K) for a W8 scale: once per row when constant along K (stride 0),
     per K tile when a power-of-two tile divides the block, else per element."""
@@ -329,9 +344,9 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     plan = plan_tiles(num_rows, out_features, in_features, block_k_tile, x.device, split_k)
     out = plan.output(num_rows, out_features, x)
     stride_om, stride_split = output_strides(out)
-    weight_fp8 = weight.dtype == torch.float8_e4m3fn
+    weight, weight_fp8 = weight_operand(weight)
     launcher(_w8_linear_kernel, plan.grid(num_rows, out_features))(
-        rows, weight.view(torch.uint8) if weight_fp8 else weight, scale, bias if bias is not None else scale, out,
+        rows, weight, scale, bias if bias is not None else scale, out,
         num_rows, out_features, in_features, rows.stride(0), weight.stride(0), stride_sn, stride_sk,
         stride_om, block_n, block_k, plan.k_per_split, stride_split,
         SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_BIAS=bias is not None and plan.split_k == 1,

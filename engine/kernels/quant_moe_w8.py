@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from ._triton import check_kernel_dtype, launcher, require_triton, tl, triton
-from .quant_linear import dot_dtype, w8_scale_mode
+from .quant_linear import dot_dtype, w8_scale_mode, weight_operand
 from .quant_moe import GatedActivation, RoutedBatch, gated_launch_args, routed_experts
 from .quant_reference import W8_DTYPES, dequantize_w8
 
@@ -120,9 +120,9 @@ def _launch_w8(weight: torch.Tensor, scale: torch.Tensor, layout: tuple[int, int
     mode, block_k = w8_scale_mode(stride_sk, scale_block_k, in_features)
     block_n = 64 if out_features >= 64 else 32
     positional, switches = gated_launch_args(activation, out_features)
-    weight_fp8 = weight.dtype == torch.float8_e4m3fn
+    operand, weight_fp8 = weight_operand(weight)
     launcher(_w8_experts_kernel, (batch.routes.max_blocks, triton.cdiv(out_features, block_n)))(
-        x, weight.view(torch.uint8) if weight_fp8 else weight, scale, bias if bias is not None else scale,
+        x, operand, scale, bias if bias is not None else scale,
         batch.route_weights, out, batch.routes.row_slots, batch.routes.block_expert,
         out_features, in_features, batch.num_slots, batch.num_experts, batch.top_k, *positional,
         x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), stride_sn, stride_sk,

@@ -74,10 +74,12 @@ def compile_launches(case: str, launches: list[tuple[Any, tuple, dict]], capabil
     return lines
 
 
-def _cases() -> dict[str, Callable[[], object]]:
+def _cases(capability: int) -> dict[str, Callable[[], object]]:
     from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe, quant_moe_w8
 
-    fp8_w8a8._require_fp8_device = lambda device: None  # the target decides, not this host
+    # The target decides, not this host: FP8 W8A8 is launched, FP8 weights read natively from 8.9.
+    fp8_w8a8._require_fp8_device = lambda device: None
+    quant_linear.reads_fp8_natively = lambda device: capability >= 89
     bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
     x = torch.randn(5, 256)
     fp8_weight = torch.randn(192, 256).to(torch.float8_e4m3fn)
@@ -123,7 +125,7 @@ def _cases() -> dict[str, Callable[[], object]]:
 def main(capability: int, names: list[str]) -> None:
     from shardline.engine.kernels import fp8_w8a8, quant_linear, quant_moe, quant_moe_w8
 
-    cases = _cases()
+    cases = _cases(capability)
     for name in names:
         launches = record_launches(cases[name], [quant_linear, fp8_w8a8, quant_moe, quant_moe_w8])
         print("\n".join(compile_launches(name, launches, capability)), flush=True)

@@ -135,6 +135,20 @@ def test_w8_linear_decodes_every_fp8_code():
     assert out[:, 3].isnan().all() and not out[:, :3].isnan().any()
 
 
+@pytest.mark.parametrize("scale_kind, block", [("channel", None), ((16, 32), (16, 32))], ids=["channel", "block"])
+def test_w8_linear_reads_fp8_natively(scale_kind, block, monkeypatch):
+    """The path GPUs of capability 8.9+ take: FP8 weights read as FP8, not as bytes."""
+    from shardline.engine.kernels import quant_linear
+
+    monkeypatch.setattr(quant_linear, "reads_fp8_natively", lambda device: True)
+    weight, scale = make_w8(136, 200, torch.float8_e4m3fn, scale_kind)
+    assert not quant_linear.weight_operand(weight)[1]
+    for num_rows in (1, 37):
+        x = activations(num_rows, 200, torch.bfloat16)
+        assert_close(quant_linear.triton_w8_linear(x, weight, scale, block, None),
+                     quantized_linear_reference(x, dequantize_w8(weight, scale, block)))
+
+
 def make_w4(out_features: int, in_features: int, group_size: int, asymmetric: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (out_features, in_features // 2), generator=generator, dtype=torch.uint8)
