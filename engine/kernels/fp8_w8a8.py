@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import check_kernel_dtype, interpreter_active, launcher, next_power_of_2, require_triton, tl, triton
-from .quant_linear import output_strides, plan_tiles, tile_k_for
 from .quant_reference import dequantize_w8, expand_block_scale
+from .quant_tiles import output_strides, plan_tiles, tile_k_for
 
 FP8_MAX = 448.0
 # A row of zeros still gets a finite scale (vLLM's floor), so q = 0, not nan.
@@ -28,7 +28,7 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 FP8_TENSOR_CORES = (8, 9)
 
 if triton is not None:
-    from .quant_linear import split_k_range, store_output_tile, tile_coords  # jitted helpers shared with W8A16
+    from .quant_tiles import split_k_range, store_output_tile, tile_coords
 
     # Module constants a kernel reads must be Triton constexprs.
     _FP8_MAX = tl.constexpr(FP8_MAX)

@@ -32,8 +32,8 @@ from functools import partial
 import torch
 
 from ._triton import check_kernel_dtype, launcher, require_triton, tl, triton
-from .quant_linear import dot_dtype
 from .quant_reference import dequantize_mxfp4
+from .quant_tiles import dot_dtype
 
 MXFP4_BLOCK = 32
 

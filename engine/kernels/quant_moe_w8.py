@@ -17,9 +17,10 @@ from functools import partial
 import torch
 
 from ._triton import check_kernel_dtype, launcher, require_triton, tl, triton
-from .quant_linear import dot_dtype, w8_scale_mode, weight_operand
+from .quant_linear import w8_scale_mode, weight_operand
 from .quant_moe import GatedActivation, RoutedBatch, gated_launch_args, routed_experts
 from .quant_reference import W8_DTYPES, dequantize_w8
+from .quant_tiles import dot_dtype
 
 if triton is not None:
     from .quant_linear import w8_product

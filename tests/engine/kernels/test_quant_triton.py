@@ -477,7 +477,7 @@ def test_mxfp4_moe_refuses_bad_layouts():
 
 
 def test_split_k_plans_cover_k_without_empty_splits():
-    from shardline.engine.kernels.quant_linear import plan_tiles
+    from shardline.engine.kernels.quant_tiles import plan_tiles
 
     for in_features, block_k, split_k in [(520, 128, 3), (4096, 128, 5), (200, 64, 16), (64, 64, 4), (12288, 128, 7)]:
         plan = plan_tiles(1, 4096, in_features, block_k, torch.device("cpu"), split_k)
