@@ -1,4 +1,5 @@
-"""Tools in an OpenAI chat request body: the constraint and the engine's tool choice.
+"""Tools in an OpenAI chat request body, or in a chat row's ``tools`` and ``tool_choice``
+columns: the constraint and the engine's tool choice.
 
 A named or ``required`` ``tool_choice`` forces tool calls: the output is constrained to
 the tool's parameters (named) or to a list of ``{name, parameters}`` calls (required),
@@ -10,6 +11,7 @@ the model call them in its own format, which the engine's tool-call parser reads
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from shardline import StructuredOutputsParams
@@ -51,3 +53,31 @@ def tool_request(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, 
                              f"({', '.join(functions)}), got {choice!r:.80}")
     return (StructuredOutputsParams(json=functions[name], disable_any_whitespace=True),
             ToolChoice("named", names, name))
+
+
+def row_tools(record: dict[str, Any], constraint: StructuredOutputsParams | None) \
+        -> tuple[StructuredOutputsParams | None, ToolChoice | None, dict[str, Any]]:
+    """A chat row's ``tools`` and ``tool_choice`` columns (as OpenAI writes them, either as
+    objects or as their JSON text, which keeps differently shaped tools apart in Parquet):
+    the row's constraint, its tool choice and the chat options that show the template
+    the tools. ValueError naming the column when they cannot be used, or when a forced
+    call meets the row's other constraint."""
+    body = {name: _json_value(record.get(name), name) for name in ("tools", "tool_choice")}
+    try:
+        forced, choice = tool_request(body)
+    except ToolFieldError as exc:
+        raise ValueError(f"{exc.param} {exc}") from None
+    if forced is not None and constraint is not None:
+        raise ValueError(f"tool_choice {body['tool_choice']!r:.60} forces a tool call, which cannot be combined with "
+                         "the row's structured-output constraint (response_format, json_schema or the job's)")
+    return forced or constraint, choice, {"tools": body["tools"]}
+
+
+def _json_value(value: Any, name: str) -> Any:
+    """A column's value, decoded when it is JSON text (a bare tool_choice such as auto is kept)."""
+    if not isinstance(value, str) or value in ("none", "auto", "required"):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is a string that is not JSON ({exc.msg}): {value!r:.80}") from None

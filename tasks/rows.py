@@ -3,7 +3,8 @@
 A row has ``prompt`` (generate, embed) or ``messages`` (chat), an optional ``id``
 (else ``<shard key>:<row>``) and optional per-row overrides: max_tokens,
 temperature, top_p, seed, priority, lora, and a structured-output constraint
-(``response_format`` or ``json_schema``, tasks/structured_rows.py). A row that cannot run gets an error that
+(``response_format`` or ``json_schema``, tasks/structured_rows.py); a chat row may offer
+``tools`` with a ``tool_choice`` (tasks/openai_tools.py). A row that cannot run gets an error that
 names what is wrong; its shard goes on. A shard without the column its task needs
 fails as a whole (ShardError).
 """
@@ -19,6 +20,7 @@ from shardline import LoRARequest, PoolingParams, SamplingParams
 from .executor import RowRequest
 from .job import BatchJob, JobTask
 from .media import chat_images, column_images
+from .openai_tools import row_tools
 from .shard_reader import RawShard, RecordProblem, ShardError
 from .structured_rows import RowConstraints
 
@@ -99,6 +101,10 @@ def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: di
     lora_name = overrides.pop("lora")
     if job.task != JobTask.EMBED:
         overrides["structured_outputs"] = constraints.of(record)
+    chat_options = None
+    if job.task == JobTask.CHAT and record.get("tools") is not None:
+        overrides["structured_outputs"], overrides["tool_choice"], chat_options = row_tools(
+            record, overrides["structured_outputs"])
     images = column_images(record.get(job.images.column), job.images) if job.images.column else []
     if job.task == JobTask.CHAT:
         prompt = None
@@ -113,6 +119,7 @@ def _row_request(index: int, record: dict[str, Any], job: BatchJob, lora_ids: di
         lora_request=_lora(lora_name, job, lora_ids),
         priority=0 if priority is None else priority,
         images=images or None,
+        chat_options=chat_options,
     )
 
 

@@ -2,7 +2,8 @@
 
 Output: ``<output>/<key>.parquet``, exactly one row per input row in input order, or
 with output_format openai ``<key>.jsonl`` and ``<key>.errors.jsonl`` (tasks/openai_responses.py).
-A Parquet output of OpenAI chat or Responses requests has a ``tool_calls`` column: the
+A Parquet output of OpenAI chat or Responses requests, or of chat rows with a ``tools``
+column, has a ``tool_calls`` column: the
 JSON text of the calls the engine read (OpenAI's ``tool_calls`` entries; a list per
 sample when n > 1), null for a row that called none; a call the model botched is the
 row's error, its text kept.
@@ -71,7 +72,7 @@ def build_output_table(prepared: PreparedShard, results: dict[int, RowResult], j
     checked = check_outputs(prepared.rows, outputs, job, prepared.raw.schema)  # parsed, reasoning
     columns.update(checked.columns)
     tool_errors: dict[int, str] = {}
-    if any(getattr(row, "kind", None) in (CHAT, RESPONSE) for row in prepared.rows):
+    if "tools" in prepared.raw.schema or any(getattr(row, "kind", None) in (CHAT, RESPONSE) for row in prepared.rows):
         columns["tool_calls"], tool_errors = _tool_calls_column(prepared, outputs, job.sampling.n)
     columns["error"] = pa.array([_row_error(row, results) or checked.errors.get(row.index)
                                  or tool_errors.get(row.index) for row in prepared.rows], pa.string())

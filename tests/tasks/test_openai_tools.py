@@ -173,3 +173,42 @@ def test_auto_without_a_parser_fails_the_row_not_the_shard(tmp_path, make_job):
     run(tmp_path, make_job(output_format="openai"), lines)
     out = {line["custom_id"]: line for line in read_output_lines((tmp_path / "out" / "part-0.jsonl").read_text())}
     assert "has no tool_call_parser" in out["auto"]["error"]["message"] and out["plain"]["error"] is None
+
+
+@pytest.mark.parametrize("output_format", ["parquet", "openai"])
+def test_chat_rows_with_a_tools_column(tmp_path, make_job, thinking_model, output_format):
+    """Plain chat rows offer tools in columns (objects or JSON text); the job's compact
+    constraint makes the tiny model write a llama3_json call."""
+    chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    rows = [
+        {"id": "auto", "messages": chat, "tools": json.dumps(TOOLS), "tool_choice": "auto"},
+        {"id": "default", "messages": [{"role": "user", "content": "café"}], "tools": TOOLS},
+        {"id": "clash", "messages": chat, "tools": TOOLS, "tool_choice": "required"},
+        {"id": "plain", "messages": chat},
+        {"id": "bad", "messages": chat, "tools": "[{not json"},
+    ]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = make_job(model=thinking_model, task="chat", output_format=output_format, reasoning_parser="deepseek_r1",
+                   tool_call_parser="llama3_json", structured_outputs={"json_schema": call_schema("lookup"),
+                                                                       "disable_any_whitespace": True},
+                   sampling={"max_tokens": 60, "temperature": 0.0, "max_reasoning_tokens": 3})
+    manifest = process_shard(list_shards(job.input)[0], job)
+    if output_format == "parquet":
+        out = {row["id"]: row for row in pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()}
+        calls = {key: json.loads(row["tool_calls"]) if row["tool_calls"] else None for key, row in out.items()}
+        errors = {key: row["error"] for key, row in out.items()}
+    else:
+        lines = read_output_lines((tmp_path / "out" / "part-0.jsonl").read_text())
+        out = {line["custom_id"]: line for line in lines}
+        calls = {key: line["response"]["body"]["choices"][0]["message"].get("tool_calls") if line["response"]
+                 and line["response"]["status_code"] == 200 else None for key, line in out.items()}
+        errors = {key: None if line["error"] is None else line["error"]["message"] for key, line in out.items()}
+        assert out["auto"]["response"]["body"]["choices"][0]["finish_reason"] == "tool_calls"
+    for key in ("auto", "default"):
+        assert calls[key][0]["function"]["name"] == "lookup" and errors[key] is None
+        assert json.loads(calls[key][0]["function"]["arguments"])["city"] in ("Oslo", "Rome")
+    assert calls["clash"] is None and "cannot be combined with the row's structured-output" in errors["clash"]
+    assert calls["plain"] is None and errors["plain"] is None  # no tools offered: the JSON is its text
+    assert calls["bad"] is None and errors["bad"].startswith("tools is a string that is not JSON")
+    assert manifest.reasoning_tokens == 3 * 3
