@@ -47,6 +47,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..errors import ModelLoadError
+from ..multimodal.inputs import ProcessedPrompt
 from ..params import SamplingParams
 from ..quantization.linear import dequantized_reference, quantized_tolerance
 from ..recurrent.state import RecurrentLayer
@@ -71,8 +72,12 @@ class _Trace:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
 
 
-def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, architecture: str) -> None:
-    """Run the check (see the module docstring); raise ModelMismatchError on a mismatch."""
+def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, architecture: str,
+                image_prompt: ProcessedPrompt | None = None) -> None:
+    """Run the check (see the module docstring); raise ModelMismatchError on a mismatch.
+    ``image_prompt``: a vision-language model's probe with an image, run beside the
+    others (its image rows scattered by the runner's encoder cache) and compared with
+    the model's own forward on the same pixels."""
     model = runner.model
     # The reference is the model's own transformers forward (its config, eager attention).
     assert isinstance(model, PreTrainedModel), f"{type(model).__name__} is not a transformers model"
@@ -80,13 +85,13 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
     with torch.inference_mode():
-        requests, traces = _run_paged(runner, layers, prompts, max_model_len)
+        requests, traces = _run_paged(runner, layers, prompts, max_model_len, image_prompt)
         incremental = _decode_differs_from_scan(model)
         with dequantized_reference(model):  # quantized linears through the plain-torch references
             for request in requests:
                 _compare(model, layers, request.all_token_ids[:-1], traces[request.request_id],
                          _reference_dtype(runner, model.config), architecture,
-                         request.num_prompt_tokens if incremental else None)
+                         request.num_prompt_tokens if incremental else None, _pixel_inputs(request))
 
 
 # Model types whose own attention code computes in float32 whatever the model's dtype:
@@ -124,16 +129,28 @@ def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):
     return [layer.register_forward_hook(hook(index)) for index, layer in enumerate(layers)]
 
 
+def _pixel_inputs(request: Request) -> dict[str, torch.Tensor]:
+    """The processor tensors of a request's images, batched as the model's forward takes them."""
+    if not request.images:
+        return {}
+    keys = request.images[0].pixel_inputs
+    return {key: torch.cat([image.pixel_inputs[key] for image in request.images]) for key in keys}
+
+
 def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[int]],
-               max_model_len: int) -> tuple[list[Request], dict[str, _Trace]]:
+               max_model_len: int, image_prompt: ProcessedPrompt | None = None) \
+        -> tuple[list[Request], dict[str, _Trace]]:
     """The prompts through the engine's paged path, greedy; each request's trace."""
     num_blocks = runner.kv_caches[0][0].shape[0]
     scheduler = Scheduler(SchedulerConfig(
-        max_num_seqs=len(prompts), max_num_batched_tokens=CHUNK_TOKENS, max_model_len=max_model_len,
+        max_num_seqs=len(prompts) + 1, max_num_batched_tokens=CHUNK_TOKENS, max_model_len=max_model_len,
         block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=False,
         num_state_slots=min(len(prompts), runner.num_state_slots)))
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0)
     requests = [Request(f"load-check-{i}", prompt, DECODE_STEPS, params=params) for i, prompt in enumerate(prompts)]
+    if image_prompt is not None:
+        requests.append(Request("load-check-image", image_prompt.prompt_token_ids, DECODE_STEPS, params=params,
+                                images=image_prompt.images))
     for request in requests:
         scheduler.add_request(request)
     traces = {request.request_id: _Trace() for request in requests}
@@ -189,7 +206,8 @@ def _attention_implementations(config: PretrainedConfig) -> str | dict[str, str]
 
 
 def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int], trace: _Trace, dtype: torch.dtype,
-             architecture: str, num_prompt_tokens: int | None = None) -> None:
+             architecture: str, num_prompt_tokens: int | None = None,
+             pixel_inputs: dict[str, torch.Tensor] | None = None) -> None:
     """The model's own forward over ``token_ids`` against ``trace``; with
     ``num_prompt_tokens``, the prompt in one forward and each later token alone on the
     model's cache (as its generate runs them)."""
@@ -200,7 +218,9 @@ def _compare(model: PreTrainedModel, layers: nn.ModuleList, token_ids: list[int]
         model.set_attn_implementation("eager")
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)
         if num_prompt_tokens is None:
-            reference_logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            pixels = {key: value.to(ids.device, model.dtype) if value.is_floating_point() else value.to(ids.device)
+                      for key, value in (pixel_inputs or {}).items()}
+            reference_logits = model(input_ids=ids, use_cache=False, **pixels).logits[0].float()
         else:
             reference_logits = _incremental_forward(model, ids, num_prompt_tokens, outputs)
     finally:

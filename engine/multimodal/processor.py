@@ -112,6 +112,15 @@ class MultimodalProcessor:
             first += count
         return ProcessedPrompt(text, token_ids, tuple(inputs))
 
+    def load_check_prompt(self, vocab_size: int) -> ProcessedPrompt:
+        """The load check's image probe: a few text tokens, one noise image, a few more."""
+        generator = torch.Generator().manual_seed(1)
+        before, after = ([token_id if token_id != self.image_token_id else 3 for token_id in
+                          torch.randint(3, vocab_size, (count,), generator=generator).tolist()] for count in (3, 4))
+        picture = load_check_image()
+        prompt = {"prompt_token_ids": [*before, self.image_token_id, *after], "multi_modal_data": {"image": picture}}
+        return self.process("load-check-image", prompt, {"image": [picture]})
+
     def _call(self, request_id: str, text: str, images: list[Image.Image], **kwargs: Any) -> Any:
         try:
             with self.lock:
@@ -171,3 +180,10 @@ def _split_images(outputs: Mapping[str, Any], num_images: int) -> list[dict[str,
     for key, value in tensors.items():
         assert value.shape[0] == num_images, f"processor output {key} {tuple(value.shape)} for {num_images} images"
     return [{key: value[i : i + 1] for key, value in tensors.items()} for i in range(num_images)]
+
+
+def load_check_image(seed: int = 0) -> Image.Image:
+    """A noise image for the load check's probe (any size: the processor resizes it)."""
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (40, 48, 3), generator=generator, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())

@@ -92,12 +92,15 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
     prepared = prepare_engine_model(config, loaded)
     runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
-    multimodal = MultimodalProcessor.load(config, loaded.hf_config)
+    multimodal = MultimodalProcessor.load(config, loaded.hf_config)  # a vision-language model's, else None
     if multimodal is not None:
         runner.encoder_cache = EncoderCache(loaded.model, multimodal.spec)
     max_model_len = scheduler.config.max_model_len
     if config.check_model:
-        check_model(runner, vocab_size, max_model_len, type(loaded.model).__name__)
+        image_prompt = multimodal.load_check_prompt(vocab_size) if multimodal is not None else None
+        check_model(runner, vocab_size, max_model_len, type(loaded.model).__name__, image_prompt)
+    if multimodal is not None:  # a fresh encoder cache: the check's image forgotten, no runs counted
+        runner.encoder_cache = EncoderCache(loaded.model, multimodal.spec)
     reasoning_parser = (make_reasoning_parser(config.reasoning_parser, loaded.tokenizer)
                         if config.reasoning_parser is not None else None)
     tool_parser = tool_parser_for(config.tool_call_parser, loaded.tokenizer)
