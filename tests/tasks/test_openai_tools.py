@@ -7,6 +7,7 @@ usage, the manifests and the batch object."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -194,6 +195,8 @@ def test_chat_rows_with_a_tools_column(tmp_path, make_job, thinking_model, outpu
                                                                        "disable_any_whitespace": True},
                    sampling={"max_tokens": 60, "temperature": 0.0, "max_reasoning_tokens": 3})
     manifest = process_shard(list_shards(job.input)[0], job)
+    calls: dict[str, Any]
+    errors: dict[str, Any]
     if output_format == "parquet":
         out = {row["id"]: row for row in pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()}
         calls = {key: json.loads(row["tool_calls"]) if row["tool_calls"] else None for key, row in out.items()}
