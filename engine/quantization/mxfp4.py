@@ -12,8 +12,9 @@ with output rows first, so it is held as read. The gate_up rows interleave the t
 halves (row 2i gates, row 2i + 1 is up), as the model's clamped SwiGLU reads them.
 
 Invariants:
-- The weights stay MXFP4 in memory (uint8 blocks and scales); a float copy of an
-  expert's weight exists only a tile of rows at a time, inside ``Mxfp4ExpertWeights.matmul``.
+- The weights stay MXFP4 in memory (uint8 blocks and scales); no float copy of an
+  expert's weight is made: engine/kernels/cpu_mxfp4.c decodes it in registers, and
+  the torch path (no C compiler, or another device) a tile of rows at a time.
 - ``matmul`` returns exactly the float32 product with the reference's dequantized weight
   (``dequantize_mxfp4``), up to the summation order of the float32 matmul.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.cpu_mxfp4 import cpu_mxfp4_available, cpu_mxfp4_matmul
 from ..kernels.quant_reference import FP4_E2M1_VALUES, dequantize_mxfp4
 from .checkpoint import CheckpointTensors, QuantizedCheckpointError
 
@@ -81,7 +83,14 @@ class Mxfp4ExpertWeights(nn.Module):
         return (values * scales).flatten(-2)
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]."""
+        """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N], by the C
+        kernel on the CPU where it builds, else a tile of dequantized rows at a time."""
+        if x.device.type == "cpu" and cpu_mxfp4_available():
+            return cpu_mxfp4_matmul(x.float().contiguous(), self.blocks[expert], self.scales[expert], self.exponents)
+        return self.tile_matmul(expert, x)
+
+    def tile_matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``matmul`` through torch: a tile of output rows dequantized at a time."""
         x32 = x.float()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         rows_per_tile = max(1, TILE_ELEMENTS // self.in_features)

@@ -87,6 +87,7 @@ def test_matmul_dequantizes_tile_by_tile_as_the_reference(monkeypatch) -> None:
     for expert in range(3):
         expected = x @ reference[expert].t()
         tolerance = 1e-5 * float(expected.abs().max())
+        torch.testing.assert_close(weights.tile_matmul(expert, x), expected, rtol=1e-5, atol=tolerance)
         torch.testing.assert_close(weights.matmul(expert, x), expected, rtol=1e-5, atol=tolerance)
         torch.testing.assert_close(weights.dequantize_rows(expert, 16, 40), reference[expert, 16:40], rtol=0, atol=0)
 

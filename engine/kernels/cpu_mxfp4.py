@@ -1,0 +1,77 @@
+"""Launcher of the MXFP4 matmul on the CPU (cpu_mxfp4.c): x @ w.T with w one expert's
+weight in quant_reference.py's MXFP4 layout, computing ``x @ dequantize_mxfp4(w).T``
+in float32 (the summation order aside).
+
+The kernel streams the 4.25-bit weight, decoding each 32-weight group in registers
+once per eight rows of x (the rows one expert's tokens make in a decode step take one
+pass); the threads split the output rows. It calls no torch op between its OpenMP
+regions, so torch's thread pool and the kernel's do not spin against each other.
+Without
+a C compiler the library does not build and ``cpu_mxfp4_available`` is False: the
+caller dequantizes tiles through torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .native import NativeLibrary, declare
+
+SOURCE = Path(__file__).with_name("cpu_mxfp4.c")
+MXFP4_BLOCK = 32
+
+_P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    declare(library, ["mxfp4_matmul"], [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _N], None)
+    declare(library, ["mxfp4_dequantize"], [_P, _P, _P, _P, _I, _I, _I, _N], None)
+
+
+_LIBRARY = NativeLibrary(SOURCE, _declare, "MXFP4 experts dequantize tiles through torch")
+
+
+def cpu_mxfp4_available() -> bool:
+    """Whether the kernel built here."""
+    return _LIBRARY.load() is not None
+
+
+def _check_layout(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, exponents: torch.Tensor) -> None:
+    rows, groups = scales.shape
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu", (x.dtype, x.shape, x.device)
+    assert x.shape[1] == groups * MXFP4_BLOCK, f"x {tuple(x.shape)} against {groups} groups of {MXFP4_BLOCK}"
+    assert blocks.dtype == scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
+    assert tuple(blocks.shape) == (rows, groups, MXFP4_BLOCK // 2), (blocks.shape, scales.shape)
+    assert blocks.is_contiguous() and scales.is_contiguous(), "blocks and scales must be contiguous"
+    assert exponents.dtype == torch.float32 and exponents.shape == (256,) and exponents.is_contiguous()
+
+
+def cpu_mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                     exponents: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times the weight of ``blocks`` [N, K // 32, 16] / ``scales``
+    [N, K // 32] transposed: float32 [M, N]. ``exponents`` [256] float32: 2^(s - 127)
+    for each scale byte s."""
+    _check_layout(x, blocks, scales, exponents)
+    library = _LIBRARY.load()
+    assert library is not None, "cpu_mxfp4 did not build; check cpu_mxfp4_available() first"
+    rows, groups = scales.shape
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    x_even, x_odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()
+    library.mxfp4_matmul(x_even.data_ptr(), x_odd.data_ptr(), x.shape[0], blocks.data_ptr(), scales.data_ptr(),
+                         exponents.data_ptr(), out.data_ptr(), rows, rows, groups, torch.get_num_threads())
+    return out
+
+
+def cpu_mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of ``blocks`` / ``scales`` (for tests and checks)."""
+    rows, groups = scales.shape
+    _check_layout(torch.empty(0, groups * MXFP4_BLOCK), blocks, scales, exponents)
+    library = _LIBRARY.load()
+    assert library is not None, "cpu_mxfp4 did not build; check cpu_mxfp4_available() first"
+    out = torch.empty(rows, groups * MXFP4_BLOCK, dtype=torch.float32)
+    library.mxfp4_dequantize(blocks.data_ptr(), scales.data_ptr(), exponents.data_ptr(), out.data_ptr(), 0, rows,
+                             groups, torch.get_num_threads())
+    return out
