@@ -334,7 +334,7 @@ def make_moe_case(num_tokens: int, hidden: int, intermediate: int, num_experts: 
     biases = (torch.randn(num_experts, 2 * intermediate, generator=generator).to(DEVICE),
               torch.randn(num_experts, hidden, generator=generator).to(DEVICE)) if with_bias else (None, None)
     x = activations(num_tokens, hidden, dtype, seed + 2)
-    topk_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    topk_ids = torch.rand(num_tokens, num_experts, generator=generator).argsort(dim=1)[:, :top_k]  # distinct
     topk_weights = torch.randn(num_tokens, top_k, generator=generator).softmax(dim=-1)
     return MoeCase(x, gate_up[0], gate_up[1], biases[0], down[0], down[1], biases[1],
                    topk_ids.to(DEVICE), topk_weights.to(DEVICE))
@@ -509,6 +509,21 @@ def test_split_k_sums_partials_once(dtype):
                          quantized_linear_reference(x, dequantize_w4(packed, scales, zeros, 32), bias))
             assert_close(fp8_w8a8_linear(x, fp8_weight, block_scale, (32, 128), bias, split_k=split_k),
                          fp8_w8a8_reference(x, fp8_weight, block_scale, (32, 128), bias))
+
+
+def test_empty_batches_launch_nothing():
+    from shardline.engine.kernels.fp8_w8a8 import fp8_w8a8_linear
+    from shardline.engine.kernels.quant_linear import triton_w4_linear, triton_w8_linear
+    from shardline.engine.kernels.quant_moe import mxfp4_moe
+
+    x = activations(0, 64, torch.bfloat16).reshape(0, 0, 64)
+    weight, scale = make_w8(48, 64, torch.float8_e4m3fn, "channel")
+    packed, scales, zeros = make_w4(48, 64, 32, True)
+    assert triton_w8_linear(x, weight, scale, None, None).shape == (0, 0, 48)
+    assert triton_w4_linear(x, packed, scales, zeros, 32, None).shape == (0, 0, 48)
+    assert fp8_w8a8_linear(x, weight, scale, None, None).shape == (0, 0, 48)
+    case = make_moe_case(0, 64, 32, num_experts=4, top_k=2, dtype=torch.bfloat16, with_bias=True)
+    assert case.run(mxfp4_moe, moe_activations()["silu"]).shape == (0, 64)
 
 
 CUDA_COMPILE = Path(__file__).with_name("cuda_compile.py")
