@@ -6,7 +6,8 @@ group ``scales``/``zeros``); an act-order ``input_perm`` is applied by the calle
 
 Kernel design: one program per [BLOCK_M, BLOCK_N] output tile (programs ordered in
 groups of GROUP_M row tiles so neighbouring programs share weight tiles in L2), walking
-K in BLOCK_K tiles and accumulating in float32. The raw codes are widened to the
+K, or one of its split-K ranges (quant_tiles.py), in BLOCK_K tiles and accumulating in
+float32. The raw codes are widened to the
 activation's dot dtype, where every FP8, int8 and small-integer code is exact, and the
 scale is applied to the tile's float32 product, so the kernels compute the reference's
 float32 product up to summation order:
