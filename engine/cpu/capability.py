@@ -94,7 +94,8 @@ class ModelShape:
         widths = [module.out_features for module in linears
                   if module.in_features == hidden_size and module.out_features != vocab_size]
         return cls(hidden_size, max(widths, default=hidden_size), num_heads, num_kv_heads, head_dim,
-                   linear_weights=sum(module.weight.numel() for module in linears))
+                   # Linears left on the meta device become quantized ones (engine/quantization/).
+                   linear_weights=sum(module.weight.numel() for module in linears if not module.weight.is_meta))
 
 
 
