@@ -3,7 +3,9 @@
 Two modes:
 
 ``--mode kernel``: one linear of the model's shapes (o_proj, gate and up packed
-together, down_proj), x of M = 1, 8, 64, 512 rows in bfloat16: the engine's bfloat16
+together, down_proj) in as many copies as the model has layers, each call on the
+next copy (so the weights come from memory, as a decode step reads them), x of
+M = 1, 8, 64, 512 rows in bfloat16: the engine's bfloat16
 linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
 blocks and int4 groups of 128. Prints milliseconds per call and bf16 / quantized.
@@ -69,23 +71,36 @@ def kernel_calls(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> dict[str,
     }
 
 
-def kernel_mode(hidden: int, intermediate: int) -> None:
+def layer_weights(rows: int, cols: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One linear's weight in bf16 and in each quantized layout, random."""
+    return {
+        "bf16": torch.randn(rows, cols, generator=generator).bfloat16() * 0.02,
+        "int8": torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator),
+        "fp8": (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn),
+        "channel": torch.rand(rows, 1, generator=generator) * 1e-3,
+        "blocks": torch.rand(-(-rows // 128), -(-cols // 128), generator=generator) * 1e-3,
+        "packed": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
+        "groups": torch.rand(rows, cols // 128, generator=generator) * 1e-3,
+        "zeros": torch.full((rows, cols // 128), 8.0),
+    }
+
+
+def per_call_ms(calls: list[dict[str, Callable[[], object]]], kind: str) -> float:
+    """Milliseconds per call of ``kind``, one call on each copy of the weights in turn."""
+    return best_ms(lambda: [call[kind]() for call in calls]) / len(calls)
+
+
+def kernel_mode(hidden: int, intermediate: int, layers: int) -> None:
+    """Each shape's weights in ``layers`` copies, read in turn as a decode step reads
+    its layers' (so they come from memory, not from the cache, as in the model)."""
     generator = torch.Generator().manual_seed(0)
     for name, (rows, cols) in {"o_proj": (hidden, hidden), "gate_up": (2 * intermediate, hidden),
                                "down_proj": (hidden, intermediate)}.items():
-        weights = {
-            "bf16": torch.randn(rows, cols, generator=generator).bfloat16() * 0.02,
-            "int8": torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator),
-            "fp8": (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn),
-            "channel": torch.rand(rows, 1, generator=generator) * 1e-3,
-            "blocks": torch.rand(-(-rows // 128), -(-cols // 128), generator=generator) * 1e-3,
-            "packed": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
-            "groups": torch.rand(rows, cols // 128, generator=generator) * 1e-3,
-            "zeros": torch.full((rows, cols // 128), 8.0),
-        }
+        copies = [layer_weights(rows, cols, generator) for _ in range(layers)]
         for m in ROWS:
             x = torch.randn(m, cols, generator=generator).bfloat16()
-            times = {kind: best_ms(call) for kind, call in kernel_calls(x, weights).items()}
+            calls = [kernel_calls(x, weights) for weights in copies]
+            times = {kind: per_call_ms(calls, kind) for kind in calls[0]}
             line = ", ".join(f"{kind} {ms:.3f} ms" + ("" if kind == "bf16" else f" ({times['bf16'] / ms:.2f}x)")
                              for kind, ms in times.items())
             print(f"{name:9s} [{rows}, {cols}] M={m:<4d} {line}", flush=True)
@@ -194,7 +209,7 @@ def main() -> None:
         torch.set_num_threads(1)
         clock = time.thread_time
     if args.mode == "kernel":
-        kernel_mode(args.hidden, args.intermediate)
+        kernel_mode(args.hidden, args.intermediate, args.layers)
     else:
         model_mode(args)
 

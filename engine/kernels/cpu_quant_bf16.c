@@ -4,8 +4,7 @@
  * products added into float32 lanes), 32 weights per instruction where the float32
  * kernel takes 16.
  *
- * Exactness: every int8 code, every fp8 code (times 2^-8, the scale carrying 2^8) and
- * every 4-bit code is a bfloat16 value exactly, and a product of two bfloat16 values
+ * Exactness: every int8, fp8 and 4-bit code is a bfloat16 value exactly, and a product of two bfloat16 values
  * is exact in float32, so the sums are those of the float32 kernel up to their order.
  * The scales multiply the float32 sums of their block (W8) or group (W4) once; a W4
  * zero point enters as zero * scale * (the group's sum of x), so the codes stay exact
@@ -48,22 +47,27 @@ static inline float w8_scalar(uint8_t code, int fp8) {
     return out;
 }
 
-/* 32 W8 codes at p as bfloat16, in order. fp8 goes through float16 as in cpu_quant.c
- * (the value times 2^-8; NaN codes made float16 NaN). */
+/* 32 W8 codes at p as bfloat16, in order. fp8 by its bits: a normal code's exponent
+ * rebiased (7 -> 127) and mantissa moved up, the 7 subnormals from a table, the NaN
+ * codes NaN, the sign bit moved up. */
 static inline __m512bh w8_codes_bf16(const uint8_t *p, int fp8) {
-    __m512 low, high;
     if (fp8) {
-        __m512i half = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
-        half = _mm512_and_si512(_mm512_slli_epi16(half, 7), _mm512_set1_epi16((short)0xbf80));
-        const __mmask32 is_nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(half, _mm512_set1_epi16(0x3f80)),
-                                                         _mm512_set1_epi16(0x3f80));
-        half = _mm512_mask_mov_epi16(half, is_nan, _mm512_set1_epi16(0x7e00));
-        low = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
-        high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-    } else {
-        low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+        const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+        __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+        const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                    0, 0, 0, 0, 0, 0, 0, 0,
+                                                    0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+        bits = _mm512_mask_mov_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)),
+                                     _mm512_permutexvar_epi16(magnitude, subnormals));
+        bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f)),
+                                     _mm512_set1_epi16(0x7fc0));
+        bits = _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(code, 8), _mm512_set1_epi16((short)0x8000), 0xf8);
+        return (__m512bh)bits;
     }
+    __m512 low, high;
+    low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
     return _mm512_cvtne2ps_pbh(high, low);  /* lanes 0-15 from low, 16-31 from high */
 }
 
@@ -85,7 +89,6 @@ static inline __attribute__((always_inline)) void w8_tile(
     int64_t bk, int fp8, const int mt, float result[R][MT]) {
     __m512 acc[R][MT];
     float tail[R][MT];
-    const float unit = fp8 ? 256.0f : 1.0f;
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), tail[r][m] = 0.0f;
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
@@ -109,7 +112,7 @@ static inline __attribute__((always_inline)) void w8_tile(
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * bf16_to_f32(x[m][j]);
             }
             for (int m = 0; m < mt; m++)
-                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s * unit), acc[r][m]);
+                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)

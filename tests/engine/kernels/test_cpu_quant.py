@@ -120,8 +120,9 @@ def flush_denormal(request):
 
 
 @pytest.mark.usefixtures("flush_denormal")
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-def test_every_w8_code_decodes_exactly(weight_dtype):
+def test_every_w8_code_decodes_exactly(weight_dtype, dtype):
     """One-hot rows of x pick single weights: every one of the 256 codes (fp8's
     subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly,
     whether or not the CPU flushes subnormals (the decoding builds them from bits)."""
@@ -131,15 +132,17 @@ def test_every_w8_code_decodes_exactly(weight_dtype):
     codes = codes.view(weight_dtype).reshape(16, 16)
     scale = torch.rand(16, 1, generator=generator(1)) + 0.5
     expected = dequantize_w8(codes, scale)
-    for rows in (list(range(16)), [0, 5, 10, 15], [7]):  # decode path: tiles of 4, 4 and 1 rows
-        assert torch.equal(cpu_w8_linear(torch.eye(16)[rows], codes, scale), expected.t()[rows])
+    for rows in (list(range(16)), [0, 5, 10, 15], [7]):  # both paths: 16 rows, then tiles of 4 and 1
+        out = cpu_w8_linear(torch.eye(16, dtype=dtype)[rows], codes, scale)
+        assert torch.equal(out, expected.t()[rows].to(dtype))
 
 
-def test_a_nan_fp8_weight_gives_nan():
-    codes = torch.zeros(4, 16, dtype=torch.uint8)
-    codes[1, 3] = 0x7F
-    out = cpu_w8_linear(torch.ones(1, 16), codes.view(torch.float8_e4m3fn), torch.ones(1, 1))
-    assert out.isnan().tolist() == [[False, True, False, False]]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_fp8_weight_gives_nan(dtype):
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    codes[1, 3], codes[2, 40] = 0x7F, 0xFF  # both signs, in and past the first 32 columns
+    out = cpu_w8_linear(torch.ones(1, 64, dtype=dtype), codes.view(torch.float8_e4m3fn), torch.ones(1, 1))
+    assert out.isnan().tolist() == [[False, True, True, False]]
 
 
 def test_float16_activations():
