@@ -7,10 +7,14 @@ template's generation prompt ends with ``<|start|>assistant``, so generation beg
 inside a header. The bodies of the ``final`` channel are the answer; the bodies of
 every other channel (``analysis``, ``commentary``) are reasoning; headers belong to
 neither. The channel is read from the header's tokens when ``<|message|>`` ends it.
+A message addressed to a recipient (``to=functions.NAME`` in its header) is a tool
+call: its body is the call's arguments (engine/tools/harmony.py reads it), neither
+reasoning nor answer, so it is not counted among the reasoning tokens.
 
 Invariants (beside those of reasoning.py):
 - A sequence is in HEADER from a message's start to its ``<|message|>``, then in
-  REASONING or ANSWER for its body; it never leaves ANSWER.
+  REASONING or ANSWER for its body (a tool call's body is REASONING whose tokens are
+  tags); it never leaves ANSWER.
 - When the reasoning budget is spent inside a body, the tokens that end it and open
   the final channel (``<|end|><|start|>assistant<|channel|>final<|message|>``) are
   forced one by one, and the answer begins after them.
@@ -18,7 +22,8 @@ Invariants (beside those of reasoning.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .reasoning_phase import Phase, ReasoningParserError, TokenRole
@@ -43,6 +48,8 @@ class HarmonyParser:
     constrain_id: int | None
     final_ids: tuple[int, ...]
     assistant_ids: tuple[int, ...]
+    # The text of a header's tokens (to find a recipient); None reads no recipients.
+    decode: Callable[[list[int]], str] | None = field(default=None, compare=False)
 
     @property
     def final_header(self) -> tuple[int, ...]:
@@ -57,6 +64,11 @@ class HarmonyParser:
         if self.constrain_id in after:
             after = after[:after.index(self.constrain_id)]
         return tuple(after) == self.final_ids
+
+    def is_call(self, header: list[int]) -> bool:
+        """Whether a message header names a recipient (``to=...``): its body is a tool call."""
+        return self.decode is not None and any(word.startswith("to=") for word in
+                                               self.decode(header).replace("<|", " <|").split())
 
     def initial_phase(self, prompt_token_ids: list[int]) -> tuple[Phase, list[int]]:
         """The phase generation starts in and, in a header, the header's tokens so far:
@@ -96,8 +108,13 @@ def make_harmony_parser(tokenizer: PreTrainedTokenizerBase) -> HarmonyParser:
     def ids(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
+    def decode(token_ids: list[int]) -> str:
+        text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert isinstance(text, str), "one list of ids decodes to one string"
+        return text
+
     return HarmonyParser(NAME, vocab["<|start|>"], vocab["<|end|>"], vocab["<|message|>"], vocab["<|channel|>"],
-                         vocab.get("<|constrain|>"), ids("final"), ids("assistant"))
+                         vocab.get("<|constrain|>"), ids("final"), ids("assistant"), decode)
 
 
 class HarmonyTracker:
@@ -110,6 +127,7 @@ class HarmonyTracker:
         self.max_reasoning_tokens = max_reasoning_tokens
         self.num_reasoning_tokens = 0
         self.reasoned = self.phase is Phase.REASONING
+        self._in_call = False  # in a tool call's body: neither reasoning nor answer
         self._forced: list[int] = []  # tokens that must come next, in order
         self._check_budget()
 
@@ -123,7 +141,8 @@ class HarmonyTracker:
         if self.phase is Phase.HEADER:
             if token_id == parser.message_id:
                 self.phase = Phase.ANSWER if parser.is_final(self._header) else Phase.REASONING
-                self.reasoned = self.reasoned or self.phase is Phase.REASONING
+                self._in_call = self.phase is Phase.REASONING and parser.is_call(self._header)
+                self.reasoned = self.reasoned or (self.phase is Phase.REASONING and not self._in_call)
                 self._header = []
                 self._check_budget()
             elif token_id == parser.start_id:
@@ -134,12 +153,16 @@ class HarmonyTracker:
         if token_id in (parser.end_id, parser.start_id):  # the body ends; the next header begins
             self.phase = Phase.HEADER
             return TokenRole.TAG
+        if self._in_call:
+            return TokenRole.TAG
         self.num_reasoning_tokens += 1
         self._check_budget()
         return TokenRole.REASONING
 
     def _check_budget(self) -> None:
-        if (self.phase is Phase.REASONING and not self._forced and self.max_reasoning_tokens is not None
+        # A tool call's arguments are never cut by the budget (its body counts no tokens).
+        if (self.phase is Phase.REASONING and not self._in_call and not self._forced
+                and self.max_reasoning_tokens is not None
                 and self.num_reasoning_tokens >= self.max_reasoning_tokens):
             self._forced = list(self.parser.final_header)
 
