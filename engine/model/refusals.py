@@ -67,6 +67,9 @@ def config_refusal(hf_config: transformers.PretrainedConfig) -> str | None:
     for model_type in (hf_config.model_type, text_config.model_type):
         if model_type in REFUSED_MODEL_TYPES:
             return REFUSED_MODEL_TYPES[model_type]
+    if not isinstance(getattr(text_config, "num_hidden_layers", None), int):
+        return ("its config declares no stack of decoder layers (num_hidden_layers) for the paged cache to hold: "
+                "it is not a decoder language model")
     indexer = _indexer_reason(text_config)
     if indexer is not None:
         return indexer
