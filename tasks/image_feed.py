@@ -47,7 +47,8 @@ from .media import (
 )
 
 FETCH_WORKERS = 8
-WINDOW_ROWS = 32  # rows handed over together once that many are ready
+WINDOW_ROWS = 32  # rows handed over together once that many are ready (fewer in the first windows)
+FIRST_WINDOW_ROWS = 4  # the first window's; each next one doubles, up to WINDOW_ROWS
 MAX_WINDOWS = 16  # windows of one shard on the engine at once
 
 
@@ -109,6 +110,7 @@ class _ShardFeed:
         self.fetching = 0  # workers reading or decoding now (not waiting for room)
         self.windows: dict[str, list[RowRequest]] = {}  # window key -> its rows, while on the engine
         self.window_ids = itertools.count(1)
+        self.window_rows = FIRST_WINDOW_ROWS  # small first windows: the engine starts on the first images
         self.failure: BaseException | None = None
 
     def run(self) -> list[RowResult]:
@@ -145,8 +147,9 @@ class _ShardFeed:
         with self.cond:
             while self.failure is None and len(self.results) < len(self.rows):
                 idle = self.fetching == 0
-                if self.ready and (len(self.ready) >= WINDOW_ROWS or idle):
+                if self.ready and (len(self.ready) >= self.window_rows or idle):
                     window, self.ready = self.ready[:WINDOW_ROWS * 4], self.ready[WINDOW_ROWS * 4:]
+                    self.window_rows = min(WINDOW_ROWS, 2 * self.window_rows)
                     window_key = f"{self.key}#images-{next(self.window_ids)}"
                     self.windows[window_key] = [row for row, _ in window]
                     pool.submit(self._run_window, window_key, window)
