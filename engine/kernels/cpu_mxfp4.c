@@ -14,6 +14,9 @@
  * table, the reference's values). */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -27,10 +30,23 @@ typedef uint8_t v16u8 __attribute__((vector_size(16)));
 static const v16f FP4_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* Sixteen bytes widened to int32 lanes: one instruction with AVX-512 (two with AVX2);
+ * GCC's generic conversion extracts them one by one. */
 static inline v16i load_codes(const uint8_t *bytes) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+#elif defined(__AVX2__)
+    const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
+    const __m256i low = _mm256_cvtepu8_epi32(packed), high = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
+    v16i codes;
+    memcpy(&codes, &low, sizeof low);
+    memcpy((char *)&codes + sizeof low, &high, sizeof high);
+    return codes;
+#else
     v16u8 packed;
     memcpy(&packed, bytes, sizeof packed);
     return __builtin_convertvector(packed, v16i);
+#endif
 }
 
 static inline v16f load_v16f(const float *p) {
@@ -45,6 +61,25 @@ static inline float sum_lanes(v16f v) {
     return total;
 }
 
+/* One weight row n against ``rows`` rows of x (a constant where it is inlined, so the
+ * accumulators stay in registers). */
+static inline __attribute__((always_inline)) void row_pass(
+        const int rows, const float *even, const float *odd, int64_t half, const uint8_t *row_blocks,
+        const uint8_t *row_scales, const float *exponents, int64_t groups, float *out, int64_t out_stride) {
+    v16f acc[ROWS_PER_PASS];
+    for (int m = 0; m < rows; m++) acc[m] = (v16f){0};
+    for (int64_t g = 0; g < groups; g++) {
+        const v16f table = FP4_E2M1 * exponents[row_scales[g]];
+        const v16i codes = load_codes(row_blocks + g * 16);
+        const v16f low = __builtin_shuffle(table, codes & 15);
+        const v16f high = __builtin_shuffle(table, codes >> 4);
+        for (int m = 0; m < rows; m++) {
+            acc[m] += load_v16f(even + m * half + g * 16) * low + load_v16f(odd + m * half + g * 16) * high;
+        }
+    }
+    for (int m = 0; m < rows; m++) out[m * out_stride] = sum_lanes(acc[m]);
+}
+
 /* x_even, x_odd: [m_rows, K / 2] float32, row stride K / 2; out: float32, row stride out_stride. */
 void mxfp4_matmul(const float *x_even, const float *x_odd, int64_t m_rows, const uint8_t *blocks,
                   const uint8_t *scales, const float *exponents, float *out, int64_t out_stride, int64_t n_rows,
@@ -55,20 +90,15 @@ void mxfp4_matmul(const float *x_even, const float *x_odd, int64_t m_rows, const
         const uint8_t *row_blocks = blocks + n * groups * 16;
         const uint8_t *row_scales = scales + n * groups;
         for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {
-            const int64_t pass_rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
+            const int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
             const float *even = x_even + m0 * half, *odd = x_odd + m0 * half;
-            v16f acc[ROWS_PER_PASS];
-            for (int64_t m = 0; m < pass_rows; m++) acc[m] = (v16f){0};
-            for (int64_t g = 0; g < groups; g++) {
-                const v16f table = FP4_E2M1 * exponents[row_scales[g]];
-                const v16i codes = load_codes(row_blocks + g * 16);
-                const v16f low = __builtin_shuffle(table, codes & 15);
-                const v16f high = __builtin_shuffle(table, codes >> 4);
-                for (int64_t m = 0; m < pass_rows; m++) {
-                    acc[m] += load_v16f(even + m * half + g * 16) * low + load_v16f(odd + m * half + g * 16) * high;
-                }
+            float *row_out = out + m0 * out_stride + n;
+            switch (rows) {  /* each case a copy of row_pass with its row count fixed */
+#define ROW_PASS(r) case r: row_pass(r, even, odd, half, row_blocks, row_scales, exponents, groups, row_out, \
+                                     out_stride); break;
+                ROW_PASS(1) ROW_PASS(2) ROW_PASS(3) ROW_PASS(4) ROW_PASS(5) ROW_PASS(6) ROW_PASS(7) ROW_PASS(8)
+#undef ROW_PASS
             }
-            for (int64_t m = 0; m < pass_rows; m++) out[(m0 + m) * out_stride + n] = sum_lanes(acc[m]);
         }
     }
 }
