@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_quant import cpu_quant_available, cpu_w4_linear, cpu_w8_linear, w4_layout_supported
+from ..kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_supported
+from ..kernels.quant_linear import triton_w4_linear, triton_w8_linear
 from ..kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 
 # Float32 elements of dequantized weight the torch path holds at once (a tile of rows).
@@ -125,9 +127,25 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     family is wired here in one line where it runs."""
     if layer.use_reference:
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    if x.device.type == "cuda":
+        return cuda_kernel_matmul(layer, x)
     if x.device.type == "cpu" and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
         return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
+
+
+def cuda_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The Triton kernels: FP8 W8A8 (activations quantized per token) for an FP8 layer
+    whose checkpoint quantizes activations, on GPUs with FP8 tensor cores; weight-only
+    W8A16 / W4A16 otherwise."""
+    if layer.layout == "w8":
+        assert layer.weight is not None and layer.scale is not None
+        if (layer.activations != "none" and layer.weight.dtype == torch.float8_e4m3fn
+                and fp8_w8a8_supported(x.device)):
+            return fp8_w8a8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+        return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+    assert layer.packed is not None and layer.scales is not None
+    return triton_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
 
 def cpu_kernel_takes(layer: QuantizedLinear) -> bool:
