@@ -74,7 +74,7 @@ class EncoderCache:
                      for key in group[0].pixel_inputs}
             batch = {key: value.to(parameter.dtype) if value.is_floating_point() else value
                      for key, value in batch.items()}
-            outputs = self.spec.encode(self.model, batch, len(group))
+            outputs = self.spec.encode(self.model, batch, [image.num_rows for image in group])
             self.num_encoder_calls += 1
             for image, output in zip(group, outputs):
                 if output.shape[0] != image.num_rows:

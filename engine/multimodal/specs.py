@@ -17,22 +17,26 @@ import torch
 import transformers
 from torch import nn
 
-# One batch of processed images (the processor's tensors, concatenated on dim 0) ->
-# one [rows, hidden] tensor per image, in order.
-Encoder = Callable[[nn.Module, dict[str, torch.Tensor], int], list[torch.Tensor]]
+# One batch of processed images (the processor's tensors, concatenated on dim 0) and
+# each image's placeholder count -> one [rows, hidden] tensor per image, in order.
+Encoder = Callable[[nn.Module, dict[str, torch.Tensor], list[int]], list[torch.Tensor]]
 
 
-def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor], num_images: int) -> list[torch.Tensor]:
+def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor],
+                   rows_per_image: list[int]) -> list[torch.Tensor]:
     """The model's own ``get_image_features`` (vision tower, feature selection and
-    projector), split into one tensor per image."""
+    projector), as one tensor per image: its output is a list of them, or one tensor of
+    every image's rows (split by ``rows_per_image``), or [images, rows, hidden]."""
     get_image_features = model.get_image_features
     assert callable(get_image_features), f"{type(model).__name__} has no get_image_features"
     output = get_image_features(**pixel_inputs, return_dict=True)
     features = output.pooler_output
-    if isinstance(features, torch.Tensor):
-        features = list(features.unbind(0)) if features.dim() == 3 else [features]
+    if isinstance(features, torch.Tensor) and features.dim() == 3:
+        features = list(features.unbind(0))
+    elif isinstance(features, torch.Tensor):
+        features = list(features.split(rows_per_image))
     features = list(features)
-    assert len(features) == num_images, f"{len(features)} feature blocks for {num_images} images"
+    assert len(features) == len(rows_per_image), f"{len(features)} feature blocks for {len(rows_per_image)} images"
     return features
 
 
@@ -56,6 +60,7 @@ class VisionSpec:
 
 VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("llava"),
+    VisionSpec("llava_next"),
 )}
 
 

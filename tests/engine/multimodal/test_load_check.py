@@ -11,8 +11,8 @@ from shardline.engine.multimodal import specs
 
 
 def test_an_image_path_other_than_the_models_is_refused_at_load(tiny_llava_dir, monkeypatch):
-    def second_to_last_layer(model, pixel_inputs, num_images):  # features the model does not use
-        return specs.image_features(model, {**pixel_inputs, "vision_feature_layer": -2}, num_images)
+    def second_to_last_layer(model, pixel_inputs, rows_per_image):  # features the model does not use
+        return specs.image_features(model, {**pixel_inputs, "vision_feature_layer": -2}, rows_per_image)
 
     monkeypatch.setitem(specs.VISION_SPECS, "llava", specs.VisionSpec("llava", encode=second_to_last_layer))
     with pytest.raises(ModelMismatchError, match=r"layer 0 .* first at position 3 of a \d+-token probe"):

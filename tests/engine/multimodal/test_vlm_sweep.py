@@ -19,14 +19,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.support import model_support
-from shardline.engine.model.tiny_vlm import build_tiny_llava
+from shardline.engine.model.tiny_vlm import build_tiny_llava, build_tiny_llava_next
 from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
 
 from .conftest import images
 
 # Tiny builders of the vision-language types the engine runs.
-TINY_BUILDERS = {"llava": build_tiny_llava}
-FAST_SET = ("llava", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
+TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next}
+FAST_SET = ("llava", "llava_next", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
 MAX_TOKENS = 6
 
 
@@ -90,7 +90,7 @@ def test_fast_set(model_type, tmp_path):
 def test_refusals_name_the_vision_language_types_that_run():
     config = transformers.AutoConfig.for_model("qwen2_vl")
     support = model_support(config, "generate")
-    assert not support.ok and "vision-language types it runs: llava" in (support.reason or "")
+    assert not support.ok and "vision-language types it runs: llava, llava_next" in (support.reason or "")
 
 
 @pytest.mark.slow
