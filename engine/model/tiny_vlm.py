@@ -37,9 +37,11 @@ def _scale_weights(model: torch.nn.Module, std: float) -> None:
                 parameter.normal_(0.0, std)
 
 
+TinyParts = tuple[transformers.PreTrainedTokenizerFast, int, transformers.CLIPVisionConfig, transformers.LlamaConfig]
+
+
 def _tiny_parts(path: Path, hidden_size: int, num_text_layers: int, image_size: int, patch_size: int,
-                **text_overrides: Any) -> tuple[transformers.PreTrainedTokenizerFast, int, transformers.CLIPVisionConfig,
-                                                transformers.LlamaConfig]:
+                **text_overrides: Any) -> TinyParts:
     """The tokenizer (with ``<image>`` and the chat template), the image token id, a CLIP
     vision config and a Llama text config shared by the LLaVA-family builders."""
     tokenizer = build_tokenizer(path, vocab_size=512, extra_special_tokens=[IMAGE_TOKEN])
