@@ -27,7 +27,8 @@ from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
 from shardline.engine.model.tiny_vlm import build_tiny_llava
 from shardline.tasks.engine_cache import close_engines
-from shardline.tasks.job import BatchJob
+from shardline.tasks.job import BatchJob, SamplingDefaults
+from shardline.tasks.media import ImageOptions
 from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import process_shard
 from shardline.tasks.storage import list_shards
@@ -58,8 +59,8 @@ def pipeline(model: str, root: Path, run: int, output_len: int) -> tuple[float, 
     import pyarrow.parquet as pq
 
     job = BatchJob(input=str(root / "in"), output=str(root / f"out-{run}"), model=model,
-                   sampling={"max_tokens": output_len, "temperature": 0.0}, engine_options=ENGINE_OPTIONS,
-                   images={"column": "image"})
+                   sampling=SamplingDefaults(max_tokens=output_len, temperature=0.0), engine_options=ENGINE_OPTIONS,
+                   images=ImageOptions(column="image"))
     [shard] = list_shards(job.input)
     started = time.perf_counter()
     process_shard(shard, job)
