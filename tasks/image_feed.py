@@ -8,7 +8,9 @@ the engine starts on the first images while later ones are still read.
 Invariants:
 - Decoded images held (fetched, not yet through the engine) never exceed
   ``ImageOptions.prefetch_bytes``, except one image larger than that alone; besides
-  them each fetch worker holds at most one row's encoded images.
+  them each fetch worker holds at most one row's encoded images. (The model's
+  processor output for them, tasks/image_prompts.py, lives as long as their window,
+  and is not counted.)
 - A row whose image cannot be read or decoded gets a RowResult with the error (naming
   the row and the image) and never reaches the engine; the other rows go on.
 - A window is handed over in any order (results are keyed by row index), so a row
