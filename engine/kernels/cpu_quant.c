@@ -109,14 +109,6 @@ static inline float w8_code(const uint8_t *weight, int64_t k, int fp8) {
  * float16 is the fp8 value times 2^-8, subnormals included. The NaN codes come out as
  * +-1.875 (exponent 15 is normal in float16), which no other code gives. */
 static inline vf fp8_codes(const uint8_t *p) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m256i half = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    half = _mm256_and_si256(_mm256_slli_epi16(half, 7), _mm256_set1_epi16((short)0xbf80));
-    const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(half, _mm256_set1_epi16(0x3f80)),
-                                                     _mm256_set1_epi16(0x3f80));
-    const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-    return (vf)_mm512_mask_mov_ps(value, is_nan, _mm512_set1_ps(__builtin_nanf("")));
-#else
 #if defined(__AVX512F__)
     __m256i half = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     half = _mm256_and_si256(_mm256_slli_epi16(half, 7), _mm256_set1_epi16((short)0xbf80));
@@ -128,7 +120,6 @@ static inline vf fp8_codes(const uint8_t *p) {
 #endif
     const vi is_nan = ((vi)value & 0x7fffffff) == 0x3ff00000;  /* 1.875 */
     return blend(is_nan, splat(__builtin_nanf("")), value * 256.0f);
-#endif
 }
 #else
 static inline vf fp8_codes(const uint8_t *p) { return fp8_to_f32_v(widen_bytes(p, 0)); }
@@ -219,6 +210,9 @@ static inline __attribute__((always_inline)) void w8_tile(
             vf xv[MT];
             for (int m = 0; m < mt; m++) memcpy(&xv[m], x[m] + k, sizeof(vf));
             for (int r = 0; r < R; r++) {
+                /* The next tile's rows follow these R in memory: a row is too short a
+                 * stream (K bytes) for the hardware prefetcher to run ahead of. */
+                __builtin_prefetch(w[r] + k + R * K);
                 const vf wv = w8_codes(w[r], k, fp8) * s[r];
                 for (int m = 0; m < mt; m++) acc[r][m] += wv * xv[m];
             }
@@ -252,6 +246,7 @@ static inline __attribute__((always_inline)) void w4_tile(
                 memcpy(&odd[m], x[m] + c + VL, sizeof(vf));
             }
             for (int r = 0; r < R; r++) {
+                __builtin_prefetch(w[r] + (c + R * K) / 2);
                 const vi codes = widen_bytes(w[r] + c / 2, 0);
                 const vf low = (__builtin_convertvector(codes & 15, vf) - z[r]) * s[r];
                 const vf high = (__builtin_convertvector(codes >> 4, vf) - z[r]) * s[r];

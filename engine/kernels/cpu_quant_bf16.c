@@ -101,6 +101,7 @@ static inline __attribute__((always_inline)) void w8_tile(
             __m512bh xv[MT];
             for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
             for (int r = 0; r < R; r++) {
+                __builtin_prefetch(w[r] + k + R * K);  /* the next tile's rows: see cpu_quant.c */
                 const __m512bh wv = w8_codes_bf16(w[r] + k, fp8);
                 for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
             }
@@ -136,6 +137,7 @@ static inline __attribute__((always_inline)) void w4_tile(
             __m512bh xv[MT];
             for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
             for (int r = 0; r < R; r++) {
+                __builtin_prefetch(w[r] + (k + R * K) / 2);
                 const __m512bh wv = w4_codes_bf16(w[r] + k / 2, table);
                 for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
             }
