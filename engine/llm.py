@@ -152,7 +152,7 @@ class LLM:
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        tools: list[dict] | None = None,
+        tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the
@@ -351,7 +351,7 @@ def _keep_special_tokens(params: Any) -> Any:
     return [_keep_special_tokens(p) for p in params]
 
 
-def _offer_tools(params: Any, tools: list[dict]) -> Any:
+def _offer_tools(params: Any, tools: list[Any]) -> Any:
     """Copies of ``params`` whose completions' tool calls the engine reads (tool_choice
     "auto" over ``tools``' function names), unless a copy already sets its tool_choice."""
     if params is None:
@@ -359,13 +359,23 @@ def _offer_tools(params: Any, tools: list[dict]) -> Any:
     if isinstance(params, SamplingParams):
         if params.tool_choice is not None:
             return params
-        names = tuple(tool["function"]["name"] for tool in tools
-                      if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
-                      and isinstance(tool["function"].get("name"), str))
+        names = tuple(_tool_name(tool) for tool in tools)
         params = params.clone()
         params.tool_choice = ToolChoice("auto", names)
         return params
     return [_offer_tools(p, tools) for p in params]
+
+
+def _tool_name(tool: Any) -> str:
+    """A tool's function name: an OpenAI function tool's, or a Python function's (which
+    transformers turns into a tool of that name)."""
+    if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"),
+                                                                                          str):
+        return tool["function"]["name"]
+    if callable(tool) and isinstance(getattr(tool, "__name__", None), str):
+        return tool.__name__
+    raise ValueError(f"tools must be OpenAI function tools ({{'type': 'function', 'function': {{'name': ...}}}}) or "
+                     f"Python functions, got {tool!r:.80}")
 
 
 def _per_item_values(num_items: int | None, **values: Any) -> dict[str, Iterable[Any]]:

@@ -32,7 +32,7 @@ class ChatOptions:
     chat_template_content_format: str = "auto"
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict] | None = None
+    tools: list[dict[str, Any] | Callable[..., Any]] | None = None  # JSON schemas or Python functions
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -84,6 +84,20 @@ def test_chat_with_tools_reads_calls_by_the_templates_parser(hermes_dir):
         assert sample.tool_calls is not None and sample.tool_calls.error is None
         assert sample.tool_calls.content == (sample.text.strip() or None) and not sample.tool_calls.calls
         assert without.outputs[0].tool_calls is None
+
+        def weather(city: str) -> str:
+            """The weather in a city.
+
+            Args:
+                city: the city's name
+            """
+            return city
+
+        [with_function] = llm.chat([chat], SamplingParams(temperature=0.0, max_tokens=4), tools=[TOOL, weather],
+                                   use_tqdm=False)
+        assert with_function.outputs[0].tool_calls is not None
+        with pytest.raises(ValueError, match="tools must be OpenAI function tools .* or Python functions, got 42"):
+            llm.chat([chat], SamplingParams(max_tokens=4), tools=[42], use_tqdm=False)  # pyright: ignore[reportArgumentType]
     finally:
         llm.close()
 
