@@ -313,6 +313,31 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         return (table[num_full].block_id, copy[0].block_id) if partial else None
 
+    def prefix_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full blocks a prefix hit of ``request`` could cover (all but
+        its last token; as ``get_computed_blocks`` reads them). Empty without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._request_block_hashes(request, (request.num_tokens - 1) // self.block_size)
+
+    def uncomputed_prompt_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full prompt blocks a running request holds or will hold but has
+        not cached yet (computed by this step or a later chunk). Empty for a request
+        without blocks, one past its prompt, or without prefix caching."""
+        num_registered = self._num_registered.get(request.request_id)
+        num_prompt_blocks = request.num_prompt_tokens // self.block_size
+        if not self.enable_prefix_caching or num_registered is None or num_registered >= num_prompt_blocks:
+            return []
+        return self._request_block_hashes(request, num_prompt_blocks)[num_registered:]
+
+    def keep_resident(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Move the free ones among ``blocks`` to the end of the eviction queue, in the
+        given order (the last is evicted last); held blocks are left as they are."""
+        free_queue = self.pool.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                free_queue.move_to_end(block.block_id)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (e.g. after a failed step); returns how many."""
         return self.pool.reset()

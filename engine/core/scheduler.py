@@ -24,6 +24,9 @@ Invariants:
 - With recurrent layers (num_state_slots > 0) every running request owns a state
   slot (core/state_slots.py), taken at admission or fork and given back at finish,
   abort and preemption; a request is admitted only when a slot is free.
+- Waiting requests are tried in (priority, arrival) order, or, with
+  prefix_aware_admission, in the order of core/admission.py (priority still first,
+  longest cached prefix next, an age bound so none starves).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..outputs import EngineStats
+from .admission import PrefixAwareAdmission
 from .kv_cache import KVCacheManager, blocks_needed
 from .request import Request, RequestStatus
 from .state_slots import StateSlots
@@ -55,6 +59,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no LoRA
     num_state_slots: int = 0  # per-request recurrent-state slots; 0: the model keeps no such state
+    prefix_aware_admission: bool = True  # admit shared cached prefixes first (core/admission.py)
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
@@ -134,6 +139,7 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
+        self.admission = PrefixAwareAdmission(self.kv_cache) if config.prefix_aware_admission else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -188,6 +194,8 @@ class Scheduler:
             if request is None:
                 continue
             self._add_order.pop(request_id)
+            if self.admission is not None:
+                self.admission.forget(request_id)
             (self.running if request in self.running else self.waiting).remove(request)
             self.kv_cache.free(request)
             self._free_state_slot(request)
@@ -259,15 +267,18 @@ class Scheduler:
                 self._add_to_step(step, request, request.num_computed_tokens, num_new_tokens, num_tokens)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Admit waiting requests in strict (priority, arrival) order; stop at the first
-        that does not fit (tokens, seq slots or blocks). A request whose adapter would
-        exceed max_loras is passed over, not waited on: later ones may use loaded adapters."""
-        index = 0
-        while index < len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[index]
+        """Admit waiting requests in (priority, arrival) order or the admission policy's;
+        stop at the first that does not fit (tokens, seq slots or blocks). A request whose
+        adapter would exceed max_loras is passed over, not waited on: later ones may use
+        loaded adapters."""
+        if step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return
+        order = list(self.waiting) if self.admission is None else self.admission.order(self.waiting, self.running)
+        for request in order:
+            if step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
             if not self._lora_fits(request):
-                index += 1  # its adapter would exceed max_loras; a later request may fit
-                continue
+                continue  # its adapter would exceed max_loras; a later request may fit
             if request in step.preempted or not self._admit(request, step):
                 return
 
@@ -353,6 +364,8 @@ class Scheduler:
 
     def _push_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self._order_key)
+        if self.admission is not None:
+            self.admission.queued(request)
 
     def _check_prompt_fits(self, request: Request) -> None:
         num_prompt_tokens = request.num_prompt_tokens
