@@ -15,6 +15,7 @@ import os
 import select
 import struct
 import termios
+import threading
 
 import pytest
 
@@ -25,6 +26,8 @@ from shardline.tasks.sample_data import write_rows
 from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard, list_shards
 from shardline.tasks.summary import job_summary, summary_markdown, summary_table
+
+from ..waiting import wait_for
 
 
 class StepClock:
@@ -179,3 +182,22 @@ def test_throughput_spans_read_the_counts_between_points_and_chart_them():
     assert table[-3].endswith("20.0 tok/s      2.00 rows/s  " + "█" * 30) and table[-4].endswith("█" * 15)
     assert "| 0:00:10 | 0:00:20 | 2.00 | 20.0 | " + "█" * 30 + " |" in summary_markdown(summary)
     assert ThroughputLog().spans() == []  # a run that never reported
+
+
+def test_the_heartbeat_reports_while_no_row_finishes_and_finishes_at_the_end():
+    progress = JobProgress([Shard("file:///x.jsonl", "x", "jsonl", 10)])
+    seen: list[ProgressSnapshot] = []
+    heard = threading.Event()
+
+    def sink(snapshot: ProgressSnapshot) -> None:
+        seen.append(snapshot)
+        heard.set()
+
+    progress.add_sink(sink, every_seconds=0)
+    with progress.heartbeat(0.1):
+        wait_for(heard.is_set, "a heartbeat report with no row reported")
+        assert seen[0].rows_known == 0 and seen[0].shards_unread == 1
+        progress.shard_read("x", 2)
+        progress.row_done("x", RowDone(0, 4, failed=False))
+        progress.row_done("x", RowDone(1, 0, failed=True))
+    assert (seen[-1].rows_done, seen[-1].errors, seen[-1].completion_tokens) == (2, 1, 4)  # finish() came last
