@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -176,20 +177,25 @@ def test_auto_without_a_parser_fails_the_row_not_the_shard(tmp_path, make_job):
     assert "has no tool_call_parser" in out["auto"]["error"]["message"] and out["plain"]["error"] is None
 
 
+@pytest.mark.parametrize("input_format", ["jsonl", "parquet"])
 @pytest.mark.parametrize("output_format", ["parquet", "openai"])
-def test_chat_rows_with_a_tools_column(tmp_path, make_job, thinking_model, output_format):
-    """Plain chat rows offer tools in columns (objects or JSON text); the job's compact
-    constraint makes the tiny model write a llama3_json call."""
+def test_chat_rows_with_a_tools_column(tmp_path, make_job, thinking_model, input_format, output_format):
+    """Plain chat rows offer tools in columns (objects, or JSON text as Parquet keeps
+    them); the job's compact constraint makes the tiny model write a llama3_json call."""
     chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    tools = json.dumps(TOOLS) if input_format == "parquet" else TOOLS
     rows = [
         {"id": "auto", "messages": chat, "tools": json.dumps(TOOLS), "tool_choice": "auto"},
-        {"id": "default", "messages": [{"role": "user", "content": "café"}], "tools": TOOLS},
-        {"id": "clash", "messages": chat, "tools": TOOLS, "tool_choice": "required"},
-        {"id": "plain", "messages": chat},
-        {"id": "bad", "messages": chat, "tools": "[{not json"},
+        {"id": "default", "messages": [{"role": "user", "content": "café"}], "tools": tools, "tool_choice": None},
+        {"id": "clash", "messages": chat, "tools": tools, "tool_choice": "required"},
+        {"id": "plain", "messages": chat, "tools": None, "tool_choice": None},
+        {"id": "bad", "messages": chat, "tools": "[{not json", "tool_choice": None},
     ]
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "part-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if input_format == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in" / "part-0.parquet")
+    else:
+        (tmp_path / "in" / "part-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     job = make_job(model=thinking_model, task="chat", output_format=output_format, reasoning_parser="deepseek_r1",
                    tool_call_parser="llama3_json", structured_outputs={"json_schema": call_schema("lookup"),
                                                                        "disable_any_whitespace": True},
