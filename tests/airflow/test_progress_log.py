@@ -8,6 +8,7 @@ import re
 
 from shardline.providers.airflow.shard_batch import ShardBatch, make_job
 from shardline.tasks.sample_data import write_rows, write_sample_dataset
+from shardline.tasks.status import output_status
 from shardline.tasks.storage import list_shards
 
 from .dag_runs import run_dag
@@ -42,3 +43,6 @@ def test_the_operators_task_log_carries_the_progress_line(airflow_db, tmp_path, 
         "pass_through": [], "storage_conn_id": None, "shards_per_task": 1})
     captured = capfd.readouterr()
     assert "progress: rows 3 of 3 (100%) | 0 error(s) | shards 1 of 1 finished" in captured.out + captured.err
+    status = output_status(str(tmp_path / "out" / DS))  # the listing's job record, the usage task's batch object
+    assert status.state == "finished" and [(s.shard, s.status, s.rows) for s in status.shards] == \
+        [("part-00000", "done", 3)]

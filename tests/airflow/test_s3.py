@@ -32,9 +32,9 @@ def test_example_dag_on_s3_with_credentials_from_an_airflow_connection(
     assert str(dag_run.state) == "success", task_states(dag_run)
     fs, _ = filesystem(f"s3://{prefix}", s3_server.storage_options())
     fs.invalidate_cache()
-    assert sorted(fs.find(f"{prefix}/out")) == [  # outputs, manifests and usage, no temporary objects
-        f"{prefix}/out/{DS}/_batch.json", f"{prefix}/out/{DS}/_manifests/part-00000.json",
-        f"{prefix}/out/{DS}/_manifests/part-00001.json",
+    assert sorted(fs.find(f"{prefix}/out")) == [  # outputs, manifests, job record and usage, no temporary objects
+        f"{prefix}/out/{DS}/_batch.json", f"{prefix}/out/{DS}/_job.json",
+        f"{prefix}/out/{DS}/_manifests/part-00000.json", f"{prefix}/out/{DS}/_manifests/part-00001.json",
         f"{prefix}/out/{DS}/part-00000.parquet", f"{prefix}/out/{DS}/part-00001.parquet"]
     manifests = xcom_values(dag_run, "infer")
     for index, key in enumerate(["part-00000", "part-00001"]):
