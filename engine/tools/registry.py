@@ -36,9 +36,12 @@ _BUILDERS: dict[str, Callable[[PreTrainedTokenizerBase], ToolCallParser]] = {
 TOOL_CALL_PARSERS = tuple(_BUILDERS)
 
 # What a chat template writes when it shows the model how to call tools, most
-# specific first: the first marker found names the parser.
-_TEMPLATE_MARKERS = (
+# specific first: the first marker found names the parser. Qwen3-Coder's XML calls
+# (<tool_call><function=NAME><parameter=...>) sit inside hermes' markers but are not
+# JSON, and no parser here reads them: such a template implies none.
+_TEMPLATE_MARKERS: tuple[tuple[str, str | None], ...] = (
     ("to=functions.", "openai"),
+    ("<function=", None),
     (CALLS_BEGIN, "deepseek_v3"),
     (TOOL_CALLS, "mistral"),
     (OPEN, "hermes"),
@@ -59,10 +62,7 @@ def detect_tool_parser(tokenizer: PreTrainedTokenizerBase) -> str | None:
     writes), or None when it shows no format this engine reads."""
     template = getattr(tokenizer, "chat_template", None)
     texts = list(template.values()) if isinstance(template, dict) else [template] if isinstance(template, str) else []
-    for marker, name in _TEMPLATE_MARKERS:
-        if any(marker in text for text in texts):
-            return name
-    return None
+    return next((name for marker, name in _TEMPLATE_MARKERS if any(marker in text for text in texts)), None)
 
 
 def tool_parser_for(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ToolCallParser | None:

@@ -167,6 +167,7 @@ def test_parsers_refuse_tokenizers_without_their_tokens(tmp_path):
     ("<|start|>assistant<|channel|>commentary to=functions.{{ name }}", "openai"),
     ("{%- if builtin_tools %}<|python_tag|>{% endif %}", "llama3_json"),
     ("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}", None),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>", None),
 ])
 def test_the_chat_template_names_the_parser(tmp_path, template, name):
     from shardline.engine.tools import detect_tool_parser
