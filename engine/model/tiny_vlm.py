@@ -67,19 +67,26 @@ def _save(path: Path, model: transformers.PreTrainedModel, processor: Any, seed:
 
 
 def build_tiny_llava(path: str | Path, seed: int = 0, image_size: int = 32, patch_size: int = 8,
-                     hidden_size: int = 64, num_text_layers: int = 3, **text_overrides: Any) -> Path:
+                     hidden_size: int = 64, num_text_layers: int = 3, model_type: str = "llava",
+                     **text_overrides: Any) -> Path:
     """A LLaVA-shaped checkpoint: a CLIP vision tower ((image_size / patch_size)^2
     patches, the CLS row dropped), the two-layer projector and a Llama text model,
-    with a LlavaProcessor (CLIP image processor, byte-level tokenizer with ``<image>``)."""
+    with a LlavaProcessor (CLIP image processor, byte-level tokenizer with ``<image>``);
+    ``model_type`` "vipllava": VipLLaVA's multi-layer features and normed projector."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, image_token_id, vision, text = _tiny_parts(path, hidden_size, num_text_layers, image_size,
                                                           patch_size, **text_overrides)
-    config = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_token_id, vision_feature_layer=-1,
-        vision_feature_select_strategy="default", image_seq_length=(image_size // patch_size) ** 2)
+    num_patches = (image_size // patch_size) ** 2
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
+    if model_type == "vipllava":  # features of two vision layers side by side, a normed projector
+        model = transformers.VipLlavaForConditionalGeneration(transformers.VipLlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=image_token_id, vision_feature_layer=(-2, -1),
+            image_seq_length=num_patches))
+    else:
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=image_token_id, vision_feature_layer=-1,
+            vision_feature_select_strategy="default", image_seq_length=num_patches))
     image_processor = transformers.CLIPImageProcessorPil(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
     processor = transformers.LlavaProcessor(

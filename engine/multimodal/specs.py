@@ -25,19 +25,20 @@ Encoder = Callable[[nn.Module, dict[str, torch.Tensor], list[int]], list[torch.T
 def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor],
                    rows_per_image: list[int]) -> list[torch.Tensor]:
     """The model's own ``get_image_features`` (vision tower, feature selection and
-    projector), as one tensor per image: its output is a list of them, or one tensor of
-    every image's rows (split by ``rows_per_image``), or [images, rows, hidden]."""
+    projector), as one tensor per image: its output is a list of them, or image-major
+    rows in any other layout (one tensor of every image's rows, [images, rows, hidden]),
+    split by ``rows_per_image``."""
     get_image_features = model.get_image_features
     assert callable(get_image_features), f"{type(model).__name__} has no get_image_features"
     output = get_image_features(**pixel_inputs, return_dict=True)
     features = output.pooler_output
-    if isinstance(features, torch.Tensor) and features.dim() == 3:
-        features = list(features.unbind(0))
-    elif isinstance(features, torch.Tensor):
-        features = list(features.split(rows_per_image))
-    features = list(features)
-    assert len(features) == len(rows_per_image), f"{len(features)} feature blocks for {len(rows_per_image)} images"
-    return features
+    blocks = [features] if isinstance(features, torch.Tensor) else list(features)
+    if len(blocks) == len(rows_per_image) and all(b.dim() == 2 for b in blocks):
+        return blocks
+    # Image-major rows in any other layout (one tensor, or [images, rows, hidden]).
+    rows = torch.cat([block.reshape(-1, block.shape[-1]) for block in blocks])
+    assert rows.shape[0] == sum(rows_per_image), f"{rows.shape[0]} feature rows for {sum(rows_per_image)} placeholders"
+    return list(rows.split(rows_per_image))
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class VisionSpec:
 VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("llava"),
     VisionSpec("llava_next"),
+    VisionSpec("vipllava"),
 )}
 
 

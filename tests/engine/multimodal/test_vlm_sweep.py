@@ -10,6 +10,7 @@ A fast set runs by default; the whole mapping is marked slow (``-m slow``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
 from .conftest import images
 
 # Tiny builders of the vision-language types the engine runs.
-TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next}
-FAST_SET = ("llava", "llava_next", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
+TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
+                 "vipllava": partial(build_tiny_llava, model_type="vipllava")}
+FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
 MAX_TOKENS = 6
 
 
@@ -90,7 +92,7 @@ def test_fast_set(model_type, tmp_path):
 def test_refusals_name_the_vision_language_types_that_run():
     config = transformers.AutoConfig.for_model("qwen2_vl")
     support = model_support(config, "generate")
-    assert not support.ok and "vision-language types it runs: llava, llava_next" in (support.reason or "")
+    assert not support.ok and "vision-language types it runs: llava, llava_next, vipllava" in (support.reason or "")
 
 
 @pytest.mark.slow
