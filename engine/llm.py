@@ -172,6 +172,12 @@ class LLM:
         """Token ids of one conversation rendered as ``chat`` would render it."""
         return render_chat(self.get_tokenizer(), conversation, ChatOptions(**chat_options))
 
+    def render_chat_prompt(self, conversation: list[dict], **chat_options: Any) -> PromptType:
+        """One conversation as the prompt ``chat`` would add: {"prompt_token_ids": ...}, with
+        its images decoded in "multi_modal_data" on a vision-language model (the pipeline
+        adds it as a generate prompt)."""
+        return self._render_indexed((0, conversation), ChatOptions(**chat_options))
+
     def _render_indexed(self, item: tuple[int, list[dict]], options: ChatOptions) -> PromptType:
         index, conversation = item
         multimodal = self._multimodal()

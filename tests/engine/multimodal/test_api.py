@@ -153,3 +153,13 @@ def test_images_are_prepared_off_the_calling_thread(llm):
     finally:
         del engine.preprocess
     assert len(threads) == 3 and all(name.startswith("shardline-preprocess") for name in threads)
+
+
+def test_render_chat_prompt_carries_the_images(llm):
+    [picture] = images(1)
+    prompt = llm.render_chat_prompt(_chat({"type": "image_pil", "image_pil": picture}))
+    assert isinstance(prompt, dict) and prompt["multi_modal_data"] == {"image": [picture]}
+    [from_prompt] = llm.generate(prompt, GREEDY, use_tqdm=False)
+    [from_chat] = llm.chat(_chat({"type": "image_pil", "image_pil": picture}), GREEDY, use_tqdm=False)
+    assert from_prompt.prompt_token_ids == from_chat.prompt_token_ids
+    assert from_prompt.outputs[0].token_ids == from_chat.outputs[0].token_ids
