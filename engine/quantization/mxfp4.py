@@ -86,7 +86,8 @@ class Mxfp4ExpertWeights(nn.Module):
         """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N], by the C
         kernel on the CPU where it builds, else a tile of dequantized rows at a time."""
         if x.device.type == "cpu" and cpu_mxfp4_available():
-            return cpu_mxfp4_matmul(x.float().contiguous(), self.blocks[expert], self.scales[expert], self.exponents)
+            activations = x if x.dtype == torch.bfloat16 else x.float()
+            return cpu_mxfp4_matmul(activations.contiguous(), self.blocks[expert], self.scales[expert], self.exponents)
         return self.tile_matmul(expert, x)
 
     def tile_matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
