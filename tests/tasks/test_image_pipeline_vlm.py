@@ -183,3 +183,14 @@ def json_messages(text: str) -> str:
     import json
 
     return json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}])
+
+
+def test_a_prompt_without_the_images_placeholder_is_an_error_row(tiny_llava, tmp_path):
+    rows = [{"id": "no-placeholder", "prompt": "Describe", "image": png_bytes(51)},
+            {"id": "ok", "prompt": "<image> Describe", "image": png_bytes(52)}]
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_llava,
+                   sampling={"max_tokens": 2, "temperature": 0.0}, images={"column": "image"})
+    process_shard(list_shards(job.input)[0], job)
+    out = pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()
+    assert "Found total 0 <image> tokens and 1 images" in out[0]["error"] and out[1]["error"] is None
