@@ -61,3 +61,20 @@ def _apply() -> bool:
     if not applied:
         logger.info("glibc refused the engine's malloc thresholds; large temporaries are mapped per step")
     return applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel once (glibc's malloc_trim): after a
+    one-off burst of temporaries no step allocates again (a quantized checkpoint's
+    conversion at load), which the raised trim threshold would otherwise keep resident
+    between the tensors kept. Returns whether it ran; False off glibc or with
+    SHARDLINE_MALLOC_TUNING=0."""
+    if os.environ.get("SHARDLINE_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True

@@ -24,7 +24,7 @@ from ..attention.backends import AttentionBackend, choose_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..cpu.capability import ModelShape
-from ..cpu.memory import keep_freed_memory
+from ..cpu.memory import keep_freed_memory, release_freed_memory
 from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, choose_cpu_paths, optimize_for_cpu
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
@@ -139,6 +139,8 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineMod
     num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
     cpu_paths = choose_host_paths(config, loaded, spec, num_heads)
     prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths))
+    if loaded.quantized is not None and loaded.device.type == "cpu":
+        release_freed_memory()  # the quantized linears' conversion temporaries (engine/quantization/)
     taken = cpu_paths or NO_CPU_PATHS
     attention = choose_attention_backend(
         config.attention_backend, loaded.device, loaded.dtype, num_heads,

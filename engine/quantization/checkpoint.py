@@ -65,9 +65,12 @@ class CheckpointTensors:
         return handle
 
     def get(self, name: str, what: str = "") -> torch.Tensor:
-        """The tensor ``name`` on this object's device; ``what`` says what it is needed
-        for in the error raised when the checkpoint lacks it."""
-        return self._handle(name, what).get_tensor(name)
+        """The tensor ``name`` on this object's device, in memory of its own; ``what`` says
+        what it is needed for in the error raised when the checkpoint lacks it."""
+        tensor = self._handle(name, what).get_tensor(name)
+        # A CPU tensor may be a view of the file's mapping, which would keep the whole
+        # file mapped (and every page read of it resident) as long as the tensor lives.
+        return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def dtype(self, name: str, what: str = "") -> torch.dtype:
         """The stored dtype of ``name`` (reads the header only)."""
