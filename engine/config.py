@@ -67,6 +67,13 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Batch-aware admission (shardline's; vLLM has none): waiting requests sharing the
+    # longest cached prefix go first, within priority and an age bound
+    # (engine/core/admission.py); and requests identical in prompt, adapter, constraint
+    # and deterministic sampling run once, each keeping its own id and output
+    # (engine/core/duplicates.py).
+    prefix_aware_admission: bool = True
+    collapse_duplicate_requests: bool = True
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_lora: bool = False
@@ -74,13 +81,6 @@ class EngineConfig:
     max_lora_rank: int = 16
     # Modality -> adapter path used for prompts with that modality's data (vLLM's rule).
     default_mm_loras: dict[str, str] | None = None
-    # Images in prompts (vision-language models, engine/multimodal/): the most items of
-    # each modality one prompt may hold (None: the model's own limit), the folder local
-    # image files may be read from and the domains image links may be fetched from
-    # (None: neither is read).
-    limit_mm_per_prompt: dict[str, int] | None = None
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: tuple[str, ...] | None = None
     # Images in prompts (vision-language models, engine/multimodal/): the most items of
     # each modality one prompt may hold (None: the model's own limit), the folder local
     # image files may be read from and the domains image links may be fetched from
@@ -138,11 +138,9 @@ class EngineConfig:
         if self.allowed_media_domains is not None:
             object.__setattr__(self, "allowed_media_domains",
                                tuple(str(domain).lower() for domain in self.allowed_media_domains))
-        for modality, limit in (self.limit_mm_per_prompt or {}).items():
-            _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
-        if self.allowed_media_domains is not None:
-            object.__setattr__(self, "allowed_media_domains",
-                               tuple(str(domain).lower() for domain in self.allowed_media_domains))
+        for name in ("prefix_aware_admission", "collapse_duplicate_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
 

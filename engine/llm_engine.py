@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
+from .core.duplicates import DuplicateRequests
 from .core.request import Request, RequestStatus
 from .core.scheduler import SchedulerOutput
 from .inputs.prompts import PromptType, tokenize_prompt
@@ -33,7 +34,7 @@ from .model.runner import ModelOutput, PendingTokens
 from .multimodal.inputs import ImageInput, ProcessedPrompt
 from .multimodal.media import check_prompt_keys, prompt_media, refuse_media
 from .outputs import EngineStats, RequestMetrics, RequestOutput
-from .params import SamplingParams, SamplingTraits
+from .params import SamplingParams, SamplingTraits, SamplingType
 from .parts.build import EngineParts, build_engine_parts
 from .sampling.sampler import SamplerOutput, gather_logprobs
 from .sampling.sequences import RequestState, SequenceRecord, Sequences
@@ -75,6 +76,8 @@ class LLMEngine:
         # Outputs finished in a step that then raised; returned by the next step.
         self._finished_outputs: list[RequestOutput] = []
         self._arrivals = itertools.count()
+        # Identical deterministic requests run once, their output copied to each (core/duplicates.py).
+        self.duplicates = DuplicateRequests(self.config.collapse_duplicate_requests)
         self.async_scheduling = (self.config.async_scheduling if self.config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None  # a step whose outputs are not processed yet
@@ -106,7 +109,7 @@ class LLMEngine:
                     lora_request: Any = None, priority: int = 0) -> None:
         """Tokenize ``prompt`` and queue it. Raises ValueError (naming the request)
         if it can never run; nothing is queued then."""
-        if request_id in self.sequences:
+        if request_id in self.sequences or request_id in self.duplicates:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -129,6 +132,11 @@ class LLMEngine:
             text, token_ids, images = prompt.prompt, prompt.prompt_token_ids, prompt.images
         else:
             text, token_ids = self.tokenize_prompt(prompt)
+        key = self.duplicates.key(params.sampling_type is not SamplingType.RANDOM, text, tuple(token_ids),
+                                  tuple((image.image_hash, image.positions) for image in images),
+                                  lora_cache_salt(lora_request), priority, repr(params))
+        if self.duplicates.join(request_id, key, time.monotonic()):
+            return  # an identical request is running: its output is copied to this one
         # A constraint that cannot compile fails here, before anything is queued.
         grammar = self.structured.submit(request_id, params.structured_outputs)
         params = params.clone()
@@ -158,25 +166,31 @@ class LLMEngine:
         ]
         self.scheduler.add_request(sequences[0])  # the others fork from it (Sequences.add)
         self.sequences.add(state, sequences)
+        self.duplicates.lead(request_id, key)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop requests wherever they are (waiting or running); unknown ids are ignored."""
+        """Drop requests wherever they are (waiting or running); unknown ids are ignored.
+        A request whose computation other rows share leaves it running for them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        for request_id in request_ids:
+        for row_id in request_ids:
+            request_id = self.duplicates.release(row_id)
+            if request_id is None:
+                continue
             state = self.sequences.remove(request_id)
             if state is not None:
                 self.scheduler.finish_requests([s.sequence.request_id for s in state.samples],
                                                RequestStatus.FINISHED_ABORTED)
 
     def abort_all(self) -> None:
+        self.duplicates.clear()
         self.abort_request(self.sequences.request_ids())
 
     def has_unfinished_requests(self) -> bool:
         return len(self.sequences) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.sequences)
+        return len(self.sequences) + self.duplicates.num_extra_rows
 
     def has_capacity(self) -> bool:
         """Whether to add more requests before the next step (see llm.Engine).
@@ -320,12 +334,14 @@ class LLMEngine:
                         finished_states.append(state)
         self._finished_outputs += [self._finish(s) for s in finished_states if s.request_id not in failures]
         if failures:
+            for request_id in failures:
+                self.duplicates.drop(request_id)  # its duplicates fail with it
             self.abort_request(list(failures))
             raise next(iter(failures.values()))
 
     def _take_finished_outputs(self) -> list[RequestOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
-        return outputs
+        return self.duplicates.fan_out(outputs)
 
     def _copy_forked(self, parent: Request, children: list[Request]) -> None:
         """Schedule forked samples beside ``parent``, sharing its computed prompt: its KV

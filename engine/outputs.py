@@ -84,6 +84,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     lora_request: object | None = None
+    # shardline's: the request whose computation this output copies, when the engine
+    # ran an identical deterministic request once for both (engine/core/duplicates.py).
+    duplicate_of: str | None = None
 
 
 @dataclass

@@ -211,6 +211,7 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
         num_blocks=num_blocks,
         enable_prefix_caching=prefix_caching(config, num_state_slots),
         num_state_slots=num_state_slots,
+        prefix_aware_admission=config.prefix_aware_admission,
     ))
     return runner, scheduler
 
