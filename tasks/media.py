@@ -27,6 +27,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, cast
 
+import fsspec
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -134,6 +135,9 @@ def url_image(url: str, options: ImageOptions) -> ImageSource:
         raise ImageError(f"image URL {url!r:.120} has no scheme; give a data:, file://, s3://, gs://, az:// "
                          "or other fsspec URL")
     scheme = url.split("://", 1)[0].lower()
+    if scheme not in fsspec.available_protocols():
+        raise ImageError(f"image URL {source.describe()}: fsspec knows no {scheme!r} protocol; give a data:, "
+                         "file://, s3://, gs://, az:// or other fsspec URL")
     if scheme in ("http", "https"):
         host = (urllib.parse.urlsplit(url).hostname or "").lower()
         if not any(host == domain or host.endswith("." + domain) for domain in options.allowed_domains):

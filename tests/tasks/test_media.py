@@ -61,6 +61,8 @@ def test_url_policy():
         url_image("https://badexample.com/cat.png", allowed)  # a suffix is not a subdomain
     with pytest.raises(ImageError, match="has no scheme"):
         url_image("cat.png", OPTIONS)
+    with pytest.raises(ImageError, match="fsspec knows no 'nosuch' protocol"):
+        url_image("nosuch://bucket/cat.png", OPTIONS)
     with pytest.raises(ImageError, match="malformed data URL"):
         url_image("data:nonsense", OPTIONS)
     with pytest.raises(ValueError, match="bare host names"):
