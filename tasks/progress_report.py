@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-from .progress import EngineHealth, JobProgress, ProgressSnapshot
+from .progress import EngineHealth, JobProgress, ProgressSnapshot, Sink
 
 DEFAULT_INTERVAL_SECONDS = 30.0  # between log lines when nobody watches a terminal
 BAR_INTERVAL_SECONDS = 0.5  # between redraws of a terminal bar
@@ -66,7 +66,7 @@ def duration(seconds: float | None) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def log_sink(log: logging.Logger | logging.LoggerAdapter[Any]) -> Any:
+def log_sink(log: logging.Logger | logging.LoggerAdapter[Any]) -> Sink:
     """A sink writing ``progress: <line>`` to ``log`` at INFO."""
     return lambda snapshot: log.info("progress: %s", progress_line(snapshot))
 
