@@ -23,6 +23,9 @@ from ..errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Bytes read through one mapping of a file before it is unmapped (and mapped again on
+# the next read), so a large checkpoint's pages do not all stay resident while it loads.
+REMAP_BYTES = 256 << 20
 
 
 class QuantizedCheckpointError(ModelLoadError):
@@ -42,6 +45,7 @@ class CheckpointTensors:
         self.device = torch.device(device)
         self._file_of: dict[str, str] = _tensor_files(self.directory)
         self._handles: dict[str, Any] = {}
+        self._bytes_read: dict[str, int] = {}
 
     def names(self) -> set[str]:
         """Every tensor name the checkpoint holds."""
@@ -70,7 +74,14 @@ class CheckpointTensors:
         tensor = self._handle(name, what).get_tensor(name)
         # A CPU tensor may be a view of the file's mapping, which would keep the whole
         # file mapped (and every page read of it resident) as long as the tensor lives.
-        return tensor.clone() if tensor.device.type == "cpu" else tensor
+        tensor = tensor.clone() if tensor.device.type == "cpu" else tensor
+        # The pages read stay resident while the file is mapped: unmap it every so often.
+        file_name = self._file_of[name]
+        self._bytes_read[file_name] = self._bytes_read.get(file_name, 0) + tensor.numel() * tensor.element_size()
+        if self._bytes_read[file_name] >= REMAP_BYTES:
+            self._handles.pop(file_name, None)
+            self._bytes_read[file_name] = 0
+        return tensor
 
     def dtype(self, name: str, what: str = "") -> torch.dtype:
         """The stored dtype of ``name`` (reads the header only)."""

@@ -17,18 +17,31 @@ from .scheme import QuantScheme
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
+TILE_ELEMENTS = 1 << 20  # weight elements quantized at once
 
 
 def quantize_per_channel(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N, K] codes in float8_e4m3fn or int8, [N, 1] float32 scales) of ``weight``."""
-    w = weight.float()
+    """([N, K] codes in float8_e4m3fn or int8, [N, 1] float32 scales) of ``weight``,
+    a tile of rows at a time (the float32 temporaries stay a tile's size)."""
+    rows, cols = weight.shape
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn if weights == "fp8" else torch.int8,
+                        device=weight.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=weight.device)
+    step = max(1, TILE_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        codes[start:start + step], scales[start:start + step] = _quantize_rows(weight[start:start + step], weights)
+    return codes, scales
+
+
+def _quantize_rows(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.to(torch.float32, copy=True)  # divided in place below
     largest = FP8_MAX if weights == "fp8" else INT8_MAX
     amax = w.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
-    scaled = w / scale
+    scaled = w.div_(scale)
     if weights == "fp8":
-        return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def quantize_linear(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
