@@ -18,6 +18,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag
 
+from shardline.engine.config import QUANTIZATIONS
 from shardline.engine.sampling.reasoning import REASONING_PARSERS
 from shardline.providers.airflow import ShardInferenceOperator, batch_usage, list_shards
 
@@ -30,6 +31,7 @@ JOB = {
     "pass_through": "{{ params.pass_through }}",
     "structured_outputs": "{{ params.structured_outputs }}",
     "reasoning_parser": "{{ params.reasoning_parser }}",
+    "quantization": "{{ params.quantization }}",
 }
 
 
@@ -55,6 +57,9 @@ JOB = {
                         "validated into a `parsed` column."),
         "reasoning_parser": Param(None, type=["null", "string"], enum=[None, *REASONING_PARSERS],
                                   description="Split a reasoning model's thinking into a `reasoning` column."),
+        "quantization": Param(None, type=["null", "string"], enum=[None, *QUANTIZATIONS],
+                              description="fp8 or int8: quantize the checkpoint's linears at load; or the "
+                                          "quantized checkpoint's own format."),
         "storage_conn_id": Param("shardline_storage", type=["null", "string"],
                                  description="Airflow connection with the storage credentials."),
         "shards_per_task": Param(1, type="integer", minimum=1),
