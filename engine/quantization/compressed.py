@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import UnsupportedModelError
 from .scheme import QuantScheme
+
+logger = logging.getLogger(__name__)
 
 _NVFP4_FORMATS = {"nvfp4-pack-quantized"}
 _READ_FORMATS = {"float-quantized", "int-quantized", "pack-quantized", "naive-quantized"}
@@ -52,6 +55,9 @@ def parse_compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
     if fmt not in _READ_FORMATS:
         raise UnsupportedModelError(f"compressed-tensors format {fmt!r} is not read by shardline (it reads "
                                     f"{', '.join(sorted(_READ_FORMATS))}); vLLM runs it")
+    if parsed.kv_cache_scheme is not None:
+        logger.warning("compressed-tensors kv_cache_scheme is not applied: the engine's KV cache keeps the model's "
+                       "dtype (its k_scale/v_scale tensors are not read)")
     found = _weight_scheme(scheme.weights, scheme.input_activations, fmt, tuple(parsed.ignore or ()))
     return dataclasses.replace(found, act_order=True) if group_act_order else found
 
