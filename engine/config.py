@@ -47,7 +47,8 @@ class EngineConfig:
     "deepseek_r1" or "openai_gptoss", vLLM's names) splits a reasoning model's thinking
     from its answer (CompletionOutput.reasoning) and holds structured-output
     constraints back until the thinking ends. ``tool_call_parser`` (vLLM's names: "hermes",
-    "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "openai") reads the tool
+    "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "openai", "qwen3_coder",
+    "qwen3_xml") reads the tool
     calls of requests that offered tools (CompletionOutput.tool_calls); None takes the
     one the chat template implies, if any (engine/tools/).
     """

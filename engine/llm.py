@@ -366,8 +366,10 @@ def _offer_tools(params: Any, tools: list[Any]) -> Any:
         if params.tool_choice is not None:
             return params
         names = tuple(_tool_name(tool) for tool in tools)
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools
+                   if isinstance(tool, dict)}
         params = params.clone()
-        params.tool_choice = ToolChoice("auto", names)
+        params.tool_choice = ToolChoice("auto", names, parameters=schemas)
         return params
     return [_offer_tools(p, tools) for p in params]
 

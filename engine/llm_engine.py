@@ -39,6 +39,7 @@ from .parts.build import EngineParts, build_engine_parts
 from .sampling.sampler import SamplerOutput, gather_logprobs
 from .sampling.sequences import RequestState, SequenceRecord, Sequences
 from .sampling.structured import StructuredOutputError, forbidden_picks
+from .tools import TOOL_CALL_PARSERS
 
 
 class LLMEngine:
@@ -124,8 +125,7 @@ class LLMEngine:
         if params.tool_choice is not None and params.tool_choice.mode == "auto" and self.tool_parser is None:
             raise ValueError(f"request {request_id!r} lets the model call tools (tool_choice 'auto'), but this "
                              f"engine has no tool_call_parser and the chat template of {self.config.model!r} "
-                             "implies none; set tool_call_parser (hermes, llama3_json, mistral, deepseek_v3, "
-                             "deepseek_v31, openai)")
+                             f"implies none; set tool_call_parser ({', '.join(TOOL_CALL_PARSERS)})")
         prompt = self.preprocess(request_id, prompt)
         images: tuple[ImageInput, ...] = ()
         if isinstance(prompt, ProcessedPrompt):

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "`reasoning` column")
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
     structured.add_argument("--tool-call-parser", metavar="NAME",
-                            help="hermes, llama3_json, mistral, deepseek_v3, deepseek_v31 or openai: read the tool "
+                            help="hermes, llama3_json, mistral, deepseek_v3, deepseek_v31, openai, qwen3_coder or "
+                                 "qwen3_xml: read the tool "
                                  "calls of OpenAI requests that offer tools (default: the one the chat template "
                                  "implies)")
     images = run.add_argument_group("images", "rows with images: an image column, or image_url parts in messages")

@@ -39,7 +39,7 @@ def tool_request(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, 
     if choice == "none" or (choice in (None, "auto") and not functions):
         return None, None
     if choice in (None, "auto"):
-        return None, ToolChoice("auto", names)
+        return None, ToolChoice("auto", names, parameters=functions)
     if not functions:
         raise ToolFieldError("tool_choice", f"{choice!r:.80} needs tools")
     if choice == "required":

@@ -50,7 +50,7 @@ def test_tool_call_parser_flag_sets_the_jobs_field():
     (["--compact-json"], "shardline run: --compact-json needs --json-schema"),
     (["--tool-call-parser", "pythonic"],
      "shardline run: --tool-call-parser: tool_call_parser must be one of hermes, llama3_json, mistral, deepseek_v3, "
-     "deepseek_v31, openai, got 'pythonic'"),
+     "deepseek_v31, openai, qwen3_coder, qwen3_xml, got 'pythonic'"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, line, capsys):
     assert main(["run", "in", "out", "--model", "some/model", *flags]) == 2

@@ -38,11 +38,14 @@ class MalformedToolCall(ValueError):
 class ToolChoice:
     """How a request's completion may call its tools (shardline's own request field:
     vLLM's offline API does not parse tool calls). ``tool_names`` are the functions
-    offered; ``name`` is the forced one when ``mode`` is "named"."""
+    offered; ``name`` is the forced one when ``mode`` is "named"; ``parameters`` maps a
+    function name to its parameters' JSON schema, for formats whose arguments are text
+    to be typed by it (Qwen3-Coder's XML)."""
 
     mode: ToolMode = "auto"
     tool_names: tuple[str, ...] = ()
     name: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.mode not in TOOL_MODES:
@@ -86,8 +89,9 @@ class ToolCallParser(Protocol):
 
     name: str
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
-        """The calls and content of the answer ``token_ids``; MalformedToolCall when the
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
+        """The calls and content of the answer ``token_ids`` under the request's ``choice``
+        (only formats that write untyped arguments read it); MalformedToolCall when the
         answer opens a call that cannot be read."""
         ...
 

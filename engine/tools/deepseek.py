@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .calls import MalformedToolCall, ToolCall, ToolCallOutput, ToolParserError, arguments_text, content_or_none
+from .calls import (
+    MalformedToolCall,
+    ToolCall,
+    ToolCallOutput,
+    ToolChoice,
+    ToolParserError,
+    arguments_text,
+    content_or_none,
+)
 from .markers import decode, single_token_id, split_ids
 
 if TYPE_CHECKING:
@@ -31,7 +39,7 @@ class DeepSeekParser:
         self.calls_begin, self.calls_end, self.call_begin, self.call_end, self.sep = (
             ids[CALLS_BEGIN], ids[CALLS_END], ids[CALL_BEGIN], ids[CALL_END], ids[SEP])
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
         assert self.calls_begin is not None and self.call_begin is not None, "checked when built"
         section = split_ids(token_ids, self.calls_begin, self.calls_end)
         content = content_or_none("".join(decode(self.tokenizer, part) for part in section.outside))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .calls import MalformedToolCall, ToolCall, ToolCallOutput, ToolParserError, arguments_text
+from .calls import MalformedToolCall, ToolCall, ToolCallOutput, ToolChoice, ToolParserError, arguments_text
 from .markers import decode, single_token_id
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class HarmonyToolParser:
         recipient = next((word.removeprefix("to=") for word in words if word.startswith("to=")), None)
         return HarmonyMessage(channel, recipient, body, ended)
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
         calls: list[ToolCall] = []
         content: list[str] = []
         for message in self.messages(token_ids):

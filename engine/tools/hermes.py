@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .calls import MalformedToolCall, ToolCall, ToolCallOutput, content_or_none, json_call
+from .calls import MalformedToolCall, ToolCall, ToolCallOutput, ToolChoice, content_or_none, json_call
 from .markers import Marked, decode, single_token_id, split_ids, split_text
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ class HermesParser:
         self.tokenizer = tokenizer
         self.open_id, self.close_id = single_token_id(tokenizer, OPEN), single_token_id(tokenizer, CLOSE)
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
         if self.open_id is not None and self.close_id is not None:
             marked = split_ids(token_ids, self.open_id, self.close_id)
             texts = Marked([decode(self.tokenizer, part) for part in marked.outside],

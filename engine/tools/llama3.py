@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from .calls import MalformedToolCall, ToolCallOutput, call_from_object
+from .calls import MalformedToolCall, ToolCallOutput, ToolChoice, call_from_object
 from .markers import decode, single_token_id
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ class Llama3JsonParser:
         self.tokenizer = tokenizer
         self.tag_id = single_token_id(tokenizer, PYTHON_TAG)
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
         at = token_ids.index(self.tag_id) if self.tag_id is not None and self.tag_id in token_ids else None
         tagged = at is not None
         before = ""

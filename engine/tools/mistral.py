@@ -13,6 +13,7 @@ from .calls import (
     MalformedToolCall,
     ToolCall,
     ToolCallOutput,
+    ToolChoice,
     ToolParserError,
     arguments_text,
     call_from_object,
@@ -39,7 +40,7 @@ class MistralParser:
         self.tokenizer, self.tool_calls_id = tokenizer, tool_calls_id
         self.args_id, self.call_id_id = single_token_id(tokenizer, ARGS), single_token_id(tokenizer, CALL_ID)
 
-    def parse(self, token_ids: list[int]) -> ToolCallOutput:
+    def parse(self, token_ids: list[int], choice: ToolChoice) -> ToolCallOutput:
         if self.tool_calls_id not in token_ids:
             return ToolCallOutput(content_or_none(decode(self.tokenizer, token_ids)))
         first = token_ids.index(self.tool_calls_id)

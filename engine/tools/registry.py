@@ -21,6 +21,7 @@ from .harmony import HarmonyToolParser
 from .hermes import OPEN, HermesParser
 from .llama3 import PYTHON_TAG, Llama3JsonParser
 from .mistral import TOOL_CALLS, MistralParser
+from .qwen3_xml import Qwen3XmlParser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,16 +33,17 @@ _BUILDERS: dict[str, Callable[[PreTrainedTokenizerBase], ToolCallParser]] = {
     "deepseek_v3": lambda tokenizer: DeepSeekParser(tokenizer, "deepseek_v3"),
     "deepseek_v31": lambda tokenizer: DeepSeekParser(tokenizer, "deepseek_v31"),
     "openai": HarmonyToolParser,
+    "qwen3_coder": lambda tokenizer: Qwen3XmlParser(tokenizer, "qwen3_coder"),
+    "qwen3_xml": lambda tokenizer: Qwen3XmlParser(tokenizer, "qwen3_xml"),
 }
 TOOL_CALL_PARSERS = tuple(_BUILDERS)
 
 # What a chat template writes when it shows the model how to call tools, most
-# specific first: the first marker found names the parser. Qwen3-Coder's XML calls
-# (<tool_call><function=NAME><parameter=...>) sit inside hermes' markers but are not
-# JSON, and no parser here reads them: such a template implies none.
-_TEMPLATE_MARKERS: tuple[tuple[str, str | None], ...] = (
+# specific first: the first marker found names the parser (Qwen3-Coder's XML calls
+# sit inside hermes' markers).
+_TEMPLATE_MARKERS = (
     ("to=functions.", "openai"),
-    ("<function=", None),
+    ("<function=", "qwen3_coder"),
     (CALLS_BEGIN, "deepseek_v3"),
     (TOOL_CALLS, "mistral"),
     (OPEN, "hermes"),
@@ -88,7 +90,7 @@ def read_tool_calls(parser: ToolCallParser | None, choice: ToolChoice, token_ids
     try:
         if choice.mode == "auto":
             assert parser is not None, "the engine refuses an auto tool choice without a parser"
-            output = parser.parse(token_ids)
+            output = parser.parse(token_ids, choice)
         else:
             output = forced_calls(text, choice)
     except MalformedToolCall as exc:

@@ -15,7 +15,9 @@ from shardline.engine.tools.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, C
 SPECIAL = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", CALLS_BEGIN,
            CALLS_END, CALL_BEGIN, CALL_END, SEP, "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>",
            "<|call|>", "<|return|>"]
-AUTO = ToolChoice("auto", ("lookup", "add"))
+PARAMETERS = {"lookup": {"type": "object", "properties": {"city": {"type": "string"}}},
+              "add": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+AUTO = ToolChoice("auto", ("lookup", "add"), parameters=PARAMETERS)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,14 @@ TRANSCRIPTS = {
         f'{CALL_BEGIN}add{SEP}{{"a": 1, "b": 2}}{CALL_END}{CALLS_END}<|eos|>',
         f'Let me look. {CALLS_BEGIN}{CALL_BEGIN}lookup{SEP}{{"city": "Oslo"}}{CALL_END}{CALLS_END}',
         f'{CALLS_BEGIN}{CALL_BEGIN}lookup{SEP}{{"city": "Oslo"{CALL_END}{CALLS_END}',
+    ),
+    "qwen3_coder": (
+        "<tool_call>\n<function=lookup>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call><|eos|>",
+        "<tool_call>\n<function=lookup>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n"
+        "</tool_call>",
+        "Let me look. <tool_call>\n<function=lookup>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=add>\n<parameter=a>\none\n</parameter>\n</function>\n</tool_call>",
     ),
     "openai": (
         '<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
@@ -149,6 +159,19 @@ def test_forced_calls_required_and_named(tokenizer):
     assert cut.calls == () and cut.content == '{"city": "Ro' and "cut by max_tokens" in (cut.error or "")
 
 
+def test_qwen3_xml_values_follow_the_parameter_schema(tokenizer):
+    transcript = ("<tool_call>\n<function=add>\n<parameter=a>\n07\n</parameter>\n<parameter=note>\n[1, 2]\n"
+                  "</parameter>\n</function>\n</tool_call>")
+    choice = ToolChoice("auto", ("add",), parameters={"add": {"properties": {"a": {"type": "string"}}}})
+    # A string parameter keeps its text ("07", not 7); one the schema does not type too.
+    assert calls(parse(tokenizer, "qwen3_xml", transcript, choice)) == [("add", {"a": "07", "note": "[1, 2]"})]
+    choice = ToolChoice("auto", ("add",), parameters={"add": {"properties": {"note": {"type": "array"}}}})
+    output = parse(tokenizer, "qwen3_xml", transcript, choice)
+    assert calls(output) == [("add", {"a": "07", "note": [1, 2]})]
+    cut = parse(tokenizer, "qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1", choice)
+    assert cut.calls == () and "not closed" in (cut.error or "")
+
+
 def test_parsers_refuse_tokenizers_without_their_tokens(tmp_path):
     plain = build_tokenizer(tmp_path)
     for name, token in (("mistral", "[TOOL_CALLS]"), ("deepseek_v3", CALLS_BEGIN), ("openai", "<|call|>")):
@@ -167,7 +190,7 @@ def test_parsers_refuse_tokenizers_without_their_tokens(tmp_path):
     ("<|start|>assistant<|channel|>commentary to=functions.{{ name }}", "openai"),
     ("{%- if builtin_tools %}<|python_tag|>{% endif %}", "llama3_json"),
     ("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}", None),
-    ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>", None),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>", "qwen3_coder"),
 ])
 def test_the_chat_template_names_the_parser(tmp_path, template, name):
     from shardline.engine.tools import detect_tool_parser
