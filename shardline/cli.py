@@ -111,9 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--max-reasoning-tokens", type=int, metavar="N", help="most thinking tokens per row")
     structured.add_argument("--tool-call-parser", metavar="NAME",
                             help="hermes, llama3_json, mistral, deepseek_v3, deepseek_v31, openai, qwen3_coder or "
-                                 "qwen3_xml: read the tool "
-                                 "calls of OpenAI requests that offer tools (default: the one the chat template "
-                                 "implies)")
+                                 "qwen3_xml: read the tool calls of requests and chat rows that offer tools "
+                                 "(default: the one the chat template implies)")
     images = run.add_argument_group("images", "rows with images: an image column, or image_url parts in messages")
     images.add_argument("--image-column", metavar="COLUMN", help="the column of each row's image(s): encoded bytes, "
                         "a URL (data:, s3://, file://, ...) or a list of them")
