@@ -25,7 +25,9 @@ class ShardManifest:
     public fields. ``invalid_outputs`` (structured outputs that did not validate,
     counted among ``errors``) is None for OpenAI Batch outputs, which do not count them.
     ``reasoning_tokens`` counts the completion tokens a reasoning parser put in the
-    reasoning (None, and absent from the JSON, in manifests written before it was counted)."""
+    reasoning (None, and absent from the JSON, in manifests written before it was counted);
+    ``collapsed_rows`` the rows whose output the engine copied from an identical row's
+    computation (engine/core/duplicates.py; None and absent likewise)."""
 
     shard: str
     input: str
@@ -42,6 +44,7 @@ class ShardManifest:
     job: Mapping[str, Any]  # the fields the fingerprint is taken over (tasks/fingerprint.py)
     invalid_outputs: int | None = None
     reasoning_tokens: int | None = None
+    collapsed_rows: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as its JSON object, keys in their on-disk order."""
@@ -54,6 +57,8 @@ class ShardManifest:
             counts["invalid_outputs"] = self.invalid_outputs
         if self.reasoning_tokens is not None:
             counts["reasoning_tokens"] = self.reasoning_tokens
+        if self.collapsed_rows is not None:
+            counts["collapsed_rows"] = self.collapsed_rows
         return {
             "shard": self.shard, "input": self.input, "output": self.output, **counts,
             "seconds": dict(self.seconds), "written_at": self.written_at, "fingerprint": self.fingerprint,
@@ -78,6 +83,7 @@ class ShardManifest:
             fingerprint=_field(data, "fingerprint", str), job=_field(data, "job", dict),
             invalid_outputs=None if invalid is None else _field(data, "invalid_outputs", int),
             reasoning_tokens=None if data.get("reasoning_tokens") is None else _field(data, "reasoning_tokens", int),
+            collapsed_rows=None if data.get("collapsed_rows") is None else _field(data, "collapsed_rows", int),
         )
 
 

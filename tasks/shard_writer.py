@@ -154,7 +154,7 @@ def write_shard_output(
         rows=counts["rows"], errors=counts["errors"], prompt_tokens=counts["prompt_tokens"],
         completion_tokens=counts["completion_tokens"], cached_prompt_tokens=counts["cached_prompt_tokens"],
         endpoints=tuple(counts["endpoints"]), invalid_outputs=counts.get("invalid_outputs"),
-        reasoning_tokens=counts["reasoning_tokens"],
+        reasoning_tokens=counts["reasoning_tokens"], collapsed_rows=counts["collapsed_rows"],
         seconds={**seconds, "write": round(time.perf_counter() - started, 4)},
         written_at=datetime.now(timezone.utc).isoformat(), fingerprint=fingerprint(fields), job=fields,
     )

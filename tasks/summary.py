@@ -21,7 +21,8 @@ def shard_entry(key: str, status: str, manifest: ShardManifest | None = None,
     zero counts)."""
     if manifest is None:
         return {"shard": key, "status": status, "rows": 0, "errors": 0, "invalid_outputs": 0, "prompt_tokens": 0,
-                "completion_tokens": 0, "cached_prompt_tokens": 0, "reasoning_tokens": 0, "endpoints": [],
+                "completion_tokens": 0, "cached_prompt_tokens": 0, "reasoning_tokens": 0, "collapsed_rows": 0,
+                "endpoints": [],
                 "seconds": 0.0, "message": message}
     return {
         "shard": key,
@@ -33,6 +34,7 @@ def shard_entry(key: str, status: str, manifest: ShardManifest | None = None,
         "completion_tokens": manifest.completion_tokens,
         "cached_prompt_tokens": manifest.cached_prompt_tokens,  # prompt tokens the prefix cache held
         "reasoning_tokens": manifest.reasoning_tokens or 0,  # of the completion tokens: the reasoning's
+        "collapsed_rows": manifest.collapsed_rows or 0,  # of the rows: copies of an identical row's output
         "endpoints": list(manifest.endpoints),  # the OpenAI endpoints its requests are answered as
         "seconds": round(sum(manifest.seconds.values()), 3) if status == "done" else 0.0,
         "message": message,
@@ -57,6 +59,7 @@ def job_summary(entries: list[dict[str, Any]], wall_seconds: float, output: str)
         "completion_tokens": sum(e["completion_tokens"] for e in entries),
         "cached_prompt_tokens": sum(e["cached_prompt_tokens"] for e in entries),
         "reasoning_tokens": sum(e.get("reasoning_tokens", 0) for e in entries),
+        "collapsed_rows": sum(e.get("collapsed_rows", 0) for e in entries),
         "wall_seconds": round(wall_seconds, 3),
         "prompt_tokens_per_second": round(prompt / wall_seconds, 1) if wall_seconds > 0 else 0.0,
         "completion_tokens_per_second": round(generated / wall_seconds, 1) if wall_seconds > 0 else 0.0,
@@ -81,6 +84,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     ]
     if totals.get("invalid_outputs"):
         lines += ["", _invalid_outputs_line(totals)]
+    if totals.get("collapsed_rows"):
+        lines += ["", _collapsed_rows_line(totals)]
     failed = [e for e in summary["shards"] if e["status"] == "failed"]
     if failed:
         lines += ["", "## Failed shards", ""] + [f"- `{e['shard']}`: {e['message']}" for e in failed]
@@ -124,6 +129,8 @@ def summary_table(summary: dict[str, Any]) -> str:
             lines.append(f"failed {entry['shard']}: {entry['message']}")
     if totals.get("invalid_outputs"):
         lines.append(_invalid_outputs_line(totals))
+    if totals.get("collapsed_rows"):
+        lines.append(_collapsed_rows_line(totals))
     lines.append(f"completion tokens/s: {totals['completion_tokens_per_second']}   output: {summary['output']}")
     if summary.get("throughput"):
         lines += ["", "throughput over the run (output tokens/s):"]
@@ -135,6 +142,11 @@ def summary_table(summary: dict[str, Any]) -> str:
 def _invalid_outputs_line(totals: dict[str, Any]) -> str:
     return (f"{totals['invalid_outputs']} of the {totals['errors']} row error(s) are structured outputs that did "
             "not validate (their text is kept; the error column says why)")
+
+
+def _collapsed_rows_line(totals: dict[str, Any]) -> str:
+    return (f"{totals['collapsed_rows']} of the {totals['rows']} row(s) repeated another row exactly and were "
+            "computed once (their outputs are copies)")
 
 
 class ShardsFailed(RuntimeError):

@@ -3,12 +3,15 @@
 Every manifest carries its shard's usage (``usage_fields``): rows (requests), errors
 (failed requests), prompt, completion and cached prompt tokens (prompt tokens whose
 keys and values the engine's prefix cache already held), and reasoning tokens (the
-completion tokens the reasoning parser put in the reasoning). The job summary sums the
+completion tokens the reasoning parser put in the reasoning), and collapsed rows (rows
+whose output the engine copied from an identical row's computation, counted among
+rows, their tokens billed as their own). The job summary sums the
 manifests; at the end of a job ``<output>/_batch.json`` holds the same totals as an
 OpenAI Batch object (``request_counts`` and ``usage``), whatever the output format.
 
 Invariants: a shard's usage is the sum of its rows' (a failed row counts as a
-request and costs no tokens), and the job's is the sum of its shards' manifests,
+request and costs no tokens; a row whose tool call the model botched counts as an
+error and costs its tokens, as its Parquet row does), and the job's is the sum of its shards' manifests,
 skipped shards included: a resumed job reports the whole job's usage.
 """
 
@@ -33,23 +36,27 @@ _KIND_ENDPOINTS = {"chat.completion": "/v1/chat/completions", "text_completion":
 
 def usage_fields(prepared: PreparedShard, results: dict[int, RowResult], job: BatchJob) -> dict[str, Any]:
     """A shard's manifest fields for its usage: request counts, token counts, endpoints."""
-    prompt = completion = cached = failed = reasoning = 0
+    prompt = completion = cached = failed = reasoning = collapsed = 0
     for row in prepared.rows:
         found = [results.get(request.index) for request in row.engine_requests()]
         outputs = [result.output for result in found if result is not None and result.output is not None]
         if row.error is not None or not found or len(outputs) < len(found):
             failed += 1  # a request that failed, in whole or in part, is not billed
             continue
+        collapsed += any(getattr(output, "duplicate_of", None) is not None for output in outputs)
         for output in outputs:
             prompt += len(output.prompt_token_ids)
             cached += getattr(output, "num_cached_tokens", 0)
             if isinstance(output.outputs, list):  # an embedding's prompt is all it costs
                 completion += sum(len(sample.token_ids) for sample in output.outputs)
                 reasoning += sum(sample.num_reasoning_tokens for sample in output.outputs)
+        failed += any(sample.tool_calls is not None and sample.tool_calls.error is not None
+                      for output in outputs if isinstance(output.outputs, list) for sample in output.outputs)
     kinds = {kind for row in prepared.rows if (kind := getattr(row, "kind", None)) is not None}
     endpoints = sorted(_KIND_ENDPOINTS[kind] for kind in kinds) if kinds else [_TASK_ENDPOINTS[job.task]]
     return {"rows": len(prepared.rows), "errors": failed, "prompt_tokens": prompt, "completion_tokens": completion,
-            "cached_prompt_tokens": cached, "endpoints": endpoints, "reasoning_tokens": reasoning}
+            "cached_prompt_tokens": cached, "endpoints": endpoints, "reasoning_tokens": reasoning,
+            "collapsed_rows": collapsed}
 
 
 def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> dict[str, Any]:
@@ -87,6 +94,8 @@ def batch_object(job: BatchJob, summary: dict[str, Any], created_at: float) -> d
                   "output_tokens_details": {"reasoning_tokens": totals.get("reasoning_tokens", 0)},
                   "total_tokens": prompt + completion},
         "shard_counts": {name: totals[name] for name in ("shards", "done", "skipped", "failed")},
+        # Rows whose output was copied from an identical row's computation (shardline's).
+        "collapsed_rows": totals.get("collapsed_rows", 0),
     }
 
 
