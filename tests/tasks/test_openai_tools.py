@@ -108,6 +108,9 @@ def test_auto_calls_after_reasoning_in_openai_lines(tmp_path, make_job, thinking
     errors = read_output_lines((tmp_path / "out" / "part-0.errors.jsonl").read_text())
     assert [line["custom_id"] for line in errors] == ["botched"]
     assert manifest.reasoning_tokens == 3 * 4 and "/v1/responses" in manifest.endpoints
+    assert manifest.errors == 1  # the botched call, whose tokens still count
+    assert manifest.completion_tokens == sum(line["response"]["body"]["usage"].get(
+        "completion_tokens", line["response"]["body"]["usage"].get("output_tokens")) for line in lines.values())
     batch = batch_object(job, job_summary([shard_entry("part-0", "done", manifest)], 1.0, job.output), 0.0)
     assert batch["usage"]["output_tokens_details"]["reasoning_tokens"] == 12
 
