@@ -20,6 +20,7 @@ from airflow.sdk import Param, dag
 
 from shardline.engine.config import QUANTIZATIONS
 from shardline.engine.sampling.reasoning import REASONING_PARSERS
+from shardline.engine.tools import TOOL_CALL_PARSERS
 from shardline.providers.airflow import ShardInferenceOperator, batch_usage, list_shards
 
 JOB = {
@@ -31,6 +32,7 @@ JOB = {
     "pass_through": "{{ params.pass_through }}",
     "structured_outputs": "{{ params.structured_outputs }}",
     "reasoning_parser": "{{ params.reasoning_parser }}",
+    "tool_call_parser": "{{ params.tool_call_parser }}",
     "quantization": "{{ params.quantization }}",
 }
 
@@ -57,6 +59,9 @@ JOB = {
                         "validated into a `parsed` column."),
         "reasoning_parser": Param(None, type=["null", "string"], enum=[None, *REASONING_PARSERS],
                                   description="Split a reasoning model's thinking into a `reasoning` column."),
+        "tool_call_parser": Param(None, type=["null", "string"], enum=[None, *TOOL_CALL_PARSERS],
+                                  description="Read the tool calls of requests that offer tools (none: the one "
+                                              "the chat template implies) into `tool_calls`."),
         "quantization": Param(None, type=["null", "string"], enum=[None, *QUANTIZATIONS],
                               description="fp8 or int8: quantize the checkpoint's linears at load; or the "
                                           "quantized checkpoint's own format."),
