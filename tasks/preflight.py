@@ -78,6 +78,7 @@ def check_model(job: BatchJob) -> str:
 
     options = job.engine_options
     trust = bool(options.get("trust_remote_code", False))
+    _check_not_gguf(job.model)
     _check_local_path(job.model)
     config = _resolve(transformers.AutoConfig, "model", job.model, revision=job.revision, trust_remote_code=trust)
     tokenizer = options.get("tokenizer") or job.model
@@ -141,6 +142,15 @@ def _looks_local(model: str) -> bool:
     return model.startswith(_PATH_PREFIXES) or os.path.exists(os.path.expanduser(model))
 
 
+def _check_not_gguf(model: str) -> None:
+    """A GGUF model is refused with the engine's one line (engine/quantization/methods.py)."""
+    from shardline.engine.quantization.methods import gguf_refusal  # here: as the verdict's imports
+
+    refused = gguf_refusal(model)
+    if refused is not None:
+        raise ModelUnusable("load", f"model {model}", refused)
+
+
 def _check_local_path(model: str, what: str = "model") -> None:
     """A model named by a path must be a directory (a hub id is resolved by transformers)."""
     if model.startswith(_PATH_PREFIXES) and not os.path.isdir(os.path.expanduser(model.removeprefix("file://"))):
@@ -181,6 +191,7 @@ def model_verdict(model: str, task: JobTask, revision: str | None = None,
 
     from shardline.engine.model.support import model_support
 
+    _check_not_gguf(model)
     _check_local_path(model)
     config = _resolve(transformers.AutoConfig, "model", model, revision=revision, trust_remote_code=trust_remote_code)
     return model_support(config, engine_task(task), trust_remote_code=trust_remote_code, quantization=quantization)

@@ -14,7 +14,7 @@ from ..attention.context import register as register_attention
 from ..config import EngineConfig
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..quantization.load import QuantizedWeights, checkpoint_directory, load_quantized_model
-from ..quantization.methods import resolve_scheme
+from ..quantization.methods import gguf_refusal, resolve_scheme
 from .adapters import has_adapter
 
 # recurrent_layer_indices: the engine reads it here beside load_causal_lm (llm_engine.py).
@@ -72,6 +72,9 @@ def _hub_kwargs(config: EngineConfig) -> dict:
 
 
 def load_hf_config(config: EngineConfig) -> transformers.PretrainedConfig:
+    refused = gguf_refusal(config.model)
+    if refused is not None:
+        raise UnsupportedModelError(refused)
     try:
         return transformers.AutoConfig.from_pretrained(config.model, **_hub_kwargs(config))
     except (OSError, ValueError) as exc:

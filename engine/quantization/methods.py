@@ -13,7 +13,9 @@ UnsupportedModelError with one line naming the format and what would run it;
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedModelError
@@ -37,6 +39,18 @@ def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
     if isinstance(converted, Mapping):
         return dict(converted)
     raise UnsupportedModelError(f"quantization_config of type {type(raw).__name__} is not a mapping")
+
+
+def gguf_refusal(model: str) -> str | None:
+    """The one-line refusal of a GGUF model (a .gguf file, or a directory holding GGUF
+    files and no config.json), or None."""
+    path = Path(os.path.expanduser(model.removeprefix("file://")))
+    gguf = path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists()
+                                      and any(path.glob("*.gguf")))
+    if not gguf:
+        return None
+    return (f"{model} is a GGUF model, which shardline does not read (it reads safetensors checkpoints); llama.cpp "
+            "runs GGUF files, or transformers converts one to safetensors (from_pretrained(..., gguf_file=...))")
 
 
 def quant_scheme(hf_config: Any) -> QuantScheme | None:
@@ -186,5 +200,5 @@ def _parse_compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
     return parse_compressed_tensors(config)
 
 
-__all__ = ["READ_METHODS", "online_scheme", "quant_scheme", "quantization_config_of", "quantization_refusal",
-           "resolve_scheme"]
+__all__ = ["READ_METHODS", "gguf_refusal", "online_scheme", "quant_scheme", "quantization_config_of",
+           "quantization_refusal", "resolve_scheme"]

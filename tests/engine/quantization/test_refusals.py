@@ -118,3 +118,15 @@ def test_command_line_and_fingerprint_carry_quantization(tmp_path):
     plain = job.model_copy(update={"quantization": None})
     assert fingerprint_fields(job, shard, {})["quantization"] == "fp8"
     assert "quantization" not in fingerprint_fields(plain, shard, {})
+
+
+def test_gguf_files_are_refused_naming_the_format(tmp_path, capsys):
+    gguf_file = tmp_path / "model-Q4_K_M.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    with pytest.raises(UnsupportedModelError, match="is a GGUF model, which shardline does not read"):
+        LLM(str(gguf_file), device="cpu")
+    assert main(["check", str(tmp_path)]) == 2  # a directory of GGUF files: the check cannot read a config
+    assert "is a GGUF model" in capsys.readouterr().err
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=str(gguf_file))
+    with pytest.raises(PipelineError, match="llama.cpp runs GGUF files"):
+        check_model(job)
