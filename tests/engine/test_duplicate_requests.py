@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardline import LLM, SamplingParams
-from shardline.engine.config import EngineConfig
+from shardline.engine.config import ConfigError, EngineConfig
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.loader import load_hf_config
@@ -120,3 +120,9 @@ def test_aborting_one_duplicate_leaves_the_others_running(tiny_llama_dir):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [(o.request_id, o.duplicate_of) for o in outputs] == [("lead", None)]
+
+
+def test_the_options_take_booleans_only():
+    for name in ("prefix_aware_admission", "collapse_duplicate_requests"):
+        with pytest.raises(ConfigError, match=f"{name} must be True or False, got 'yes'"):
+            EngineConfig(model="m", **{name: "yes"})
