@@ -65,6 +65,10 @@ FORMATS = {
     "gptq_8bit_desc_act": ("qwen3", _gptq_config(bits=8, desc_act=True), ckpt.gptq_8bit(32, act_order=True),
                            torch.int8),
     "gptq_tied_embeddings": ("qwen3_tied", _gptq_config(), ckpt.gptq(32, True), torch.uint8),
+    "awq_gemm_with_biases": ("qwen2", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                       "version": "gemm"}, ckpt.awq(32), torch.uint8),
+    "fp8_channel_with_biases": ("qwen2", {"quant_method": "fp8", "activation_scheme": "dynamic"},
+                                ckpt.fp8_per_channel, torch.float8_e4m3fn),
     "awq_gemm": ("qwen3", {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
                  ckpt.awq(32), torch.uint8),
 }
@@ -73,7 +77,8 @@ FORMATS = {
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
     """One tiny float checkpoint per architecture."""
-    dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(f"float-{arch}"), arch) for arch in ("llama", "qwen3")}
+    dirs = {arch: build_tiny_model(tmp_path_factory.mktemp(f"float-{arch}"), arch)
+            for arch in ("llama", "qwen3", "qwen2")}  # qwen2: biases on its query, key and value projections
     dirs["qwen3_tied"] = build_tiny_model(tmp_path_factory.mktemp("float-qwen3-tied"), "qwen3",
                                           tie_word_embeddings=True)
     return dirs
