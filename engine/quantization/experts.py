@@ -34,7 +34,8 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..kernels._triton import KERNEL_DTYPES, triton_available
-from ..kernels.quant_moe import GatedActivation, mxfp4_moe
+from ..kernels.quant_moe import SILU_GATED_HALVES, GatedActivation, mxfp4_moe
+from ..kernels.quant_moe_w8 import w8_moe
 from ..surgery import replace
 from .checkpoint import CheckpointTensors
 from .formats import read_quantized_linear, stored_quantized
@@ -51,8 +52,15 @@ class LinearsPerExpert(nn.Module):
     Registered by name (``parts[part][expert]``), not in ModuleLists: the decoder's
     layers are the model's longest ModuleList (engine/surgery.py's decoder_layers)."""
 
+    # W8 experts stacked for the grouped Triton kernel (``stack_w8``); None otherwise.
+    stacked_weight: torch.Tensor | None
+    stacked_scale: torch.Tensor | None
+
     def __init__(self, parts: dict[str, list[QuantizedLinear]]) -> None:
         super().__init__()
+        self.register_buffer("stacked_weight", None)
+        self.register_buffer("stacked_scale", None)
+        self.stacked_block: tuple[int, int] | None = None
         linears = list(parts.values())
         assert linears and all(len(part) == len(linears[0]) for part in linears), {k: len(v) for k, v in parts.items()}
         self.parts = nn.ModuleDict({name: nn.ModuleDict({str(expert): linear for expert, linear in enumerate(part)})
@@ -66,6 +74,43 @@ class LinearsPerExpert(nn.Module):
         """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]."""
         x32 = x.float()
         return torch.cat([part[expert](x32) for part in self._linears], dim=-1)
+
+
+def stack_w8(parts: dict[str, list[QuantizedLinear]]) -> LinearsPerExpert:
+    """The projection of ``parts`` with W8 weights stacked over the experts and the
+    parts side by side (weight [E, N, K], float32 scale [E, N, 1] per channel (a
+    per-tensor scale repeated over its rows) or [E, N / bn, K / bk] per block), as
+    engine/kernels/quant_moe_w8.py's grouped kernel reads them, each expert's
+    QuantizedLinear a view into them; ``parts`` kept apart where that cannot be (W4,
+    biases, blocks that differ or do not divide a part's rows)."""
+    linears = [linear for part in parts.values() for linear in part]
+    block = linears[0].block
+    if any(linear.layout != "w8" or linear.bias is not None or linear.block != block for linear in linears) or (
+            block is not None and any(part[0].out_features % block[0] for part in parts.values())):
+        return LinearsPerExpert(parts)
+    weight = torch.cat([torch.stack([_buffer(linear.weight) for linear in part]) for part in parts.values()], dim=1)
+    scale = torch.cat([torch.stack([_channel_scale(linear, block) for linear in part]) for part in parts.values()],
+                      dim=1)
+    views = []
+    for expert in range(weight.shape[0]):
+        view = QuantizedLinear.w8(weight[expert], scale[expert], block)
+        view.activations = linears[0].activations
+        views.append(view)
+    stacked = LinearsPerExpert({"stacked": views})
+    # Buffers of the projection too; the views share their storage.
+    stacked.stacked_weight, stacked.stacked_scale, stacked.stacked_block = weight, scale, block
+    return stacked
+
+
+def _buffer(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor
+
+
+def _channel_scale(linear: QuantizedLinear, block: tuple[int, int] | None) -> torch.Tensor:
+    """A W8 linear's scale as stacked: per block as it is, else one row per output channel."""
+    scale = _buffer(linear.scale)
+    return scale if block is not None else scale.reshape(-1, 1).expand(linear.out_features, 1).contiguous()
 
 
 # What holds one projection of every expert: ``matmul(expert, x [T, K])`` gives the
@@ -117,8 +162,8 @@ class QuantizedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, H], top_k_index / top_k_weights: [T, k]
-        if self.runs_mxfp4_kernel(hidden_states):
-            return self.mxfp4_kernel_forward(hidden_states, top_k_index, top_k_weights)
+        if self.runs_kernel(hidden_states):
+            return self.kernel_forward(hidden_states, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden_states)
         num_experts = self.num_experts
         for expert in torch.unique(top_k_index).tolist():
@@ -130,21 +175,40 @@ class QuantizedExperts(nn.Module):
             output.index_add_(0, token_idx, weighted.to(output.dtype))
         return output
 
-    def runs_mxfp4_kernel(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this call goes to the Triton MXFP4 kernel: MXFP4 experts with a gated
-        activation, on CUDA, in a dtype the kernel takes."""
-        return (hidden_states.is_cuda and triton_available() and hidden_states.dtype in KERNEL_DTYPES
-                and isinstance(self.gate_up, Mxfp4ExpertWeights) and isinstance(self.down, Mxfp4ExpertWeights)
-                and isinstance(self.activation, GatedActivation))
+    def kernel_activation(self) -> GatedActivation | None:
+        """The activation as the Triton kernels take it (None: one they do not fuse)."""
+        if isinstance(self.activation, GatedActivation):
+            return self.activation
+        return SILU_GATED_HALVES if type(self.activation.act_fn).__name__ in ("SiLU", "SiLUActivation") else None
 
-    def mxfp4_kernel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The forward through engine/kernels/quant_moe.py's grouped MXFP4 kernel."""
-        gate_up, down, activation = self.gate_up, self.down, self.activation
-        assert isinstance(gate_up, Mxfp4ExpertWeights) and isinstance(down, Mxfp4ExpertWeights)
-        assert isinstance(activation, GatedActivation)
-        return mxfp4_moe(hidden_states.contiguous(), gate_up.blocks, gate_up.scales, self.gate_up_bias, down.blocks,
-                         down.scales, self.down_bias, top_k_index, top_k_weights, activation)
+    def runs_kernel(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call goes to a grouped Triton kernel: on CUDA, in a dtype the
+        kernels take, MXFP4 experts or W8 experts stacked (``stack_w8``), an activation
+        they fuse."""
+        gate_up, down = self.gate_up, self.down
+        grouped = (isinstance(gate_up, Mxfp4ExpertWeights) and isinstance(down, Mxfp4ExpertWeights)) or (
+            isinstance(gate_up, LinearsPerExpert) and isinstance(down, LinearsPerExpert)
+            and gate_up.stacked_weight is not None and down.stacked_weight is not None
+            and gate_up.stacked_block == down.stacked_block)
+        return (hidden_states.is_cuda and triton_available() and hidden_states.dtype in KERNEL_DTYPES and grouped
+                and self.kernel_activation() is not None)
+
+    def kernel_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward through the grouped Triton kernel of the experts' format:
+        engine/kernels/quant_moe.py's (MXFP4) or quant_moe_w8.py's (stacked W8)."""
+        gate_up, down, activation = self.gate_up, self.down, self.kernel_activation()
+        assert activation is not None
+        hidden = hidden_states.contiguous()
+        if isinstance(gate_up, Mxfp4ExpertWeights):
+            assert isinstance(down, Mxfp4ExpertWeights)
+            return mxfp4_moe(hidden, gate_up.blocks, gate_up.scales, self.gate_up_bias, down.blocks, down.scales,
+                             self.down_bias, top_k_index, top_k_weights, activation)
+        assert isinstance(down, LinearsPerExpert)
+        gate_up_weight, gate_up_scale = _buffer(gate_up.stacked_weight), _buffer(gate_up.stacked_scale)
+        down_weight, down_scale = _buffer(down.stacked_weight), _buffer(down.stacked_scale)
+        return w8_moe(hidden, gate_up_weight, gate_up_scale, self.gate_up_bias, down_weight, down_scale,
+                      self.down_bias, gate_up.stacked_block, top_k_index, top_k_weights, activation)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert`` on its tokens x [t, H]: [t, H] in x's dtype."""
@@ -261,7 +325,7 @@ def _per_expert_experts(tensors: CheckpointTensors, name: str, module: nn.Module
     intermediate = gate_up_rows // len(gate_up_names)
 
     def projection(names: tuple[str, ...], shape: tuple[int, int]) -> LinearsPerExpert:
-        return LinearsPerExpert({
+        return stack_w8({
             part: [read_quantized_linear(tensors, f"{prefix}.{expert}.{part}", scheme, shape, down_weight.dtype)
                    for expert in range(num_experts)] for part in names})
 

@@ -159,7 +159,7 @@ x = torch.randn(tokens, hidden, generator=generator)
 top_k_index = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 4], [1, 3], [0, 1], [2, 3]])  # 4: not an expert here
 top_k_weights = torch.rand(tokens, 2, generator=generator)
 expected = module(x, top_k_index, top_k_weights)  # the CPU path
-actual = module.mxfp4_kernel_forward(x, top_k_index, top_k_weights)
+actual = module.kernel_forward(x, top_k_index, top_k_weights)
 torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 print("kernel path agrees")
 """

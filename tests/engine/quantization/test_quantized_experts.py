@@ -7,6 +7,9 @@ quantized, and the refusals of experts the engine cannot hold."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from accelerate import init_empty_weights
 
 from shardline import LLM, SamplingParams
 from shardline.engine.errors import UnsupportedModelError
+from shardline.engine.kernels import triton_available
 from shardline.engine.quantization.checkpoint import CheckpointTensors
 from shardline.engine.quantization.experts import (
     LinearsPerExpert,
@@ -89,7 +93,14 @@ def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir,
         for projection in (module.gate_up, module.down):
             assert isinstance(projection, LinearsPerExpert) and projection.num_experts == 4
             linears = [linear for linear in projection.modules() if isinstance(linear, QuantizedLinear)]
-            assert len(linears) == 4 * (2 if projection is module.gate_up else 1)
+            stacked = projection.stacked_weight
+            if stored_dtype == torch.uint8:  # W4: each expert's linears apart, gate and up two
+                assert stacked is None and len(linears) == 4 * (2 if projection is module.gate_up else 1)
+            else:  # W8: stacked over the experts (gate and up rows together), each expert a view
+                assert stacked is not None and stacked.shape == (4, projection.out_features, projection.in_features)
+                assert len(linears) == 4 and all(
+                    linear.weight is not None and linear.weight.untyped_storage().data_ptr()
+                    == stacked.untyped_storage().data_ptr() for linear in linears)
             for linear in linears:
                 stored = linear.weight if linear.layout == "w8" else linear.packed
                 assert stored is not None and stored.dtype == stored_dtype
@@ -138,6 +149,46 @@ def test_mixtral_experts_read_under_their_checkpoint_names(tmp_path) -> None:
         with torch.no_grad():
             expected = reference.get_submodule(f"model.layers.{layer}.mlp.experts")(hidden, top_k_index, top_k_weights)
             torch.testing.assert_close(ours(hidden, top_k_index, top_k_weights), expected, rtol=1e-5, atol=1e-5)
+
+
+# Run in a fresh interpreter: TRITON_INTERPRET must be set before triton is imported,
+# and transformers (imported by this module) imports it.
+W8_KERNEL_WIRING = """
+import sys
+import torch
+from torch import nn
+from shardline.engine.quantization.experts import QuantizedExperts, SiluGatedHalves, stack_w8
+from shardline.engine.quantization.linear import QuantizedLinear
+
+block = None if sys.argv[1] == "tensor" else (16, 32)
+generator = torch.Generator().manual_seed(0)
+experts, hidden, intermediate, tokens = 4, 64, 32, 7
+
+def linear(rows, cols):
+    weight = (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn)
+    grid = (1, 1) if block is None else (-(-rows // block[0]), -(-cols // block[1]))
+    return QuantizedLinear.w8(weight, torch.rand(*grid, generator=generator) / 200 + 1e-3, block)
+
+gate_up = stack_w8({part: [linear(intermediate, hidden) for _ in range(experts)] for part in ("gate", "up")})
+down = stack_w8({"down": [linear(hidden, intermediate) for _ in range(experts)]})
+assert gate_up.stacked_weight is not None and down.stacked_weight is not None
+module = QuantizedExperts(gate_up, down, SiluGatedHalves(nn.SiLU()))
+x = torch.randn(tokens, hidden, generator=generator)
+top_k_index = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 4], [1, 3], [0, 1], [2, 3]])  # 4: not an expert here
+top_k_weights = torch.rand(tokens, 2, generator=generator)
+expected = module(x, top_k_index, top_k_weights)  # the CPU path
+actual = module.kernel_forward(x, top_k_index, top_k_weights)
+torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+print("kernel path agrees")
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("scales", ["tensor", "block"])
+def test_the_cuda_path_hands_the_w8_kernel_what_the_cpu_path_computes(scales) -> None:
+    result = subprocess.run([sys.executable, "-c", W8_KERNEL_WIRING, scales], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0 and "kernel path agrees" in result.stdout, result.stderr[-3000:]
 
 
 def test_transformers_weight_conversion_names_each_experts_linears() -> None:
