@@ -8,6 +8,7 @@ for shardline, with their ratio; then shardline over the same images each appear
 twice, with the vision encoder's runs (which must equal the distinct images).
 
     python bench/bench_vlm.py [--num-images 256] [--output-len 16] [--batch-size 32] [--repeat 1]
+                              [--vision-size 336] [--patch-size 14] [--hidden-size 256]
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def run_hf(model_dir: str, pictures: list[Image.Image], output_len: int, batch_s
         batch = pictures[i : i + batch_size]
         inputs = processor(text=[PROMPT] * len(batch), images=batch, return_tensors="pt", padding=True)
         with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=output_len, min_new_tokens=output_len,
-                                    do_sample=False, pad_token_id=2)
+            # eos_token_id=-1: no stop, and the end token is not suppressed (shardline's ignore_eos).
+            output = model.generate(**inputs, max_new_tokens=output_len, eos_token_id=-1, do_sample=False,
+                                    pad_token_id=2)
         tokens += output[:, inputs["input_ids"].shape[1]:].tolist()
     return time.perf_counter() - start, tokens
 
@@ -70,11 +72,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--vision-size", type=int, default=336, help="the vision tower's input size in pixels")
+    parser.add_argument("--patch-size", type=int, default=14)
+    parser.add_argument("--hidden-size", type=int, default=256)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        # 336-pixel CLIP input in 14-pixel patches as LLaVA-1.5, at small widths: 576 image tokens.
-        model_dir = str(build_tiny_llava(folder, image_size=336, patch_size=14, hidden_size=256,
-                                         num_text_layers=4))
+        # By default a 336-pixel CLIP input in 14-pixel patches as LLaVA-1.5 (576 image tokens), at
+        # small widths.
+        model_dir = str(build_tiny_llava(folder, image_size=args.vision_size, patch_size=args.patch_size,
+                                         hidden_size=args.hidden_size, num_text_layers=4))
+        print(f"{(args.vision_size // args.patch_size) ** 2} image tokens per image, {args.output_len} output tokens")
         pictures = make_images(args.num_images, args.image_size)
         llm = LLM(model_dir, dtype="float32", max_num_seqs=64)
         print(f"host: {host_cpu()}; torch threads {torch.get_num_threads()}; CPU paths {llm.llm_engine.cpu_paths}")
