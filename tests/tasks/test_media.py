@@ -121,6 +121,7 @@ def test_decoding():
         decode_image(png_bytes(4, size=(64, 64))[:-200], "row 0: image 1")
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's own warning, at open
 def test_pixel_limit(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ImageError, match=r"is 12x10 pixels, over PIL's Image.MAX_IMAGE_PIXELS=100"):
