@@ -114,17 +114,20 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8)),
                   bits: int = 4) -> torch.Tensor:
-    """int32 words of 32 / ``bits`` codes -> the codes (int32), that many per word along
-    ``dim``; element j of each word is in field ``order[j]`` (``bits`` wide, low first)."""
-    per_word = 32 // bits
-    order = order[:per_word]
-    shifts = torch.tensor([bits * field for field in order], dtype=torch.int32, device=packed.device)
-    mask = (1 << bits) - 1
+    """int32 words of 32 / ``bits`` codes -> the codes (uint8), that many per word along
+    ``dim``; element j of each word is in field ``order[j]`` (``bits`` wide, low first).
+    One field at a time, so the temporaries stay the packed tensor's size."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    rows, cols = packed.shape
     if dim == 0:
-        codes = (packed.unsqueeze(1) >> shifts.view(1, per_word, 1)) & mask  # [R, per_word, C]
-        return codes.reshape(packed.shape[0] * per_word, packed.shape[1])
-    codes = (packed.unsqueeze(-1) >> shifts) & mask  # [R, C, per_word]
-    return codes.reshape(packed.shape[0], packed.shape[1] * per_word)
+        codes = torch.empty(rows, per_word, cols, dtype=torch.uint8, device=packed.device)
+        for element, field in enumerate(order[:per_word]):
+            codes[:, element] = (packed >> (bits * field)) & mask
+        return codes.reshape(rows * per_word, cols)
+    codes = torch.empty(rows, cols, per_word, dtype=torch.uint8, device=packed.device)
+    for element, field in enumerate(order[:per_word]):
+        codes[:, :, element] = (packed >> (bits * field)) & mask
+    return codes.reshape(rows, cols * per_word)
 
 
 def _group_size(scheme: QuantScheme, cols: int, name: str) -> int:
@@ -206,7 +209,7 @@ def _read_gptq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, sha
     perm = None if g_idx is None else _act_order(g_idx, group_size, g_idx_name)
     if perm is not None:
         codes = codes[:, perm]
-    return QuantizedLinear.w8((codes - 128).to(torch.int8), scales.t(), (1, group_size), bias, perm)
+    return QuantizedLinear.w8((codes.to(torch.int16) - 128).to(torch.int8), scales.t(), (1, group_size), bias, perm)
 
 
 def _read_awq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
