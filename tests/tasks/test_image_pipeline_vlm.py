@@ -194,3 +194,20 @@ def test_a_prompt_without_the_images_placeholder_is_an_error_row(tiny_llava, tmp
     process_shard(list_shards(job.input)[0], job)
     out = pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()
     assert "Found total 0 <image> tokens and 1 images" in out[0]["error"] and out[1]["error"] is None
+
+
+def test_a_row_with_a_list_of_images(llava_llm, tiny_llava, tmp_path):
+    images = [png_bytes(61, size=(20, 24)), png_bytes(62, size=(36, 20))]
+    rows = [{"id": "two", "prompt": "<image><image> Compare", "image": images},
+            {"id": "swapped", "prompt": "<image><image> Compare", "image": images[::-1]}]
+    write_rows(str(tmp_path / "in" / "part-0.parquet"), rows)
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=tiny_llava,
+                   sampling={"max_tokens": MAX_TOKENS, "temperature": 0.0}, images={"column": "image"})
+    process_shard(list_shards(job.input)[0], job)
+    out = pq.read_table(tmp_path / "out" / "part-0.parquet").to_pylist()
+    expected = llava_llm.generate([{"prompt": row["prompt"], "multi_modal_data": {"image": [
+        Image.open(io.BytesIO(data)).convert("RGB") for data in row["image"]]}} for row in rows], GREEDY,
+        use_tqdm=False)
+    assert [row["error"] for row in out] == [None, None]
+    assert [row["text"] for row in out] == [e.outputs[0].text for e in expected]
+    assert expected[0].outputs[0].token_ids != expected[1].outputs[0].token_ids  # the images' order counts
