@@ -60,7 +60,9 @@ class EngineHealth:
 class ProgressSnapshot:
     """A run's progress at one moment. ``rows_known`` counts the rows of the shards read
     so far; ``rows_expected`` adds an estimate for the shards not yet read, by their
-    size in bytes (None until a shard with a size has been read)."""
+    size in bytes (None until a shard with a size has been read). Rates and the ETA count
+    from the first row the engine finished (so the model's load is not in them), or from
+    the run's start when no row reports come (shards on other processes)."""
 
     elapsed_seconds: float
     shards_total: int
@@ -117,6 +119,7 @@ class JobProgress:
         self._engine_source: Callable[[], EngineReading | None] | None = None
         self._last_reading: EngineReading | None = None
         self._next_due = float("inf")
+        self._first_row: tuple[float, int, int] | None = None  # (time, rows done, tokens) at the first row
 
     # ------------------------------------------------------------------ reports
     def add_sink(self, sink: Sink, every_seconds: float) -> None:
@@ -142,6 +145,8 @@ class JobProgress:
     def row_done(self, key: str, done: RowDone) -> None:
         """One row of shard ``key`` came back from the engine."""
         with self._lock:
+            if self._first_row is None:  # rates count from here: the engine's load is not theirs
+                self._first_row = (self._clock(), *self._done_so_far())
             count = self._shards.get(key)
             if count is not None:
                 count.rows_done += 1
@@ -175,6 +180,11 @@ class JobProgress:
                 self._ended.completion_tokens += manifest.completion_tokens
                 self._ended_bytes += count.size if count is not None else 0
         self.poll()
+
+    def _done_so_far(self) -> tuple[int, int]:
+        """(rows done, output tokens) of the run so far; the lock is held."""
+        counts = [self._ended, *self._shards.values()]
+        return sum(count.rows_done for count in counts), sum(count.completion_tokens for count in counts)
 
     # ---------------------------------------------------------------- snapshots
     def poll(self) -> None:
@@ -232,8 +242,9 @@ class JobProgress:
         if unread:  # the rows per byte of the shards read so far, over the bytes not read yet
             expected = rows_known + round(rows_known / read_bytes * sum(count.size for count in unread)) \
                 if read_bytes and rows_known else None
-        elapsed = max(now - self._started, 1e-9)
-        rows_rate, tokens_rate = rows_done / elapsed, tokens / elapsed
+        since, rows_before, tokens_before = self._first_row or (self._started, 0, 0)
+        elapsed = max(now - since, 1e-9)
+        rows_rate, tokens_rate = max(rows_done - rows_before, 0) / elapsed, max(tokens - tokens_before, 0) / elapsed
         eta = (expected - rows_done) / rows_rate if expected is not None and rows_rate > 0 else None
         return ProgressSnapshot(
             elapsed_seconds=now - self._started, shards_total=shards[0], shards_finished=shards[1],

@@ -201,3 +201,17 @@ def test_the_heartbeat_reports_while_no_row_finishes_and_finishes_at_the_end():
         progress.row_done("x", RowDone(0, 4, failed=False))
         progress.row_done("x", RowDone(1, 0, failed=True))
     assert (seen[-1].rows_done, seen[-1].errors, seen[-1].completion_tokens) == (2, 1, 4)  # finish() came last
+
+
+def test_rates_and_eta_count_from_the_first_row_not_the_engines_load():
+    now = [0.0]
+    progress = JobProgress([Shard("file:///x.jsonl", "x", "jsonl", 10)], clock=lambda: now[0])
+    progress.shard_read("x", 10, errors=1)  # one row refused at read: done at once
+    now[0] = 100.0  # the model took 100 s to load
+    for index in range(5):
+        progress.row_done("x", RowDone(index, 6, failed=False))
+        now[0] += 2.0
+    snapshot = progress.snapshot()  # 5 rows and 30 tokens in the 10 s since the first row came back
+    assert (snapshot.rows_done, snapshot.elapsed_seconds) == (6, 110.0)
+    assert (snapshot.rows_per_second, snapshot.tokens_per_second) == (0.5, 3.0)
+    assert snapshot.eta_seconds == 8.0  # 4 rows left at 0.5 rows/s
