@@ -2,18 +2,17 @@
 
 A row's decoded images (tasks/image_feed.py) make its prompt what ``LLM.generate`` and
 ``LLM.chat`` would build: a prompt row ``{"prompt", "multi_modal_data"}``, a chat row
-its chat template's token ids with each ``image_pil`` part as the model's image
-placeholder, and the images in order. A vision-language model's processor then runs
-on it (``LLMEngine.preprocess``) on the thread that hands the shard to the runner, so
-decoding and preprocessing images never holds up the engine's steps; the driver only
-adds the prepared prompt.
+``LLM.render_chat_prompt``'s (its chat template's token ids with each ``image_pil``
+part as the model's image placeholder, and the images in order). A vision-language
+model's processor then runs on it (``LLMEngine.preprocess``) on the thread that hands
+the shard to the runner, so preprocessing images never holds up the engine's steps;
+the driver only adds the prepared prompt.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shardline.engine.inputs.chat import ChatOptions, render_chat
 from shardline.engine.llm_engine import LLMEngine
 
 from .executor import RowRequest
@@ -38,13 +37,8 @@ def image_prompt(llm: LLM, row: RowRequest) -> PromptType:
     if row.messages is None:
         assert row.prompt is not None, f"row {row.index} has neither a prompt nor messages"
         return {"prompt": row.prompt, "multi_modal_data": row.multi_modal_data or {}}
-    engine = llm.llm_engine
-    # The template's image parts, in order (engine/inputs/chat.py); None for a model that takes no
-    # images, whose chat is then refused naming its image parts.
-    media: list[dict[str, Any]] | None = [] if isinstance(engine, LLMEngine) and engine.multimodal else None
-    token_ids = render_chat(llm.get_tokenizer(), row.messages, ChatOptions(**(row.chat_options or {})), media)
-    assert media, f"row {row.index}: render_chat refuses image parts for a model without images"
-    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": [part["image_pil"] for part in media]}}
+    # LLM.chat's own rendering: a model that takes no images refuses the image parts by name.
+    return llm.render_chat_prompt(row.messages, **(row.chat_options or {}))
 
 
 def prepare_image_rows(llm: LLM, rows: list[RowRequest], request_prefix: str) -> dict[int, Prepared]:
