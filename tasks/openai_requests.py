@@ -58,11 +58,11 @@ _SAMPLING_FIELDS = (
 )
 _CHAT_FIELDS = {*_SAMPLING_FIELDS, "model", "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                 "response_format", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt",
-                "continue_final_message"}
+                "continue_final_message", "parallel_tool_calls"}
 _COMPLETION_FIELDS = {*_SAMPLING_FIELDS, "model", "prompt", "logprobs", "response_format", "echo", "best_of",
                       "suffix"}
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream", "stream_options"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "stream", "stream_options"}
 MAX_TEXTS_PER_LINE = 2048  # OpenAI's limit on an embeddings input list
 _ALLOWED = {CHAT: _CHAT_FIELDS, COMPLETION: _COMPLETION_FIELDS, EMBEDDING: _EMBEDDING_FIELDS, RESPONSE: _CHAT_FIELDS}
 # The job's sampling defaults a body may leave out.

@@ -6,7 +6,8 @@ the tool's parameters (named) or to a list of ``{name, parameters}`` calls (requ
 as compact JSON (a call's arguments are data, and free whitespace is where a model
 drifts until max_tokens cuts the call). With tools, ``auto`` (or no tool_choice) lets
 the model call them in its own format, which the engine's tool-call parser reads;
-``none`` offers them to the template and reads no calls.
+``none`` offers them to the template and reads no calls. ``parallel_tool_calls: false``
+allows one call (the required list holds one; more from the model is a botched call).
 """
 
 from __future__ import annotations
@@ -36,17 +37,22 @@ def tool_request(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, 
                              f"got {tools!r:.80}")
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools or []}
     names = tuple(functions)
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise ToolFieldError("parallel_tool_calls", f"must be true or false, got {parallel!r:.40}")
+    parallel = parallel is not False
     if choice == "none" or (choice in (None, "auto") and not functions):
         return None, None
     if choice in (None, "auto"):
-        return None, ToolChoice("auto", names, parameters=functions)
+        return None, ToolChoice("auto", names, parallel=parallel, parameters=functions)
     if not functions:
         raise ToolFieldError("tool_choice", f"{choice!r:.80} needs tools")
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
                   "required": ["name", "parameters"]} for name, parameters in functions.items()]
-        return (StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}},
-                                        disable_any_whitespace=True), ToolChoice("required", names))
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
+        return (StructuredOutputsParams(json=array, disable_any_whitespace=True),
+                ToolChoice("required", names, parallel=parallel))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name not in functions:
         raise ToolFieldError("tool_choice", f"must be 'none', 'auto', 'required' or a function among the tools "

@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 # Fields the Responses API accepts that change nothing in a batch answer.
-_IGNORED = {"metadata", "store", "user", "service_tier", "parallel_tool_calls", "safety_identifier",
-            "prompt_cache_key", "truncation"}
+_IGNORED = {"metadata", "store", "user", "service_tier", "safety_identifier", "prompt_cache_key", "truncation"}
 _MAPPED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "reasoning",
-           "tools", "tool_choice", "stream", "background", "include"}
+           "tools", "tool_choice", "parallel_tool_calls", "stream", "background", "include"}
 # vLLM's sampling extras, which its Responses endpoint takes too.
 _EXTRAS = {"top_k", "min_p", "repetition_penalty", "seed", "stop", "presence_penalty", "frequency_penalty"}
 _ROLES = ("user", "system", "developer", "assistant")
@@ -46,7 +45,8 @@ def chat_body_of_response(body: dict[str, Any]) -> tuple[dict[str, Any], dict[st
             raise ResponsesInputError("instructions", f"must be a string, got {instructions!r:.80}")
         messages.insert(0, {"role": "system", "content": instructions})
     chat: dict[str, Any] = {"messages": messages}
-    chat.update({name: body[name] for name in ("model", "temperature", "top_p", *_EXTRAS) if name in body})
+    chat.update({name: body[name] for name in ("model", "temperature", "top_p", "parallel_tool_calls", *_EXTRAS)
+                 if name in body})
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     response_format = _response_format(body.get("text"))

@@ -38,13 +38,15 @@ class MalformedToolCall(ValueError):
 class ToolChoice:
     """How a request's completion may call its tools (shardline's own request field:
     vLLM's offline API does not parse tool calls). ``tool_names`` are the functions
-    offered; ``name`` is the forced one when ``mode`` is "named"; ``parameters`` maps a
+    offered; ``name`` is the forced one when ``mode`` is "named"; ``parallel`` False
+    allows one call at most (OpenAI's ``parallel_tool_calls``); ``parameters`` maps a
     function name to its parameters' JSON schema, for formats whose arguments are text
     to be typed by it (Qwen3-Coder's XML)."""
 
     mode: ToolMode = "auto"
     tool_names: tuple[str, ...] = ()
     name: str | None = None
+    parallel: bool = True
     parameters: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -134,9 +136,14 @@ def content_or_none(text: str) -> str | None:
     return text or None
 
 
-def check_names(output: ToolCallOutput, choice: ToolChoice, raw_text: str) -> ToolCallOutput:
-    """``output`` with a call to a function the request did not offer reported as malformed."""
-    if not choice.tool_names or output.error is not None:
+def check_calls(output: ToolCallOutput, choice: ToolChoice, raw_text: str) -> ToolCallOutput:
+    """``output`` with a call to a function the request did not offer, or several calls
+    where the request allowed one, reported as malformed."""
+    if output.error is not None:
+        return output
+    if not choice.parallel and len(output.calls) > 1:
+        return malformed(raw_text, f"the model made {len(output.calls)} calls, but parallel_tool_calls is false")
+    if not choice.tool_names:
         return output
     unknown = [call.name for call in output.calls if call.name not in choice.tool_names]
     if not unknown:

@@ -12,7 +12,7 @@ from .calls import (
     ToolCallParser,
     ToolChoice,
     ToolParserError,
-    check_names,
+    check_calls,
     malformed,
 )
 from .deepseek import CALLS_BEGIN, DeepSeekParser
@@ -95,4 +95,4 @@ def read_tool_calls(parser: ToolCallParser | None, choice: ToolChoice, token_ids
             output = forced_calls(text, choice)
     except MalformedToolCall as exc:
         return malformed(text, str(exc))
-    return check_names(output, choice, text)
+    return check_calls(output, choice, text)

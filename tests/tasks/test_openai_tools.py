@@ -140,7 +140,7 @@ def test_forced_calls_and_response_inputs(tmp_path, make_job):
         request("named", "/v1/responses", input=history, instructions="Be brief.", tools=RESPONSE_TOOLS,
                 tool_choice={"type": "function", "name": "lookup"}, max_output_tokens=30, metadata={"k": "v"}),
         request("required", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
-                tool_choice="required", max_tokens=80),
+                tool_choice="required", max_tokens=80, parallel_tool_calls=False),
         request("schema", "/v1/responses", input="Pick a city", text={"format": {
             "type": "json_schema", "name": "city", "schema": CITY}}, reasoning={"effort": "low"}),
         request("reasoning-item", "/v1/responses", input=[{"type": "reasoning", "summary": []}]),
@@ -157,8 +157,8 @@ def test_forced_calls_and_response_inputs(tmp_path, make_job):
     assert call["name"] == "lookup" and json.loads(call["arguments"])["city"] in ("Oslo", "Rome")
 
     required = out["required"]["response"]["body"]["choices"][0]
-    assert required["finish_reason"] == "tool_calls" and required["message"]["tool_calls"][0]["function"]["name"] \
-        == "lookup"
+    [forced] = required["message"]["tool_calls"]  # parallel_tool_calls false: one call at most
+    assert required["finish_reason"] == "tool_calls" and forced["function"]["name"] == "lookup"
 
     schema = out["schema"]["response"]["body"]
     [message] = schema["output"]

@@ -120,6 +120,13 @@ def test_a_call_of_a_function_not_offered_is_malformed(tokenizer):
     assert output.calls == () and "'delete_all', which is not among the tools (lookup, add)" in (output.error or "")
 
 
+def test_several_calls_where_one_is_allowed_are_malformed(tokenizer):
+    one_at_most = ToolChoice("auto", ("lookup", "add"), parallel=False)
+    output = parse(tokenizer, "hermes", TRANSCRIPTS["hermes"][1], one_at_most)
+    assert output.calls == () and "made 2 calls, but parallel_tool_calls is false" in (output.error or "")
+    assert len(parse(tokenizer, "hermes", TRANSCRIPTS["hermes"][0], one_at_most).calls) == 1
+
+
 def test_markers_in_ordinary_tokens_open_no_call(tokenizer):
     # "<tool_call>" spelled out by byte tokens, not the special token: text, not a call.
     spelled = [token_id for char in f"<tool_call>{OSLO}</tool_call>"
