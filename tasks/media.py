@@ -265,9 +265,13 @@ def _read_url(source: ImageSource, url: str, limit: int, storage_options: dict[s
         if size is not None and size > limit:
             raise ImageError(f"{source.describe()} is {size} bytes, over images.max_image_bytes={limit}")
         # fsspec: untyped, bytes
-        return cast(bytes, retry_storage(lambda: fs.cat_file(path, start=0, end=limit + 1), "read", url, fs))
+        data = cast(bytes, retry_storage(lambda: fs.cat_file(path, start=0, end=limit + 1), "read", url, fs))
     except PipelineError as exc:  # already retried where that helps; named and one line
         raise ImageError(f"{source.describe()} could not be read ({exc.reason})") from None
+    if http and not data:
+        raise ImageError(f"{source.describe()} could not be read: the host sent no data (an empty answer, or a "
+                         "redirect, which is not followed: it could lead outside images.allowed_domains)")
+    return data
 
 
 def decoded_size(data: bytes, what: str) -> int:

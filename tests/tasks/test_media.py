@@ -172,3 +172,24 @@ def test_http_images_from_allowed_hosts_only(http_images):
         read_image_bytes(url_image(f"{base}/missing.png", allowed), allowed, {})
     with pytest.raises(ImageError, match="not in images.allowed_domains"):
         url_image(f"{base}/a.png", OPTIONS)
+
+
+def test_http_redirects_are_not_followed():
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(302)
+            self.send_header("Location", "http://elsewhere.example/cat.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        allowed = ImageOptions(allowed_domains=["127.0.0.1"])
+        with pytest.raises(ImageError, match="the host sent no data .* a redirect, which is not followed"):
+            read_image_bytes(url_image(f"http://127.0.0.1:{server.server_address[1]}/a.png", allowed), allowed, {})
+    finally:
+        server.shutdown()
