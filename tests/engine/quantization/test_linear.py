@@ -1,0 +1,66 @@
+"""QuantizedLinear: its torch path (a tile of output rows dequantized at a time) and
+its dispatch compute the plain-torch reference over the dequantized weight; the load
+check's reference switch is scoped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
+from shardline.engine.quantization import linear as quantized
+from shardline.engine.quantization.formats import pack_int4
+from shardline.engine.quantization.linear import QuantizedLinear, dequantized_reference, torch_quantized_matmul
+
+
+def _w8(rows: int, cols: int, block: tuple[int, int] | None, per_channel: bool, dtype: torch.dtype,
+        generator: torch.Generator) -> QuantizedLinear:
+    weight = (torch.randn(rows, cols, generator=generator) * 40).clamp(-127, 127).to(dtype)
+    if block is not None:
+        scale = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=generator) + 0.01
+    else:
+        scale = torch.rand(rows if per_channel else 1, 1, generator=generator) + 0.01
+    return QuantizedLinear.w8(weight, scale, block, torch.randn(rows, generator=generator))
+
+
+CASES = {
+    "w8_int8_per_tensor": lambda g: _w8(40, 24, None, False, torch.int8, g),
+    "w8_fp8_per_channel": lambda g: _w8(40, 24, None, True, torch.float8_e4m3fn, g),
+    "w8_fp8_partial_blocks": lambda g: _w8(70, 52, (16, 32), False, torch.float8_e4m3fn, g),
+    "w4_zeros_act_order": lambda g: QuantizedLinear.w4(
+        pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 4, generator=g) + 0.01,
+        torch.randint(0, 16, (36, 4), generator=g).float(), 16, torch.randperm(64, generator=g)),
+    "w4_symmetric": lambda g: QuantizedLinear.w4(
+        pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 2, generator=g) + 0.01, None, 32),
+}
+
+
+def _reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    if layer.layout == "w8":
+        assert layer.weight is not None and layer.scale is not None
+        weight = dequantize_w8(layer.weight, layer.scale, layer.block)
+    else:
+        assert layer.packed is not None and layer.scales is not None
+        weight = dequantize_w4(layer.packed, layer.scales, layer.zeros, layer.group_size)
+    return quantized_linear_reference(x, weight, layer.bias, layer.input_perm)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("tile_elements", [1, 1 << 20])
+def test_torch_path_and_dispatch_match_the_reference(name, tile_elements, monkeypatch):
+    monkeypatch.setattr(quantized, "TILE_ELEMENTS", tile_elements)  # one row (one block) per tile, or all
+    layer = CASES[name](torch.Generator().manual_seed(0))
+    assert not isinstance(layer, nn.Linear)
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(1))
+    expected = _reference(layer, x)
+    rows = x if layer.input_perm is None else x[:, layer.input_perm]
+    torch.testing.assert_close(torch_quantized_matmul(layer, rows), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(x.reshape(1, 5, -1)).reshape(5, -1), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_dequantized_reference_is_scoped():
+    model = nn.Sequential(CASES["w8_fp8_per_channel"](torch.Generator().manual_seed(2)))
+    with dequantized_reference(model):
+        assert all(module.use_reference for module in model if isinstance(module, QuantizedLinear))
+    assert not any(module.use_reference for module in model if isinstance(module, QuantizedLinear))
