@@ -37,14 +37,22 @@ PROMPTS = [[5, 9, 33, 70, 100, 7, 8, 200], [6, 10, 34, 71, 101, 7, 8, 200], [300
 NEW_TOKENS = 12
 FP8_BLOCK = (16, 32)
 
+# Per format: (quantization_config, the checkpoint writer, the dtype the experts hold,
+# whether gate_up and down are stacked over the experts for the grouped W8 kernel).
 FORMATS = {
     "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                   "weight_block_size": list(FP8_BLOCK)}, ckpt.fp8_blocks(FP8_BLOCK), torch.float8_e4m3fn),
+                   "weight_block_size": list(FP8_BLOCK)}, ckpt.fp8_blocks(FP8_BLOCK), torch.float8_e4m3fn,
+                  (True, True)),
     "compressed_w4a16": (ckpt.compressed_config("pack-quantized", {
         "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}),
-        ckpt.pack_quantized(32, True), torch.uint8),
+        ckpt.pack_quantized(32, True), torch.uint8, (False, False)),
     "gptq_int4": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
-                   "checkpoint_format": "gptq"}, ckpt.gptq(32, True), torch.uint8),
+                   "checkpoint_format": "gptq"}, ckpt.gptq(32, True), torch.uint8, (False, False)),
+    # Act-order columns (an input_perm per expert) keep gate_up's linears apart; down's
+    # 32 columns are one group, in order, so it stacks.
+    "gptq_int8_act_order": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "sym": True,
+                             "checkpoint_format": "gptq"}, ckpt.gptq_8bit(32, act_order=True), torch.int8,
+                            (False, True)),
 }
 
 
@@ -74,7 +82,7 @@ def _experts(llm: LLM) -> list[QuantizedExperts]:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir, tmp_path, fmt) -> None:
-    quantization_config, quantize, stored_dtype = FORMATS[fmt]
+    quantization_config, quantize, stored_dtype, stacked_over_experts = FORMATS[fmt]
     out_dir = tmp_path / fmt
     dequantized = ckpt.write_quantized(float_dir, out_dir, quantization_config, quantize)
     assert any(".experts.3.down_proj" in name for name in dequantized)
@@ -94,7 +102,7 @@ def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir,
             assert isinstance(projection, LinearsPerExpert) and projection.num_experts == 4
             linears = [linear for linear in projection.modules() if isinstance(linear, QuantizedLinear)]
             stacked = projection.stacked_weight
-            if stored_dtype == torch.uint8:  # W4: each expert's linears apart, gate and up two
+            if not stacked_over_experts[1 if projection is module.down else 0]:  # each expert's linears apart
                 assert stacked is None and len(linears) == 4 * (2 if projection is module.gate_up else 1)
             else:  # W8: stacked over the experts (gate and up rows together), each expert a view
                 assert stacked is not None and stacked.shape == (4, projection.out_features, projection.in_features)
