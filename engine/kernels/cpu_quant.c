@@ -4,7 +4,8 @@
  *   w8_linear / w4_linear: the decode shapes (few rows of x). The threads split the
  *       output columns; each streams its weight rows once, R rows at a time, and
  *       dequantizes VL weights at a time in registers (codes -> float32, times the
- *       scale, less the zero point for W4), multiplying MT rows of x at once.
+ *       scale, less the zero point for W4), multiplying MT rows of x at once
+ *       (bfloat16 x on AVX512_BF16 builds: cpu_quant_bf16.c's instead).
  *   w8_dequantize / w4_dequantize: rows n0 .. n1 of the weight dequantized into a
  *       panel (float32, bfloat16 or float16), which the launcher multiplies with the
  *       prefill shapes' many rows of x through torch's matmul, panel by panel.
