@@ -1,7 +1,7 @@
 """Reading config.json's ``quantization_config`` into a QuantScheme, per quant_method.
 
 ``quant_scheme(hf_config)`` reads fp8 (per tensor or channel, or ``weight_block_size``
-blocks; ``weight_scale_inv`` or ``weight_scale``), compressed-tensors (FP8 and INT8
+blocks; ``weight_scale_inv`` or ``weight_scale``), fbgemm_fp8 (per channel), compressed-tensors (FP8 and INT8
 W8A8, W4A16 pack-quantized; its config read by the compressed-tensors package), gptq
 (4-bit, and symmetric 8-bit; group_size, desc_act, sym, checkpoint_format), awq (gemm) and mxfp4 (gpt-oss's
 experts). A format the engine does not run (NVFP4, bitsandbytes, GGUF, an unknown
@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import UnsupportedModelError
 from .scheme import QuantScheme, online_scheme
 
-READ_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
+READ_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
 
 
 def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
@@ -89,8 +89,8 @@ def parse_quantization_config(config: Mapping[str, Any]) -> QuantScheme:
     refusal = _refused_method(method, config)
     if refusal is not None:
         raise UnsupportedModelError(refusal)
-    parsers = {"fp8": _parse_fp8, "compressed-tensors": _parse_compressed_tensors, "gptq": _parse_gptq,
-               "awq": _parse_awq, "mxfp4": _parse_mxfp4}
+    parsers = {"fp8": _parse_fp8, "fbgemm_fp8": _parse_fbgemm_fp8, "compressed-tensors": _parse_compressed_tensors,
+               "gptq": _parse_gptq, "awq": _parse_awq, "mxfp4": _parse_mxfp4}
     return parsers[method](config)
 
 
@@ -141,6 +141,13 @@ def _parse_fp8(config: Mapping[str, Any]) -> QuantScheme:
         activations="dynamic" if activations == "dynamic" else "static",
         scale_names=("weight_scale_inv", "weight_scale"),
         ignore=_names(config, "modules_to_not_convert", "ignored_layers", "ignore"))
+
+
+def _parse_fbgemm_fp8(config: Mapping[str, Any]) -> QuantScheme:
+    # Meta's FP8 releases: e4m3 weights with a float32 scale per output channel; its
+    # kernels quantize activations per token (up to activation_scale_ub).
+    return QuantScheme(method="fbgemm_fp8", weights="fp8", layout="w8", strategy="channel", activations="dynamic",
+                       scale_names=("weight_scale",), ignore=_names(config, "modules_to_not_convert"))
 
 
 def _parse_gptq(config: Mapping[str, Any]) -> QuantScheme:

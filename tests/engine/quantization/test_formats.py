@@ -41,6 +41,8 @@ FORMATS = {
             "float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
             {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}),
         ckpt.fp8_per_channel, torch.float8_e4m3fn),
+    "fbgemm_fp8_channel": ("llama", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                     "modules_to_not_convert": ["lm_head"]}, ckpt.fp8_per_channel, torch.float8_e4m3fn),
     "compressed_fp8_blocks": (
         "llama", ckpt.compressed_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
                                                             "strategy": "block", "block_structure": [32, 64]}),
