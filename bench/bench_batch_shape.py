@@ -25,7 +25,11 @@ machine other work is loading (the absolute figures are then one core's).
 
     python bench/bench_batch_shape.py [--rows 256] [--templates 8] [--prefix-len 200 400]
         [--tail-len 4 24] [--duplicates 0.3] [--output-len 4] [--cached-prefixes 3] [--rate-rows 48]
-        [--repeat 1] [--cpu-time]
+        [--block-size 16] [--repeat 1] [--cpu-time]
+
+Prefix hits are whole blocks: a row whose template ends inside a block computes that
+block's template tokens again, so ``--block-size`` moves the batch-aware run's
+distance to the token bound (the engine's default is 16).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ from shardline.engine.model.loader import load_hf_config
 # What the runs are timed by: the wall clock, or with --cpu-time the thread's CPU time.
 clock: Callable[[], float] = time.perf_counter
 VOCAB_SIZE = 16384
-BLOCK_SIZE = 16
 ENGINES = {
     "every token": dict(enable_prefix_caching=False, prefix_aware_admission=False, collapse_duplicate_requests=False),
     "default before": dict(prefix_aware_admission=False, collapse_duplicate_requests=False),
@@ -104,7 +107,7 @@ def engine_of(llm: LLM) -> LLMEngine:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--templates", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, nargs=2, default=(200, 400))
@@ -114,6 +117,7 @@ def main() -> None:
     parser.add_argument("--cached-prefixes", type=float, default=3.0,
                         help="KV cache size in longest prefixes (plus one block per running sequence)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; best of each compared")
     parser.add_argument("--rate-rows", type=int, default=48, help="rows 'every token' runs to measure its rate")
@@ -129,11 +133,12 @@ def main() -> None:
     rows = mixed_template_rows(args)
     total, distinct = sum(len(row) for row in rows), distinct_tokens(rows)
     spec = KVCacheSpec.from_hf_config(load_hf_config(EngineConfig(model=model_dir)), torch.float32)
-    num_blocks = int(args.cached_prefixes * -(-args.prefix_len[1] // BLOCK_SIZE)) + args.max_num_seqs
+    block_size = args.block_size
+    num_blocks = int(args.cached_prefixes * -(-args.prefix_len[1] // block_size)) + args.max_num_seqs * 16 // block_size
     max_model_len = args.prefix_len[1] + args.tail_len[1] + args.output_len
-    llms = {name: LLM(model_dir, dtype="float32", device=args.device, block_size=BLOCK_SIZE,
+    llms = {name: LLM(model_dir, dtype="float32", device=args.device, block_size=block_size,
                       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-                      kv_cache_memory_bytes=num_blocks * spec.bytes_per_block(BLOCK_SIZE), **options)
+                      kv_cache_memory_bytes=num_blocks * spec.bytes_per_block(block_size), **options)
             for name, options in ENGINES.items()}
     for llm in llms.values():  # warm up outside the timed runs
         llm.generate({"prompt_token_ids": rows[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -153,16 +158,21 @@ def main() -> None:
     print(f"host: {host_cpu().describe()}; device {args.device}; {torch.get_num_threads()} threads")
     print(f"workload: {args.rows} rows, {args.templates} templates of {args.prefix_len[0]}-{args.prefix_len[1]} "
           f"tokens, tails of {args.tail_len[0]}-{args.tail_len[1]}, {args.duplicates:.0%} repeated rows, "
-          f"{args.output_len} output tokens, greedy float32; KV cache {num_blocks} blocks of {BLOCK_SIZE} "
-          f"(about {args.cached_prefixes:g} longest prefixes), max_num_seqs {args.max_num_seqs}")
+          f"{args.output_len} output tokens, greedy float32; KV cache {num_blocks} blocks of {block_size} "
+          f"(about {args.cached_prefixes:g} longest prefixes and 16 tokens a sequence), "
+          f"max_num_seqs {args.max_num_seqs}")
     print(f"prompt tokens: {total} in all, {distinct} distinct: prefill-token bound {total / distinct:.2f}x")
     best = {name: min(runs) for name, runs in seconds.items()}
     for name, llm in llms.items():
         stats = engine_of(llm).stats()
         num_rows = len(rate_rows) if name == "every token" else len(rows)
         hit_rate = "off" if stats.prefix_cache_hit_rate is None else f"{stats.prefix_cache_hit_rate:.2f}"
+        prefix_stats = engine_of(llm).scheduler.kv_cache.stats
+        computed = (prefix_stats.num_query_tokens - prefix_stats.num_hit_tokens if prefix_stats.num_queries
+                    else sum(len(row) for row in rate_rows))
         print(f"{name:15s} {num_rows:5d} rows {best[name]:8.2f} s  {num_rows / best[name]:8.2f} rows/s  "
-              f"steps {stats.num_steps}  prefix hit rate {hit_rate}  preemptions {stats.num_preemptions}  "
+              f"steps {stats.num_steps}  prompt tokens computed {computed}  prefix hit rate {hit_rate}  "
+              f"preemptions {stats.num_preemptions}  "
               f"collapsed rows {engine_of(llm).duplicates.num_collapsed}  "
               f"runs: {', '.join(f'{s:.2f}' for s in seconds[name])} s")
     rate = sum(len(row) for row in rate_rows) / best["every token"]
