@@ -8,8 +8,8 @@
  *     two is a float32). The low nibbles meet x's even columns and the high nibbles
  *     its odd ones, so x comes split into those two halves. The threads split the
  *     output rows; each weight row is decoded once per ROWS_PER_PASS rows of x.
- *   mxfp4_dequantize: the float32 rows [r0, r1) of w (prefill multiplies them with
- *     torch's matmul, a panel at a time).
+ *   mxfp4_dequantize: the rows [r0, r1) of w in float32 or bfloat16 (prefill multiplies
+ *     them with torch's matmul, a panel at a time).
  * ``exponents`` [256] float32 holds 2^(s - 127) for every scale byte s (the caller's
  * table, the reference's values). */
 #include <stdint.h>
@@ -21,6 +21,7 @@
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
 /* Rows of x one pass over the weight serves: their accumulators stay in registers. */
 #define ROWS_PER_PASS 8
@@ -103,23 +104,33 @@ void mxfp4_matmul(const float *x_even, const float *x_odd, int64_t m_rows, const
     }
 }
 
-/* out: [r1 - r0, K] float32, contiguous. */
-void mxfp4_dequantize(const uint8_t *blocks, const uint8_t *scales, const float *exponents, float *out,
-                      int64_t r0, int64_t r1, int64_t groups, int num_threads) {
+/* out: [r1 - r0, K], contiguous: float32 (bf16 = 0) or bfloat16 (bf16 = 1), each the
+ * float32 value's upper half: exact, as an E2M1 value times a power of two has at most
+ * two significant bits. */
+void mxfp4_dequantize(const uint8_t *blocks, const uint8_t *scales, const float *exponents, void *out,
+                      int64_t r0, int64_t r1, int64_t groups, int bf16, int num_threads) {
     const v16i first = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
     const v16i second = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if ((r1 - r0) * groups * 32 >= PARALLEL_MIN_WEIGHTS)")
     for (int64_t r = r0; r < r1; r++) {
-        float *row_out = out + (r - r0) * groups * 32;
         for (int64_t g = 0; g < groups; g++) {
             const v16f table = FP4_E2M1 * exponents[scales[r * groups + g]];
             const v16i codes = load_codes(blocks + (r * groups + g) * 16);
             const v16f low = __builtin_shuffle(table, codes & 15);
             const v16f high = __builtin_shuffle(table, codes >> 4);
-            const v16f lower = __builtin_shuffle(low, high, first);
-            const v16f upper = __builtin_shuffle(low, high, second);
-            memcpy(row_out + g * 32, &lower, sizeof lower);
-            memcpy(row_out + g * 32 + 16, &upper, sizeof upper);
+            const v16f halves[2] = {__builtin_shuffle(low, high, first), __builtin_shuffle(low, high, second)};
+            const int64_t offset = ((r - r0) * groups + g) * 32;
+            if (!bf16) {
+                memcpy((float *)out + offset, halves, sizeof halves);
+                continue;
+            }
+            uint16_t *row_out = (uint16_t *)out + offset;
+            for (int half = 0; half < 2; half++) {
+                v16i bits;
+                memcpy(&bits, &halves[half], sizeof bits);
+                const v16u16 upper = __builtin_convertvector((bits >> 16) & 0xffff, v16u16);
+                memcpy(row_out + 16 * half, &upper, sizeof upper);
+            }
         }
     }
 }

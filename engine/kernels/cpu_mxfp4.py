@@ -33,7 +33,7 @@ _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, ["mxfp4_matmul"], [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _N], None)
-    declare(library, ["mxfp4_dequantize"], [_P, _P, _P, _P, _I, _I, _I, _N], None)
+    declare(library, ["mxfp4_dequantize"], [_P, _P, _P, _P, _I, _I, _I, _N, _N], None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "MXFP4 experts dequantize tiles through torch")
@@ -83,27 +83,28 @@ def _panel_matmul(library: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, s
     rows, groups = scales.shape
     cols = groups * MXFP4_BLOCK
     out_t = torch.empty(rows, x.shape[0], dtype=torch.float32)
-    panel_rows = max(1, PANEL_BYTES // (4 * cols))
-    panel = torch.empty(min(panel_rows, rows), cols, dtype=torch.float32)
+    panel_rows = max(1, PANEL_BYTES // (x.element_size() * cols))
+    panel = torch.empty(min(panel_rows, rows), cols, dtype=x.dtype)
     for start in range(0, rows, panel_rows):
         stop = min(start + panel_rows, rows)
         library.mxfp4_dequantize(blocks.data_ptr(), scales.data_ptr(), exponents.data_ptr(), panel.data_ptr(),
-                                 start, stop, groups, torch.get_num_threads())
-        weight = panel[:stop - start].to(x.dtype)
+                                 start, stop, groups, int(x.dtype == torch.bfloat16), torch.get_num_threads())
         if x.dtype == torch.float32:
-            torch.matmul(weight, x.t(), out=out_t[start:stop])
+            torch.matmul(panel[:stop - start], x.t(), out=out_t[start:stop])
         else:  # bfloat16: one product rounded to bfloat16, as transformers' bfloat16 experts compute it
-            out_t[start:stop] = torch.matmul(weight, x.t())
+            out_t[start:stop] = torch.matmul(panel[:stop - start], x.t())
     return out_t.t()
 
 
-def cpu_mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [N, K] of ``blocks`` / ``scales`` (for tests and checks)."""
+def cpu_mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, exponents: torch.Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] of ``blocks`` / ``scales`` in ``dtype`` (float32 or bfloat16;
+    for tests and checks)."""
     rows, groups = scales.shape
-    _check_layout(torch.empty(0, groups * MXFP4_BLOCK), blocks, scales, exponents)
+    _check_layout(torch.empty(0, groups * MXFP4_BLOCK, dtype=dtype), blocks, scales, exponents)
     library = _LIBRARY.load()
     assert library is not None, "cpu_mxfp4 did not build; check cpu_mxfp4_available() first"
-    out = torch.empty(rows, groups * MXFP4_BLOCK, dtype=torch.float32)
+    out = torch.empty(rows, groups * MXFP4_BLOCK, dtype=dtype)
     library.mxfp4_dequantize(blocks.data_ptr(), scales.data_ptr(), exponents.data_ptr(), out.data_ptr(), 0, rows,
-                             groups, torch.get_num_threads())
+                             groups, int(dtype == torch.bfloat16), torch.get_num_threads())
     return out

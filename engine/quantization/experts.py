@@ -11,9 +11,12 @@ transformers holds a MoE layer's experts as one module with 3D weights (``gate_u
 top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. ``QuantizedExperts`` keeps that
 call and holds each projection of every expert quantized: MXFP4 as gpt-oss ships it
 (engine/quantization/mxfp4.py), or W8/W4 (engine/kernels/quant_reference.py's layouts)
-stacked over the experts from a checkpoint that stores each expert's linears apart
-(``{experts}.{e}.gate_proj.weight`` and its scales, as transformers' weight conversion
-reads Qwen3-MoE, DeepSeek-V3 and Mixtral checkpoints before fusing them).
+from a checkpoint that stores each expert's linears apart (``{experts}.{e}.gate_proj.weight``
+and its scales, as transformers' weight conversion reads Qwen3-MoE, DeepSeek-V3 and
+Mixtral checkpoints before fusing them), one QuantizedLinear per expert, W8 ones views
+into weights stacked over the experts. On CUDA the MXFP4 and stacked W8 experts run
+as one grouped Triton kernel (engine/kernels/quant_moe.py, quant_moe_w8.py); elsewhere
+each routed expert is two products through its projection's CPU kernel or torch path.
 
 Invariants:
 - No float copy of an expert's weight is kept: a projection dequantizes inside its

@@ -42,10 +42,14 @@ def test_bfloat16_activations(m_rows) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-2, atol=tolerance)
 
 
-def test_dequantize_is_the_reference_bit_for_bit(kernel_target) -> None:
-    # Every code and the extreme scales: 2^-127 (a float32 subnormal) up to 2^127.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_is_the_reference_bit_for_bit(kernel_target, dtype) -> None:
+    # Every code and the extreme scales: 2^-127 (a float32 subnormal) up to 2^127; each
+    # value is exact in bfloat16 too.
     blocks, scales = _weight(64, 5, seed=3, scale_range=(0, 255))
-    assert torch.equal(cpu_mxfp4_dequantize(blocks, scales, EXPONENTS), dequantize_mxfp4(blocks, scales))
+    reference = dequantize_mxfp4(blocks, scales)
+    assert torch.equal(reference.to(dtype).float(), reference)
+    assert torch.equal(cpu_mxfp4_dequantize(blocks, scales, EXPONENTS, dtype), reference.to(dtype))
 
 
 def test_a_wide_matmul_splits_over_threads(kernel_target) -> None:
