@@ -348,7 +348,10 @@ def _fused_layer(layer: nn.Module, rotary_emb: nn.Module, is_last: bool, rows_hi
     attention = layer.self_attn
     # A quantized o_proj (engine/quantization/) holds no float weight: the layer's dtype
     # and width are its input norm's.
-    weight = attention.o_proj.weight if isinstance(attention.o_proj, nn.Linear) else layer.input_layernorm.weight
+    weight = (attention.o_proj.weight if isinstance(attention.o_proj, nn.Linear)
+              else getattr(layer.input_layernorm, "weight", None))
+    if not isinstance(weight, torch.Tensor):
+        return None
     if weight.device.type != "cpu" or weight.dtype not in FUSED_DTYPES or not fused_kernels_available(weight.dtype):
         return None
     attend = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)
