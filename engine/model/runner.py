@@ -26,6 +26,7 @@ from ..attention.backends import AttentionBackend, StepBatch
 from ..attention.context import AttentionContext
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..multimodal.encoder_cache import fills_images
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputRows, PackedBatch
@@ -120,7 +121,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
-                and not any(item.request.images for item in scheduler_output.scheduled)
+                and not fills_images(scheduler_output.scheduled)
                 and graphs.qualifies(scheduler_output)):
             return graphs
         return None

@@ -124,3 +124,10 @@ class EncoderCache:
         rows = torch.cat([output[first:last] for (_, _, first, last), output in zip(needed, outputs)])
         embeddings[0, torch.tensor(targets, device=embeddings.device)] = rows.to(embeddings.dtype)
         return embeddings
+
+
+def fills_images(scheduled: Sequence[ScheduledRequest]) -> bool:
+    """Whether any scheduled token is an image placeholder (the step then runs on input
+    embeddings; a decode step never is one)."""
+    return any(image.start < item.start + item.num_new_tokens and image.end > item.start
+               for item in scheduled for image in item.request.images)
