@@ -27,7 +27,7 @@ from .structured_job import StructuredOutputs
 # Columns every output shard may carry; pass-through columns must not shadow them.
 OUTPUT_COLUMNS = (
     "id", "text", "texts", "finish_reason", "prompt_tokens", "completion_tokens", "error", "embedding",
-    "parsed", "reasoning", "tool_calls",
+    "parsed", "reasoning", "reasoning_tokens", "tool_calls",
 )
 
 

@@ -132,7 +132,8 @@ def check_outputs(rows: list[Any], outputs: list[Any], job: BatchJob, input_colu
     """Check every constrained output of a shard's ``rows`` (PreparedRows; ``outputs``
     are the engine's RequestOutputs or None, in the same order) and build its
     ``parsed`` column (when has_structured_rows) and ``reasoning`` column (when the job
-    has a reasoning parser), lists of strings when the job samples n > 1."""
+    has a reasoning parser), lists of strings when the job samples n > 1, with beside it
+    ``reasoning_tokens``, each row's thinking tokens over all its samples."""
     import pyarrow as pa
 
     checker = OutputChecker()
@@ -169,6 +170,10 @@ def check_outputs(rows: list[Any], outputs: list[Any], job: BatchJob, input_colu
     if job.reasoning_parser is not None:
         checked.columns["reasoning"] = column(
             [None if o is None else [sample.reasoning for sample in o.outputs] for o in outputs])
+        # Thinking tokens per row (all samples together), as usage's reasoning_tokens counts them.
+        checked.columns["reasoning_tokens"] = pa.array(
+            [None if o is None else sum(sample.num_reasoning_tokens for sample in o.outputs) for o in outputs],
+            pa.int64())
     return checked
 
 

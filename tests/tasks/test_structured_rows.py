@@ -220,10 +220,12 @@ def test_reasoning_gets_its_column_and_the_constraint_applies_to_the_answer(tmp_
                    structured_outputs={"choice": ["yes", "no"]})
     check_model(job)  # the pre-flight check finds the think tags
     manifest, table = _run(tmp_path, rows, job)
-    assert table.column_names[-3:] == ["parsed", "reasoning", "error"]
+    assert table.column_names[-4:] == ["parsed", "reasoning", "reasoning_tokens", "error"]
     for row in table.to_pylist():
         assert row["error"] is None and row["text"] in ("yes", "no"), row
         assert isinstance(row["reasoning"], str) and "<think>" not in row["reasoning"]
+        assert 0 < row["reasoning_tokens"] < row["completion_tokens"], row
+    assert manifest.reasoning_tokens == sum(table.column("reasoning_tokens").to_pylist())
     assert manifest.job["reasoning_parser"] == "deepseek_r1"
 
     with pytest.raises(ModelUnusable, match="needs the tokens <think> and </think>"):
