@@ -1,0 +1,107 @@
+"""Multi-head latent attention over a paged cache of latents, in plain torch.
+
+A latent layer (deepseek_v2/v3's attention) derives every head's key and value from
+one compressed vector per token: k_nope = W_UK c, v = W_UV c, with c the normalized
+``kv_lora_rank``-wide latent, and one rotary key k_rope shared by all heads. So the
+cache holds per token [c, k_rope] (kv_lora_rank + qk_rope_head_dim numbers) for all
+heads together, laid out [num_blocks, block_size, kv_lora_rank + rope_dim], instead
+of H keys and values.
+
+Two exact ways to attend it, one result:
+- up-projected (a prompt's many queries): rebuild each context token's k_nope and v
+  from the latent, then attend as multi-head attention;
+- absorbed (a decode step's one query per request): fold W_UK into the query
+  (q_lat = q_nope W_UK, per head kv_lora_rank wide), score against the latents
+  directly, and apply W_UV to the weighted sum of latents; no per-head key or value
+  is ever formed, so a step reads S x (kv_lora_rank + rope_dim) numbers per request.
+
+Positions: request b's queries are its last ``query_len`` positions of ``seq_lens[b]``
+and each sees the keys at or before its own position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_up_projection(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int,
+                        value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight [H * (nope_dim + value_dim), kv_lora_rank] (per head the key
+    rows, then the value rows) as (W_UK [H, nope_dim, r], W_UV [H, value_dim, r])."""
+    rows, rank = kv_b_weight.shape
+    if rows != num_heads * (nope_dim + value_dim):
+        raise ValueError(f"kv_b_proj's weight has {rows} rows; {num_heads} heads of {nope_dim} key and "
+                         f"{value_dim} value numbers need {num_heads * (nope_dim + value_dim)}")
+    per_head = kv_b_weight.view(num_heads, nope_dim + value_dim, rank)
+    return per_head[:, :nope_dim], per_head[:, nope_dim:]
+
+
+def write_latent(latent_cache: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Store the step's tokens: latent [T, r] and rope_key [T, dr] into latent_cache
+    [N, bs, r + dr] at slot_mapping [T] (block_id * bs + offset)."""
+    width = latent.shape[-1] + rope_key.shape[-1]
+    if latent_cache.shape[-1] != width:
+        raise ValueError(f"a latent of {latent.shape[-1]} and a rotary key of {rope_key.shape[-1]} numbers "
+                         f"do not fill the latent cache's {latent_cache.shape[-1]} per token")
+    rows = torch.cat([latent, rope_key], dim=-1).to(latent_cache.dtype)
+    latent_cache.view(-1, width).index_copy_(0, slot_mapping, rows)
+
+
+def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One request's [seq_len, r + dr] context, read through its block table."""
+    block_size = latent_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = latent_cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, latent_cache.shape[-1])[:seq_len]
+
+
+def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                           w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                           absorb_up_to: int = 1) -> torch.Tensor:
+    """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
+    request's latent context; requests of at most ``absorb_up_to`` queries attend
+    absorbed, the others up-projected. Returns [T, H, dv]."""
+    rank = w_uk.shape[-1]
+    if latent_cache.shape[-1] != rank + q_rope.shape[-1]:
+        raise ValueError(f"the latent cache holds {latent_cache.shape[-1]} numbers per token; a latent of {rank} "
+                         f"and a rotary key of {q_rope.shape[-1]} need {rank + q_rope.shape[-1]}")
+    output = q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]))
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for request, seq_len in enumerate(lens):
+        first, end = starts[request], starts[request + 1]
+        if end == first:
+            continue
+        context = _context(latent_cache, block_tables[request], seq_len).to(q_nope.dtype)
+        latent, rope_key = context[:, :rank], context[:, rank:]
+        attend = _absorbed if end - first <= absorb_up_to else _up_projected
+        output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale)
+    return output
+
+
+def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over keys of scores [H, n, S], query i at position S - n + i seeing keys
+    at or before it."""
+    num_queries, seq_len = scores.shape[1], scores.shape[2]
+    query_pos = torch.arange(seq_len - num_queries, seq_len, device=scores.device)[:, None]
+    hidden = torch.arange(seq_len, device=scores.device)[None, :] > query_pos
+    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+
+
+def _absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk.to(q_nope.dtype))
+    scores = torch.einsum("nhr,sr->hns", q_latent, latent) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
+    weights = _causal_softmax(scores * scale)
+    out_latent = torch.einsum("hns,sr->nhr", weights, latent)
+    return torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
+
+
+def _up_projected(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    key_nope = torch.einsum("sr,hdr->shd", latent, w_uk.to(q_nope.dtype))
+    value = torch.einsum("sr,hvr->shv", latent, w_uv.to(q_nope.dtype))
+    scores = torch.einsum("nhd,shd->hns", q_nope, key_nope) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
+    weights = _causal_softmax(scores * scale)
+    return torch.einsum("hns,shv->nhv", weights, value)
