@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,29 @@ class CheckpointTensors:
         self.directory = Path(directory)
         self.device = torch.device(device)
         self._file_of: dict[str, str] = _tensor_files(self.directory)
+        # The name each tensor is stored under, by the name it is asked for (``rename``).
+        self._stored: dict[str, str] = {name: name for name in self._file_of}
         self._handles: dict[str, Any] = {}
         self._bytes_read: dict[str, int] = {}
+
+    def rename(self, rename: Callable[[str], str]) -> None:
+        """Answer by ``rename(stored name)`` from now on (the names the model's
+        parameters have, where transformers renames a checkpoint's keys at load); two
+        stored tensors renamed alike are refused."""
+        file_of_stored = {stored: self._file_of[name] for name, stored in self._stored.items()}
+        stored: dict[str, str] = {}
+        for name in file_of_stored:
+            renamed = rename(name)
+            if renamed in stored:
+                raise QuantizedCheckpointError(
+                    f"checkpoint {self.directory}: tensors {stored[renamed]!r} and {name!r} both name {renamed!r}")
+            stored[renamed] = name
+        self._file_of = {renamed: file_of_stored[name] for renamed, name in stored.items()}
+        self._stored = stored
+
+    def stored_name(self, name: str) -> str:
+        """The name ``name`` is stored under in the safetensors files."""
+        return self._stored.get(name, name)
 
     def names(self) -> set[str]:
         """Every tensor name the checkpoint holds."""
@@ -71,7 +92,7 @@ class CheckpointTensors:
     def get(self, name: str, what: str = "") -> torch.Tensor:
         """The tensor ``name`` on this object's device, in memory of its own; ``what`` says
         what it is needed for in the error raised when the checkpoint lacks it."""
-        tensor = self._handle(name, what).get_tensor(name)
+        tensor = self._handle(name, what).get_tensor(self.stored_name(name))
         # A CPU tensor may be a view of the file's mapping, which would keep the whole
         # file mapped (and every page read of it resident) as long as the tensor lives.
         tensor = tensor.clone() if tensor.device.type == "cpu" else tensor
@@ -85,11 +106,11 @@ class CheckpointTensors:
 
     def dtype(self, name: str, what: str = "") -> torch.dtype:
         """The stored dtype of ``name`` (reads the header only)."""
-        return _SAFETENSORS_DTYPES[self._handle(name, what).get_slice(name).get_dtype()]
+        return _SAFETENSORS_DTYPES[self._handle(name, what).get_slice(self.stored_name(name)).get_dtype()]
 
     def shape(self, name: str, what: str = "") -> tuple[int, ...]:
         """The stored shape of ``name`` (reads the header only)."""
-        return tuple(self._handle(name, what).get_slice(name).get_shape())
+        return tuple(self._handle(name, what).get_slice(self.stored_name(name)).get_shape())
 
     def close(self) -> None:
         self._handles.clear()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
     with torch.device(device), init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     tensors = CheckpointTensors(directory, device)
+    tensors.rename(checkpoint_renaming(model))
     linears = quantized_linear_names(model, tensors, scheme)
     skipped = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
     state = {name: _as_loaded(tensors.get(name), dtype) for name in _loadable(model) - skipped if name in tensors}
@@ -86,6 +88,21 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
             f"{type(model).__name__} missing)")
     logger.info("read %s: %d linears quantized as %s", directory, len(linears), scheme.description)
     return model.eval(), QuantizedWeights(scheme, tensors, tuple(linears), dtype)
+
+
+def checkpoint_renaming(model: nn.Module) -> Callable[[str], str]:
+    """How transformers renames ``model``'s checkpoint keys at load (its conversion
+    mapping's renamings, e.g. Mixtral's block_sparse_moe -> mlp), as one function of a
+    stored name. Its converters, which fuse per-expert tensors, are left to
+    engine/quantization/experts.py, which reads the experts in their stored layout."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    if not isinstance(model, transformers.PreTrainedModel):
+        return lambda name: name
+    renamings = [transform for transform in get_model_conversion_mapping(model)
+                 if isinstance(transform, WeightRenaming)]
+    return lambda name: apply_renamings(name, renamings)
 
 
 def _loadable(model: nn.Module) -> set[str]:
