@@ -122,10 +122,16 @@ def _decode_differs_from_scan(model: nn.Module) -> bool:
 
 
 def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):
-    """Forward hooks keeping each layer's output hidden states ([1, T, hidden])."""
+    """Forward hooks keeping each layer's output hidden states as [streams, T, hidden]:
+    [1, T, hidden] for most layers, one row per stream where a layer passes several
+    stacked ahead of the batch (gemma3n's AltUp: [streams, 1, T, hidden])."""
+    def keep(index: int, output: object) -> None:
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        assert isinstance(hidden, torch.Tensor), f"layer {index} returns no hidden-state tensor"
+        sink[index] = hidden.reshape(-1, *hidden.shape[-2:])
+
     def hook(index):
-        return lambda module, args, output: sink.__setitem__(
-            index, output[0] if isinstance(output, (tuple, list)) else output)
+        return lambda module, args, output: keep(index, output)
     return [layer.register_forward_hook(hook(index)) for index, layer in enumerate(layers)]
 
 

@@ -107,7 +107,12 @@ def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int)
     """How many key-value heads a layer's attention caches: the config's
     num_key_value_heads, else what older configs say in their own words (falcon's
     num_kv_heads with its new decoder architecture, one head for multi-query
-    attention: falcon, gpt_bigcode), else one per query head."""
+    attention: falcon, gpt_bigcode), else one per query head. A count in the config's
+    nested attention config (dbrx's ``attn_config.kv_n_heads``, the one its attention
+    reads) comes first: the top-level mirror may disagree with it."""
+    nested = _nested_kv_heads(layer_config)
+    if nested is not None:
+        return nested
     heads = getattr(layer_config, "num_key_value_heads", None)
     if heads and getattr(layer_config, "model_type", None) == "jetmoe":
         # Each of its top-k attention experts attends the same keys: it passes them repeated.
@@ -117,6 +122,13 @@ def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int)
     if getattr(layer_config, "new_decoder_architecture", False):
         return layer_config.num_kv_heads
     return 1 if getattr(layer_config, "multi_query", False) else num_heads
+
+
+def _nested_kv_heads(layer_config: transformers.PretrainedConfig) -> int | None:
+    """The key-value head count a nested ``attn_config`` (a sub-config or a dict) names, if any."""
+    attn_config = getattr(layer_config, "attn_config", None)
+    heads = attn_config.get("kv_n_heads") if isinstance(attn_config, dict) else getattr(attn_config, "kv_n_heads", None)
+    return int(heads) if heads else None
 
 
 def value_cache_head_size(layer_config: transformers.PretrainedConfig, value_head_dim: int) -> int:

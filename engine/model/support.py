@@ -15,7 +15,8 @@ pipeline's pre-flight check asks it before any shard is read. Its rules, in orde
    chunked attention);
 3. the class the task loads: transformers has one, and it builds from the config;
 4. its attention: routed through transformers' AttentionInterface, or replaced by an
-   adapter (engine/model/adapters/; "generate" only);
+   adapter (engine/model/adapters/; "generate" only); for "generate", the model builds
+   with the engine's attention implementation as the loader builds it;
 5. for "generate", the same module surgery the engine does at load, on the meta
    model: the attention adapters (``adapt_attention``) and the recurrent layers'
    preparation (``prepare_recurrent_layers``), whose refusals become the verdict's.
@@ -36,6 +37,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..attention.context import register as register_attention
 from ..errors import UnsupportedLayerError, UnsupportedModelError
 from ..multimodal.specs import VISION_SPECS, vision_spec
 from ..quantization.methods import quantization_config_of, quantization_refusal
@@ -134,7 +136,32 @@ def model_support(hf_config: transformers.PretrainedConfig, task: Task = "genera
         return Support(hf_config.model_type, architecture, task,
                        f"transformers cannot build its model from the config: {type(exc).__name__}: {message}")
     reason, layer = _module_verdict(model, hf_config, task)
+    if reason is None and task == "generate" and auto_class is AUTO_CLASSES[task]:
+        reason = _paged_build_verdict(auto_class, hf_config, trust_remote_code)
     return Support(hf_config.model_type, type(model).__name__, task, reason, layer)
+
+
+def _paged_build_verdict(auto_class: type, hf_config: transformers.PretrainedConfig,
+                         trust_remote_code: bool) -> str | None:
+    """Rule 4's build part: the model built on the meta device with the engine's attention
+    implementation, as the loader builds it (an adapted model loads with eager and is not
+    built again). A model whose code picks its attention classes from a table by
+    implementation name (git's text attention) has no entry for the engine's: refused."""
+    model_class = auto_class._model_mapping.get(type(hf_config), None)
+    if model_class is not None and has_adapter(model_class):
+        return None
+    implementation = register_attention()
+    try:
+        with torch.device("meta"):
+            auto_class.from_config(hf_config, trust_remote_code=trust_remote_code, attn_implementation=implementation)
+    except KeyError as exc:
+        return (f"its attention classes are chosen from a table by implementation name, with none for {exc}, "
+                "instead of through transformers' AttentionInterface, so shardline's paged attention cannot run it")
+    except Exception as exc:  # noqa: BLE001 - the loader would fail the same way
+        message = " ".join(str(exc).split())[:300]
+        return (f"transformers cannot build its model with shardline's attention implementation: "
+                f"{type(exc).__name__}: {message}")
+    return None
 
 
 def _vision_note(hf_config: transformers.PretrainedConfig, task: Task) -> str:

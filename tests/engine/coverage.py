@@ -41,119 +41,25 @@ from shardline import LLM, SamplingParams
 from shardline.engine.errors import ModelLoadError
 from shardline.engine.model.tiny import build_tiny_model, build_tokenizer, tiny_config
 
+from .coverage_configs import SKIPPED, VOCAB_SIZE, second_config, tiny_overrides
+
+__all__ = ["SKIPPED", "VOCAB_SIZE", "second_config", "tiny_overrides"]  # the configs' names others import from here
+
 MAX_NEW_TOKENS = 6
 PROMPT_LENGTHS = (3, 13, 30)
-VOCAB_SIZE = 512
 MAX_PARAMETERS = 20_000_000  # a tiny model is under a million or so; more means a size the overrides missed
 OUTCOMES = ("parity", "refused", "failure", "skipped")
-
-_ENCODER = "an encoder (bidirectional) model; its causal-LM head is for fine-tuning, not decoding"
-_SEQ2SEQ = "the decoder half of an encoder-decoder model; it attends an encoder's output"
-_AUDIO = "an audio model generating several codebooks per step"
-
-# Model types that are not decoder-only text LMs, with the reason.
-SKIPPED = {
-    **{name: _ENCODER for name in (
-        "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
-        "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
-        "xlm-roberta", "xlm-roberta-xl", "xmod", "xlm")},
-    **{name: _SEQ2SEQ for name in (
-        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
-        "plbart", "prophetnet", "trocr", "whisper")},
-    **{name: _AUDIO for name in ("musicgen", "musicgen_melody", "moshi")},
-    **{name: f"an image-text model whose vision tower the sweep does not shrink; its text decoder is swept as {text}"
-       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"))},
-    **{name: "an image-text model whose vision tower the sweep does not shrink (no text-only type)"
-       for name in ("got_ocr2", "git", "phi4_multimodal")},
-    **{name: "a speculative-decoding assistant that attends its target model's KV cache, not a standalone LM"
-       for name in ("gemma4_assistant", "gemma4_unified_assistant")},
-    "xlnet": "a permutation language model with two attention streams, not a causal decoder",
-    "reformer": "LSH and local chunked attention over axial positions; not a causal decoder of fixed shape",
-    "moss_transcribe_diarize": "a speech transcription model (audio input)",
-}
-
-# Shrunk sizes, applied where the type's default config has the attribute: small
-# experts, small head sizes, small windows and chunks so short prompts cross them.
-SHRINK = {
-    "head_dim": 16, "global_head_dim": 32, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
-    "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "top_k": 2,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 8, "attention_chunk_size": 8, "window_size": 8,
-    "n_group": 1, "topk_group": 1, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4,
-}
-
-_BLT_PART = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                 intermediate_size=128, vocab_size=VOCAB_SIZE)
-
-# What a type needs beyond SHRINK and engine/model/tiny.py's common sizes.
-OVERRIDES: dict[str, dict] = {
-    "gpt_oss": dict(head_dim=16, sliding_window=8),
-    "hunyuan_v1_moe": dict(head_dim=16),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    # Its query-sparse attention's indexer (QSA) and its gated delta-net layers, small.
-    "qwen4_exp_text": dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                           linear_num_value_heads=4, hc_lowrank=16, indexer_n_heads=2, indexer_kv_heads=1,
-                           indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
-    # Its sliding layers' own attention sizes (the per-layer config it derives from swa_* fields).
-    "dots3_note_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=24,
-                            swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16),
-    # transformers checks that the (unbuilt) vision and audio adapters output the text width.
-    "dots3_note": dict(vision_config=dict(adapter_out_dim=64), audio_config=dict(adapter_out_dim=64)),
-    # Its byte patcher, local encoder and decoder, global transformer and hash embeddings, small.
-    "blt": dict(encoder_hash_byte_group_vocab=64, encoder_hash_byte_group_size=[3, 4], local_attention_window_len=8,
-                patcher_config=dict(_BLT_PART, max_position_embeddings=1024),
-                encoder_config=dict(_BLT_PART, hidden_size_global=128, num_hidden_layers=1),
-                decoder_config=dict(_BLT_PART, hidden_size_global=128),
-                global_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                                   intermediate_size=256)),
-    # An input layer, two recurrent layers looped twice (each loop with its own cache) and an output layer.
-    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
-    "hrm_text": dict(H_cycles=2, L_cycles=2),
-    # transformers rounds the mLSTM's key width up to a multiple of 64 for its state but not its layers.
-    "xlstm": dict(num_heads=4, hidden_size=128, embedding_dim=128),
-    # Two hybrid layers calling the shared attention block, each with its own cache.
-    "zamba": dict(mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, num_hidden_layers=4,
-                  layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
-    "zamba2": dict(n_mamba_heads=8, mamba_headdim=16, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2, chunk_size=4,
-                   mamba_d_conv=4, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
-    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=8),
-    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
-    "bamba": dict(attn_layer_indices=[1]),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
-    "hunyuan_v1_dense": dict(head_dim=16),
-    **{name: dict(unpadded_vocab_size=VOCAB_SIZE) for name in ("inkling2_text", "inkling2_loop_text")},
-    "ministral": dict(head_dim=16),
-    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
-    "zaya": dict(num_experts_per_tok=1),
-    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
-    **{name: dict(global_head_dim=32, vocab_size_per_layer_input=VOCAB_SIZE) for name in (
-        "gemma4", "gemma4_text", "gemma4_assistant", "gemma4_unified", "gemma4_unified_text",
-        "gemma4_unified_assistant")},
-    "dots1": dict(n_routed_experts=4, n_shared_experts=1),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=1024,
-                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
-    "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
-    "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
-}
-
-# What a composite type's text part needs beyond its text type's tiny config.
-TEXT_OVERRIDES: dict[str, dict] = {
-    # transformers' own defaults fail its validation: the assistant has no per-layer inputs.
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
-}
-
-# Types whose config derives its layer_types from fields of its own (set in OVERRIDES).
-DERIVED_LAYER_TYPES = {"recurrent_gemma", "jamba", "zamba", "zamba2"}
+CONFIGS = (1, 2)  # each type's tiny configs: tiny_overrides' first, second_config's
 
 # Types run by default in the test suite: one per attention shape the sweep meets.
 REPRESENTATIVE = ("llama", "gpt2", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen3_next", "falcon", "bloom", "gpt_neo",
                   "gpt_bigcode", "jetmoe", "deepseek_v2", "diffllama")
+
+
+# Types run in their second config by default: the three whose second config once
+# crashed (a nested KV-head count, KV sharing over few layers, attention by name) and a
+# handful of attention shapes.
+SECOND_REPRESENTATIVE = ("dbrx", "gemma3n_text", "git", "llama", "gpt2", "qwen3_moe", "deepseek_v2", "falcon")
 
 
 @dataclass(frozen=True)
@@ -165,46 +71,18 @@ class CoverageResult:
     detail: str = ""
     dtype: str = ""
     seconds: float = 0.0
+    config: int = 1  # which of the type's tiny configs (CONFIGS)
 
     def line(self) -> str:
         dtype = f" [{self.dtype}]" if self.dtype else ""
         detail = f": {self.detail}" if self.detail else ""
-        return f"{self.model_type:<28} {self.outcome:<8}{dtype}{detail}"
+        name = self.model_type if self.config == 1 else f"{self.model_type}#{self.config}"
+        return f"{name:<30} {self.outcome:<8}{dtype}{detail}"
 
 
 def decoder_model_types() -> list[str]:
     """Every model type in the installed transformers' causal-LM mapping, sorted."""
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def tiny_overrides(model_type: str) -> dict:
-    """Config overrides for a tiny ``model_type``: SHRINK where its default config has
-    the attribute, two layers of each distinct kind in its ``layer_types``, then OVERRIDES."""
-    text_extra = TEXT_OVERRIDES.get(model_type, {})
-    defaults = transformers.AutoConfig.for_model(model_type, **({"text_config": text_extra} if text_extra else {}))
-    text_defaults = defaults.get_text_config()
-    if text_defaults is not defaults and text_defaults.model_type != model_type:
-        # A composite config (image-text, or a model over a text config): the tiny sizes
-        # go to its text part, as that text type's own tiny config.
-        text_overrides = {**tiny_overrides(text_defaults.model_type), **text_extra}
-        text_config = tiny_config(text_defaults.model_type, VOCAB_SIZE, **text_overrides)
-        return {"text_config": text_config.to_dict(), **OVERRIDES.get(model_type, {})}
-    overrides = {name: value for name, value in SHRINK.items()
-                 if _has_value(text_defaults, name) and not _is_property(type(text_defaults), name)}
-    if "qk_rope_head_dim" in overrides and "head_dim" in overrides:  # latent attention: head_dim is the rotary part
-        overrides["head_dim"] = overrides["qk_rope_head_dim"]
-    if "kv_lora_rank" in overrides:  # latent attention: one key-value head per query head
-        overrides["num_key_value_heads"] = 4
-    if _has_value(text_defaults, "rotary_dim"):  # a rotary part no wider than the shrunk heads
-        overrides["rotary_dim"] = 8
-    layer_kinds = list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
-    if len(layer_kinds) > 1 and model_type not in DERIVED_LAYER_TYPES:
-        overrides["layer_types"] = layer_kinds
-        overrides["num_hidden_layers"] = len(layer_kinds)
-    overrides.update(OVERRIDES.get(model_type, {}))
-    if {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"} & overrides.keys():
-        overrides.setdefault("num_experts_per_tok", 2)  # some configs leave the router's top-k unset
-    return overrides
 
 
 def write_tiny_config(model_type: str, model_dir: Path) -> Path:
@@ -222,19 +100,6 @@ def _parameter_count(model_type: str, overrides: dict) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     return sum(parameter.numel() for parameter in model.parameters())
-
-
-def _has_value(config: transformers.PretrainedConfig, name: str) -> bool:
-    """Whether the config sets ``name`` (per-layer attributes refuse a global read: they are set)."""
-    try:
-        return getattr(config, name, None) is not None
-    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
-        return True
-
-
-def _is_property(config_class: type, name: str) -> bool:
-    """Whether ``name`` is computed from other fields (and so cannot be set)."""
-    return isinstance(getattr(config_class, name, None), property)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
@@ -282,13 +147,19 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def check_type(model_type: str, workdir: Path) -> CoverageResult:
-    """Build ``model_type`` tiny, run it both ways and classify the outcome."""
+def check_type(model_type: str, workdir: Path, config: int = 1) -> CoverageResult:
+    """Build ``model_type`` tiny (its ``config``-th tiny config), run it both ways and
+    classify the outcome."""
     if model_type in SKIPPED:
-        return CoverageResult(model_type, "skipped", SKIPPED[model_type])
-    model_dir = workdir / model_type
+        return CoverageResult(model_type, "skipped", SKIPPED[model_type], config=config)
+    result = _check_built(model_type, workdir / f"{model_type}-{config}", config)
+    return dataclasses.replace(result, config=config)
+
+
+def _check_built(model_type: str, model_dir: Path, config: int) -> CoverageResult:
+    """``check_type``'s build, reference, load and comparison."""
     try:
-        overrides = tiny_overrides(model_type)
+        overrides = tiny_overrides(model_type, config)
         num_parameters = _parameter_count(model_type, overrides)
         if num_parameters > MAX_PARAMETERS:
             return CoverageResult(model_type, "failure", f"tiny build: {num_parameters} parameters with the sweep's "
@@ -327,32 +198,36 @@ def check_type(model_type: str, workdir: Path) -> CoverageResult:
     return CoverageResult(model_type, "parity", "", dtype)
 
 
-def _check_type_alone(model_type: str) -> CoverageResult:
+def _check_type_alone(model_type: str, config: int = 1) -> CoverageResult:
     """``check_type`` in a fresh process: what one type does is then free of what the
     types before it left in this one (kernels a model's code picked, loaded modules)."""
-    completed = subprocess.run([sys.executable, "-m", "tests.engine.coverage", "--json", model_type],
+    completed = subprocess.run([sys.executable, "-m", "tests.engine.coverage", "--json", model_type, str(config)],
                                capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = " ".join(completed.stderr.split()[-40:])
-        return CoverageResult(model_type, "failure", f"sweep process exited {completed.returncode}: {tail[:300]}")
+        return CoverageResult(model_type, "failure", f"sweep process exited {completed.returncode}: {tail[:300]}",
+                              config=config)
     return CoverageResult(**json.loads(lines[-1]))
 
 
-def sweep(model_types: list[str], workdir: Path, echo=print) -> list[CoverageResult]:
-    """``check_type`` over ``model_types``, echoing one line per type and the counts. A
-    failure is checked again in a fresh process, and that result is the type's."""
+def sweep(model_types: list[str], workdir: Path, echo=print,
+          configs: tuple[int, ...] = CONFIGS) -> list[CoverageResult]:
+    """``check_type`` over ``model_types``, each of its ``configs``, echoing one line per
+    type and config and the counts. A failure is checked again in a fresh process, and
+    that result is the type's."""
     results = []
-    for model_type in model_types:
+    for model_type, config in [(model_type, config) for model_type in model_types for config in configs]:
+        if config > 1 and model_type in SKIPPED:
+            continue
         start = time.perf_counter()
         try:
-            result = check_type(model_type, workdir)
+            result = check_type(model_type, workdir, config)
         except Exception as exc:  # noqa: BLE001
-            result = CoverageResult(model_type, "failure", f"sweep crashed: {_one_line(exc)}")
+            result = CoverageResult(model_type, "failure", f"sweep crashed: {_one_line(exc)}", config=config)
         if result.outcome == "failure":
-            result = _check_type_alone(model_type)
-        result = CoverageResult(result.model_type, result.outcome, result.detail, result.dtype,
-                                time.perf_counter() - start)
+            result = _check_type_alone(model_type, config)
+        result = dataclasses.replace(result, seconds=time.perf_counter() - start)
         results.append(result)
         echo(result.line())
     counts = Counter(result.outcome for result in results)
@@ -368,14 +243,19 @@ def quiet_transformers() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``[--part I/N] [TYPE ...]``: the given types (default all), or the I-th of N
-    interleaved parts of them, so several processes can share a sweep."""
-    if argv[:1] == ["--json"]:  # one type, its result as JSON (_check_type_alone)
+    """``[--config C] [--part I/N] [TYPE ...]``: the given types (default all), or the
+    I-th of N interleaved parts of them, so several processes can share a sweep; each
+    type in both tiny configs, or in config C alone."""
+    if argv[:1] == ["--json"]:  # one type and config, its result as JSON (_check_type_alone)
         quiet_transformers()
         torch.set_num_threads(1)
+        config = int(argv[2]) if len(argv) > 2 else 1
         with tempfile.TemporaryDirectory(prefix="shardline-coverage-") as workdir:
-            print(json.dumps(dataclasses.asdict(check_type(argv[1], Path(workdir)))), flush=True)
+            print(json.dumps(dataclasses.asdict(check_type(argv[1], Path(workdir), config))), flush=True)
         return 0
+    configs = CONFIGS
+    if argv[:1] == ["--config"]:
+        configs, argv = (int(argv[1]),), argv[2:]
     part = None
     if argv[:1] == ["--part"]:
         index, count = map(int, argv[1].split("/"))
@@ -386,7 +266,7 @@ def main(argv: list[str]) -> int:
     quiet_transformers()
     torch.set_num_threads(1)  # tiny models: threads only contend
     with tempfile.TemporaryDirectory(prefix="shardline-coverage-") as workdir:
-        results = sweep(types, Path(workdir), echo=lambda line: print(line, flush=True))
+        results = sweep(types, Path(workdir), echo=lambda line: print(line, flush=True), configs=configs)
     return 1 if any(result.outcome == "failure" for result in results) else 0
 
 

@@ -1,13 +1,14 @@
 """Model coverage: no decoder-only model type runs with wrong tokens.
 
-Each type is built tiny and random and compared token for token with transformers'
-greedy generate (tests/engine/coverage.py). A type passes when it is at parity or
-refused at load with shardline's own error; wrong tokens or a crash fail.
+Each type is built tiny and random, in two configs (tests/engine/coverage_configs.py),
+and compared token for token with transformers' greedy generate (tests/engine/coverage.py).
+A type passes when it is at parity or refused at load with shardline's own error; wrong
+tokens or a crash fail.
 
-A representative set runs by default. The whole sweep over every type in the
+A representative set runs by default, and a handful in their second config. The whole sweep over every type in the
 installed transformers' causal-LM mapping takes tens of minutes on two cores, so it
-runs only when SHARDLINE_COVERAGE_SWEEP=1 (and is marked slow); it prints one line
-per type and the counts by class (``python -m tests.engine.coverage`` prints the
+runs only when SHARDLINE_COVERAGE_SWEEP=1 (and is marked slow), both configs per
+type; it prints one line per type and config and the counts by class (``python -m tests.engine.coverage`` prints the
 same report without pytest).
 """
 
@@ -17,7 +18,7 @@ import os
 
 import pytest
 
-from .coverage import REPRESENTATIVE, check_type, decoder_model_types, quiet_transformers, sweep
+from .coverage import REPRESENTATIVE, SECOND_REPRESENTATIVE, check_type, decoder_model_types, quiet_transformers, sweep
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,6 +29,13 @@ def _quiet():
 @pytest.mark.parametrize("model_type", REPRESENTATIVE)
 def test_representative_type_is_exact_or_refused(model_type, tmp_path):
     result = check_type(model_type, tmp_path)
+    print(result.line())
+    assert result.outcome in ("parity", "refused"), result.line()
+
+
+@pytest.mark.parametrize("model_type", SECOND_REPRESENTATIVE)
+def test_representative_type_in_its_second_config_is_exact_or_refused(model_type, tmp_path):
+    result = check_type(model_type, tmp_path, config=2)
     print(result.line())
     assert result.outcome in ("parity", "refused"), result.line()
 
