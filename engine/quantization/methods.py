@@ -21,6 +21,9 @@ from typing import Any
 from ..errors import UnsupportedModelError
 from .scheme import QuantScheme, online_scheme
 
+# The model types whose mxfp4 checkpoints the engine runs (their experts' module is in
+# engine/quantization/experts.py's MXFP4_EXPERTS).
+MXFP4_MODEL_TYPES = ("gpt_oss",)
 READ_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
 
 
@@ -67,6 +70,11 @@ def resolve_scheme(hf_config: Any, quantization: str | None) -> QuantScheme | No
     scheme = quant_scheme(hf_config)
     if scheme is None:
         return None if quantization is None else online_scheme(quantization)
+    model_type = getattr(hf_config, "model_type", None)
+    if scheme.weights == "mxfp4" and model_type not in MXFP4_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"mxfp4 weights of model type {model_type!r} are not run by shardline, which runs the mxfp4 experts "
+            f"of {', '.join(MXFP4_MODEL_TYPES)} only; vLLM lists the runtimes for other mxfp4 models")
     if quantization is not None and quantization not in (scheme.method, scheme.weights):
         raise UnsupportedModelError(
             f"quantization={quantization!r} does not match the checkpoint, which is quantized as "

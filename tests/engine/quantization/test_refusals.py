@@ -78,6 +78,20 @@ def test_verdict_check_preflight_and_loader_refuse_bitsandbytes(float_dir, tmp_p
         LLM(str(model_dir), device="cpu")
 
 
+def test_mxfp4_of_a_model_type_other_than_gpt_oss_is_refused_before_loading(float_dir, tmp_path, capsys):
+    model_dir = _with_quantization_config(float_dir, tmp_path / "mxfp4", {"quant_method": "mxfp4"})
+    named = "mxfp4 weights of model type 'llama' are not run by shardline"
+    support = model_support(load_hf_config(EngineConfig(str(model_dir))))
+    assert not support.ok and named in support.message and "\n" not in support.message
+    assert main(["check", str(model_dir)]) == 1
+    assert f"refused: {support.message}" in capsys.readouterr().out
+    job = BatchJob(input=str(tmp_path / "in"), output=str(tmp_path / "out"), model=str(model_dir))
+    with pytest.raises(PipelineError, match=named):
+        check_model(job)
+    with pytest.raises(UnsupportedModelError, match=named):
+        LLM(str(model_dir), device="cpu")
+
+
 def test_quantization_option_must_match_the_checkpoint(float_dir, tmp_path, capsys):
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
     model_dir = _with_quantization_config(float_dir, tmp_path / "gptq", gptq)
