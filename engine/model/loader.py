@@ -104,24 +104,25 @@ def load_generation_config(config: EngineConfig) -> transformers.GenerationConfi
 
 
 def key_value_heads(layer_config: transformers.PretrainedConfig, num_heads: int) -> int:
-    """How many key-value heads a layer's attention caches: the config's
-    num_key_value_heads, else what older configs say in their own words (falcon's
-    num_kv_heads with its new decoder architecture, one head for multi-query
-    attention: falcon, gpt_bigcode), else one per query head. A count in the config's
-    nested attention config (dbrx's ``attn_config.kv_n_heads``, the one its attention
-    reads) comes first: the top-level mirror may disagree with it."""
+    """How many key-value heads a layer's attention caches: the count its attention
+    reads, where a config also keeps a top-level num_key_value_heads mirror that may
+    disagree with it: a nested attention config's (dbrx's ``attn_config.kv_n_heads``),
+    then older configs' own words (falcon's num_kv_heads with its new decoder
+    architecture; ``multi_query``: one head, else one per query head: falcon,
+    gpt_bigcode); else the config's num_key_value_heads, else one per query head."""
     nested = _nested_kv_heads(layer_config)
     if nested is not None:
         return nested
+    if getattr(layer_config, "new_decoder_architecture", False):
+        return layer_config.num_kv_heads
+    if getattr(layer_config, "multi_query", None) is not None:
+        # Its attention reads multi_query; a num_key_value_heads beside it is a derived mirror.
+        return 1 if layer_config.multi_query else num_heads
     heads = getattr(layer_config, "num_key_value_heads", None)
     if heads and getattr(layer_config, "model_type", None) == "jetmoe":
         # Each of its top-k attention experts attends the same keys: it passes them repeated.
         return heads * layer_config.num_experts_per_tok
-    if heads:
-        return heads
-    if getattr(layer_config, "new_decoder_architecture", False):
-        return layer_config.num_kv_heads
-    return 1 if getattr(layer_config, "multi_query", False) else num_heads
+    return heads or num_heads
 
 
 def _nested_kv_heads(layer_config: transformers.PretrainedConfig) -> int | None:

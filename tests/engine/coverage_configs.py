@@ -159,6 +159,10 @@ SECOND_OVERRIDES: dict[str, dict] = {
     # Its attention reads the nested attn_config.kv_n_heads; the top-level mirror is stale.
     "dbrx": dict(n_heads=8, n_layers=3, num_key_value_heads=1,
                  attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0)),
+    # Its attention reads multi_query (one key-value head); num_key_value_heads is a stale mirror.
+    "gpt_bigcode": dict(multi_query=True, num_key_value_heads=2),
+    # Its output projection takes hidden_size inputs: heads times head_dim must match it.
+    "helium": dict(head_dim=8),
 }
 # Types whose layer layout the first config fixes (OVERRIDES): the second keeps it.
 _FIXED_LAYOUT_KEYS = {"num_hidden_layers", "layer_types", "layers_block_type", "block_types", "attn_layer_indices",
@@ -188,8 +192,9 @@ def second_config(model_type: str) -> dict:
     if not (_FIXED_LAYOUT_KEYS & OVERRIDES.get(model_type, {}).keys()) and model_type not in DERIVED_LAYER_TYPES:
         layers = 4 if _has_value(text_defaults, "num_kv_shared_layers") else SECOND_LAYERS
         changes["num_hidden_layers"] = layers
-        if "layer_types" in base:
-            changes["layer_types"] = [base["layer_types"][i % len(base["layer_types"])] for i in range(layers)]
+        kinds = base.get("layer_types") or list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
+        if kinds:  # given whole: some tiny configs take the layer count after their layer_types are derived
+            changes["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
         if layers == 4:
             changes["num_kv_shared_layers"] = 2
     return {**base, **changes, **SECOND_OVERRIDES.get(model_type, {})}

@@ -1,5 +1,6 @@
 """The three ways a model type crashed instead of running or being refused, each at its
-cause: dbrx's key-value heads given in its nested attention config, gemma3n's KV
+cause: dbrx's key-value heads given in its nested attention config (and gpt_bigcode's
+by multi_query) beside a stale top-level count, gemma3n's KV
 sharing over a small layer count, git's attention picked from a table by name."""
 
 from __future__ import annotations
@@ -29,9 +30,20 @@ def test_dbrx_key_value_heads_come_from_its_nested_attention_config():
     assert key_value_heads(as_dict, 4) == 3
 
 
-def test_dbrx_with_a_stale_top_level_kv_head_count_runs_token_exact(tmp_path):
-    result = check_type("dbrx", tmp_path, config=2)
+def test_multi_query_decides_over_a_stale_num_key_value_heads():
+    """gpt_bigcode's attention reads multi_query; its num_key_value_heads only mirrors it."""
+    config = tiny_config("gpt_bigcode", VOCAB_SIZE, **second_config("gpt_bigcode"))
+    assert config.multi_query and config.num_key_value_heads == 2
+    assert key_value_heads(config, config.num_attention_heads) == 1
+    config.multi_query = False
+    assert key_value_heads(config, config.num_attention_heads) == config.num_attention_heads
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "gpt_bigcode"])
+def test_a_stale_top_level_kv_head_count_runs_token_exact(model_type, tmp_path):
+    result = check_type(model_type, tmp_path, config=2)
     assert result.outcome == "parity", result.line()
+
 
 
 def test_gemma3n_sharing_kv_over_four_layers_runs_token_exact(tmp_path):
