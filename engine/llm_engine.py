@@ -254,12 +254,18 @@ class LLMEngine:
         restart = self.runner.num_state_slots > 0
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens = 0 if restart else item.start
+        self.scheduler.drop_unsaved_snapshots(scheduler_output)
 
     def _launch(self, scheduler_output: SchedulerOutput, in_flight: LaunchedStep | None) -> LaunchedStep:
         """Queue the step's forward and sampling; ``in_flight``: the step before it, whose
         sampled tokens are the inputs of its sequences' pending positions."""
         pending = in_flight.pending_tokens() if in_flight is not None else None
+        # Prefix hits of hybrid models continue from a saved recurrent state, and shared
+        # block boundaries save theirs (core/scheduler.py).
+        items = scheduler_output.scheduled
+        self.runner.copy_states([(item.restore_slot, item.state_slot) for item in items if item.restore_slot >= 0])
         model_output = self.runner.execute(scheduler_output, pending)
+        self.runner.copy_states([(item.state_slot, item.save_slot) for item in items if item.save_slot >= 0])
         self._record_prompt_logprobs(model_output)
         rows, deferrable = self.sequences.sample_rows(scheduler_output.scheduled, model_output.sample_rows)
         logits = take_rows(model_output.logits, [row.logits_row for row in rows]) if rows else None

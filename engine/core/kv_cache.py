@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .request import CacheSalt, Request
+from .state_slots import StateSnapshots
 
 BlockHash = bytes
 
@@ -92,6 +93,8 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks
         )
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Recurrent-state snapshots by block hash (hybrid models), dropped with their hash.
+        self.snapshots: StateSnapshots | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,6 +137,8 @@ class BlockPool:
         """Forget every hash; returns how many were dropped."""
         for block in self.cached_blocks.values():
             block.block_hash = None
+        if self.snapshots is not None:
+            self.snapshots.reset()
         num_dropped = len(self.cached_blocks)
         self.cached_blocks.clear()
         return num_dropped
@@ -142,6 +147,8 @@ class BlockPool:
         if block.block_hash is not None:
             assert self.cached_blocks.get(block.block_hash) is block, block
             del self.cached_blocks[block.block_hash]
+            if self.snapshots is not None:
+                self.snapshots.drop(block.block_hash)
             block.block_hash = None
 
 
@@ -214,18 +221,25 @@ class KVCacheManager:
         """Longest run of cached full blocks matching the request's prefix.
 
         Looks at most at request.num_tokens - 1 tokens: the last token is always
-        computed, so the model yields logits. Returns (blocks, num_hit_tokens) and
+        computed, so the model yields logits. With recurrent-state snapshots (hybrid
+        models) the hit ends at the last block whose state was saved, where the
+        request's recurrent layers can continue. Returns (blocks, num_hit_tokens) and
         changes no cache state.
         """
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks = []
+        num_usable = 0  # hit blocks ending where the request can continue
+        snapshots = self.pool.snapshots
         for block_hash in self._request_block_hashes(request, max_hit_blocks):
             block = self.pool.cached_blocks.get(block_hash)
             if block is None:
                 break
             hit_blocks.append(block)
+            if snapshots is None or snapshots.slot_of(block_hash) is not None:
+                num_usable = len(hit_blocks)
+        del hit_blocks[num_usable:]
         return hit_blocks, len(hit_blocks) * self.block_size
 
     def allocate_slots(

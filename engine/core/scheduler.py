@@ -24,6 +24,11 @@ Invariants:
 - With recurrent layers (num_state_slots > 0) every running request owns a state
   slot (core/state_slots.py), taken at admission or fork and given back at finish,
   abort and preemption; a request is admitted only when a slot is free.
+- With recurrent layers and prefix caching (num_state_snapshots > 0) a prefix hit
+  ends where a snapshot of the recurrent state was saved, and the step restores it
+  into the request's slot. A prompt chunk is cut to end at the last block boundary
+  another unfinished request's prompt shares, the one state another request can
+  continue from, which the step saves (core/state_slots.py StateSnapshots).
 - Waiting requests are tried in (priority, arrival) order, or, with
   prefix_aware_admission, in the order of core/admission.py (priority still first,
   longest cached prefix next, an age bound so none starves).
@@ -40,7 +45,7 @@ from ..outputs import EngineStats
 from .admission import PrefixAwareAdmission
 from .kv_cache import KVCacheManager, blocks_needed
 from .request import Request, RequestStatus
-from .state_slots import StateSlots
+from .state_slots import StateSlots, StateSnapshots
 
 
 class PromptTooLongError(ValueError):
@@ -60,6 +65,8 @@ class SchedulerConfig:
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: no LoRA
     num_state_slots: int = 0  # per-request recurrent-state slots; 0: the model keeps no such state
     prefix_aware_admission: bool = True  # admit shared cached prefixes first (core/admission.py)
+    # Recurrent states saved at cached block boundaries (prefix caching for hybrids); 0: none.
+    num_state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
@@ -90,6 +97,10 @@ class ScheduledRequest:
     num_tokens: int
     # The request's recurrent-state slot; -1 when the model keeps no recurrent state.
     state_slot: int = -1
+    # A snapshot slot copied into state_slot before the step (a prefix hit); -1: none.
+    restore_slot: int = -1
+    # A snapshot slot state_slot is copied into after the step (a shared boundary); -1: none.
+    save_slot: int = -1
 
     @property
     def is_last_chunk(self) -> bool:
@@ -120,14 +131,15 @@ class _Step:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    def unschedule(self, request: Request) -> None:
+    def unschedule(self, request: Request) -> ScheduledRequest | None:
         for index in range(len(self.scheduled) - 1, -1, -1):
             scheduled = self.scheduled[index]
             if scheduled.request is request:
                 del self.scheduled[index]
                 self.token_budget += scheduled.num_new_tokens
                 request.num_computed_tokens -= scheduled.num_new_tokens
-                return
+                return scheduled
+        return None
 
 
 class Scheduler:
@@ -139,6 +151,10 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
+        self.snapshots: StateSnapshots | None = None
+        if config.num_state_slots and config.num_state_snapshots and config.enable_prefix_caching:
+            self.snapshots = StateSnapshots(config.num_state_slots, config.num_state_snapshots)
+            self.kv_cache.pool.snapshots = self.snapshots
         self.admission = PrefixAwareAdmission(self.kv_cache) if config.prefix_aware_admission else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -156,12 +172,16 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._add_order[request.request_id] = next(self._add_counter)
         request.status = RequestStatus.WAITING
+        if self.snapshots is not None:
+            self.snapshots.want(request.request_id, self.kv_cache.prefix_block_hashes(request))
         self._push_waiting(request)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; advances num_computed_tokens."""
         budget = self.config.max_num_batched_tokens
         step = _Step(token_budget=budget)
+        if self.snapshots is not None:
+            self.snapshots.begin_step()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -199,6 +219,8 @@ class Scheduler:
             (self.running if request in self.running else self.waiting).remove(request)
             self.kv_cache.free(request)
             self._free_state_slot(request)
+            if self.snapshots is not None:
+                self.snapshots.unwant(request_id)
             request.status = status
             finished.append(request)
         return finished
@@ -227,6 +249,13 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         self.running.append(child)
         return copy
+
+    def drop_unsaved_snapshots(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the snapshots a step that failed was to save."""
+        if self.snapshots is not None:
+            for item in scheduler_output.scheduled:
+                if item.save_slot >= 0:
+                    self.snapshots.drop_slot(item.save_slot)
 
     def state_slot(self, request_id: str) -> int | None:
         """The running request's recurrent-state slot (None without one)."""
@@ -312,7 +341,10 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
-        self._add_to_step(step, request, num_hit_tokens, num_new_tokens, request.num_tokens)
+        restore_slot = -1
+        if self.snapshots is not None and hit_blocks:
+            restore_slot = self.snapshots.use(self.kv_cache.prefix_block_hashes(request)[len(hit_blocks) - 1])
+        self._add_to_step(step, request, num_hit_tokens, num_new_tokens, request.num_tokens, restore_slot)
         return True
 
     def _priority_victim(self, request: Request) -> Request | None:
@@ -325,7 +357,9 @@ class Scheduler:
     def _preempt(self, victim: Request, step: _Step) -> None:
         """Preempt by recompute: free all blocks, restart at token 0, back to waiting."""
         self.running.remove(victim)
-        step.unschedule(victim)
+        unscheduled = step.unschedule(victim)
+        if unscheduled is not None and unscheduled.save_slot >= 0 and self.snapshots is not None:
+            self.snapshots.drop_slot(unscheduled.save_slot)  # never written
         self.kv_cache.free(victim)
         self._free_state_slot(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -344,16 +378,43 @@ class Scheduler:
             request.max_tokens is not None and num_output >= request.max_tokens)
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int,
-                     num_tokens: int) -> None:
+                     num_tokens: int, restore_slot: int = -1) -> None:
         request_id = request.request_id
         slot = -1
         if self.state_slots is not None:
             slot = self.state_slots.slot_of(request_id)
             slot = -1 if slot is None else slot
+        save_slot = -1
+        if self.snapshots is not None:
+            num_new_tokens, save_slot = self._snapshot_cut(request, start, num_new_tokens)
         step.scheduled.append(ScheduledRequest(
-            request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot))
+            request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot,
+            restore_slot, save_slot))
         step.token_budget -= num_new_tokens
         request.num_computed_tokens = start + num_new_tokens
+
+    def _snapshot_cut(self, request: Request, start: int, num_new_tokens: int) -> tuple[int, int]:
+        """(the chunk's tokens, the snapshot slot its end state is saved in, or -1): a
+        prompt chunk crossing a block boundary that another request's prompt shares ends
+        at the last such boundary, unless its state is saved already."""
+        snapshots = self.snapshots
+        assert snapshots is not None
+        block_size = self.config.block_size
+        last = min(start + num_new_tokens, request.num_prompt_tokens - 1) // block_size
+        if last <= start // block_size:
+            return num_new_tokens, -1
+        block_hashes = self.kv_cache.prefix_block_hashes(request)
+        for index in range(last - 1, start // block_size - 1, -1):
+            block_hash = block_hashes[index]
+            if snapshots.num_wanting(block_hash) < 2:
+                continue
+            if snapshots.slot_of(block_hash) is not None:
+                return num_new_tokens, -1  # saved or being saved: continue past it
+            save_slot = snapshots.claim(block_hash)
+            if save_slot is None:
+                return num_new_tokens, -1
+            return (index + 1) * block_size - start, save_slot
+        return num_new_tokens, -1
 
     def _free_state_slot(self, request: Request) -> None:
         if self.state_slots is not None:

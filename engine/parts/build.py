@@ -15,6 +15,7 @@ parser, output processor, structured-output manager). The pooling engine shares
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -196,9 +197,12 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
     model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
     budget = kv_cache_budget(config, loaded.device, loaded.model, attention, spec, model_len)
     num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, prepared.state_spec)
+    num_snapshots, num_blocks = plan_state_snapshots(config, spec, prepared.state_spec, model_len, budget,
+                                                     num_blocks, num_state_slots)
     max_model_len = min(model_len, num_blocks * config.block_size)
+    # The runner's state tensors hold the requests' slots, then the snapshots'.
     runner = ModelRunner(loaded.model, spec, num_blocks, config.block_size, loaded.device, attention,
-                         prepared.state_spec, num_state_slots, lora_manager=prepared.lora_manager)
+                         prepared.state_spec, num_state_slots + num_snapshots, lora_manager=prepared.lora_manager)
     if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
             and attention.replays_decode_graphs and not num_state_slots):
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
@@ -209,8 +213,9 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
         max_loras=config.max_loras if config.enable_lora else None,
         block_size=config.block_size,
         num_blocks=num_blocks,
-        enable_prefix_caching=prefix_caching(config, num_state_slots),
+        enable_prefix_caching=config.enable_prefix_caching and (num_snapshots > 0 or not num_state_slots),
         num_state_slots=num_state_slots,
+        num_state_snapshots=num_snapshots,
         prefix_aware_admission=config.prefix_aware_admission,
     ))
     return runner, scheduler
@@ -222,15 +227,32 @@ def uses_position_bias(model: torch.nn.Module) -> bool:
     return any(getattr(module, "uses_position_bias", False) for module in model.modules())
 
 
-def prefix_caching(config: EngineConfig, num_state_slots: int) -> bool:
-    """Whether the engine caches prefixes. Not with recurrent layers: a cached prefix
-    restores KV blocks but not the recurrent state after it, which is kept for running
-    requests only (not at block boundaries), so a hit could not be continued from."""
-    if config.enable_prefix_caching and num_state_slots:
-        logger.info("prefix caching is off: the model has recurrent layers, whose state is not kept at "
-                    "block boundaries")
-        return False
-    return config.enable_prefix_caching
+# The share of the cache budget recurrent-state snapshots may take.
+SNAPSHOT_BUDGET_FRACTION = 0.25
+
+
+def plan_state_snapshots(config: EngineConfig, spec: KVCacheSpec, state_spec: RecurrentStateSpec | None,
+                         model_len: int, budget: int, num_blocks: int, num_state_slots: int) -> tuple[int, int]:
+    """(recurrent-state snapshot slots, KV blocks left) for prefix caching with recurrent
+    layers, where a cached prefix continues only from the state saved after it
+    (core/state_slots.py StateSnapshots). Up to max_num_seqs snapshots take the budget
+    the plan left unused, then KV blocks, keeping those one request of ``model_len``
+    needs and at most SNAPSHOT_BUDGET_FRACTION of the budget. No snapshot (and prefix
+    caching off, with a warning) where not one fits; none without recurrent layers."""
+    if not config.enable_prefix_caching or not num_state_slots:
+        return 0, num_blocks
+    assert state_spec is not None, "recurrent-state slots without a state spec"
+    per_slot, per_block = state_spec.bytes_per_slot(), spec.bytes_per_block(config.block_size)
+    unused = max(0, budget - num_state_slots * per_slot - num_blocks * per_block)
+    spare_blocks = max(0, num_blocks - (math.ceil(model_len / config.block_size) + 1))
+    spare = min(unused + spare_blocks * per_block, int(budget * SNAPSHOT_BUDGET_FRACTION))
+    num_snapshots = min(config.max_num_seqs, spare // per_slot)
+    if num_snapshots == 0:
+        logger.warning("prefix caching is off: the cache budget of %d bytes leaves no room for a recurrent-state "
+                       "snapshot of %d bytes beside the requests' states and KV blocks", budget, per_slot)
+        return 0, num_blocks
+    taken = max(0, num_snapshots * per_slot - unused)
+    return num_snapshots, num_blocks - (math.ceil(taken / per_block) if per_block else 0)
 
 
 def resolve_max_model_len(config: EngineConfig, limit: int) -> int:
