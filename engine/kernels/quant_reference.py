@@ -52,7 +52,7 @@ def dequantize_w8(weight: torch.Tensor, scale: torch.Tensor,
                   block: tuple[int, int] | None = None) -> torch.Tensor:
     """The float32 [N, K] weight of a W8 layout (see the module docstring)."""
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, (weight.dtype, weight.shape)
-    return weight.float() * expand_block_scale(scale, tuple(weight.shape), block)
+    return weight.float() * expand_block_scale(scale, (weight.shape[0], weight.shape[1]), block)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
