@@ -158,6 +158,9 @@ class QuantizedExperts(nn.Module):
         self.activation = activation
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", down_bias)
+        # Set by the load check's dequantized_reference: no grouped kernel, each expert's
+        # projections through their own references.
+        self.use_reference = False
 
     @property
     def num_experts(self) -> int:
@@ -166,7 +169,7 @@ class QuantizedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         # hidden_states: [T, H], top_k_index / top_k_weights: [T, k]
-        if self.runs_kernel(hidden_states):
+        if not self.use_reference and self.runs_kernel(hidden_states):
             return self.kernel_forward(hidden_states, top_k_index, top_k_weights)
         output = torch.zeros_like(hidden_states)
         num_experts = self.num_experts

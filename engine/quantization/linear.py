@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -186,10 +186,13 @@ def quantized_linears(model: nn.Module) -> Iterator[tuple[str, QuantizedLinear]]
 
 @contextmanager
 def dequantized_reference(model: nn.Module) -> Iterator[None]:
-    """Within: every QuantizedLinear of ``model`` computes through the plain-torch
-    reference (its whole weight dequantized per call, dropped after), which is the
-    model's forward with the weights dequantized; the load check's reference."""
-    layers = [module for _, module in quantized_linears(model)]
+    """Within: every quantized module of ``model`` computes through the plain-torch
+    reference (a QuantizedLinear's whole weight dequantized per call, dropped after;
+    quantized experts and their MXFP4 projections likewise, no fused kernel), which is
+    the model's forward with the weights dequantized; the load check's reference. A
+    quantized module is one with a boolean ``use_reference`` attribute."""
+    layers: list[Any] = [module for module in model.modules()
+                         if isinstance(getattr(module, "use_reference", None), bool)]
     for module in layers:
         module.use_reference = True
     try:

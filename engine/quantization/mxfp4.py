@@ -62,6 +62,8 @@ class Mxfp4ExpertWeights(nn.Module):
         self.register_buffer("pair_values", _pair_table().to(blocks.device), persistent=False)
         self.register_buffer("exponents", torch.exp2(torch.arange(256, dtype=torch.float32, device=blocks.device)
                                                      - 127.0), persistent=False)
+        # Set by the load check's dequantized_reference (engine/quantization/linear.py).
+        self.use_reference = False
 
     @property
     def num_experts(self) -> int:
@@ -84,7 +86,10 @@ class Mxfp4ExpertWeights(nn.Module):
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N], by the C
-        kernel on the CPU where it builds, else a tile of dequantized rows at a time."""
+        kernel on the CPU where it builds, else a tile of dequantized rows at a time;
+        with ``use_reference`` set, x times the reference's whole dequantized weight."""
+        if self.use_reference:
+            return x.float() @ dequantize_mxfp4(self.blocks[expert], self.scales[expert]).t()
         if x.device.type == "cpu" and cpu_mxfp4_available():
             activations = x if x.dtype == torch.bfloat16 else x.float()
             return cpu_mxfp4_matmul(activations.contiguous(), self.blocks[expert], self.scales[expert], self.exponents)

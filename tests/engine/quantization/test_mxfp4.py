@@ -24,6 +24,7 @@ from shardline.engine.kernels.quant_reference import dequantize_mxfp4
 from shardline.engine.quantization import mxfp4
 from shardline.engine.quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
 from shardline.engine.quantization.experts import QuantizedExperts, replace_quantized_experts
+from shardline.engine.quantization.linear import dequantized_reference
 from shardline.engine.quantization.methods import parse_quantization_config
 
 from .moe_checkpoints import write_gpt_oss_mxfp4
@@ -114,6 +115,29 @@ def test_engine_generates_transformers_greedy_tokens(gpt_oss_dir) -> None:
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
     model = llm.llm_engine.model  # pyright: ignore[reportAttributeAccessIssue]
     assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == hf.config.num_hidden_layers
+
+
+def test_dequantized_reference_switches_the_experts_and_their_mxfp4_projections(gpt_oss_dir) -> None:
+    """The load check's reference: each expert's projection is x times the whole weight
+    dequantized by quant_reference (no C or Triton kernel), switched back after."""
+    ours = _with_quantized_experts(_reference_dequantized(gpt_oss_dir), gpt_oss_dir)
+    switched = [module for module in ours.modules() if isinstance(module, (QuantizedExperts, mxfp4.Mxfp4ExpertWeights))]
+    assert len(switched) == 3 * ours.config.num_hidden_layers  # each layer's experts, gate_up and down
+    projection = next(module for module in switched if isinstance(module, mxfp4.Mxfp4ExpertWeights))
+    x = torch.randn(20, projection.in_features, generator=torch.Generator().manual_seed(3))
+    with dequantized_reference(ours):
+        assert all(module.use_reference for module in switched)
+        for expert in range(projection.num_experts):
+            expected = x @ dequantize_mxfp4(projection.blocks[expert], projection.scales[expert]).t()
+            assert torch.equal(projection.matmul(expert, x), expected)
+    assert not any(module.use_reference for module in switched)
+
+
+def test_bfloat16_gpt_oss_passes_the_load_check(gpt_oss_dir) -> None:
+    llm = LLM(str(gpt_oss_dir), dtype="bfloat16", device="cpu", max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 4
 
 
 def test_experts_are_held_as_mxfp4(gpt_oss_dir) -> None:
