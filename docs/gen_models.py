@@ -63,6 +63,7 @@ class ModelRow:
     attention: list[str] = field(default_factory=list)
     recurrent: list[str] = field(default_factory=list)
     cpu_paths: list[str] = field(default_factory=list)
+    second: str = ""  # the second tiny config's outcome (tests/engine/coverage_configs.py), with its reason
 
 
 def engine_features(model_dir: Path) -> tuple[list[str], list[str], list[str]]:
@@ -119,24 +120,31 @@ def _cpu_paths(paths, rewrites) -> list[str]:
     return taken
 
 
-def model_row(result: CoverageResult, workdir: Path) -> ModelRow:
-    """The page's row for one sweep result; a type at parity is loaded for its features."""
-    row = ModelRow(result.model_type, result.outcome, result.detail)
+def model_row(result: CoverageResult, workdir: Path, second: CoverageResult | None = None) -> ModelRow:
+    """The page's row for one sweep result (its first config; ``second``, the type's
+    second config); a type at parity is loaded for its features."""
+    second_status = "" if second is None else status_text(second.outcome, second.detail)
+    row = ModelRow(result.model_type, result.outcome, result.detail, second=second_status)
     if result.outcome != "parity":
         return row
     model_dir = build_tiny_model(workdir / f"{result.model_type}-features", result.model_type,
                                  vocab_size=VOCAB_SIZE, **tiny_overrides(result.model_type))
     attention, recurrent, cpu_paths = engine_features(model_dir)
-    return ModelRow(result.model_type, result.outcome, result.detail, attention, recurrent, cpu_paths)
+    return ModelRow(result.model_type, result.outcome, result.detail, attention, recurrent, cpu_paths, second_status)
+
+
+def status_text(outcome: str, detail: str) -> str:
+    """An outcome as the page words it, with its reason."""
+    return STATUS[outcome] + (f": {detail}" if detail else "")
 
 
 def sweep_rows(model_types: list[str], echo=print) -> Iterator[ModelRow]:
-    """The sweep over ``model_types``, one type at a time, and each type's row."""
+    """The sweep over ``model_types``, one type at a time in both its configs, and each type's row."""
     quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="shardline-models-") as workdir:
         for model_type in model_types:
-            for result in sweep([model_type], Path(workdir), echo=echo)[:1]:
-                yield model_row(result, Path(workdir))
+            results = sweep([model_type], Path(workdir), echo=echo)
+            yield model_row(results[0], Path(workdir), results[1] if len(results) > 1 else None)
 
 
 def load_rows(path: Path = RESULTS) -> dict[str, ModelRow]:
@@ -162,7 +170,10 @@ def render(rows: dict[str, ModelRow]) -> str:
         "(`python -m tests.engine.coverage`). **token-exact**: shardline's tokens equal transformers' "
         "on every prompt; **refused**: the engine refuses the model at load, for the reason given, "
         "rather than run it differently; **not swept**: not a decoder-only text model. "
-        "Image-text models are listed by their text decoders until image inputs land.",
+        "Image-text models are listed by their text decoders until image inputs land. Each type runs in "
+        "two tiny configs (the second: other head counts, key-value heads neither one nor one per "
+        "query head, another layer count, KV sharing and nested config fields where the type has "
+        "them); the status is the first's, the second config's is in its own column.",
         "",
         "Attention and recurrent features and CPU fast paths are read from the engine that ran the "
         "tiny model in float32 on CPU with every fast path allowed; the numbers count the modules "
@@ -171,13 +182,14 @@ def render(rows: dict[str, ModelRow]) -> str:
         "",
         "Counts: " + ", ".join(f"{STATUS[outcome]} {count}" for outcome, count in counts.items()) + ".",
         "",
-        "| Model type | Status | Attention | Recurrent | CPU fast paths |",
-        "|---|---|---|---|---|",
+        "| Model type | Status | Second config | Attention | Recurrent | CPU fast paths |",
+        "|---|---|---|---|---|---|",
     ]
     for name in sorted(rows):
         row = rows[name]
-        status = STATUS[row.outcome] + (f": {row.detail}" if row.detail else "")
-        cells = (f"`{name}`", status, ", ".join(row.attention), ", ".join(row.recurrent), ", ".join(row.cpu_paths))
+        second = "same" if row.second == status_text(row.outcome, row.detail) and row.detail else row.second
+        cells = (f"`{name}`", status_text(row.outcome, row.detail), second, ", ".join(row.attention),
+                 ", ".join(row.recurrent), ", ".join(row.cpu_paths))
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
