@@ -11,7 +11,6 @@ engine/kernels/quant_reference.py: ``weights`` "fp8" or "int8" (W8), "int4" (W4)
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,7 +38,7 @@ class QuantScheme:
     ``activations``: how a W8A8 kernel quantizes activations ("dynamic" per token,
     "static" from input_scale); "none" for weight-only schemes. Every kernel path
     without FP8 tensor cores multiplies by the dequantized weight (W8A16).
-    ``ignore``: module names or "re:" patterns the checkpoint left unquantized.
+    ``ignore``: module names or patterns the checkpoint left unquantized (``ignores``).
     ``online``: quantized by the engine at load from a 16/32-bit checkpoint."""
 
     method: str
@@ -62,16 +61,21 @@ class QuantScheme:
         return f"{self.method} ({self.weights}{', online' if self.online else ''})"
 
     def ignores(self, module_name: str) -> bool:
-        """Whether ``module_name`` is one the checkpoint names as left unquantized: an
-        exact name, a "re:" pattern matching it whole, or a name it ends with or
-        contains as a dotted part (transformers' modules_to_not_convert rule)."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], module_name):
-                    return True
-            elif module_name == entry or module_name.endswith("." + entry) or f".{entry}." in f".{module_name}.":
-                return True
-        return False
+        """Whether ``module_name`` is one the checkpoint names as left unquantized, by
+        the rule of the library that writes the format: compressed-tensors' own
+        ``match_name`` (an exact name, or a "re:" pattern matching from the start), or
+        transformers' ``should_convert_module`` for modules_to_not_convert (a name or
+        regex such as ``model.layers.*.self_attn`` matching from the start up to a
+        module boundary, or a suffix)."""
+        if not self.ignore:
+            return False
+        if self.method == "compressed-tensors":
+            from compressed_tensors.utils.match import match_name
+
+            return any(match_name(module_name, entry) for entry in self.ignore)
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return not should_convert_module(module_name, list(self.ignore))
 
 
 def online_scheme(quantization: str) -> QuantScheme:
