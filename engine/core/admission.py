@@ -18,6 +18,12 @@ Invariants:
   better-cached ones.
 - Then the longest cached prefix (in blocks) first; ties in the waiting queue's
   (priority, arrival) order. Without prefix hits anywhere the order is arrival order.
+- A request with no cached block starts a new prefix only while the free blocks, less
+  its prompt's and one for each waiting request sharing its first block, still hold
+  one block for every waiting request of the groups already running (or when nothing
+  runs): starting prefixes never crowds out the groups already started. Such a
+  request ends the round as one that does not fit would, unless it may preempt a
+  running request of a higher priority value (priority comes first).
 - A held-back request stays waiting and is tried again next step; only the order
   changes, never the scheduler's checks (tokens, sequences, blocks, adapters, slots).
 - Free cached blocks that waiting requests would hit are moved to the end of the
@@ -26,9 +32,10 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from .kv_cache import BlockHash, KVCacheBlock, KVCacheManager
+from .kv_cache import BlockHash, KVCacheBlock, KVCacheManager, blocks_needed
 from .request import Request, RequestStatus
 
 # Admission rounds a request may wait before it goes first among its priority.
@@ -68,13 +75,19 @@ class PrefixAwareAdmission:
         ranked_requests = [waiting[index] for index in ranked]
         self._keep_wanted(ranked_requests, hit_blocks)
         computing = self._computing(running)
+        groups = _Groups(self.kv_cache, waiting, running)
         for request in ranked_requests:
-            overdue = self._is_overdue(request)
-            if not overdue and self._continues_into(request, len(hit_blocks[request.request_id]), computing):
-                continue  # another request computes its next blocks now: hit them next step
+            if not self._is_overdue(request):
+                num_hit_blocks = len(hit_blocks[request.request_id])
+                if self._continues_into(request, num_hit_blocks, computing):
+                    continue  # another request computes its next blocks now: hit them next step
+                if not num_hit_blocks and running and not groups.room_to_start(request) \
+                        and not any(other.priority > request.priority for other in running):
+                    return  # a new prefix now would crowd out the groups already started: as not fitting
             yield request
             if request.status is RequestStatus.RUNNING:  # admitted: its prefix is being computed now
                 computing.update(self.kv_cache.uncomputed_prompt_hashes(request))
+                groups.admitted(request)
 
     def rounds_waited(self, request: Request) -> int:
         """Admission rounds since the request was first queued (0 for one not queued)."""
@@ -115,3 +128,38 @@ class PrefixAwareAdmission:
                     seen.add(block.block_id)
                     most_wanted_first.append(block)
         self.kv_cache.keep_resident(most_wanted_first[::-1])
+
+
+class _Groups:
+    """Waiting requests grouped by their first block (a template's rows share it), and
+    the blocks to keep for the groups that already run: one per waiting member."""
+
+    def __init__(self, kv_cache: KVCacheManager, waiting: Sequence[Request], running: Sequence[Request]) -> None:
+        self.kv_cache = kv_cache
+        self.num_waiting: Counter[BlockHash] = Counter()
+        for request in waiting:
+            first = self._first_hash(request)
+            if first is not None:
+                self.num_waiting[first] += 1
+        self.started = {first for request in running if (first := self._first_hash(request)) is not None}
+        self.reserved = sum(self.num_waiting[first] for first in self.started)
+
+    def room_to_start(self, request: Request) -> bool:
+        first = self._first_hash(request)
+        followers = self.num_waiting[first] - 1 if first is not None else 0
+        needed = blocks_needed(request.num_tokens, self.kv_cache.block_size) + followers
+        return self.kv_cache.num_free_blocks - needed >= self.reserved
+
+    def admitted(self, request: Request) -> None:
+        first = self._first_hash(request)
+        if first is None:
+            return
+        self.num_waiting[first] -= 1
+        if first in self.started:
+            self.reserved -= 1
+        else:
+            self.started.add(first)
+            self.reserved += self.num_waiting[first]
+
+    def _first_hash(self, request: Request) -> BlockHash | None:
+        return self.kv_cache.first_block_hash(request)

@@ -334,6 +334,12 @@ class KVCacheManager:
             return []
         return self._request_block_hashes(request, (request.num_tokens - 1) // self.block_size)
 
+    def first_block_hash(self, request: Request) -> BlockHash | None:
+        """The hash of the request's first block if a prefix hit could cover it, else None."""
+        if not self.enable_prefix_caching or request.num_tokens - 1 < self.block_size:
+            return None
+        return self._request_block_hashes(request, 1)[0]
+
     def uncomputed_prompt_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the full prompt blocks a running request holds or will hold but has
         not cached yet (computed by this step or a later chunk). Empty for a request

@@ -57,6 +57,21 @@ def test_a_group_sharing_a_prefix_computes_it_once():
     assert [r.num_output_tokens for r in again] == [r.num_output_tokens for r in requests]
 
 
+def test_a_new_prefix_starts_only_while_started_groups_keep_room():
+    """Three templates of 4 blocks, three rows each, 20 blocks: starting a third
+    template would leave its own and the first two groups' rows no block to hit with."""
+    templates = [list(range(100 * (t + 1), 100 * (t + 1) + 16)) for t in range(3)]
+    scheduler = make_scheduler(max_num_seqs=9, max_num_batched_tokens=128, num_blocks=20)
+    requests = template_requests(templates, [0, 1, 2] * 3)
+    for request in requests:
+        scheduler.add_request(request)
+    assert [s.request.request_id for s in step(scheduler).scheduled] == ["r0", "r1"]
+    outputs = run_to_completion(scheduler)
+    # Each template's blocks are computed once: every later row hits them.
+    assert [r.num_cached_tokens for r in requests] == [0, 0, 0, 16, 16, 16, 16, 16, 16]
+    assert all(r.num_preemptions == 0 for r in requests) and outputs
+
+
 def test_the_longest_cached_prefix_is_admitted_first():
     templates = [list(range(100, 108)), list(range(200, 216))]
     scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, num_blocks=40)
