@@ -10,8 +10,10 @@ attending. A model that runs some layers several times per token (hrm_text's
 reasoning cycles, dory's loops) gets one cache layer per pass, each call of its
 attention naming its own (engine/model/adapters/base.py, CallIndexedAttention).
 Keys and values each have their own head size: multi-head latent
-attention (deepseek_v2/v3, minicpm3, ...) attends keys of qk_nope + qk_rope and
-values of v_head_dim per head, cached in full at those sizes. A "recurrent" layer
+attention (deepseek_v2, minicpm3, ...) attends keys of qk_nope + qk_rope and
+values of v_head_dim per head, cached in full at those sizes, except where the layer
+caches latents (engine/model/adapters/latent.py: deepseek_v3 in float weights): one
+"head" of kv_lora_rank + qk_rope_head_dim numbers per token and no values. A "recurrent" layer
 (gated delta-net, short convolution...: a kind registered in engine/recurrent/) holds
 no KV: it takes no room in a block, and its per-request state lives in state slots
 planned beside the blocks (engine/recurrent/state.py). Any other layer whose state is not keys and
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from .adapters.latent import caches_latents
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 from .loader import key_value_heads, value_cache_head_size
 
@@ -79,6 +82,9 @@ class KVCacheSpec:
             num_kv_heads = key_value_heads(layer_config, num_heads)
             if kind == "sliding_window":
                 num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
+            if caches_latents(text_config):
+                layers.append(LayerCacheSpec(kind, 1, text_config.kv_lora_rank + text_config.qk_rope_head_dim, 0))
+                continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None

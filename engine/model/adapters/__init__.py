@@ -14,6 +14,7 @@ import functools
 import inspect
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from ...surgery import decoder_layers, replace
 from .base import (
@@ -24,6 +25,7 @@ from .base import (
     PagedAttentionAdapter,
     StepScope,
 )
+from .latent import LatentAttention, caches_latents
 from .shapes import (
     BloomAttention,
     DiffLlamaAttention,
@@ -47,6 +49,9 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
     _MODELS + "mpt.modeling_mpt.MptAttention": MptAttention,
     _MODELS + "diffllama.modeling_diffllama.DiffLlamaAttention": DiffLlamaAttention,
 }
+# Attention classes of models whose layers cache latents (adapters/latent.py), adapted
+# where caches_latents says their cache holds latents.
+LATENT_ADAPTERS = {_MODELS + "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention": LatentAttention}
 
 
 def _key(module_class: type) -> str:
@@ -117,9 +122,11 @@ def adapt_attention(model: nn.Module) -> int:
             replace(model, name, CallIndexedAttention(module, getattr(module, "layer_idx", None), scope))
             replaced += 1
     layers_name, layers = decoder_layers(model)
+    config = getattr(model, "config", None)
+    latent = isinstance(config, PretrainedConfig) and caches_latents(config.get_text_config())
     for index, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
-            adapter = ADAPTERS.get(_key(type(module)))
+            adapter = ADAPTERS.get(_key(type(module))) or (LATENT_ADAPTERS.get(_key(type(module))) if latent else None)
             if (adapter is None and name and _calls_attention_interface(type(module))
                     and not _passes_keywords(type(layer), name)):
                 adapter = ContextForwardingAttention

@@ -49,7 +49,7 @@ def test_chunked_layers_carry_the_configs_chunk_size():
 
 
 @pytest.mark.parametrize("model_type,overrides,sizes", [
-    ("deepseek_v3", dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24), (48, 24)),
+    ("deepseek_v2", dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24), (48, 24)),
     ("minicpm3", dict(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64), (96, 64)),
     ("mimo_v2_flash", dict(head_dim=192, v_head_dim=128), (192, 128)),
     ("llama", dict(hidden_size=256, num_attention_heads=8), (32, 32)),

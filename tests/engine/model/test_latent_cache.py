@@ -1,0 +1,60 @@
+"""deepseek_v3's layers cache latents (engine/model/adapters/latent.py): the cache is
+kv_lora_rank + qk_rope_head_dim numbers per token and layer, and greedy tokens equal
+transformers' through chunked prompts, absorbed decode steps and prefix-cache hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from shardline import LLM, SamplingParams
+from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.model.adapters.latent import caches_latents
+from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.tiny import build_tiny_model
+
+from ..hf_reference import hf_greedy
+
+MLA: dict = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=24,
+           q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           first_k_dense_replace=1, n_group=1, topk_group=1)
+PREFIX = list(range(3, 30))
+PROMPTS = [PREFIX + [40, 41, 42], PREFIX + [43, 44, 45, 46, 47], [90, 17, 88, 12, 60, 3, 30, 31],
+           [5, 17, 88, 12, 60, 3, 30, 31]]
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="latents are cached on hosts without CUDA")
+
+
+def test_latent_layers_cache_the_latent_and_rotary_key_alone():
+    config = transformers.AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, num_attention_heads=8,
+                                               kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                               v_head_dim=24)
+    assert caches_latents(config)
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    assert {(layer.num_kv_heads, layer.head_dim, layer.value_head_dim) for layer in spec.layers} == {(1, 80, 0)}
+    assert spec.bytes_per_block(16) == 4 * 16 * 80 * 2
+    fp8 = transformers.AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, num_attention_heads=8,
+                                            quantization_config={"quant_method": "fp8"})
+    assert not caches_latents(fp8)  # a quantized kv_b_proj: full keys and values, as before
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_transformers_with_latents_cached(tmp_path):
+    model_dir = build_tiny_model(tmp_path, "deepseek_v3", **MLA)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    expected = [hf_greedy(reference, prompt, 8) for prompt in PROMPTS]
+    assert expected[2] != expected[3]  # the tokens depend on the prompt
+    # Chunks of 8 tokens: prompts attend up-projected over earlier chunks' latents.
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    caches = engine.runner.kv_caches
+    assert {tuple(key.shape[2:]) + tuple(value.shape[2:]) for key, value in caches} == {(1, 24 + 16, 1, 0)}
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)  # a prefix-cache hit
+    llm.close()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert list(again[0].outputs[0].token_ids) == expected[1]
