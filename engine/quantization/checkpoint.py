@@ -46,6 +46,7 @@ class CheckpointTensors:
         self._file_of: dict[str, str] = _tensor_files(self.directory)
         # The name each tensor is stored under, by the name it is asked for (``rename``).
         self._stored: dict[str, str] = {name: name for name in self._file_of}
+        self._stored_modules: dict[str, str] = {}
         self._handles: dict[str, Any] = {}
         self._bytes_read: dict[str, int] = {}
 
@@ -63,6 +64,19 @@ class CheckpointTensors:
             stored[renamed] = name
         self._file_of = {renamed: file_of_stored[name] for renamed, name in stored.items()}
         self._stored = stored
+        self._stored_modules = {}
+        for renamed, name in stored.items():
+            renamed_parts, stored_parts = renamed.split("."), name.split(".")
+            # Each module path above the tensor, up to where the two names part.
+            for depth in range(1, min(len(renamed_parts), len(stored_parts))):
+                if renamed_parts[-depth] != stored_parts[-depth]:
+                    break
+                self._stored_modules[".".join(renamed_parts[:-depth])] = ".".join(stored_parts[:-depth])
+
+    def stored_module(self, module_name: str) -> str:
+        """The module path the checkpoint stores ``module_name``'s tensors under (its
+        ignore list names modules so)."""
+        return self._stored_modules.get(module_name, module_name)
 
     def stored_name(self, name: str) -> str:
         """The name ``name`` is stored under in the safetensors files."""

@@ -272,7 +272,7 @@ def replace_quantized_experts(model: nn.Module, tensors: CheckpointTensors, sche
     model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
     read_prefixes: list[str] = []
     for name, module in experts_modules(model):
-        if scheme.online or scheme.ignores(name):
+        if scheme.online or scheme.ignores(name) or scheme.ignores(tensors.stored_module(name)):
             continue
         if scheme.weights == "mxfp4":
             read = _mxfp4_experts(tensors, name, module, model_type)

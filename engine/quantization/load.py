@@ -125,16 +125,22 @@ def quantized_linear_names(model: nn.Module, tensors: CheckpointTensors, scheme:
         if type(module) is not nn.Linear or module is output:
             continue
         if scheme.online:
-            if not scheme.ignores(name):
+            if not ignored(scheme, tensors, name):
                 names.append(name)
             continue
         if stored_quantized(tensors, name, scheme):
-            if scheme.ignores(name):
+            if ignored(scheme, tensors, name):
                 raise QuantizedCheckpointError(
                     f"{name}: stored quantized, but the quantization_config lists it among the modules left "
                     f"unquantized ({', '.join(scheme.ignore)})")
             names.append(name)
     return names
+
+
+def ignored(scheme: QuantScheme, tensors: CheckpointTensors, module_name: str) -> bool:
+    """Whether the checkpoint's ignore list names the module, by the model's name or by
+    the one the checkpoint stores it under."""
+    return scheme.ignores(module_name) or scheme.ignores(tensors.stored_module(module_name))
 
 
 def put_quantized_linears(model: nn.Module, weights: QuantizedWeights) -> int:

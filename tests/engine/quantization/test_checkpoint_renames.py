@@ -14,6 +14,8 @@ from shardline import LLM, SamplingParams
 from shardline.engine.quantization.checkpoint import CheckpointTensors
 from shardline.engine.quantization.experts import QuantizedExperts
 from shardline.engine.quantization.linear import QuantizedLinear
+from shardline.engine.quantization.load import ignored
+from shardline.engine.quantization.scheme import QuantScheme
 
 from . import checkpoints as ckpt
 from .moe_checkpoints import fused_reference_model, tiny_moe, write_quantized_experts
@@ -66,3 +68,15 @@ def test_renamed_tensors_are_read_under_the_model_names(tmp_path: Path) -> None:
     assert tensors.shape("a.mlp.gate.weight") == (2, 3) and tensors.dtype("b.weight") == torch.float32
     torch.testing.assert_close(tensors.get("a.mlp.gate.weight"), torch.arange(6.0).reshape(2, 3))
     assert "a.block_sparse_moe.gate.weight" not in tensors
+    # Module paths as the checkpoint stores them, for its ignore list.
+    assert tensors.stored_module("a.mlp.gate") == "a.block_sparse_moe.gate"
+    assert tensors.stored_module("a.mlp") == "a.block_sparse_moe" and tensors.stored_module("b") == "b"
+
+
+def test_ignore_lists_name_modules_by_their_stored_names(tmp_path: Path) -> None:
+    save_file({"model.layers.0.block_sparse_moe.gate.weight": torch.ones(2, 3)}, str(tmp_path / "model.safetensors"))
+    tensors = CheckpointTensors(tmp_path)
+    tensors.rename(lambda name: name.replace(".block_sparse_moe.", ".mlp."))
+    scheme = QuantScheme("compressed-tensors", "int8", "w8", ignore=("re:.*block_sparse_moe\\.gate$",))
+    assert ignored(scheme, tensors, "model.layers.0.mlp.gate")
+    assert not ignored(scheme, tensors, "model.layers.0.mlp.up")
