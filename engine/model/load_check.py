@@ -84,6 +84,11 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
     _, layers = decoder_layers(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for length in PROMPT_LENGTHS]
+    if runner.recurrent_states and runner.num_state_slots > len(prompts) + 2:
+        # Two probes sharing their first block: the second continues the state the first
+        # saved there (prefix caching for recurrent layers, core/state_slots.py).
+        shared = [rng.randrange(3, vocab_size) for _ in range(runner.block_size)]
+        prompts += [shared + [rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 5)]
     with torch.inference_mode():
         requests, traces = _run_paged(runner, layers, prompts, max_model_len, image_prompt)
         incremental = _decode_differs_from_scan(model)
@@ -148,10 +153,13 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
         -> tuple[list[Request], dict[str, _Trace]]:
     """The prompts through the engine's paged path, greedy; each request's trace."""
     num_blocks = runner.kv_caches[0][0].shape[0]
+    num_slots = min(len(prompts), runner.num_state_slots)
+    # Where the state slots hold one more than the probes, the rest a saved state.
+    snapshots = 1 if runner.num_state_slots > num_slots else 0
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=len(prompts) + 1, max_num_batched_tokens=CHUNK_TOKENS, max_model_len=max_model_len,
-        block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=False,
-        num_state_slots=min(len(prompts), runner.num_state_slots)))
+        block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=bool(snapshots),
+        num_state_slots=num_slots, num_state_snapshots=snapshots))
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0)
     requests = [Request(f"load-check-{i}", prompt, DECODE_STEPS, params=params) for i, prompt in enumerate(prompts)]
     if image_prompt is not None:
@@ -170,7 +178,10 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
                 runner.lora_manager.prepare_step([None] * len(step.scheduled),
                                                  [item.num_new_tokens for item in step.scheduled])
             keep = torch.tensor(plan.keep, dtype=torch.int64, device=runner.device)
+            items = step.scheduled
+            runner.copy_states([(item.restore_slot, item.state_slot) for item in items if item.restore_slot >= 0])
             logits = runner.model(**inputs, use_cache=False, logits_to_keep=keep).logits[0]
+            runner.copy_states([(item.state_slot, item.save_slot) for item in items if item.save_slot >= 0])
             ctx = inputs["shardline_ctx"]
             # The last layer computes only the sampled rows where the backend attends them alone.
             last_rows = None if ctx.sampled_rows is None else set(ctx.sampled_rows.tolist())
