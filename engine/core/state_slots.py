@@ -3,7 +3,9 @@
 A recurrent layer's state (a convolution window, a delta-rule or SSM matrix) is one
 fixed-size tensor per request, whatever the request's length. The model runner
 keeps, per recurrent layer, one tensor with a leading slot dimension; this module
-only decides which running request owns which slot. Pure Python, no torch.
+only decides which running request owns which slot (StateSlots) and which further
+slots hold states saved at block boundaries of cached prefixes (StateSnapshots).
+Pure Python, no torch.
 
 Invariants:
 - A slot is owned by at most one request, and a request owns at most one slot.
