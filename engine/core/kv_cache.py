@@ -237,7 +237,7 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
-            if snapshots is None or snapshots.slot_of(block_hash) is not None:
+            if snapshots is None or snapshots.is_ready(block_hash):
                 num_usable = len(hit_blocks)
         del hit_blocks[num_usable:]
         return hit_blocks, len(hit_blocks) * self.block_size

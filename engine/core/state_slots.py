@@ -91,6 +91,12 @@ class StateSnapshots:
     def slot_of(self, block_hash: bytes) -> int | None:
         return self._slot_of.get(block_hash)
 
+    def is_ready(self, block_hash: bytes) -> bool:
+        """Whether the hash's snapshot can be restored: saved by a step scheduled before
+        this one (steps run in order, so its save precedes this step's restores)."""
+        slot = self._slot_of.get(block_hash)
+        return slot is not None and slot not in self._claimed_in_step
+
     def use(self, block_hash: bytes) -> int:
         """The hash's snapshot slot, marked most recently used (it must have one)."""
         self._slot_of.move_to_end(block_hash)
