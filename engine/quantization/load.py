@@ -73,6 +73,11 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
         delattr(config, "quantization_config")
     with torch.device(device), init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if hasattr(hf_config, "quantization_config"):
+        # Built without transformers' quantizer, but the model's config still says it is
+        # quantized: what reads it after (the attention adapters' choice of latent
+        # caching) must agree with the cache plan, which reads the checkpoint's config.
+        model.config.quantization_config = hf_config.quantization_config
     tensors = CheckpointTensors(directory, device)
     tensors.rename(checkpoint_renaming(model))
     linears = quantized_linear_names(model, tensors, scheme)
