@@ -52,7 +52,7 @@ CHILD = textwrap.dedent("""
     threading.Thread(target=watch, daemon=True).start()
     dag_run = run_dag("shardline_one_shard", conf)
     print("RESULT " + json.dumps({"state": str(dag_run.state), "tasks": [str(s) for s in task_states(dag_run).values()],
-                                  "service": service_info(model, options)}), flush=True)
+                                  "service": service_info(model, options)}, default=repr), flush=True)
 """)
 
 def test_sigterm_runs_on_kill_which_aborts_the_shard_and_writes_nothing(airflow_db, tmp_path, tiny_model):
