@@ -48,7 +48,9 @@ def test_deployments_carry_schedules_pool_and_valid_defaults(deployments):
 
 def test_parameter_forms_have_descriptions_enums_and_defaults(deployments):
     schema = deployments["batch-inference/nightly"].parameter_openapi_schema
-    assert list(schema["properties"]) == ["job", "execution", "reprocess_completed"]
+    assert list(schema["properties"]) == ["job", "execution", "reprocess_completed", "progress_interval"]
+    assert schema["properties"]["progress_interval"]["default"] == 30
+    assert schema["properties"]["progress_interval"].get("description")
     assert schema["required"] == ["job"]
     job = _definition(schema, "BatchJob")
     assert all(field.get("description") for field in job["properties"].values())
