@@ -106,6 +106,17 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def expert_tile(x_ptr, row_slots_ptr, block, N, num_slots, top_k, stride_xm,
+                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A routed row block's slots, their x rows (by token when GATED, else by slot)
+        and this program's output columns, with their masks."""
+        slots = tl.load(row_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot_valid = slots < num_slots
+        x_rows = x_ptr + (slots // top_k if GATED else slots).to(tl.int64)[:, None] * stride_xm
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return slots, slot_valid, x_rows, cols, cols < N
+
+    @triton.jit
     def _mxfp4_experts_kernel(
         x_ptr, blocks_ptr, scales_ptr, bias_ptr, route_weight_ptr, out_ptr, row_slots_ptr, block_expert_ptr,
         N, K, num_slots, num_experts, top_k, up_row_offset, alpha, limit, up_shift,
@@ -120,11 +131,8 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + block)
         if expert >= num_experts:
             return
-        slots = tl.load(row_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_valid = slots < num_slots
-        x_rows = x_ptr + (slots // top_k if GATED else slots).to(tl.int64)[:, None] * stride_xm
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_valid = cols < N
+        slots, slot_valid, x_rows, cols, col_valid = expert_tile(
+            x_ptr, row_slots_ptr, block, N, num_slots, top_k, stride_xm, GATED, BLOCK_M, BLOCK_N)
         expert_blocks = blocks_ptr + expert.to(tl.int64) * stride_be
         expert_scales = scales_ptr + expert.to(tl.int64) * stride_se
         rows = cols * GATE_ROW_STRIDE  # the gate rows when GATED

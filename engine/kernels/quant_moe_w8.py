@@ -24,7 +24,7 @@ from .quant_tiles import dot_dtype
 
 if triton is not None:
     from .quant_linear import w8_product
-    from .quant_moe import finish_expert_tile
+    from .quant_moe import expert_tile, finish_expert_tile
 
     @triton.jit
     def _w8_experts_kernel(
@@ -42,11 +42,8 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + block)
         if expert >= num_experts:
             return
-        slots = tl.load(row_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_valid = slots < num_slots
-        x_rows = x_ptr + (slots // top_k if GATED else slots).to(tl.int64)[:, None] * stride_xm
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_valid = cols < N
+        slots, slot_valid, x_rows, cols, col_valid = expert_tile(
+            x_ptr, row_slots_ptr, block, N, num_slots, top_k, stride_xm, GATED, BLOCK_M, BLOCK_N)
         expert_w = w_ptr + expert.to(tl.int64) * stride_we
         expert_scale = scale_ptr + expert.to(tl.int64) * stride_se
         rows = cols * GATE_ROW_STRIDE  # the gate rows when GATED
