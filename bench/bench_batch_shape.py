@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import build_bench_model
+from common import build_bench_model, run_clock
 
 from shardline import LLM, SamplingParams
 from shardline.engine.config import EngineConfig
@@ -124,10 +124,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     args = parser.parse_args()
-    if args.cpu_time:
-        global clock
-        torch.set_num_threads(1)
-        clock = time.thread_time
+    global clock
+    clock = run_clock(args.cpu_time)
 
     model_dir = build_bench_model()
     rows = mixed_template_rows(args)

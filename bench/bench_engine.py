@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts
+from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts, run_clock
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
@@ -93,10 +93,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed by its CPU time (for a machine other work is loading)")
     args = parser.parse_args()
-    if args.cpu_time:
-        global clock
-        torch.set_num_threads(1)
-        clock = time.thread_time
+    global clock
+    clock = run_clock(args.cpu_time)
 
     model_dir = build_bench_model()
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, 16384)

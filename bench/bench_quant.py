@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import build_bench_model, random_prompts
+from common import build_bench_model, random_prompts, run_clock
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
@@ -204,10 +204,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     args = parser.parse_args()
-    if args.cpu_time:
-        global clock
-        torch.set_num_threads(1)
-        clock = time.thread_time
+    global clock
+    clock = run_clock(args.cpu_time)
     if args.mode == "kernel":
         kernel_mode(args.hidden, args.intermediate, args.layers)
     else:

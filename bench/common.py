@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -144,3 +146,14 @@ class StepProfile:
                   - get("model forward", 0.0) - get("sampling", 0.0) - get("output processing", 0.0)),
                  ("outside the engine steps", total - get("engine steps", 0.0))]
         return "\n".join(f"  {label:30s} {seconds:7.2f} s" for label, seconds in rows)
+
+
+def run_clock(cpu_time: bool) -> Callable[[], float]:
+    """The clock a benchmark times by: the wall clock, or with ``cpu_time`` (its
+    ``--cpu-time`` option, for a machine other work is loading) one thread timed by its
+    CPU time, torch limited to that thread."""
+    if not cpu_time:
+        return time.perf_counter
+    torch.set_num_threads(1)
+    return time.thread_time
+
