@@ -63,14 +63,34 @@ def replace(model: nn.Module, name: str, new_module: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder's stack of layers and its name: the model's longest ModuleList (the
-    first of them where several are as long), whose positions are the decoder layers'
-    indices. ("", an empty ModuleList attached to nothing) for a model without one."""
+    """The decoder's stack of layers and its name: the longest ModuleList (the first of
+    them where several are as long) of the text decoder, whose positions are the decoder
+    layers' indices. The text decoder is what the model's ``get_decoder`` names (the
+    language model of a vision-language model, whose vision tower may hold more layers),
+    else the whole model. ("", an empty ModuleList attached to nothing) for a model
+    without one."""
+    decoder = _text_decoder(model)
+    prefix = next((name for name, module in model.named_modules() if module is decoder), None)
+    if prefix is None:  # a decoder the model does not register: search the whole model
+        decoder, prefix = model, ""
     found = ("", nn.ModuleList())
-    for name, module in model.named_modules():
+    for name, module in decoder.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > len(found[1]):
-            found = (name, module)
+            found = (f"{prefix}.{name}" if prefix else name, module)
     return found
+
+
+def _text_decoder(model: nn.Module) -> nn.Module:
+    """The module transformers' ``get_decoder`` names (the model itself for one without
+    it, or where the lookup fails)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    if not callable(get_decoder):
+        return model
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):  # models whose lookup needs a bespoke rule
+        return model
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 def reproduces(actual: object, expected: object, bfloat16_tolerance: float = 1e-2) -> bool:

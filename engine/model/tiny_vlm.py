@@ -41,7 +41,7 @@ TinyParts = tuple[transformers.PreTrainedTokenizerFast, int, transformers.CLIPVi
 
 
 def _tiny_parts(path: Path, hidden_size: int, num_text_layers: int, image_size: int, patch_size: int,
-                **text_overrides: Any) -> TinyParts:
+                num_vision_layers: int = 2, **text_overrides: Any) -> TinyParts:
     """The tokenizer (with ``<image>`` and the chat template), the image token id, a CLIP
     vision config and a Llama text config shared by the LLaVA-family builders."""
     tokenizer = build_tokenizer(path, vocab_size=512, extra_special_tokens=[IMAGE_TOKEN])
@@ -49,7 +49,7 @@ def _tiny_parts(path: Path, hidden_size: int, num_text_layers: int, image_size: 
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     assert isinstance(image_token_id, int), image_token_id
     vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=num_vision_layers, num_attention_heads=2,
         image_size=image_size, patch_size=patch_size, projection_dim=32)
     text = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -68,7 +68,7 @@ def _save(path: Path, model: transformers.PreTrainedModel, processor: Any, seed:
 
 def build_tiny_llava(path: str | Path, seed: int = 0, image_size: int = 32, patch_size: int = 8,
                      hidden_size: int = 64, num_text_layers: int = 3, model_type: str = "llava",
-                     **text_overrides: Any) -> Path:
+                     num_vision_layers: int = 2, **text_overrides: Any) -> Path:
     """A LLaVA-shaped checkpoint: a CLIP vision tower ((image_size / patch_size)^2
     patches, the CLS row dropped), the two-layer projector and a Llama text model,
     with a LlavaProcessor (CLIP image processor, byte-level tokenizer with ``<image>``);
@@ -76,7 +76,7 @@ def build_tiny_llava(path: str | Path, seed: int = 0, image_size: int = 32, patc
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, image_token_id, vision, text = _tiny_parts(path, hidden_size, num_text_layers, image_size,
-                                                          patch_size, **text_overrides)
+                                                          patch_size, num_vision_layers, **text_overrides)
     num_patches = (image_size // patch_size) ** 2
     torch.manual_seed(seed)
     if model_type == "vipllava":  # features of two vision layers side by side, a normed projector
