@@ -3,6 +3,8 @@ vision tower holds more layers (engine/surgery.py's decoder_layers)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import transformers
@@ -41,7 +43,7 @@ def test_a_model_without_get_decoder_takes_its_longest_module_list():
 
 def test_generate_matches_transformers_with_a_deeper_vision_tower(deep_vision_dir):
     processor = transformers.AutoProcessor.from_pretrained(deep_vision_dir)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(deep_vision_dir, dtype=torch.float32).eval()
+    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(deep_vision_dir, dtype=torch.float32).eval()
     text = "look: <image> what is it?"
     pictures = images(2)
     expected = []
