@@ -151,7 +151,7 @@ def _engine_preloaded(job: BatchJob, execution: Execution, todo: list[Shard]) ->
 
     def preload() -> None:
         try:
-            get_executor(job.model, execution.engine_host, **job.engine_kwargs())
+            get_executor(job.model, execution.engine_host, job.data_parallel_size, **job.engine_kwargs())
         except Exception:  # reported by the shard tasks' own load
             _log.debug("engine preload failed; shard tasks will load it", exc_info=True)
 

@@ -25,7 +25,9 @@ thread (``thread``, the default); or in the host's shared engine service
 (``service``), a detached process that outlives this one and serves every process
 of the same user with the same engine configuration (tasks/engine_client.py,
 tasks/engine_service.py). Either way the pipeline gets a ShardExecutor
-(tasks/executor.py).
+(tasks/executor.py). With ``data_parallel_size`` above 1, the process that runs the
+engine runs that many replicas instead, each in a child process on its own device(s),
+fed from one queue of rows (tasks/data_parallel.py).
 
 Diagnostics: with ``SHARDLINE_ENGINE_EVENTS`` set to a file path, every engine load
 appends one JSON line (pid, host, model, binding, loads in this process), so one can
@@ -44,6 +46,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .data_parallel import DataParallelRunner
 from .engine_client import ServiceClient
 from .executor import ShardExecutor
 from .runner import ShardRunner
@@ -65,6 +68,7 @@ class EngineHost(str, enum.Enum):
 _LOCK = threading.Lock()
 _RUNNERS: dict[str, ShardRunner] = {}  # engine key -> this process's runner of that engine
 _CLIENTS: dict[str, ServiceClient] = {}  # binding and engine key -> a client of the service
+_REPLICATED: dict[str, DataParallelRunner] = {}  # binding, replicas and engine key -> data-parallel runner
 _BINDINGS: dict[str, str | None] = {}  # engine key -> CUDA_VISIBLE_DEVICES at load
 _LOADS: dict[str, int] = {}  # engine key -> loads in this process, ever
 _HOLDERS = 0  # flow runs in this process inside engines_held()
@@ -85,12 +89,29 @@ def accelerator_binding() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def get_executor(model: str, engine_host: EngineHost = EngineHost.THREAD, **engine_options: Any) -> ShardExecutor:
+def get_executor(model: str, engine_host: EngineHost = EngineHost.THREAD, data_parallel_size: int = 1,
+                 **engine_options: Any) -> ShardExecutor:
     """The ShardExecutor for ``model`` and ``engine_options`` on ``engine_host``: this
-    process's own ShardRunner, or a client of the engine process the host names."""
-    if EngineHost(engine_host) is EngineHost.THREAD:
-        return get_runner(model, **engine_options)
-    return _get_client(model, engine_options)
+    process's own ShardRunner, or a client of the engine process the host names. With
+    ``data_parallel_size`` above 1, that process runs as many engine replicas
+    (tasks/data_parallel.py) fed from one row queue."""
+    if EngineHost(engine_host) is EngineHost.SERVICE:
+        return _get_client(model, engine_options, data_parallel_size)
+    if data_parallel_size > 1:
+        return _get_replicated(model, engine_options, data_parallel_size)
+    return get_runner(model, **engine_options)
+
+
+def _get_replicated(model: str, engine_options: dict[str, Any], size: int) -> DataParallelRunner:
+    """This process's data-parallel runner of ``size`` replicas, started on first use."""
+    raise_if_shutting_down(f"loading model {model}")
+    key = f"{accelerator_binding()}|{size}|{engine_key(model, engine_options)}"
+    with _LOCK:  # replicas load in their own processes; the lock keeps them from starting twice
+        runner = _REPLICATED.get(key)
+        if runner is None:
+            runner = _REPLICATED[key] = DataParallelRunner(model, engine_options, size)
+            _LOADS[key] = _LOADS.get(key, 0) + 1
+        return runner
 
 
 def get_runner(model: str, **engine_options: Any) -> ShardRunner:
@@ -160,15 +181,15 @@ def run_on_passing_thread(build: Callable[[], Any]) -> Any:
     return outcome["value"]
 
 
-def _get_client(model: str, engine_options: dict[str, Any]) -> ServiceClient:
+def _get_client(model: str, engine_options: dict[str, Any], data_parallel_size: int = 1) -> ServiceClient:
     """A client of the host's shared service for this configuration and this process's
     GPUs (the service is started on first use)."""
     raise_if_shutting_down(f"loading model {model}")
-    key = f"{accelerator_binding()}|{engine_key(model, engine_options)}"
+    key = f"{accelerator_binding()}|{data_parallel_size}|{engine_key(model, engine_options)}"
     with _LOCK:
         client = _CLIENTS.get(key)
         if client is None:
-            client = _CLIENTS[key] = ServiceClient(model, engine_options)
+            client = _CLIENTS[key] = ServiceClient(model, engine_options, data_parallel_size)
     client.ensure_started()  # outside the lock: a first start loads the model
     return client
 
@@ -220,6 +241,7 @@ def close_engines() -> int:
         executors = _executors()
         _RUNNERS.clear()
         _CLIENTS.clear()
+        _REPLICATED.clear()
         _BINDINGS.clear()
     for executor in executors:
         _close(executor)
@@ -228,11 +250,11 @@ def close_engines() -> int:
 
 def num_cached_engines() -> int:
     with _LOCK:
-        return len(_RUNNERS) + len(_CLIENTS)
+        return len(_RUNNERS) + len(_CLIENTS) + len(_REPLICATED)
 
 
 def _executors() -> list[ShardExecutor]:
-    return [*_RUNNERS.values(), *_CLIENTS.values()]
+    return [*_RUNNERS.values(), *_CLIENTS.values(), *_REPLICATED.values()]
 
 
 def engine_loads() -> dict[str, int]:
@@ -244,13 +266,15 @@ def engine_loads() -> dict[str, int]:
 def engine_requests() -> int:
     """Engine requests this process's own engines were given so far (retries included),
     over every engine it loaded, closed ones too: the engine work a run cost."""
-    return _CLOSED_REQUESTS[0] + sum(runner.stats()["requests_added"] for runner in list(_RUNNERS.values()))
+    hosts: list[ShardRunner | DataParallelRunner] = [*_RUNNERS.values(), *_REPLICATED.values()]
+    return _CLOSED_REQUESTS[0] + sum(host.stats()["requests_added"] for host in hosts)
 
 
 def _close(executor: ShardExecutor) -> None:
     executor.close()
-    if isinstance(executor, ShardRunner):
+    if isinstance(executor, ShardRunner | DataParallelRunner):
         _CLOSED_REQUESTS[0] += executor.stats()["requests_added"]
+    if isinstance(executor, ShardRunner):
         executor.llm.close()
 
 

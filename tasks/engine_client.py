@@ -121,10 +121,12 @@ def runtime_dir() -> Path:
     return path
 
 
-def service_files(model: str, engine_options: dict[str, Any], binding: str | None) -> ServiceFiles:
-    """Where the shared service of this engine configuration and GPU binding keeps its files."""
-    identity = json.dumps({"model": model, "options": engine_options, "binding": binding}, sort_keys=True,
-                          default=str)
+def service_files(model: str, engine_options: dict[str, Any], binding: str | None,
+                  data_parallel_size: int = 1) -> ServiceFiles:
+    """Where the shared service of this engine configuration, replica count and GPU binding keeps its files."""
+    replicas = {"data_parallel_size": data_parallel_size} if data_parallel_size > 1 else {}
+    identity = json.dumps({"model": model, "options": engine_options, "binding": binding, **replicas},
+                          sort_keys=True, default=str)
     files = ServiceFiles(runtime_dir() / f"engine-{hashlib.sha256(identity.encode()).hexdigest()[:20]}")
     if len(str(files.sock)) > _SOCKET_PATH_MAX:
         raise EngineServiceError(f"socket path {files.sock} is too long for a Unix socket; set {RUNTIME_DIR_ENV} "
@@ -149,11 +151,12 @@ def _absolute_if_local(model: str) -> str:
 
 
 def _service_command(model: str, engine_options: dict[str, Any], files: ServiceFiles,
-                     idle_timeout: float) -> list[str]:
+                     idle_timeout: float, data_parallel_size: int = 1) -> list[str]:
+    replicas = ["--data-parallel-size", str(data_parallel_size)] if data_parallel_size > 1 else []
     return [sys.executable, "-m", "shardline.tasks.engine_service", "--model", _absolute_if_local(model),
             "--engine-options", json.dumps(engine_options, default=str), "--socket", str(files.sock),
             "--authkey-file", str(files.key), "--idle-timeout", str(idle_timeout),
-            "--lock-file", str(files.lock), "--owned-file", str(files.pid)]
+            "--lock-file", str(files.lock), "--owned-file", str(files.pid), *replicas]
 
 
 def _write_authkey(path: Path) -> None:
@@ -174,10 +177,12 @@ class ServiceClient:
     """A ShardExecutor (tasks/executor.py) over connections to the host's shared engine
     service for one configuration and GPU binding, started on first use."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any]) -> None:
+    def __init__(self, model: str, engine_options: dict[str, Any], data_parallel_size: int = 1) -> None:
         self.model = model
         self.engine_options = dict(engine_options)
-        self.files = service_files(model, self.engine_options, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.data_parallel_size = data_parallel_size  # engine replicas the service runs (tasks/data_parallel.py)
+        self.files = service_files(model, self.engine_options, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                   data_parallel_size)
         self._lock = threading.RLock()  # reentrant: abort_shard may run in a signal handler
         self._calls: dict[str, tuple[Connection, str]] = {}  # shard key -> (its connection, service id)
         self._starting: set[str] = set()  # shard keys connecting or sending their rows
@@ -354,7 +359,7 @@ class ServiceClient:
             stale.unlink(missing_ok=True)
         _write_authkey(files.key)
         command = _service_command(self.model, self.engine_options, files,
-                                   _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT))
+                                   _seconds_from_env(IDLE_TIMEOUT_ENV, DEFAULT_IDLE_TIMEOUT), self.data_parallel_size)
         with open(files.log, "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True, close_fds=True)  # detached: outlives this process

@@ -1,4 +1,6 @@
 """The engine service: one process that owns one engine and runs shards for others.
+(With ``--data-parallel-size`` above 1 it owns that many engine replicas instead,
+child processes fed from one row queue: tasks/data_parallel.py.)
 
 Started by tasks/engine_client.py as ``python -m shardline.tasks.engine_service``, a
 clean interpreter (never a fork of a process whose torch threads are running). It
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from . import engine_cache
+from .data_parallel import DataParallelRunner
 from .engine_client import file_lock
 from .executor import RowDone, ShardAborted
 from .runner import ShardRunner
@@ -47,7 +50,7 @@ ROW_REPORT_SECONDS = 0.5  # how often a shard's finished rows are sent to its cl
 class EngineService:
     """Serves one ShardRunner over a Unix socket until it retires."""
 
-    def __init__(self, runner: ShardRunner, socket_path: Path, authkey: bytes, idle_timeout: float,
+    def __init__(self, runner: ShardRunner | DataParallelRunner, socket_path: Path, authkey: bytes, idle_timeout: float,
                  lock_path: Path, owned_files: list[Path]) -> None:
         self.runner = runner
         self.socket_path = socket_path
@@ -234,12 +237,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lock-file", required=True, type=Path, help="flock taken while retiring")
     parser.add_argument("--owned-file", type=Path, action="append", default=[], help="removed on retiring")
     parser.add_argument("--idle-timeout", type=float, default=0.0, help="seconds without connections; 0: never")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (tasks/data_parallel.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     retire_now = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: retire_now.set())
     authkey = args.authkey_file.read_bytes()
-    runner = engine_cache.load_runner(args.model, json.loads(args.engine_options), owner_drives=True)
+    options = json.loads(args.engine_options)
+    runner: ShardRunner | DataParallelRunner = (
+        DataParallelRunner(args.model, options, args.data_parallel_size, owner_drives=True)
+        if args.data_parallel_size > 1 else engine_cache.load_runner(args.model, options, owner_drives=True))
     service = EngineService(runner, args.socket, authkey, args.idle_timeout, args.lock_file,
                             [args.authkey_file, *args.owned_file])
     # SIGTERM retires the service cleanly (its files removed, running shards failed)
@@ -248,7 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         service.serve()
     finally:
-        runner.llm.close()
+        if isinstance(runner, ShardRunner):
+            runner.llm.close()
+        else:
+            runner.close()  # stops its replicas
     logger.info("engine service pid %d exited", os.getpid())
     # The interpreter's last garbage collections would walk every object of torch,
     # transformers and the model, delaying the exit a stopping host waits for; nothing

@@ -130,6 +130,10 @@ class BatchJob(BaseModel):
         default=4, ge=1, le=256, description="Shards fed to the engine at once; 2 or more keep its batch full "
         "across shard boundaries.",
     )
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="Engine replicas on the worker, each in its own process on its own "
+        "device(s) (on CPU, a share of the cores), fed from one queue of rows; no Ray needed. Outputs are the same.",
+    )
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="Constrain every output to a JSON schema, regex, choice list or grammar (rows may "
         "override it with a `response_format` or `json_schema` column); JSON outputs are validated into `parsed`.",

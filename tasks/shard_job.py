@@ -153,7 +153,7 @@ class ShardPipeline:
         that cannot be used at all is permanent: the pre-flight check should have said so)."""
         job = self.job
         try:
-            return get_executor(job.model, self.engine_host, **job.engine_kwargs())
+            return get_executor(job.model, self.engine_host, job.data_parallel_size, **job.engine_kwargs())
         except ShardAborted:
             raise
         except ValueError as exc:  # the engine's ModelLoadError: this model cannot run, retrying cannot help
