@@ -106,6 +106,9 @@ class EngineConfig:
     # N+1 is queued (engine/llm_engine.py). None: on for CUDA, off elsewhere (a CPU
     # runs the forward itself, so there is nothing to overlap with).
     async_scheduling: bool | None = None
+    # Ranks the model is split over (vLLM's name): one process per rank, started by the
+    # engine, each holding its share of the weights and KV cache (engine/parallel/).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -113,7 +116,7 @@ class EngineConfig:
         _check_choice("task", self.task, TASKS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
-        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "tensor_parallel_size"):
             _check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:

@@ -209,6 +209,8 @@ class LLMEngine:
         self.abort_all()
         self._in_flight = None
         self.structured.close()
+        if self.runner.followers is not None:  # a tensor-parallel engine's other ranks
+            self.runner.followers.close()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

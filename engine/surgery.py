@@ -152,19 +152,23 @@ def replace_if_reproduces(model: nn.Module, name: str, candidate: nn.Module, pro
 #    QuantizedLinears (engine/quantization/). After the adapters, which keep the
 #    projections under their names; before LoRA, which wraps the linear it finds, and the
 #    CPU step, which packs nn.Linears only and so leaves QuantizedLinears alone.
-# 3. lora: adaptable linears are wrapped (BatchedLoRALinear). Before the recurrent and
+# 3. tensor_parallel: with several ranks, the linears, embeddings and experts that the
+#    model's tensor-parallel plan (or engine/parallel/sharding.py's shape rules) splits
+#    become this rank's share of them. After the adapters, whose projections keep their
+#    names; before LoRA, the recurrent layers and the CPU step, which wrap or pack the
+#    linears they find.
+# 4. lora: adaptable linears are wrapped (BatchedLoRALinear). Before the recurrent and
 #    CPU replacements, which keep the linears they find inside their new modules and so
 #    keep the wrappers; before the KV cache is sized, as the adapter slots take memory.
-# 4. recurrent_layers: recurrent modules become RecurrentLayers with per-request state.
+# 5. recurrent_layers: recurrent modules become RecurrentLayers with per-request state.
 #    Before the CPU step, whose hybrid layers and native recurrent core replace those
 #    wrappers' parts.
-# 5. cpu_layers: packed linears, then fused MLPs, norms and decoder layers (the order
+# 6. cpu_layers: packed linears, then fused MLPs, norms and decoder layers (the order
 #    within written in engine/cpu/paths.py's optimize_for_cpu). Last: it packs the
 #    weights of whatever linears the steps before left (inside LoRA wrappers too), and
 #    its fused layers call the modules the earlier steps installed.
-# Tensor-parallel linears go beside 2 once they exist: they change what a linear holds,
-# and LoRA and the CPU step wrap, or leave alone, the linear they find.
-PREPARATION_ORDER = ("attention_adapters", "quantized_linears", "lora", "recurrent_layers", "cpu_layers")
+PREPARATION_ORDER = ("attention_adapters", "quantized_linears", "tensor_parallel", "lora", "recurrent_layers",
+                     "cpu_layers")
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class Preparation:
 
     attention_adapters: Callable[[nn.Module], int] | None = None
     quantized_linears: Callable[[nn.Module], int] | None = None
+    tensor_parallel: Callable[[nn.Module], int] | None = None
     lora: Callable[[nn.Module], LoRAManager] | None = None
     recurrent_layers: Callable[[nn.Module], RecurrentStateSpec | None] | None = None
     cpu_layers: Callable[[nn.Module], CpuRewrites] | None = None
@@ -182,12 +187,14 @@ class Preparation:
 @dataclass(frozen=True)
 class PreparedModel:
     """What each step of a Preparation returned (None for a step not taken): how many
-    attention modules were adapted, how many linears became quantized ones, the LoRA
+    attention modules were adapted, how many linears became quantized ones, how many
+    modules became a tensor-parallel rank's share, the LoRA
     manager, the recurrent layers' state spec (None without recurrent layers) and the
     CPU replacements by kind."""
 
     attention_adapters: int | None = None
     quantized_linears: int | None = None
+    tensor_parallel: int | None = None
     lora: LoRAManager | None = None
     recurrent_layers: RecurrentStateSpec | None = None
     cpu_layers: CpuRewrites | None = None

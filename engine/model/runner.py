@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypedDict
 
 import numpy as np
 import torch
@@ -107,6 +107,9 @@ class ModelRunner:
             self.recurrent_states = state_spec.allocate(num_state_slots, device)
         # Per-request block-table rows kept across steps (engine/model/input_batch.py).
         self.input_rows = InputRows(64, 16, block_size)
+        # The other ranks of a tensor-parallel engine (engine/parallel/ranks.py), which run
+        # each step's forward and each cache copy beside this runner; None on one rank.
+        self.followers: RankFollowers | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode steps over static buffers, replaying CUDA graphs when ``capture``
@@ -213,6 +216,8 @@ class ModelRunner:
         # Kept positions are increasing: as many as the step's tokens is all of them.
         num_tokens = model_inputs["position_ids"].shape[1]
         keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
+        if self.followers is not None:
+            self.followers.run_step(model_inputs, keep)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
             self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
@@ -224,6 +229,8 @@ class ModelRunner:
         """Copy whole KV blocks src -> dst in every layer (forked samples)."""
         if not pairs:
             return
+        if self.followers is not None:
+            self.followers.mirror("copy_blocks", pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for k_cache, v_cache in self.kv_caches:
@@ -235,6 +242,8 @@ class ModelRunner:
         """Copy recurrent-state slots src -> dst in every recurrent layer (forked samples)."""
         if not pairs or not self.recurrent_states:
             return
+        if self.followers is not None:
+            self.followers.mirror("copy_states", pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for states in self.recurrent_states.values():
@@ -260,6 +269,22 @@ class ModelInputs(_RequiredModelInputs, total=False):
     input_ids: torch.Tensor  # [1, T]
     inputs_embeds: torch.Tensor  # [1, T, hidden]
     shardline_state: RecurrentStep  # models with recurrent layers only
+
+
+class RankFollowers(Protocol):
+    """The other ranks of a tensor-parallel engine, as rank 0's runner drives them: each
+    runs every step's forward on its shard (its inputs sent once) and the same cache
+    copies on its own caches."""
+
+    def run_step(self, model_inputs: ModelInputs, keep: torch.Tensor | int) -> None: ...
+
+    def mirror(self, method: str, *args: Any) -> None:
+        """Call the runner's ``method`` with ``args`` on every other rank."""
+        ...
+
+    def close(self) -> None:
+        """Stop the other ranks."""
+        ...
 
 
 @dataclass

@@ -4,11 +4,14 @@
 the model is loaded, then prepared (``prepare_engine_model``: the CPU paths this host
 takes are chosen, then the one module-surgery step, engine/surgery.py's
 ``prepare_model``, makes the engine's replacements in its PREPARATION_ORDER:
-attention adapters, quantized linears, LoRA, recurrent layers, CPU layers; then the attention backend is
+attention adapters, quantized linears, tensor-parallel shards, LoRA, recurrent layers, CPU layers; then the
+attention backend is
 chosen, once), then the KV cache is planned from what memory is left (after LoRA's
 adapter slots), then the runner (with its LoRA manager), its CUDA graphs, the
 scheduler and the load-time check; last the sampling side (sampler, reasoning
-parser, output processor, structured-output manager). The pooling engine shares
+parser, output processor, structured-output manager). With tensor_parallel_size N, rank 0
+(this process) starts ranks 1..N-1 (engine/parallel/ranks.py), every rank builds the
+same parts on its shard, and rank 0's runner sends the others each step. The pooling engine shares
 ``resolve_for_device`` and ``resolve_max_model_len``.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,11 +36,14 @@ from ..model.adapters import adapt_attention
 from ..model.kv_cache_spec import KVCacheSpec
 from ..model.layer_kinds import recurrent_layer_indices
 from ..model.load_check import check_model
-from ..model.loader import LoadedModel, load_causal_lm
+from ..model.loader import LoadedModel, load_causal_lm, load_hf_config
 from ..model.profiling import profile_peak_bytes
 from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_len, plan_kv_cache
 from ..multimodal.encoder_cache import EncoderCache
 from ..multimodal.processor import MultimodalProcessor
+from ..parallel.group import RankGroup
+from ..parallel.ranks import RankDriver
+from ..parallel.sharding import check_tensor_parallel, shard_cache_spec, shard_model
 from ..quantization.load import put_quantized_linears
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
@@ -63,6 +70,7 @@ class EngineModel:
     cpu_paths: CpuPaths
     cpu_rewrites: CpuRewrites
     attention: AttentionBackend
+    ranks: RankGroup | None = None  # this rank's tensor-parallel group, None on one rank
 
 
 @dataclass
@@ -85,13 +93,18 @@ class EngineParts:
     multimodal: MultimodalProcessor | None = None
 
 
-def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
+                       ranks: RankGroup | None = None) -> EngineParts:
     """Load (unless ``loaded`` is given) and prepare the model, plan its KV cache and
-    build the runner, scheduler and sampling parts, in the order the module states."""
+    build the runner, scheduler and sampling parts, in the order the module states.
+    ``ranks``: this process's tensor-parallel group (None: rank 0 starts one where
+    tensor_parallel_size asks for it)."""
+    if ranks is None and config.tensor_parallel_size > 1:
+        return build_rank_zero_parts(config, loaded)
     loaded = loaded or load_causal_lm(config)
     config = resolve_for_device(config, loaded.device)
     vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
-    prepared = prepare_engine_model(config, loaded)
+    prepared = prepare_engine_model(config, loaded, ranks)
     runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
     multimodal = MultimodalProcessor.load(config, loaded.hf_config)  # a vision-language model's, else None
     if multimodal is not None:
@@ -117,6 +130,29 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     )
 
 
+def build_rank_zero_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
+    """Rank 0 of a tensor-parallel engine: refuse what the ranks cannot split (before any
+    starts), start the other ranks, build this rank's parts beside theirs and hand its
+    runner the driver that sends them each step. The ranks are stopped if any fails."""
+    check_tensor_parallel(loaded.hf_config if loaded is not None else load_hf_config(config),
+                          config.tensor_parallel_size, enable_lora=config.enable_lora,
+                          quantization=config.quantization, task=config.task)
+    driver = RankDriver(config, build_rank_runner)
+    try:
+        parts = build_engine_parts(config, loaded, driver.group)
+        driver.wait_ready()
+    except BaseException:
+        driver.close()
+        raise
+    parts.runner.followers = driver
+    return parts
+
+
+def build_rank_runner(config: EngineConfig, ranks: RankGroup) -> ModelRunner:
+    """The runner of a tensor-parallel rank other than 0 (its process's main builds it)."""
+    return build_engine_parts(config, ranks=ranks).runner
+
+
 def resolve_for_device(config: EngineConfig, device: torch.device) -> EngineConfig:
     """``config`` with the options left to the device (the token budget) filled in."""
     return config.with_token_budget(device.type)
@@ -128,7 +164,7 @@ def token_budget(config: EngineConfig) -> int:
     return config.max_num_batched_tokens
 
 
-def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineModel:
+def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankGroup | None = None) -> EngineModel:
     """Every change to the loaded model before its cache is planned: the CPU paths this
     host takes are chosen (``choose_host_paths``), the engine's replacements are made
     by the one surgery step (engine/surgery.py's ``prepare_model``, in its
@@ -138,8 +174,14 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineMod
     spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
     # A model without attention layers (a pure state-space model) may name no heads.
     num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
-    cpu_paths = choose_host_paths(config, loaded, spec, num_heads)
-    prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths))
+    # A tensor-parallel rank takes no CPU fast path: their fused layers read whole
+    # linears and would skip the ranks' sums.
+    cpu_paths = choose_host_paths(config, loaded, spec, num_heads) if ranks is None else None
+    num_attention_layers = sum(1 for layer in spec.layers if layer.num_kv_heads)
+    if ranks is not None:
+        spec, num_heads = shard_cache_spec(spec, loaded.hf_config, ranks.size), max(1, num_heads // ranks.size)
+    sharding = partial(shard_model, group=ranks, num_attention_layers=num_attention_layers) if ranks else None
+    prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths, sharding))
     if loaded.quantized is not None and loaded.device.type == "cpu":
         release_freed_memory()  # the quantized linears' conversion temporaries (engine/quantization/)
     taken = cpu_paths or NO_CPU_PATHS
@@ -148,7 +190,7 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel) -> EngineMod
         native_decode=taken.decode_kernel, native_prefill=taken.prefill_kernel,
         chunk_sizes=spec.chunk_sizes, position_bias=uses_position_bias(loaded.model))
     rewrites = CpuRewrites() if prepared.cpu_layers is None else prepared.cpu_layers
-    return EngineModel(spec, prepared.recurrent_layers, prepared.lora, taken, rewrites, attention)
+    return EngineModel(spec, prepared.recurrent_layers, prepared.lora, taken, rewrites, attention, ranks)
 
 
 def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec,
@@ -168,12 +210,14 @@ def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSp
     return choose_cpu_paths(loaded.dtype, shape, token_budget(config))
 
 
-def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None) -> Preparation:
+def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None,
+                       sharding: Callable[[torch.nn.Module], int] | None = None) -> Preparation:
     """The engine's steps of the module surgery, which ``prepare_model`` runs in
     PREPARATION_ORDER: the attention adapters, the quantized linears (for a quantized
     checkpoint or online quantization), LoRA's wrappers (with enable_lora), the
     recurrent layers with per-request state slots (refusing a model whose recurrent
-    layer got none), and the CPU paths' replacements (where ``cpu_paths`` were chosen).
+    layer got none), and the CPU paths' replacements (where ``cpu_paths`` were chosen);
+    ``sharding``: a tensor-parallel rank's split of the model (engine/parallel/).
     The adapters are installed here, on the model already on its device (their
     originals keep their device buffers), not by the loader: every replacement is a
     step of this one preparation."""
@@ -184,7 +228,7 @@ def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: Cpu
     quantized = (partial(put_quantized_linears, weights=loaded.quantized)
                  if loaded.quantized is not None else None)
     return Preparation(
-        attention_adapters=adapt_attention, quantized_linears=quantized, lora=lora,
+        attention_adapters=adapt_attention, quantized_linears=quantized, tensor_parallel=sharding, lora=lora,
         recurrent_layers=partial(prepare_recurrent_layers, recurrent_layers=recurrent_layer_indices(loaded.hf_config)),
         cpu_layers=cpu_layers)
 
@@ -196,6 +240,8 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
     spec, attention = prepared.spec, prepared.attention
     model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
     budget = kv_cache_budget(config, loaded.device, loaded.model, attention, spec, model_len)
+    if prepared.ranks is not None:  # every rank holds the same blocks and slots
+        budget = prepared.ranks.min_int(budget)
     num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, prepared.state_spec)
     num_snapshots, num_blocks = plan_state_snapshots(config, spec, prepared.state_spec, model_len, budget,
                                                      num_blocks, num_state_slots)
@@ -204,6 +250,7 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
     runner = ModelRunner(loaded.model, spec, num_blocks, config.block_size, loaded.device, attention,
                          prepared.state_spec, num_state_slots + num_snapshots, lora_manager=prepared.lora_manager)
     if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
+            and prepared.ranks is None
             and attention.replays_decode_graphs and not num_state_slots):
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
     scheduler = Scheduler(SchedulerConfig(

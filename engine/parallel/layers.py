@@ -1,0 +1,111 @@
+"""The modules a tensor-parallel rank runs in place of a model's own.
+
+A column-parallel linear needs no module of its own: it is an nn.Linear holding its
+rank's rows of the weight (its heads, its share of the intermediate size), built by
+``sharding.py``. The modules here add the one collective each split needs:
+- RowParallelLinear: the rank's columns of the weight; the partial products summed
+  over ranks, then the bias added once.
+- VocabParallelEmbedding: the rank's rows of the vocabulary; a token outside them
+  looks up zeros, and the sum over ranks is the full embedding.
+- GatheredLMHead: the rank's rows of the vocabulary (padded to an equal share); the
+  logits gathered from every rank and cut to the vocabulary size, on every rank.
+- ReducedOutput: a module computing a partial sum per rank (experts split over their
+  intermediate size), its output summed over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .group import RankGroup
+
+
+def vocab_share(vocab_size: int, size: int) -> int:
+    """Rows of the vocabulary each of ``size`` ranks holds (the last ones padded)."""
+    return -(-vocab_size // size)
+
+
+class RowParallelLinear(nn.Module):
+    """An nn.Linear split along its input: this rank's columns of the weight."""
+
+    def __init__(self, linear: nn.Linear, group: RankGroup) -> None:
+        super().__init__()
+        if linear.in_features % group.size:
+            raise ValueError(f"in_features {linear.in_features} of {linear} does not split over {group.size} ranks")
+        share = linear.in_features // group.size
+        columns = slice(group.rank * share, (group.rank + 1) * share)
+        self.linear = nn.Linear(share, linear.out_features, bias=False, device=linear.weight.device,
+                                dtype=linear.weight.dtype)
+        self.linear.weight = nn.Parameter(linear.weight.detach()[:, columns].contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.group = group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's columns of the weight (code reading a linear's weight reads these)."""
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features / size], this rank's share of the input features.
+        out = self.group.all_reduce(self.linear(x))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An nn.Embedding split along the vocabulary: this rank's rows."""
+
+    def __init__(self, embedding: nn.Embedding, group: RankGroup) -> None:
+        super().__init__()
+        share = vocab_share(embedding.num_embeddings, group.size)
+        self.start = group.rank * share
+        rows = embedding.weight.detach()[self.start : self.start + share]
+        self.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(inside, local, 0), self.weight)
+        return self.group.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
+
+
+class GatheredLMHead(nn.Module):
+    """A vocabulary-projecting nn.Linear split along its output: this rank's rows of the
+    vocabulary, the logits gathered on every rank."""
+
+    def __init__(self, linear: nn.Linear, group: RankGroup) -> None:
+        super().__init__()
+        vocab_size = linear.out_features
+        share = vocab_share(vocab_size, group.size)
+        weight = linear.weight.detach()[group.rank * share : (group.rank + 1) * share]
+        bias = None if linear.bias is None else linear.bias.detach()[group.rank * share : (group.rank + 1) * share]
+        padding = share - weight.shape[0]  # the last ranks' rows past the vocabulary
+        if padding:
+            weight = F.pad(weight, (0, 0, 0, padding))
+            bias = None if bias is None else F.pad(bias, (0, padding))
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, vocab_size
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> logits [..., V], the same on every rank
+        logits = self.group.all_gather(F.linear(hidden, self.weight, self.bias))
+        return logits[..., : self.out_features]
+
+
+class ReducedOutput(nn.Module):
+    """``inner``, whose output on each rank is a partial sum, with the sum over ranks."""
+
+    def __init__(self, inner: nn.Module, group: RankGroup) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(*args, **kwargs))

@@ -1,0 +1,282 @@
+"""Which module of a model each rank splits, and how: the surgery step ``shard_model``,
+the per-rank cache spec, and the refusals made before any rank starts.
+
+The split follows the model's tensor-parallel plan where transformers gives one
+(``base_model_tp_plan``: "colwise", "rowwise", "packed_colwise", "moe_tp_experts",
+"embedding_rowwise", and the styles that keep a module whole), and shape rules where
+it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise, o/down
+row-wise. The input embedding is split along the vocabulary and the LM head along its
+output, the logits gathered. Experts are tensor-parallel: every rank routes every token
+and computes each expert over its share of the intermediate size, the experts' output
+summed over ranks (no token moves between ranks). Recurrent mixers run whole on every
+rank with their whole state: transformers' plans gather their projections' outputs
+("colwise_gather_output"), which is the unsplit module's result.
+
+Invariants:
+- Every attention layer's query heads split evenly over the ranks; key-value heads
+  split evenly, or (fewer of them than ranks, the ranks a multiple of them) each rank
+  holds the one its query heads read. The cache spec's heads per rank say the same.
+- Only nn.Linear, nn.Embedding and the expert modules of transformers' standard
+  layout are split; anything else a rule names is refused at load, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import transformers
+from torch import nn
+
+from ..model.kv_cache_spec import KVCacheSpec
+from ..surgery import replace
+from .group import RankGroup
+from .layers import GatheredLMHead, ReducedOutput, RowParallelLinear, VocabParallelEmbedding
+
+COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
+    "embedding", "whole"
+# transformers' plan styles, as the splits they ask for.
+PLAN_STYLES = {
+    "colwise": COLUMN, "rowwise": ROW, "packed_colwise": PACKED_COLUMN, "moe_tp_experts": EXPERTS,
+    "embedding_rowwise": EMBEDDING, "colwise_gather_output": WHOLE, "replicated_with_grad_allreduce": WHOLE,
+    "replicate": WHOLE, "mla_kv_a_proj": WHOLE,
+}
+# Shape rules for the names a plan leaves out (or a model without a plan).
+ATTENTION_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
+SHAPE_RULES = {**dict.fromkeys(ATTENTION_COLUMN, COLUMN), "o_proj": ROW,
+               "gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW}
+KEY_VALUE = ("k_proj", "v_proj")
+FUSED_ATTENTION = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
+
+
+class ShardingError(ValueError):
+    """A model, or one of its modules, that the ranks cannot split exactly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """A model's attention heads: query and key-value."""
+
+    num_heads: int
+    num_kv_heads: int
+
+    def kv_head_of(self, rank: int, size: int) -> tuple[int, int]:
+        """(first key-value head, how many) that ``rank`` of ``size`` holds."""
+        if self.num_kv_heads >= size:
+            share = self.num_kv_heads // size
+            return rank * share, share
+        return rank * self.num_kv_heads // size, 1
+
+
+def model_heads(hf_config: transformers.PretrainedConfig) -> Heads | None:
+    """The text model's heads (None for a model without attention heads)."""
+    text_config = hf_config.get_text_config()
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if not num_heads:
+        return None
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    return Heads(int(num_heads), int(num_kv_heads))
+
+
+def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
+                          quantization: str | None, task: str) -> None:
+    """Refuse, before any rank starts, what ``size`` ranks cannot run exactly: one line
+    naming the model or option and why."""
+    model_type = hf_config.get_text_config().model_type
+    prefix = f"tensor_parallel_size={size}"
+    if enable_lora:
+        raise ShardingError(f"{prefix}: LoRA adapters are not split over ranks; turn enable_lora off")
+    if quantization is not None or getattr(hf_config, "quantization_config", None) is not None:
+        raise ShardingError(f"{prefix}: quantized weights ({quantization or 'the checkpoint'}) are not split "
+                            f"over ranks for {model_type}; run a float checkpoint")
+    if task == "embed":
+        raise ShardingError(f"{prefix}: embedding models run on one rank")
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ShardingError(f"{prefix}: {model_type} takes images, whose encoder is not split over ranks")
+    heads = model_heads(hf_config)
+    if heads is None:
+        return
+    if heads.num_heads % size:
+        raise ShardingError(f"{prefix}: {model_type} has {heads.num_heads} attention heads, which do not "
+                            f"split over {size} ranks")
+    if heads.num_kv_heads % size and size % heads.num_kv_heads:
+        raise ShardingError(f"{prefix}: {model_type} has {heads.num_kv_heads} key-value heads; they split "
+                            f"over ranks only when one count divides the other")
+
+
+def shard_cache_spec(spec: KVCacheSpec, hf_config: transformers.PretrainedConfig, size: int) -> KVCacheSpec:
+    """The cache one of ``size`` ranks keeps: each attention layer's key-value heads of
+    that rank (a latent cache, one "head" every head reads, whole on each rank)."""
+    heads = model_heads(hf_config)
+    layers = []
+    for layer in spec.layers:
+        if layer.num_kv_heads and heads is not None and layer.value_head_dim:
+            share = layer.num_kv_heads // size if layer.num_kv_heads >= size else 1
+            layer = dataclasses.replace(layer, num_kv_heads=share)
+        layers.append(layer)
+    return dataclasses.replace(spec, layers=tuple(layers))
+
+
+def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
+    """The model's plan as (pattern over module names, split) pairs; ShardingError for
+    a style not split here."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if isinstance(config, transformers.PretrainedConfig) else None
+    plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    rules = []
+    for key, style in plan.items():
+        if style not in PLAN_STYLES:
+            model_type = getattr(text_config, "model_type", type(model).__name__)
+            raise ShardingError(f"{model_type}'s tensor-parallel plan splits {key!r} as {style!r}, "
+                                "which shardline's ranks do not run")
+        pattern = re.escape(key).replace(r"\*", r"\d+")
+        rules.append((re.compile(rf"(?:^|\.){pattern}$"), PLAN_STYLES[style]))
+    return rules
+
+
+def split_of(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str | None:
+    """The split the plan names for module ``name``, else the shape rule's (None: whole)."""
+    for pattern, split in rules:
+        if pattern.search(name):
+            return split
+    return SHAPE_RULES.get(name.rsplit(".", 1)[-1])
+
+
+def column_rows(linear: nn.Linear, name: str, group: RankGroup, heads: Heads | None,
+                packs: int) -> slice | torch.Tensor:
+    """The output rows of ``linear`` this rank keeps: an equal share of each of its
+    ``packs`` concatenated parts (a key-value projection with fewer heads than ranks:
+    the one head this rank's queries read)."""
+    out = linear.out_features
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in KEY_VALUE and heads is not None and heads.num_kv_heads < group.size and out % heads.num_kv_heads == 0:
+        head_dim = out // heads.num_kv_heads
+        first, _ = heads.kv_head_of(group.rank, group.size)
+        return slice(first * head_dim, (first + 1) * head_dim)
+    if out % (packs * group.size):
+        raise ShardingError(f"{name}: {out} output features do not split over {group.size} ranks")
+    part, share = out // packs, out // packs // group.size
+    starts = [p * part + group.rank * share for p in range(packs)]
+    return torch.cat([torch.arange(start, start + share) for start in starts]) if packs > 1 else \
+        slice(starts[0], starts[0] + share)
+
+
+def column_linear(linear: nn.Linear, rows: slice | torch.Tensor) -> nn.Linear:
+    """An nn.Linear holding ``rows`` of ``linear``'s output."""
+    weight = linear.weight.detach()[rows].contiguous()
+    new = nn.Linear(linear.in_features, weight.shape[0], bias=linear.bias is not None,
+                    device=weight.device, dtype=weight.dtype)
+    new.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        new.bias = nn.Parameter(linear.bias.detach()[rows].contiguous(), requires_grad=False)
+    return new
+
+
+def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -> int:
+    """The surgery step: replace each module the plan or the shape rules split by this
+    rank's share of it (``group``), the input embedding and the LM head by their
+    vocabulary-parallel forms, and set the attention modules' head counts to this
+    rank's; return how many modules were replaced. ShardingError, naming the module,
+    where a split cannot be made exactly, or where fewer attention layers than the
+    model's ``num_attention_layers`` were split (a projection no rule knows)."""
+    config = getattr(model, "config", None)
+    heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
+    rules = plan_rules(model)
+    replaced, attention = 0, set()
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in FUSED_ATTENTION:
+            raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
+                                "is not split over ranks")
+        split = split_of(name, rules)
+        if split is None or split == WHOLE or split == EMBEDDING:
+            continue
+        new = split_module(module, name, split, group, heads)
+        if new is not None:
+            replace(model, name, new)
+            replaced += 1
+            if leaf in ATTENTION_COLUMN:
+                attention.add(name.rsplit(".", 1)[0])
+    replaced += split_vocabulary(model, group)
+    for name in attention:
+        set_local_heads(model.get_submodule(name), heads, group)
+    if len(attention) < num_attention_layers:
+        raise ShardingError(f"{type(model).__name__}: {len(attention)} of its {num_attention_layers} attention "
+                            "layers have projections the tensor-parallel rules split (q/k/v_proj, q_b_proj, "
+                            "kv_b_proj or its plan's)")
+    return replaced
+
+
+def split_module(module: nn.Module, name: str, split: str, group: RankGroup, heads: Heads | None) -> nn.Module | None:
+    """This rank's share of ``module`` under ``split`` (None: a name the rule matches
+    that is no module to split, such as a plan entry for a parameter)."""
+    if split == EXPERTS:
+        return split_experts(module, name, group)
+    if not isinstance(module, nn.Linear):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
+            return None
+        raise ShardingError(f"{name}: a {type(module).__name__} the rule {split!r} names is not an nn.Linear; "
+                            "it is not split over ranks")
+    if split == ROW:
+        if module.in_features % group.size:
+            raise ShardingError(f"{name}: {module.in_features} input features do not split over {group.size} ranks")
+        return RowParallelLinear(module, group)
+    return column_linear(module, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1))
+
+
+def split_experts(module: nn.Module, name: str, group: RankGroup) -> nn.Module:
+    """The experts module with each expert's intermediate size split (gate_up_proj
+    [E, 2I, H] keeps this rank's rows of the gate and of the up half, down_proj
+    [E, H, I] its columns), its output summed over ranks."""
+    layout_ok = (not getattr(module, "has_bias", False) and not getattr(module, "is_transposed", False)
+                 and getattr(module, "is_concatenated", True) and getattr(module, "has_gate", True))
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (layout_ok and isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2]):
+        raise ShardingError(f"{name}: {type(module).__name__} is not the expert layout the ranks split "
+                            "(gate_up_proj [E, 2I, H] concatenated, down_proj [E, H, I], no bias)")
+    intermediate = down.shape[2]
+    if intermediate % group.size:
+        raise ShardingError(f"{name}: expert intermediate size {intermediate} does not split over {group.size} ranks")
+    share = intermediate // group.size
+    start = group.rank * share
+    rows = torch.cat([torch.arange(start, start + share),
+                      torch.arange(intermediate + start, intermediate + start + share)])
+    module.gate_up_proj = nn.Parameter(gate_up.detach()[:, rows.to(gate_up.device)].contiguous(), requires_grad=False)
+    module.down_proj = nn.Parameter(down.detach()[:, :, start : start + share].contiguous(), requires_grad=False)
+    if hasattr(module, "intermediate_dim"):
+        module.intermediate_dim = share
+    return ReducedOutput(module, group)
+
+
+def split_vocabulary(model: nn.Module, group: RankGroup) -> int:
+    """Replace the input embedding (a plain nn.Embedding) and the LM head (an nn.Linear)
+    by their vocabulary-parallel forms; return how many were replaced. A subclass
+    (a scaled embedding) stays whole on every rank."""
+    names = {id(module): name for name, module in model.named_modules()}
+    replaced = 0
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    if type(embedding) is nn.Embedding and id(embedding) in names:
+        replace(model, names[id(embedding)], VocabParallelEmbedding(embedding, group))
+        replaced += 1
+    head = get_output() if callable(get_output) else None
+    if type(head) is nn.Linear and id(head) in names:
+        replace(model, names[id(head)], GatheredLMHead(head, group))
+        replaced += 1
+    return replaced
+
+
+def set_local_heads(attention: nn.Module, heads: Heads | None, group: RankGroup) -> None:
+    """Set an attention module's head counts to this rank's (the eager reference and
+    any adapter read them; the paged attention reads the tensors' shapes)."""
+    if heads is None:
+        return
+    num_heads = heads.num_heads // group.size
+    _, num_kv_heads = heads.kv_head_of(group.rank, group.size)
+    for attribute, value in (("num_heads", num_heads), ("num_attention_heads", num_heads),
+                             ("num_key_value_heads", num_kv_heads),
+                             ("num_key_value_groups", num_heads // num_kv_heads)):
+        if isinstance(getattr(attention, attribute, None), int):
+            setattr(attention, attribute, value)
