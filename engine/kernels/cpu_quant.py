@@ -7,7 +7,9 @@ the kernel streams the quantized weight once, dequantizing in registers, the thr
 splitting the output columns; a decode step reads a quarter (W4) or half (W8) of the
 bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
 cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
-(exactly) by the bfloat16 dot-product instruction. Above it (prefill), a panel of
+(exactly) by the bfloat16 dot-product instruction; there, up to ``TILE_MAX_ROWS``
+rows take its many-rows kernel, which decodes a few weight rows once into a tile
+and multiplies it by every row of x. Above it (prefill), a panel of
 weight rows at a time is dequantized into a scratch of x's dtype and multiplied by
 torch's matmul, so the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
@@ -35,6 +37,9 @@ BF16_SOURCE = Path(__file__).with_name("cpu_quant_bf16.c")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # At most this many rows of x take the streaming kernel; more go through panels.
 DECODE_MAX_ROWS = 8
+# With cpu_quant_bf16.c's dot-product kernels, up to this many rows of bfloat16 x take
+# its many-rows kernel (the weight decoded once per tile of rows) instead of panels.
+TILE_MAX_ROWS = 64
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 
@@ -57,6 +62,8 @@ _LIBRARY = NativeLibrary(SOURCE, _declare, "quantized linears dequantize their w
 _BF16_SIGNATURES = {
     "w8_linear_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
     "w4_linear_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
+    "w8_many_rows_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
+    "w4_many_rows_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
 }
 
 
@@ -161,10 +168,11 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     fp8, kind, threads = int(weight.dtype == torch.float8_e4m3fn), _KINDS[x.dtype], torch.get_num_threads()
     library = _library()
     dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 else None
-    if x2.shape[0] <= DECODE_MAX_ROWS and dot_library is not None:
-        dot_library.w8_linear_bf16(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(),
-                                   scale_cols, block_rows, block_cols, _pointer(bias32), out.data_ptr(),
-                                   out.stride(0), out_features, in_features, threads)
+    if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
+        kernel = dot_library.w8_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w8_many_rows_bf16
+        kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(), scale_cols,
+               block_rows, block_cols, _pointer(bias32), out.data_ptr(), out.stride(0), out_features, in_features,
+               threads)
     elif x2.shape[0] <= DECODE_MAX_ROWS:
         scratch = torch.empty(x2.shape, dtype=torch.float32)
         library.w8_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], weight.data_ptr(),
@@ -199,11 +207,12 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     kind, threads, library = _KINDS[x.dtype], torch.get_num_threads(), _library()
     dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 and group_size % 32 == 0 else None
-    if x2.shape[0] <= DECODE_MAX_ROWS and dot_library is not None:
+    if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
         sums = torch.empty(x2.shape[0], in_features // group_size, dtype=torch.float32)
-        dot_library.w4_linear_bf16(x2.data_ptr(), x2.stride(0), x2.shape[0], sums.data_ptr(), packed.data_ptr(),
-                                   scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32),
-                                   out.data_ptr(), out.stride(0), out_features, in_features, threads)
+        kernel = dot_library.w4_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w4_many_rows_bf16
+        kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], sums.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+               _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(), out.stride(0), out_features,
+               in_features, threads)
     elif x2.shape[0] <= DECODE_MAX_ROWS:
         scratch = torch.empty(x2.shape, dtype=torch.float32)
         library.w4_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], packed.data_ptr(),
