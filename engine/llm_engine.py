@@ -249,13 +249,15 @@ class LLMEngine:
         return self._take_finished_outputs()
 
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
-        """A failed forward wrote no trustworthy KV: the scheduled tokens count as
-        not computed again, so they are recomputed (and never prefix-cached). Layers
-        that ran before the failure may have advanced a request's recurrent state
-        past ``start``, so with recurrent layers the request restarts from token 0."""
+        """A failed forward wrote no trustworthy KV: the scheduled tokens (and those a
+        partial prefix hit copied) count as not computed again, so they are recomputed
+        (and never prefix-cached). Layers that ran before the failure may have advanced
+        a request's recurrent state past ``start``, so with recurrent layers the request
+        restarts from token 0."""
         restart = self.runner.num_state_slots > 0
         for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens = 0 if restart else item.start
+            copied = item.block_copy.num_tokens if item.block_copy is not None else 0
+            item.request.num_computed_tokens = 0 if restart else item.start - copied
         self.scheduler.drop_unsaved_snapshots(scheduler_output)
 
     def _launch(self, scheduler_output: SchedulerOutput, in_flight: LaunchedStep | None) -> LaunchedStep:

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .partial_blocks import PartialBlocks
 from .request import CacheSalt, Request
 from .state_slots import StateSnapshots
 
@@ -95,6 +96,8 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # Recurrent-state snapshots by block hash (hybrid models), dropped with their hash.
         self.snapshots: StateSnapshots | None = None
+        # Blocks' leading tokens for token-granular hits, dropped when a block is allocated.
+        self.partial: PartialBlocks | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +110,8 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = self.free_queue.popitem(last=False)
             self._evict(block)
+            if self.partial is not None:
+                self.partial.drop(block.block_id)
             block.ref_cnt = 1
             allocated.append(block)
         return allocated
@@ -139,6 +144,8 @@ class BlockPool:
             block.block_hash = None
         if self.snapshots is not None:
             self.snapshots.reset()
+        if self.partial is not None:
+            self.partial.clear()
         num_dropped = len(self.cached_blocks)
         self.cached_blocks.clear()
         return num_dropped
@@ -158,7 +165,8 @@ class PrefixCacheStats:
 
     num_queries: int = 0
     num_query_tokens: int = 0
-    num_hit_tokens: int = 0
+    num_hit_tokens: int = 0  # copied tokens of partial hits included
+    num_partial_hits: int = 0  # hits ending inside a block (core/partial_blocks.py)
 
     @property
     def hit_rate(self) -> float:
@@ -168,13 +176,16 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Block tables of running requests over one BlockPool, with prefix caching.
 
-    The scheduler asks ``get_computed_blocks`` for a waiting request's prefix hit,
-    commits it with ``allocate_slots(request, n, hit_blocks)`` and grows the table
+    The scheduler asks ``get_computed_blocks`` for a waiting request's prefix hit (and
+    ``partial_hit`` for the tokens of the next block some cached block holds, with
+    ``partial_block_reuse``), commits it with ``allocate_slots(request, n, hit_blocks,
+    num_copied_tokens)`` and grows the table
     with ``allocate_slots(request, n)`` every later step; ``free`` ends the request's
     hold on its blocks (finish, abort or preemption).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 partial_block_reuse: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be positive, got num_blocks={num_blocks}, "
@@ -184,6 +195,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        if enable_prefix_caching and partial_block_reuse:
+            self.pool.partial = PartialBlocks()
         self.stats = PrefixCacheStats()
         self._block_tables: dict[str, list[KVCacheBlock]] = {}
         # The same tables as block ids, extended in place as tables grow (read every step).
@@ -242,14 +255,26 @@ class KVCacheManager:
         del hit_blocks[num_usable:]
         return hit_blocks, len(hit_blocks) * self.block_size
 
+    def partial_hit(self, request: Request, num_hit_blocks: int) -> tuple[int, int]:
+        """(block id, n): a block whose first n slots hold the KV of the first n tokens
+        of the request's block after its ``num_hit_blocks`` hit blocks; (-1, 0) when
+        none does or partial reuse is off. Changes no cache state."""
+        partial = self.pool.partial
+        if partial is None:
+            return -1, 0
+        return partial.lookup(request, num_hit_blocks, self._request_block_hashes(request, num_hit_blocks),
+                              self.block_size)
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_copied_tokens: int = 0,
     ) -> bool:
         """Grow the request's table to cover its computed tokens, the prefix hit being
-        committed (``new_computed_blocks``) and ``num_new_tokens`` more.
+        committed (``new_computed_blocks``, then ``num_copied_tokens`` of a partial hit,
+        which the caller copies into the table's next block) and ``num_new_tokens`` more.
 
         Returns False and changes nothing when the free pool (less the cached free
         blocks the hit would revive) cannot supply the missing blocks.
@@ -267,7 +292,8 @@ class KVCacheManager:
             return True
         table = self._block_tables.get(request_id, [])
         assert not (table and new_computed_blocks), "prefix hits are committed only at admission"
-        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        assert not (table and num_copied_tokens), "partial hits are committed only at admission"
+        num_hit_tokens = len(new_computed_blocks) * self.block_size + num_copied_tokens
         num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_missing = max(
             0, blocks_needed(num_tokens, self.block_size) - len(table) - len(new_computed_blocks)
@@ -277,7 +303,7 @@ class KVCacheManager:
             return False
 
         if request_id not in self._block_tables:
-            self._record_admission(request, num_hit_tokens)
+            self._record_admission(request, num_hit_tokens, num_copied_tokens)
             self._num_registered[request_id] = len(new_computed_blocks)
         self.pool.touch(new_computed_blocks)
         added = [*new_computed_blocks, *self.pool.allocate(num_missing)]
@@ -362,11 +388,12 @@ class KVCacheManager:
         """Forget every cached hash (e.g. after a failed step); returns how many."""
         return self.pool.reset()
 
-    def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
+    def _record_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         if self.enable_prefix_caching:
             self.stats.num_queries += 1
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_hit_tokens
+            self.stats.num_partial_hits += num_copied_tokens > 0
 
     def _register_computed(self, request: Request) -> None:
         """Offer the request's full blocks below num_computed_tokens to the cache."""
@@ -378,9 +405,13 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         num_full = min(num_full, len(table))
         num_registered = self._num_registered.get(request_id, 0)
+        block_hashes = self._request_block_hashes(request, max(num_full, num_registered))
+        if self.pool.partial is not None:
+            num_computed = min(request.num_computed_tokens, request.num_tokens)
+            self.pool.partial.record_request(request, self._block_ids[request_id], block_hashes, num_registered,
+                                             num_computed, self.block_size)
         if num_full <= num_registered:
             return
-        block_hashes = self._request_block_hashes(request, num_full)
         for index in range(num_registered, num_full):
             self.pool.register(table[index], block_hashes[index])
         self._num_registered[request_id] = num_full

@@ -29,6 +29,10 @@ Invariants:
   into the request's slot. A prompt chunk is cut to end at the last block boundary
   another unfinished request's prompt shares, the one state another request can
   continue from, which the step saves (core/state_slots.py StateSnapshots).
+- A prefix hit may end inside a block (attention-only models, core/partial_blocks.py):
+  the step copies its last tokens' KV from the block holding them into the request's
+  fresh block (ScheduledRequest.block_copy) before its forward; they count as computed
+  from admission on, and a request unscheduled from the step gives them back.
 - Waiting requests are tried in (priority, arrival) order, or, with
   prefix_aware_admission, in the order of core/admission.py (priority still first,
   longest cached prefix next, an age bound so none starves).
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from ..outputs import EngineStats
 from .admission import PrefixAwareAdmission
 from .kv_cache import KVCacheManager, blocks_needed
+from .partial_blocks import BlockCopy
 from .request import Request, RequestStatus
 from .state_slots import StateSlots, StateSnapshots
 
@@ -101,6 +106,9 @@ class ScheduledRequest:
     restore_slot: int = -1
     # A snapshot slot state_slot is copied into after the step (a shared boundary); -1: none.
     save_slot: int = -1
+    # Slots copied into the request's block before the step (a token-granular prefix hit,
+    # counted in ``start``); None: none.
+    block_copy: BlockCopy | None = None
 
     @property
     def is_last_chunk(self) -> bool:
@@ -138,6 +146,8 @@ class _Step:
                 del self.scheduled[index]
                 self.token_budget += scheduled.num_new_tokens
                 request.num_computed_tokens -= scheduled.num_new_tokens
+                if scheduled.block_copy is not None:  # never copied: not computed either
+                    request.num_computed_tokens -= scheduled.block_copy.num_tokens
                 return scheduled
         return None
 
@@ -147,8 +157,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        # Recurrent layers continue only from states saved at block boundaries, so a hit
+        # inside a block (partial_blocks.py) is for attention-only models.
         self.kv_cache = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching,
+            partial_block_reuse=not config.num_state_slots,
         )
         self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
         self.snapshots: StateSnapshots | None = None
@@ -326,8 +339,9 @@ class Scheduler:
             return False
         while True:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, step.token_budget)
-            if self.kv_cache.allocate_slots(request, num_new_tokens, hit_blocks):
+            src_block, num_copied = self.kv_cache.partial_hit(request, len(hit_blocks))
+            num_new_tokens = min(request.num_tokens - num_hit_tokens - num_copied, step.token_budget)
+            if self.kv_cache.allocate_slots(request, num_new_tokens, hit_blocks, num_copied):
                 break
             victim = self._priority_victim(request)
             if victim is None:
@@ -338,13 +352,18 @@ class Scheduler:
         if self.state_slots is not None:
             self.state_slots.allocate(request.request_id)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens + num_copied
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens + num_copied
         restore_slot = -1
         if self.snapshots is not None and hit_blocks:
             restore_slot = self.snapshots.use(self.kv_cache.prefix_block_hashes(request)[len(hit_blocks) - 1])
-        self._add_to_step(step, request, num_hit_tokens, num_new_tokens, request.num_tokens, restore_slot)
+        block_copy = None
+        if num_copied:
+            dst_block = self.kv_cache.live_block_ids(request.request_id)[len(hit_blocks)]
+            block_copy = BlockCopy(src_block, dst_block, num_copied)
+        self._add_to_step(step, request, num_hit_tokens + num_copied, num_new_tokens, request.num_tokens,
+                          restore_slot, block_copy)
         return True
 
     def _priority_victim(self, request: Request) -> Request | None:
@@ -378,7 +397,7 @@ class Scheduler:
             request.max_tokens is not None and num_output >= request.max_tokens)
 
     def _add_to_step(self, step: _Step, request: Request, start: int, num_new_tokens: int,
-                     num_tokens: int, restore_slot: int = -1) -> None:
+                     num_tokens: int, restore_slot: int = -1, block_copy: BlockCopy | None = None) -> None:
         request_id = request.request_id
         slot = -1
         if self.state_slots is not None:
@@ -389,7 +408,7 @@ class Scheduler:
             num_new_tokens, save_slot = self._snapshot_cut(request, start, num_new_tokens)
         step.scheduled.append(ScheduledRequest(
             request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot,
-            restore_slot, save_slot))
+            restore_slot, save_slot, block_copy))
         step.token_budget -= num_new_tokens
         request.num_computed_tokens = start + num_new_tokens
 

@@ -25,6 +25,7 @@ import transformers
 from ..attention.backends import AttentionBackend, StepBatch
 from ..attention.context import AttentionContext
 from ..config import EngineConfig
+from ..core.partial_blocks import BlockCopy
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..multimodal.encoder_cache import fills_images
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
@@ -206,6 +207,7 @@ class ModelRunner:
         """Run the model on the scheduled tokens; return the logits the step needs.
         ``pending``: the previous step's sampled ids, where a scheduled request's last
         token is one of them (async scheduling)."""
+        self.copy_block_prefixes([item.block_copy for item in scheduler_output.scheduled if item.block_copy])
         graphs = self._decode_graphs_for(scheduler_output)
         if graphs is not None:
             packed = self.input_rows.pack(scheduler_output.scheduled, pending.rows if pending is not None else None)
@@ -236,6 +238,27 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def copy_block_prefixes(self, copies: list[BlockCopy]) -> None:
+        """Copy slots [0, num_tokens) of each copy's source block into its destination
+        block in every layer's caches (token-granular prefix hits). Every source is read
+        before any destination is written, so a block that is one copy's destination and
+        another's source gives the latter its old contents."""
+        if not copies:
+            return
+        if self.followers is not None:
+            self.followers.mirror("copy_block_prefixes", copies)
+        size = self.block_size
+        src = [copy.src_block * size + offset for copy in copies for offset in range(copy.num_tokens)]
+        dst = [copy.dst_block * size + offset for copy in copies for offset in range(copy.num_tokens)]
+        src_slots = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for layer_caches in self.kv_caches:
+            for cache in layer_caches:  # [num_blocks, block_size, ...]
+                assert cache.shape[1] == size, (cache.shape, size)
+                slots = cache.view(-1, *cache.shape[2:])
+                slots[dst_slots] = slots[src_slots]
 
     @torch.inference_mode()
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from shardline.engine.core.partial_blocks import BlockCopy
 from shardline.engine.core.request import Request, RequestStatus
 from shardline.engine.core.scheduler import (
     PromptTooLongError,
@@ -286,8 +287,12 @@ def test_second_request_with_same_prefix_hits_the_cache():
     scheduler.add_request(second)
     scheduler.add_request(same)
     output = step(scheduler)
-    assert [(s.start, s.num_new_tokens) for s in output.scheduled] == [(8, 3), (4, 4)]
-    assert second.num_cached_tokens == 8 and same.num_cached_tokens == 4  # capped at num_tokens - 1
+    # Two full blocks and two tokens of the third (copied); the whole prompt but its last token.
+    assert [(s.start, s.num_new_tokens) for s in output.scheduled] == [(10, 1), (7, 1)]
+    assert second.num_cached_tokens == 10 and same.num_cached_tokens == 7  # capped at num_tokens - 1
+    copies = [s.block_copy for s in output.scheduled]
+    assert [(c.num_tokens, c.dst_block) for c in copies if c] == [(2, output.scheduled[0].block_ids[2]),
+                                                                   (3, output.scheduled[1].block_ids[1])]
     first_blocks = scheduler.kv_cache.get_block_ids("r1")
     assert scheduler.kv_cache.get_block_ids("r2")[0] == first_blocks[0]
     assert scheduler.kv_cache.pool.blocks[first_blocks[0]].ref_cnt == 2
@@ -324,7 +329,17 @@ class KVTracker:
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
+    def copy(self, copies: list[BlockCopy]) -> None:
+        """The runner's copy_block_prefixes: every source read before any destination is written."""
+        size = self.block_size
+        moves = [(copy.dst_block * size + offset, self.slots.get(copy.src_block * size + offset))
+                 for copy in copies for offset in range(copy.num_tokens)]
+        for slot, value in moves:
+            assert value is not None, "a partial hit copies a slot no step wrote"
+            self.slots[slot] = value
+
     def run(self, output: SchedulerOutput) -> None:
+        self.copy([item.block_copy for item in output.scheduled if item.block_copy is not None])
         written = set()
         for item in output.scheduled:
             tokens = tuple(item.request.all_token_ids)
