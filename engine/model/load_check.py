@@ -145,7 +145,13 @@ def _pixel_inputs(request: Request) -> dict[str, torch.Tensor]:
     if not request.images:
         return {}
     keys = request.images[0].pixel_inputs
-    return {key: torch.cat([image.pixel_inputs[key] for image in request.images]) for key in keys}
+    pixels = {key: torch.cat([image.pixel_inputs[key] for image in request.images]) for key in keys}
+    if request.images[0].grid is not None:  # M-RoPE: the model computes its ids from the image tokens' places
+        token_types = torch.zeros(1, len(request.all_token_ids) - 1, dtype=torch.int64)
+        for image in request.images:
+            token_types[0, list(image.positions)] = 1
+        pixels["mm_token_type_ids"] = token_types
+    return pixels
 
 
 def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[int]],

@@ -28,6 +28,8 @@ from ..config import EngineConfig
 from ..core.partial_blocks import BlockCopy
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..multimodal.encoder_cache import fills_images
+from ..multimodal.mrope import step_mrope_positions
+from ..multimodal.qwen_vl import DEEPSTACK_KEY, DeepstackRows
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputRows, PackedBatch
@@ -120,12 +122,17 @@ class ModelRunner:
         if capture:
             self.decode_graphs.capture()
 
+    @property
+    def uses_mrope(self) -> bool:
+        """Whether the model's rotary positions follow its images' grids (M-RoPE)."""
+        return self.encoder_cache is not None and self.encoder_cache.spec.grid is not None
+
     def _decode_graphs_for(self, scheduler_output: SchedulerOutput) -> DecodeGraphs | None:
         """The decode graphs this step runs over, None when it runs eagerly."""
         graphs = self.decode_graphs
         if (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
-                and not fills_images(scheduler_output.scheduled)
+                and not fills_images(scheduler_output.scheduled) and not self.uses_mrope
                 and graphs.qualifies(scheduler_output)):
             return graphs
         return None
@@ -163,11 +170,16 @@ class ModelRunner:
                 assert pending is not None, "pending positions without the step in flight's sampled ids"
                 input_ids[0, to_device(packed.pending_positions, dev)] = \
                     pending.token_ids[to_device(packed.pending_rows, dev)]
-        model_inputs = ModelInputs(position_ids=to_device(packed.positions[None], dev), shardline_ctx=ctx)
-        embeddings = (self.encoder_cache.step_embeddings(input_ids, scheduled, packed.query_start_loc)
-                      if self.encoder_cache is not None else None)
-        if embeddings is not None:
-            model_inputs["inputs_embeds"] = embeddings  # the ids' embeddings with image rows scattered in
+        # [1, T], or [3, 1, T] M-RoPE ids (engine/multimodal/mrope.py) for models that take them.
+        positions = (step_mrope_positions(scheduled, packed.query_start_loc, packed.positions) if self.uses_mrope
+                     else packed.positions[None])
+        model_inputs = ModelInputs(position_ids=to_device(positions, dev), shardline_ctx=ctx)
+        images = (self.encoder_cache.step_embeddings(input_ids, scheduled, packed.query_start_loc)
+                  if self.encoder_cache is not None else None)
+        if images is not None:
+            model_inputs["inputs_embeds"] = images.embeddings  # the ids' embeddings with image rows scattered in
+            if images.deepstack is not None:
+                model_inputs[DEEPSTACK_KEY] = images.deepstack  # type: ignore[literal-required]
         else:
             model_inputs["input_ids"] = input_ids
         if self.recurrent_states:
@@ -216,7 +228,7 @@ class ModelRunner:
             return ModelOutput(logits, sample_rows, {})
         model_inputs, plan = self.prepare_inputs(scheduler_output, pending)
         # Kept positions are increasing: as many as the step's tokens is all of them.
-        num_tokens = model_inputs["position_ids"].shape[1]
+        num_tokens = model_inputs["position_ids"].shape[-1]
         keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
         if self.followers is not None:
             self.followers.run_step(model_inputs, keep)
@@ -281,7 +293,7 @@ def to_device(values: np.ndarray | list[int], device: torch.device) -> torch.Ten
 
 
 class _RequiredModelInputs(TypedDict):
-    position_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]; [3, 1, T] for M-RoPE models
     shardline_ctx: AttentionContext
 
 
@@ -292,6 +304,7 @@ class ModelInputs(_RequiredModelInputs, total=False):
     input_ids: torch.Tensor  # [1, T]
     inputs_embeds: torch.Tensor  # [1, T, hidden]
     shardline_state: RecurrentStep  # models with recurrent layers only
+    shardline_deepstack: DeepstackRows  # Qwen3-VL steps that fill images (DEEPSTACK_KEY)
 
 
 class RankFollowers(Protocol):

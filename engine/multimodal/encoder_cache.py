@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .inputs import ImageInput
+from .qwen_vl import DeepstackRows, install_deepstack_inputs, split_deepstack
 from .specs import VisionSpec
 
 if TYPE_CHECKING:
@@ -46,6 +48,8 @@ class EncoderCache:
         self.num_rows = 0
         self.num_encoded_images = 0  # images the vision encoder has run on
         self.num_encoder_calls = 0  # batches it ran
+        if spec.deepstack:
+            install_deepstack_inputs(model)
 
     def get(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """The encoder output of each image, encoding the missing ones in batches."""
@@ -98,10 +102,11 @@ class EncoderCache:
         self.num_rows = 0
 
     def step_embeddings(self, input_ids: torch.Tensor, scheduled: Sequence[ScheduledRequest],
-                        query_starts: np.ndarray | Sequence[int]) -> torch.Tensor | None:
-        """The step's input embeddings [1, T, hidden] with image rows scattered in, or
-        None when no scheduled token is an image placeholder (the ids suffice).
-        ``query_starts[i]``: where request i's tokens start in the packed step."""
+                        query_starts: np.ndarray | Sequence[int]) -> StepImages | None:
+        """The step's input embeddings [1, T, hidden] with image rows scattered in (and a
+        deepstack model's rows for its early layers), or None when no scheduled token
+        is an image placeholder (the ids suffice). ``query_starts[i]``: where request
+        i's tokens start in the packed step."""
         # input_ids: [1, T]
         needed: list[tuple[int, ImageInput, int, int]] = []  # (packed offset of position 0, image, rows)
         for index, item in enumerate(scheduled):
@@ -122,8 +127,21 @@ class EncoderCache:
         targets = [offset + position for offset, image, first, last in needed
                    for position in image.positions[first:last]]
         rows = torch.cat([output[first:last] for (_, _, first, last), output in zip(needed, outputs)])
-        embeddings[0, torch.tensor(targets, device=embeddings.device)] = rows.to(embeddings.dtype)
-        return embeddings
+        index = torch.tensor(targets, device=embeddings.device)
+        deepstack = None
+        if self.spec.deepstack:
+            rows, deepstack = split_deepstack(rows, index, embeddings.shape[1], embeddings.shape[-1])
+        embeddings[0, index] = rows.to(embeddings.dtype)
+        return StepImages(embeddings, deepstack)
+
+
+@dataclass(frozen=True)
+class StepImages:
+    """A step's image inputs: ``embeddings`` [1, T, hidden], and for a deepstack model
+    (Qwen3-VL) the rows its early decoder layers add (None otherwise)."""
+
+    embeddings: torch.Tensor
+    deepstack: DeepstackRows | None = None
 
 
 def fills_images(scheduled: Sequence[ScheduledRequest]) -> bool:

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, eq=False)
 class ImageInput:
     """One image of one prompt: its hash, the prompt positions its encoder rows fill,
-    and the processor's tensors for it alone (each with a leading batch dimension of 1,
-    e.g. ``pixel_values`` [1, C, H, W]), which the vision encoder reads."""
+    and the processor's tensors for it alone (as the model's forward takes one image's:
+    e.g. ``pixel_values`` [1, C, H, W], or Qwen-VL's [patches, C * T * P * P] with
+    ``image_grid_thw`` [1, 3]), which the vision encoder reads."""
 
     image_hash: str
     positions: tuple[int, ...]
     pixel_inputs: dict[str, torch.Tensor]
+    # (frames, height, width) in placeholder tokens, for models whose rotary positions
+    # follow the image's grid (M-RoPE, engine/multimodal/mrope.py); else None.
+    grid: tuple[int, int, int] | None = None
 
     @property
     def start(self) -> int:

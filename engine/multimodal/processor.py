@@ -26,9 +26,11 @@ import transformers
 from PIL import Image
 
 from ..config import EngineConfig
+from .image_only import load_processor
 from .inputs import ImageInput, ProcessedPrompt
 from .loading import MediaOptions, as_image
 from .media import media_uuids, refuse_media
+from .mrope import check_mrope_image
 from .specs import VisionSpec, vision_spec
 
 # Processor outputs that are not an image's own tensors.
@@ -55,6 +57,7 @@ class MultimodalProcessor:
     max_images: int | None
     media_options: MediaOptions
     model: str
+    hf_config: transformers.PretrainedConfig | None = None  # read by the spec's grid (M-RoPE models)
     # The processor's tokenizer is not safe to call from two threads at once (its Rust
     # side refuses a second borrow); image decoding and hashing run unlocked.
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -66,15 +69,15 @@ class MultimodalProcessor:
         spec = vision_spec(hf_config)
         if spec is None:
             return None
-        processor = transformers.AutoProcessor.from_pretrained(
-            config.tokenizer or config.model, revision=config.tokenizer_revision or config.revision,
-            trust_remote_code=config.trust_remote_code)
+        processor = load_processor(config.tokenizer or config.model, hf_config.model_type,
+                                   revision=config.tokenizer_revision or config.revision,
+                                   trust_remote_code=config.trust_remote_code)
         limits = config.limit_mm_per_prompt or {}
         max_images = limits.get("image", spec.max_images)
         if spec.max_images is not None and max_images is not None:
             max_images = min(max_images, spec.max_images)
         options = MediaOptions(config.allowed_local_media_path, config.allowed_media_domains)
-        return cls(processor, spec, spec.image_token_id(hf_config), max_images, options, config.model)
+        return cls(processor, spec, spec.image_token_id(hf_config), max_images, options, config.model, hf_config)
 
     @property
     def image_token(self) -> str:
@@ -108,7 +111,14 @@ class MultimodalProcessor:
                              f"where its {len(images)} image(s) need {sum(counts)}")
         inputs, first = [], 0
         for image, uuid, pixel_inputs, count in zip(images, uuids, pixels, counts):
-            inputs.append(ImageInput(image_hash(image, uuid), tuple(positions[first:first + count]), pixel_inputs))
+            grid = None
+            if self.spec.grid is not None:
+                assert self.hf_config is not None, "an M-RoPE model's processor step without its config"
+                grid = self.spec.grid(pixel_inputs, self.hf_config)
+            inputs.append(ImageInput(image_hash(image, uuid), tuple(positions[first:first + count]), pixel_inputs,
+                                     grid))
+            if grid is not None:
+                check_mrope_image(request_id, inputs[-1])
             first += count
         return ProcessedPrompt(text, token_ids, tuple(inputs))
 
@@ -133,9 +143,14 @@ class MultimodalProcessor:
             -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
         outputs = self._call(request_id, text, images)
         token_ids = outputs["input_ids"][0].tolist()
-        pixels = _split_images(outputs, len(images))
+        pixels = self._split(outputs, len(images))
         counts = self._counts(request_id, token_ids, images)
         return token_ids, pixels, counts
+
+    def _split(self, outputs: Mapping[str, Any], num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The processor's image tensors, one dict per image (the spec's split, else each
+        tensor's leading rows)."""
+        return (self.spec.split or _split_images)(outputs, num_images)
 
     def _counts(self, request_id: str, token_ids: list[int], images: list[Image.Image]) -> list[int]:
         """How many placeholder tokens each image of a processed text prompt has."""
@@ -167,7 +182,7 @@ class MultimodalProcessor:
             outputs = self._call(request_id, self.image_token, [image], add_special_tokens=False)
             expansion = outputs["input_ids"][0].tolist()
             expanded += list(token_ids[previous:position]) + expansion
-            pixels += _split_images(outputs, 1)
+            pixels += self._split(outputs, 1)
             counts.append(sum(1 for token_id in expansion if token_id == self.image_token_id))
             previous = position + 1
         return expanded + list(token_ids[previous:]), pixels, counts

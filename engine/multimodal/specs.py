@@ -10,16 +10,23 @@ processor wrote for it (checked when it is scattered).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
+from .qwen_vl import deepstack_features, image_grid, split_patches
+
 # One batch of processed images (the processor's tensors, concatenated on dim 0) and
 # each image's placeholder count -> one [rows, hidden] tensor per image, in order.
 Encoder = Callable[[nn.Module, dict[str, torch.Tensor], list[int]], list[torch.Tensor]]
+# The processor's outputs for a call with n images -> one dict of tensors per image.
+Splitter = Callable[[Mapping[str, Any], int], list[dict[str, torch.Tensor]]]
+# One image's tensors and the model's config -> its (frames, height, width) in tokens.
+GridOf = Callable[[Mapping[str, torch.Tensor], transformers.PretrainedConfig], tuple[int, int, int]]
 
 
 def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor],
@@ -49,6 +56,14 @@ class VisionSpec:
     model_type: str
     encode: Encoder = image_features
     max_images: int | None = None
+    # None: each processor tensor has one leading row per image.
+    split: Splitter | None = None
+    # Set for models whose rotary positions follow each image's grid (M-RoPE,
+    # engine/multimodal/mrope.py): the runner then passes [3, 1, T] position ids.
+    grid: GridOf | None = None
+    # Early decoder layers that add a part of the encoder output at the image's
+    # positions (Qwen3-VL's deepstack, engine/multimodal/qwen_vl.py).
+    deepstack: bool = False
 
     def image_token_id(self, hf_config: transformers.PretrainedConfig) -> int:
         """The placeholder token id the processor writes for every image row."""
@@ -63,6 +78,9 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("llava"),
     VisionSpec("llava_next"),
     VisionSpec("vipllava"),
+    VisionSpec("qwen2_vl", split=split_patches, grid=image_grid),
+    VisionSpec("qwen2_5_vl", split=split_patches, grid=image_grid),
+    VisionSpec("qwen3_vl", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),
 )}
 
 

@@ -1,0 +1,70 @@
+"""A model's processor without its video processor, for hosts without torchvision.
+
+Some processors (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's: Qwen2VLProcessor,
+Qwen2_5_VLProcessor, Qwen3VLProcessor) take a video processor, and transformers'
+video processors import torchvision, which has no CPU wheel on every package index.
+AutoProcessor then fails to build them. Images need only the image processor (the
+PIL/numpy one where the torchvision one cannot import) and the tokenizer, so the
+processor class is built with those two: ``image_only_class`` gives a subclass whose
+constructor takes no video processor, and every image call runs the class's own code.
+Videos stay refused by the engine (it takes images only).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import transformers
+from transformers.utils.import_utils import is_torchvision_available
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def image_only_class(processor_class: type) -> type:
+    """``processor_class`` with a constructor that takes no video processor (its
+    attributes are then the image processor and the tokenizer). The subclass keeps the
+    class's name, so a processor it saves names the class a checkpoint names."""
+    base: Any = processor_class
+
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": __name__})
+
+
+def build_image_only(processor_class: type, image_processor: Any, tokenizer: Any,
+                     chat_template: str | None = None) -> Any:
+    """A ``processor_class`` processor of ``image_processor`` and ``tokenizer`` alone."""
+    return image_only_class(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                             chat_template=chat_template)
+
+
+def load_processor(model: str, model_type: str, **kwargs: Any) -> Any:
+    """transformers' AutoProcessor for ``model``; where that fails for lack of torchvision
+    and the model type's processor takes a video processor, the image-only one (see the
+    module docstring), built from the directory's image processor and tokenizer."""
+    try:
+        return transformers.AutoProcessor.from_pretrained(model, **kwargs)
+    except (OSError, ImportError, ValueError, AttributeError, TypeError) as exc:
+        processor_class = _video_processor_class(model_type)
+        if is_torchvision_available() or processor_class is None:
+            raise
+        logger.info("building %s for %s from its image processor and tokenizer (no torchvision for its video "
+                    "processor: %s)", processor_class.__name__, model, " ".join(str(exc).split())[:200])
+    image_processor = transformers.AutoImageProcessor.from_pretrained(model, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model, **kwargs)
+    return build_image_only(processor_class, image_processor, tokenizer, getattr(tokenizer, "chat_template", None))
+
+
+def _video_processor_class(model_type: str) -> type | None:
+    """The model type's processor class where its constructor takes a video processor."""
+    names = transformers.models.auto.processing_auto.PROCESSOR_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
+    name = names.get(model_type)
+    processor_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not isinstance(processor_class, type) or "video_processor" not in processor_class.get_attributes():
+        return None
+    return processor_class
