@@ -20,7 +20,11 @@ output tokens) and prefill throughput (long prompts, one output token), with rat
 bfloat16. Runs are interleaved round by round and the best of each compared.
 
     python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
-                                [--cpu-time]
+                                [--cpu-time] [--seqs 1,4,16,32,64]
+
+``--seqs`` sweeps the decode workload over that many sequences decoding at once
+(prompts of 8-24 tokens, ``--output-len`` tokens each) and prints each format's decode
+throughput ratio to bfloat16 per count, beside the prefill comparison.
 
 ``--cpu-time`` runs on one thread timed by its CPU time (for a machine other work is
 loading; the absolute figures are then one core's).
@@ -164,6 +168,9 @@ def model_mode(args: argparse.Namespace) -> None:
     decode_prompts = random_prompts(args.decode_prompts, 8, 24, args.vocab, seed=1)
     prefill_prompts = random_prompts(args.prefill_prompts, args.prefill_len, args.prefill_len, args.vocab, seed=2)
     workloads = {"decode": (decode_prompts, args.output_len), "prefill": (prefill_prompts, 1)}
+    sweep = [int(count) for count in args.seqs.split(",")] if args.seqs else []
+    for count in sweep:
+        workloads[f"decode x{count}"] = (random_prompts(count, 8, 24, args.vocab, seed=3), args.output_len)
     seconds: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeat):  # interleaved: a slow phase of the machine hits every variant
         for workload, (prompts, max_tokens) in workloads.items():
@@ -188,6 +195,21 @@ def model_mode(args: argparse.Namespace) -> None:
               f"{', '.join(f'{s:.2f}' for s in seconds[('decode', name)])} s)  "
               f"prefill {prefill_tokens / prefill:6.1f} tok/s ({base_prefill / prefill:.2f}x, runs "
               f"{', '.join(f'{s:.2f}' for s in seconds[('prefill', name)])} s)")
+    if sweep:
+        print_sweep(sweep, list(engines), seconds, args.output_len)
+
+
+def print_sweep(sweep: list[int], names: list[str], seconds: dict[tuple[str, str], list[float]],
+                output_len: int) -> None:
+    """One line per count of sequences decoding: bfloat16's decode tokens per second and
+    each format's ratio to it (best run of each)."""
+    print(f"decode sweep: sequences decoding at once, {output_len} output tokens each; ratio to bf16")
+    print(f"{'seqs':>5s} {'bf16 tok/s':>11s} " + " ".join(f"{name:>17s}" for name in names[1:]))
+    for count in sweep:
+        best = {name: min(seconds[(f"decode x{count}", name)]) for name in names}
+        tokens = count * output_len
+        print(f"{count:5d} {tokens / best['bf16']:11.1f} "
+              + " ".join(f"{best['bf16'] / best[name]:16.2f}x" for name in names[1:]))
 
 
 def main() -> None:
@@ -203,6 +225,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
+    parser.add_argument("--seqs", default="", help="comma-separated counts of sequences decoding at once to sweep")
     args = parser.parse_args()
     global clock
     clock = run_clock(args.cpu_time)

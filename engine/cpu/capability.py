@@ -8,8 +8,9 @@ races the paths that pass here and decides).
   packed as float32 copies instead (cpu/linear.py), if twice their weights' memory
   is free;
 - fused elementwise kernels, native decode and prefill attention, the recurrent
-  layers' kernel (convolutions, gated delta-net and Kimi delta attention cores): a C
-  compiler, the library built for the kernel target (kernels/native.py), the dtype.
+  layers' kernel (convolutions, gated delta-net and Kimi delta attention cores), the
+  quantized linears' kernels: a C compiler, the library built for the kernel target
+  (kernels/native.py), the dtype.
 
 Each check returns whether the path can run and why, for the choice's log line.
 """
@@ -26,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..kernels import cpu_attention, cpu_fused, cpu_prefill_attention, cpu_recurrent, native
+from ..kernels import cpu_attention, cpu_fused, cpu_prefill_attention, cpu_quant, cpu_recurrent, native
 from .linear import onednn_linear_available
 
 
@@ -175,6 +176,15 @@ def recurrent_kernel_capability(dtype: torch.dtype) -> tuple[bool, str]:
         return False, "float32 and float64 only"
     if cpu_recurrent.load_library() is None:
         return False, f"{cpu_recurrent.SOURCE.name} could not be built (see its warning)"
+    return True, "built"
+
+
+def quant_kernels_capability(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the quantized linears' C kernels (kernels/cpu_quant.py) take ``dtype`` here, and why."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, "float32, bfloat16 and float16 only"
+    if not cpu_quant.cpu_quant_available(dtype):
+        return False, f"{cpu_quant.SOURCE.name} could not be built for {str(dtype).removeprefix('torch.')}"
     return True, "built"
 
 

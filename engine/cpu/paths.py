@@ -5,8 +5,8 @@ themselves, never by an assumed instruction set (engine/cpu/capability.py asks t
 
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
-matmul, the native prefill
-kernel against SDPA. Each measurement is cached per host, library configuration and
+matmul, the native prefill kernel against SDPA, the quantized linears' C kernels
+against their torch tile path. Each measurement is cached per host, library configuration and
 shape in the cache directory, so a host pays it once (a few hundred milliseconds at
 most). Native decode attention needs no race: it reads each context row once where
 the torch path gathers the paged blocks into a padded copy first.
@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_prefill_attention, native
+from ..kernels.cpu_quant import cpu_w8_linear
+from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 from .capability import (
     ModelShape,
     decode_kernel_capability,
@@ -41,6 +43,7 @@ from .capability import (
     packed_copy_dtype,
     packed_linears_capability,
     prefill_kernel_capability,
+    quant_kernels_capability,
     recurrent_kernel_capability,
 )
 from .hybrid_layers import optimize_hybrid_layers
@@ -50,7 +53,8 @@ from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
 
-PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel")
+PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel",
+              "quant_kernels")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
 
@@ -67,6 +71,9 @@ class CpuPaths:
     decode_kernel: bool = False
     prefill_kernel: bool = False
     recurrent_kernel: bool = False  # recurrent layers' convolutions and delta rules (kernels/cpu_recurrent.py)
+    # Quantized linears and experts through the C kernels (kernels/cpu_quant.py, cpu_mxfp4.py),
+    # else through torch, a tile of dequantized weight rows at a time.
+    quant_kernels: bool = False
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -103,6 +110,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         "decode_kernel": (decode_kernel_capability(dtype, shape), None, ""),
         "prefill_kernel": (prefill_kernel_capability(dtype, shape), lambda: _prefill_speedup(dtype, shape), "SDPA"),
         "recurrent_kernel": (recurrent_kernel_capability(dtype), None, ""),
+        "quant_kernels": (quant_kernels_capability(dtype), lambda: _quant_speedup(dtype, shape),
+                          "the torch tile path"),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -137,6 +146,7 @@ class CpuRewrites:
     # Hybrids' other replacements: packed gated delta-net projections, the last MLP at
     # the sampled rows, recurrent layers on the recurrent kernel (engine/recurrent/).
     hybrid_modules: int = 0
+    quantized_modules: int = 0  # quantized linears and experts told which CPU path to take
 
 
 def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) -> CpuRewrites:
@@ -160,9 +170,19 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     others = hybrid.others
     if paths.recurrent_kernel:  # recurrent layers' convolutions and delta rules through the C kernel
         others += take_native_core(model)
-    rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others)
+    quantized = choose_quant_kernels(model, paths.quant_kernels)
+    rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
+
+
+def choose_quant_kernels(model: torch.nn.Module, take: bool) -> int:
+    """Set every quantized module's CPU path (its boolean ``cpu_kernels``: the C kernels,
+    else torch's dequantized tiles, engine/quantization/); returns how many there are."""
+    modules = [module for module in model.modules() if isinstance(getattr(module, "cpu_kernels", None), bool)]
+    for module in modules:
+        module.cpu_kernels = take
+    return len(modules)
 
 
 # -------------------------------------------------------------- measurements
@@ -277,3 +297,21 @@ def _prefill_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
                                            enable_gqa=True)
 
     return _race(kernel, sdpa)
+
+
+# The measured quantized linear's rows of x: a decode step's and a few sequences'.
+MEASURED_QUANT_ROWS = (1, 16)
+
+
+@torch.inference_mode()
+def _quant_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
+    """How many times faster the C kernels run a per-channel int8 linear of the model's
+    width on ``dtype`` inputs than the torch tile path (the float32 product of the
+    dequantized weight, which that path computes a tile of rows at a time)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = min(shape.widest_linear, MEASURED_OUTPUTS)
+    weight = torch.randint(-127, 128, (rows, shape.hidden_size), dtype=torch.int8, generator=generator)
+    scale = torch.rand(rows, 1, generator=generator) * 1e-2
+    inputs = [torch.randn(count, shape.hidden_size, generator=generator).to(dtype) for count in MEASURED_QUANT_ROWS]
+    return _race(lambda: [cpu_w8_linear(x, weight, scale) for x in inputs],
+                 lambda: [quantized_linear_reference(x, dequantize_w8(weight, scale)) for x in inputs])

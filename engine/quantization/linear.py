@@ -56,6 +56,9 @@ class QuantizedLinear(nn.Module):
         self.group_size = 0
         self.activations: Literal["none", "dynamic", "static"] = "none"
         self.use_reference = False
+        # The CPU path (engine/cpu/paths.py's quant_kernels): the C kernels where they
+        # build and take the layout, else the torch tile path.
+        self.cpu_kernels = True
         for name in ("weight", "scale", "packed", "scales", "zeros", "input_perm"):
             self.register_buffer(name, None)
         self.register_buffer("bias", bias)
@@ -129,7 +132,7 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
-    if x.device.type == "cpu" and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
+    if x.device.type == "cpu" and layer.cpu_kernels and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
         return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
 

@@ -64,6 +64,8 @@ class Mxfp4ExpertWeights(nn.Module):
                                                      - 127.0), persistent=False)
         # Set by the load check's dequantized_reference (engine/quantization/linear.py).
         self.use_reference = False
+        # The CPU path (engine/cpu/paths.py's quant_kernels): the C kernel, else tile_matmul.
+        self.cpu_kernels = True
 
     @property
     def num_experts(self) -> int:
@@ -90,7 +92,7 @@ class Mxfp4ExpertWeights(nn.Module):
         with ``use_reference`` set, x times the reference's whole dequantized weight."""
         if self.use_reference:
             return x.float() @ dequantize_mxfp4(self.blocks[expert], self.scales[expert]).t()
-        if x.device.type == "cpu" and cpu_mxfp4_available():
+        if x.device.type == "cpu" and self.cpu_kernels and cpu_mxfp4_available():
             activations = x if x.dtype == torch.bfloat16 else x.float()
             return cpu_mxfp4_matmul(activations.contiguous(), self.blocks[expert], self.scales[expert], self.exponents)
         return self.tile_matmul(expert, x)

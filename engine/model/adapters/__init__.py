@@ -25,7 +25,7 @@ from .base import (
     PagedAttentionAdapter,
     StepScope,
 )
-from .latent import LatentAttention, caches_latents
+from .latent import latent_adapter_keys, latent_caching
 from .shapes import (
     BloomAttention,
     DiffLlamaAttention,
@@ -51,7 +51,7 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
 }
 # Attention classes of models whose layers cache latents (adapters/latent.py), adapted
 # where caches_latents says their cache holds latents.
-LATENT_ADAPTERS = {_MODELS + "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention": LatentAttention}
+LATENT_ADAPTERS = latent_adapter_keys()
 
 
 def _key(module_class: type) -> str:
@@ -123,7 +123,7 @@ def adapt_attention(model: nn.Module) -> int:
             replaced += 1
     layers_name, layers = decoder_layers(model)
     config = getattr(model, "config", None)
-    latent = isinstance(config, PretrainedConfig) and caches_latents(config.get_text_config())
+    latent = isinstance(config, PretrainedConfig) and latent_caching(config.get_text_config())
     for index, layer in enumerate(layers):
         for name, module in list(layer.named_modules()):
             adapter = ADAPTERS.get(_key(type(module))) or (LATENT_ADAPTERS.get(_key(type(module))) if latent else None)

@@ -1,22 +1,36 @@
-"""deepseek_v3's multi-head latent attention on a paged cache of latents.
+"""Multi-head latent attention (deepseek_v2/v3 and the types built on it) on a paged
+cache of latents.
 
 The layer's cache holds, per token, its normalized kv_lora_rank-wide latent and its
 rotated rotary key (engine/model/kv_cache_spec.py: one "head" of kv_lora_rank +
 qk_rope_head_dim keys, no values), and attends it through engine/attention/mla.py:
-a decode step's query absorbed into the latent, a prompt's queries over keys and
-values up-projected from it. Queries, latents and the rotation are the original
-module's own computations, in its order.
+a decode step's query absorbed into the latent (on the CPU, the C kernel
+kernels/cpu_mla.py where it builds), a prompt's queries over keys and values
+up-projected from it. Queries, latents and the rotation are the original module's
+own computations, in its order.
 
-Latent caching needs kv_b_proj's weight as a plain matrix (the absorbed projections):
-``caches_latents`` says which configs get it; a kv_b_proj that is not an nn.Linear
-without bias by the time a step runs (a LoRA wrapper) is refused, naming the layer,
-rather than attended without its wrapper.
+The types differ only where LATENT_LAYOUTS says: how the rotary part is rotated
+(deepseek_v2 multiplies complex numbers; kimi_linear's latent layers use no
+rotation), longcat_flash's LoRA scales on the query and the latent and
+bailing_hybrid's per-head output gate. The query
+comes from q_proj, or from q_a_proj, q_a_layernorm and q_b_proj where the layer has
+a query LoRA.
+
+Latent caching needs kv_b_proj's weight as a plain float matrix (the absorbed
+projections): ``latent_cache_refusal`` says why a latent type keeps full keys and
+values instead; a kv_b_proj that is not an nn.Linear without bias by the time a step
+runs (a LoRA wrapper) is refused, naming the layer, rather than attended without its
+wrapper.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import transformers
@@ -25,37 +39,103 @@ from torch import nn
 from ...attention.mla import latent_paged_attention, split_up_projection, write_latent
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
 
-LATENT_MODEL_TYPES = ("deepseek_v3",)
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """Where one model type's latent attention departs from deepseek_v3's.
+
+    rotation: "config" (the config's rope_interleave picks apply_rotary_pos_emb_interleave
+    or apply_rotary_pos_emb), "interleave", "half" (apply_rotary_pos_emb), "complex"
+    (deepseek_v2's apply_rotary_emb on complex frequencies) or "none".
+    lora_scales: the query scaled by the layer's mla_scale_q_lora and the latent by its
+    mla_scale_kv_lora before the rotation (the latent is cached scaled).
+    output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid)."""
+
+    attention_class: str
+    rotation: str = "config"
+    lora_scales: bool = False
+    output_gate: bool = False
+
+
+LATENT_LAYOUTS: dict[str, LatentLayout] = {
+    "deepseek_v2": LatentLayout("DeepseekV2Attention", rotation="complex"),
+    "deepseek_v3": LatentLayout("DeepseekV3Attention"),  # Kimi-K2 too
+    "minicpm3": LatentLayout("MiniCPM3Attention", rotation="half"),
+    "glm4_moe_lite": LatentLayout("Glm4MoeLiteAttention"),
+    "youtu": LatentLayout("YoutuAttention"),
+    "axk1": LatentLayout("AXK1Attention"),
+    "bailing_hybrid": LatentLayout("BailingHybridAttention", rotation="interleave", output_gate=True),
+    "longcat_flash": LatentLayout("LongcatFlashMLA", rotation="interleave", lora_scales=True),
+    "kimi_linear": LatentLayout("KimiLinearAttention", rotation="none"),
+}
+
+
+def latent_cache_refusal(text_config: transformers.PretrainedConfig) -> str | None:
+    """Why this latent-attention config keeps every head's keys and values in the
+    cache instead of its latents, or None when its layers cache latents (also None for
+    a model without latent attention: see ``caches_latents``)."""
+    if text_config.model_type not in LATENT_LAYOUTS:
+        return None
+    quantization = getattr(text_config, "quantization_config", None)
+    if quantization is not None and not _dequantizable(quantization):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        return (f"its kv_b_proj is quantized ({method!r}) and the absorbed decode reads it as a float matrix; "
+                "only FP8 block-quantized kv_b_proj is dequantized at load")
+    if torch.cuda.is_available():
+        return ("on CUDA the decode path (the paged attention kernel replayed in CUDA graphs) reads full keys "
+                "and values")
+    return None
+
+
+def _dequantizable(quantization: object) -> bool:
+    """A quantization config whose kv_b_proj is dequantized at load (engine/quantization's
+    FP8 block format: weight_scale_inv per block)."""
+    return False
 
 
 def caches_latents(text_config: transformers.PretrainedConfig) -> bool:
-    """Whether this model's attention layers cache latents instead of keys and values:
-    a latent model type whose kv_b_proj is a plain float matrix (no quantization), on a
-    host without CUDA (the GPU's decode path, the Triton kernel replayed in CUDA
-    graphs, reads full keys and values)."""
-    return (text_config.model_type in LATENT_MODEL_TYPES
-            and getattr(text_config, "quantization_config", None) is None
-            and not torch.cuda.is_available())
+    """Whether this model's attention layers cache latents instead of keys and values."""
+    return text_config.model_type in LATENT_LAYOUTS and latent_cache_refusal(text_config) is None
+
+
+def latent_caching(text_config: transformers.PretrainedConfig) -> bool:
+    """``caches_latents``, logging for a latent type that keeps full keys and values why."""
+    reason = latent_cache_refusal(text_config)
+    if reason is not None:
+        logger.info("%s's attention layers cache full keys and values, not latents: %s", text_config.model_type, reason)
+    return caches_latents(text_config)
+
+
+def latent_adapter_keys() -> dict[str, type[LatentAttention]]:
+    """transformers' attention class key (module and name) -> the latent adapter, for
+    every type in LATENT_LAYOUTS."""
+    return {f"transformers.models.{model_type}.modeling_{model_type}.{layout.attention_class}": LatentAttention
+            for model_type, layout in LATENT_LAYOUTS.items()}
 
 
 class LatentAttention(_Replacement):
-    """Replaces one DeepseekV3Attention (see the module docstring)."""
+    """Replaces one latent attention module (see the module docstring)."""
 
     layer_idx: int
 
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
-        super().__init__(original, layer_idx, scope)
+        own_index = getattr(original, "layer_idx", None)  # longcat_flash: two per decoder layer
+        super().__init__(original, own_index if isinstance(own_index, int) else layer_idx, scope)
         self._signature = inspect.signature(original.forward)
         self.nope_dim = layer_attribute(original, "qk_nope_head_dim", int)
         self.rope_dim = layer_attribute(original, "qk_rope_head_dim", int)
         self.value_dim = layer_attribute(original, "v_head_dim", int)
         self.rank = layer_attribute(original, "kv_lora_rank", int)
         self.scale = layer_scale(original, "scaling")
-        self.q_lora = getattr(original, "q_lora_rank", None) is not None
+        self.q_lora = getattr(original, "q_a_proj", None) is not None
         config = layer_attribute(original, "config", transformers.PretrainedConfig)
-        modeling = sys.modules[type(original).__module__]
-        interleave = getattr(config, "rope_interleave", False)
-        self._rotate = getattr(modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb")
+        layout = LATENT_LAYOUTS[config.model_type]
+        self.lora_scales = ((layer_scale(original, "mla_scale_q_lora"), layer_scale(original, "mla_scale_kv_lora"))
+                            if layout.lora_scales else None)
+        self.output_gate = layout.output_gate
+        self._rotate = _rotation(sys.modules[type(original).__module__], layout.rotation, config)
 
     def forward(self, *args, **kwargs):
         ctx = self._scope.ctx
@@ -65,12 +145,31 @@ class LatentAttention(_Replacement):
         hidden_states = call["hidden_states"]
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
         x = hidden_states[0]
-        module = self.get_submodule
-        kv_b_proj = module("kv_b_proj")
+        kv_b_proj = self._kv_b_proj()
+        q_nope, q_rot, latent, k_rot = self._project(x, call.get("position_embeddings"))
+        cache = ctx.kv_caches[self.layer_idx][0]
+        latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
+        write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
+        w_uk, w_uv = split_up_projection(kv_b_proj.weight, q_nope.shape[1], self.nope_dim, self.value_dim)
+        out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
+                                     ctx.block_tables, w_uk, w_uv, self.scale).to(x.dtype)
+        if self.output_gate:
+            out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
+        return self.get_submodule("o_proj")(out.flatten(1)[None]), None
+
+    def _kv_b_proj(self) -> nn.Linear:
+        kv_b_proj = self.get_submodule("kv_b_proj")
         if not isinstance(kv_b_proj, nn.Linear) or kv_b_proj.bias is not None:
             raise UnsupportedAttentionError(
                 f"attention layer {self.layer_idx}: kv_b_proj is a {type(kv_b_proj).__name__}; a layer "
                 "caching latents reads kv_b_proj's weight itself (an nn.Linear without bias, no wrapper)")
+        return kv_b_proj
+
+    def _project(self, x: torch.Tensor, position_embeddings: PositionEmbeddings
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q_nope [T, H, dn], q_rot [T, H, dr] (rotated), latent [T, r],
+        k_rot [T, dr] (rotated), as the original module computes them."""
+        module = self.get_submodule
         if self.q_lora:
             q_states = module("q_b_proj")(module("q_a_layernorm")(module("q_a_proj")(x)))
         else:
@@ -79,14 +178,34 @@ class LatentAttention(_Replacement):
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = module("kv_a_proj_with_mqa")(x).split([self.rank, self.rope_dim], dim=-1)
         latent = module("kv_a_layernorm")(latent)
-        cos, sin = call["position_embeddings"]
-        q_rot, k_rot = self._rotate(q_rot.transpose(0, 1)[None], k_rot[None, None], cos, sin)
-        q_rot, k_rot = q_rot[0].transpose(0, 1), k_rot[0, 0]
+        if self.lora_scales is not None:
+            q_scale, latent_scale = self.lora_scales
+            q_nope, q_rot, latent = q_nope * q_scale, q_rot * q_scale, latent * latent_scale
+        q_rot, k_rot = self._rotate(q_rot.transpose(0, 1)[None], k_rot[None, None], position_embeddings)
+        return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0]
 
-        cache = ctx.kv_caches[self.layer_idx][0]
-        latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
-        write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
-        w_uk, w_uv = split_up_projection(kv_b_proj.weight, q_nope.shape[1], self.nope_dim, self.value_dim)
-        out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
-                                     ctx.block_tables, w_uk, w_uv, self.scale)
-        return module("o_proj")(out.flatten(1)[None].to(x.dtype)), None
+
+# complex frequencies (deepseek_v2), (cos, sin), or None (kimi_linear: no rotation)
+PositionEmbeddings = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+Rotation = Callable[[torch.Tensor, torch.Tensor, PositionEmbeddings], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _rotation(modeling: ModuleType, kind: str, config: transformers.PretrainedConfig) -> Rotation:
+    """The layer's rotation of (q [1, H, T, dr], k [1, 1, T, dr]) by the call's
+    position_embeddings, as its modeling file's own function."""
+    if kind == "none":
+        return lambda q, k, _: (q, k)
+    if kind == "complex":
+        rotate_complex = modeling.apply_rotary_emb
+
+        def rotate_by_frequencies(q: torch.Tensor, k: torch.Tensor, freqs: PositionEmbeddings):
+            assert isinstance(freqs, torch.Tensor), "deepseek_v2's position embeddings are complex frequencies"
+            return rotate_complex(q, k, freqs.to(q.device))
+        return rotate_by_frequencies
+    interleave = kind == "interleave" or (kind == "config" and bool(getattr(config, "rope_interleave", False)))
+    rotate = getattr(modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb")
+
+    def rotate_by_cos_sin(q: torch.Tensor, k: torch.Tensor, cos_sin: PositionEmbeddings):
+        assert isinstance(cos_sin, tuple), "the position embeddings are (cos, sin)"
+        return rotate(q, k, *cos_sin)
+    return rotate_by_cos_sin

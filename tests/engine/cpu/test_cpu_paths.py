@@ -86,33 +86,34 @@ def test_unknown_path_setting_names_the_item(monkeypatch):
         path_settings()
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=off,decode_kernel=on")
     assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
-                               "prefill_kernel": False, "recurrent_kernel": False}
+                               "prefill_kernel": False, "recurrent_kernel": False, "quant_kernels": False}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,
                     reason="needs oneDNN and a C compiler to race anything")
 def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
-    """Without settings, packed linears and the prefill kernel race their torch
-    alternatives; the result is cached per host and shape, and a cached ratio below
-    the margin keeps the torch path."""
+    """Without settings, packed linears, the prefill kernel and the quantized kernels
+    race their torch alternatives; the result is cached per host and shape, and a
+    cached ratio below the margin keeps the torch path."""
     monkeypatch.delenv("SHARDLINE_CPU_PATHS")
     monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
     paths = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
     reasons = dict(paths.reasons)
-    assert reasons["packed_linears"].startswith("measured ") and reasons["prefill_kernel"].startswith("measured ")
+    assert all(reasons[name].startswith("measured ") for name in ("packed_linears", "prefill_kernel", "quant_kernels"))
     cache = tmp_path / "cpu_paths.json"
     measured = json.loads(cache.read_text())
-    assert len(measured) == 2 and all(isinstance(ratio, float) and ratio > 0 for ratio in measured.values())
+    assert len(measured) == 3 and all(isinstance(ratio, float) and ratio > 0 for ratio in measured.values())
     # Ratios the other side of the margin, as a host where torch wins would measure.
     cache.write_text(json.dumps({key: 0.5 for key in measured}))
     slower = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
-    assert not slower.packed_linears and not slower.prefill_kernel
+    assert not slower.packed_linears and not slower.prefill_kernel and not slower.quant_kernels
     assert dict(slower.reasons)["packed_linears"] == "measured 0.50x torch's matmul"
     assert dict(slower.reasons)["prefill_kernel"] == "measured 0.50x SDPA"
+    assert dict(slower.reasons)["quant_kernels"] == "measured 0.50x the torch tile path"
     assert slower.decode_kernel == paths.decode_kernel  # not raced
     cache.write_text(json.dumps({key: 2.0 for key in measured}))
     faster = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
-    assert faster.packed_linears and faster.prefill_kernel
+    assert faster.packed_linears and faster.prefill_kernel and faster.quant_kernels
     # Other C kernel sources or build flags: the cached ratios are not theirs; both race again.
     monkeypatch.setattr(native, "kernel_sources_digest", lambda: "other kernels")
     cpu_paths._host_key.cache_clear()
@@ -120,7 +121,7 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
         choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
     finally:
         cpu_paths._host_key.cache_clear()
-    assert len(json.loads(cache.read_text())) == 4
+    assert len(json.loads(cache.read_text())) == 6
 
 
 def test_float64_takes_no_packed_or_fused_path():

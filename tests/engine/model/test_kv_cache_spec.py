@@ -55,7 +55,10 @@ def test_chunked_layers_carry_the_configs_chunk_size():
     ("llama", dict(hidden_size=256, num_attention_heads=8), (32, 32)),
 ])
 def test_keys_and_values_are_cached_at_their_own_head_sizes(model_type, overrides, sizes):
-    """Multi-head latent attention: keys of qk_nope + qk_rope, values of v_head_dim."""
+    """Multi-head latent attention: keys of qk_nope + qk_rope, values of v_head_dim (on
+    a host where it caches full keys and values: a quantized kv_b_proj keeps them)."""
+    if "qk_nope_head_dim" in overrides:
+        overrides = dict(overrides, quantization_config={"quant_method": "gptq", "bits": 4})
     config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=2, **overrides)
     spec = KVCacheSpec.from_hf_config(config, torch.float32)
     attention = [layer for layer in spec.layers if layer.kind != "recurrent"]

@@ -1,6 +1,7 @@
-"""deepseek_v3's layers cache latents (engine/model/adapters/latent.py): the cache is
+"""Latent attention layers cache latents (engine/model/adapters/latent.py): the cache is
 kv_lora_rank + qk_rope_head_dim numbers per token and layer, and greedy tokens equal
-transformers' through chunked prompts, absorbed decode steps and prefix-cache hits."""
+transformers' through chunked prompts, absorbed decode steps and prefix-cache hits, for
+every latent type (with and without a query LoRA)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.llm_engine import LLMEngine
-from shardline.engine.model.adapters.latent import caches_latents
+from shardline.engine.model.adapters.latent import LATENT_LAYOUTS, caches_latents, latent_cache_refusal
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model
 
+from ..coverage import tiny_overrides
 from ..hf_reference import hf_greedy
 
 MLA: dict = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kv_lora_rank=24,
@@ -58,3 +60,42 @@ def test_greedy_tokens_equal_transformers_with_latents_cached(tmp_path):
     llm.close()
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
     assert list(again[0].outputs[0].token_ids) == expected[1]
+
+
+# Every latent type at the coverage sweep's tiny sizes: query LoRA where that config has
+# one (q_lora_rank 24), none for deepseek_v2 (as DeepSeek-V2-Lite), bailing_hybrid and
+# kimi_linear (whose latent layers sit beside linear-attention ones).
+TYPE_CASES = {model_type: {} for model_type in LATENT_LAYOUTS}
+TYPE_CASES["deepseek_v2"] = dict(q_lora_rank=None)
+TYPE_CASES["minicpm3-no-q-lora"] = dict(q_lora_rank=None)
+FAST_TYPES = {"deepseek_v2", "longcat_flash"}
+
+
+@pytest.mark.parametrize("case", [case if case in FAST_TYPES else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in TYPE_CASES])
+def test_every_latent_type_caches_latents_and_equals_transformers(case, tmp_path):
+    model_type = case.split("-")[0]
+    model_dir = build_tiny_model(tmp_path, model_type, **{**tiny_overrides(model_type), **TYPE_CASES[case]})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    expected = [hf_greedy(reference, prompt, 6) for prompt in PROMPTS]
+    assert expected[2] != expected[3]  # the tokens depend on the prompt
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    rank, rope = reference.config.kv_lora_rank, reference.config.qk_rope_head_dim
+    attention = [(tuple(key.shape[2:]), tuple(value.shape[2:])) for key, value in engine.runner.kv_caches
+                 if key.numel()]
+    assert attention and set(attention) == {((1, rank + rope), (1, 0))}
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    llm.close()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+
+
+def test_a_latent_type_keeps_full_keys_and_values_with_its_reason():
+    config = transformers.AutoConfig.for_model("deepseek_v2", num_hidden_layers=2,
+                                               quantization_config={"quant_method": "gptq", "bits": 4})
+    reason = latent_cache_refusal(config)
+    assert reason is not None and "'gptq'" in reason and not caches_latents(config)
+    assert latent_cache_refusal(transformers.AutoConfig.for_model("llama")) is None

@@ -51,3 +51,23 @@ def test_online_quantization_matches_dequantized_transformers(method, dtype, flo
     model = ckpt.engine_model(llm)
     assert_kept_quantized(model, modules, dtype)
     assert all(".layers." in name for name, _ in quantized_linears(model))  # the lm_head stays float
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_both_cpu_paths_match_dequantized_transformers(setting, float_dir, monkeypatch):
+    """SHARDLINE_CPU_PATHS=quant_kernels=on|off: the quantized linears run through the C
+    kernels or through torch's dequantized tiles, and either way give transformers'
+    tokens; with six prompts at once the decode steps multiply several rows."""
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"quant_kernels={setting}")
+    state = load_file(str(float_dir / "model.safetensors"))
+    modules = decoder_linears(state)
+    reference = reference_model(float_dir, {m: _per_channel(state[f"{m}.weight"].float(), "int8") for m in modules})
+    prompts = random_prompts(6, (2, 30), 512, seed=11)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    llm = LLM(str(float_dir), dtype="float32", device="cpu", quantization="int8")
+    assert llm.llm_engine.cpu_paths.quant_kernels == (setting == "on")
+    layers = [layer for _, layer in quantized_linears(ckpt.engine_model(llm))]
+    assert layers and all(layer.cpu_kernels == (setting == "on") for layer in layers)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
