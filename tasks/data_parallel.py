@@ -77,6 +77,7 @@ class _ReplicaState:
 
     replica: ReplicaProcess | None  # None while it is (re)starting or after it died for good
     placement: Placement
+    starting: ReplicaProcess | None = None  # a restart still loading its engine
     batches: dict[str, _Batch] = field(default_factory=dict)  # outstanding here, by id
     rows_out: int = 0
     restarts: int = 0
@@ -174,7 +175,10 @@ class DataParallelRunner:
             for shard in list(self._active):
                 self._fail_shard(shard, RunnerError("the data-parallel runner was closed"))
             replicas = [state.replica for state in self._states if state.replica is not None]
+            loading = [state.starting for state in self._states if state.starting is not None]
             self._cond.notify_all()
+        for replica in loading:  # its restart thread sees the runner closed and goes no further
+            replica.process.kill()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         for replica in replicas:
@@ -189,6 +193,16 @@ class DataParallelRunner:
                 raise RunnerError("drive() needs a runner made with owner_drives=True, and runs once")
             self._thread = threading.current_thread()
         self._drive()
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Each replica's driver counters as it last reported them (ShardRunner.stats)."""
+        with self._cond:
+            return [dict(state.stats) for state in self._states]
+
+    def rows_outstanding(self) -> list[int]:
+        """Rows each replica holds now (handed to it, not yet answered)."""
+        with self._cond:
+            return [state.rows_out for state in self._states]
 
     def replica_pids(self) -> list[int | None]:
         """Each replica slot's process id (None while it restarts or after it failed for good)."""
@@ -315,14 +329,21 @@ class DataParallelRunner:
 
     def _restart(self, index: int) -> None:
         state = self._states[index]
-        replica = ReplicaProcess(index, self.model, self.engine_options, state.placement)
+        with self._cond:
+            if self._closed:
+                return
+            replica = state.starting = ReplicaProcess(index, self.model, self.engine_options, state.placement)
         try:
             replica.wait_ready(LOAD_SECONDS)
         except Exception:
-            logger.exception("%s did not restart", replica)
+            if not self._closed:
+                logger.exception("%s did not restart", replica)
             replica.process.kill()
             replica.process.wait()
             return
+        finally:
+            with self._cond:
+                state.starting = None
         with self._cond:
             closed = self._closed
             if not closed:

@@ -1,0 +1,131 @@
+"""Two CPU engine replicas fed from one row queue (tasks/data_parallel.py): the same results as
+one engine, in order, with per-row errors; a replica killed with SIGKILL fails only the shards
+it held rows of, naming it, and comes back; nothing is left running after close."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from shardline import SamplingParams
+from shardline.tasks.data_parallel import DataParallelRunner
+from shardline.tasks.engine_cache import load_runner
+from shardline.tasks.executor import RowRequest, RowResult, RunnerError, ShardAborted
+from shardline.tasks.process_tree import is_alive
+from shardline.tasks.replicas import plan_placements
+
+OPTIONS = {"max_num_seqs": 4, "max_model_len": 96, "device": "cpu"}
+TOPICS = ("the sea", "a paged cache", "Tokyo", "two plus two", "bonjour", "object storage", "the lazy dog")
+
+
+def _shard_rows(shard: int, count: int, max_tokens: int = 6) -> list[RowRequest]:
+    rows = []
+    for index in range(count):
+        prompt = f"Shard {shard} row {index}: one line about {TOPICS[(shard * 3 + index) % len(TOPICS)]}."
+        if index == 3:
+            prompt = "far too long " * 60  # over max_model_len: the engine refuses it, an error row
+        rows.append(RowRequest(index, prompt, None, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True)))
+    return rows
+
+
+def _view(results: list[RowResult]) -> list[tuple[int, tuple[int, ...] | None, bool]]:
+    """What a shard's output is made of: the row, its tokens, whether it failed."""
+    return [(r.index, tuple(r.output.outputs[0].token_ids) if r.output is not None else None,  # type: ignore[union-attr]
+             r.error is not None) for r in results]
+
+
+def _run_concurrently(executor, shards: dict[str, list[RowRequest]]) -> dict[str, list[RowResult] | BaseException]:
+    outcomes: dict[str, list[RowResult] | BaseException] = {}
+
+    def run(key: str) -> None:
+        try:
+            outcomes[key] = executor.run_shard(key, shards[key])
+        except BaseException as exc:
+            outcomes[key] = exc
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in shards]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def replicated(tiny_model):
+    runner = DataParallelRunner(tiny_model, OPTIONS, 2)
+    yield runner
+    pids = runner.replica_pids()
+    runner.close()
+    assert not any(pid is not None and is_alive(pid) for pid in pids), "a replica outlived close()"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """One engine in this process over the same shards: what the replicas must reproduce."""
+    runner = load_runner(tiny_model, OPTIONS)
+    shards = {f"part-{i}": _shard_rows(i, 10) for i in range(3)}
+    yield {key: _view(results) for key, results in _run_concurrently(runner, shards).items()}  # type: ignore[arg-type]
+    runner.close()
+    runner.llm.close()
+
+
+def test_placement_shares_cpu_threads_and_refuses_missing_devices():
+    placements = plan_placements(2, {"device": "cpu"})
+    assert [p.cuda_devices for p in placements] == [None, None]
+    assert all(p.threads == max(1, len(os.sched_getaffinity(0)) // 2) for p in placements)
+    with pytest.raises(ValueError, match="data_parallel_size must be 1 or more, got 0"):
+        plan_placements(0, {})
+
+
+def test_two_replicas_give_one_engines_results_in_order(replicated, reference):
+    shards = {f"part-{i}": _shard_rows(i, 10) for i in range(3)}
+    outcomes = _run_concurrently(replicated, shards)
+    assert {key: _view(results) for key, results in outcomes.items()} == reference  # type: ignore[arg-type]
+    failed = outcomes["part-0"][3]  # type: ignore[index]
+    assert failed.error is not None and "96" in failed.error  # the engine's refusal, naming the limit
+    assert len({row[1] for rows in reference.values() for row in rows if row[1]}) > 20  # outputs differ by input
+    assert all(stats["requests_added"] > 0 for stats in replicated.replica_stats()), "a replica idled"
+
+
+def test_aborting_a_shard_leaves_the_others_running(replicated):
+    shards = {f"part-{i}": _shard_rows(i, 10, max_tokens=40) for i in range(2)}
+    outcomes: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: outcomes.update(_run_concurrently(replicated, shards)))
+    thread.start()
+    _wait_for(lambda: replicated.unfinished_requests() > 0)
+    assert replicated.abort_shard("part-0")
+    thread.join(timeout=300)
+    assert isinstance(outcomes["part-0"], ShardAborted)
+    assert len(outcomes["part-1"]) == 10  # type: ignore[arg-type]
+
+
+def test_a_replica_killed_mid_shard_fails_its_shards_naming_it_and_comes_back(replicated, reference):
+    shards = {f"part-{i}": _shard_rows(i, 10, max_tokens=40) for i in range(2)}
+    outcomes: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: outcomes.update(_run_concurrently(replicated, shards)))
+    thread.start()
+    _wait_for(lambda: all(rows > 0 for rows in replicated.rows_outstanding()))  # rows on both replicas
+    victim = replicated.replica_pids()[1]
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    thread.join(timeout=300)
+    failures = [outcome for outcome in outcomes.values() if isinstance(outcome, RunnerError)]
+    assert failures, outcomes
+    assert all(f"data-parallel replica 1 (pid {victim}) ended (killed by SIGKILL)" in str(f) for f in failures)
+    _wait_for(lambda: None not in replicated.replica_pids(), timeout=240)  # restarted
+    assert replicated.replica_pids()[1] != victim and not is_alive(victim)
+    again = _run_concurrently(replicated, {f"part-{i}": _shard_rows(i, 10) for i in range(3)})
+    assert {key: _view(results) for key, results in again.items()} == reference  # type: ignore[arg-type]
+
+
+def _wait_for(condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
