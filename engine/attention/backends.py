@@ -112,6 +112,10 @@ class TorchBackend:
     def _plans(self, step: StepBatch) -> TorchPlans:
         caches = attention_caches(step.kv_caches)
         native_decode, native_prefill = self._kernels_take(caches)
+        # Queries that see later keys (an image attending both ways): their chunks go
+        # through SDPA plans with masks, not the prefill kernel or the causal fresh path.
+        bidirectional = step.key_limits is not None
+        native_prefill = native_prefill and not bidirectional
         block_tables = step.block_tables.contiguous()
         if native_decode and step.max_query_len == 1:
             # Every request decodes one token: the decode kernel takes them all (request
@@ -129,8 +133,8 @@ class TorchBackend:
             prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
                                    step.seq_lens, block_tables)
         groups = attention_groups(query_lens, step.seq_lens, group_decoding=decode is None,
-                                  group_chunks=not native_prefill)
-        fresh = [] if native_prefill else fresh_prompts(step.query_start_loc, step.seq_lens)
+                                  group_chunks=not native_prefill, group_fresh=bidirectional)
+        fresh = [] if native_prefill or bidirectional else fresh_prompts(step.query_start_loc, step.seq_lens)
         block_size = caches[0][0].shape[1]
         return TorchPlans(decode, prefill, [TorchAttentionPlan.build(step, group, block_size) for group in groups],
                           fresh)
@@ -208,7 +212,11 @@ class TritonBackend:
 
     def build_context(self, step: StepBatch, indices: TritonIndices | None = None) -> AttentionContext:
         """``indices``: int32 buffers already holding the step's indices (the CUDA
-        graphs' static ones); else they are converted from the step's."""
+        graphs' static ones); else they are converted from the step's. A step where some
+        query sees later keys (``key_limits``: an image attending both ways), which the
+        kernel does not take, gets the torch path's context: its layers attend there."""
+        if step.key_limits is not None:
+            return TorchBackend(num_heads=0, chunk_sizes=self.chunk_sizes).build_context(step)
         indices = indices or TritonIndices(step.query_start_loc.to(torch.int32), step.seq_lens.to(torch.int32))
         return AttentionContext(**vars(step), backend=self, work=indices)
 

@@ -65,6 +65,10 @@ class StepBatch:
     sampled_rows: torch.Tensor | None = None
     sampled_requests: torch.Tensor | None = None
     sampled_query_rows: torch.Tensor | None = None
+    # [T] int64: the last key position each packed query sees, set when some query sees
+    # keys after its own (the rows of an image attending both ways, Gemma 3: an image's
+    # row sees the image's last); None: every query sees keys up to its own position.
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

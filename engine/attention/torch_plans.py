@@ -32,18 +32,20 @@ PREFILL_LENGTH_RATIO = 0.7
 
 
 def attention_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor, group_decoding: bool = True,
-                     group_chunks: bool = True) -> list[torch.Tensor]:
+                     group_chunks: bool = True, group_fresh: bool = False) -> list[torch.Tensor]:
     """Request indices in groups that pad little: decoding requests (one query token)
     in runs of DECODE_GROUP_SIZE of similar context length (left out when not
     ``group_decoding``: the native decode kernel takes them); prefill chunks with a
     cached context by similar length (left out when not ``group_chunks``: the native
-    prefill kernel takes them). Fresh prompts are left out (``fresh_prompts``)."""
+    prefill kernel takes them). Fresh prompts are left out (``fresh_prompts``), or
+    grouped with the chunks where ``group_fresh``."""
     query_list, seq_list = query_lens.tolist(), seq_lens.tolist()
     by_length = sorted(range(len(seq_list)), key=seq_list.__getitem__)
     decoding = [r for r in by_length if query_list[r] == 1] if group_decoding else []
     groups = [decoding[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decoding), DECODE_GROUP_SIZE)]
     if group_chunks:
-        groups += _split_by_length([r for r in reversed(by_length) if 1 < query_list[r] < seq_list[r]], seq_list)
+        groups += _split_by_length([r for r in reversed(by_length) if 1 < query_list[r] and
+                                    (group_fresh or query_list[r] < seq_list[r])], seq_list)
     device = seq_lens.device
     return [torch.tensor(group, dtype=torch.int64, device=device) for group in groups]
 
@@ -136,6 +138,8 @@ class TorchAttentionPlan:
     output_index: torch.Tensor  # [n] packed index of each valid query, in plan order
     # Every request's context is exactly its query tokens: causality alone masks.
     fresh: bool
+    # [b, Qmax] int64 the last key each query sees (StepBatch.key_limits); None: its own position.
+    key_limit: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -156,8 +160,10 @@ class TorchAttentionPlan:
         key_valid = key_pos[None, :] < seq_lens[:, None]
         all_valid = bool(query_valid.all())
         valid_rows = None if all_valid else query_valid.flatten().nonzero().flatten()
+        key_limit = None if step.key_limits is None else step.key_limits[query_index]
         return cls(query_index.flatten(), query_valid, block_index, num_blocks, query_pos, key_pos, key_valid,
-                   valid_rows, query_index[query_valid], fresh=bool((query_lens == seq_lens).all()))
+                   valid_rows, query_index[query_valid],
+                   fresh=key_limit is None and bool((query_lens == seq_lens).all()), key_limit=key_limit)
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """cache: [N, bs, Hkv, D] -> [b, Hkv, Lmax, D] keys or values of each request."""
@@ -169,18 +175,21 @@ class TorchAttentionPlan:
         """[b, 1, Qmax, Lmax] bool, True where a query may attend to a key."""
         key = (options.sliding_window, options.chunk_size)
         if key not in self._masks:
+            limit = None if self.key_limit is None else self.key_limit[:, :, None]
             allowed = self.key_valid[:, None, :] & visible_keys(self.query_pos[:, :, None],
-                                                                self.key_pos[None, None, :], options)
+                                                                self.key_pos[None, None, :], options, limit)
             # Padded query rows attend to key 0 so softmax stays finite; they are dropped.
             allowed[:, :, 0] |= ~self.query_valid
             self._masks[key] = allowed[:, None]
         return self._masks[key]
 
 
-def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, options: AttentionOptions,
+                 key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """Bool, True where a query at ``query_pos`` sees the key at ``key_pos`` (broadcast):
-    causal, within the sliding window and within the query's chunk."""
-    allowed = key_pos <= query_pos
+    causal (up to ``key_limit`` where given: a later key of the query's own image),
+    within the sliding window and within the query's chunk."""
+    allowed = key_pos <= (query_pos if key_limit is None else key_limit)
     if options.sliding_window is not None:
         allowed = allowed & (query_pos - key_pos < options.sliding_window)
     if options.chunk_size is not None:

@@ -33,6 +33,10 @@ Invariants:
   the step copies its last tokens' KV from the block holding them into the request's
   fresh block (ScheduledRequest.block_copy) before its forward; they count as computed
   from admission on, and a request unscheduled from the step gives them back.
+- A chunk never ends inside an image whose rows attend to each other both ways
+  (ImageInput.bidirectional, Gemma 3): it ends before the image, or the request waits
+  for a step with room for the image's rest (``whole_images``); an image longer than
+  max_num_batched_tokens is refused at add_request.
 - Waiting requests are tried in (priority, arrival) order, or, with
   prefix_aware_admission, in the order of core/admission.py (priority still first,
   longest cached prefix next, an age bound so none starves).
@@ -297,7 +301,8 @@ class Scheduler:
             num_tokens = request.num_tokens + num_pending
             if num_pending and self._reached_length(request, num_tokens):
                 continue  # its pending token is its last: nothing more to compute
-            num_new_tokens = min(num_tokens - request.num_computed_tokens, step.token_budget)
+            num_new_tokens = whole_images(request, request.num_computed_tokens,
+                                          min(num_tokens - request.num_computed_tokens, step.token_budget))
             if num_new_tokens <= 0:
                 continue
             while not allocate_slots(request, num_new_tokens):
@@ -340,7 +345,10 @@ class Scheduler:
         while True:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             src_block, num_copied = self.kv_cache.partial_hit(request, len(hit_blocks))
-            num_new_tokens = min(request.num_tokens - num_hit_tokens - num_copied, step.token_budget)
+            num_new_tokens = whole_images(request, num_hit_tokens + num_copied,
+                                          min(request.num_tokens - num_hit_tokens - num_copied, step.token_budget))
+            if num_new_tokens <= 0:
+                return False  # an image attending both ways waits for a step with room for it whole
             if self.kv_cache.allocate_slots(request, num_new_tokens, hit_blocks, num_copied):
                 break
             victim = self._priority_victim(request)
@@ -467,3 +475,22 @@ class Scheduler:
                 f"more than the cache's {config.num_blocks} blocks "
                 f"(limit {config.num_blocks * config.block_size - 1} prompt tokens)"
             )
+        widest = max((image.end - image.start for image in request.images if image.bidirectional), default=0)
+        if widest > config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"request {request.request_id!r}: an image of {widest} tokens attends to itself both ways, "
+                f"so it is computed in one step, and max_num_batched_tokens={config.max_num_batched_tokens} "
+                f"is smaller; set max_num_batched_tokens to at least {widest}"
+            )
+
+
+def whole_images(request: Request, start: int, num_new_tokens: int) -> int:
+    """``num_new_tokens`` cut so that the chunk [start, start + num_new_tokens) ends
+    outside every image of the request whose rows attend to each other both ways: before
+    the image it would end inside, or 0 where the chunk starts at or inside that image
+    (the request waits for a step with room for the image's rest)."""
+    end = start + num_new_tokens
+    for image in request.images:
+        if image.bidirectional and image.start < end < image.end:
+            end = max(image.start, start)
+    return end - start

@@ -151,7 +151,19 @@ def _pixel_inputs(request: Request) -> dict[str, torch.Tensor]:
         for image in request.images:
             token_types[0, list(image.positions)] = 1
         pixels["mm_token_type_ids"] = token_types
+    if request.images[0].bidirectional:  # Gemma 3 masks its image rows both ways by their token types
+        token_types = torch.zeros(1, len(request.all_token_ids) - 1, dtype=torch.int64)
+        for image in request.images:
+            token_types[0, list(image.positions)] = 1
+        pixels["token_type_ids"] = token_types
     return pixels
+
+
+def _widest_image(prompt: ProcessedPrompt | None) -> int:
+    """The most tokens one image of ``prompt`` needs in one step (an image attending both
+    ways is computed whole), 0 for none."""
+    images = prompt.images if prompt is not None else ()
+    return max((image.end - image.start for image in images if image.bidirectional), default=0)
 
 
 def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[int]],
@@ -163,7 +175,8 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
     # Where the state slots hold one more than the probes, the rest a saved state.
     snapshots = 1 if runner.num_state_slots > num_slots else 0
     scheduler = Scheduler(SchedulerConfig(
-        max_num_seqs=len(prompts) + 1, max_num_batched_tokens=CHUNK_TOKENS, max_model_len=max_model_len,
+        max_num_seqs=len(prompts) + 1, max_num_batched_tokens=max(CHUNK_TOKENS, _widest_image(image_prompt)),
+        max_model_len=max_model_len,
         block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=bool(snapshots),
         num_state_slots=num_slots, num_state_snapshots=snapshots))
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0)

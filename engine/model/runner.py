@@ -27,7 +27,7 @@ from ..attention.context import AttentionContext
 from ..config import EngineConfig
 from ..core.partial_blocks import BlockCopy
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
-from ..multimodal.encoder_cache import fills_images
+from ..multimodal.encoder_cache import fills_images, image_key_limits
 from ..multimodal.mrope import step_mrope_positions
 from ..multimodal.qwen_vl import DEEPSTACK_KEY, DeepstackRows
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
@@ -147,6 +147,7 @@ class ModelRunner:
         plan = LogitsPlan.of(scheduled, packed)
         dev = self.device
         sampled = self._sampled_rows(packed, plan)
+        key_limits = image_key_limits(scheduled, packed.query_start_loc, packed.positions)
         ctx = self.attention.build_context(StepBatch(
             slot_mapping=to_device(packed.slot_mapping, dev),
             query_start_loc=to_device(packed.query_start_loc, dev),
@@ -156,6 +157,7 @@ class ModelRunner:
             max_query_len=packed.max_query_len,
             max_seq_len=int(packed.seq_lens.max()),
             **sampled,
+            key_limits=to_device(key_limits, dev) if key_limits is not None else None,
         ))
         # [1, T] each, shaped on the host: a step makes as few torch calls as it can.
         num_tokens, num_pending = len(packed.token_ids), len(packed.pending_positions)

@@ -149,3 +149,35 @@ def fills_images(scheduled: Sequence[ScheduledRequest]) -> bool:
     embeddings; a decode step never is one)."""
     return any(image.start < item.start + item.num_new_tokens and image.end > item.start
                for item in scheduled for image in item.request.images)
+
+
+def image_key_limits(scheduled: Sequence[ScheduledRequest], query_starts: np.ndarray | Sequence[int],
+                     positions: np.ndarray) -> np.ndarray | None:
+    """[T] int64 the last key position each packed query sees (AttentionContext's
+    ``key_limits``), or None when every query sees keys up to its own position: a row
+    of an image attending both ways (ImageInput.bidirectional) sees its image's whole
+    run of placeholders, which the scheduler keeps in one step. ``positions``: [T] each
+    packed token's position."""
+    limits = None
+    for index, item in enumerate(scheduled):
+        start, end = item.start, item.start + item.num_new_tokens
+        for image in item.request.images:
+            if not image.bidirectional or image.end <= start or image.start >= end:
+                continue
+            if limits is None:
+                limits = np.array(positions, dtype=np.int64)
+            for first, last in _runs(image.positions):  # transformers' blocks: runs of placeholders
+                rows = np.arange(max(first, start), min(last, end)) - start + int(query_starts[index])
+                limits[rows] = last - 1
+    return limits
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, last + 1) of each run of consecutive positions."""
+    runs: list[tuple[int, int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return runs

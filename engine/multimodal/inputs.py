@@ -32,6 +32,8 @@ class ImageInput:
     # (frames, height, width) in placeholder tokens, for models whose rotary positions
     # follow the image's grid (M-RoPE, engine/multimodal/mrope.py); else None.
     grid: tuple[int, int, int] | None = None
+    # Whether the image's rows attend to each other both ways (VisionSpec.bidirectional).
+    bidirectional: bool = False
 
     @property
     def start(self) -> int:

@@ -85,6 +85,20 @@ class MultimodalProcessor:
         assert isinstance(token, str), f"image token id {self.image_token_id} has no token"
         return token
 
+    @property
+    def prompt_token(self) -> str:
+        """The token a prompt holds where an image goes: the processor's ``image_token``
+        (Gemma 3's ``<start_of_image>``, which it expands into the row placeholders
+        between its own markers), else the row placeholder itself."""
+        token = getattr(self.processor, "image_token", None)
+        return token if isinstance(token, str) else self.image_token
+
+    @property
+    def prompt_token_id(self) -> int:
+        token_id = self.processor.tokenizer.convert_tokens_to_ids(self.prompt_token)
+        assert isinstance(token_id, int), f"image token {self.prompt_token!r} has no id"
+        return token_id
+
     def process(self, request_id: str, prompt: Mapping[str, Any], media: Mapping[str, Sequence[Any]]) \
             -> ProcessedPrompt:
         """The prompt's token ids with its images expanded, and its ImageInputs.
@@ -116,7 +130,7 @@ class MultimodalProcessor:
                 assert self.hf_config is not None, "an M-RoPE model's processor step without its config"
                 grid = self.spec.grid(pixel_inputs, self.hf_config)
             inputs.append(ImageInput(image_hash(image, uuid), tuple(positions[first:first + count]), pixel_inputs,
-                                     grid))
+                                     grid, bidirectional=self.spec.bidirectional))
             if grid is not None:
                 check_mrope_image(request_id, inputs[-1])
             first += count
@@ -125,10 +139,11 @@ class MultimodalProcessor:
     def load_check_prompt(self, vocab_size: int) -> ProcessedPrompt:
         """The load check's image probe: a few text tokens, one noise image, a few more."""
         generator = torch.Generator().manual_seed(1)
-        before, after = ([token_id if token_id != self.image_token_id else 3 for token_id in
+        placeholders = (self.image_token_id, self.prompt_token_id)
+        before, after = ([token_id if token_id not in placeholders else 3 for token_id in
                           torch.randint(3, vocab_size, (count,), generator=generator).tolist()] for count in (3, 4))
         picture = load_check_image()
-        prompt = {"prompt_token_ids": [*before, self.image_token_id, *after], "multi_modal_data": {"image": picture}}
+        prompt = {"prompt_token_ids": [*before, self.prompt_token_id, *after], "multi_modal_data": {"image": picture}}
         return self.process("load-check-image", prompt, {"image": [picture]})
 
     def _call(self, request_id: str, text: str, images: list[Image.Image], **kwargs: Any) -> Any:
@@ -171,15 +186,15 @@ class MultimodalProcessor:
         """Replace the one placeholder token of each image by its processor expansion."""
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints")
-        found = [i for i, token_id in enumerate(token_ids) if token_id == self.image_token_id]
+        found = [i for i, token_id in enumerate(token_ids) if token_id == self.prompt_token_id]
         if len(found) != len(images):
             raise ValueError(f"request {request_id!r}: prompt_token_ids hold {len(found)} image placeholder "
-                             f"token(s) ({self.image_token!r}, id {self.image_token_id}) for {len(images)} "
+                             f"token(s) ({self.prompt_token!r}, id {self.prompt_token_id}) for {len(images)} "
                              "image(s); put one where each image goes")
         expanded: list[int] = []
         pixels, counts, previous = [], [], 0
         for position, image in zip(found, images):
-            outputs = self._call(request_id, self.image_token, [image], add_special_tokens=False)
+            outputs = self._call(request_id, self.prompt_token, [image], add_special_tokens=False)
             expansion = outputs["input_ids"][0].tolist()
             expanded += list(token_ids[previous:position]) + expansion
             pixels += self._split(outputs, 1)

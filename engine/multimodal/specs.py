@@ -56,6 +56,10 @@ class VisionSpec:
     model_type: str
     encode: Encoder = image_features
     max_images: int | None = None
+    # Whether an image's rows attend to each other both ways (Gemma 3's mask: causal, plus
+    # full attention within one image): its placeholders are then computed in one step
+    # (engine/core/scheduler.py) and their queries see the image's later keys.
+    bidirectional: bool = False
     # None: each processor tensor has one leading row per image.
     split: Splitter | None = None
     # Set for models whose rotary positions follow each image's grid (M-RoPE,
@@ -78,6 +82,7 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("llava"),
     VisionSpec("llava_next"),
     VisionSpec("vipllava"),
+    VisionSpec("gemma3", bidirectional=True),
     VisionSpec("qwen2_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen2_5_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen3_vl", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),

@@ -21,13 +21,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from shardline import LLM, SamplingParams
 from shardline.engine.model.support import model_support
 from shardline.engine.model.tiny_vlm import build_tiny_llava, build_tiny_llava_next
+from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
 from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
 
 from .conftest import images
 
 # Tiny builders of the vision-language types the engine runs.
 TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
-                 "vipllava": partial(build_tiny_llava, model_type="vipllava")}
+                 "vipllava": partial(build_tiny_llava, model_type="vipllava"), "gemma3": build_tiny_gemma3}
 FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
 MAX_TOKENS = 6
 
@@ -90,9 +91,10 @@ def test_fast_set(model_type, tmp_path):
 
 
 def test_refusals_name_the_vision_language_types_that_run():
-    config = transformers.AutoConfig.for_model("qwen2_vl")
+    config = transformers.AutoConfig.for_model("idefics3")
     support = model_support(config, "generate")
-    assert not support.ok and "vision-language types it runs: llava, llava_next, vipllava" in (support.reason or "")
+    assert not support.ok and f"vision-language types it runs: {', '.join(sorted(VISION_SPECS))}" in \
+        (support.reason or "")
 
 
 @pytest.mark.slow
