@@ -75,6 +75,9 @@ class EngineConfig:
     # (engine/core/duplicates.py).
     prefix_aware_admission: bool = True
     collapse_duplicate_requests: bool = True
+    # Sliding-window and chunked-attention layers beside full ones keep only the KV blocks
+    # some query still reads, in pools of their own (engine/core/window_blocks.py).
+    free_windowed_blocks: bool = True
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_lora: bool = False
@@ -142,7 +145,7 @@ class EngineConfig:
         if self.allowed_media_domains is not None:
             object.__setattr__(self, "allowed_media_domains",
                                tuple(str(domain).lower() for domain in self.allowed_media_domains))
-        for name in ("prefix_aware_admission", "collapse_duplicate_requests"):
+        for name in ("prefix_aware_admission", "collapse_duplicate_requests", "free_windowed_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

@@ -358,7 +358,7 @@ class LLMEngine:
         blocks (copied where a child will write into a shared one) and its recurrent
         state."""
         copies = [self.scheduler.fork_request(parent, child) for child in children]
-        self.runner.copy_blocks([pair for pair in copies if pair is not None])
+        self.runner.copy_blocks([pair for pair in copies if pair is not None], self.scheduler.take_group_copies())
         parent_slot = self.scheduler.state_slot(parent.request_id)
         if parent_slot is not None:
             child_slots = [self.scheduler.state_slot(child.request_id) for child in children]

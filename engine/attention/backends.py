@@ -107,7 +107,9 @@ class TorchBackend:
         return self.native_decode
 
     def build_context(self, step: StepBatch) -> AttentionContext:
-        return AttentionContext(**vars(step), backend=self, work=self._plans(step))
+        groups = tuple(AttentionContext(**vars(group), backend=self, work=self._plans(group))
+                       for group in step.group_steps())
+        return AttentionContext(**vars(step), backend=self, work=self._plans(step), group_contexts=groups)
 
     def _plans(self, step: StepBatch) -> TorchPlans:
         caches = attention_caches(step.kv_caches)
@@ -170,25 +172,27 @@ class TorchBackend:
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        ctx = ctx.for_layer(layer_idx, options)
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
         work = ctx.work
         assert isinstance(work, TorchPlans), "a context built by another backend"
         if options.position_bias is not None:  # a bias table, which the native kernels do not take
             work = work.without_kernels(lambda: replace(self, native_decode=False, native_prefill=False)._plans(ctx))
-        return torch_paged_attention(query, key, value, k_cache, v_cache, work,
-                                     layer_options(options, self.chunk_sizes, layer_idx))
+        return torch_paged_attention(query, key, value, k_cache, v_cache, work, options)
 
     def attend_sampled_rows(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """See AttentionBackend: the native decode kernel where it takes the step's caches
         (and the layer has no bias table), else SDPA over the gathered contexts."""
         assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        ctx = ctx.for_layer(layer_idx, options)
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
         native = options.position_bias is None and self._kernels_take(attention_caches(ctx.kv_caches))[0]
         requests = DecodeBatch(ctx.sampled_requests, ctx.sampled_query_rows, ctx.seq_lens, ctx.block_tables)
-        options = layer_options(options, self.chunk_sizes, layer_idx)
         return attend_last_tokens(query, k_cache, v_cache, requests, options, native)
 
 
@@ -218,7 +222,8 @@ class TritonBackend:
         if step.key_limits is not None:
             return TorchBackend(num_heads=0, chunk_sizes=self.chunk_sizes).build_context(step)
         indices = indices or TritonIndices(step.query_start_loc.to(torch.int32), step.seq_lens.to(torch.int32))
-        return AttentionContext(**vars(step), backend=self, work=indices)
+        groups = tuple(AttentionContext(**vars(group), backend=self, work=indices) for group in step.group_steps())
+        return AttentionContext(**vars(step), backend=self, work=indices, group_contexts=groups)
 
     def attend(self, ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
@@ -228,11 +233,12 @@ class TritonBackend:
                              "attention_backend='torch'")
         from ..kernels import paged_attention, store_kv_cache
 
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        ctx = ctx.for_layer(layer_idx, options)
         indices = ctx.work
         assert isinstance(indices, TritonIndices), "a context built by another backend"
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
-        options = layer_options(options, self.chunk_sizes, layer_idx)
         return paged_attention(query.contiguous(), k_cache, v_cache, indices.query_start_loc, indices.seq_lens,
                                ctx.block_tables, options.scale, sliding_window=options.sliding_window,
                                softcap=options.softcap, sinks=options.sinks, alibi_slopes=options.alibi_slopes,
@@ -247,6 +253,8 @@ class TritonBackend:
                              "kernels do not take; run it with attention_backend='torch'")
         from ..kernels import paged_attention, store_kv_cache
 
+        options = layer_options(options, self.chunk_sizes, layer_idx)
+        ctx = ctx.for_layer(layer_idx, options)
         indices = ctx.work
         assert isinstance(indices, TritonIndices), "a context built by another backend"
         assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
@@ -254,7 +262,6 @@ class TritonBackend:
         store_kv_cache(key.contiguous(), value.contiguous(), k_cache, v_cache, ctx.slot_mapping)
         requests = ctx.sampled_requests
         rows = ctx.sampled_query_rows.index_select(0, requests)  # [S] each request's query row
-        options = layer_options(options, self.chunk_sizes, layer_idx)
         attended = paged_attention(
             query.index_select(0, rows).contiguous(), k_cache, v_cache,
             torch.arange(rows.numel() + 1, device=rows.device, dtype=torch.int32),

@@ -25,7 +25,7 @@ query, key, value, None, scaling=..., shardline_ctx=ctx, alibi_slopes=slopes)`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,10 +69,22 @@ class StepBatch:
     # keys after its own (the rows of an image attending both ways, Gemma 3: an image's
     # row sees the image's last); None: every query sees keys up to its own position.
     key_limits: torch.Tensor | None = None
+    # Windowed layer groups with their own block tables (engine/core/window_blocks.py):
+    # per cache layer its group (0: the fields above; g + 1: windowed group g), and per
+    # windowed group its (slot_mapping [T], block_tables [B, max_blocks]) and its layers'
+    # (kind, window or chunk size). Empty: every layer reads the fields above.
+    layer_groups: tuple[int, ...] = ()
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    group_spans: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_requests(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def group_steps(self) -> list[StepBatch]:
+        """Each windowed group's view of the step: its slot mapping and block tables."""
+        return [replace(self, slot_mapping=slots, block_tables=tables, layer_groups=(), group_tables=(),
+                        group_spans=()) for slots, tables in self.group_tables]
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,23 @@ class AttentionContext(StepBatch):
     # TorchBackend's plans or TritonBackend's int32 indices: each backend reads only the
     # work it built itself.
     work: TorchPlans | TritonIndices | None = None
+    # Per windowed group (StepBatch.group_tables), the context its layers read.
+    group_contexts: tuple[AttentionContext, ...] = ()
+
+    def for_layer(self, layer_idx: int, options: AttentionOptions) -> AttentionContext:
+        """The context of the layer's block table. A windowed group's table holds only the
+        keys its window (or chunk) reaches, so a layer there attending further back
+        (``options``, the layer's own) is refused, naming both."""
+        group = self.layer_groups[layer_idx] if self.layer_groups else 0
+        if group == 0:
+            return self
+        kind, span = self.group_spans[group - 1]
+        reach = options.chunk_size if kind == "chunked" else options.sliding_window
+        if reach is None or reach > span or (kind == "chunked" and span % reach):
+            raise ValueError(f"attention layer {layer_idx} attends with sliding_window={options.sliding_window}, "
+                             f"chunk_size={options.chunk_size}, but its cache group keeps only the {kind} span of "
+                             f"{span} tokens; run it with free_windowed_blocks=False")
+        return self.group_contexts[group - 1]
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from .kv_cache import KVCacheManager, blocks_needed
 from .partial_blocks import BlockCopy
 from .request import Request, RequestStatus
 from .state_slots import StateSlots, StateSnapshots
+from .window_blocks import WindowedKVCacheManager, WindowedLayout
 
 
 class PromptTooLongError(ValueError):
@@ -76,6 +77,9 @@ class SchedulerConfig:
     prefix_aware_admission: bool = True  # admit shared cached prefixes first (core/admission.py)
     # Recurrent states saved at cached block boundaries (prefix caching for hybrids); 0: none.
     num_state_snapshots: int = 0
+    # Windowed layer groups with their own block tables and pools (core/window_blocks.py);
+    # None: one table for all layers.
+    windowed: WindowedLayout | None = None
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks")
@@ -113,6 +117,8 @@ class ScheduledRequest:
     # Slots copied into the request's block before the step (a token-granular prefix hit,
     # counted in ``start``); None: none.
     block_copy: BlockCopy | None = None
+    # The request's table in each windowed group (WindowedKVCacheManager.live_group_block_ids).
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def is_last_chunk(self) -> bool:
@@ -161,9 +167,14 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.windowed_cache: WindowedKVCacheManager | None = None
+        if config.windowed is not None:  # windowed layer groups with their own tables (window_blocks.py)
+            self.windowed_cache = WindowedKVCacheManager(config.num_blocks, config.block_size,
+                                                         config.enable_prefix_caching, config.windowed.groups,
+                                                         config.windowed.num_blocks)
         # Recurrent layers continue only from states saved at block boundaries, so a hit
         # inside a block (partial_blocks.py) is for attention-only models.
-        self.kv_cache = KVCacheManager(
+        self.kv_cache = self.windowed_cache or KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching,
             partial_block_reuse=not config.num_state_slots,
         )
@@ -266,6 +277,11 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         self.running.append(child)
         return copy
+
+    def take_group_copies(self) -> list[list[tuple[int, int]]]:
+        """The (src, dst) block copies of forks in each windowed group since the last call
+        (empty without windowed groups), beside those fork_request returned."""
+        return self.windowed_cache.take_group_copies() if self.windowed_cache is not None else []
 
     def drop_unsaved_snapshots(self, scheduler_output: SchedulerOutput) -> None:
         """Forget the snapshots a step that failed was to save."""
@@ -414,9 +430,11 @@ class Scheduler:
         save_slot = -1
         if self.snapshots is not None:
             num_new_tokens, save_slot = self._snapshot_cut(request, start, num_new_tokens)
+        group_block_ids = (self.windowed_cache.live_group_block_ids(request_id)
+                           if self.windowed_cache is not None else ())
         step.scheduled.append(ScheduledRequest(
             request, start, num_new_tokens, self.kv_cache.live_block_ids(request_id), num_tokens, slot,
-            restore_slot, save_slot, block_copy))
+            restore_slot, save_slot, block_copy, group_block_ids=group_block_ids))
         step.token_budget -= num_new_tokens
         request.num_computed_tokens = start + num_new_tokens
 

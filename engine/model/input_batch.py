@@ -27,7 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -265,3 +265,24 @@ class InputRows:
         self.tables += [None] * (num_rows - old_rows)
         self.owners += [None] * (num_rows - old_rows)
         self.prompt_logprobs += [False] * (num_rows - old_rows)
+
+
+class WindowedRows:
+    """Rows of each windowed group's tables (engine/core/window_blocks.py), one InputRows
+    per group over ScheduledRequest.group_block_ids. A table whose entries were dropped is
+    a new list, so its row is rewritten at the next step that is not a steady decode step;
+    a steady one keeps the old ids until the table gains a block, and those entries lie
+    before the window, where every attention path masks or skips keys."""
+
+    def __init__(self, num_groups: int, block_size: int) -> None:
+        self.groups = [InputRows(64, 16, block_size) for _ in range(num_groups)]
+
+    def pack(self, scheduled: list[ScheduledRequest],
+             pending_rows: dict[str, int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per group, the step's (slot mapping [T], block tables [B, max_blocks] int32)."""
+        tables = []
+        for group, rows in enumerate(self.groups):
+            packed = rows.pack([replace(item, block_ids=item.group_block_ids[group]) for item in scheduled],
+                               pending_rows)
+            tables.append((packed.slot_mapping, packed.block_tables))
+        return tables

@@ -4,8 +4,10 @@ and the cache planned and allocated from that list.
 Every layer declares its own spec, so layers may differ in kind, heads and head sizes;
 the planner sizes a block as the sum over layers. Kinds today: "full" attention,
 "sliding_window" attention and "chunked" local attention (llama4: a query sees its
-own aligned chunk of ``attention_chunk_size`` tokens), the last two keeping their
-whole context in the cache like a full layer, the window or chunk applied when
+own aligned chunk of ``attention_chunk_size`` tokens). Where windowed layers sit beside
+full ones, ``plan_windowed_blocks`` gives each windowed group its own pool and block
+tables (engine/core/window_blocks.py), which hold only the blocks some query still
+reads; otherwise every layer keeps the whole context, the window or chunk applied when
 attending. A model that runs some layers several times per token (hrm_text's
 reasoning cycles, dory's loops) gets one cache layer per pass, each call of its
 attention naming its own (engine/model/adapters/base.py, CallIndexedAttention).
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..core.kv_cache import blocks_needed
+from ..core.window_blocks import CHUNKED, FULL, SLIDING, WindowedLayout, layer_groups, split_budget
 from .adapters.latent import caches_latents
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 from .loader import key_value_heads, value_cache_head_size
@@ -108,12 +112,14 @@ class KVCacheSpec:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return element_size * sum(layer.elements_per_block(block_size) for layer in self.layers)
 
-    def allocate(self, num_blocks: int, block_size: int,
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (key cache, value cache), zeroed."""
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device,
+                 layer_num_blocks: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (key cache, value cache), zeroed; ``layer_num_blocks``: each
+        layer's own number of blocks (windowed groups), else ``num_blocks`` for all."""
         caches = []
-        for layer in self.layers:
-            key_shape, value_shape = layer.block_shapes(num_blocks, block_size)
+        for index, layer in enumerate(self.layers):
+            count = layer_num_blocks[index] if layer_num_blocks is not None else num_blocks
+            key_shape, value_shape = layer.block_shapes(count, block_size)
             caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
                            torch.zeros(value_shape, dtype=self.dtype, device=device)))
         return caches
@@ -157,3 +163,33 @@ def plan_num_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model
             "raise kv_cache_memory_bytes or gpu_memory_utilization"
         )
     return num_blocks
+
+
+def plan_windowed_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model_len: int,
+                         max_step_tokens: int, free_bytes: int) -> tuple[int, WindowedLayout] | None:
+    """(the primary group's blocks, the windowed groups' layout) for a model whose
+    sliding-window or chunked layers sit beside full ones: one byte budget split between
+    the groups by what a request holds in each (window_blocks.split_budget). None where
+    there is nothing to split (no windowed layer, or no full one) or the budget does not
+    hold one request in every group: one table for all layers then."""
+    kinds: list[tuple[str, int | None]] = []
+    for layer in spec.layers:
+        span = layer.sliding_window if layer.kind == SLIDING else layer.chunk_size if layer.kind == CHUNKED else None
+        kinds.append((layer.kind, span) if layer.num_kv_heads and span else (FULL, None))
+    groups = layer_groups(kinds)
+    windowed = tuple(group for group in groups if group.kind != FULL)
+    if not windowed or len(windowed) == len(groups):
+        return None
+    primary = next(group for group in groups if group.kind == FULL)
+    ordered = (primary, *windowed)
+    element = torch.empty((), dtype=spec.dtype).element_size()
+    group_bytes = [element * sum(spec.layers[index].elements_per_block(block_size) for index in group.layers)
+                   for group in ordered]
+    counts = split_budget(ordered, group_bytes, free_bytes, block_size, model_len, max_step_tokens, max_num_seqs)
+    if counts[0] < blocks_needed(model_len, block_size) + 1 or any(
+            count < group.blocks_held(model_len, max_step_tokens, block_size) + 1
+            for group, count in zip(windowed, counts[1:], strict=True)):
+        return None
+    group_of_layer = {index: number for number, group in enumerate(windowed, 1) for index in group.layers}
+    layer_group = tuple(group_of_layer.get(index, 0) for index in range(spec.num_layers))
+    return counts[0], WindowedLayout(windowed, tuple(counts[1:]), layer_group)

@@ -170,7 +170,7 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
                max_model_len: int, image_prompt: ProcessedPrompt | None = None) \
         -> tuple[list[Request], dict[str, _Trace]]:
     """The prompts through the engine's paged path, greedy; each request's trace."""
-    num_blocks = runner.kv_caches[0][0].shape[0]
+    num_blocks = runner.num_blocks
     num_slots = min(len(prompts), runner.num_state_slots)
     # Where the state slots hold one more than the probes, the rest a saved state.
     snapshots = 1 if runner.num_state_slots > num_slots else 0
@@ -178,7 +178,7 @@ def _run_paged(runner: ModelRunner, layers: nn.ModuleList, prompts: list[list[in
         max_num_seqs=len(prompts) + 1, max_num_batched_tokens=max(CHUNK_TOKENS, _widest_image(image_prompt)),
         max_model_len=max_model_len,
         block_size=runner.block_size, num_blocks=num_blocks, enable_prefix_caching=bool(snapshots),
-        num_state_slots=num_slots, num_state_snapshots=snapshots))
+        num_state_slots=num_slots, num_state_snapshots=snapshots, windowed=runner.windowed))
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0)
     requests = [Request(f"load-check-{i}", prompt, DECODE_STEPS, params=params) for i, prompt in enumerate(prompts)]
     if image_prompt is not None:

@@ -27,12 +27,13 @@ from ..attention.context import AttentionContext
 from ..config import EngineConfig
 from ..core.partial_blocks import BlockCopy
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..core.window_blocks import WindowedLayout
 from ..multimodal.encoder_cache import fills_images, image_key_limits
 from ..multimodal.mrope import step_mrope_positions
 from ..multimodal.qwen_vl import DEEPSTACK_KEY, DeepstackRows
 from ..recurrent.state import RecurrentStateSpec, RecurrentStep
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputRows, PackedBatch
+from .input_batch import InputRows, PackedBatch, WindowedRows
 from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, num_blocks: int, block_size: int,
                  device: torch.device, attention: AttentionBackend, state_spec: RecurrentStateSpec | None = None,
-                 num_state_slots: int = 0, lora_manager: LoRAManager | None = None) -> None:
+                 num_state_slots: int = 0, lora_manager: LoRAManager | None = None,
+                 windowed: WindowedLayout | None = None) -> None:
         self.model = model
         self.attention = attention  # how attention runs, chosen once (engine/attention/backends.py)
         self.spec = spec
@@ -100,7 +102,11 @@ class ModelRunner:
         # Written in full now, not left to the first write of each page: the free queue
         # is least recently freed first, so a long job cycles through every block, and
         # a step that wrote to fresh pages would pay their faults.
-        self.kv_caches = spec.allocate(num_blocks, block_size, device)
+        # Windowed layer groups hold their own blocks (engine/core/window_blocks.py).
+        self.num_blocks, self.windowed = num_blocks, windowed
+        self.kv_caches = spec.allocate(num_blocks, block_size, device,
+                                       windowed.layer_num_blocks(num_blocks) if windowed is not None else None)
+        self.windowed_rows = WindowedRows(len(windowed.groups), block_size) if windowed is not None else None
         # Per recurrent layer: state name -> [num_state_slots, *shape]; empty without such layers.
         self.state_spec = state_spec
         self.num_state_slots = num_state_slots
@@ -158,6 +164,7 @@ class ModelRunner:
             max_seq_len=int(packed.seq_lens.max()),
             **sampled,
             key_limits=to_device(key_limits, dev) if key_limits is not None else None,
+            **self._group_tables(scheduled, pending),
         ))
         # [1, T] each, shaped on the host: a step makes as few torch calls as it can.
         num_tokens, num_pending = len(packed.token_ids), len(packed.pending_positions)
@@ -200,6 +207,16 @@ class ModelRunner:
                 [min(max(item.request.num_prompt_tokens - item.start, 0), item.num_new_tokens) for item in scheduled],
                 dtype=torch.int64, device=self.device))
 
+    def _group_tables(self, scheduled: list[ScheduledRequest], pending: PendingTokens | None) -> dict:
+        """The StepBatch fields of the windowed groups' tables, or none."""
+        if self.windowed is None or self.windowed_rows is None:
+            return {}
+        dev = self.device
+        tables = self.windowed_rows.pack(scheduled, pending.rows if pending is not None else None)
+        return dict(layer_groups=self.windowed.layer_groups,
+                    group_tables=tuple((to_device(slots, dev), to_device(ids, dev)) for slots, ids in tables),
+                    group_spans=tuple((group.kind, group.span or 0) for group in self.windowed.groups))
+
     def _sampled_rows(self, packed: PackedBatch, plan: LogitsPlan) -> dict:
         """Steps that sample fewer rows than they run (prefill chunks) let a backend that
         attends sampled rows alone skip the rest in the last layer (engine/cpu/layers.py);
@@ -241,15 +258,19 @@ class ModelRunner:
         return ModelOutput(outputs.logits[0], plan.sample_rows, plan.prompt_rows)
 
     @torch.inference_mode()
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks src -> dst in every layer (forked samples)."""
-        if not pairs:
-            return
+    def copy_blocks(self, pairs: list[tuple[int, int]], group_pairs: list[list[tuple[int, int]]] | None = None) -> None:
+        """Copy whole KV blocks src -> dst in every layer (forked samples): ``pairs`` in
+        the primary table's layers, ``group_pairs[g]`` in windowed group g's."""
         if self.followers is not None:
-            self.followers.mirror("copy_blocks", pairs)
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+            self.followers.mirror("copy_blocks", pairs, group_pairs)
+        by_group = [pairs, *(group_pairs or ())]
+        layer_groups = self.windowed.layer_groups if self.windowed is not None else ()
+        for index, (k_cache, v_cache) in enumerate(self.kv_caches):
+            group_copies = by_group[layer_groups[index]] if layer_groups else pairs
+            if not group_copies:
+                continue
+            src = torch.tensor([p[0] for p in group_copies], device=self.device)
+            dst = torch.tensor([p[1] for p in group_copies], device=self.device)
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 

@@ -33,7 +33,7 @@ from ..cpu.memory import keep_freed_memory, release_freed_memory
 from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, choose_cpu_paths, optimize_for_cpu
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
-from ..model.kv_cache_spec import KVCacheSpec
+from ..model.kv_cache_spec import KVCacheSpec, plan_windowed_blocks
 from ..model.layer_kinds import recurrent_layer_indices
 from ..model.load_check import check_model
 from ..model.loader import LoadedModel, load_causal_lm, load_hf_config
@@ -243,15 +243,22 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
     if prepared.ranks is not None:  # every rank holds the same blocks and slots
         budget = prepared.ranks.min_int(budget)
     num_blocks, num_state_slots = plan_kv_cache(config, spec, model_len, budget, prepared.state_spec)
+    windowed = None
+    if config.free_windowed_blocks and not num_state_slots:  # hybrids keep one table (state snapshots)
+        planned = plan_windowed_blocks(spec, config.block_size, config.max_num_seqs, model_len, token_budget(config),
+                                       budget)
+        if planned is not None:
+            num_blocks, windowed = planned
     num_snapshots, num_blocks = plan_state_snapshots(config, spec, prepared.state_spec, model_len, budget,
                                                      num_blocks, num_state_slots)
     max_model_len = min(model_len, num_blocks * config.block_size)
     # The runner's state tensors hold the requests' slots, then the snapshots'.
     runner = ModelRunner(loaded.model, spec, num_blocks, config.block_size, loaded.device, attention,
-                         prepared.state_spec, num_state_slots + num_snapshots, lora_manager=prepared.lora_manager)
+                         prepared.state_spec, num_state_slots + num_snapshots, lora_manager=prepared.lora_manager,
+                         windowed=windowed)
     if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
             and prepared.ranks is None
-            and attention.replays_decode_graphs and not num_state_slots):
+            and attention.replays_decode_graphs and not num_state_slots and windowed is None):
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=num_state_slots or config.max_num_seqs,
@@ -264,6 +271,7 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
         num_state_slots=num_state_slots,
         num_state_snapshots=num_snapshots,
         prefix_aware_admission=config.prefix_aware_admission,
+        windowed=windowed,
     ))
     return runner, scheduler
 
