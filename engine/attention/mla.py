@@ -14,6 +14,9 @@ Two exact ways to attend it, one result:
   (q_lat = q_nope W_UK, per head kv_lora_rank wide), score against the latents
   directly, and apply W_UV to the weighted sum of latents; no per-head key or value
   is ever formed, so a step reads S x (kv_lora_rank + rope_dim) numbers per request.
+  On the CPU's decode kernel path the one-query requests of a step attend absorbed
+  through the C kernel (kernels/cpu_mla.py), all in one call; prompt chunks always
+  up-project here, in torch.
 
 Positions: request b's queries are its last ``query_len`` positions of ``seq_lens[b]``
 and each sees the keys at or before its own position.
@@ -22,6 +25,8 @@ and each sees the keys at or before its own position.
 from __future__ import annotations
 
 import torch
+
+from ..kernels.cpu_mla import mla_decode, mla_decode_available
 
 
 def split_up_projection(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int,
@@ -59,25 +64,48 @@ def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
-                           absorb_up_to: int = 1) -> torch.Tensor:
+                           absorb_up_to: int = 1, decode_kernel: bool = False) -> torch.Tensor:
     """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
     request's latent context; requests of at most ``absorb_up_to`` queries attend
-    absorbed, the others up-projected. Returns [T, H, dv]."""
+    absorbed, the others up-projected. With ``decode_kernel``, the one-query requests
+    attend through the C kernel (kernels/cpu_mla.py) where it takes the cache, all
+    together. Returns [T, H, dv]."""
     rank = w_uk.shape[-1]
     if latent_cache.shape[-1] != rank + q_rope.shape[-1]:
         raise ValueError(f"the latent cache holds {latent_cache.shape[-1]} numbers per token; a latent of {rank} "
                          f"and a rotary key of {q_rope.shape[-1]} need {rank + q_rope.shape[-1]}")
     output = q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]))
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1]
+    if decoding and decode_kernel and latent_cache.dtype == q_nope.dtype and mla_decode_available(latent_cache):
+        _kernel_decode(output, q_nope, q_rope, latent_cache, decoding, [starts[r] for r in decoding], seq_lens,
+                       block_tables, w_uk, w_uv, scale)
+        taken = set(decoding)
+    else:
+        taken = set()
     for request, seq_len in enumerate(lens):
         first, end = starts[request], starts[request + 1]
-        if end == first:
+        if end == first or request in taken:
             continue
         context = _context(latent_cache, block_tables[request], seq_len).to(q_nope.dtype)
         latent, rope_key = context[:, :rank], context[:, rank:]
         attend = _absorbed if end - first <= absorb_up_to else _up_projected
         output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale)
     return output
+
+
+def _kernel_decode(output: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                   requests: list[int], rows: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> None:
+    """The one-query ``requests`` (their packed ``rows``) through the C kernel: the
+    absorbed queries [n, H, r + dr] in, the weighted latents out, W_UV applied here."""
+    row_index = torch.tensor(rows, dtype=torch.int64)
+    request_index = torch.tensor(requests, dtype=torch.int64)
+    q_latent = torch.einsum("nhd,hdr->nhr", q_nope[row_index], w_uk.to(q_nope.dtype))
+    q_abs = torch.cat([q_latent, q_rope[row_index]], dim=-1).contiguous()
+    out_latent = mla_decode(q_abs, latent_cache, block_tables[request_index].contiguous(),
+                            seq_lens[request_index].to(torch.int64).contiguous(), w_uk.shape[-1], scale)
+    output[row_index] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
 
 
 def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:

@@ -170,10 +170,22 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     others = hybrid.others
     if paths.recurrent_kernel:  # recurrent layers' convolutions and delta rules through the C kernel
         others += take_native_core(model)
+    if paths.decode_kernel:  # latent attention layers' decode steps through kernels/cpu_mla.py
+        take_latent_decode_kernel(model)
     quantized = choose_quant_kernels(model, paths.quant_kernels)
     rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
+
+
+def take_latent_decode_kernel(model: torch.nn.Module) -> int:
+    """Point every latent attention layer (its boolean ``latent_decode_kernel``,
+    engine/model/adapters/latent.py) at the C decode kernel, which it takes where the
+    kernel builds and fits its cache; returns how many."""
+    modules = [module for module in model.modules() if isinstance(getattr(module, "latent_decode_kernel", None), bool)]
+    for module in modules:
+        setattr(module, "latent_decode_kernel", True)  # noqa: B010 - a plain attribute, not a submodule
+    return len(modules)
 
 
 def choose_quant_kernels(model: torch.nn.Module, take: bool) -> int:

@@ -119,6 +119,9 @@ class LatentAttention(_Replacement):
     """Replaces one latent attention module (see the module docstring)."""
 
     layer_idx: int
+    # Decode steps through the C kernel (kernels/cpu_mla.py) where it takes the cache:
+    # set by the CPU paths' choice (engine/cpu/paths.py, the decode kernel path).
+    latent_decode_kernel: bool = False
 
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         own_index = getattr(original, "layer_idx", None)  # longcat_flash: two per decoder layer
@@ -152,7 +155,8 @@ class LatentAttention(_Replacement):
         write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
         w_uk, w_uv = split_up_projection(kv_b_proj.weight, q_nope.shape[1], self.nope_dim, self.value_dim)
         out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
-                                     ctx.block_tables, w_uk, w_uv, self.scale).to(x.dtype)
+                                     ctx.block_tables, w_uk, w_uv, self.scale,
+                                     decode_kernel=self.latent_decode_kernel).to(x.dtype)
         if self.output_gate:
             out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
         return self.get_submodule("o_proj")(out.flatten(1)[None]), None

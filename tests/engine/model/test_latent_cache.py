@@ -99,3 +99,28 @@ def test_a_latent_type_keeps_full_keys_and_values_with_its_reason():
     reason = latent_cache_refusal(config)
     assert reason is not None and "'gptq'" in reason and not caches_latents(config)
     assert latent_cache_refusal(transformers.AutoConfig.for_model("llama")) is None
+
+
+@pytest.mark.parametrize("decode_kernel", ["on", "off"])
+def test_decode_steps_through_the_c_kernel_or_torch_equal_transformers(decode_kernel, tmp_path, monkeypatch):
+    """The CPU decode kernel path takes the latent layers' decode steps
+    (kernels/cpu_mla.py) where it builds; turned off, torch's absorbed einsums do."""
+    from shardline.engine.kernels.cpu_mla import load_library
+
+    if decode_kernel == "on" and load_library() is None:
+        pytest.skip("no C compiler: the engine uses its torch path")
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"decode_kernel={decode_kernel}")
+    model_dir = build_tiny_model(tmp_path, "deepseek_v2", **{**tiny_overrides("deepseek_v2"), "q_lora_rank": None})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    expected = [hf_greedy(reference, prompt, 8) for prompt in PROMPTS]
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4)
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    taken = {module.latent_decode_kernel for module in engine.runner.model.modules()
+             if hasattr(module, "latent_decode_kernel")}
+    assert taken == {decode_kernel == "on"}
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
+                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    llm.close()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
