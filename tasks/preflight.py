@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import JobError, ModelUnusable, PipelineError, describe
 from .job import BatchJob, JobTask
+from .replicas import plan_placements
 from .retrying import retry_storage
 from .storage import Shard, filesystem, join, list_shards, make_directory
 
@@ -100,6 +101,11 @@ def check_model(job: BatchJob) -> str:
         except ToolParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
     architecture = check_support(job.model, config, job.task, trust, job.quantization)
+    if job.data_parallel_size > 1:  # the replicas' devices are this host's
+        try:
+            plan_placements(job.data_parallel_size, job.engine_kwargs())
+        except ValueError as exc:
+            raise ModelUnusable("load", f"model {job.model}", str(exc)) from None
     if job.images.column is not None:
         check_takes_images(job.model, config, job.images.column)
     for name, path in job.lora_adapters.items():

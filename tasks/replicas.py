@@ -48,7 +48,10 @@ def plan_placements(size: int, engine_options: dict[str, Any]) -> list[Placement
     if size < 1:
         raise ValueError(f"data_parallel_size must be 1 or more, got {size}")
     per_replica = int(engine_options.get("tensor_parallel_size", 1) or 1)
-    visible = _visible_cuda_devices() if engine_options.get("device", "auto") != "cpu" else []
+    device = str(engine_options.get("device", "auto"))
+    visible = _visible_cuda_devices() if device != "cpu" else []
+    if device.startswith("cuda") and not visible:
+        raise ValueError(f"data_parallel_size={size} with device={device!r}: no CUDA device is visible here")
     if visible:
         if size * per_replica > len(visible):
             raise ValueError(f"data_parallel_size={size} with {per_replica} device(s) per replica needs "

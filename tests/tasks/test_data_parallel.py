@@ -10,13 +10,16 @@ import threading
 import time
 
 import pytest
+import torch
 
 from shardline import SamplingParams
 from shardline.tasks.data_parallel import DataParallelRunner
 from shardline.tasks.engine_cache import load_runner
 from shardline.tasks.executor import RowRequest, RowResult, RunnerError, ShardAborted
+from shardline.tasks.preflight import PreflightFailed, preflight
 from shardline.tasks.process_tree import is_alive
 from shardline.tasks.replicas import plan_placements
+from shardline.tasks.sample_data import write_sample_dataset
 
 OPTIONS = {"max_num_seqs": 4, "max_model_len": 96, "device": "cpu"}
 TOPICS = ("the sea", "a paged cache", "Tokyo", "two plus two", "bonjour", "object storage", "the lazy dog")
@@ -81,6 +84,14 @@ def test_placement_shares_cpu_threads_and_refuses_missing_devices():
     assert all(p.threads == max(1, len(os.sched_getaffinity(0)) // 2) for p in placements)
     with pytest.raises(ValueError, match="data_parallel_size must be 1 or more, got 0"):
         plan_placements(0, {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refusing CUDA replicas needs a host without CUDA")
+def test_preflight_refuses_cuda_replicas_on_a_host_without_cuda(tmp_path, make_job):
+    write_sample_dataset(str(tmp_path / "in"), num_shards=1, rows_per_shard=2)
+    job = make_job(data_parallel_size=2, engine_options={"device": "cuda"})
+    with pytest.raises(PreflightFailed, match=r"data_parallel_size=2 with device='cuda': no CUDA device is visible"):
+        preflight(job)
 
 
 def test_two_replicas_give_one_engines_results_in_order(replicated, reference):
