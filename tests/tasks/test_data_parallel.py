@@ -1,11 +1,13 @@
 """Two CPU engine replicas fed from one row queue (tasks/data_parallel.py): the same results as
 one engine, in order, with per-row errors; a replica killed with SIGKILL fails only the shards
-it held rows of, naming it, and comes back; nothing is left running after close."""
+it held rows of, naming it, and comes back; nothing is left running after close. The host's
+engine service (what the Airflow operator uses) runs replicas the same way."""
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -14,10 +16,11 @@ import torch
 
 from shardline import SamplingParams
 from shardline.tasks.data_parallel import DataParallelRunner
-from shardline.tasks.engine_cache import load_runner
+from shardline.tasks.engine_cache import EngineHost, get_executor, load_runner
+from shardline.tasks.engine_client import ServiceClient
 from shardline.tasks.executor import RowRequest, RowResult, RunnerError, ShardAborted
 from shardline.tasks.preflight import PreflightFailed, preflight
-from shardline.tasks.process_tree import is_alive
+from shardline.tasks.process_tree import command_line, descendants, is_alive
 from shardline.tasks.replicas import plan_placements
 from shardline.tasks.sample_data import write_sample_dataset
 
@@ -140,3 +143,17 @@ def _wait_for(condition, timeout: float = 120.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_the_engine_service_runs_replicas_too_and_takes_them_when_it_retires(monkeypatch, tiny_model, reference):
+    monkeypatch.setenv("SHARDLINE_RUNTIME_DIR", tempfile.mkdtemp(prefix="sl-dp-"))  # short: socket paths
+    client = get_executor(tiny_model, EngineHost.SERVICE, 2, **OPTIONS)  # what the Airflow operator asks
+    assert isinstance(client, ServiceClient)
+    pid = client.service_info()["pid"]
+    replicas = [child for child in descendants(pid) if "shardline.tasks.replica" in command_line(child)]
+    assert len(replicas) == 2
+    outcomes = _run_concurrently(client, {f"part-{i}": _shard_rows(i, 10) for i in range(3)})
+    assert {key: _view(results) for key, results in outcomes.items()} == reference  # type: ignore[arg-type]
+    assert client.service_info()["driver"]["requests_added"] >= 27
+    os.kill(pid, signal.SIGTERM)  # the service retires, closing its replicas
+    _wait_for(lambda: not any(is_alive(p) for p in [pid, *replicas]), timeout=60)
