@@ -16,11 +16,13 @@ bailing_hybrid's per-head output gate. The query
 comes from q_proj, or from q_a_proj, q_a_layernorm and q_b_proj where the layer has
 a query LoRA.
 
-Latent caching needs kv_b_proj's weight as a plain float matrix (the absorbed
-projections): ``latent_cache_refusal`` says why a latent type keeps full keys and
-values instead; a kv_b_proj that is not an nn.Linear without bias by the time a step
-runs (a LoRA wrapper) is refused, naming the layer, rather than attended without its
-wrapper.
+Latent caching needs kv_b_proj's weight as a float matrix (the absorbed projections):
+an FP8 checkpoint's quantized kv_b_proj (engine/quantization/) is dequantized once, on
+the first step, and kept in the model's dtype beside it; ``latent_cache_refusal`` says
+why a latent type keeps full keys and values instead (another quantization, a CUDA
+host); a kv_b_proj that is neither an nn.Linear nor a QuantizedLinear without bias by
+the time a step runs (a LoRA wrapper) is refused, naming the layer, rather than
+attended without its wrapper.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import transformers
 from torch import nn
 
 from ...attention.mla import latent_paged_attention, split_up_projection, write_latent
+from ...quantization.linear import QuantizedLinear
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,8 @@ def latent_cache_refusal(text_config: transformers.PretrainedConfig) -> str | No
 def _dequantizable(quantization: object) -> bool:
     """A quantization config whose kv_b_proj is dequantized at load (engine/quantization's
     FP8 block format: weight_scale_inv per block)."""
-    return False
+    as_dict = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", dict)()
+    return as_dict.get("quant_method") == "fp8"
 
 
 def caches_latents(text_config: transformers.PretrainedConfig) -> bool:
@@ -138,22 +142,22 @@ class LatentAttention(_Replacement):
         self.lora_scales = ((layer_scale(original, "mla_scale_q_lora"), layer_scale(original, "mla_scale_kv_lora"))
                             if layout.lora_scales else None)
         self.output_gate = layout.output_gate
+        self._dequantized: list[torch.Tensor] = []  # a quantized kv_b_proj's float weight, once read
         self._rotate = _rotation(sys.modules[type(original).__module__], layout.rotation, config)
 
     def forward(self, *args, **kwargs):
         ctx = self._scope.ctx
         if ctx is None:
-            return self.original(*args, **kwargs)
+            return self._synced_original()(*args, **kwargs)
         call = self._signature.bind(*args, **kwargs).arguments
         hidden_states = call["hidden_states"]
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
         x = hidden_states[0]
-        kv_b_proj = self._kv_b_proj()
         q_nope, q_rot, latent, k_rot = self._project(x, call.get("position_embeddings"))
         cache = ctx.kv_caches[self.layer_idx][0]
         latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
         write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
-        w_uk, w_uv = split_up_projection(kv_b_proj.weight, q_nope.shape[1], self.nope_dim, self.value_dim)
+        w_uk, w_uv = split_up_projection(self._up_projection(x.dtype), q_nope.shape[1], self.nope_dim, self.value_dim)
         out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
                                      ctx.block_tables, w_uk, w_uv, self.scale,
                                      decode_kernel=self.latent_decode_kernel).to(x.dtype)
@@ -161,13 +165,30 @@ class LatentAttention(_Replacement):
             out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
         return self.get_submodule("o_proj")(out.flatten(1)[None]), None
 
-    def _kv_b_proj(self) -> nn.Linear:
+    def _synced_original(self) -> nn.Module:
+        """The original module with this one's children: preparation steps after the
+        adapters (quantized linears) replace them here, where the original's own
+        attributes would still name the ones they replaced."""
+        original = self.original
+        for name, child in self.named_children():
+            if getattr(original, name, None) is not child:
+                setattr(original, name, child)
+        return original
+
+    def _up_projection(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight [H * (dn + dv), r] as a float matrix: an nn.Linear's own, or
+        a QuantizedLinear's (an FP8 checkpoint's) dequantized once, in ``dtype``, on the
+        first step (the load check's) and kept for every later one."""
         kv_b_proj = self.get_submodule("kv_b_proj")
-        if not isinstance(kv_b_proj, nn.Linear) or kv_b_proj.bias is not None:
-            raise UnsupportedAttentionError(
-                f"attention layer {self.layer_idx}: kv_b_proj is a {type(kv_b_proj).__name__}; a layer "
-                "caching latents reads kv_b_proj's weight itself (an nn.Linear without bias, no wrapper)")
-        return kv_b_proj
+        if isinstance(kv_b_proj, nn.Linear) and kv_b_proj.bias is None:
+            return kv_b_proj.weight
+        if isinstance(kv_b_proj, QuantizedLinear) and kv_b_proj.bias is None and kv_b_proj.input_perm is None:
+            if not self._dequantized or self._dequantized[0].dtype != dtype:
+                self._dequantized[:] = [kv_b_proj.dequantized_rows(0, kv_b_proj.out_features).to(dtype)]
+            return self._dequantized[0]
+        raise UnsupportedAttentionError(
+            f"attention layer {self.layer_idx}: kv_b_proj is a {type(kv_b_proj).__name__}; a layer caching "
+            "latents reads kv_b_proj's weight itself (an nn.Linear or a QuantizedLinear without bias, no wrapper)")
 
     def _project(self, x: torch.Tensor, position_embeddings: PositionEmbeddings
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ def test_latent_layers_cache_the_latent_and_rotary_key_alone():
     assert spec.bytes_per_block(16) == 4 * 16 * 80 * 2
     fp8 = transformers.AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, num_attention_heads=8,
                                             quantization_config={"quant_method": "fp8"})
-    assert not caches_latents(fp8)  # a quantized kv_b_proj: full keys and values, as before
+    assert caches_latents(fp8)  # an FP8 kv_b_proj is dequantized for the absorbed projections
 
 
 @pytest.mark.slow
@@ -120,6 +120,36 @@ def test_decode_steps_through_the_c_kernel_or_torch_equal_transformers(decode_ke
     taken = {module.latent_decode_kernel for module in engine.runner.model.modules()
              if hasattr(module, "latent_decode_kernel")}
     assert taken == {decode_kernel == "on"}
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
+                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    llm.close()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+
+
+def test_fp8_block_deepseek_v3_caches_latents_and_equals_the_dequantized_model(tmp_path):
+    """DeepSeek-V3's FP8 checkpoints (every linear in 8x8-element blocks with
+    weight_scale_inv here): kv_b_proj stays quantized, its float weight dequantized
+    once for the absorbed projections; tokens equal the float model holding the
+    dequantized weights."""
+    from shardline.engine.quantization.linear import QuantizedLinear
+
+    from ..quantization import checkpoints as ckpt
+    from ..quantization.moe_checkpoints import fused_reference_model, tiny_moe
+
+    float_dir = tiny_moe(tmp_path / "float", "deepseek_v3")
+    out_dir = tmp_path / "fp8"
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [8, 8]}
+    dequantized = ckpt.write_quantized(float_dir, out_dir, quantization, ckpt.fp8_blocks((8, 8)))
+    assert "model.layers.0.self_attn.kv_b_proj" in dequantized
+    reference = fused_reference_model(float_dir, dequantized)
+    expected = [hf_greedy(reference, prompt, 8) for prompt in PROMPTS]
+    assert expected[2] != expected[3]
+    llm = LLM(str(out_dir), dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
+    model = ckpt.engine_model(llm)
+    assert isinstance(model.get_submodule("model.layers.0.self_attn.kv_b_proj"), QuantizedLinear)
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    assert {tuple(key.shape[2:]) + tuple(value.shape[2:]) for key, value in engine.runner.kv_caches} == {(1, 24, 1, 0)}
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
                            SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     llm.close()
