@@ -1,5 +1,5 @@
 /* The decode shapes of the quantized linears (cpu_quant.c) for bfloat16 x on CPUs with
- * AVX512_BF16: the weight codes are widened to bfloat16 and multiplied by x's
+ * AVX512_BF16, and a kernel for up to the launcher's TILE_MAX_ROWS rows of x (below): the weight codes are widened to bfloat16 and multiplied by x's
  * bfloat16 values with the bfloat16 dot-product instruction (vdpbf16ps: pairs of
  * products added into float32 lanes), 32 weights per instruction where the float32
  * kernel takes 16.
@@ -257,9 +257,9 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
  *
  * Past a few rows of x, decoding the weight for every tile of MT rows costs more than
  * the products. Here each thread decodes R weight rows at a time into a tile of their
- * bfloat16 codes (exact, zero past K; R * K * 2 bytes, kept in L1), then multiplies
- * the tile by every row of x, many_mt rows at a time, with the accumulators in
- * registers. Scales (and W4 zero points) apply to each block's float32 sums as in the
+ * bfloat16 codes (exact, zero past K; R * K * 2 bytes, which stay in cache), then
+ * multiplies the tile by every row of x, MANY_MT_WHOLE or MANY_MT_BLOCKED rows at a
+ * time, with the accumulators in registers. Scales (and W4 zero points) apply to each block's float32 sums as in the
  * kernels above, so the results are theirs up to the order of the sums. */
 
 /* A quantized weight as the tiles read it: W8 (format 0 int8, 1 fp8) codes [N, K] with
