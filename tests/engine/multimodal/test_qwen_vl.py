@@ -1,0 +1,135 @@
+"""The Qwen vision-language family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) end to end: greedy
+tokens equal transformers' generate with the same images (float32) through text
+prompts, token prompts, chats with image_url parts, chunked prefill that splits an
+image, prefix-cache hits, n > 1 and preemption; each image on its own token grid, so
+the M-RoPE ids (engine/multimodal/mrope.py) decide the tokens."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from shardline import LLM, SamplingParams
+from shardline.engine.model.tiny_qwen_vl import QWEN_VL_TYPES, build_tiny_qwen_vl
+from shardline.engine.multimodal.image_only import load_processor
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# Sizes whose token grids differ in shape (rows x columns): 3x4, 3x2, 4x4, 2x4.
+SIZES = [(40, 30), (16, 24), (32, 32), (32, 16)]
+
+
+def pictures(count: int, seed: int = 7) -> list[Image.Image]:
+    """``count`` noise images of the SIZES in turn."""
+    generator = torch.Generator().manual_seed(seed)
+    return [Image.fromarray(torch.randint(0, 256, (SIZES[i % 4][1], SIZES[i % 4][0], 3), generator=generator,
+                                          dtype=torch.uint8).numpy()) for i in range(count)]
+
+
+def cases(images: list[Image.Image]) -> list[tuple[str, list[Image.Image]]]:
+    return [(f"hi {IMAGE} what is this?", [images[0]]), (f"{IMAGE}Describe it.", [images[1]]),
+            (f"two: {IMAGE} and {IMAGE}, compare.", [images[2], images[3]]), (f"look {IMAGE}", [images[3]])]
+
+
+@pytest.fixture(scope="module", params=QWEN_VL_TYPES)
+def qwen_vl(request, tmp_path_factory):
+    """(model directory, transformers' greedy generate) of one tiny Qwen-VL type."""
+    model_dir = str(build_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param))
+    processor = load_processor(model_dir, request.param)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def reference(text: str, images: list[Image.Image], max_tokens: int = MAX_TOKENS) -> list[int]:
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    return model_dir, reference
+
+
+def _prompts(items):
+    return [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in items]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_changing_the_image_changes_the_reference(qwen_vl):
+    _, reference = qwen_vl
+    first, second = pictures(2, seed=3)
+    second = second.resize(first.size)  # same grid: only the pixels differ
+    assert reference(f"hi {IMAGE} what?", [first]) != reference(f"hi {IMAGE} what?", [second])
+
+
+def test_generate_matches_transformers(qwen_vl):
+    model_dir, reference = qwen_vl
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=8)
+    items = cases(pictures(4))
+    outputs = llm.generate(_prompts(items), GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == [reference(text, images) for text, images in items]
+
+
+def test_chunked_prefill_and_preemption(qwen_vl):
+    # 5 tokens a step: every image's placeholders span several steps; blocks of 4 and a
+    # cache of a few blocks: preemption and recompute.
+    model_dir, reference = qwen_vl
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=5, max_num_seqs=4, block_size=4,
+              kv_cache_memory_bytes=3 * 4 * 2 * 2 * 16 * 4 * 14, max_model_len=56)
+    items = cases(pictures(4))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)
+    outputs = llm.generate(_prompts(items), params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for (text, images), output in zip(items, outputs):
+        expected = reference(text, images)
+        assert [list(c.token_ids) for c in output.outputs] == [expected, expected], text
+
+
+def test_prefix_cache_hits_are_keyed_by_the_image(qwen_vl):
+    # The second image has the first's grid: the same tokens, other pixels.
+    model_dir, reference = qwen_vl
+    llm = LLM(model_dir, dtype="float32", block_size=4)
+    first, second = pictures(2, seed=5)
+    second = second.resize(first.size)
+    text = f"{IMAGE} a long shared question about the picture"
+    [a] = llm.generate(_prompts([(text, [first])]), GREEDY, use_tqdm=False)
+    [b] = llm.generate(_prompts([(text, [second])]), GREEDY, use_tqdm=False)
+    [c] = llm.generate(_prompts([(text + " now", [first])]), GREEDY, use_tqdm=False)
+    assert b.num_cached_tokens == 0 and c.num_cached_tokens >= 12
+    assert _tokens([a, b, c]) == [reference(text, [first]), reference(text, [second]),
+                                  reference(text + " now", [first])]
+
+
+def test_token_prompts_and_chat_expand_like_text_prompts(qwen_vl):
+    model_dir, reference = qwen_vl
+    llm = LLM(model_dir, dtype="float32")
+    tokenizer = llm.get_tokenizer()
+    picture = pictures(1, seed=11)[0]
+    text = f"hi {IMAGE} what is this?"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    [by_ids] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [picture]}}, GREEDY,
+                            use_tqdm=False)
+    assert list(by_ids.outputs[0].token_ids) == reference(text, [picture])
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Caption"}]}]
+    [by_chat] = llm.chat(chat, GREEDY, use_tqdm=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+        "type": "text", "text": "Caption"}]}], tokenize=False, add_generation_prompt=True)
+    assert list(by_chat.outputs[0].token_ids) == reference(rendered, [picture])
+
+
+def test_a_video_is_refused(qwen_vl):
+    model_dir, _ = qwen_vl
+    llm = LLM(model_dir, dtype="float32", check_model=False)
+    with pytest.raises(ValueError, match=r"cannot take video input"):
+        llm.generate({"prompt": "<|vision_start|><|video_pad|><|vision_end|>", "multi_modal_data": {
+            "video": [pictures(1)[0]]}}, GREEDY, use_tqdm=False)
