@@ -34,7 +34,9 @@ class ShardInferenceOperator(BaseOperator):
         (``{"column": ..., "allowed_domains": [...], "max_image_bytes": ...}``); their
         images are read with the connection's storage options, like the shards. OpenAI
         requests that offer tools have their calls read by ``"tool_call_parser"`` (vLLM's
-        names; none takes the one the model's chat template implies).
+        names; none takes the one the model's chat template implies). ``"data_parallel_size": N``
+        runs N engine replicas in the engine service (or this process), one per GPU (group),
+        fed from one queue of rows: several GPUs on one worker without Ray.
     :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
     :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
         connection: login, password, extra.endpoint_url); none for local paths.
