@@ -20,16 +20,20 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.support import model_support
+from shardline.engine.model.tiny_qwen_vl import QWEN_VL_TYPES, build_tiny_qwen_vl
 from shardline.engine.model.tiny_vlm import build_tiny_llava, build_tiny_llava_next
 from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
+from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
 
 from .conftest import images
 
 # Tiny builders of the vision-language types the engine runs.
 TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
-                 "vipllava": partial(build_tiny_llava, model_type="vipllava"), "gemma3": build_tiny_gemma3}
-FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "idefics3", "paligemma", "gemma3", "mllama")
+                 "vipllava": partial(build_tiny_llava, model_type="vipllava"), "gemma3": build_tiny_gemma3,
+                 **{model_type: partial(build_tiny_qwen_vl, model_type=model_type) for model_type in QWEN_VL_TYPES}}
+FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "paligemma", "gemma3",
+            "mllama")
 MAX_TOKENS = 6
 
 
@@ -45,7 +49,7 @@ class SweepResult:
 
 def _parity(model_type: str, folder: Path) -> SweepResult:
     model_dir = str(TINY_BUILDERS[model_type](folder))
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor = load_processor(model_dir, model_type)  # without its video processor where torchvision is missing
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, dtype="float32")
     text = f"a picture: {processor.image_token} what is it?"
