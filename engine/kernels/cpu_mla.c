@@ -8,14 +8,17 @@
  * attention whose value is a prefix of its key. The kernel returns each head's
  * softmax-weighted sum of latents (out [n, H, r]); the caller applies W_UV.
  *
- * Work item = (request, a run of up to MAX_GROUP heads): each item reads every context
- * row once and scores it against its heads while the row is in L1; an online softmax
- * over one block of keys at a time (running max m, running sum l, accumulator acc,
- * rescaled by exp(m_old - m_new) when the max grows). Fewer heads per item when the
- * threads would otherwise idle. Items run in parallel (OpenMP, dynamic schedule:
- * contexts differ in length). The inner loops are `omp simd` loops over contiguous
- * numbers, vectorized for the build's target (kernels/native.py: AVX-512, AVX2, or the
- * baseline's SSE2 / scalar code).
+ * Work item = (request, a run of heads): each item reads every context row once and
+ * scores it against its heads; an online softmax over one block of keys at a time
+ * (running max m, running sum l, accumulator acc, rescaled by exp(m_old - m_new) when
+ * the max grows). Items run in parallel (OpenMP, dynamic schedule: contexts differ in
+ * length); fewer heads per item when the threads would otherwise idle.
+ *
+ * float32 and bfloat16 caches go through the vector item (below DEFINE_ITEM): a run is
+ * VL heads (cpu_common.h: 16 with AVX-512, else 8), one per vector lane, so scores,
+ * softmax and sums are whole-vector multiply-adds for the build's target (kernels/
+ * native.py: AVX-512, AVX2, or the baseline's SSE2); float64 goes through DEFINE_ITEM's
+ * `omp simd` loops, runs of up to MAX_GROUP heads.
  *
  * float32, float64 and bfloat16 caches; bfloat16 is read into float32 and accumulates
  * there.
@@ -100,12 +103,106 @@ static void NAME(const T *q, const T *cache, const int32_t *table, int64_t seq_l
     }                                                                                         \
 }
 
-#define DEFINE_DECODE(NAME, ITEM, T, ACC)                                                     \
+
+/* ---- The vector item (float32 and bfloat16 caches): the item's heads are the lanes of
+ * one vector (VL heads, cpu_common.h), so every step is a multiply-add of whole vectors
+ * with no horizontal sum: a key's scores are sum_d q^T[d] * row[d] (the scaled
+ * queries held transposed, one vector per column d, times each row number broadcast),
+ * four keys at a time sharing each q^T[d] load; the online softmax runs on the score
+ * vectors (vexp); the latent sums acc^T[d] += p[j] * row_j[d], four columns at a
+ * time over the block's keys, kept in registers. Heads past `heads` hold zero
+ * queries and are not stored. */
+#define KEYS 4
+
+static inline __attribute__((always_inline)) vf bcast(const void *row, int64_t d, const int bf16) {
+    return splat(load1(row, d, bf16));
+}
+
+/* Scores of keys j .. j + KEYS - 1 of a block (rows width apart, from rows) into s. */
+static inline __attribute__((always_inline)) void score_keys(
+    const vf *qt, const void *rows, int64_t j, int64_t width, const int bf16, vf *s)
+{
+    vf a[KEYS];
+    for (int k = 0; k < KEYS; k++) a[k] = splat(0.0f);
+    for (int64_t d = 0; d < width; d++) {
+        const vf q = qt[d];
+        for (int k = 0; k < KEYS; k++) a[k] += q * bcast(rows, (j + k) * width + d, bf16);
+    }
+    for (int k = 0; k < KEYS; k++) s[j + k] = a[k];
+}
+
+static inline __attribute__((always_inline)) void vector_item(
+    const void *q, const void *cache, const int32_t *table, int64_t seq_len, void *out, int64_t h0,
+    int64_t heads, int64_t width, int64_t rank, int64_t block_size, float scale, const int bf16)
+{
+    /* Per thread, not on the stack: 140 KB at AVX-512 would crowd an OpenMP thread's stack. */
+    static __thread vf qt[MAX_WIDTH], acc[MAX_WIDTH], s[MAX_BLOCK];
+    for (int64_t d = 0; d < width; d++) {
+        qt[d] = splat(0.0f);
+        for (int64_t g = 0; g < heads; g++) qt[d][g] = load1(q, (h0 + g) * width + d, bf16) * scale;
+    }
+    for (int64_t d = 0; d < rank; d++) acc[d] = splat(0.0f);
+    vf m = splat(-INFINITY), l = splat(0.0f);
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const char *rows = (const char *)cache + (int64_t)table[start / block_size] * block_size * width * elem;
+        const int64_t keys = seq_len - start < block_size ? seq_len - start : block_size;
+        int64_t j = 0;
+        for (; j + KEYS <= keys; j += KEYS) score_keys(qt, rows, j, width, bf16, s);
+        for (; j < keys; j++) {
+            vf a = splat(0.0f);
+            for (int64_t d = 0; d < width; d++) a += qt[d] * bcast(rows, j * width + d, bf16);
+            s[j] = a;
+        }
+        vf block_max = m;
+        for (j = 0; j < keys; j++) block_max = vmax(block_max, s[j]);
+        const vf correction = vexp(m - block_max);
+        vf block_sum = splat(0.0f);
+        for (j = 0; j < keys; j++) {
+            s[j] = vexp(s[j] - block_max);
+            block_sum += s[j];
+        }
+        l = l * correction + block_sum;
+        m = block_max;
+        int64_t d = 0;
+        for (; d + KEYS <= rank; d += KEYS) {
+            vf a[KEYS];
+            for (int k = 0; k < KEYS; k++) a[k] = acc[d + k] * correction;
+            for (j = 0; j < keys; j++)
+                for (int k = 0; k < KEYS; k++) a[k] += s[j] * bcast(rows, j * width + d + k, bf16);
+            for (int k = 0; k < KEYS; k++) acc[d + k] = a[k];
+        }
+        for (; d < rank; d++) {
+            vf a = acc[d] * correction;
+            for (j = 0; j < keys; j++) a += s[j] * bcast(rows, j * width + d, bf16);
+            acc[d] = a;
+        }
+    }
+    for (int64_t g = 0; g < heads; g++) {
+        const float inv = l[g] > 0 ? 1 / l[g] : 0;
+        for (int64_t d = 0; d < rank; d++) {
+            const float value = acc[d][g] * inv;
+            if (bf16) ((uint16_t *)out)[(h0 + g) * rank + d] = f32_to_bf16(value);
+            else ((float *)out)[(h0 + g) * rank + d] = value;
+        }
+    }
+}
+
+static __attribute__((noinline)) void vector_item_f32(const float *q, const float *cache, const int32_t *table,
+    int64_t seq_len, float *out, int64_t h0, int64_t heads, int64_t width, int64_t rank, int64_t block_size,
+    float scale) { vector_item(q, cache, table, seq_len, out, h0, heads, width, rank, block_size, scale, 0); }
+static __attribute__((noinline)) void vector_item_bf16(const uint16_t *q, const uint16_t *cache,
+    const int32_t *table, int64_t seq_len, uint16_t *out, int64_t h0, int64_t heads, int64_t width, int64_t rank,
+    int64_t block_size, float scale) {
+    vector_item(q, cache, table, seq_len, out, h0, heads, width, rank, block_size, scale, 1);
+}
+
+#define DEFINE_DECODE(NAME, ITEM, T, ACC, GROUP)                                                     \
 void NAME(const T *q, const T *cache, const int32_t *block_tables, int64_t table_stride,     \
           const int64_t *seq_lens, int64_t num_requests, T *out, int64_t num_heads,           \
           int64_t width, int64_t rank, int64_t block_size, double scale, int num_threads)     \
 {                                                                                             \
-    int64_t per_item = num_heads < MAX_GROUP ? num_heads : MAX_GROUP;                         \
+    int64_t per_item = num_heads < GROUP ? num_heads : GROUP;                                 \
     while (per_item > 1 && num_requests * ((num_heads + per_item - 1) / per_item) < num_threads) \
         per_item = (per_item + 1) / 2;                                                        \
     const int64_t runs = (num_heads + per_item - 1) / per_item;                               \
@@ -118,12 +215,10 @@ void NAME(const T *q, const T *cache, const int32_t *block_tables, int64_t table
     }                                                                                         \
 }
 
-DEFINE_ITEM(item_f32, float, float, exp_f32, same_f32, same_f32)
 DEFINE_ITEM(item_f64, double, double, exp, same_f64, same_f64)
-DEFINE_ITEM(item_bf16, uint16_t, float, exp_f32, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(mla_decode_f32, item_f32, float, float)
-DEFINE_DECODE(mla_decode_f64, item_f64, double, double)
-DEFINE_DECODE(mla_decode_bf16, item_bf16, uint16_t, float)
+DEFINE_DECODE(mla_decode_f32, vector_item_f32, float, float, VL)
+DEFINE_DECODE(mla_decode_f64, item_f64, double, double, MAX_GROUP)
+DEFINE_DECODE(mla_decode_bf16, vector_item_bf16, uint16_t, float, VL)
 
 int64_t mla_decode_max_width(void) { return MAX_WIDTH; }
 int64_t mla_decode_max_block(void) { return MAX_BLOCK; }
