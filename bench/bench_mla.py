@@ -23,12 +23,11 @@ import argparse
 import json
 
 import torch
+from common import run_clock
 
 from shardline.engine.attention.mla import latent_paged_attention
 from shardline.engine.kernels.cpu_attention import decode_attention, decode_kernel_available
 from shardline.engine.kernels.cpu_mla import mla_decode_available
-
-from common import run_clock
 
 RANK, ROPE, NOPE, VALUE, BLOCK = 512, 64, 128, 128, 16
 
@@ -92,7 +91,8 @@ def main() -> None:
     data = build(args.heads, args.requests, args.context)
     assert decode_kernel_available(data["k_cache"], args.heads, VALUE), "the CPU decode kernel does not build here"
     assert mla_decode_available(data["latent_cache"]), "the CPU latent decode kernel does not build here"
-    outputs = {"full": full_step(data), "latent_kernel": latent_step(data, True), "latent_torch": latent_step(data, False)}
+    outputs = {"full": full_step(data), "latent_kernel": latent_step(data, True),
+               "latent_torch": latent_step(data, False)}
     seconds = {"full": timed(lambda: full_step(data), args.repeats, clock),
                "latent_kernel": timed(lambda: latent_step(data, True), args.repeats, clock),
                "latent_torch": timed(lambda: latent_step(data, False), args.repeats, clock)}
