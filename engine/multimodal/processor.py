@@ -158,24 +158,30 @@ class MultimodalProcessor:
             -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
         outputs = self._call(request_id, text, images)
         token_ids = outputs["input_ids"][0].tolist()
-        pixels = self._split(outputs, len(images))
         counts = self._counts(request_id, token_ids, images)
+        pixels = self._split(outputs, counts)
         return token_ids, pixels, counts
 
-    def _split(self, outputs: Mapping[str, Any], num_images: int) -> list[dict[str, torch.Tensor]]:
-        """The processor's image tensors, one dict per image (the spec's split, else each
-        tensor's leading rows)."""
-        return (self.spec.split or _split_images)(outputs, num_images)
+    def _split(self, outputs: Mapping[str, Any], counts: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The processor's image tensors, one dict per image of ``counts[i]`` placeholder
+        rows (the spec's split, else each tensor's leading rows)."""
+        if self.spec.split_by_rows is not None:
+            return self.spec.split_by_rows(outputs, counts)
+        return (self.spec.split or _split_images)(outputs, len(counts))
 
     def _counts(self, request_id: str, token_ids: list[int], images: list[Image.Image]) -> list[int]:
         """How many placeholder tokens each image of a processed text prompt has."""
         total = sum(1 for token_id in token_ids if token_id == self.image_token_id)
         count_tokens = getattr(self.processor, "_get_num_multimodal_tokens", None)
         if count_tokens is not None:
-            counts = list(count_tokens(image_sizes=[(image.height, image.width) for image in images])
-                          .num_image_tokens)
+            data = count_tokens(image_sizes=[(image.height, image.width) for image in images])
+            counts = list(data.num_image_tokens)
             if sum(counts) == total:
                 return counts
+            # Tiled images (Idefics3): as many rows in every tile, its tiles counted per image.
+            tiles = list(getattr(data, "num_image_patches", None) or ())
+            if self.spec.split_by_rows is not None and tiles and total % sum(tiles) == 0:
+                return [count * (total // sum(tiles)) for count in tiles]
         if total % len(images):
             raise ValueError(f"request {request_id!r}: {total} image placeholder tokens do not split evenly "
                              f"among {len(images)} images")
@@ -197,8 +203,8 @@ class MultimodalProcessor:
             outputs = self._call(request_id, self.prompt_token, [image], add_special_tokens=False)
             expansion = outputs["input_ids"][0].tolist()
             expanded += list(token_ids[previous:position]) + expansion
-            pixels += self._split(outputs, 1)
             counts.append(sum(1 for token_id in expansion if token_id == self.image_token_id))
+            pixels += self._split(outputs, counts[-1:])
             previous = position + 1
         return expanded + list(token_ids[previous:]), pixels, counts
 

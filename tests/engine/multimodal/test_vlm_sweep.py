@@ -5,13 +5,18 @@ engine/model/support.py), text only (loaded as a causal LM: its image prompts ar
 refused), or failure.
 
 A fast set runs by default; the whole mapping is marked slow (``-m slow``).
+``python -m tests.engine.multimodal.test_vlm_sweep`` sweeps the whole mapping and writes
+its lines to docs/models_images.json, which the supported-models page renders.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import tempfile
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,14 +28,17 @@ from shardline.engine.model.support import model_support
 from shardline.engine.model.tiny_qwen_vl import QWEN_VL_TYPES, build_tiny_qwen_vl
 from shardline.engine.model.tiny_vlm import build_tiny_llava, build_tiny_llava_next
 from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
+from shardline.engine.model.tiny_vlm_idefics3 import build_tiny_idefics3
 from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
 
 from .conftest import images
 
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "models_images.json"
 # Tiny builders of the vision-language types the engine runs.
 TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
                  "vipllava": partial(build_tiny_llava, model_type="vipllava"), "gemma3": build_tiny_gemma3,
+                 "idefics3": build_tiny_idefics3,
                  **{model_type: partial(build_tiny_qwen_vl, model_type=model_type) for model_type in QWEN_VL_TYPES}}
 FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "paligemma", "gemma3",
             "mllama")
@@ -50,7 +58,7 @@ class SweepResult:
 def _parity(model_type: str, folder: Path) -> SweepResult:
     model_dir = str(TINY_BUILDERS[model_type](folder))
     processor = load_processor(model_dir, model_type)  # without its video processor where torchvision is missing
-    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, dtype="float32")
     text = f"a picture: {processor.image_token} what is it?"
     expected = []
@@ -95,7 +103,7 @@ def test_fast_set(model_type, tmp_path):
 
 
 def test_refusals_name_the_vision_language_types_that_run():
-    config = transformers.AutoConfig.for_model("idefics3")
+    config = transformers.AutoConfig.for_model("paligemma")
     support = model_support(config, "generate")
     assert not support.ok and f"vision-language types it runs: {', '.join(sorted(VISION_SPECS))}" in \
         (support.reason or "")
@@ -111,3 +119,18 @@ def test_full_sweep(tmp_path):
               ("parity", "refused", "text only", "failure")}
     print(counts)
     assert counts["failure"] == 0, [r.line() for r in results if r.outcome == "failure"]
+
+
+def write_sweep(folder: Path) -> list[SweepResult]:
+    """The whole mapping's sweep lines, printed and written to RESULTS."""
+    results = []
+    for model_type in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        results.append(check_type(model_type, folder / model_type))
+        print(results[-1].line(), flush=True)
+    RESULTS.write_text(json.dumps([asdict(result) for result in results], indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as workdir:
+        write_sweep(Path(workdir))
