@@ -14,7 +14,7 @@ attention naming its own (engine/model/adapters/base.py, CallIndexedAttention).
 Keys and values each have their own head size: multi-head latent
 attention (deepseek_v2, minicpm3, ...) attends keys of qk_nope + qk_rope and
 values of v_head_dim per head, cached in full at those sizes, except where the layer
-caches latents (engine/model/adapters/latent.py: deepseek_v3 in float weights): one
+caches latents (engine/model/adapters/latent.py: its LATENT_LAYOUTS types, float or FP8): one
 "head" of kv_lora_rank + qk_rope_head_dim numbers per token and no values. A "recurrent" layer
 (gated delta-net, short convolution...: a kind registered in engine/recurrent/) holds
 no KV: it takes no room in a block, and its per-request state lives in state slots
