@@ -21,7 +21,11 @@ from ..multimodal.image_only import build_image_only
 from .tiny import build_tokenizer
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# The processor class each type's checkpoint names.
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), "Qwen3VLProcessor")}
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # Qwen's multimodal chat format: an image part is the vision start token, one image pad
 # (which the processor expands) and the vision end token.
 QWEN_VL_CHAT_TEMPLATE = (
@@ -53,19 +57,27 @@ def _configs(model_type: str, vocab_size: int, hidden_size: int, num_text_layers
     elif model_type == "qwen2_5_vl":  # window attention in block 0, full attention in block 1
         vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
                       window_size=2 * PATCH_SIZE * MERGE_SIZE, fullatt_block_indexes=[1])
-    else:  # qwen3_vl: learned position table, deepstack features from vision block 0
+    else:  # Qwen3-VL and Qwen3.5: a learned position table, interleaved M-RoPE sections
         text.update(head_dim=head_dim)
         rope["mrope_interleaved"] = True
-        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
-                      num_position_embeddings=16, deepstack_visual_indexes=[0])
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, num_position_embeddings=16)
+    if model_type.startswith("qwen3_vl"):  # deepstack features from vision block 0
+        vision.update(deepstack_visual_indexes=[0])
+    if model_type.startswith("qwen3_5"):  # gated delta-net layers around a full-attention one, half the dims rotated
+        text.update(head_dim=2 * head_dim, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4)
+        rope["partial_rotary_factor"] = 0.5
+    if model_type.endswith("_moe"):
+        text.update(_MOE, **({"shared_expert_intermediate_size": 32} if model_type == "qwen3_5_moe" else {}))
     return text, vision
 
 
 def build_tiny_qwen_vl(path: str | Path, model_type: str = "qwen2_vl", seed: int = 0, hidden_size: int = 64,
                        num_text_layers: int = 3) -> Path:
-    """A ``model_type`` ("qwen2_vl", "qwen2_5_vl" or "qwen3_vl") checkpoint with its
-    processor in ``path`` (see the module docstring); weights well above transformers'
-    0.02 init, so its tokens depend on the image."""
+    """A ``model_type`` (one of QWEN_VL_TYPES) checkpoint with its processor in ``path``
+    (see the module docstring); weights well above transformers' 0.02 init, so its tokens
+    depend on the image."""
     if model_type not in QWEN_VL_TYPES:
         raise ValueError(f"model_type must be one of {', '.join(QWEN_VL_TYPES)}, got {model_type!r}")
     path = Path(path)
@@ -90,8 +102,7 @@ def build_tiny_qwen_vl(path: str | Path, model_type: str = "qwen2_vl", seed: int
     image_processor = transformers.Qwen2VLImageProcessorPil(
         min_pixels=(PATCH_SIZE * MERGE_SIZE) ** 2, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
         merge_size=MERGE_SIZE, temporal_patch_size=2)
-    processor_class = getattr(transformers, {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                             "qwen3_vl": "Qwen3VLProcessor"}[model_type])
+    processor_class = getattr(transformers, PROCESSOR_CLASSES[model_type])
     build_image_only(processor_class, image_processor, tokenizer, QWEN_VL_CHAT_TEMPLATE).save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return path

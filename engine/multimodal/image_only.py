@@ -43,10 +43,11 @@ def build_image_only(processor_class: type, image_processor: Any, tokenizer: Any
                                              chat_template=chat_template)
 
 
-def load_processor(model: str, model_type: str, **kwargs: Any) -> Any:
+def load_processor(model: str, model_type: str, **kwargs: Any) -> Any | None:
     """transformers' AutoProcessor for ``model``; where that fails for lack of torchvision
     and the model type's processor takes a video processor, the image-only one (see the
-    module docstring), built from the directory's image processor and tokenizer."""
+    module docstring), built from the directory's image processor and tokenizer; None
+    where the directory has no image processor at all."""
     try:
         return transformers.AutoProcessor.from_pretrained(model, **kwargs)
     except (OSError, ImportError, ValueError, AttributeError, TypeError) as exc:
@@ -55,7 +56,10 @@ def load_processor(model: str, model_type: str, **kwargs: Any) -> Any:
             raise
         logger.info("building %s for %s from its image processor and tokenizer (no torchvision for its video "
                     "processor: %s)", processor_class.__name__, model, " ".join(str(exc).split())[:200])
-    image_processor = transformers.AutoImageProcessor.from_pretrained(model, **kwargs)
+    try:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(model, **kwargs)
+    except OSError:  # no image processor config in the directory
+        return None
     tokenizer = transformers.AutoTokenizer.from_pretrained(model, **kwargs)
     return build_image_only(processor_class, image_processor, tokenizer, getattr(tokenizer, "chat_template", None))
 

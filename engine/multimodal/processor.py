@@ -16,6 +16,7 @@ in parallel, the processor is called under a lock.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from .loading import MediaOptions, as_image
 from .media import media_uuids, refuse_media
 from .mrope import check_mrope_image
 from .specs import VisionSpec, vision_spec
+
+logger = logging.getLogger(__name__)
 
 # Processor outputs that are not an image's own tensors.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -72,6 +75,10 @@ class MultimodalProcessor:
         processor = load_processor(config.tokenizer or config.model, hf_config.model_type,
                                    revision=config.tokenizer_revision or config.revision,
                                    trust_remote_code=config.trust_remote_code)
+        if getattr(processor, "image_processor", None) is None:
+            logger.warning("%s is a vision-language model without an image processor in its directory: it runs as "
+                           "a text model, and its image prompts are refused", config.model)
+            return None
         limits = config.limit_mm_per_prompt or {}
         max_images = limits.get("image", spec.max_images)
         if spec.max_images is not None and max_images is not None:

@@ -93,6 +93,9 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("qwen2_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen2_5_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen3_vl", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),
+    VisionSpec("qwen3_vl_moe", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),
+    VisionSpec("qwen3_5", split=split_patches, grid=image_grid),
+    VisionSpec("qwen3_5_moe", split=split_patches, grid=image_grid),
 )}
 
 

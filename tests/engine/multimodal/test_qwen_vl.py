@@ -15,7 +15,7 @@ import transformers
 from PIL import Image
 
 from shardline import LLM, SamplingParams
-from shardline.engine.model.tiny_qwen_vl import QWEN_VL_TYPES, build_tiny_qwen_vl
+from shardline.engine.model.tiny_qwen_vl import build_tiny_qwen_vl
 from shardline.engine.multimodal.image_only import load_processor
 
 MAX_TOKENS = 8
@@ -37,11 +37,16 @@ def cases(images: list[Image.Image]) -> list[tuple[str, list[Image.Image]]]:
             (f"two: {IMAGE} and {IMAGE}, compare.", [images[2], images[3]]), (f"look {IMAGE}", [images[3]])]
 
 
-@pytest.fixture(scope="module", params=QWEN_VL_TYPES)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen_vl(request, tmp_path_factory):
     """(model directory, transformers' greedy generate) of one tiny Qwen-VL type."""
     model_dir = str(build_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param))
-    processor = load_processor(model_dir, request.param)
+    return model_dir, _reference_of(request.param, model_dir)
+
+
+def _reference_of(model_type: str, model_dir: str):
+    """transformers' greedy generate of the tiny model in ``model_dir``."""
+    processor = load_processor(model_dir, model_type)
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def reference(text: str, images: list[Image.Image], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -50,7 +55,7 @@ def qwen_vl(request, tmp_path_factory):
             output = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         return output[0, inputs["input_ids"].shape[1]:].tolist()
 
-    return model_dir, reference
+    return reference
 
 
 def _prompts(items):
@@ -133,3 +138,27 @@ def test_a_video_is_refused(qwen_vl):
     with pytest.raises(ValueError, match=r"cannot take video input"):
         llm.generate({"prompt": "<|vision_start|><|video_pad|><|vision_end|>", "multi_modal_data": {
             "video": [pictures(1)[0]]}}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_the_moe_and_hybrid_types_match_transformers(model_type, tmp_path):
+    # Qwen3-VL-MoE (deepstack, routed experts), Qwen3.5 and Qwen3.5-MoE (gated delta-net
+    # layers keeping recurrent state beside the paged cache), prefill chunked inside images.
+    model_dir = str(build_tiny_qwen_vl(tmp_path, model_type))
+    reference = _reference_of(model_type, model_dir)
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=5, max_num_seqs=4)
+    items = cases(pictures(4))
+    assert _tokens(llm.generate(_prompts(items), GREEDY, use_tqdm=False)) == \
+        [reference(text, images) for text, images in items]
+
+
+def test_a_checkpoint_without_an_image_processor_runs_as_text(tmp_path):
+    model_dir = build_tiny_qwen_vl(tmp_path, "qwen2_vl")
+    (model_dir / "processor_config.json").unlink()  # the image processor's settings
+    llm = LLM(str(model_dir), dtype="float32")
+    assert llm.llm_engine.multimodal is None
+    with pytest.raises(ValueError, match=r"cannot take image input: it is a text-only model"):
+        llm.generate({"prompt": f"{IMAGE} hi", "multi_modal_data": {"image": pictures(1)[0]}}, GREEDY,
+                     use_tqdm=False)
+    [output] = llm.generate("hello there", GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) > 0
