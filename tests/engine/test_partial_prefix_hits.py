@@ -1,7 +1,7 @@
 """Prefix hits that end inside a block (engine/core/partial_blocks.py): the copied slots
 give every row transformers' greedy tokens and the tokens of the same rows with prefix
-caching off, through chunked prompts, preemption, duplicates and both admission orders;
-the runner's copy moves exactly the slots it is told to."""
+caching off, through chunked prompts, preemption, duplicates, async scheduling and both
+admission orders; the runner's copy moves exactly the slots it is told to."""
 
 from __future__ import annotations
 
@@ -75,13 +75,15 @@ def test_partial_hits_equal_transformers_and_caching_off(tiny_llama_dir, expecte
     assert _generate(off, rows, 6) == want
 
 
-def test_partial_hits_through_chunks_and_preemption(tiny_llama_dir, expected):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_partial_hits_through_chunks_and_preemption(tiny_llama_dir, expected, async_scheduling):
     rows, want = expected
     spec = KVCacheSpec.from_hf_config(load_hf_config(EngineConfig(model=tiny_llama_dir)), torch.float64)
     # 8 blocks of 16 for rows of up to 57 prompt tokens: rows preempt one another, and
     # 24-token chunks cut prompts across steps.
     llm = LLM(tiny_llama_dir, dtype="float64", block_size=BLOCK_SIZE, max_num_seqs=6, max_num_batched_tokens=24,
-              kv_cache_memory_bytes=8 * spec.bytes_per_block(BLOCK_SIZE), collapse_duplicate_requests=False)
+              kv_cache_memory_bytes=8 * spec.bytes_per_block(BLOCK_SIZE), collapse_duplicate_requests=False,
+              async_scheduling=async_scheduling)
     assert _generate(llm, rows, 6) == want
     assert _num_partial_hits(llm) > 0
     assert _engine(llm).scheduler.num_preemptions > 0
