@@ -41,7 +41,7 @@ _FLAGS = {"input": "INPUT", "output": "OUTPUT", "model": "--model", "revision": 
           "served_model_name": "--served-model-name", "engine_options": "--engine-options",
           "pass_through": "--pass-through",
           "storage_options": "--storage-options", "lora_adapters": "--lora", "shards_in_flight": "--shards-in-flight",
-          "data_parallel_size": "--data-parallel-size",
+          "data_parallel_size": "--data-parallel-size", "tensor_parallel_size": "--tensor-parallel-size",
           "sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_p": "--top-p",
           "sampling.top_k": "--top-k", "sampling.seed": "--seed", "sampling.n": "--n", "sampling.stop": "--stop",
           "structured_outputs": "--json-schema/--choice/--regex/--grammar", "reasoning_parser": "--reasoning-parser",
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                      help="engine replicas on this worker, each in its own process on its own GPU(s) (on CPU, a "
                           "share of the cores), fed from one queue of rows")
+    run.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="GPUs the model is split over (one process per rank, started by the engine), for a "
+                          "model larger than one GPU")
     run.add_argument("--quantization", metavar="NAME", help="fp8 or int8: quantize a 16/32-bit checkpoint's "
                      "linears at load; or a quantized checkpoint's own format (its quant_method)")
     run.add_argument("--progress-interval", type=_positive_seconds, default=30.0, metavar="SECONDS",
@@ -197,7 +200,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         engine_options=args.engine_options, storage_options=args.storage_options,
         pass_through=args.pass_through, lora_adapters=_lora_adapters(args.lora),
         shards_in_flight=args.shards_in_flight, quantization=args.quantization, images=_image_options(args),
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
     ))
 
 

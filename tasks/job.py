@@ -134,6 +134,10 @@ class BatchJob(BaseModel):
         default=1, ge=1, le=64, description="Engine replicas on the worker, each in its own process on its own "
         "device(s) (on CPU, a share of the cores), fed from one queue of rows; no Ray needed. Outputs are the same.",
     )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="GPUs one engine's model is split over (vLLM's name), one process per "
+        "rank started by the engine: for a model larger than one GPU. Outputs are the same.",
+    )
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="Constrain every output to a JSON schema, regex, choice list or grammar (rows may "
         "override it with a `response_format` or `json_schema` column); JSON outputs are validated into `parsed`.",
@@ -214,6 +218,12 @@ class BatchJob(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _one_tensor_parallel_size(self) -> BatchJob:
+        if self.tensor_parallel_size > 1 and "tensor_parallel_size" in self.engine_options:
+            raise ValueError("set tensor_parallel_size once: as the job's own field or in engine_options, not both")
+        return self
+
+    @model_validator(mode="after")
     def _known_quantization(self) -> BatchJob:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
@@ -245,6 +255,8 @@ class BatchJob(BaseModel):
             kwargs["reasoning_parser"] = self.reasoning_parser
         if self.tool_call_parser is not None:
             kwargs["tool_call_parser"] = self.tool_call_parser
+        if self.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
         return kwargs
 
     def public_fields(self) -> dict[str, Any]:

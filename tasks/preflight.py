@@ -101,6 +101,7 @@ def check_model(job: BatchJob) -> str:
         except ToolParserError as exc:
             raise ModelUnusable("load", f"tokenizer {tokenizer}", str(exc)) from None
     architecture = check_support(job.model, config, job.task, trust, job.quantization)
+    check_tensor_parallel_split(job, config)
     if job.data_parallel_size > 1:  # the replicas' devices are this host's
         try:
             plan_placements(job.data_parallel_size, job.engine_kwargs())
@@ -175,6 +176,21 @@ def check_support(model: str, config: Any, task: JobTask, trust_remote_code: boo
     if not support.ok:
         raise ModelUnusable("load", f"model {model}", support.message)
     return support.architecture
+
+
+def check_tensor_parallel_split(job: BatchJob, config: Any) -> None:
+    """Refuse a tensor_parallel_size the engine would refuse for this model and job (heads
+    that do not split, LoRA, quantized weights, images, embeddings). Raises ModelUnusable."""
+    size = int(job.engine_kwargs().get("tensor_parallel_size", 1))
+    if size <= 1:
+        return
+    from shardline.engine.parallel.sharding import ShardingError, check_tensor_parallel
+
+    try:
+        check_tensor_parallel(config, size, enable_lora=bool(job.lora_adapters), quantization=job.quantization,
+                              task=engine_task(job.task))
+    except ShardingError as exc:
+        raise ModelUnusable("load", f"model {job.model}", str(exc)) from None
 
 
 def check_takes_images(model: str, config: Any, column: str) -> None:

@@ -141,6 +141,8 @@ class RankDriver:
         if device_type == "cuda" and torch.cuda.device_count() < self.size:
             raise TensorParallelError(f"tensor_parallel_size={self.size} needs {self.size} CUDA devices; "
                                       f"this host has {torch.cuda.device_count()}")
+        if device_type == "cpu":
+            share_cpu_threads(self.size)
         context = multiprocessing.get_context("spawn")
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=collective_timeout(),
                               wait_for_workers=False)
@@ -220,6 +222,14 @@ class RankDriver:
         self._finalizer()
 
 
+def share_cpu_threads(size: int) -> None:
+    """On CPU, give each of ``size`` ranks an equal share of the cores torch would use
+    (the ranks compute at once; more threads than cores slow every rank)."""
+    threads = max(1, torch.get_num_threads() // size)
+    logger.info("tensor-parallel rank process takes %d of torch's %d CPU threads", threads, torch.get_num_threads())
+    torch.set_num_threads(threads)
+
+
 def stop_ranks(processes: list[multiprocessing.process.BaseProcess],
                pipes: list[multiprocessing.connection.Connection]) -> None:
     """Ask each rank to stop, then kill any still running after STOP_GRACE_S."""
@@ -245,7 +255,10 @@ def run_rank(rank: int, config: EngineConfig, port: int, pipe: multiprocessing.c
     try:
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
                               timeout=collective_timeout())
-        join_group(store, rank, config.tensor_parallel_size, resolve_device(config.device).type)
+        device_type = resolve_device(config.device).type
+        if device_type == "cpu":
+            share_cpu_threads(config.tensor_parallel_size)
+        join_group(store, rank, config.tensor_parallel_size, device_type)
         group = RankGroup(rank, config.tensor_parallel_size, lambda: "rank 0 or another rank stopped")
         runner = build(config, group)
         pipe.send((READY, None))

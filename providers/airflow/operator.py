@@ -37,6 +37,8 @@ class ShardInferenceOperator(BaseOperator):
         names; none takes the one the model's chat template implies). ``"data_parallel_size": N``
         runs N engine replicas in the engine service (or this process), one per GPU (group),
         fed from one queue of rows: several GPUs on one worker without Ray.
+        ``"tensor_parallel_size": N`` splits the model over N GPUs (one process per rank,
+        started by the engine): a model larger than one GPU.
     :param shards: one shard or a list, as ``list_shards`` returns them (map with ``.expand``).
     :param storage_conn_id: Airflow connection holding the storage credentials (an AWS-style
         connection: login, password, extra.endpoint_url); none for local paths.

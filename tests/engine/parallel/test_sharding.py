@@ -1,0 +1,100 @@
+"""Which shares the ranks hold and what they refuse, without starting ranks: the refusals
+made before any rank starts, the key-value heads each rank reads, the cache spec per
+rank, and the plan's patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from shardline import LLM
+from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.tiny import build_tiny_model, tiny_config
+from shardline.engine.parallel.group import RankGroup
+from shardline.engine.parallel.sharding import (
+    COLUMN,
+    EXPERTS,
+    ROW,
+    WHOLE,
+    Heads,
+    ShardingError,
+    check_tensor_parallel,
+    column_rows,
+    plan_rules,
+    shard_cache_spec,
+    split_of,
+)
+
+
+def refusal(config: transformers.PretrainedConfig, size: int = 2, **options) -> str:
+    kwargs = dict(enable_lora=False, quantization=None, task="generate") | options
+    with pytest.raises(ShardingError) as error:
+        check_tensor_parallel(config, size, **kwargs)
+    return str(error.value)
+
+
+def test_refusals_name_the_option_and_why():
+    llama = tiny_config("llama", 512)
+    check_tensor_parallel(llama, 2, enable_lora=False, quantization=None, task="generate")
+    assert "4 attention heads, which do not split over 3 ranks" in refusal(llama, 3)
+    assert "LoRA" in refusal(llama, enable_lora=True)
+    assert "quantized weights (fp8)" in refusal(llama, quantization="fp8")
+    assert "embedding models" in refusal(llama, task="embed")
+    three_kv = tiny_config("llama", 512, num_attention_heads=12, num_key_value_heads=3)
+    assert "3 key-value heads" in refusal(three_kv, 2)
+    check_tensor_parallel(three_kv, 3, enable_lora=False, quantization=None, task="generate")
+
+
+def test_an_engine_refuses_before_starting_ranks(tmp_path):
+    model_dir = str(build_tiny_model(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ShardingError, match="tensor_parallel_size=3: llama has 4 attention heads"):
+        LLM(model_dir, tensor_parallel_size=3, dtype="float32")
+
+
+def test_each_rank_reads_the_key_value_head_of_its_queries():
+    # 8 query heads over 4 ranks, 2 key-value heads: ranks 0-1 read head 0, ranks 2-3 head 1.
+    heads = Heads(8, 2)
+    assert [heads.kv_head_of(rank, 4) for rank in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [heads.kv_head_of(rank, 2) for rank in range(2)] == [(0, 1), (1, 1)]
+    k_proj = nn.Linear(64, 2 * 16)
+    groups = [RankGroup(rank, 4, lambda: "") for rank in range(4)]
+    rows = [column_rows(k_proj, "layers.0.self_attn.k_proj", group, heads, 1) for group in groups]
+    assert rows == [slice(0, 16), slice(0, 16), slice(16, 32), slice(16, 32)]
+    # a packed gate/up projection keeps this rank's share of each half
+    gate_up = nn.Linear(64, 2 * 8)
+    packed = column_rows(gate_up, "layers.0.mlp.gate_up_proj", RankGroup(1, 2, lambda: ""), None, 2)
+    assert isinstance(packed, torch.Tensor) and packed.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_the_cache_spec_per_rank_holds_its_heads():
+    config = tiny_config("llama", 512, num_attention_heads=8, num_key_value_heads=2)
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    assert {layer.num_kv_heads for layer in shard_cache_spec(spec, config, 2).layers} == {1}
+    assert {layer.num_kv_heads for layer in shard_cache_spec(spec, config, 4).layers} == {1}
+    assert shard_cache_spec(spec, config, 4).bytes_per_block(16) * 2 == spec.bytes_per_block(16)
+
+
+def test_plan_patterns_and_shape_rules():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(
+        "qwen2_moe", 512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32))
+    rules = plan_rules(model)
+    assert split_of("model.layers.1.self_attn.o_proj", rules) == ROW
+    assert split_of("model.layers.1.mlp.experts", rules) == EXPERTS
+    # the shared expert is not in the plan: the shape rules split it as an MLP
+    assert split_of("model.layers.1.mlp.shared_expert.gate_proj", rules) == COLUMN
+    assert split_of("model.layers.1.mlp.shared_expert_gate", rules) is None
+    qwen3_5 = transformers.AutoModelForCausalLM.from_config(tiny_config(
+        "qwen3_5_text", 512, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"]))
+    assert split_of("model.layers.0.linear_attn.in_proj_qkv", plan_rules(qwen3_5)) == WHOLE
+
+
+def test_a_plan_style_not_run_is_refused():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", 512))
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "sequence_parallel"}
+    with pytest.raises(ShardingError, match="'sequence_parallel'"):
+        plan_rules(model)
