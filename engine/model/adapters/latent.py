@@ -54,12 +54,15 @@ class LatentLayout:
     (deepseek_v2's apply_rotary_emb on complex frequencies) or "none".
     lora_scales: the query scaled by the layer's mla_scale_q_lora and the latent by its
     mla_scale_kv_lora before the rotation (the latent is cached scaled).
-    output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid)."""
+    output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid).
+    modeling: the model type whose modeling file holds the attention class, where it is
+    another type's (sarvam_mla runs deepseek_v3's)."""
 
     attention_class: str
     rotation: str = "config"
     lora_scales: bool = False
     output_gate: bool = False
+    modeling: str | None = None
 
 
 LATENT_LAYOUTS: dict[str, LatentLayout] = {
@@ -72,6 +75,7 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "bailing_hybrid": LatentLayout("BailingHybridAttention", rotation="interleave", output_gate=True),
     "longcat_flash": LatentLayout("LongcatFlashMLA", rotation="interleave", lora_scales=True),
     "kimi_linear": LatentLayout("KimiLinearAttention", rotation="none"),
+    "sarvam_mla": LatentLayout("DeepseekV3Attention", modeling="deepseek_v3"),
 }
 
 
@@ -115,8 +119,11 @@ def latent_caching(text_config: transformers.PretrainedConfig) -> bool:
 def latent_adapter_keys() -> dict[str, type[LatentAttention]]:
     """transformers' attention class key (module and name) -> the latent adapter, for
     every type in LATENT_LAYOUTS."""
-    return {f"transformers.models.{model_type}.modeling_{model_type}.{layout.attention_class}": LatentAttention
-            for model_type, layout in LATENT_LAYOUTS.items()}
+    keys = {}
+    for model_type, layout in LATENT_LAYOUTS.items():
+        module = layout.modeling or model_type
+        keys[f"transformers.models.{module}.modeling_{module}.{layout.attention_class}"] = LatentAttention
+    return keys
 
 
 class LatentAttention(_Replacement):
