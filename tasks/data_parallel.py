@@ -77,6 +77,7 @@ class _ReplicaState:
 
     replica: ReplicaProcess | None  # None while it is (re)starting or after it died for good
     placement: Placement
+    restarting: bool = False  # a restart is on its way (``starting`` once its process runs)
     starting: ReplicaProcess | None = None  # a restart still loading its engine
     batches: dict[str, _Batch] = field(default_factory=dict)  # outstanding here, by id
     rows_out: int = 0
@@ -118,6 +119,8 @@ class DataParallelRunner:
         with self._cond:
             if self._closed:
                 raise RunnerError("the data-parallel runner is closed")
+            if self._none_left():
+                raise RunnerError(f"every data-parallel replica of {self.model} has died and none restarted")
             serial = next(self._ids)
             for start in range(0, len(shard.rows), self.batch_rows):
                 positions = range(start, min(start + self.batch_rows, len(shard.rows)))
@@ -297,11 +300,9 @@ class DataParallelRunner:
                     f"{len(shard.rows)} row(s) had finished; the shard is retried whole"))
             state.batches.clear()
             state.rows_out = 0
-            restart = state.restarts < self._max_restarts
+            restart = state.restarting = state.restarts < self._max_restarts
             state.restarts += restart
-            if not restart and all(s.replica is None for s in self._states):
-                for shard in list(self._active):
-                    self._fail_shard(shard, RunnerError(f"every data-parallel replica of {self.model} has died"))
+            self._fail_all_if_none_left()
             self._cond.notify_all()
         if restart:
             threading.Thread(target=self._restart, args=(replica.index,), daemon=True,
@@ -327,33 +328,44 @@ class DataParallelRunner:
         logger.info("%d data-parallel replicas of %s serving: pids %s", self.size, self.model,
                     [replica.pid for replica in started])
 
+    def _fail_all_if_none_left(self) -> None:
+        """With no replica serving or restarting, fail every shard (lock held): none would run."""
+        if self._none_left():
+            for shard in list(self._active):
+                self._fail_shard(shard, RunnerError(f"every data-parallel replica of {self.model} has died "
+                                                    "and none restarted; see the replicas' errors above"))
+
+    def _none_left(self) -> bool:
+        return all(state.replica is None and not state.restarting for state in self._states)
+
     def _restart(self, index: int) -> None:
+        """Start replica ``index`` again (its own thread): it joins the others once it serves."""
         state = self._states[index]
-        with self._cond:
-            if self._closed:
-                return
-            replica = state.starting = ReplicaProcess(index, self.model, self.engine_options, state.placement)
+        replica: ReplicaProcess | None = None
         try:
+            with self._cond:
+                if self._closed:
+                    return
+                replica = state.starting = ReplicaProcess(index, self.model, self.engine_options, state.placement)
             replica.wait_ready(LOAD_SECONDS)
         except Exception:
             if not self._closed:
-                logger.exception("%s did not restart", replica)
-            replica.process.kill()
-            replica.process.wait()
-            return
-        finally:
-            with self._cond:
-                state.starting = None
+                logger.exception("data-parallel replica %d did not restart", index)
+            if replica is not None:
+                replica.process.kill()
+                replica.process.wait()
+            replica = None
         with self._cond:
+            state.starting, state.restarting = None, False
             closed = self._closed
-            if not closed:
+            if replica is not None and not closed:
                 state.replica = replica
                 replica.listen(self._on_message, self._on_exit)
-                self._cond.notify_all()
-        if closed:
+                logger.info("%s restarted", replica)
+            self._fail_all_if_none_left()
+            self._cond.notify_all()
+        if replica is not None and closed:
             replica.stop()
-            return
-        logger.info("%s restarted", replica)
 
 
 def combine_readings(readings: list[EngineReading], now: float) -> EngineReading:

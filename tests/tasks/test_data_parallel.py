@@ -157,3 +157,22 @@ def test_the_engine_service_runs_replicas_too_and_takes_them_when_it_retires(mon
     assert client.service_info()["driver"]["requests_added"] >= 27
     os.kill(pid, signal.SIGTERM)  # the service retires, closing its replicas
     _wait_for(lambda: not any(is_alive(p) for p in [pid, *replicas]), timeout=60)
+
+
+def test_with_every_replica_dead_and_no_restart_left_shards_fail_instead_of_waiting(tiny_model):
+    runner = DataParallelRunner(tiny_model, OPTIONS, 1, max_restarts=0)
+    try:
+        outcomes: dict[str, object] = {}
+        thread = threading.Thread(target=lambda: outcomes.update(
+            _run_concurrently(runner, {"part-0": _shard_rows(0, 10, max_tokens=40)})))
+        thread.start()
+        _wait_for(lambda: runner.unfinished_requests() > 0)
+        [pid] = runner.replica_pids()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=120)
+        assert isinstance(outcomes["part-0"], RunnerError) and "killed by SIGKILL" in str(outcomes["part-0"])
+        with pytest.raises(RunnerError, match="every data-parallel replica of .* has died and none restarted"):
+            runner.run_shard("part-1", _shard_rows(1, 2))
+    finally:
+        runner.close()
