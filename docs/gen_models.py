@@ -49,6 +49,8 @@ from tests.engine.coverage import (  # noqa: E402
 
 RESULTS = REPO / "docs" / "models.json"
 PAGE = REPO / "docs" / "models.md"
+# The image-text-to-text sweep's lines (tests/engine/multimodal/test_vlm_sweep.py writes them).
+IMAGE_RESULTS = REPO / "docs" / "models_images.json"
 STATUS = {"parity": "token-exact", "refused": "refused", "failure": "failure", "skipped": "not swept"}
 ADAPTER_MODULE_PREFIX = "shardline.engine.model.adapters"
 
@@ -170,7 +172,7 @@ def render(rows: dict[str, ModelRow]) -> str:
         "(`python -m tests.engine.coverage`). **token-exact**: shardline's tokens equal transformers' "
         "on every prompt; **refused**: the engine refuses the model at load, for the reason given, "
         "rather than run it differently; **not swept**: not a decoder-only text model. "
-        "Image-text models are listed by their text decoders until image inputs land. Each type runs in "
+        "Image-text models are listed here by their text decoders, and by their images below. Each type runs in "
         "two tiny configs (the second: other head counts, key-value heads neither one nor one per "
         "query head, another layer count, KV sharing and nested config fields where the type has "
         "them); the status is the first's, the second config's is in its own column.",
@@ -191,7 +193,36 @@ def render(rows: dict[str, ModelRow]) -> str:
         cells = (f"`{name}`", status_text(row.outcome, row.detail), second, ", ".join(row.attention),
                  ", ".join(row.recurrent), ", ".join(row.cpu_paths))
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + image_section()) + "\n"
+
+
+def image_section() -> list[str]:
+    """The page's lines for images: one row per type of transformers' image-text-to-text
+    mapping from the last image sweep (``python -m tests.engine.multimodal.test_vlm_sweep``)."""
+    if not IMAGE_RESULTS.exists():
+        return []
+    lines = [
+        "",
+        "## Images",
+        "",
+        "Every type in the installed transformers' image-text-to-text mapping, from the image sweep "
+        "(`python -m tests.engine.multimodal.test_vlm_sweep`): **parity**: a tiny random model's "
+        "greedy tokens with images equal transformers' generate (and the image changes them); "
+        "**text only**: its text model runs and its image prompts are refused; **refused**: the "
+        "engine refuses it at load, for the reason given.",
+        "",
+        "| Model type | Images |",
+        "|---|---|",
+    ]
+    results = json.loads(IMAGE_RESULTS.read_text())
+    running = [result["model_type"] for result in results if result["outcome"] == "parity"]
+    lines[-2:-2] = ["Run with images: " + ", ".join(f"`{name}`" for name in running) + ".", ""]
+    for result in results:
+        # The refusals' list of the types that run is the line above.
+        detail = result["detail"].split(" (vision-language types it runs:")[0]
+        status = result["outcome"] + (f": {detail}" if detail else "")
+        lines.append(f"| `{result['model_type']}` | {_cell(status)} |")
+    return lines
 
 
 def write(rows: dict[str, ModelRow]) -> None:
