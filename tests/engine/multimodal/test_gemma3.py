@@ -117,3 +117,20 @@ def test_an_image_longer_than_the_token_budget_is_refused(gemma3_dir):
     with pytest.raises(PromptTooLongError, match="max_num_batched_tokens=12"):
         llm.generate({"prompt": "hi <start_of_image> x", "multi_modal_data": {"image": images(1)[0]}}, GREEDY,
                      use_tqdm=False)
+
+
+def test_the_triton_backend_hands_image_steps_to_the_torch_path(gemma3_dir, reference, monkeypatch):
+    # Under TRITON_INTERPRET=1 on CPU: decode steps run the Triton kernel, a step with
+    # image rows attending both ways runs on the torch path (TritonBackend.build_context).
+    import shardline.engine.kernels as kernels
+
+    calls: list[int] = []
+    original = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    llm = LLM(gemma3_dir, dtype="float32", attention_backend="triton", check_model=False)
+    cases = _prompts(images(5))[:2]
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], GREEDY,
+                           use_tqdm=False)
+    for (text, pics), output in zip(cases, outputs):
+        assert list(output.outputs[0].token_ids) == reference(text, pics), text
+    assert calls  # the kernel ran the decode steps
