@@ -5,7 +5,7 @@ Two modes:
 ``--mode kernel``: one linear of the model's shapes (o_proj, gate and up packed
 together, down_proj) in as many copies as the model has layers, each call on the
 next copy (so the weights come from memory, as a decode step reads them), x of
-M = 1, 8, 64, 512 rows in bfloat16: the engine's bfloat16
+M = 1, 8, 16, 32, 64, 512 rows in bfloat16: the engine's bfloat16
 linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
 blocks and int4 groups of 128. Prints milliseconds per call and bf16 / quantized.
@@ -50,7 +50,7 @@ from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear
 from shardline.engine.llm_engine import LLMEngine
 
 clock: Callable[[], float] = time.perf_counter
-ROWS = (1, 8, 64, 512)
+ROWS = (1, 8, 16, 32, 64, 512)
 
 
 def best_ms(call: Callable[[], object], repeats: int = 5) -> float:

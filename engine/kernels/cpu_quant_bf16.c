@@ -173,10 +173,10 @@ static void group_sums(const uint16_t *x, int64_t x_stride, int64_t rows, int64_
         }
 }
 
-/* w4_codes_bf16's table: bfloat16(0 .. 15), twice. */
-static __m512i w4_table(void) {
+/* w4_codes_bf16's table: bfloat16(0 - offset .. 15 - offset), twice (exact for offsets 0 and 8). */
+static __m512i w4_table(float offset) {
     float values[32];
-    for (int i = 0; i < 32; i++) values[i] = (float)(i & 15);
+    for (int i = 0; i < 32; i++) values[i] = (float)(i & 15) - offset;
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + 16), _mm512_loadu_ps(values));
 }
 
@@ -225,7 +225,7 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
                     int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     const int64_t groups = K / group, blocks = (N + R - 1) / R;
     group_sums(x, x_stride, rows, group, K, x_sums);
-    const __m512i table = w4_table();
+    const __m512i table = w4_table(0.0f);
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * R;
@@ -359,8 +359,8 @@ static inline __attribute__((always_inline)) void many_tile(
         for (int r = 0; r < R; r++) {
             const float s = scale_rows[r][kb];
             for (int m = 0; m < mt; m++) acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
-            if (weight->format == 2) {
-                const float zs = (zero_rows[r] ? zero_rows[r][kb] : 8.0f) * s;
+            if (weight->format == 2 && weight->zeros) {  /* symmetric: the tile holds code - 8 */
+                const float zs = zero_rows[r][kb] * s;
                 for (int m = 0; m < mt; m++) shift[r][m] += zs * x_sums[m][kb];
             }
         }
@@ -375,7 +375,7 @@ static void many_rows(const quant_weight *weight, const uint16_t *x, int64_t x_s
     const int64_t blocks = (N + R - 1) / R, padded = (K + 31) / 32 * 32;
     const int blocked = weight->format == 2 || weight->bk < K;
     const int64_t mt = blocked ? MANY_MT_BLOCKED : MANY_MT_WHOLE;
-    const __m512i table = w4_table();
+    const __m512i table = w4_table(weight->zeros ? 0.0f : 8.0f);
     _Pragma("omp parallel num_threads(num_threads)")
     {
         uint16_t *tile = aligned_alloc(64, (size_t)(R * padded) * sizeof(uint16_t));

@@ -15,6 +15,7 @@ from shardline.engine.kernels.cpu_quant import (
     cpu_quant_available,
     cpu_w4_linear,
     cpu_w8_linear,
+    tile_max_rows,
 )
 from shardline.engine.kernels.native import cpu_signature
 from shardline.engine.kernels.quant_reference import (
@@ -30,24 +31,24 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
 DTYPES = [torch.float32, torch.bfloat16]
 # Each remainder of the kernels' tiles of x rows, both sides of DECODE_MAX_ROWS and
 # TILE_MAX_ROWS, and a prefill's many.
-ROWS = [1, 2, 3, 5, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 13, 40, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 300]
+ROWS = [1, 2, 3, 5, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 13, 32, 33, 40, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 300]
 
 
 def generator(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, rows: int, many_rows_kernel: bool = True) -> None:
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, rows: int, many_rows: int = TILE_MAX_ROWS) -> None:
     """float32: the reference's float32 product up to the order of its sums. 16-bit:
     one rounding of the float32 sum on the decode and many-rows paths; on the prefill
     path the panel also rounds each dequantized weight to x's dtype (bfloat16: a
-    relative 2^-9). ``many_rows_kernel``: whether the layout is one the many-rows kernel
-    takes (W4 groups of multiples of 32)."""
+    relative 2^-9). ``many_rows``: up to how many rows the layout takes the many-rows
+    kernel (cpu_quant.tile_max_rows; 0 where it does not)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     scale = expected.float().abs().max().item()
     if out.dtype == torch.float32:
         rtol, atol = 1e-5, 1e-5
-    elif rows <= DECODE_MAX_ROWS or (rows <= TILE_MAX_ROWS and out.dtype == torch.bfloat16 and many_rows_kernel
+    elif rows <= DECODE_MAX_ROWS or (rows <= many_rows and out.dtype == torch.bfloat16
                                      and cpu_quant._bf16_dot_library() is not None):
         rtol, atol = 8e-3, 1e-3
     else:
@@ -87,7 +88,8 @@ def test_w8_linear(dtype, weight_dtype, scale_kind, out_features, in_features):
         x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
         with_bias = bias.to(dtype) if rows % 2 else None
         out = cpu_w8_linear(x, weight, scale, block, with_bias)
-        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows)
+        many_rows = tile_max_rows(in_features, block[1] if block else in_features)
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, many_rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,7 +109,8 @@ def test_w4_linear(dtype, group_size, with_zeros, out_features):
         x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
         with_bias = bias.to(dtype) if rows % 2 else None
         out = cpu_w4_linear(x, packed, scales, zeros, group_size, with_bias)
-        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, group_size % 32 == 0)
+        many_rows = tile_max_rows(in_features, group_size) if group_size % 32 == 0 else 0
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, many_rows)
 
 
 @pytest.mark.parametrize("rows", [1, 300])
