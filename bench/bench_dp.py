@@ -4,6 +4,8 @@ The same shards (random-word prompts, greedy, fixed output length) run through t
 process's ShardRunner with ``--threads`` torch threads, then through a
 DataParallelRunner of ``--replicas`` replica processes with ``--threads`` threads each
 (so N replicas use N times the cores: a scaling check, not a claim about one core).
+CPU seconds per row (this process, and the replicas' from /proc) show the replicas'
+overhead even on a host whose other work skews the wall clock.
 Engine loads are outside the timed part; each side first runs a warm-up shard. Prints
 rows/s for each, their ratio, each replica's share of the requests, and whether the
 two sides' tokens agree row for row.
@@ -55,6 +57,16 @@ def run_all(executor: ShardExecutor, shards: dict[str, list[RowRequest]]) -> tup
     return time.perf_counter() - started, results
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) this process and ``pids`` have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def tokens(results: dict[str, list[RowResult]]) -> dict[str, list[tuple[int, ...]]]:
     return {key: [tuple(r.output.outputs[0].token_ids) if r.output is not None else () for r in rows]  # type: ignore[union-attr]
             for key, rows in results.items()}
@@ -79,14 +91,19 @@ def main() -> None:
 
     one = load_runner(model, options)
     run_all(one, warm_up)
+    cpu_before = cpu_seconds([])
     one_seconds, one_results = run_all(one, shards)
+    one_cpu = cpu_seconds([]) - cpu_before
     one.close()
     one.llm.close()
 
     replicated = DataParallelRunner(model, {**options}, args.replicas)
     try:
         run_all(replicated, warm_up)
+        pids = [pid for pid in replicated.replica_pids() if pid is not None]
+        cpu_before = cpu_seconds(pids)
         many_seconds, many_results = run_all(replicated, shards)
+        many_cpu = cpu_seconds(pids) - cpu_before
         shares = [stats.get("requests_added", 0) for stats in replicated.replica_stats()]
     finally:
         replicated.close()
@@ -95,9 +112,11 @@ def main() -> None:
     print(f"host: {os.cpu_count()} CPUs, load average {load:.1f}; {torch.get_num_threads()} torch thread(s) per "
           f"engine; {rows} rows in {args.shards} shards, "
           f"{args.max_tokens} tokens each, max_num_seqs {args.max_num_seqs}, {args.layers}-layer bench model")
-    print(f"1 engine:      {rows / one_seconds:8.2f} rows/s ({one_seconds:.2f}s)")
+    print(f"1 engine:      {rows / one_seconds:8.2f} rows/s ({one_seconds:.2f}s); {one_cpu / rows * 1000:.1f} "
+          "CPU ms per row")
     print(f"{args.replicas} replicas:    {rows / many_seconds:8.2f} rows/s ({many_seconds:.2f}s); "
-          f"requests per replica (warm-up included) {shares}")
+          f"{many_cpu / rows * 1000:.1f} "
+          f"CPU ms per row (replicas and this process); requests per replica (warm-up included) {shares}")
     print(f"ratio replicas/1: {one_seconds / many_seconds:.2f}x; tokens agree row for row: "
           f"{tokens(one_results) == tokens(many_results)}")
 
