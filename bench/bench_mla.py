@@ -4,8 +4,9 @@ against cached latents, side by side in one process.
 
 A decode step attends each running request's one new query over its whole context:
 - full K/V: the paged cache holds every head's key and value (what a latent model
-  caches when its layers keep full keys and values), attended by the CPU decode kernel
-  (kernels/cpu_attention.py);
+  caches when its layers keep full keys and values): the new tokens' latents
+  up-projected by kv_b_proj (their keys and values to write), then the CPU decode
+  kernel (kernels/cpu_attention.py) attends;
 - latent, C kernel: the cache holds [latent, rotary key] per token; the query is
   absorbed (q_nope W_UK), kernels/cpu_mla.py attends, W_UV maps back
   (engine/attention/mla.py's decode kernel path);
@@ -33,7 +34,8 @@ RANK, ROPE, NOPE, VALUE, BLOCK = 512, 64, 128, 128, 16
 
 
 def build(heads: int, requests: int, context: int, seed: int = 0) -> dict:
-    """Random latents, their full keys and values, paged the same way, and a query."""
+    """Random latents, their full keys and values, paged the same way, a query and
+    the new tokens' latents."""
     generator = torch.Generator().manual_seed(seed)
     blocks_each = -(-context // BLOCK)
     num_blocks = requests * blocks_each
@@ -48,13 +50,16 @@ def build(heads: int, requests: int, context: int, seed: int = 0) -> dict:
     q_nope = torch.randn(requests, heads, NOPE, generator=generator)
     q_rope = torch.randn(requests, heads, ROPE, generator=generator)
     w = kv_b.view(heads, NOPE + VALUE, RANK)
-    return dict(latent_cache=torch.cat([latent, rope_key], dim=-1).contiguous(), k_cache=k_cache, v_cache=v_cache,
+    new_latent = torch.randn(requests, RANK, generator=generator)
+    return dict(kv_b=kv_b, new_latent=new_latent, latent_cache=torch.cat([latent, rope_key], dim=-1).contiguous(),
+                k_cache=k_cache, v_cache=v_cache,
                 tables=tables, seq_lens=torch.full((requests,), context, dtype=torch.int64), q_nope=q_nope,
                 q_rope=q_rope, w_uk=w[:, :NOPE].contiguous(), w_uv=w[:, NOPE:].contiguous(),
                 scale=(NOPE + ROPE) ** -0.5)
 
 
 def full_step(data: dict) -> torch.Tensor:
+    torch.nn.functional.linear(data["new_latent"], data["kv_b"])  # the new tokens' keys and values
     query = torch.cat([data["q_nope"], data["q_rope"]], dim=-1).contiguous()
     requests = torch.arange(query.shape[0], dtype=torch.int64)
     out = query.new_empty((*query.shape[:2], VALUE))
