@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage] - public, not in __all__
 
 # How long a collective may wait for the other ranks before the step fails, in seconds
 # (SHARDLINE_TP_TIMEOUT_S overrides it). A step's collectives wait only on the other
@@ -39,7 +40,7 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def join_group(store: dist.Store, rank: int, size: int, device_type: str) -> None:
+def join_group(store: Store, rank: int, size: int, device_type: str) -> None:
     """Join this process to the group as ``rank`` of ``size`` through ``store``."""
     if dist.is_initialized():
         raise TensorParallelError(

@@ -20,12 +20,13 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import sys
 import weakref
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] - public, not in __all__
 
 from ..attention.backends import StepBatch
 from ..config import EngineConfig
@@ -45,7 +46,7 @@ STOP_GRACE_S = 10.0
 class BuildRunner(Protocol):
     """Builds a rank's runner: the engine parts on this rank's shard (parts/build.py)."""
 
-    def __call__(self, config: EngineConfig, group: RankGroup) -> ModelRunner: ...
+    def __call__(self, config: EngineConfig, ranks: RankGroup) -> ModelRunner: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +88,10 @@ def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[Step
     ctx = model_inputs["shardline_ctx"]
     batch = {field.name: encode(f"batch.{field.name}", getattr(ctx, field.name))
              for field in dataclasses.fields(StepBatch) if field.name != "kv_caches"}
-    if "inputs_embeds" in model_inputs:
+    input_ids = model_inputs.get("input_ids")
+    if input_ids is None:
         raise TensorParallelError("a step on input embeddings (images) does not run over tensor-parallel ranks")
-    tensors["input_ids"], tensors["position_ids"] = model_inputs["input_ids"], model_inputs["position_ids"]
+    tensors["input_ids"], tensors["position_ids"] = input_ids, model_inputs["position_ids"]
     state = model_inputs.get("shardline_state")
     if state is not None:
         tensors["state.slots"], tensors["state.has_initial_state"] = state.slots, state.has_initial_state
@@ -114,7 +116,7 @@ def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner) -> 
         tensors[key] = flat[offset : offset + count].view(shape).to(dtype)
         offset += count
 
-    def decode(node: Any) -> object:
+    def decode(node: Any) -> Any:
         kind, value = node
         if kind == "tensor":
             return tensors[value]
@@ -144,7 +146,7 @@ class RankDriver:
         if device_type == "cpu":
             share_cpu_threads(self.size)
         context = multiprocessing.get_context("spawn")
-        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=collective_timeout(),
+        store = TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=collective_timeout(),
                               wait_for_workers=False)
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.pipes: list[multiprocessing.connection.Connection] = []
@@ -253,7 +255,7 @@ def run_rank(rank: int, config: EngineConfig, port: int, pipe: multiprocessing.c
              build: BuildRunner) -> None:
     """A rank process's main: join the group, build this rank's runner, follow rank 0."""
     try:
-        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
+        store = TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
                               timeout=collective_timeout())
         device_type = resolve_device(config.device).type
         if device_type == "cpu":

@@ -246,7 +246,7 @@ def split_experts(module: nn.Module, name: str, group: RankGroup) -> nn.Module:
     module.gate_up_proj = nn.Parameter(gate_up.detach()[:, rows.to(gate_up.device)].contiguous(), requires_grad=False)
     module.down_proj = nn.Parameter(down.detach()[:, :, start : start + share].contiguous(), requires_grad=False)
     if hasattr(module, "intermediate_dim"):
-        module.intermediate_dim = share
+        setattr(module, "intermediate_dim", share)  # noqa: B010 - an int attribute of an nn.Module
     return ReducedOutput(module, group)
 
 
