@@ -151,10 +151,14 @@ def _act_order(g_idx: torch.Tensor, group_size: int, name: str) -> torch.Tensor 
 
 def _w4_linear(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                g_idx: torch.Tensor | None, g_idx_name: str, bias: torch.Tensor | None) -> QuantizedLinear:
-    """The W4 linear of [N, K] codes, [N, K / g] scales and zeros, in act-order when g_idx says so."""
+    """The W4 linear of [N, K] codes, [N, K / g] scales and zeros, in act-order when g_idx
+    says so. Zero points that are all 8 (a symmetric GPTQ checkpoint stores them) are
+    dropped: the W4 layout's None means 8, and the kernels then need no zero-point term."""
     perm = None if g_idx is None else _act_order(g_idx, group_size, g_idx_name)
     if perm is not None:
         codes = codes[:, perm]
+    if zeros is not None and bool((zeros == 8).all()):
+        zeros = None
     return QuantizedLinear.w4(pack_int4(codes), scales, zeros, group_size, perm, bias)
 
 
