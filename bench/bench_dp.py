@@ -73,7 +73,7 @@ def tokens(results: dict[str, list[RowResult]]) -> dict[str, list[tuple[int, ...
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--shards", type=int, default=4)

@@ -15,14 +15,17 @@ import pytest
 import torch
 
 from shardline import SamplingParams
+from shardline.cli import build_parser, job_from_args, main
 from shardline.tasks.data_parallel import DataParallelRunner
 from shardline.tasks.engine_cache import EngineHost, get_executor, load_runner
 from shardline.tasks.engine_client import ServiceClient
 from shardline.tasks.executor import RowRequest, RowResult, RunnerError, ShardAborted
+from shardline.tasks.fingerprint import fingerprint, fingerprint_fields
 from shardline.tasks.preflight import PreflightFailed, preflight
 from shardline.tasks.process_tree import command_line, descendants, is_alive
 from shardline.tasks.replicas import plan_placements
 from shardline.tasks.sample_data import write_sample_dataset
+from shardline.tasks.storage import Shard
 
 OPTIONS = {"max_num_seqs": 4, "max_model_len": 96, "device": "cpu"}
 TOPICS = ("the sea", "a paged cache", "Tokyo", "two plus two", "bonjour", "object storage", "the lazy dog")
@@ -87,6 +90,17 @@ def test_placement_shares_cpu_threads_and_refuses_missing_devices():
     assert all(p.threads == max(1, len(os.sched_getaffinity(0)) // 2) for p in placements)
     with pytest.raises(ValueError, match="data_parallel_size must be 1 or more, got 0"):
         plan_placements(0, {})
+
+
+def test_the_option_reaches_the_job_from_the_command_line_and_stays_out_of_the_fingerprint(tiny_model, capsys):
+    args = build_parser().parse_args(["run", "in", "out", "--model", tiny_model, "--data-parallel-size", "2"])
+    job = job_from_args(args)
+    assert job.data_parallel_size == 2
+    shard = Shard("in/part-0.parquet", "part-0", "parquet", 10)
+    one = job.model_copy(update={"data_parallel_size": 1})
+    assert fingerprint(fingerprint_fields(job, shard, {})) == fingerprint(fingerprint_fields(one, shard, {}))
+    assert main(["run", "in", "out", "--model", tiny_model, "--data-parallel-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "shardline run: --data-parallel-size must be >= 1, got 0"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusing CUDA replicas needs a host without CUDA")
