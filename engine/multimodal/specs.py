@@ -100,5 +100,10 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
 
 
 def vision_spec(hf_config: transformers.PretrainedConfig) -> VisionSpec | None:
-    """The spec of the config's model type, None for a model that takes no images here."""
+    """The spec of the config's model type, None for a model that takes no images here
+    or a checkpoint of the text model alone (its config declares a causal-LM class, whose
+    weights the conditional-generation class would not find)."""
+    architectures = getattr(hf_config, "architectures", None) or ()
+    if any(name.endswith("ForCausalLM") for name in architectures):
+        return None
     return VISION_SPECS.get(hf_config.model_type)

@@ -26,7 +26,8 @@ SKIPPED = {
         "plbart", "prophetnet", "trocr", "whisper")},
     **{name: _AUDIO for name in ("musicgen", "musicgen_melody", "moshi")},
     **{name: f"an image-text model whose vision tower the sweep does not shrink; its text decoder is swept as {text}"
-       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"))},
+       for name, text in (("gemma3", "gemma3_text"), ("gemma3n", "gemma3n_text"), ("qwen3_5", "qwen3_5_text"),
+                          ("qwen3_5_moe", "qwen3_5_moe_text"))},
     **{name: "an image-text model whose vision tower the sweep does not shrink (no text-only type)"
        for name in ("got_ocr2", "phi4_multimodal")},
     **{name: "a speculative-decoding assistant that attends its target model's KV cache, not a standalone LM"
