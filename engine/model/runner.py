@@ -292,7 +292,8 @@ class ModelRunner:
         for layer_caches in self.kv_caches:
             for cache in layer_caches:  # [num_blocks, block_size, ...]
                 assert cache.shape[1] == size, (cache.shape, size)
-                slots = cache.view(-1, *cache.shape[2:])
+                # By the slot count, not -1: a latent layer's value cache holds no numbers.
+                slots = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
                 slots[dst_slots] = slots[src_slots]
 
     @torch.inference_mode()
