@@ -26,6 +26,7 @@ import transformers
 from shardline.engine.core.kv_cache import KVCacheManager
 from shardline.engine.core.request import Request
 from shardline.engine.core.scheduler import Scheduler, SchedulerConfig
+from shardline.engine.core.window_blocks import WindowedLayout
 from shardline.engine.model.adapters.latent import caches_latents
 from shardline.engine.model.kv_cache_spec import KVCacheSpec, LayerCacheSpec, plan_windowed_blocks
 
@@ -62,14 +63,19 @@ def gemma3_capacity(shape: str, prompt_len: int, chunk: int, block_size: int, bu
                     max_num_seqs: int) -> dict[str, object]:
     spec = KVCacheSpec.from_hf_config(gemma3_config(shape), torch.bfloat16)
     model_len = prompt_len + block_size
-    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=model_len,
-                  block_size=block_size, enable_prefix_caching=False, prefix_aware_admission=False)
-    one_table = Scheduler(SchedulerConfig(num_blocks=budget // spec.bytes_per_block(block_size), **limits))
+
+    def scheduler(num_blocks: int, windowed: WindowedLayout | None = None) -> Scheduler:
+        return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
+                                         max_model_len=model_len, block_size=block_size, num_blocks=num_blocks,
+                                         enable_prefix_caching=False, prefix_aware_admission=False,
+                                         windowed=windowed))
+
+    one_table = scheduler(budget // spec.bytes_per_block(block_size))
     before = resident_requests(one_table, prompt_len, max_num_seqs)
     planned = plan_windowed_blocks(spec, block_size, max_num_seqs, model_len, chunk, budget)
     assert planned is not None, "the budget holds no request in every group"
     primary_blocks, layout = planned
-    per_group = Scheduler(SchedulerConfig(num_blocks=primary_blocks, windowed=layout, **limits))
+    per_group = scheduler(primary_blocks, layout)
     after = resident_requests(per_group, prompt_len, max_num_seqs)
     window = GEMMA3_SHAPES[shape][3]
     return {"model": f"gemma3-{shape}-shaped ({spec.num_layers} layers, window {window})", "prompt": prompt_len,

@@ -186,9 +186,9 @@ class TorchBackend:
                             value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         """See AttentionBackend: the native decode kernel where it takes the step's caches
         (and the layer has no bias table), else SDPA over the gathered contexts."""
-        assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
         options = layer_options(options, self.chunk_sizes, layer_idx)
         ctx = ctx.for_layer(layer_idx, options)
+        assert ctx.sampled_requests is not None and ctx.sampled_query_rows is not None, "no sampled rows marked"
         k_cache, v_cache = ctx.kv_caches[layer_idx]
         write_kv_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
         native = options.position_bias is None and self._kernels_take(attention_caches(ctx.kv_caches))[0]
