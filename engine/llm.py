@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeGuard
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
@@ -96,6 +96,9 @@ class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine_config = EngineConfig.from_kwargs(model, **engine_options)
         engine_class = PoolingEngine if wants_pooling_engine(self.engine_config) else LLMEngine
+        if engine_class is PoolingEngine and self.engine_config.tensor_parallel_size > 1:
+            raise ConfigError(f"tensor_parallel_size={self.engine_config.tensor_parallel_size}: {model} is an "
+                              "embedding model, and embedding models run on one rank")
         self.llm_engine: Engine = engine_class(self.engine_config)
         self.request_counter = itertools.count()
 

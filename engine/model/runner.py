@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypedDict
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -249,12 +251,11 @@ class ModelRunner:
         # Kept positions are increasing: as many as the step's tokens is all of them.
         num_tokens = model_inputs["position_ids"].shape[-1]
         keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
-        if self.followers is not None:
-            self.followers.run_step(model_inputs, keep)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
             self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
-        outputs = self.model(**model_inputs, use_cache=False, logits_to_keep=keep)
+        forward = partial(self.model, **model_inputs, use_cache=False, logits_to_keep=keep)
+        outputs = forward() if self.followers is None else self.followers.run_step(model_inputs, keep, forward)
         return ModelOutput(outputs.logits[0], plan.sample_rows, plan.prompt_rows)
 
     @torch.inference_mode()
@@ -331,12 +332,18 @@ class ModelInputs(_RequiredModelInputs, total=False):
     shardline_deepstack: DeepstackRows  # Qwen3-VL steps that fill images (DEEPSTACK_KEY)
 
 
+_T = TypeVar("_T")
+
+
 class RankFollowers(Protocol):
     """The other ranks of a tensor-parallel engine, as rank 0's runner drives them: each
     runs every step's forward on its shard (its inputs sent once) and the same cache
     copies on its own caches."""
 
-    def run_step(self, model_inputs: ModelInputs, keep: torch.Tensor | int) -> None: ...
+    def run_step(self, model_inputs: ModelInputs, keep: torch.Tensor | int, forward: Callable[[], _T]) -> _T:
+        """Send the step's inputs to every other rank, then run this rank's ``forward``
+        beside theirs; return its output."""
+        ...
 
     def mirror(self, method: str, *args: Any) -> None:
         """Call the runner's ``method`` with ``args`` on every other rank."""

@@ -23,7 +23,8 @@ import multiprocessing.connection
 import multiprocessing.process
 import sys
 import weakref
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage] - public, not in __all__
@@ -41,6 +42,7 @@ STEP, MIRROR, STOP, READY, FAILED = "step", "mirror", "stop", "ready", "failed"
 # The runner methods rank 0 has every rank call too: the cache copies.
 MIRRORED = ("copy_blocks", "copy_block_prefixes", "copy_states")
 STOP_GRACE_S = 10.0
+_T = TypeVar("_T")
 
 
 class BuildRunner(Protocol):
@@ -208,11 +210,21 @@ class RankDriver:
                 self.group.failure = f"tensor-parallel group of {self.size} ranks stopped: {self.explain()}"
                 raise TensorParallelError(self.group.failure) from error
 
-    def run_step(self, model_inputs: ModelInputs, keep: torch.Tensor | int) -> None:
-        """Send the step's inputs to every rank; they run their forward beside ours."""
+    def run_step(self, model_inputs: ModelInputs, keep: torch.Tensor | int, forward: Callable[[], _T]) -> _T:
+        """Send the step's inputs to every rank, then run this rank's ``forward`` beside
+        theirs. A forward that raises here leaves the other ranks inside the step's
+        collectives, out of step with the next: the group is failed, and every later
+        step raises at once."""
         layout, flat = pack_step(model_inputs, keep)
         self._send((STEP, layout))
         self.group.broadcast(flat)
+        try:
+            return forward()
+        except BaseException as error:
+            if self.group.failure is None:
+                self.group.failure = (f"tensor-parallel group of {self.size} ranks stopped: rank 0's forward raised "
+                                      f"{type(error).__name__}: {error}; the other ranks are out of step with it")
+            raise
 
     def mirror(self, method: str, *args: Any) -> None:
         """Have every rank's runner call ``method`` (one of MIRRORED) with ``args``."""

@@ -10,6 +10,7 @@ import transformers
 from torch import nn
 
 from shardline import LLM
+from shardline.engine.config import ConfigError
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.group import RankGroup
@@ -51,6 +52,8 @@ def test_an_engine_refuses_before_starting_ranks(tmp_path):
     model_dir = str(build_tiny_model(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ShardingError, match="tensor_parallel_size=3: llama has 4 attention heads"):
         LLM(model_dir, tensor_parallel_size=3, dtype="float32")
+    with pytest.raises(ConfigError, match="embedding models run on one rank"):
+        LLM(model_dir, task="embed", tensor_parallel_size=2, dtype="float32")
 
 
 def test_each_rank_reads_the_key_value_head_of_its_queries():

@@ -113,7 +113,7 @@ def test_mla_and_experts_on_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_moe_model_on_two_ranks(tmp_path):
     model_dir = str(build_tiny_model(tmp_path, "qwen2_moe", **MOE))
-    llm = check_against_one_rank(model_dir)
+    llm = check_against_one_rank(model_dir, reference_dtype=torch.float32)
     assert_closed(llm, rank_processes(llm))
 
 
@@ -183,3 +183,24 @@ def test_a_rank_that_stops_answering_times_out(tmp_path, monkeypatch):
     assert "stopped answering" in str(error)
     assert_closed(llm, processes)
 
+
+
+def test_a_forward_that_fails_on_rank_0_fails_the_group(tmp_path):
+    """Rank 0's forward raising part-way leaves rank 1 inside the step's collectives: later
+    steps must not run out of step with it, so they raise."""
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    llm = LLM(model_dir, tensor_parallel_size=2, **OPTIONS)
+    processes = rank_processes(llm)
+
+    def fail(module, args, output):
+        raise RuntimeError("a failure on rank 0 alone")
+
+    layers = llm.llm_engine.runner.model.model.layers
+    hook = layers[1].register_forward_hook(fail)
+    error = generate_in_thread(llm, timeout=120)
+    assert isinstance(error, RuntimeError) and "a failure on rank 0 alone" in str(error)
+    hook.remove()
+    again = generate_in_thread(llm, timeout=120)
+    assert isinstance(again, TensorParallelError)
+    assert "rank 0's forward raised RuntimeError: a failure on rank 0 alone" in str(again)
+    assert_closed(llm, processes)
