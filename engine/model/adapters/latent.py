@@ -89,7 +89,7 @@ def latent_cache_refusal(text_config: transformers.PretrainedConfig) -> str | No
     if quantization is not None and not _dequantizable(quantization):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         return (f"its kv_b_proj is quantized ({method!r}) and the absorbed decode reads it as a float matrix; "
-                "only FP8 block-quantized kv_b_proj is dequantized at load")
+                "only an FP8 kv_b_proj is dequantized for it")
     if torch.cuda.is_available():
         return ("on CUDA the decode path (the paged attention kernel replayed in CUDA graphs) reads full keys "
                 "and values")
@@ -97,8 +97,8 @@ def latent_cache_refusal(text_config: transformers.PretrainedConfig) -> str | No
 
 
 def _dequantizable(quantization: object) -> bool:
-    """A quantization config whose kv_b_proj is dequantized at load (engine/quantization's
-    FP8 block format: weight_scale_inv per block)."""
+    """A quantization config whose kv_b_proj LatentAttention dequantizes (FP8: a W8
+    QuantizedLinear, per tensor, channel or block)."""
     as_dict = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", dict)()
     return as_dict.get("quant_method") == "fp8"
 
