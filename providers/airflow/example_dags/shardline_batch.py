@@ -34,6 +34,7 @@ JOB = {
     "reasoning_parser": "{{ params.reasoning_parser }}",
     "tool_call_parser": "{{ params.tool_call_parser }}",
     "quantization": "{{ params.quantization }}",
+    "data_parallel_size": "{{ params.data_parallel_size }}",
 }
 
 
@@ -68,6 +69,9 @@ JOB = {
         "storage_conn_id": Param("shardline_storage", type=["null", "string"],
                                  description="Airflow connection with the storage credentials."),
         "shards_per_task": Param(1, type="integer", minimum=1),
+        "data_parallel_size": Param(1, type="integer", minimum=1,
+                                    description="Engine replicas on each worker, one per GPU (group), fed from "
+                                                "one queue of rows."),
     },
     tags=["shardline"],
 )
