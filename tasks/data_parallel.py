@@ -68,7 +68,6 @@ class _Batch:
     batch_id: str
     shard: _Shard
     positions: range
-    replica: ReplicaProcess | None = None
 
 
 @dataclass
@@ -99,6 +98,7 @@ class DataParallelRunner:
         self._cond = threading.Condition(threading.RLock())
         self._queue: collections.deque[_Batch] = collections.deque()
         self._aborts: list[tuple[ReplicaProcess, str]] = []  # batches to abort, sent by the driver
+        self._report_lock = threading.Lock()  # the replicas' readers report rows one at a time
         self._active: set[_Shard] = set()
         self._ids = itertools.count(1)
         self._closed = False
@@ -236,7 +236,6 @@ class DataParallelRunner:
                 break
             batch = self._queue.popleft()
             assert state.replica is not None
-            batch.replica = state.replica
             state.batches[batch.batch_id] = batch
             state.rows_out += len(batch.positions)
             rows = [batch.shard.rows[position] for position in batch.positions]
@@ -269,8 +268,9 @@ class DataParallelRunner:
             return
         if kind == "rows":
             if batch.shard.on_row is not None and not batch.shard.done.is_set():
-                for done in message[2]:
-                    report_row(batch.shard.on_row, done)  # its index is the row's: replicas get our RowRequests
+                with self._report_lock:  # one report at a time, as from one driver thread
+                    for done in message[2]:
+                        report_row(batch.shard.on_row, done)  # its index is the row's: replicas get our RowRequests
             return
         with self._cond:
             state = self._states[replica.index]

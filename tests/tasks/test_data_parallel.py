@@ -119,6 +119,9 @@ def test_two_replicas_give_one_engines_results_in_order(replicated, reference):
     assert failed.error is not None and "96" in failed.error  # the engine's refusal, naming the limit
     assert len({row[1] for rows in reference.values() for row in rows if row[1]}) > 20  # outputs differ by input
     assert all(stats["requests_added"] > 0 for stats in replicated.replica_stats()), "a replica idled"
+    heard: list[int] = []
+    replicated.run_shard("part-0", _shard_rows(0, 10), on_row=lambda done: heard.append(done.index))
+    assert sorted(heard) == list(range(10))  # progress hears of every row once, whichever replica ran it
 
 
 def test_aborting_a_shard_leaves_the_others_running(replicated):
