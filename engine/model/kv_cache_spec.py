@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from ..core.kv_cache import blocks_needed
-from ..core.window_blocks import CHUNKED, FULL, SLIDING, WindowedLayout, layer_groups, split_budget
+from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
 from .adapters.latent import caches_latents
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 from .loader import key_value_heads, value_cache_head_size
@@ -167,20 +167,21 @@ def plan_num_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model
 
 def plan_windowed_blocks(spec: KVCacheSpec, block_size: int, max_num_seqs: int, model_len: int,
                          max_step_tokens: int, free_bytes: int) -> tuple[int, WindowedLayout] | None:
-    """(the primary group's blocks, the windowed groups' layout) for a model whose
-    sliding-window or chunked layers sit beside full ones: one byte budget split between
-    the groups by what a request holds in each (window_blocks.split_budget). None where
-    there is nothing to split (no windowed layer, or no full one) or the budget does not
-    hold one request in every group: one table for all layers then."""
+    """(the primary group's blocks, the windowed groups' layout) for a model with
+    sliding-window or chunked layers: one byte budget split between the groups by what a
+    request holds in each (window_blocks.split_budget). Where every layer is windowed, the
+    primary group holds no layer: its table only counts each request's context. None
+    where no layer is windowed or the budget does not hold one request in every group:
+    one table for all layers then."""
     kinds: list[tuple[str, int | None]] = []
     for layer in spec.layers:
         span = layer.sliding_window if layer.kind == SLIDING else layer.chunk_size if layer.kind == CHUNKED else None
         kinds.append((layer.kind, span) if layer.num_kv_heads and span else (FULL, None))
     groups = layer_groups(kinds)
     windowed = tuple(group for group in groups if group.kind != FULL)
-    if not windowed or len(windowed) == len(groups):
+    if not windowed:
         return None
-    primary = next(group for group in groups if group.kind == FULL)
+    primary = next((group for group in groups if group.kind == FULL), LayerGroup(FULL, None, ()))
     ordered = (primary, *windowed)
     element = torch.empty((), dtype=spec.dtype).element_size()
     group_bytes = [element * sum(spec.layers[index].elements_per_block(block_size) for index in group.layers)

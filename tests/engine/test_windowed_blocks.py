@@ -17,7 +17,7 @@ from shardline.engine.attention.context import AttentionContext, AttentionOption
 from shardline.engine.core.kv_cache import blocks_needed
 from shardline.engine.core.window_blocks import WindowedKVCacheManager
 from shardline.engine.llm_engine import LLMEngine
-from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.kv_cache_spec import KVCacheSpec, plan_windowed_blocks
 from shardline.engine.model.tiny import build_tiny_model
 
 from .coverage_configs import tiny_overrides
@@ -37,7 +37,11 @@ CASES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, layer_types=[FULL, SLIDING]),
     "gpt_oss": {**tiny_overrides("gpt_oss"), "sliding_window": WINDOW},
     "llama4_text": {**tiny_overrides("llama4_text"), "attention_chunk_size": WINDOW},
+    # Every layer windowed: the primary table holds no layer, it only counts each context.
+    "ministral": {**tiny_overrides("ministral"), "sliding_window": WINDOW},
 }
+# The budget, in requests of 100 tokens with one table, that makes the workload preempt.
+BUDGET = {"ministral": 0.7}
 
 
 def engine_of(llm: LLM) -> LLMEngine:
@@ -70,15 +74,18 @@ def windowed_model(request, tmp_path_factory) -> tuple[str, str, list[list[int]]
         model_dir, dtype=torch.float32, attn_implementation="eager").eval())
     prompts = workload(reference.config.vocab_size)
     expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
-    other = [hf_greedy(reference, [7, *prompt[1:]][:-1] + prompt[-1:], MAX_TOKENS) for prompt in prompts[-3:]]
+    vocab_size = reference.config.vocab_size
+    other = [hf_greedy(reference, [3 + token % (vocab_size - 3) for token in prompt[:-1]] + prompt[-1:], MAX_TOKENS)
+             for prompt in prompts[-3:]]  # every token but the last one changed
     assert other != expected[-3:], "the reference's tokens do not depend on the context"
     return model_dir, dtype, prompts, expected
 
 
 def test_tokens_equal_transformers_with_chunks_preemption_prefix_hits_and_duplicates(windowed_model) -> None:
     model_dir, dtype, prompts, expected = windowed_model
+    arch = transformers.AutoConfig.from_pretrained(model_dir).model_type
     llm = LLM(model_dir, dtype=dtype, block_size=BLOCK_SIZE, max_num_batched_tokens=16, max_model_len=128,
-              kv_cache_memory_bytes=small_budget(model_dir, 1.0, getattr(torch, dtype)),
+              kv_cache_memory_bytes=small_budget(model_dir, BUDGET.get(arch, 1.0), getattr(torch, dtype)),
               prefix_aware_admission=False)  # admitted in arrival order, growing requests preempt
     scheduler = engine_of(llm).scheduler
     assert isinstance(scheduler.kv_cache, WindowedKVCacheManager)
@@ -151,3 +158,22 @@ def test_a_layer_reaching_past_its_groups_span_is_refused() -> None:
         ctx.for_layer(0, AttentionOptions(1.0, sliding_window=16))
     with pytest.raises(ValueError, match="attention layer 0 attends with sliding_window=None"):
         ctx.for_layer(0, AttentionOptions(1.0))
+
+
+def test_plan_splits_the_budget_by_group() -> None:
+    """Gemma 2's full layers read the primary table and its sliding ones their own, with
+    fewer blocks; where every layer is windowed the primary table holds no layer."""
+    mixed = KVCacheSpec.from_hf_config(transformers.Gemma2Config(
+        num_hidden_layers=4, head_dim=16, sliding_window=64, layer_types=[SLIDING, FULL] * 2), torch.float32)
+    budget = mixed.bytes_per_block(16) * 4 * blocks_needed(4096, 16)  # one table: 4 requests of 4096 tokens
+    planned = plan_windowed_blocks(mixed, 16, 256, 4096, 512, budget)
+    assert planned is not None
+    primary, layout = planned
+    assert layout.layer_groups == (1, 0, 1, 0) and layout.groups[0].span == 64
+    assert primary >= 7 * blocks_needed(4096, 16) and layout.num_blocks[0] < primary
+    sliding = KVCacheSpec.from_hf_config(transformers.AutoConfig.for_model(
+        "ministral", **{**tiny_overrides("ministral"), "sliding_window": 64}), torch.float32)
+    planned = plan_windowed_blocks(sliding, 16, 256, 4096, 512, budget)
+    assert planned is not None and 0 not in planned[1].layer_groups
+    assert plan_windowed_blocks(KVCacheSpec.from_hf_config(transformers.LlamaConfig(), torch.float32),
+                                16, 256, 4096, 512, budget) is None
