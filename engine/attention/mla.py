@@ -15,8 +15,10 @@ Two exact ways to attend it, one result:
   directly, and apply W_UV to the weighted sum of latents; no per-head key or value
   is ever formed, so a step reads S x (kv_lora_rank + rope_dim) numbers per request.
   On the CPU's decode kernel path the one-query requests of a step attend absorbed
-  through the C kernel (kernels/cpu_mla.py), all in one call; prompt chunks always
-  up-project here, in torch.
+  through the C kernel (kernels/cpu_mla.py), on the Triton backend through the Triton
+  kernel (kernels/mla_decode.py), all in one call; prompt chunks always up-project
+  here, in torch. ``latent_decode_triton`` is a decode step's whole attention on the
+  Triton backend without reading anything back to the host, so CUDA graphs record it.
 
 Positions: request b's queries are its last ``query_len`` positions of ``seq_lens[b]``
 and each sees the keys at or before its own position.
@@ -26,7 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import mla_decode as triton_mla
 from ..kernels.cpu_mla import mla_decode, mla_decode_available
+
+DECODE_KERNELS = ("c", "triton")
 
 
 def split_up_projection(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int,
@@ -64,12 +69,15 @@ def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
-                           absorb_up_to: int = 1, decode_kernel: bool = False) -> torch.Tensor:
+                           absorb_up_to: int = 1, decode_kernel: str | None = None) -> torch.Tensor:
     """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
     request's latent context; requests of at most ``absorb_up_to`` queries attend
-    absorbed, the others up-projected. With ``decode_kernel``, the one-query requests
-    attend through the C kernel (kernels/cpu_mla.py) where it takes the cache, all
-    together. Returns [T, H, dv]."""
+    absorbed, the others up-projected. With ``decode_kernel`` "c", the one-query
+    requests attend through the C kernel (kernels/cpu_mla.py) where it takes the cache,
+    with "triton" through the Triton kernel (kernels/mla_decode.py), all together.
+    Returns [T, H, dv]."""
+    if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS} or None, got {decode_kernel!r}")
     rank = w_uk.shape[-1]
     if latent_cache.shape[-1] != rank + q_rope.shape[-1]:
         raise ValueError(f"the latent cache holds {latent_cache.shape[-1]} numbers per token; a latent of {rank} "
@@ -77,9 +85,10 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
     output = q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]))
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1]
-    if decoding and decode_kernel and latent_cache.dtype == q_nope.dtype and mla_decode_available(latent_cache):
+    kernel_takes = decode_kernel == "triton" or (decode_kernel == "c" and mla_decode_available(latent_cache))
+    if decoding and kernel_takes and latent_cache.dtype == q_nope.dtype:
         _kernel_decode(output, q_nope, q_rope, latent_cache, decoding, [starts[r] for r in decoding], seq_lens,
-                       block_tables, w_uk, w_uv, scale)
+                       block_tables, w_uk, w_uv, scale, decode_kernel == "triton")
         taken = set(decoding)
     else:
         taken = set()
@@ -96,16 +105,43 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
 
 def _kernel_decode(output: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
                    requests: list[int], rows: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> None:
-    """The one-query ``requests`` (their packed ``rows``) through the C kernel: the
-    absorbed queries [n, H, r + dr] in, the weighted latents out, W_UV applied here."""
-    row_index = torch.tensor(rows, dtype=torch.int64)
-    request_index = torch.tensor(requests, dtype=torch.int64)
-    q_latent = torch.einsum("nhd,hdr->nhr", q_nope[row_index], w_uk.to(q_nope.dtype))
-    q_abs = torch.cat([q_latent, q_rope[row_index]], dim=-1).contiguous()
-    out_latent = mla_decode(q_abs, latent_cache, block_tables[request_index].contiguous(),
-                            seq_lens[request_index].to(torch.int64).contiguous(), w_uk.shape[-1], scale)
+                   w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, triton: bool) -> None:
+    """The one-query ``requests`` (their packed ``rows``) through the C kernel, or the
+    Triton kernel with ``triton``: the absorbed queries [n, H, r + dr] in, the weighted
+    latents out, W_UV applied here."""
+    row_index = torch.tensor(rows, dtype=torch.int64, device=q_nope.device)
+    request_index = torch.tensor(requests, dtype=torch.int64, device=q_nope.device)
+    q_abs = _absorbed_query(q_nope[row_index], q_rope[row_index], w_uk)
+    tables = block_tables[request_index].to(torch.int32).contiguous()
+    if triton:
+        lens = seq_lens[request_index].to(torch.int32).contiguous()
+        out_latent = triton_mla.mla_decode_triton(q_abs, latent_cache, tables, lens, w_uk.shape[-1], scale)
+    else:
+        lens = seq_lens[request_index].to(torch.int64).contiguous()
+        out_latent = mla_decode(q_abs, latent_cache, tables, lens, w_uk.shape[-1], scale)
     output[row_index] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
+
+
+def latent_decode_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """A step of one query per request, packed row b request b (q_nope [B, H, dn],
+    q_rope [B, H, dr]; seq_lens [B] int32, block_tables [B, max_blocks] int32), through
+    the Triton kernel absorbed: fixed shapes and no host reads, so a CUDA graph
+    records it. A request of context 0 (a graph's padding row) gets zeros. Returns
+    [B, H, dv]."""
+    if latent_cache.dtype != q_nope.dtype:
+        raise ValueError(f"the latent cache holds {latent_cache.dtype} and the queries are {q_nope.dtype}; the "
+                         "Triton decode kernel reads both in one dtype")
+    q_abs = _absorbed_query(q_nope, q_rope, w_uk)
+    out_latent = triton_mla.mla_decode_triton(q_abs, latent_cache, block_tables, seq_lens, w_uk.shape[-1], scale)
+    return torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
+
+
+def _absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[q_nope W_UK, q_rope] per head: [n, H, r + dr], contiguous."""
+    q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk.to(q_nope.dtype))
+    return torch.cat([q_latent, q_rope], dim=-1).contiguous()
 
 
 def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ reference is kernels/cpu_mla.py's ``mla_decode_reference``.
 Layout (asserted by the launcher): q_abs [n, H, W] contiguous; latent_cache
 [num_blocks, block_size, W] contiguous, q_abs's dtype (float16, bfloat16, float32);
 block_tables [n, max_blocks] int32 with unit last stride; seq_lens [n] int32 or int64
-(context length with the new token, at least 1).
+(context length with the new token; 0 for a row that attends nothing, such as a CUDA
+graph's padding row, whose output is zeros).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ if triton is not None:
             s = s * correction + tl.sum(p, axis=1)
             acc = acc * correction[:, None] + tl.dot(p, latent, input_precision="ieee")
             m = new_m
-        out = acc / s[:, None]
+        out = acc / tl.where(s > 0, s, 1.0)[:, None]  # context 0 (a padding row): zeros
         out_rows = out_ptr + (request * NUM_HEADS + heads[:, None]) * RANK + rank_cols[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & rank_ok[None, :])
 

@@ -13,6 +13,9 @@ to nothing (query length 0, context 0), and their logits are dropped.
 
 Only steps in which every request computes exactly one token and samples from it
 qualify (no prefill chunks, no prompt logprobs); everything else runs eagerly.
+Latent attention layers (engine/model/adapters/latent.py) record their absorbed
+decode (the Triton MLA kernel, kernels/mla_decode.py) over the same buffers; padding
+rows' context 0 gives them zeros.
 Graphs need the Triton attention path; the engine does not record them with LoRA
 adapters (their per-step slot tensors are built on the host) or with
 ``enforce_eager``. Without CUDA the same static-buffer path runs eagerly, which

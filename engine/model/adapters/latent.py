@@ -5,8 +5,9 @@ The layer's cache holds, per token, its normalized kv_lora_rank-wide latent and 
 rotated rotary key (engine/model/kv_cache_spec.py: one "head" of kv_lora_rank +
 qk_rope_head_dim keys, no values), and attends it through engine/attention/mla.py:
 a decode step's query absorbed into the latent (on the CPU, the C kernel
-kernels/cpu_mla.py where it builds), a prompt's queries over keys and values
-up-projected from it. Queries, latents and the rotation are the original module's
+kernels/cpu_mla.py where it builds; on the Triton backend, the Triton kernel
+kernels/mla_decode.py, which CUDA decode graphs record), a prompt's queries over keys
+and values up-projected from it. Queries, latents and the rotation are the original module's
 own computations, in its order.
 
 The types differ only where LATENT_LAYOUTS says: how the rotary part is rotated
@@ -19,9 +20,9 @@ a query LoRA.
 Latent caching needs kv_b_proj's weight as a float matrix (the absorbed projections):
 an FP8 checkpoint's quantized kv_b_proj (engine/quantization/) is dequantized once, on
 the first step, and kept in the model's dtype beside it; ``latent_cache_refusal`` says
-why a latent type keeps full keys and values instead (another quantization, a CUDA
-host); a kv_b_proj that is neither an nn.Linear nor a QuantizedLinear without bias by
-the time a step runs (a LoRA wrapper) is refused, naming the layer, rather than
+why a latent type keeps full keys and values instead (another quantization); a
+kv_b_proj that is neither an nn.Linear nor a QuantizedLinear without bias by the time
+a step runs (a LoRA wrapper) is refused, naming the layer, rather than
 attended without its wrapper.
 """
 
@@ -38,7 +39,9 @@ import torch
 import transformers
 from torch import nn
 
-from ...attention.mla import latent_paged_attention, split_up_projection, write_latent
+from ...attention.backends import TritonIndices
+from ...attention.context import AttentionContext
+from ...attention.mla import latent_decode_triton, latent_paged_attention, split_up_projection, write_latent
 from ...quantization.linear import QuantizedLinear
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
 
@@ -90,9 +93,6 @@ def latent_cache_refusal(text_config: transformers.PretrainedConfig) -> str | No
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         return (f"its kv_b_proj is quantized ({method!r}) and the absorbed decode reads it as a float matrix; "
                 "only an FP8 kv_b_proj is dequantized for it")
-    if torch.cuda.is_available():
-        return ("on CUDA the decode path (the paged attention kernel replayed in CUDA graphs) reads full keys "
-                "and values")
     return None
 
 
@@ -161,16 +161,39 @@ class LatentAttention(_Replacement):
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
         x = hidden_states[0]
         q_nope, q_rot, latent, k_rot = self._project(x, call.get("position_embeddings"))
-        cache = ctx.kv_caches[self.layer_idx][0]
-        latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
-        write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
         w_uk, w_uv = split_up_projection(self._up_projection(x.dtype), q_nope.shape[1], self.nope_dim, self.value_dim)
-        out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
-                                     ctx.block_tables, w_uk, w_uv, self.scale,
-                                     decode_kernel=self.latent_decode_kernel).to(x.dtype)
+        if isinstance(ctx.work, TritonIndices):
+            out = self._attend_triton(ctx, ctx.work, q_nope, q_rot.contiguous(), latent, k_rot, w_uk, w_uv)
+        else:
+            cache = ctx.kv_caches[self.layer_idx][0]
+            latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
+            write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
+            out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
+                                         ctx.block_tables, w_uk, w_uv, self.scale,
+                                         decode_kernel="c" if self.latent_decode_kernel else None)
+        out = out.to(x.dtype)
         if self.output_gate:
             out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
         return self.get_submodule("o_proj")(out.flatten(1)[None]), None
+
+    def _attend_triton(self, ctx: AttentionContext, indices: TritonIndices, q_nope: torch.Tensor,
+                       q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor) -> torch.Tensor:
+        """The Triton backend's step: rows stored by the store kernel (slot -1 skipped: a
+        CUDA graph's padding rows); a step of one query per request attends through
+        ``latent_decode_triton`` (what decode graphs record), any other step through
+        ``latent_paged_attention``, its one-query requests through the Triton kernel."""
+        from ...kernels import store_kv_cache
+
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        rows = torch.cat([latent, k_rot], dim=-1).to(k_cache.dtype)[:, None]  # [T, 1, r + dr]
+        store_kv_cache(rows, rows[..., :0], k_cache, v_cache, ctx.slot_mapping)
+        latent_cache = k_cache.view(*k_cache.shape[:2], k_cache.shape[2] * k_cache.shape[3])
+        if ctx.max_query_len == 1 and q_nope.shape[0] == ctx.block_tables.shape[0]:
+            return latent_decode_triton(q_nope, q_rot, latent_cache, indices.seq_lens, ctx.block_tables, w_uk, w_uv,
+                                        self.scale)
+        return latent_paged_attention(q_nope, q_rot, latent_cache, indices.query_start_loc, indices.seq_lens,
+                                      ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel="triton")
 
     def _synced_original(self) -> nn.Module:
         """The original module with this one's children: preparation steps after the

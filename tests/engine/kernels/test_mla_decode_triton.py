@@ -32,3 +32,14 @@ def test_the_launcher_refuses_a_cache_of_another_layout():
         mla_decode_triton(q_abs, cache[:, :, :30], tables, seq_lens, 24, 0.2)  # a row narrower than the query
     with pytest.raises(TypeError, match="float64"):
         mla_decode_triton(q_abs.double(), cache.double(), tables, seq_lens, 24, 0.2)
+
+
+def test_a_row_of_context_zero_gets_zeros_beside_the_others():
+    """A CUDA decode graph's padding row (context 0) attends nothing: zeros, not NaN,
+    and the real rows beside it are unchanged."""
+    q_abs, cache, tables, seq_lens = make_latent_batch([9, 1, 20], 20, 24, 8, 8, torch.float32)
+    seq_lens[1] = 0
+    out = mla_decode_triton(q_abs.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), seq_lens.to(DEVICE), 24, 0.2)
+    assert torch.equal(out[1].cpu(), torch.zeros(20, 24))
+    expected = mla_decode_reference(q_abs[[0, 2]], cache, tables[[0, 2]], seq_lens[[0, 2]], 24, 0.2)
+    torch.testing.assert_close(out[[0, 2]].cpu(), expected, rtol=1e-5, atol=1e-5)

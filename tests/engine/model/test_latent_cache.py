@@ -1,7 +1,8 @@
 """Latent attention layers cache latents (engine/model/adapters/latent.py): the cache is
 kv_lora_rank + qk_rope_head_dim numbers per token and layer, and greedy tokens equal
 transformers' through chunked prompts, absorbed decode steps and prefix-cache hits, for
-every latent type (with and without a query LoRA)."""
+every latent type (with and without a query LoRA). The Triton backend's path (the CUDA
+one) is tested in tests/engine/kernels/test_latent_triton_path.py."""
 
 from __future__ import annotations
 
@@ -24,9 +25,6 @@ MLA: dict = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16
 PREFIX = list(range(3, 30))
 PROMPTS = [PREFIX + [40, 41, 42], PREFIX + [43, 44, 45, 46, 47], [90, 17, 88, 12, 60, 3, 30, 31],
            [5, 17, 88, 12, 60, 3, 30, 31]]
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="latents are cached on hosts without CUDA")
-
 
 def test_latent_layers_cache_the_latent_and_rotary_key_alone():
     config = transformers.AutoConfig.for_model("deepseek_v3", num_hidden_layers=2, num_attention_heads=8,
