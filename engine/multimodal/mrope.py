@@ -67,13 +67,22 @@ def step_mrope_positions(scheduled: Sequence[ScheduledRequest], query_start_loc:
                          positions: np.ndarray) -> np.ndarray:
     """A packed step's [3, 1, T] M-RoPE ids: request i's tokens lie at
     ``query_start_loc[i]:query_start_loc[i + 1]`` of ``positions`` [T]; a request
-    without images has its 1-D positions in all three rows."""
-    ids = np.broadcast_to(positions, (3, len(positions))).copy()
+    without images has its 1-D positions in all three rows, one past its last image
+    (decoding) its positions plus its delta."""
+    shift = np.zeros(len(scheduled), dtype=np.int64)
+    inside: list[int] = []  # requests computing tokens at or before their last image
     for index, item in enumerate(scheduled):
         images = item.request.images
-        if images:
-            first, last = int(query_start_loc[index]), int(query_start_loc[index + 1])
-            ids[:, first:last] = mrope_positions(positions[first:last], images)
+        if not images:
+            continue
+        if item.start >= images[-1].end:
+            shift[index] = mrope_delta(images)
+        else:
+            inside.append(index)
+    ids = np.broadcast_to(positions + np.repeat(shift, np.diff(query_start_loc)), (3, len(positions))).copy()
+    for index in inside:
+        first, last = int(query_start_loc[index]), int(query_start_loc[index + 1])
+        ids[:, first:last] = mrope_positions(positions[first:last], scheduled[index].request.images)
     return ids[:, None]
 
 

@@ -74,15 +74,18 @@ def test_ids_equal_the_models_rope_index(rope_index, layout):
 
 
 def test_a_step_packs_each_requests_ids():
-    ids, images, _ = _prompt([2, (2, 2), 2])
-    text_only = SimpleNamespace(request=SimpleNamespace(images=()))
-    with_image = SimpleNamespace(request=SimpleNamespace(images=tuple(images)))
-    # the text request computes positions 7..9, the image request 1..5 (a chunk inside its image)
-    positions = np.array([7, 8, 9, 1, 2, 3, 4, 5])
-    step = step_mrope_positions([text_only, with_image], np.array([0, 3, 8]), positions)  # type: ignore[list-item]
-    assert step.shape == (3, 1, 8)
+    ids, images, _ = _prompt([2, (2, 3), 2])  # prompt of 10 tokens, delta 3 - 6
+    text_only = SimpleNamespace(start=7, request=SimpleNamespace(images=()))
+    chunk = SimpleNamespace(start=1, request=SimpleNamespace(images=tuple(images)))
+    decoding = SimpleNamespace(start=12, request=SimpleNamespace(images=tuple(images)))
+    # text 7..9, a chunk 1..5 across the image's start, one decoded token at 12
+    positions = np.array([7, 8, 9, 1, 2, 3, 4, 5, 12])
+    step = step_mrope_positions([text_only, chunk, decoding], np.array([0, 3, 8, 9]),  # type: ignore[list-item]
+                                positions)
+    assert step.shape == (3, 1, 9)
     assert np.array_equal(step[:, 0, :3], np.broadcast_to([7, 8, 9], (3, 3)))
-    assert np.array_equal(step[:, 0, 3:], mrope_positions(positions[3:], images))
+    assert np.array_equal(step[:, 0, 3:8], mrope_positions(positions[3:8], images))
+    assert np.array_equal(step[:, 0, 8], [12 - 3] * 3) and mrope_delta(images) == -3
 
 
 def test_placeholders_off_the_grid_are_refused():
