@@ -103,7 +103,7 @@ def deepseek_v3_capacity(prompt_len: int, chunk: int, block_size: int, budget: i
     """transformers' DeepseekV3Config defaults are DeepSeek-V3's shape (61 layers, 128 heads,
     kv_lora_rank 512, keys of 128 + 64, values of 128)."""
     config = transformers.DeepseekV3Config()
-    assert caches_latents(config), "latents are cached on hosts without CUDA"
+    assert caches_latents(config), "deepseek_v3 caches latents (see latent_cache_refusal)"
     latent = KVCacheSpec.from_hf_config(config, torch.bfloat16)
     key_size, value_size = config.qk_nope_head_dim + config.qk_rope_head_dim, int(config.v_head_dim or 0)
     full = KVCacheSpec(tuple(LayerCacheSpec(layer.kind, config.num_attention_heads, key_size, value_size)
