@@ -4,6 +4,7 @@ chunk by chunk and past the prompt; and the image-only processor construction
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -97,11 +98,19 @@ def test_placeholders_off_the_grid_are_refused():
 
 @pytest.mark.skipif(transformers.utils.import_utils.is_torchvision_available(),
                     reason="with torchvision, AutoProcessor builds the processor itself")
-def test_the_processor_is_built_without_its_video_processor(tmp_path):
-    model_dir = str(build_tiny_qwen_vl(tmp_path / "qwen2_vl", "qwen2_vl"))
-    with pytest.raises(OSError, match="video processor"):
-        transformers.AutoProcessor.from_pretrained(model_dir)
-    processor = load_processor(model_dir, "qwen2_vl")
+@pytest.mark.parametrize("layout", ["processor_config", "preprocessor_config"])
+def test_the_processor_is_built_without_its_video_processor(tmp_path, layout):
+    # processor_config.json as transformers saves it now; preprocessor_config.json (the
+    # image processor's settings alone) as the hub's Qwen-VL checkpoints hold them.
+    model_dir = build_tiny_qwen_vl(tmp_path / "qwen2_vl", "qwen2_vl")
+    if layout == "preprocessor_config":
+        saved = json.loads((model_dir / "processor_config.json").read_text())
+        (model_dir / "preprocessor_config.json").write_text(json.dumps(
+            {**saved["image_processor"], "processor_class": "Qwen2VLProcessor"}))
+        (model_dir / "processor_config.json").unlink()
+    with pytest.raises((OSError, ImportError)):  # its video processor needs torchvision
+        transformers.AutoProcessor.from_pretrained(str(model_dir))
+    processor = load_processor(str(model_dir), "qwen2_vl")
     assert isinstance(processor, transformers.Qwen2VLProcessor) and not hasattr(processor, "video_processor")
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
-    assert processor.image_token == "<|image_pad|>"
+    assert processor.image_processor.patch_size == 4 and processor.image_token == "<|image_pad|>"
