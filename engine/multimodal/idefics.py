@@ -3,7 +3,10 @@ returns one prompt's tiles of every image side by side (``pixel_values`` [1, til
 C, H, W], ``pixel_attention_mask`` [1, tiles, H, W]); each tile fills one run of the
 same number of placeholder rows. ``split_tiles`` gives each image its own tiles, so the
 encoder cache keeps them by image; the model's ``get_image_features`` takes them as
-[images, tiles, C, H, W] (a batch of images with as many tiles each).
+[images, tiles, C, H, W] (a batch of images with as many tiles each). SmolVLM's
+processor writes the same layout but does not count each image's rows for a prompt
+(``_get_num_multimodal_tokens``): ``rows_by_global_view`` reads them off the prompt, as
+every image's expansion ends with its global view's run of rows.
 """
 
 from __future__ import annotations
@@ -30,3 +33,22 @@ def split_tiles(outputs: Mapping[str, Any], rows_per_image: list[int]) -> list[d
     tensors = {key: outputs[key] for key in _TILE_KEYS if isinstance(outputs.get(key), torch.Tensor)}
     parts = {key: value.split(tiles, dim=1) for key, value in tensors.items()}
     return [{key: parts[key][index] for key in parts} for index in range(len(rows_per_image))]
+
+
+def rows_by_global_view(processor: Any, token_ids: list[int], image_token_id: int) -> list[int]:
+    """Each image's placeholder rows in a processed prompt: the rows up to and including
+    the run after each ``<global-img>`` marker (an image's last tile)."""
+    global_id = processor.tokenizer.convert_tokens_to_ids(processor.global_image_token)
+    counts: list[int] = []
+    count, in_global = 0, False
+    for token_id in token_ids:
+        if token_id == image_token_id:
+            count += 1
+            continue
+        if in_global:
+            counts.append(count)
+            count, in_global = 0, False
+        in_global = token_id == global_id
+    if in_global:
+        counts.append(count)
+    return counts

@@ -13,6 +13,7 @@ Videos stay refused by the engine (it takes images only).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
 
@@ -33,14 +34,20 @@ def image_only_class(processor_class: type) -> type:
                  **kwargs: Any) -> None:
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
+    # transformers reads a processor's attributes and the settings it saves from its
+    # constructor's signature: the class's own, less the video processor.
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for name, p in signature.parameters.items() if name != "video_processor"])
     return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": __name__})
 
 
 def build_image_only(processor_class: type, image_processor: Any, tokenizer: Any,
-                     chat_template: str | None = None) -> Any:
-    """A ``processor_class`` processor of ``image_processor`` and ``tokenizer`` alone."""
+                     chat_template: str | None = None, **kwargs: Any) -> Any:
+    """A ``processor_class`` processor of ``image_processor`` and ``tokenizer`` alone;
+    ``kwargs`` are the processor's own settings (SmolVLM's ``image_seq_len``)."""
     return image_only_class(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, **kwargs)
 
 
 def load_processor(model: str, model_type: str, **kwargs: Any) -> Any | None:
@@ -61,7 +68,18 @@ def load_processor(model: str, model_type: str, **kwargs: Any) -> Any | None:
     except OSError:  # no image processor config in the directory
         return None
     tokenizer = transformers.AutoTokenizer.from_pretrained(model, **kwargs)
-    return build_image_only(processor_class, image_processor, tokenizer, getattr(tokenizer, "chat_template", None))
+    return build_image_only(processor_class, image_processor, tokenizer, getattr(tokenizer, "chat_template", None),
+                            **_saved_settings(processor_class, model, **kwargs))
+
+
+def _saved_settings(processor_class: type, model: str, **kwargs: Any) -> dict[str, Any]:
+    """The processor's own settings saved in the directory's processor_config.json (such
+    as SmolVLM's ``image_seq_len``, which sets every image's placeholder count): the
+    constructor's parameters other than its sub-processors and chat template."""
+    processor_dict, _ = processor_class.get_processor_dict(model, **kwargs)  # pyright: ignore[reportAttributeAccessIssue]
+    skip = {"self", "chat_template", "args", "kwargs", *processor_class.get_attributes()}  # pyright: ignore[reportAttributeAccessIssue]
+    names = set(inspect.signature(processor_class.__init__).parameters) - skip
+    return {name: value for name, value in processor_dict.items() if name in names}
 
 
 def _video_processor_class(model_type: str) -> type | None:

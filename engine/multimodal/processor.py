@@ -179,6 +179,12 @@ class MultimodalProcessor:
     def _counts(self, request_id: str, token_ids: list[int], images: list[Image.Image]) -> list[int]:
         """How many placeholder tokens each image of a processed text prompt has."""
         total = sum(1 for token_id in token_ids if token_id == self.image_token_id)
+        if self.spec.count_rows is not None:
+            counts = self.spec.count_rows(self.processor, token_ids, self.image_token_id)
+            if len(counts) != len(images) or sum(counts) != total:
+                raise ValueError(f"request {request_id!r}: the prompt's {total} image placeholder tokens do not "
+                                 f"split into its {len(images)} images' runs")
+            return counts
         count_tokens = getattr(self.processor, "_get_num_multimodal_tokens", None)
         if count_tokens is not None:
             data = count_tokens(image_sizes=[(image.height, image.width) for image in images])

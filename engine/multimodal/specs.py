@@ -18,7 +18,7 @@ import torch
 import transformers
 from torch import nn
 
-from .idefics import split_tiles
+from .idefics import rows_by_global_view, split_tiles
 from .qwen_vl import deepstack_features, image_grid, split_patches
 
 # One batch of processed images (the processor's tensors, concatenated on dim 0) and
@@ -28,6 +28,8 @@ Encoder = Callable[[nn.Module, dict[str, torch.Tensor], list[int]], list[torch.T
 Splitter = Callable[[Mapping[str, Any], int], list[dict[str, torch.Tensor]]]
 # The processor's outputs for a call and each image's placeholder rows -> one dict per image.
 RowSplitter = Callable[[Mapping[str, Any], list[int]], list[dict[str, torch.Tensor]]]
+# The processor, a processed prompt's token ids and the placeholder id -> each image's rows.
+RowCounter = Callable[[Any, list[int], int], list[int]]
 # One image's tensors and the model's config -> its (frames, height, width) in tokens.
 GridOf = Callable[[Mapping[str, torch.Tensor], transformers.PretrainedConfig], tuple[int, int, int]]
 
@@ -66,6 +68,9 @@ class VisionSpec:
     # For processors whose tensors do not hold one leading row per image (Idefics3's
     # tiles of every image side by side): one dict per image, by its placeholder rows.
     split_by_rows: RowSplitter | None = None
+    # For processors that cannot count each image's rows for a prompt (SmolVLM's): reads
+    # them off the processed prompt.
+    count_rows: RowCounter | None = None
     # None: each processor tensor has one leading row per image.
     split: Splitter | None = None
     # Set for models whose rotary positions follow each image's grid (M-RoPE,
@@ -90,6 +95,7 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("vipllava"),
     VisionSpec("gemma3", bidirectional=True),
     VisionSpec("idefics3", split_by_rows=split_tiles),
+    VisionSpec("smolvlm", split_by_rows=split_tiles, count_rows=rows_by_global_view),
     VisionSpec("qwen2_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen2_5_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen3_vl", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),
