@@ -40,9 +40,10 @@ DECODE_MAX_ROWS = 8
 # With cpu_quant_bf16.c's dot-product kernels, up to this many rows of bfloat16 x take
 # its many-rows kernel (the weight decoded once per tile of rows) instead of panels;
 # BLOCKED_TILE_MAX_ROWS where scales change along a row (W8 blocks, W4 groups), whose
-# second set of accumulators leaves fewer registers for rows of x.
+# second set of accumulators leaves fewer registers for rows of x (past it, the panels
+# measure faster in bench_quant.py's model mode).
 TILE_MAX_ROWS = 64
-BLOCKED_TILE_MAX_ROWS = 32
+BLOCKED_TILE_MAX_ROWS = 16
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 
