@@ -54,10 +54,14 @@ def keeps_state(hf_config: transformers.PretrainedConfig, layer_type: str) -> bo
 
 def declared_layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
     """Each decoder layer's type as the config declares it (transformers'
-    ``layer_types``; full attention where the config names none), kind or not."""
+    ``layer_types``; full attention where the config names none, unless its type's
+    layers are all one recurrent kind), kind or not."""
     text_config = hf_config.get_text_config()
     num_layers = text_config.num_hidden_layers
-    return list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    # A type whose every layer is one recurrent kind may name no layer types (RWKV):
+    # its kind is registered under the layer type "recurrent".
+    default = RECURRENT if kind_for_layer_type(text_config.model_type, RECURRENT) else "full_attention"
+    return list(getattr(text_config, "layer_types", None) or [default] * num_layers)[:num_layers]
 
 
 def unknown_layer_reason(hf_config: transformers.PretrainedConfig) -> tuple[int, str] | None:

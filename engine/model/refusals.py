@@ -34,9 +34,6 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
               "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
               "position bias between segments; the paged attention is causal and prefills a prompt in "
               "chunks, so the prompt's keys and values would differ from the model's",
-    "rwkv": "no recurrent kind runs RWKV's blocks yet: each keeps, per request, the previous token of its "
-            "time-mix and channel-mix shifts and the WKV numerator, denominator and running maximum, and "
-            "the time-mix and channel-mix halves of a block would each need their own kind",
     "xlstm": "its mLSTM blocks keep, per request, a matrix memory, its normaliser and a running maximum of "
              "the input gates (recurrent state, not keys and values), and no recurrent kind runs them yet",
     **{name: f"{_INKLING_BIAS}, {_INKLING_CONVS}" for name in ("inkling", "inkling_text")},

@@ -85,6 +85,11 @@ class RecurrentKind(ABC):
         # Whether the core runs through the CPU kernel where it takes the step's tensors.
         self.native_core = native_core
 
+    def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional, nothing by default
+        """Ready the loaded model, once, before this kind's modules in it are wrapped
+        (default: nothing): for a model whose own forward reaches into the modules the
+        kind replaces (RWKV's rescaling of its blocks' weights)."""
+
     def decode_differs_from_scan(self, hf_module: torch.nn.Module) -> bool:
         """Whether the HF module's own one-token update computes a token otherwise than
         its chunked scan would (Mamba-2's floor on the time step applies in the scan

@@ -8,10 +8,11 @@ from . import (
     mamba2,
     olmo_hybrid,
     recurrent_gemma,
+    rwkv,
     short_conv,
     zaya_cca,
 )
 
 # The kinds' modules, whose import registered their kinds.
-KIND_MODULES = (gated_delta_net, kda, linear_attention, mamba, mamba2, olmo_hybrid, recurrent_gemma, short_conv,
-                zaya_cca)
+KIND_MODULES = (gated_delta_net, kda, linear_attention, mamba, mamba2, olmo_hybrid, recurrent_gemma, rwkv,
+                short_conv, zaya_cca)

@@ -164,6 +164,8 @@ def install_recurrent_layers(model: nn.Module) -> dict[int, RecurrentLayer]:
     holder = StepHolder()
     layer_of = {id(module): index for index, layer in enumerate(decoder_layers(model)[1]) for module in layer.modules()}
     replaced: list[str] = []
+    for kind in {id(kind): kind for kind in map(kind_for_module, model.modules()) if kind is not None}.values():
+        kind.prepare_model(model)
     for name, module in list(model.named_modules()):
         kind = kind_for_module(module)
         if kind is None or not name or any(name.startswith(outer + ".") for outer in replaced):

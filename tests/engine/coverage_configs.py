@@ -80,6 +80,8 @@ OVERRIDES: dict[str, dict] = {
     "hrm_text": dict(H_cycles=2, L_cycles=2),
     "git": dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=32, patch_size=16)),
+    # Every block rescaled (its output weights halved per rescale_every blocks, as checkpoints set it).
+    "rwkv": dict(rescale_every=1),
     # transformers rounds the mLSTM's key width up to a multiple of 64 for its state but not its layers.
     "xlstm": dict(num_heads=4, hidden_size=128, embedding_dim=128),
     # Two hybrid layers calling the shared attention block, each with its own cache.
@@ -162,6 +164,9 @@ SECOND_OVERRIDES: dict[str, dict] = {
                  attn_config=dict(kv_n_heads=4, rope_theta=10000.0, clip_qkv=8.0)),
     # Its attention reads multi_query (one key-value head); num_key_value_heads is a stale mirror.
     "gpt_bigcode": dict(multi_query=True, num_key_value_heads=2),
+    # Another feed-forward width, a rescale every two blocks (transformers' generate keeps
+    # the WKV state hidden_size wide, so the WKV width stays the hidden size).
+    "rwkv": dict(intermediate_size=96, rescale_every=2),
     # Its output projection takes hidden_size inputs: heads times head_dim must match it.
     "helium": dict(head_dim=8),
 }

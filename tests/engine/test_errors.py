@@ -70,9 +70,10 @@ def test_prompt_longer_than_max_model_len_names_request_length_and_limit(tiny_ll
 
 def test_architecture_without_attention_interface(tmp_path):
     build_tokenizer(tmp_path)
-    config = transformers.RwkvConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2)
+    config = transformers.CpmAntConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       dim_head=16, dim_ff=64, prompt_length=4)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="Rwkv"):
+    with pytest.raises(UnsupportedModelError, match="CpmAnt"):
         LLM(str(tmp_path))
 
 

@@ -47,13 +47,13 @@ def test_a_tool_call_parser_the_tokenizer_cannot_serve_is_refused(make_job, tiny
 
 
 def test_an_architecture_the_paged_attention_cannot_run_is_refused(tmp_path, make_job, tiny_model):
-    model = tmp_path / "rwkv-like"
+    model = tmp_path / "cpmant-like"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "rwkv",
-                                                   "architectures": ["RwkvForCausalLM"]}))
-    with pytest.raises(ModelUnusable, match=f"^load model {model} failed: RwkvForCausalLM \\(rwkv\\) cannot run on "
-                                            "shardline: no recurrent kind runs RWKV's blocks"):
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "cpmant",
+                                                   "architectures": ["CpmAntForCausalLM"]}))
+    with pytest.raises(ModelUnusable, match=f"^load model {model} failed: CpmAntForCausalLM \\(cpmant\\) cannot run "
+                                            "on shardline: its prompt attends bidirectionally"):
         check_model(make_job(model=str(model)))
     (model / "config.json").unlink()
     with pytest.raises(ModelUnusable, match=f"^load model {model} failed: "):

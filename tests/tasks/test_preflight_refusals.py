@@ -26,7 +26,7 @@ from ..engine.coverage import SKIPPED, VOCAB_SIZE, decoder_model_types, tiny_ove
 # The types the model-coverage sweep reports refused (`python -m tests.engine.coverage`).
 REFUSED_TYPES = ("axk2", "blt", "cpmant", "deepseek_v32", "deepseek_v4", "dots3_note", "dots3_note_text", "git",
                  "glm_moe_dsa", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text", "qwen4_exp",
-                 "qwen4_exp_text", "rwkv", "xlstm")
+                 "qwen4_exp_text", "xlstm")
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ def test_a_supported_model_runs_for_both_tasks():
 
 
 def test_a_refused_model_type_names_the_class_and_the_reason():
-    support = model_support(_tiny("rwkv"), "generate")
+    support = model_support(_tiny("cpmant"), "generate")
     assert not support.ok and support.layer is None
-    assert support.reason.startswith("no recurrent kind runs RWKV's blocks")
+    assert support.reason.startswith("its prompt attends bidirectionally")
     with pytest.raises(UnsupportedModelError) as raised:
-        require_supported(_tiny("rwkv"))
-    assert str(raised.value) == f"RwkvForCausalLM (rwkv) cannot run on shardline: {support.reason}"
+        require_supported(_tiny("cpmant"))
+    assert str(raised.value) == f"CpmAntForCausalLM (cpmant) cannot run on shardline: {support.reason}"
     assert not isinstance(raised.value, UnsupportedLayerError)
 
 
@@ -63,7 +63,9 @@ def test_the_pooling_engine_refuses_what_its_packed_forward_cannot_run():
 
 
 def test_attention_outside_transformers_interface_does_not_route():
-    assert not routes_attention_interface(transformers.RwkvForCausalLM, transformers.RwkvConfig())
+    assert not routes_attention_interface(transformers.CpmAntForCausalLM, transformers.CpmAntConfig())
+    # A model of recurrent layers only (RWKV) has no attention to route.
+    assert routes_attention_interface(transformers.RwkvForCausalLM, transformers.RwkvConfig())
     assert routes_attention_interface(transformers.LlamaForCausalLM, _tiny("llama"))
     assert routes_attention_interface(transformers.FalconForCausalLM, _tiny("falcon"))  # through its adapter
 
