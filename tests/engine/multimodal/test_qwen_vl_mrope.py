@@ -114,3 +114,19 @@ def test_the_processor_is_built_without_its_video_processor(tmp_path, layout):
     assert isinstance(processor, transformers.Qwen2VLProcessor) and not hasattr(processor, "video_processor")
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
     assert processor.image_processor.patch_size == 4 and processor.image_token == "<|image_pad|>"
+
+
+def test_the_load_check_catches_wrong_mrope_ids(tmp_path, monkeypatch):
+    # 1-D positions for every token (the image's grid ignored): the load check's image
+    # probe (3 tokens, then the image) differs from the model's own forward at the image's
+    # second token, the first whose ids (3, 3, 4) are not its index, and the model is refused.
+    from shardline import LLM
+    from shardline.engine.model import runner
+    from shardline.engine.model.load_check import ModelMismatchError
+
+    model_dir = str(build_tiny_qwen_vl(tmp_path / "qwen2_vl", "qwen2_vl"))
+    monkeypatch.setattr(runner, "step_mrope_positions",
+                        lambda scheduled, query_start_loc, positions: np.broadcast_to(positions, (3, 1, len(positions)))
+                        .copy())
+    with pytest.raises(ModelMismatchError, match=r"differently from the model.s own forward, first at position 4 "):
+        LLM(model_dir, dtype="float32")
