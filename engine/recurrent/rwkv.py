@@ -29,7 +29,9 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from ..kernels._triton import KERNEL_DTYPES, triton_available
 from ..kernels.rwkv_wkv import wkv_varlen
+from ..kernels.rwkv_wkv_triton import wkv_varlen_triton
 from .base import RecurrentKind, StateShapes, projection_out_features, projection_weight, register_kind
 
 
@@ -88,6 +90,19 @@ def _mix(x: torch.Tensor, shifted: torch.Tensor, mu: torch.Tensor) -> torch.Tens
     return x * mu + shifted * (1 - mu)
 
 
+def _wkv(m: TimeMixModule, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+         has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The WKV scan: the Triton kernel on CUDA where the model computes it in float32
+    (its decay and bonus float32, inputs of a kernel dtype), else the torch scan."""
+    wkv_states = (states["num"], states["den"], states["max"])
+    if (key.is_cuda and triton_available() and value.dtype in KERNEL_DTYPES
+            and m.time_decay.dtype == m.time_first.dtype == torch.float32
+            and all(state.is_contiguous() for state in wkv_states)):
+        return wkv_varlen_triton(-torch.exp(m.time_decay), m.time_first.contiguous(), key, value, cu_seqlens.long(),
+                                 has_initial_state, *wkv_states)
+    return wkv_varlen(m.time_decay, m.time_first, key, value, cu_seqlens, has_initial_state, *wkv_states)
+
+
 class RwkvBlockKind(RecurrentKind):
     """RwkvBlock: time mix (WKV) and channel mix with their token shifts."""
 
@@ -141,8 +156,7 @@ class RwkvBlockKind(RecurrentKind):
         key = m.key(_mix(x, shifted, m.time_mix_key))
         value = m.value(_mix(x, shifted, m.time_mix_value))
         receptance = torch.sigmoid(m.receptance(_mix(x, shifted, m.time_mix_receptance)))
-        wkv = wkv_varlen(m.time_decay, m.time_first, key, value, cu_seqlens, has_initial_state,
-                         states["num"], states["den"], states["max"])
+        wkv = _wkv(m, key, value, cu_seqlens, has_initial_state, states)
         return m.output(receptance * wkv)
 
     def _channel_mix(self, m: ChannelMixModule, x: torch.Tensor, cu_seqlens: torch.Tensor,
