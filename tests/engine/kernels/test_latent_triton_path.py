@@ -6,6 +6,11 @@ run through Triton's interpreter (this folder's conftest sets TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -13,6 +18,7 @@ import transformers
 from shardline import LLM, SamplingParams
 from shardline.engine.kernels import mla_decode
 from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.model.adapters.latent import LATENT_LAYOUTS
 from shardline.engine.model.cuda_graphs import DecodeGraphs
 from shardline.engine.model.tiny import build_tiny_model
 
@@ -26,6 +32,8 @@ PROMPTS = [PREFIX + [40, 41, 42], PREFIX + [43, 44, 45, 46, 47], [90, 17, 88, 12
 # without one (DeepSeek-V2-Lite's shape), its rotation by complex frequencies.
 CASES = {"deepseek_v3": dict(num_attention_heads=20, num_key_value_heads=20),
          "deepseek_v2": dict(q_lora_rank=None)}
+# The other latent types at the coverage sweep's tiny sizes (slow under the interpreter).
+SLOW_TYPES = [model_type for model_type in LATENT_LAYOUTS if model_type not in CASES]
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
@@ -37,9 +45,9 @@ def _count_kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
+@pytest.mark.parametrize("model_type", [*CASES, *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_TYPES)])
 def test_triton_backend_caches_latents_and_equals_transformers(model_type, tmp_path, monkeypatch):
-    model_dir = build_tiny_model(tmp_path, model_type, **{**tiny_overrides(model_type), **CASES[model_type]})
+    model_dir = build_tiny_model(tmp_path, model_type, **{**tiny_overrides(model_type), **CASES.get(model_type, {})})
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     expected = [hf_greedy(reference, prompt, 6) for prompt in PROMPTS]
@@ -91,3 +99,34 @@ def test_static_decode_buffers_with_padding_rows_equal_transformers(tmp_path, mo
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
     assert runs and max(runs) == 5 and min(runs) < 5  # the static path ran, with padding rows
     assert 8 in calls  # the kernel read the padded batch of 8 rows
+
+
+# Records the two launches of a latent layer's Triton decode step (the row store and the
+# MLA decode, a padding row of context 0 among the requests) and compiles them for sm_90.
+COMPILE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from cuda_compile import compile_launches, record_launches
+from shardline.engine.kernels import mla_decode, reshape_and_cache
+for dtype in (torch.float32, torch.bfloat16):
+    q = torch.randn(3, 20, 40).to(dtype)
+    cache = torch.randn(10, 16, 40).to(dtype)
+    tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.tensor([5, 0, 17], dtype=torch.int32)
+    rows, k_cache, v_cache = torch.randn(3, 1, 40).to(dtype), cache[:, :, None], cache[:, :, None, :0]
+    launches = record_launches(lambda: mla_decode.mla_decode_triton(q, cache, tables, lens, 24, 0.1), [mla_decode])
+    launches += record_launches(lambda: reshape_and_cache.store_kv_cache(
+        rows, rows[..., :0], k_cache, v_cache, torch.tensor([1, -1, 5])), [reshape_and_cache])
+    print(chr(10).join(compile_launches(str(dtype), launches, 90)), flush=True)
+"""
+
+
+def test_the_decode_step_kernels_compile_for_hopper():
+    """Triton's real compiler (through ptxas), which the interpreter never runs, takes
+    the latent decode step's kernels for sm_90 in float32 and bfloat16."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend is not installed")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(Path(__file__).parent)], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and all(line.endswith(" ok") for line in lines), lines
