@@ -87,7 +87,7 @@ def test_rwkv_kind_matches_the_hf_block(block_case, schedule):
             torch.testing.assert_close(states[i][name], value, rtol=1e-5, atol=1e-5, msg=f"sequence {i} {name}")
 
 
-@pytest.fixture(scope="module", params=["float32", "float64"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def rwkv_model(request, tmp_path_factory):
     """A tiny RWKV model's dir, its dtype, and transformers' greedy tokens for varied prompts and template rows."""
     dtype = request.param
