@@ -71,7 +71,8 @@ def full_step(data: dict) -> torch.Tensor:
 def latent_step(data: dict, kernel: bool) -> torch.Tensor:
     starts = torch.arange(data["q_nope"].shape[0] + 1)
     return latent_paged_attention(data["q_nope"], data["q_rope"], data["latent_cache"], starts, data["seq_lens"],
-                                  data["tables"], data["w_uk"], data["w_uv"], data["scale"], decode_kernel=kernel)
+                                  data["tables"], data["w_uk"], data["w_uv"], data["scale"],
+                                  decode_kernel="c" if kernel else None)
 
 
 def timed(step, repeats: int, clock) -> float:
