@@ -97,7 +97,15 @@ class _Replacement(nn.Module):
 
     @property
     def original(self) -> nn.Module:
-        return self._original[0]
+        """The original module, holding this one's current children: preparation steps
+        after the adapters (quantized linears, LoRA layers, tensor-parallel splits)
+        replace them here, where the original's own attributes would still name the
+        modules they replaced."""
+        original = self._original[0]
+        for name, child in self.named_children():
+            if getattr(original, name, None) is not child:
+                setattr(original, name, child)
+        return original
 
 
 class ContextForwardingAttention(_Replacement):

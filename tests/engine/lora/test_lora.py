@@ -382,3 +382,20 @@ def test_several_matching_modalities_fall_back_with_a_warning(caplog):
         assert resolve_lora_request(mm_prompt("image", "audio"), None, DEFAULTS) is None
         assert resolve_lora_request(mm_prompt("image", "audio"), explicit, DEFAULTS) is explicit
     assert caplog.text.count("audio") == 2
+
+
+def test_adapter_on_a_model_whose_attention_calls_its_original_module(tmp_path):
+    """stablelm's attention runs through its original module (ContextForwardingAttention):
+    the LoRA layers put in place after the adapters must be the ones that original calls."""
+    base_dir = str(build_tiny_model(tmp_path / "stablelm", "stablelm"))
+    adapter_dir = make_adapter(base_dir, tmp_path / "stablelm-lora", seed=6, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj", "o_proj"])
+    request = LoRARequest("s", 1, adapter_dir)
+    prompts = random_prompts(2, (6, 20), 512, seed=9)
+    llm = lora_llm(base_dir, max_loras=1, max_lora_rank=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=request)
+    reference = merged_model(base_dir, adapter_dir)
+    expected = [hf_greedy(reference, p, MAX_NEW_TOKENS) for p in prompts]
+    assert expected != [hf_greedy(load_hf_model(base_dir), p, MAX_NEW_TOKENS) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
