@@ -74,9 +74,9 @@ def test_triton_backend_caches_latents_and_equals_transformers(model_type, tmp_p
 
 
 def test_static_decode_buffers_with_padding_rows_equal_transformers(tmp_path, monkeypatch):
-    """The decode path CUDA graphs record (engine/model/cuda_graphs.py), run eagerly
-    here: five requests padded to a batch of 8 rows (slot -1, context 0), decoding
-    through latent_decode_triton."""
+    """The decode path CUDA graphs record (engine/model/cuda_graphs.py; without CUDA run
+    eagerly over the same buffers, on CUDA recorded and replayed): five requests padded
+    to a batch of 8 rows (slot -1, context 0), decoding through latent_decode_triton."""
     runs: list[int] = []
     run = DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, out, *args: runs.append(len(out.scheduled))
@@ -92,6 +92,8 @@ def test_static_decode_buffers_with_padding_rows_equal_transformers(tmp_path, mo
     assert isinstance(engine, LLMEngine)
     if engine.runner.decode_graphs is None:  # no CUDA: the same static buffers, run eagerly
         engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and bool(graphs.graphs) == torch.cuda.is_available()  # on CUDA: recorded, replayed
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths],
                            use_tqdm=False)
