@@ -7,18 +7,23 @@ AutoProcessor then fails to build them. Images need only the image processor (th
 PIL/numpy one where the torchvision one cannot import) and the tokenizer, so the
 processor class is built with those two: ``image_only_class`` gives a subclass whose
 constructor takes no video processor, and every image call runs the class's own code.
-Videos stay refused by the engine (it takes images only).
+Videos stay refused by the engine (it takes images only). PixtralProcessor imports
+torchvision itself: its image-only stand-in is engine/multimodal/pixtral.py.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import transformers
 from transformers.utils.import_utils import is_torchvision_available
+
+from .pixtral import PROCESSOR_CONFIG, PixtralImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,10 @@ def load_processor(model: str, model_type: str, **kwargs: Any) -> Any | None:
     try:
         return transformers.AutoProcessor.from_pretrained(model, **kwargs)
     except (OSError, ImportError, ValueError, AttributeError, TypeError) as exc:
+        if not is_torchvision_available() and _names_pixtral_processor(model, model_type):
+            logger.info("building Pixtral's processor for %s from its PIL image processor and tokenizer (no "
+                        "torchvision)", model)
+            return PixtralImageProcessor.from_pretrained(model, **kwargs)
         processor_class = _video_processor_class(model_type)
         if is_torchvision_available() or processor_class is None:
             raise
@@ -90,3 +99,13 @@ def _video_processor_class(model_type: str) -> type | None:
     if not isinstance(processor_class, type) or "video_processor" not in processor_class.get_attributes():
         return None
     return processor_class
+
+
+def _names_pixtral_processor(model: str, model_type: str) -> bool:
+    """Whether the model's processor is transformers' PixtralProcessor (by its
+    processor_config.json, else by its model type), which imports torchvision."""
+    config_path = Path(model) / PROCESSOR_CONFIG
+    if config_path.is_file():
+        return json.loads(config_path.read_text()).get("processor_class") == "PixtralProcessor"
+    names = transformers.models.auto.processing_auto.PROCESSOR_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
+    return names.get(model_type) == "PixtralProcessor"

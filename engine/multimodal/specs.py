@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 
 from .idefics import rows_by_global_view, split_tiles
+from .pixtral import rows_by_end_marker, split_sized
 from .qwen_vl import deepstack_features, image_grid, split_patches
 
 # One batch of processed images (the processor's tensors, concatenated on dim 0) and
@@ -96,6 +97,7 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("gemma3", bidirectional=True),
     VisionSpec("idefics3", split_by_rows=split_tiles),
     VisionSpec("smolvlm", split_by_rows=split_tiles, count_rows=rows_by_global_view),
+    VisionSpec("mistral3", split=split_sized, count_rows=rows_by_end_marker),
     VisionSpec("qwen2_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen2_5_vl", split=split_patches, grid=image_grid),
     VisionSpec("qwen3_vl", encode=deepstack_features, split=split_patches, grid=image_grid, deepstack=True),

@@ -29,6 +29,7 @@ from shardline.engine.model.tiny_qwen_vl import QWEN_VL_TYPES, build_tiny_qwen_v
 from shardline.engine.model.tiny_vlm import build_tiny_llava, build_tiny_llava_next
 from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
 from shardline.engine.model.tiny_vlm_idefics3 import build_tiny_idefics3
+from shardline.engine.model.tiny_vlm_pixtral import build_tiny_mistral3
 from shardline.engine.model.tiny_vlm_smolvlm import build_tiny_smolvlm
 from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.specs import VISION_SPECS, vision_spec
@@ -40,9 +41,10 @@ RESULTS = Path(__file__).resolve().parents[3] / "docs" / "models_images.json"
 TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
                  "vipllava": partial(build_tiny_llava, model_type="vipllava"), "gemma3": build_tiny_gemma3,
                  "idefics3": build_tiny_idefics3, "smolvlm": build_tiny_smolvlm,
+                 "mistral3": build_tiny_mistral3,
                  **{model_type: partial(build_tiny_qwen_vl, model_type=model_type) for model_type in QWEN_VL_TYPES}}
-FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "paligemma",
-            "gemma3", "mllama")
+FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3",
+            "paligemma", "gemma3", "mllama")
 MAX_TOKENS = 6
 
 
