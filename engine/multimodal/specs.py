@@ -106,6 +106,9 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("qwen3_5_moe", split=split_patches, grid=image_grid),
 )}
 
+# LLaVA with a Pixtral vision tower (no patch merger): images at their own sizes, as Mistral3's.
+PIXTRAL_LLAVA = VisionSpec("llava", split=split_sized, count_rows=rows_by_end_marker)
+
 
 def vision_spec(hf_config: transformers.PretrainedConfig) -> VisionSpec | None:
     """The spec of the config's model type, None for a model that takes no images here
@@ -114,4 +117,7 @@ def vision_spec(hf_config: transformers.PretrainedConfig) -> VisionSpec | None:
     architectures = getattr(hf_config, "architectures", None) or ()
     if any(name.endswith("ForCausalLM") for name in architectures):
         return None
+    vision_type = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
+    if hf_config.model_type == "llava" and vision_type == "pixtral":  # Pixtral-12B's layout
+        return PIXTRAL_LLAVA
     return VISION_SPECS.get(hf_config.model_type)

@@ -1,4 +1,5 @@
-"""Mistral3 (Pixtral vision tower, patch merger): each image at its own size, expanded
+"""Mistral3 (Pixtral vision tower, patch merger) and LLaVA with a Pixtral tower
+(Pixtral-12B's layout, no merger): each image at its own size, expanded
 into rows of ``[IMG]`` ended by ``[IMG_BREAK]`` / ``[IMG_END]`` by the torchvision-free
 processor (engine/multimodal/pixtral.py). Its expansion follows transformers'
 PixtralImageProcessorPil's sizes; greedy tokens equal transformers' generate (float32)
@@ -15,7 +16,7 @@ import transformers
 from PIL import Image
 
 from shardline import LLM, SamplingParams
-from shardline.engine.model.tiny_vlm_pixtral import build_tiny_mistral3
+from shardline.engine.model.tiny_vlm_pixtral import build_tiny_mistral3, build_tiny_pixtral_llava
 from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.pixtral import PixtralImageProcessor
 
@@ -34,14 +35,17 @@ CASES = [("a picture: [IMG] what is it?", [0]), ("[IMG] and [IMG] compare", [1, 
          ("two [IMG][IMG] same size", [0, 4]), ("small [IMG] one", [2])]
 
 
-@pytest.fixture(scope="module")
-def mistral3_dir(tmp_path_factory) -> str:
-    return str(build_tiny_mistral3(tmp_path_factory.mktemp("tiny-mistral3")))
+BUILDERS = {"mistral3": build_tiny_mistral3, "llava": build_tiny_pixtral_llava}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def mistral3_dir(request, tmp_path_factory) -> str:
+    return str(BUILDERS[request.param](tmp_path_factory.mktemp(f"tiny-pixtral-{request.param}")))
 
 
 @pytest.fixture(scope="module")
 def processor(mistral3_dir) -> Any:
-    return load_processor(mistral3_dir, "mistral3")
+    return load_processor(mistral3_dir, transformers.AutoConfig.from_pretrained(mistral3_dir).model_type)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def _check(llm: LLM, reference) -> None:
 
 def test_the_expansion_follows_the_image_processors_sizes(processor):
     assert isinstance(processor, PixtralImageProcessor)
-    assert (processor.patch_size, processor.spatial_merge_size) == (4, 2)
+    assert processor.patch_size * processor.spatial_merge_size == 8  # a placeholder per 8 x 8 pixels
     picture = _pictures()[1]
     pixels = transformers.PixtralImageProcessorPil(size={"longest_edge": 48}, patch_size={"height": 8, "width": 8})(
         [picture], return_tensors="pt")
