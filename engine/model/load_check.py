@@ -102,7 +102,11 @@ def check_model(runner: ModelRunner, vocab_size: int, max_model_len: int, archit
 # Model types whose own attention code computes in float32 whatever the model's dtype:
 # granite_swa and granitemoe_swa force their softmax and sink scaling to float32, flint
 # its scores and softmax; their float64 forward is exact to float32's precision only.
-FLOAT32_ATTENTION_MODEL_TYPES = frozenset({"granite_swa", "granitemoe_swa", "flint"})
+# hrm_text's softmax (float32, as most eager attention code computes it) and norms
+# (x.float()) run in float32 too, and each token passes through its stacks
+# H_cycles * (L_cycles + 1) times: float32-sized steps compound past float64's
+# tolerance over a few layers per stack, while its tokens stay transformers'.
+FLOAT32_ATTENTION_MODEL_TYPES = frozenset({"granite_swa", "granitemoe_swa", "flint", "hrm_text"})
 
 
 def _reference_dtype(runner: ModelRunner, config: PretrainedConfig) -> torch.dtype:
