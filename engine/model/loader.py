@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -171,13 +172,29 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
             dtype=dtype,
             attn_implementation=implementation,
             use_safetensors=config.use_safetensors,
+            output_loading_info=True,
             **_hub_kwargs(config),
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: weights of another shape
         raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
+    model, loading_info = model
+    _refuse_missing_weights(config.model, type(model).__name__, loading_info)
     model.to(device).eval()  # on its device before the engine's surgery (engine/parts/build.py)
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
+
+
+def _refuse_missing_weights(model_name: str, class_name: str, loading_info: dict[str, Any]) -> None:
+    """transformers initialises weights the checkpoint lacks (or holds in another
+    shape) at random with only a warning; a model run that way is silently wrong, so
+    the engine refuses it, naming the first few tensors."""
+    for kind in ("missing_keys", "mismatched_keys"):
+        names = sorted(str(key[0] if isinstance(key, tuple) else key) for key in loading_info.get(kind) or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            what = "lacks" if kind == "missing_keys" else "holds in another shape"
+            raise ModelLoadError(f"the checkpoint of {model_name!r} {what} weights {class_name} needs ({shown}); "
+                                 "transformers would initialise them at random, so shardline does not load it")
 
 
 def text_attention_only(hf_config: transformers.PretrainedConfig, attn_implementation: str) -> dict[str, str]:

@@ -79,3 +79,23 @@ def test_multi_query_and_repeated_key_value_heads_are_cached_as_the_model_passes
         llm = LLM(model_dir, dtype="float64")  # the load check passes
         assert {layer.num_kv_heads for layer in llm.llm_engine.runner.spec.layers} == {heads}
         llm.close()
+
+
+@pytest.mark.parametrize("change", ["drop", "reshape"])
+def test_a_checkpoint_lacking_a_weight_is_refused_not_initialised_at_random(tmp_path, change):
+    """transformers fills a missing (or wrongly shaped) weight at random with a warning;
+    the engine refuses the checkpoint, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = build_tiny_model(tmp_path / "llama", "llama")
+    weights_path = next(model_dir.glob("*.safetensors"))
+    weights = load_file(str(weights_path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    if change == "drop":
+        del weights[name]
+    else:
+        weights[name] = weights[name][:, :-1].contiguous()
+    save_file(weights, str(weights_path), metadata={"format": "pt"})
+    message = r"down_proj\.weight.*initialise them at random" if change == "drop" else "cannot load model weights"
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(model_dir), dtype="float32")
