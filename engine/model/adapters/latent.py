@@ -155,7 +155,7 @@ class LatentAttention(_Replacement):
     def forward(self, *args, **kwargs):
         ctx = self._scope.ctx
         if ctx is None:
-            return self._synced_original()(*args, **kwargs)
+            return self.original(*args, **kwargs)
         call = self._signature.bind(*args, **kwargs).arguments
         hidden_states = call["hidden_states"]
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
@@ -194,16 +194,6 @@ class LatentAttention(_Replacement):
                                         self.scale)
         return latent_paged_attention(q_nope, q_rot, latent_cache, indices.query_start_loc, indices.seq_lens,
                                       ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel="triton")
-
-    def _synced_original(self) -> nn.Module:
-        """The original module with this one's children: preparation steps after the
-        adapters (quantized linears) replace them here, where the original's own
-        attributes would still name the ones they replaced."""
-        original = self.original
-        for name, child in self.named_children():
-            if getattr(original, name, None) is not child:
-                setattr(original, name, child)
-        return original
 
     def _up_projection(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight [H * (dn + dv), r] as a float matrix: an nn.Linear's own, or
