@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import transformers
 from transformers.utils.import_utils import is_torchvision_available
 
-from .pixtral import PROCESSOR_CONFIG, PixtralImageProcessor
+from .pixtral import PixtralImageProcessor, processor_settings
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +61,7 @@ def load_processor(model: str, model_type: str, **kwargs: Any) -> Any | None:
     try:
         return transformers.AutoProcessor.from_pretrained(model, **kwargs)
     except (OSError, ImportError, ValueError, AttributeError, TypeError) as exc:
-        if not is_torchvision_available() and _names_pixtral_processor(model, model_type):
+        if not is_torchvision_available() and _names_pixtral_processor(model, model_type, **kwargs):
             logger.info("building Pixtral's processor for %s from its PIL image processor and tokenizer (no "
                         "torchvision)", model)
             return PixtralImageProcessor.from_pretrained(model, **kwargs)
@@ -101,11 +99,11 @@ def _video_processor_class(model_type: str) -> type | None:
     return processor_class
 
 
-def _names_pixtral_processor(model: str, model_type: str) -> bool:
+def _names_pixtral_processor(model: str, model_type: str, **kwargs: Any) -> bool:
     """Whether the model's processor is transformers' PixtralProcessor (by its
     processor_config.json, else by its model type), which imports torchvision."""
-    config_path = Path(model) / PROCESSOR_CONFIG
-    if config_path.is_file():
-        return json.loads(config_path.read_text()).get("processor_class") == "PixtralProcessor"
+    settings = processor_settings(model, **kwargs)
+    if settings:
+        return settings.get("processor_class") == "PixtralProcessor"
     names = transformers.models.auto.processing_auto.PROCESSOR_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
     return names.get(model_type) == "PixtralProcessor"

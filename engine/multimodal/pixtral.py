@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import transformers
 from PIL import Image
+from transformers.utils.hub import cached_file
 
 PROCESSOR_CONFIG = "processor_config.json"
 
@@ -43,10 +44,9 @@ class PixtralImageProcessor:
 
     @classmethod
     def from_pretrained(cls, model: str, **kwargs: Any) -> PixtralImageProcessor:
-        """The processor of a local model directory (its image processor, tokenizer and
-        processor_config.json settings)."""
-        config_path = Path(model) / PROCESSOR_CONFIG
-        settings = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        """The processor of a model directory or hub name (its image processor, tokenizer
+        and processor_config.json settings)."""
+        settings = processor_settings(model, **kwargs)
         names = ("patch_size", "spatial_merge_size", "image_token", "image_break_token", "image_end_token")
         image_processor = transformers.PixtralImageProcessorPil.from_pretrained(model, **kwargs)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model, **kwargs)
@@ -89,6 +89,13 @@ class PixtralImageProcessor:
                              for i, part in enumerate(item.split(self.image_token))) for item in texts]
         data.update(self.tokenizer(texts, return_tensors="pt", **kwargs))
         return transformers.BatchFeature(data)
+
+
+def processor_settings(model: str, **kwargs: Any) -> dict[str, Any]:
+    """The model's processor_config.json ({} where it has none), local or from the hub."""
+    kwargs = {key: value for key, value in kwargs.items() if key in ("revision", "cache_dir", "token")}
+    path = cached_file(model, PROCESSOR_CONFIG, _raise_exceptions_for_missing_entries=False, **kwargs)
+    return json.loads(Path(path).read_text()) if path is not None else {}
 
 
 def split_sized(outputs: Mapping[str, Any], num_images: int) -> list[dict[str, torch.Tensor]]:
