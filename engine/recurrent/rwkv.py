@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..kernels._triton import KERNEL_DTYPES, triton_available
+from ..kernels.cpu_rwkv import rwkv_kernel_available, wkv_varlen_cpu
 from ..kernels.rwkv_wkv import wkv_varlen
 from ..kernels.rwkv_wkv_triton import wkv_varlen_triton
 from .base import RecurrentKind, StateShapes, projection_out_features, projection_weight, register_kind
@@ -91,13 +92,18 @@ def _mix(x: torch.Tensor, shifted: torch.Tensor, mu: torch.Tensor) -> torch.Tens
 
 
 def _wkv(m: TimeMixModule, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-         has_initial_state: torch.Tensor, states: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The WKV scan: the Triton kernel on CUDA where the model computes it in float32
-    (its decay and bonus float32, inputs of a kernel dtype), else the torch scan."""
+         has_initial_state: torch.Tensor, states: dict[str, torch.Tensor], native: bool) -> torch.Tensor:
+    """The WKV scan: where the model computes it in float32 (its decay and bonus
+    float32), the Triton kernel on CUDA (inputs of a kernel dtype) or, with ``native``,
+    the C kernel on the CPU (float32 inputs); else the torch scan."""
     wkv_states = (states["num"], states["den"], states["max"])
+    float32_scan = m.time_decay.dtype == m.time_first.dtype == torch.float32
+    if (native and float32_scan and key.device.type == "cpu" and key.dtype == value.dtype == torch.float32
+            and all(state.is_contiguous() for state in wkv_states) and rwkv_kernel_available()):
+        return wkv_varlen_cpu(-torch.exp(m.time_decay), m.time_first.contiguous(), key, value, cu_seqlens,
+                              has_initial_state, *wkv_states)
     if (key.is_cuda and triton_available() and value.dtype in KERNEL_DTYPES
-            and m.time_decay.dtype == m.time_first.dtype == torch.float32
-            and all(state.is_contiguous() for state in wkv_states)):
+            and float32_scan and all(state.is_contiguous() for state in wkv_states)):
         return wkv_varlen_triton(-torch.exp(m.time_decay), m.time_first.contiguous(), key, value, cu_seqlens.long(),
                                  has_initial_state, *wkv_states)
     return wkv_varlen(m.time_decay, m.time_first, key, value, cu_seqlens, has_initial_state, *wkv_states)
@@ -107,6 +113,9 @@ class RwkvBlockKind(RecurrentKind):
     """RwkvBlock: time mix (WKV) and channel mix with their token shifts."""
 
     name = "rwkv"
+    # The WKV scan runs through the C kernel (kernels/cpu_rwkv.c) once the CPU paths
+    # choose the recurrent kernel.
+    has_native_core = True
     # transformers keeps the WKV state in float32 between calls in every model dtype.
     reference_dtype = torch.float32
 
@@ -156,7 +165,7 @@ class RwkvBlockKind(RecurrentKind):
         key = m.key(_mix(x, shifted, m.time_mix_key))
         value = m.value(_mix(x, shifted, m.time_mix_value))
         receptance = torch.sigmoid(m.receptance(_mix(x, shifted, m.time_mix_receptance)))
-        wkv = _wkv(m, key, value, cu_seqlens, has_initial_state, states)
+        wkv = _wkv(m, key, value, cu_seqlens, has_initial_state, states, self.native_core)
         return m.output(receptance * wkv)
 
     def _channel_mix(self, m: ChannelMixModule, x: torch.Tensor, cu_seqlens: torch.Tensor,

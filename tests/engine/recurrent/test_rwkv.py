@@ -15,9 +15,10 @@ import transformers
 from transformers.models.rwkv.modeling_rwkv import RwkvBlock, rwkv_linear_attention_cpu
 
 from shardline import LLM, SamplingParams
+from shardline.engine.kernels.cpu_rwkv import rwkv_kernel_available
 from shardline.engine.kernels.rwkv_wkv import wkv_varlen
 from shardline.engine.model.tiny import build_tiny_model
-from shardline.engine.recurrent.rwkv import RWKV
+from shardline.engine.recurrent.rwkv import RWKV, RwkvBlockKind
 
 from ..hf_reference import hf_greedy, random_prompts
 from .mixer_parity import chunked, make_sequences, prefill_then_decode, randomize, run_schedule, whole
@@ -85,6 +86,22 @@ def test_rwkv_kind_matches_the_hf_block(block_case, schedule):
         torch.testing.assert_close(outputs[i], expected, rtol=1e-5, atol=1e-5, msg=f"sequence {i} output")
         for name, value in expected_states.items():
             torch.testing.assert_close(states[i][name], value, rtol=1e-5, atol=1e-5, msg=f"sequence {i} {name}")
+
+
+@pytest.mark.skipif(not rwkv_kernel_available(), reason="cpu_rwkv.c does not build here")
+def test_the_native_core_matches_the_hf_block_in_float32():
+    """The kind with its WKV scan in C (float32 only) under chunked and decode schedules."""
+    config = transformers.RwkvConfig(hidden_size=HIDDEN, attention_hidden_size=HIDDEN, intermediate_size=32,
+                                     num_hidden_layers=LAYERS)
+    block = randomize(RwkvBlock(config, layer_id=1), seed=4).float()
+    sequences = [s.float() for s in make_sequences(LENGTHS, HIDDEN, seed=5)]
+    references = [hf_block_run(block, s) for s in sequences]
+    for schedule in (chunked(LENGTHS, seed=6, max_chunk=7), prefill_then_decode(LENGTHS, 4)):
+        outputs, states = run_schedule(RwkvBlockKind(native_core=True), block, config, sequences, schedule)
+        for i, (expected, expected_states) in enumerate(references):
+            torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
+            for name, value in expected_states.items():
+                torch.testing.assert_close(states[i][name], value, rtol=1e-4, atol=1e-4, msg=f"sequence {i} {name}")
 
 
 @pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])
