@@ -29,6 +29,9 @@ NO_STATE = "none"
 # "hybrid_sliding": its CCA projection's state beside a sliding-window attention).
 _HYBRID = {"hybrid": "full", "hybrid_sliding": "sliding_window"}
 _NO_STATE_TYPES = ("mlp", "moe")
+# Types whose config names no layer types but whose every attention layer takes the
+# config's sliding_window when it is set: those layers are sliding-window layers.
+_WINDOWED_WITHOUT_LAYER_TYPES = ("mistral", "mixtral", "phi3", "starcoder2", "ministral3")
 
 
 def _registered_recurrent(hf_config: transformers.PretrainedConfig, layer_type: str) -> bool:
@@ -61,6 +64,8 @@ def declared_layer_types(hf_config: transformers.PretrainedConfig) -> list[str]:
     # A type whose every layer is one recurrent kind may name no layer types (RWKV):
     # its kind is registered under the layer type "recurrent".
     default = RECURRENT if kind_for_layer_type(text_config.model_type, RECURRENT) else "full_attention"
+    if text_config.model_type in _WINDOWED_WITHOUT_LAYER_TYPES and getattr(text_config, "sliding_window", None):
+        default = "sliding_attention"
     return list(getattr(text_config, "layer_types", None) or [default] * num_layers)[:num_layers]
 
 

@@ -39,9 +39,12 @@ CASES = {
     "llama4_text": {**tiny_overrides("llama4_text"), "attention_chunk_size": WINDOW},
     # Every layer windowed: the primary table holds no layer, it only counts each context.
     "ministral": {**tiny_overrides("ministral"), "sliding_window": WINDOW},
+    # No layer types: every layer takes the config's window (layer_kinds reads them so).
+    "mistral": dict(sliding_window=WINDOW),
+    "phi3": dict(sliding_window=WINDOW),
 }
 # The budget, in requests of 100 tokens with one table, that makes the workload preempt.
-BUDGET = {"ministral": 0.7}
+BUDGET = {"ministral": 0.7, "mistral": 0.7, "phi3": 0.7}
 
 
 def engine_of(llm: LLM) -> LLMEngine:
