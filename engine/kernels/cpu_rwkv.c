@@ -8,10 +8,13 @@
  * (-exp(time_decay)) and first [A]; cu_seqlens [B+1]; has_state [B] (0 or 1);
  * num, den, maxp [B, A] contiguous, read where has_state and written after each
  * request's last token. Parallel over requests and blocks of BLOCK channels; each
- * channel's state stays in registers through the request's tokens. Plain C, no
+ * block's states stay in local arrays through the request's tokens, its channels
+ * side by side. Plain C and cpu_common.h's exp_f32 (within about 2 ulp of expf), no
  * instruction-set intrinsics: the compiler vectorizes what the target allows. */
 #include <math.h>
 #include <stdint.h>
+
+#include "cpu_common.h"
 
 #define BLOCK 64
 #define PARALLEL_MIN_WORK (1 << 14)
@@ -25,27 +28,37 @@ void wkv_varlen_f32(const float *key, int64_t key_stride, const float *value, in
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (work >= PARALLEL_MIN_WORK)")
     for (int64_t task = 0; task < requests * blocks; task++) {
         const int64_t r = task / blocks, c0 = (task % blocks) * BLOCK;
-        const int64_t c1 = c0 + BLOCK < width ? c0 + BLOCK : width;
+        const int64_t n = c0 + BLOCK < width ? BLOCK : width - c0;
         const int keep = has_state[r] != 0;
-        for (int64_t c = c0; c < c1; c++) {
-            const int64_t s = r * width + c;
-            float a = keep ? num[s] : 0.0f, b = keep ? den[s] : 0.0f, p = keep ? maxp[s] : FRESH_MAX;
-            const float w = decay[c], u = first[c];
-            for (int64_t t = cu_seqlens[r]; t < cu_seqlens[r + 1]; t++) {
-                const float k = key[t * key_stride + c], v = value[t * value_stride + c];
-                const float q = fmaxf(p, k + u);
-                float e1 = expf(p - q), e2 = expf(k + u - q);
-                out[t * out_stride + c] = (e1 * a + e2 * v) / (e1 * b + e2);
-                const float q2 = fmaxf(p + w, k);
-                e1 = expf(p + w - q2);
-                e2 = expf(k - q2);
-                a = e1 * a + e2 * v;
-                b = e1 * b + e2;
-                p = q2;
+        float a[BLOCK], b[BLOCK], p[BLOCK];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t s = r * width + c0 + i;
+            a[i] = keep ? num[s] : 0.0f;
+            b[i] = keep ? den[s] : 0.0f;
+            p[i] = keep ? maxp[s] : FRESH_MAX;
+        }
+        const float *w = decay + c0, *u = first + c0;
+        /* Tokens in order, the block's channels side by side (they vectorize). */
+        for (int64_t t = cu_seqlens[r]; t < cu_seqlens[r + 1]; t++) {
+            const float *k = key + t * key_stride + c0, *v = value + t * value_stride + c0;
+            float *o = out + t * out_stride + c0;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < n; i++) {
+                const float q = fmaxf(p[i], k[i] + u[i]);
+                const float e1 = exp_f32(p[i] - q), e2 = exp_f32(k[i] + u[i] - q);
+                o[i] = (e1 * a[i] + e2 * v[i]) / (e1 * b[i] + e2);
+                const float q2 = fmaxf(p[i] + w[i], k[i]);
+                const float f1 = exp_f32(p[i] + w[i] - q2), f2 = exp_f32(k[i] - q2);
+                a[i] = f1 * a[i] + f2 * v[i];
+                b[i] = f1 * b[i] + f2;
+                p[i] = q2;
             }
-            num[s] = a;
-            den[s] = b;
-            maxp[s] = p;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t s = r * width + c0 + i;
+            num[s] = a[i];
+            den[s] = b[i];
+            maxp[s] = p[i];
         }
     }
 }
