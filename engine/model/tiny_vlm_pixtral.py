@@ -21,6 +21,8 @@ from .tiny import build_tokenizer
 from .tiny_vlm import VLM_CHAT_TEMPLATE, _save
 
 MARKERS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+# The LLaVA family's tiny template with Pixtral's image token.
+CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace("'<image>'", "'[IMG]'")
 
 
 def build_tiny_mistral3(path: str | Path, seed: int = 0, patch_size: int = 4, spatial_merge_size: int = 2,
@@ -42,7 +44,7 @@ def build_tiny_mistral3(path: str | Path, seed: int = 0, patch_size: int = 4, sp
 def _parts(path: Path, patch_size: int, longest_edge: int, num_text_layers: int) -> tuple[Any, Any, Any]:
     """The tokenizer with Pixtral's markers, a Pixtral vision config and a Mistral text config."""
     tokenizer = build_tokenizer(path, vocab_size=512, extra_special_tokens=MARKERS)
-    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                               num_attention_heads=2, image_size=longest_edge, patch_size=patch_size)
     text = transformers.MistralConfig(
@@ -70,4 +72,4 @@ def _processor(tokenizer: Any, patch_size: int, spatial_merge_size: int, longest
     image_processor = transformers.PixtralImageProcessorPil(size={"longest_edge": longest_edge},
                                                             patch_size={"height": patch_size, "width": patch_size})
     return PixtralImageProcessor(image_processor, tokenizer, patch_size=patch_size,
-                                 spatial_merge_size=spatial_merge_size, chat_template=VLM_CHAT_TEMPLATE)
+                                 spatial_merge_size=spatial_merge_size, chat_template=CHAT_TEMPLATE)
