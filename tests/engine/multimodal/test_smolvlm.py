@@ -96,3 +96,15 @@ def test_token_prompts_expand_like_text_prompts(smolvlm_dir):
     [by_ids] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": pictures[:2]}}, GREEDY,
                             use_tqdm=False)
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_chat_matches_transformers(smolvlm_dir, processor, reference):
+    llm = LLM(smolvlm_dir, dtype="float32")
+    picture = _pictures()[1]
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
+                                         {"type": "text", "text": "what is it?"}]}]
+    [output] = llm.chat([chat], GREEDY, use_tqdm=False)
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "what is it?"}]}], tokenize=False, add_generation_prompt=True)
+    assert "<image>" in text
+    assert list(output.outputs[0].token_ids) == reference(text, [picture])
