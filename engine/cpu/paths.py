@@ -193,7 +193,7 @@ def choose_quant_kernels(model: torch.nn.Module, take: bool) -> int:
     else torch's dequantized tiles, engine/quantization/); returns how many there are."""
     modules = [module for module in model.modules() if isinstance(getattr(module, "cpu_kernels", None), bool)]
     for module in modules:
-        module.cpu_kernels = take
+        setattr(module, "cpu_kernels", take)  # noqa: B010 - a plain attribute, not a submodule
     return len(modules)
 
 

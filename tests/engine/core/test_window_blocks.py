@@ -116,7 +116,7 @@ def test_every_read_key_is_held_and_written_through_scheduler(seed: int) -> None
         for item in output.scheduled:
             request, start, end = item.request, item.start, item.start + item.num_new_tokens
             tables = [item.block_ids, *item.group_block_ids]
-            for group, spec in enumerate((LayerGroup(FULL, None, ()), *groups)):
+            for group in range(1 + len(groups)):
                 contents.write(group, tables[group], request, start, end)
             for group, spec in enumerate((LayerGroup(FULL, None, ()), *groups)):
                 for query in range(start, end):
