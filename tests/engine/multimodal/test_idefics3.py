@@ -5,8 +5,6 @@ per prompt, chunked prefill across them, and token prompts."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import transformers
@@ -14,6 +12,8 @@ from PIL import Image
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny_vlm_idefics3 import build_tiny_idefics3
+
+from .references import check_cases, greedy_reference
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -38,24 +38,11 @@ def idefics3_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(idefics3_dir):
     processor = transformers.AutoProcessor.from_pretrained(idefics3_dir)
-    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(idefics3_dir, dtype=torch.float32).eval()
-
-    def generate(text: str, pictures: list[Image.Image]) -> list[int]:
-        inputs = processor(text=text, images=pictures, return_tensors="pt")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
-
-    return generate
+    return greedy_reference(idefics3_dir, processor, MAX_TOKENS)
 
 
 def _check(llm: LLM, reference) -> None:
-    pictures = _pictures()
-    cases = [(text, [pictures[i] for i in indices]) for text, indices in CASES]
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], GREEDY,
-                           use_tqdm=False)
-    for (text, pics), output in zip(cases, outputs):
-        assert list(output.outputs[0].token_ids) == reference(text, pics), text
+    check_cases(llm, reference, GREEDY, _pictures(), CASES)
 
 
 def test_the_reference_depends_on_the_image(reference):

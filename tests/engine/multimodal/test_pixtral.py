@@ -20,6 +20,8 @@ from shardline.engine.model.tiny_vlm_pixtral import build_tiny_mistral3, build_t
 from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.pixtral import PixtralImageProcessor
 
+from .references import check_cases, greedy_reference
+
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
@@ -50,24 +52,11 @@ def processor(mistral3_dir) -> Any:
 
 @pytest.fixture(scope="module")
 def reference(mistral3_dir, processor):
-    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(mistral3_dir, dtype=torch.float32).eval()
-
-    def generate(text: str, pictures: list[Image.Image]) -> list[int]:
-        inputs = processor(text=text, images=pictures, return_tensors="pt")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
-
-    return generate
+    return greedy_reference(mistral3_dir, processor, MAX_TOKENS)
 
 
 def _check(llm: LLM, reference) -> None:
-    pictures = _pictures()
-    cases = [(text, [pictures[i] for i in indices]) for text, indices in CASES]
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], GREEDY,
-                           use_tqdm=False)
-    for (text, pics), output in zip(cases, outputs):
-        assert list(output.outputs[0].token_ids) == reference(text, pics), text
+    check_cases(llm, reference, GREEDY, _pictures(), CASES)
 
 
 def test_the_expansion_follows_the_image_processors_sizes(processor):

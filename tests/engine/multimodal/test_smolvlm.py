@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from PIL import Image
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny_vlm_smolvlm import build_tiny_smolvlm
 from shardline.engine.multimodal.image_only import load_processor
+
+from .references import check_cases, greedy_reference
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -43,24 +44,11 @@ def processor(smolvlm_dir) -> Any:
 
 @pytest.fixture(scope="module")
 def reference(smolvlm_dir, processor):
-    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(smolvlm_dir, dtype=torch.float32).eval()
-
-    def generate(text: str, pictures: list[Image.Image]) -> list[int]:
-        inputs = processor(text=text, images=pictures, return_tensors="pt")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
-
-    return generate
+    return greedy_reference(smolvlm_dir, processor, MAX_TOKENS)
 
 
 def _check(llm: LLM, reference) -> None:
-    pictures = _pictures()
-    cases = [(text, [pictures[i] for i in indices]) for text, indices in CASES]
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], GREEDY,
-                           use_tqdm=False)
-    for (text, pics), output in zip(cases, outputs):
-        assert list(output.outputs[0].token_ids) == reference(text, pics), text
+    check_cases(llm, reference, GREEDY, _pictures(), CASES)
 
 
 def test_the_processor_keeps_the_saved_image_seq_len(processor):
