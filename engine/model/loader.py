@@ -36,7 +36,9 @@ _DTYPES = {
 class LoadedModel:
     """A loaded model and what came with it; ``quantized``: the linears a quantized
     checkpoint (or online quantization) leaves for the ``quantized_linears``
-    preparation step (engine/quantization/load.py), None for a float model."""
+    preparation step (engine/quantization/load.py), None for a float model.
+    ``device``: where the engine runs the model; a tensor-parallel rank's model is on
+    the CPU until its sharding step (engine/parallel/placement.py) moves its share there."""
 
     model: torch.nn.Module
     tokenizer: transformers.PreTrainedTokenizerBase
@@ -179,7 +181,9 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
         raise ModelLoadError(f"cannot load model weights of {config.model!r}: {exc}") from exc
     model, loading_info = model
     _refuse_missing_weights(config.model, type(model).__name__, loading_info)
-    model.to(device).eval()  # on its device before the engine's surgery (engine/parts/build.py)
+    # On its device before the engine's surgery (engine/parts/build.py); a tensor-parallel rank's stays
+    # on the CPU, where the surgery's sharding step splits it and moves only its share to ``device``.
+    model.to(device if config.tensor_parallel_size == 1 else torch.device("cpu")).eval()
     logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
     return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
 

@@ -42,8 +42,9 @@ from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_le
 from ..multimodal.encoder_cache import EncoderCache
 from ..multimodal.processor import MultimodalProcessor
 from ..parallel.group import RankGroup
+from ..parallel.placement import shard_then_place
 from ..parallel.ranks import RankDriver
-from ..parallel.sharding import check_tensor_parallel, shard_cache_spec, shard_model
+from ..parallel.sharding import check_tensor_parallel, shard_cache_spec
 from ..quantization.load import put_quantized_linears
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
@@ -180,7 +181,9 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
     num_attention_layers = sum(1 for layer in spec.layers if layer.num_kv_heads)
     if ranks is not None:
         spec, num_heads = shard_cache_spec(spec, loaded.hf_config, ranks.size), max(1, num_heads // ranks.size)
-    sharding = partial(shard_model, group=ranks, num_attention_layers=num_attention_layers) if ranks else None
+    # A rank's model arrives on the CPU (loader.py): the sharding step splits it, then moves its shard.
+    sharding = (partial(shard_then_place, group=ranks, num_attention_layers=num_attention_layers,
+                        device=loaded.device) if ranks else None)
     prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths, sharding))
     if loaded.quantized is not None and loaded.device.type == "cpu":
         release_freed_memory()  # the quantized linears' conversion temporaries (engine/quantization/)

@@ -1,0 +1,37 @@
+"""A rank's split before its device: the tensor-parallel surgery step on a model the
+loader left on the CPU, then the move of this rank's shard to its device.
+
+Why: a model larger than one GPU does not fit one rank's device whole, so each rank
+loads it on the CPU (engine/model/loader.py), keeps its share, and only that share
+reaches the device. The attention adapters, installed earlier on the CPU, keep their
+originals unregistered (engine/model/adapters/base.py), so the move takes those
+originals' own buffers too; the steps after this one run on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .group import RankGroup
+from .sharding import shard_model
+
+
+def place_on_device(model: nn.Module, device: torch.device) -> None:
+    """Move ``model`` and its adapters' unregistered originals (their ``original``
+    property) to ``device``."""
+    model.to(device)
+    for module in model.modules():
+        if isinstance(getattr(type(module), "original", None), property):  # an adapter's original module
+            module.original.to(device)
+
+
+def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: int, device: torch.device,
+                     place: Callable[[nn.Module, torch.device], None] = place_on_device) -> int:
+    """The tensor-parallel surgery step: ``shard_model``, then ``place`` this rank's
+    shard on ``device``; return how many modules were replaced."""
+    replaced = shard_model(model, group, num_attention_layers)
+    place(model, device)
+    return replaced
