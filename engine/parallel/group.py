@@ -35,6 +35,10 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or stopped answering: the group cannot run steps."""
 
 
+class ShardingError(ValueError):
+    """A model, or one of its modules, that the ranks cannot split exactly."""
+
+
 def backend_for(device_type: str) -> str:
     """The collective backend of a device: NCCL on CUDA, gloo elsewhere."""
     return "nccl" if device_type == "cuda" else "gloo"

@@ -30,9 +30,12 @@ import transformers
 from torch import nn
 
 from ..model.kv_cache_spec import KVCacheSpec
+from ..quantization.linear import QuantizedLinear
+from ..quantization.methods import resolve_scheme
 from ..surgery import replace
-from .group import RankGroup
+from .group import RankGroup, ShardingError
 from .layers import GatheredLMHead, ReducedOutput, RowParallelLinear, VocabParallelEmbedding
+from .quantized import refuse_quantized_experts, split_quantized
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
@@ -48,10 +51,6 @@ SHAPE_RULES = {**dict.fromkeys(ATTENTION_COLUMN, COLUMN), "o_proj": ROW,
                "gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW}
 KEY_VALUE = ("k_proj", "v_proj")
 FUSED_ATTENTION = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
-
-
-class ShardingError(ValueError):
-    """A model, or one of its modules, that the ranks cannot split exactly."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +86,9 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
     prefix = f"tensor_parallel_size={size}"
     if enable_lora:
         raise ShardingError(f"{prefix}: LoRA adapters are not split over ranks; turn enable_lora off")
-    if quantization is not None or getattr(hf_config, "quantization_config", None) is not None:
-        raise ShardingError(f"{prefix}: quantized weights ({quantization or 'the checkpoint'}) are not split "
-                            f"over ranks for {model_type}; run a float checkpoint")
+    scheme = resolve_scheme(hf_config, quantization)
+    if scheme is not None and scheme.weights == "mxfp4":
+        raise ShardingError(f"{prefix}: {model_type}'s mxfp4 experts are not split over ranks; run it on one rank")
     if task == "embed":
         raise ShardingError(f"{prefix}: embedding models run on one rank")
     if getattr(hf_config, "vision_config", None) is not None:
@@ -143,7 +142,7 @@ def split_of(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str | None:
     return SHAPE_RULES.get(name.rsplit(".", 1)[-1])
 
 
-def column_rows(linear: nn.Linear, name: str, group: RankGroup, heads: Heads | None,
+def column_rows(linear: nn.Linear | QuantizedLinear, name: str, group: RankGroup, heads: Heads | None,
                 packs: int) -> slice | torch.Tensor:
     """The output rows of ``linear`` this rank keeps: an equal share of each of its
     ``packs`` concatenated parts (a key-value projection with fewer heads than ranks:
@@ -212,7 +211,11 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
     """This rank's share of ``module`` under ``split`` (None: a name the rule matches
     that is no module to split, such as a plan entry for a parameter)."""
     if split == EXPERTS:
+        refuse_quantized_experts(module, name)
         return split_experts(module, name, group)
+    if isinstance(module, QuantizedLinear):  # split with its scales (engine/parallel/quantized.py)
+        rows = None if split == ROW else column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1)
+        return split_quantized(module, name, rows, group)
     if not isinstance(module, nn.Linear):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
             return None
