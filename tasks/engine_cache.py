@@ -11,6 +11,8 @@ Lifetime:
   process leaves, the engines are closed. Two flow runs in one process (a backfill's
   children, concurrent runs under a test harness) share one engine and neither
   closes it under the other. ``close_engines()`` closes everything at once.
+- A runner whose driver failed (its engine cannot go on: a tensor-parallel rank died)
+  is closed and dropped on the next request for its configuration, which loads anew.
 - In a Ray worker process no flow run holds the cache: the engine stays loaded for
   the next shard task Ray sends there, and goes when the worker exits.
 
@@ -122,12 +124,14 @@ def get_runner(model: str, **engine_options: Any) -> ShardRunner:
     stale: ShardRunner | None = None
     with _LOCK:
         runner = _RUNNERS.get(key)
-        if runner is not None and _BINDINGS[key] != binding:
+        if runner is not None and runner.failure is not None:  # its engine cannot go on: a retry loads anew
+            stale, runner = _RUNNERS.pop(key), None
+        elif runner is not None and _BINDINGS[key] != binding:
             _check_can_rebind(_BINDINGS[key], binding)
             stale, runner = _RUNNERS.pop(key), None
         if runner is None:
             if stale is not None:
-                _close(stale)  # free its memory before loading on the newly given device
+                _close(stale)  # free its memory (its processes) before loading again
             runner = _load(model, engine_options, key, binding)
             _RUNNERS[key], _BINDINGS[key] = runner, binding
         return runner

@@ -21,6 +21,9 @@ rows go to recovery, which runs them alone (no new rows are admitted meanwhile):
 a failing group is retried after an exponential backoff, bisected on each failure
 until the poison row stands alone, and that row becomes an error row after
 ``max_row_attempts``; every other row completes normally.
+An error that says the engine itself is gone (a tensor-parallel rank died) is not a
+row's: the driver stops, every shard it holds fails (the pipeline retries them as any
+failed shard), and ``failure`` tells the engine cache to load a new engine.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class ShardRunner:
         self._abort_keys: set[str] = set()  # shards to abort, handed to the driver
         self._stats = DriverStats()  # written by the driver thread only
         self._reading: EngineReading | None = None  # the engine's load after the last step (driver)
+        self.failure: BaseException | None = None  # what stopped the driver: the engine cannot go on
 
     def run_shard(self, key: str, rows: list[RowRequest], on_row: RowCallback | None = None) -> list[RowResult]:
         """Run ``rows`` (of shard ``key``) and return one RowResult each, in order; ``on_row``
@@ -224,6 +228,7 @@ class ShardRunner:
                     self._step()
         except BaseException as exc:  # a bug or an engine that cannot go on
             logger.exception("engine driver failed")
+            self.failure = exc
             self._fail_everything(exc)
             return
         self._fail_everything(RunnerError("the shard runner was closed"))
@@ -336,6 +341,8 @@ class ShardRunner:
 
     # ----------------------------------------------------------------- recovery
     def _recover(self, exc: Exception) -> None:
+        if engine_is_gone(exc):
+            raise exc
         suspects = list(self._in_flight.values())
         self._engine.abort_request(list(self._in_flight))
         self._in_flight.clear()
@@ -382,6 +389,8 @@ class ShardRunner:
                         work, position = entry
                         work.complete(position, RowResult(work.rows[position].index, output=_row_output(output)))
         except Exception as exc:
+            if engine_is_gone(exc):
+                raise
             self._engine.abort_request(list(pending))
             return exc, list(pending.values())
         return None, []
@@ -401,6 +410,15 @@ class ShardRunner:
             for work in waiting:
                 work.failure = exc
                 work.done.set()
+
+
+def engine_is_gone(exc: BaseException) -> bool:
+    """Whether a step's error says the engine cannot run another step (a tensor-parallel
+    rank died or stopped answering): no row is to blame, so recovery would only turn
+    every row into an error row."""
+    from shardline.engine.parallel.group import TensorParallelError  # torch is loaded: an engine ran
+
+    return isinstance(exc, TensorParallelError)
 
 
 def _row_output(output: EngineOutput) -> RequestOutput | EmbeddingRequestOutput:
