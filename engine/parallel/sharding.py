@@ -16,8 +16,9 @@ Invariants:
 - Every attention layer's query heads split evenly over the ranks; key-value heads
   split evenly, or (fewer of them than ranks, the ranks a multiple of them) each rank
   holds the one its query heads read. The cache spec's heads per rank say the same.
-- Only nn.Linear, nn.Embedding and the expert modules of transformers' standard
-  layout are split; anything else a rule names is refused at load, naming it.
+- Only nn.Linear, QuantizedLinear (with its scales, engine/parallel/quantized.py),
+  nn.Embedding and the expert modules of transformers' standard layout are split;
+  anything else a rule names is refused at load, naming it.
 """
 
 from __future__ import annotations
