@@ -180,7 +180,7 @@ def check_support(model: str, config: Any, task: JobTask, trust_remote_code: boo
 
 def check_tensor_parallel_split(job: BatchJob, config: Any) -> None:
     """Refuse a tensor_parallel_size the engine would refuse for this model and job (heads
-    that do not split, LoRA, quantized weights, images, embeddings). Raises ModelUnusable."""
+    that do not split, LoRA, mxfp4 experts, images, embeddings). Raises ModelUnusable."""
     size = int(job.engine_kwargs().get("tensor_parallel_size", 1))
     if size <= 1:
         return

@@ -18,6 +18,7 @@ from shardline.engine.quantization.linear import QuantizedLinear
 
 from ..hf_reference import hf_greedy, random_prompts
 from ..quantization import checkpoints as ckpt
+from ..quantization.moe_checkpoints import tiny_qwen3_moe
 
 MAX_TOKENS = 10
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
@@ -188,3 +189,11 @@ def test_gptq_act_order_split_by_input_is_refused_at_load(tmp_path):
     ckpt.write_quantized(float_dir, tmp_path / "gptq", config, ckpt.gptq(32, False, act_order=True))
     with pytest.raises(ShardingError, match=r"model\.layers\.0\.self_attn\.o_proj: its act-order \(g_idx\) groups"):
         LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, **OPTIONS)
+
+
+def test_quantized_experts_are_refused_at_the_split(tmp_path):
+    float_dir = tiny_qwen3_moe(tmp_path / "float")
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    ckpt.write_quantized(float_dir, tmp_path / "fp8", config, ckpt.fp8_per_channel)
+    with pytest.raises(ShardingError, match=r"model\.layers\.0\.mlp\.experts: quantized experts"):
+        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **OPTIONS)
