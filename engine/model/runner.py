@@ -136,9 +136,11 @@ class ModelRunner:
         return self.encoder_cache is not None and self.encoder_cache.spec.grid is not None
 
     def _decode_graphs_for(self, scheduler_output: SchedulerOutput) -> DecodeGraphs | None:
-        """The decode graphs this step runs over, None when it runs eagerly."""
+        """The decode graphs this step runs over, None when it runs eagerly (also with
+        windowed groups: the static buffers hold one block table)."""
         graphs = self.decode_graphs
         if (graphs is not None and self.attention.replays_decode_graphs and self.lora_manager is None
+                and self.windowed is None
                 and graphs.padded_size(len(scheduler_output.scheduled)) is not None
                 and not fills_images(scheduler_output.scheduled) and not self.uses_mrope
                 and graphs.qualifies(scheduler_output)):

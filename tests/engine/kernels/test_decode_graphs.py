@@ -25,6 +25,8 @@ def test_capture_sizes():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
+    """gemma2 with one block table (free_windowed_blocks=False): the static buffers hold
+    one table, so with windowed groups the static path is not taken (the next test)."""
     runs = []
     run = DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run",
@@ -38,7 +40,8 @@ def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
     params[1] = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
     results = {}
     for static in (False, True):
-        llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static, attention_backend="triton")
+        llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static, attention_backend="triton",
+                  free_windowed_blocks=False)
         runner = llm.llm_engine.runner
         if static and runner.decode_graphs is None:  # no CUDA: the same buffers, run eagerly
             runner.enable_decode_graphs(6, llm.llm_engine.max_model_len, capture=False)
@@ -50,6 +53,21 @@ def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
             assert b.token_ids == a.token_ids
             if a.cumulative_logprob is not None:
                 assert abs(b.cumulative_logprob - a.cumulative_logprob) < 1e-3
+
+
+def test_windowed_groups_keep_decode_steps_off_the_static_path(tmp_path, monkeypatch):
+    runs = []
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, out, *args: runs.append(out))
+    model_dir = str(build_tiny_model(tmp_path / "gemma2", "gemma2", sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"]))
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=4, attention_backend="triton")
+    runner = llm.llm_engine.runner
+    assert runner.windowed is not None
+    if runner.decode_graphs is None:
+        runner.enable_decode_graphs(4, llm.llm_engine.max_model_len, capture=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, (20, 40), 512, seed=5)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert runs == []
 
 
 def test_prefill_steps_do_not_qualify(tmp_path):
