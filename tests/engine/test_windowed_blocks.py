@@ -114,7 +114,7 @@ def test_samples_of_one_prompt_fork_every_group(windowed_model) -> None:
     llm.close()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_kernels_read_each_groups_table(tmp_path, backend, monkeypatch) -> None:
     """float32 through the native CPU kernels, and the Triton kernel under
     TRITON_INTERPRET=1, give the torch path's tokens with windowed groups."""

@@ -95,6 +95,7 @@ def test_two_replicas_write_one_engines_shards_even_when_one_is_killed_mid_shard
     assert not any(is_alive(pid) for pid in _replicas_of(os.getpid())), "a replica outlived the run"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_data_parallel_run_stopped_mid_way_leaves_no_replica_and_resumes(signum, tmp_path, tiny_model, make_job):
     write_sample_dataset(str(tmp_path / "in"), num_shards=6, rows_per_shard=12)

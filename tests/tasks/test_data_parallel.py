@@ -162,6 +162,7 @@ def _wait_for(condition, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_the_engine_service_runs_replicas_too_and_takes_them_when_it_retires(monkeypatch, tiny_model, reference):
     monkeypatch.setenv("SHARDLINE_RUNTIME_DIR", tempfile.mkdtemp(prefix="sl-dp-"))  # short: socket paths
     client = get_executor(tiny_model, EngineHost.SERVICE, 2, **OPTIONS)  # what the Airflow operator asks

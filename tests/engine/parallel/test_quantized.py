@@ -149,6 +149,7 @@ def test_fp8_per_channel_on_two_ranks(tmp_path):
     check_two_ranks(float_dir, tmp_path / "fp8", weights)
 
 
+@pytest.mark.slow
 def test_fp8_128_blocks_on_two_ranks(tmp_path):
     """Sizes whose every rank's share falls on 128x128 block boundaries (256 query and
     key-value rows, 512 intermediate rows, 256 and 512 input columns)."""
@@ -167,6 +168,7 @@ def test_gptq_int4_on_two_ranks(tmp_path):
     check_two_ranks(float_dir, tmp_path / "gptq", weights)
 
 
+@pytest.mark.slow
 def test_fp8_blocks_the_ranks_cannot_split_are_refused(tmp_path):
     float_dir = build_tiny_model(tmp_path / "float", "llama")
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -182,6 +184,7 @@ def test_mxfp4_experts_are_refused_before_ranks_start():
         check_tensor_parallel(config, 2, enable_lora=False, quantization=None, task="generate")
 
 
+@pytest.mark.slow
 def test_gptq_act_order_split_by_input_is_refused_at_load(tmp_path):
     float_dir = build_tiny_model(tmp_path / "float", "llama")
     config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
@@ -191,6 +194,7 @@ def test_gptq_act_order_split_by_input_is_refused_at_load(tmp_path):
         LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, **OPTIONS)
 
 
+@pytest.mark.slow
 def test_quantized_experts_are_refused_at_the_split(tmp_path):
     float_dir = tiny_qwen3_moe(tmp_path / "float")
     config = {"quant_method": "fp8", "activation_scheme": "dynamic"}

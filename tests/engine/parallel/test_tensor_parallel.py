@@ -185,6 +185,7 @@ def test_a_rank_that_stops_answering_times_out(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_a_forward_that_fails_on_rank_0_fails_the_group(tmp_path):
     """Rank 0's forward raising part-way leaves rank 1 inside the step's collectives: later
     steps must not run out of step with it, so they raise."""
