@@ -121,6 +121,8 @@ def test_kernels_read_each_groups_table(tmp_path, backend, monkeypatch) -> None:
     import shardline.engine.kernels as kernels
     from shardline.engine.kernels import cpu_attention, cpu_prefill_attention
 
+    # The kernels this test is about, whatever SHARDLINE_CPU_PATHS the run was given.
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "decode_kernel=on,prefill_kernel=on")
     calls: list[str] = []
     for module, name in ((kernels, "paged_attention"), (cpu_attention, "decode_attention"),
                          (cpu_prefill_attention, "prefill_attention")):
