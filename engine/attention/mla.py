@@ -21,15 +21,20 @@ Two exact ways to attend it, one result:
   Triton backend without reading anything back to the host, so CUDA graphs record it.
 
 Positions: request b's queries are its last ``query_len`` positions of ``seq_lens[b]``
-and each sees the keys at or before its own position.
+and each sees the keys at or before its own position; with a sparse attention's
+selection (engine/attention/sparse_index.py) only the keys selected for it, in torch
+(a request whose queries select every key they see takes the kernels as any other).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from ..kernels import mla_decode as triton_mla
 from ..kernels.cpu_mla import mla_decode, mla_decode_available
+from .sparse_index import Selection
 
 DECODE_KERNELS = ("c", "triton")
 
@@ -69,12 +74,15 @@ def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
-                           absorb_up_to: int = 1, decode_kernel: str | None = None) -> torch.Tensor:
+                           absorb_up_to: int = 1, decode_kernel: str | None = None,
+                           selections: Sequence[Selection] | None = None) -> torch.Tensor:
     """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
     request's latent context; requests of at most ``absorb_up_to`` queries attend
     absorbed, the others up-projected. With ``decode_kernel`` "c", the one-query
     requests attend through the C kernel (kernels/cpu_mla.py) where it takes the cache,
     with "triton" through the Triton kernel (kernels/mla_decode.py), all together.
+    ``selections``: per request the keys each query attends (a sparse attention's
+    indexer), None for a request attending causally; a selected request attends in torch.
     Returns [T, H, dv]."""
     if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS} or None, got {decode_kernel!r}")
@@ -84,7 +92,10 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
                          f"and a rotary key of {q_rope.shape[-1]} need {rank + q_rope.shape[-1]}")
     output = q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]))
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1]
+    if selections is not None and len(selections) != len(lens):
+        raise ValueError(f"{len(selections)} selections for {len(lens)} requests")
+    decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1
+                and (selections is None or selections[request] is None)]
     kernel_takes = decode_kernel == "triton" or (decode_kernel == "c" and mla_decode_available(latent_cache))
     if decoding and kernel_takes and latent_cache.dtype == q_nope.dtype:
         _kernel_decode(output, q_nope, q_rope, latent_cache, decoding, [starts[r] for r in decoding], seq_lens,
@@ -99,7 +110,9 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
         context = _context(latent_cache, block_tables[request], seq_len).to(q_nope.dtype)
         latent, rope_key = context[:, :rank], context[:, rank:]
         attend = _absorbed if end - first <= absorb_up_to else _up_projected
-        output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale)
+        selected = selections[request] if selections is not None else None
+        output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale,
+                                   selected)
     return output
 
 
@@ -144,28 +157,30 @@ def _absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tens
     return torch.cat([q_latent, q_rope], dim=-1).contiguous()
 
 
-def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:
+def _causal_softmax(scores: torch.Tensor, selected: Selection = None) -> torch.Tensor:
     """softmax over keys of scores [H, n, S], query i at position S - n + i seeing keys
-    at or before it."""
+    at or before it, or the keys ``selected`` [n, S] marks for it."""
     num_queries, seq_len = scores.shape[1], scores.shape[2]
+    if selected is not None:
+        return scores.masked_fill(~selected, float("-inf")).softmax(dim=-1)
     query_pos = torch.arange(seq_len - num_queries, seq_len, device=scores.device)[:, None]
     hidden = torch.arange(seq_len, device=scores.device)[None, :] > query_pos
     return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
 
 
 def _absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
-              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None) -> torch.Tensor:
     q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk.to(q_nope.dtype))
     scores = torch.einsum("nhr,sr->hns", q_latent, latent) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
-    weights = _causal_softmax(scores * scale)
+    weights = _causal_softmax(scores * scale, selected)
     out_latent = torch.einsum("hns,sr->nhr", weights, latent)
     return torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
 
 
 def _up_projected(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None) -> torch.Tensor:
     key_nope = torch.einsum("sr,hdr->shd", latent, w_uk.to(q_nope.dtype))
     value = torch.einsum("sr,hvr->shv", latent, w_uv.to(q_nope.dtype))
     scores = torch.einsum("nhd,shd->hns", q_nope, key_nope) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
-    weights = _causal_softmax(scores * scale)
+    weights = _causal_softmax(scores * scale, selected)
     return torch.einsum("hns,shv->nhv", weights, value)

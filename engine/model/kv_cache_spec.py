@@ -15,7 +15,10 @@ Keys and values each have their own head size: multi-head latent
 attention (deepseek_v2, minicpm3, ...) attends keys of qk_nope + qk_rope and
 values of v_head_dim per head, cached in full at those sizes, except where the layer
 caches latents (engine/model/adapters/latent.py: its LATENT_LAYOUTS types, float or FP8): one
-"head" of kv_lora_rank + qk_rope_head_dim numbers per token and no values. A "recurrent" layer
+"head" of kv_lora_rank + qk_rope_head_dim numbers per token and no values; a sparse attention's
+layer (deepseek_v32, glm_moe_dsa) keeps its indexer's keys in the value cache's place, one
+"head" of index_head_dim numbers per token (none for a layer reusing another's selection),
+so they share the latents' blocks, slots and prefix hits. A "recurrent" layer
 (gated delta-net, short convolution...: a kind registered in engine/recurrent/) holds
 no KV: it takes no room in a block, and its per-request state lives in state slots
 planned beside the blocks (engine/recurrent/state.py). Any other layer whose state is not keys and
@@ -32,7 +35,8 @@ import transformers
 
 from ..core.kv_cache import blocks_needed
 from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
-from .adapters.latent import caches_latents
+from .adapters.indexer import index_key_width
+from .adapters.latent import caches_latents, selects_keys
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 from .loader import key_value_heads, value_cache_head_size
 
@@ -86,8 +90,10 @@ class KVCacheSpec:
             num_kv_heads = key_value_heads(layer_config, num_heads)
             if kind == "sliding_window":
                 num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
-            if caches_latents(text_config):
-                layers.append(LayerCacheSpec(kind, 1, text_config.kv_lora_rank + text_config.qk_rope_head_dim, 0))
+            if caches_latents(text_config):  # a sparse attention's index keys where values would be
+                index_width = index_key_width(text_config, index) if selects_keys(text_config) else 0
+                layers.append(LayerCacheSpec(kind, 1, text_config.kv_lora_rank + text_config.qk_rope_head_dim,
+                                             index_width))
                 continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import transformers
 
+from .adapters.latent import latent_cache_refusal, selects_keys
+
 _INKLING_BIAS = (
     "its attention layers ('hybrid' and 'hybrid_sliding') add to each score a relative position bias computed "
     "from the query token's hidden state (a per-head projection mixing a learned bank of bias-by-distance profiles, "
@@ -34,8 +36,6 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
               "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
               "position bias between segments; the paged attention is causal and prefills a prompt in "
               "chunks, so the prompt's keys and values would differ from the model's",
-    "xlstm": "its mLSTM blocks keep, per request, a matrix memory, its normaliser and a running maximum of "
-             "the input gates (recurrent state, not keys and values), and no recurrent kind runs them yet",
     **{name: f"{_INKLING_BIAS}, {_INKLING_CONVS}" for name in ("inkling", "inkling_text")},
     **{name: f"{_INKLING_BIAS}, {_INKLING2_CONVS}"
        for name in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
@@ -43,8 +43,20 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
 
 
 def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
-    """Why a sparse attention's indexer cannot run on the paged attention, or None."""
+    """Why a sparse attention's indexer cannot run on the paged attention, or None.
+    The latent types with an indexer (adapters/latent.py's ``selects_keys``) run it
+    over their latents; the others are refused."""
     index_topk = getattr(text_config, "index_topk", None)
+    if index_topk and selects_keys(text_config):
+        latent_reason = latent_cache_refusal(text_config)
+        if latent_reason is not None:
+            return (f"its sparse attention selects keys among cached latents, which this checkpoint cannot "
+                    f"keep: {latent_reason}")
+        indexer_types = getattr(text_config, "indexer_types", None)
+        if indexer_types and indexer_types[0] != "full":
+            return (f"indexer_types[0] is {indexer_types[0]!r}: its first layer reuses a previous layer's key "
+                    "selection, and there is none")
+        return None
     if index_topk:
         return (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
                 "index-key cache of its own, while the paged attention attends every key and keeps no index "

@@ -33,6 +33,7 @@ from ..cpu.memory import keep_freed_memory, release_freed_memory
 from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, choose_cpu_paths, optimize_for_cpu
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
+from ..model.adapters.latent import selects_keys
 from ..model.kv_cache_spec import KVCacheSpec, plan_windowed_blocks
 from ..model.layer_kinds import recurrent_layer_indices
 from ..model.load_check import check_model
@@ -261,7 +262,8 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
                          windowed=windowed)
     if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
             and prepared.ranks is None
-            and attention.replays_decode_graphs and not num_state_slots and windowed is None):
+            and attention.replays_decode_graphs and not num_state_slots and windowed is None
+            and not selects_keys(loaded.hf_config.get_text_config())):  # selections read on the host
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=num_state_slots or config.max_num_seqs,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...attention.context import AttentionContext, paged_attention_forward
+from ...attention.sparse_index import Selection
 
 
 class UnsupportedAttentionError(ValueError):
@@ -64,10 +65,13 @@ class StepScope:
     transformers' older decoder layers do not pass the model's keyword arguments on
     to their attention modules, so the context cannot reach an adapter as an
     argument: a pre-hook on the model's forward puts it here and a forward hook
-    clears it (``attach``), whatever the forward raised."""
+    clears it (``attach``), whatever the forward raised. A sparse attention's layers
+    keep the step's last key selection here too (adapters/indexer.py), for the layers
+    that reuse it."""
 
     def __init__(self) -> None:
         self.ctx: AttentionContext | None = None
+        self.index_selections: list[Selection] | None = None
 
     def attach(self, model: nn.Module) -> None:
         model.register_forward_pre_hook(self._enter, with_kwargs=True)
@@ -75,9 +79,11 @@ class StepScope:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.ctx = kwargs.get("shardline_ctx")
+        self.index_selections = None
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.ctx = None
+        self.index_selections = None
 
 
 class _Replacement(nn.Module):

@@ -13,7 +13,8 @@ own computations, in its order.
 The types differ only where LATENT_LAYOUTS says: how the rotary part is rotated
 (deepseek_v2 multiplies complex numbers; kimi_linear's latent layers use no
 rotation), longcat_flash's LoRA scales on the query and the latent and
-bailing_hybrid's per-head output gate. The query
+bailing_hybrid's per-head output gate, and a sparse attention's indexer (deepseek_v32,
+glm_moe_dsa: adapters/indexer.py), whose selection the attention then reads. The query
 comes from q_proj, or from q_a_proj, q_a_layernorm and q_b_proj where the layer has
 a query LoRA.
 
@@ -44,6 +45,7 @@ from ...attention.context import AttentionContext
 from ...attention.mla import latent_decode_triton, latent_paged_attention, split_up_projection, write_latent
 from ...quantization.linear import QuantizedLinear
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
+from .indexer import LayerIndexer, shared_selections
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +61,18 @@ class LatentLayout:
     mla_scale_kv_lora before the rotation (the latent is cached scaled).
     output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid).
     modeling: the model type whose modeling file holds the attention class, where it is
-    another type's (sarvam_mla runs deepseek_v3's)."""
+    another type's (sarvam_mla runs deepseek_v3's).
+    indexer: a sparse attention's indexer and how it rotates its rotary part ("half" or
+    "interleave"; None: no indexer); its layers return their key selection as a third
+    output where ``returns_selection``."""
 
     attention_class: str
     rotation: str = "config"
     lora_scales: bool = False
     output_gate: bool = False
     modeling: str | None = None
+    indexer: str | None = None
+    returns_selection: bool = False
 
 
 LATENT_LAYOUTS: dict[str, LatentLayout] = {
@@ -79,6 +86,9 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "longcat_flash": LatentLayout("LongcatFlashMLA", rotation="interleave", lora_scales=True),
     "kimi_linear": LatentLayout("KimiLinearAttention", rotation="none"),
     "sarvam_mla": LatentLayout("DeepseekV3Attention", modeling="deepseek_v3"),
+    "deepseek_v32": LatentLayout("DeepseekV32Attention", rotation="interleave", indexer="half"),
+    "glm_moe_dsa": LatentLayout("GlmMoeDsaAttention", rotation="interleave", indexer="interleave",
+                                returns_selection=True),
 }
 
 
@@ -101,6 +111,13 @@ def _dequantizable(quantization: object) -> bool:
     QuantizedLinear, per tensor, channel or block)."""
     as_dict = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", dict)()
     return as_dict.get("quant_method") == "fp8"
+
+
+def selects_keys(text_config: transformers.PretrainedConfig) -> bool:
+    """Whether this model's latent layers attend only the keys a sparse attention's
+    indexer selects (LATENT_LAYOUTS' ``indexer``); such a model runs only caching latents."""
+    layout = LATENT_LAYOUTS.get(text_config.model_type)
+    return layout is not None and layout.indexer is not None
 
 
 def caches_latents(text_config: transformers.PretrainedConfig) -> bool:
@@ -150,7 +167,12 @@ class LatentAttention(_Replacement):
                             if layout.lora_scales else None)
         self.output_gate = layout.output_gate
         self._dequantized: list[torch.Tensor] = []  # a quantized kv_b_proj's float weight, once read
-        self._rotate = _rotation(sys.modules[type(original).__module__], layout.rotation, config)
+        modeling = sys.modules[type(original).__module__]
+        self._rotate = _rotation(modeling, layout.rotation, config)
+        self._outputs = 3 if layout.returns_selection else 2
+        self.indexed = layout.indexer is not None
+        self._indexer = (LayerIndexer(self, self.layer_idx, _rotation(modeling, layout.indexer, config), scope)
+                         if layout.indexer is not None and getattr(original, "indexer", None) is not None else None)
 
     def forward(self, *args, **kwargs):
         ctx = self._scope.ctx
@@ -160,21 +182,30 @@ class LatentAttention(_Replacement):
         hidden_states = call["hidden_states"]
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
         x = hidden_states[0]
-        q_nope, q_rot, latent, k_rot = self._project(x, call.get("position_embeddings"))
+        position_embeddings = call.get("position_embeddings")
+        q_nope, q_rot, latent, k_rot, q_resid = self._project(x, position_embeddings)
         w_uk, w_uv = split_up_projection(self._up_projection(x.dtype), q_nope.shape[1], self.nope_dim, self.value_dim)
-        if isinstance(ctx.work, TritonIndices):
+        if isinstance(ctx.work, TritonIndices) and not self.indexed:
             out = self._attend_triton(ctx, ctx.work, q_nope, q_rot.contiguous(), latent, k_rot, w_uk, w_uv)
         else:
+            # A sparse attention's layers read their selection on the host, on either backend.
             cache = ctx.kv_caches[self.layer_idx][0]
             latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
             write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
+            selections = None
+            if self._indexer is not None:
+                assert q_resid is not None, "an indexed layer has a query LoRA"
+                selections = self._indexer.select(ctx, x, q_resid, position_embeddings)
+            elif self.indexed:
+                selections = shared_selections(self._scope, self.layer_idx)
+            kernel = "triton" if isinstance(ctx.work, TritonIndices) else "c" if self.latent_decode_kernel else None
             out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
-                                         ctx.block_tables, w_uk, w_uv, self.scale,
-                                         decode_kernel="c" if self.latent_decode_kernel else None)
+                                         ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel=kernel,
+                                         selections=selections)
         out = out.to(x.dtype)
         if self.output_gate:
             out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
-        return self.get_submodule("o_proj")(out.flatten(1)[None]), None
+        return (self.get_submodule("o_proj")(out.flatten(1)[None]), None, None)[:self._outputs]
 
     def _attend_triton(self, ctx: AttentionContext, indices: TritonIndices, q_nope: torch.Tensor,
                        q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, w_uk: torch.Tensor,
@@ -211,12 +242,15 @@ class LatentAttention(_Replacement):
             "latents reads kv_b_proj's weight itself (an nn.Linear or a QuantizedLinear without bias, no wrapper)")
 
     def _project(self, x: torch.Tensor, position_embeddings: PositionEmbeddings
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [T, hidden] -> q_nope [T, H, dn], q_rot [T, H, dr] (rotated), latent [T, r],
-        k_rot [T, dr] (rotated), as the original module computes them."""
+        k_rot [T, dr] (rotated), as the original module computes them, and the query
+        LoRA's normed output [T, q_lora_rank] (None without one: the indexer's input)."""
         module = self.get_submodule
+        q_resid = None
         if self.q_lora:
-            q_states = module("q_b_proj")(module("q_a_layernorm")(module("q_a_proj")(x)))
+            q_resid = module("q_a_layernorm")(module("q_a_proj")(x))
+            q_states = module("q_b_proj")(q_resid)
         else:
             q_states = module("q_proj")(x)
         q_nope, q_rot = q_states.view(x.shape[0], -1, self.nope_dim + self.rope_dim).split(
@@ -227,7 +261,7 @@ class LatentAttention(_Replacement):
             q_scale, latent_scale = self.lora_scales
             q_nope, q_rot, latent = q_nope * q_scale, q_rot * q_scale, latent * latent_scale
         q_rot, k_rot = self._rotate(q_rot.transpose(0, 1)[None], k_rot[None, None], position_embeddings)
-        return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0]
+        return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0], q_resid
 
 
 # complex frequencies (deepseek_v2), (cos, sin), or None (kimi_linear: no rotation)
