@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import transformers
@@ -141,10 +141,21 @@ def value_cache_head_size(layer_config: transformers.PretrainedConfig, value_hea
     return 2 * value_head_dim if getattr(layer_config, "model_type", None) == "diffllama" else value_head_dim
 
 
-def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> LoadedModel:
+class ModelReader(Protocol):
+    """Reads a float checkpoint's model in place of transformers' ``from_pretrained``
+    (a tensor-parallel rank's, engine/parallel/loading.py); None where it does not
+    apply, and the loader reads the checkpoint whole."""
+
+    def __call__(self, config: EngineConfig, auto_class: type, hf_config: transformers.PretrainedConfig,
+                 dtype: torch.dtype, attn_implementation: str | dict[str, str]) -> torch.nn.Module | None: ...
+
+
+def load_model(config: EngineConfig, task: Task, attn_implementation: str,
+               reader: ModelReader | None = None) -> LoadedModel:
     """Load ``config.model`` for ``task`` ("generate": AutoModelForCausalLM, "embed":
     AutoModel) with its attention layers calling ``attn_implementation``. The model is
-    refused (``require_supported``, engine/model/support.py) before any weight is read."""
+    refused (``require_supported``, engine/model/support.py) before any weight is read.
+    ``reader``: reads a float checkpoint's model instead of ``from_pretrained``."""
     hf_config = load_hf_config(config)
     require_supported(hf_config, task, trust_remote_code=config.trust_remote_code, quantization=config.quantization)
     tokenizer = load_tokenizer(config)
@@ -168,6 +179,16 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
         logger.info("loaded %s (%s) on %s in %s, %s", config.model, type(model).__name__, device, dtype,
                     scheme.description)
         return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype, quantized)
+    model = reader(config, auto_class, hf_config, dtype, implementation) if reader is not None else None
+    if model is None:
+        model = _from_pretrained(config, auto_class, dtype, implementation)
+    logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
+    return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
+
+
+def _from_pretrained(config: EngineConfig, auto_class: type, dtype: torch.dtype,
+                     implementation: str | dict[str, str]) -> torch.nn.Module:
+    """The whole model read by transformers, refusing weights it lacks."""
     try:
         model = auto_class.from_pretrained(
             config.model,
@@ -183,9 +204,8 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str) -> Lo
     _refuse_missing_weights(config.model, type(model).__name__, loading_info)
     # On its device before the engine's surgery (engine/parts/build.py); a tensor-parallel rank's stays
     # on the CPU, where the surgery's sharding step splits it and moves only its share to ``device``.
-    model.to(device if config.tensor_parallel_size == 1 else torch.device("cpu")).eval()
-    logger.info("loaded %s (%s) on %s in %s", config.model, type(model).__name__, device, dtype)
-    return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype)
+    return model.to(resolve_device(config.device) if config.tensor_parallel_size == 1
+                    else torch.device("cpu")).eval()
 
 
 def _refuse_missing_weights(model_name: str, class_name: str, loading_info: dict[str, Any]) -> None:
@@ -211,6 +231,7 @@ def text_attention_only(hf_config: transformers.PretrainedConfig, attn_implement
     return {"": "sdpa", **implementations, text_key: attn_implementation}
 
 
-def load_causal_lm(config: EngineConfig) -> LoadedModel:
-    """A decoder-only causal LM whose attention layers use the engine's paged attention."""
-    return load_model(config, "generate", register_attention())
+def load_causal_lm(config: EngineConfig, reader: ModelReader | None = None) -> LoadedModel:
+    """A decoder-only causal LM whose attention layers use the engine's paged attention
+    (``reader``: as ``load_model``'s)."""
+    return load_model(config, "generate", register_attention(), reader)

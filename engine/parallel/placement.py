@@ -2,10 +2,11 @@
 loader left on the CPU, then the move of this rank's shard to its device.
 
 Why: a model larger than one GPU does not fit one rank's device whole, so each rank
-loads it on the CPU (engine/model/loader.py), keeps its share, and only that share
-reaches the device. The attention adapters, installed earlier on the CPU, keep their
-originals unregistered (engine/model/adapters/base.py), so the move takes those
-originals' own buffers too; the steps after this one run on the device.
+holds it on the CPU (engine/model/loader.py; the split parameters still on the meta
+device where engine/parallel/loading.py reads them as slices), keeps its share, and
+only that share reaches the device. The attention adapters, installed earlier on the
+CPU, keep their originals unregistered (engine/model/adapters/base.py), so the move
+takes those originals' own buffers too; the steps after this one run on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from .group import RankGroup
+from .loading import RankCheckpoint, read_rank_slices, slice_plan
 from .sharding import shard_model
 
 
@@ -29,9 +31,16 @@ def place_on_device(model: nn.Module, device: torch.device) -> None:
 
 
 def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: int, device: torch.device,
-                     place: Callable[[nn.Module, torch.device], None] = place_on_device) -> int:
-    """The tensor-parallel surgery step: ``shard_model``, then ``place`` this rank's
-    shard on ``device``; return how many modules were replaced."""
+                     place: Callable[[nn.Module, torch.device], None] = place_on_device,
+                     checkpoint: RankCheckpoint | None = None) -> int:
+    """The tensor-parallel surgery step: ``shard_model``, then (``checkpoint``: the split
+    parameters were left on the meta device by engine/parallel/loading.py) this rank's
+    slices read into them, then ``place`` this rank's shard on ``device``; return how
+    many modules were replaced."""
+    plan = slice_plan(model, group) if checkpoint is not None else {}
     replaced = shard_model(model, group, num_attention_layers)
+    if checkpoint is not None:
+        read_rank_slices(model, checkpoint, plan)
+        checkpoint.tensors.close()
     place(model, device)
     return replaced

@@ -43,6 +43,7 @@ from ..model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ModelRunner, model_max_le
 from ..multimodal.encoder_cache import EncoderCache
 from ..multimodal.processor import MultimodalProcessor
 from ..parallel.group import RankGroup
+from ..parallel.loading import RankCheckpoint, SliceReader
 from ..parallel.placement import shard_then_place
 from ..parallel.ranks import RankDriver
 from ..parallel.sharding import check_tensor_parallel, shard_cache_spec
@@ -103,10 +104,12 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None,
     tensor_parallel_size asks for it)."""
     if ranks is None and config.tensor_parallel_size > 1:
         return build_rank_zero_parts(config, loaded)
-    loaded = loaded or load_causal_lm(config)
+    # A tensor-parallel rank reads only its slices of the split weights (engine/parallel/loading.py).
+    reader = SliceReader() if ranks is not None and loaded is None else None
+    loaded = loaded or load_causal_lm(config, reader)
     config = resolve_for_device(config, loaded.device)
     vocab_size = int(loaded.hf_config.get_text_config().vocab_size)
-    prepared = prepare_engine_model(config, loaded, ranks)
+    prepared = prepare_engine_model(config, loaded, ranks, reader.checkpoint if reader is not None else None)
     runner, scheduler = build_runner_and_scheduler(config, loaded, prepared)
     multimodal = MultimodalProcessor.load(config, loaded.hf_config)  # a vision-language model's, else None
     if multimodal is not None:
@@ -166,13 +169,15 @@ def token_budget(config: EngineConfig) -> int:
     return config.max_num_batched_tokens
 
 
-def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankGroup | None = None) -> EngineModel:
+def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankGroup | None = None,
+                         checkpoint: RankCheckpoint | None = None) -> EngineModel:
     """Every change to the loaded model before its cache is planned: the CPU paths this
     host takes are chosen (``choose_host_paths``), the engine's replacements are made
     by the one surgery step (engine/surgery.py's ``prepare_model``, in its
     PREPARATION_ORDER, over ``engine_preparation``), then the one attention backend the
     runner, the CPU layers and the CUDA-graph path ask is chosen, on the prepared model
-    (an adapter may attend with a position bias only the torch path takes)."""
+    (an adapter may attend with a position bias only the torch path takes). ``checkpoint``:
+    where a tensor-parallel rank reads the slices of the parameters its loader left unread."""
     spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
     # A model without attention layers (a pure state-space model) may name no heads.
     num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
@@ -184,7 +189,7 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
         spec, num_heads = shard_cache_spec(spec, loaded.hf_config, ranks.size), max(1, num_heads // ranks.size)
     # A rank's model arrives on the CPU (loader.py): the sharding step splits it, then moves its shard.
     sharding = (partial(shard_then_place, group=ranks, num_attention_layers=num_attention_layers,
-                        device=loaded.device) if ranks else None)
+                        device=loaded.device, checkpoint=checkpoint) if ranks else None)
     prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths, sharding))
     if loaded.quantized is not None and loaded.device.type == "cpu":
         release_freed_memory()  # the quantized linears' conversion temporaries (engine/quantization/)

@@ -106,7 +106,17 @@ class CheckpointTensors:
     def get(self, name: str, what: str = "") -> torch.Tensor:
         """The tensor ``name`` on this object's device, in memory of its own; ``what`` says
         what it is needed for in the error raised when the checkpoint lacks it."""
-        tensor = self._handle(name, what).get_tensor(self.stored_name(name))
+        return self._count(name, self._handle(name, what).get_tensor(self.stored_name(name)))
+
+    def get_part(self, name: str, index: tuple[slice, ...], what: str = "") -> torch.Tensor:
+        """The part ``index`` (one slice per leading dimension) of tensor ``name``, in
+        memory of its own: only that part's bytes are read (a tensor-parallel rank's
+        share, engine/parallel/loading.py)."""
+        return self._count(name, self._handle(name, what).get_slice(self.stored_name(name))[index])
+
+    def _count(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, read from ``name``'s file, in memory of its own; the file is
+        unmapped once REMAP_BYTES were read through its mapping."""
         # A CPU tensor may be a view of the file's mapping, which would keep the whole
         # file mapped (and every page read of it resident) as long as the tensor lives.
         tensor = tensor.clone() if tensor.device.type == "cpu" else tensor
