@@ -3,18 +3,26 @@
 Same random-weight Llama-shaped model (float32), same prompts (random tokens),
 greedy, ignore_eos, fixed output length. Prints output tokens/s for transformers'
 static batched generate (left padding), optionally its continuous batching
-(generate_batch), and shardline, with the ratios and the fraction of this
-machine's fp32 matmul roofline that shardline reaches.
+(generate_batch), and shardline, with the ratios, the fraction of this machine's
+fp32 matmul peak shardline's arithmetic reaches, and its roofline share: the
+tokens/s shardline achieves over the tokens/s the host's roofline allows (each step
+at least its bytes over the measured memory bandwidth and its arithmetic over the
+matmul peak; bench/roofline.py).
 
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
+    python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1]
+
+``--sweep`` runs a grid of workload shapes (vocabularies 8k-128k, prompts 32-2048
+tokens, 32-512 output tokens; SWEEP_SHAPES) against transformers' static generate
+and prints, per shape, both sides' tokens/s, the ratio and the roofline share.
 
 Each side runs ``--repeat`` times, interleaved round by round (transformers, then
 shardline), and the best runs are compared: this machine's speed swings between
 runs, and the best run of each side is its least disturbed one. Every run is printed.
 
 ``--dtype bfloat16`` runs both sides in bfloat16 (the roofline then uses bfloat16
-matmul peaks); the issue's workload is float32.
+matmul peaks and bytes); the issue's workload is float32.
 
 The host's CPU and instruction-set levels (torch's kernels, the C kernels' build,
 oneDNN) and the CPU paths the engine chose are printed with the results, so figures
@@ -24,24 +32,93 @@ SHARDLINE_CPU_TARGET=x86-64-v3``.
 
 ``--cpu-time`` runs both sides on one thread and times each by that thread's CPU
 time instead of the wall clock: on a machine other work is loading, the ratio then
-stays that of the two sides' own work (the absolute figures are one core's).
+stays that of the two sides' own work (the absolute figures are one core's; the
+bandwidth and peaks are measured on that thread too).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
 from common import StepProfile, build_bench_model, non_embedding_params, peak_matmul_flops, random_prompts, run_clock
+from roofline import ModelShape, Roofline, memory_bandwidth, roofline
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
+from shardline.engine.llm_engine import LLMEngine
 
 # What the runs are timed by: the wall clock, or with --cpu-time the thread's CPU time.
 clock: Callable[[], float] = time.perf_counter
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One shape of the benchmark's workload: random prompts of ``min_len``-``max_len``
+    tokens over a ``vocab_size`` vocabulary, ``output_len`` tokens generated after each."""
+
+    vocab_size: int
+    num_prompts: int
+    min_len: int
+    max_len: int
+    output_len: int
+
+    def describe(self) -> str:
+        return (f"vocab {self.vocab_size // 1024}k, {self.num_prompts} prompts of {self.min_len}-{self.max_len}, "
+                f"{self.output_len} out")
+
+
+# The sweep's grid: each vocabulary at the default prompts, and the extremes of prompt
+# and output lengths (long prompts, long outputs, long contexts at the largest vocabulary,
+# many short requests). Sized so one round takes minutes on one thread.
+SWEEP_SHAPES = (
+    Workload(8192, 16, 32, 512, 128),
+    Workload(32768, 16, 32, 512, 128),
+    Workload(131072, 16, 32, 512, 128),
+    Workload(8192, 32, 32, 64, 32),
+    Workload(32768, 4, 1024, 2048, 32),
+    Workload(32768, 16, 32, 128, 512),
+    Workload(131072, 4, 1024, 2048, 128),
+)
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The host's measured matmul peaks and memory bandwidths (best observed, bytes/s)."""
+
+    peaks: dict[str, float]
+    bandwidths: dict[str, float]
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype) -> HostLimits:
+        return cls(peak_matmul_flops(dtype, clock=clock), memory_bandwidth(clock))
+
+    def best_with(self, other: HostLimits) -> HostLimits:
+        """Each figure's best of two measurements (one taken in a slow phase alone
+        would flatter the roofline)."""
+        return HostLimits({name: max(value, other.peaks[name]) for name, value in self.peaks.items()},
+                          {name: max(value, other.bandwidths[name]) for name, value in self.bandwidths.items()})
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        name = max(self.peaks, key=self.peaks.__getitem__)
+        return name, self.peaks[name]
+
+    @property
+    def bandwidth(self) -> float:
+        return max(self.bandwidths.values())
+
+    def describe(self) -> str:
+        return ("matmul peaks: " + ", ".join(f"{name} {value / 1e9:.1f} GFLOP/s" for name, value in self.peaks.items())
+                + "; memory bandwidth: " + ", ".join(f"{name} {value / 1e9:.1f} GB/s"
+                                                    for name, value in self.bandwidths.items()))
 
 
 def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
@@ -75,8 +152,130 @@ def run_shardline(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     return elapsed
 
 
+def run_rounds(runners: dict[str, Callable[[], float]], repeat: int,
+               profile_last: bool) -> tuple[dict[str, list[float]], StepProfile | None]:
+    """Every side's seconds per round, interleaved (a slow phase of the machine hits
+    every side), and with ``profile_last`` the last shardline run's profile."""
+    results: dict[str, list[float]] = {name: [] for name in runners}
+    profile = None
+    for round_index in range(repeat):
+        for name, run in runners.items():
+            if name == "shardline" and profile_last and round_index == repeat - 1:
+                profile = StepProfile(clock)  # the last round's shardline run only
+            with torch.inference_mode():
+                results[name].append(run())
+    return results, profile
+
+
+def print_runs(results: dict[str, list[float]], output_tokens: int) -> None:
+    best = {name: min(runs) for name, runs in results.items()}
+    for name, runs in results.items():
+        print(f"{name:32s} {best[name]:8.2f} s  {output_tokens / best[name]:9.1f} output tok/s   "
+              f"runs: {', '.join(f'{seconds:.2f}' for seconds in runs)} s")
+    ours = best["shardline"]
+    for name, seconds in best.items():
+        if name != "shardline":
+            ratios = ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in zip(results[name], results["shardline"]))
+            print(f"shardline / {name}: {seconds / ours:.2f}x (best against best; round by round: {ratios})")
+
+
+def workload_roofline(shape: ModelShape, max_num_seqs: int, prompts: list[list[int]], output_len: int,
+                      limits: HostLimits) -> Roofline:
+    return roofline(shape, [len(p) for p in prompts], output_len, max_num_seqs, limits.bandwidth, limits.peak[1])
+
+
+def default_run(args: argparse.Namespace) -> None:
+    model_dir = build_bench_model()
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, 16384)
+    output_tokens = args.num_prompts * args.output_len
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    dtype = getattr(torch, args.dtype)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    llm = LLM(model_dir, dtype=args.dtype)
+    llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+    runners: dict[str, Callable[[], float]] = {}
+    if not args.skip_hf:
+        runners["transformers static generate"] = lambda: run_hf_static(hf_model, prompts, args.output_len,
+                                                                        args.hf_batch_size)
+        if args.continuous:
+            runners["transformers generate_batch"] = lambda: run_hf_continuous(hf_model, prompts, args.output_len)
+    runners["shardline"] = lambda: run_shardline(llm, prompts, args.output_len)
+    limits_before = HostLimits.measure(dtype)
+    results, profile = run_rounds(runners, args.repeat, args.profile)
+
+    print(f"host: {host_cpu().describe()}")
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine), "one process's engine (no tensor or data parallelism here)"
+    print(f"shardline CPU paths: {engine.cpu_paths.describe()}")
+    print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
+          f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each compared")
+    print_runs(results, output_tokens)
+    ours = min(results["shardline"])
+    flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
+    limits = limits_before.best_with(HostLimits.measure(dtype))
+    peak_name, peak = limits.peak
+    print(limits.describe())
+    print(f"roofline (best shardline run): {flops / ours / 1e9:.1f} GFLOP/s achieved of {peak / 1e9:.1f} GFLOP/s "
+          f"peak {peak_name} ({100 * flops / ours / peak:.1f}%)")
+    bound = workload_roofline(ModelShape.of(hf_model.config, dtype), llm.engine_config.max_num_seqs, prompts,
+                              args.output_len, limits)
+    print(f"roofline share (best shardline run): {output_tokens / ours:.1f} output tok/s achieved of "
+          f"{output_tokens / bound.seconds:.1f} the roofline allows ({100 * bound.seconds / ours:.1f}%; "
+          f"bound {bound.seconds:.2f} s: {bound.describe()})")
+    if profile is not None:
+        print("shardline profile (last run):\n" + profile.report(results["shardline"][-1]))
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Every shape of SWEEP_SHAPES, one model per vocabulary; a table at the end."""
+    dtype = getattr(torch, args.dtype)
+    limits = HostLimits.measure(dtype)
+    rows = []
+    for vocab_size in dict.fromkeys(shape.vocab_size for shape in SWEEP_SHAPES):
+        with tempfile.TemporaryDirectory(prefix="shardline-bench-") as model_dir:
+            build_bench_model(Path(model_dir), vocab_size=vocab_size, max_position_embeddings=4096)
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            llm = LLM(model_dir, dtype=args.dtype)
+            llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
+            for shape in (s for s in SWEEP_SHAPES if s.vocab_size == vocab_size):
+                rows.append(sweep_shape(shape, hf_model, llm, args, limits))
+            llm.close()
+            del llm, hf_model
+            gc.collect()
+    limits = limits.best_with(HostLimits.measure(dtype))
+    print(f"host: {host_cpu().describe()}")
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each; "
+          + limits.describe())
+    print(f"{'shape':52s} {'transformers':>12s} {'shardline':>10s} {'ratio':>6s} {'roofline':>9s} {'share':>6s}")
+    for shape, hf_seconds, ours, bound in rows:
+        tokens = shape.num_prompts * shape.output_len
+        bound_seconds = bound(limits).seconds
+        print(f"{shape.describe():52s} {tokens / hf_seconds:12.1f} {tokens / ours:10.1f} {hf_seconds / ours:5.2f}x "
+              f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}%")
+    print("(output tok/s; roofline: the tok/s the host's roofline allows; share: achieved over allowed)")
+
+
+def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, limits: HostLimits):
+    """One shape's best transformers and shardline seconds and its roofline (of the
+    host limits, measured again at the end)."""
+    prompts = random_prompts(shape.num_prompts, shape.min_len, shape.max_len, shape.vocab_size)
+    runners = {"transformers static generate": lambda: run_hf_static(hf_model, prompts, shape.output_len,
+                                                                     args.hf_batch_size),
+               "shardline": lambda: run_shardline(llm, prompts, shape.output_len)}
+    results, _ = run_rounds(runners, args.repeat, profile_last=False)
+    print(f"{shape.describe()}:", flush=True)
+    print_runs(results, shape.num_prompts * shape.output_len)
+    model_shape = ModelShape.of(hf_model.config, getattr(torch, args.dtype))
+    max_num_seqs = llm.engine_config.max_num_seqs
+    return (shape, min(results["transformers static generate"]), min(results["shardline"]),
+            lambda host: workload_roofline(model_shape, max_num_seqs, prompts, shape.output_len, host))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=512)
@@ -92,63 +291,15 @@ def main() -> None:
                              "sampling, output processing (by the run's clock)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed by its CPU time (for a machine other work is loading)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="run the grid of workload shapes (SWEEP_SHAPES) against transformers' static generate")
     args = parser.parse_args()
     global clock
     clock = run_clock(args.cpu_time)
-
-    model_dir = build_bench_model()
-    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, 16384)
-    output_tokens = args.num_prompts * args.output_len
-    prompt_tokens = sum(len(p) for p in prompts)
-
-    dtype = getattr(torch, args.dtype)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    llm = LLM(model_dir, dtype=args.dtype)
-    llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
-
-    runners = {}
-    if not args.skip_hf:
-        runners["transformers static generate"] = lambda: run_hf_static(hf_model, prompts, args.output_len,
-                                                                        args.hf_batch_size)
-        if args.continuous:
-            runners["transformers generate_batch"] = lambda: run_hf_continuous(hf_model, prompts, args.output_len)
-    runners["shardline"] = lambda: run_shardline(llm, prompts, args.output_len)
-    results: dict[str, list[float]] = {name: [] for name in runners}
-    peaks_before = peak_matmul_flops(dtype, clock=clock)
-    profile = None
-    for round_index in range(args.repeat):  # interleaved, so a slow phase of the machine hits every side
-        for name, run in runners.items():
-            if name == "shardline" and args.profile and round_index == args.repeat - 1:
-                profile = StepProfile(clock)  # the last round's shardline run only
-            with torch.inference_mode():
-                results[name].append(run())
-
-    print(f"host: {host_cpu().describe()}")
-    print(f"shardline CPU paths: {llm.llm_engine.cpu_paths.describe()}")
-    print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
-          f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each compared")
-    best = {name: min(runs) for name, runs in results.items()}
-    for name, runs in results.items():
-        print(f"{name:32s} {best[name]:8.2f} s  {output_tokens / best[name]:9.1f} output tok/s   "
-              f"runs: {', '.join(f'{seconds:.2f}' for seconds in runs)} s")
-    ours = best["shardline"]
-    for name, seconds in best.items():
-        if name != "shardline":
-            ratios = ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in zip(results[name], results["shardline"]))
-            print(f"shardline / {name}: {seconds / ours:.2f}x (best against best; round by round: {ratios})")
-    flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
-    # The machine's peak: the best of a measurement before the runs and one after (one
-    # taken in a slow phase alone would flatter the roofline).
-    peaks = {name: max(before, after) for (name, before), after in
-             zip(peaks_before.items(), peak_matmul_flops(dtype, clock=clock).values())}
-    peak_name = max(peaks, key=peaks.get)
-    peak = peaks[peak_name]
-    print("matmul peaks: " + ", ".join(f"{name} {value / 1e9:.1f} GFLOP/s" for name, value in peaks.items()))
-    print(f"roofline (best shardline run): {flops / ours / 1e9:.1f} GFLOP/s achieved of {peak / 1e9:.1f} GFLOP/s "
-          f"peak {peak_name} ({100 * flops / ours / peak:.1f}%)")
-    if profile is not None:
-        print("shardline profile (last run):\n" + profile.report(results["shardline"][-1]))
+    if args.sweep:
+        sweep(args)
+    else:
+        default_run(args)
 
 
 if __name__ == "__main__":
