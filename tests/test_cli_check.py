@@ -23,13 +23,13 @@ def test_a_model_the_engine_runs_is_supported(tiny_model, capsys):
 
 def test_a_refused_model_prints_the_reason_and_exits_1(tiny_model, tmp_path, capsys):
     """A config and tokenizer with no weights is enough: the verdict reads no weights."""
-    model = tmp_path / "xlstm"
+    model = tmp_path / "blt"
     shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-    tiny_config("xlstm", VOCAB_SIZE, **tiny_overrides("xlstm")).save_pretrained(str(model))
+    tiny_config("blt", VOCAB_SIZE, **tiny_overrides("blt")).save_pretrained(str(model))
     assert main(["check", str(model), "--trust-remote-code"]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("refused: xLSTMForCausalLM (xlstm) cannot run on shardline: its mLSTM blocks keep, per "
-                          "request, a matrix memory") and out.count("\n") == 1
+    assert out.startswith("refused: BltForCausalLM (blt) cannot run on shardline: a byte-level patch model: an "
+                          "entropy model cuts the bytes") and out.count("\n") == 1
 
 
 @pytest.mark.parametrize("task", ["generate", "embed"])

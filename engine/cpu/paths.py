@@ -134,6 +134,24 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     return paths
 
 
+def choose_recurrent_paths(dtype: torch.dtype) -> CpuPaths:
+    """The CPU paths of a model without attention layers (Mamba, RWKV, xLSTM): its
+    recurrent layers' kernels where this host builds them and SHARDLINE_CPU_PATHS does
+    not turn them off; the other paths are chosen by measuring attention shapes such a
+    model lacks, so they stay off. Logged once, as ``choose_cpu_paths`` logs."""
+    capable, why = recurrent_kernel_capability(dtype)
+    setting = path_settings().get("recurrent_kernel")
+    taken = capable and setting is not False
+    if capable and setting is not None:
+        why = f"turned {'on' if setting else 'off'} by SHARDLINE_CPU_PATHS"
+    no_attention = "the model has no attention layers"
+    reasons = tuple((name, why if name == "recurrent_kernel" else no_attention) for name in PATH_NAMES)
+    paths = CpuPaths(dtype, recurrent_kernel=taken, reasons=reasons)
+    logger.info("CPU paths for %s on %s: %s", str(dtype).removeprefix("torch."), host_cpu().describe(),
+                paths.describe())
+    return paths
+
+
 
 @dataclass(frozen=True)
 class CpuRewrites:

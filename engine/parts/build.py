@@ -30,7 +30,14 @@ from ..config import EngineConfig
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..cpu.capability import ModelShape
 from ..cpu.memory import keep_freed_memory, release_freed_memory
-from ..cpu.paths import NO_CPU_PATHS, CpuPaths, CpuRewrites, choose_cpu_paths, optimize_for_cpu
+from ..cpu.paths import (
+    NO_CPU_PATHS,
+    CpuPaths,
+    CpuRewrites,
+    choose_cpu_paths,
+    choose_recurrent_paths,
+    optimize_for_cpu,
+)
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
 from ..model.adapters.latent import selects_keys
@@ -205,7 +212,8 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
 def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSpec,
                       num_heads: int) -> CpuPaths | None:
     """The CPU fast paths this host takes for the model (engine/cpu/paths.py), or None
-    where the engine takes none: off CPU, or for a model without attention layers.
+    where the engine takes none (off CPU); a model without attention layers takes its
+    recurrent kernels' path alone.
     Chosen on the model as loaded, before the surgery: the shapes it measures are its
     linears', which every step keeps (adapters take over the projections under their
     names, LoRA and the recurrent layers wrap them)."""
@@ -213,8 +221,8 @@ def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSp
         return None
     keep_freed_memory()
     first_attention = next((layer for layer in spec.layers if layer.num_kv_heads), None)
-    if first_attention is None:
-        return None
+    if first_attention is None:  # recurrent layers only (Mamba, RWKV, xLSTM): their kernels' path alone
+        return choose_recurrent_paths(loaded.dtype)
     shape = ModelShape.of(loaded.model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
     return choose_cpu_paths(loaded.dtype, shape, token_budget(config))
 

@@ -10,9 +10,10 @@ from . import (
     recurrent_gemma,
     rwkv,
     short_conv,
+    xlstm,
     zaya_cca,
 )
 
 # The kinds' modules, whose import registered their kinds.
 KIND_MODULES = (gated_delta_net, kda, linear_attention, mamba, mamba2, olmo_hybrid, recurrent_gemma, rwkv,
-                short_conv, zaya_cca)
+                short_conv, xlstm, zaya_cca)

@@ -26,7 +26,7 @@ from ..engine.coverage import SKIPPED, VOCAB_SIZE, decoder_model_types, tiny_ove
 # The types the model-coverage sweep reports refused (`python -m tests.engine.coverage`).
 REFUSED_TYPES = ("axk2", "blt", "cpmant", "deepseek_v32", "deepseek_v4", "dots3_note", "dots3_note_text", "git",
                  "glm_moe_dsa", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text", "qwen4_exp",
-                 "qwen4_exp_text", "xlstm")
+                 "qwen4_exp_text")
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,12 @@ def test_preflight_refuses_with_the_loaders_reason(model_type, tokenizer_dir, tm
 
 
 def test_a_refused_model_fails_before_any_shard_is_read_or_output_written(tokenizer_dir, tmp_path, make_job):
-    model_dir = _config_only("xlstm", tokenizer_dir, tmp_path / "models")
+    model_dir = _config_only("blt", tokenizer_dir, tmp_path / "models")
     write_sample_dataset(str(tmp_path / "in"), num_shards=2, rows_per_shard=2)
     with pytest.raises(PreflightFailed) as failed:
         preflight(make_job(model=str(model_dir)))
     [error] = failed.value.errors
-    assert isinstance(error, ModelUnusable) and "its mLSTM blocks keep, per request" in error.reason
+    assert isinstance(error, ModelUnusable) and "a byte-level patch model" in error.reason
     written = [path for path in (tmp_path / "out").rglob("*") if path.is_file()]
     assert written == []
 
