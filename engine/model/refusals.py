@@ -42,6 +42,23 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
 }
 
 
+# Sparse attentions the latent adapter does not run yet, and how each departs from the
+# indexed latent attention it runs (deepseek_v32's: one index key per token, top-k over them).
+_INDEXER_SHAPES: dict[str, str] = {
+    "deepseek_v4": "its attention layers attend a sliding window of raw keys plus keys that learned compressors "
+                   "pool over blocks of tokens (compress_rates per layer type; an indexer picks the top "
+                   "index_topk of the compressed ones), kept in caches of their own; the paged cache keeps one "
+                   "entry per token",
+    "hy_v4": "its sparse latent attention adds learned attention sinks and a per-head sigmoid output gate from "
+             "the hidden state, and its indexer rotates the last part of each index head and layer-norms its keys "
+             "in float32; the latent adapter runs neither",
+    "dots3_note_text": "its indexed latent layers sit beside sliding-window latent layers of their own sizes "
+                       "(swa_* fields, a per-layer config) and scale the query and latent LoRA outputs before "
+                       "projecting them; the latent adapter runs one latent layout per model",
+}
+_INDEXER_SHAPES["dots3_note"] = _INDEXER_SHAPES["dots3_note_text"]
+
+
 def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
     """Why a sparse attention's indexer cannot run on the paged attention, or None.
     The latent types with an indexer (adapters/latent.py's ``selects_keys``) run it
@@ -57,6 +74,8 @@ def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
             return (f"indexer_types[0] is {indexer_types[0]!r}: its first layer reuses a previous layer's key "
                     "selection, and there is none")
         return None
+    if index_topk and text_config.model_type in _INDEXER_SHAPES:
+        return _INDEXER_SHAPES[text_config.model_type]
     if index_topk:
         return (f"its sparse attention has an indexer pick the top {index_topk} keys of each query from an "
                 "index-key cache of its own, while the paged attention attends every key and keeps no index "

@@ -109,6 +109,11 @@ OVERRIDES: dict[str, dict] = {
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
     "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
     "llama4": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0]),
+    # Sparse attention's indexer with 8 heads: a key's score sums several positive parts, so two
+    # keys tie at the top-k boundary only by accident; glm_moe_dsa's layers alternate running the
+    # indexer and reusing its selection (full, shared, full, ...).
+    **{name: dict(index_n_heads=8) for name in ("deepseek_v32", "axk2")},
+    "glm_moe_dsa": dict(index_n_heads=8, index_topk_freq=2, index_skip_topk_offset=1),
 }
 
 # What a composite type's text part needs beyond its text type's tiny config.

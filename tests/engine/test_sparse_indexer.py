@@ -21,7 +21,7 @@ from shardline.engine.attention.sparse_index import select_keys, write_index_key
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.support import model_support
-from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model, tiny_config
 
 from .coverage import tiny_overrides
 from .hf_reference import hf_greedy, random_prompts
@@ -140,10 +140,15 @@ def test_deepseek_v32_equals_transformers_through_chunks_preemption_and_prefix_h
     llm.close()
 
 
+# glm_moe_dsa with a layer reusing the previous one's selection (no index keys of its
+# own), axk2 with its gated query projection.
+TYPE_CASES = {"glm_moe_dsa": dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"]), "axk2": {}}
+
+
 @pytest.mark.slow
-def test_glm_moe_dsa_shared_layers_reuse_the_selection_and_equal_transformers(tmp_path, monkeypatch):
-    model_dir, reference = _tiny_indexed(tmp_path, "glm_moe_dsa", num_hidden_layers=3,
-                                         indexer_types=["full", "shared", "full"])
+@pytest.mark.parametrize("model_type", list(TYPE_CASES))
+def test_other_indexed_types_equal_transformers(model_type, tmp_path, monkeypatch):
+    model_dir, reference = _tiny_indexed(tmp_path, model_type, **TYPE_CASES[model_type])
     prompts = random_prompts(4, (8, 30), 512, seed=34)
     ties = IndexerTies(monkeypatch, INDEX_TOPK)
     expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
@@ -152,7 +157,8 @@ def test_glm_moe_dsa_shared_layers_reuse_the_selection_and_equal_transformers(tm
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
-    assert [tuple(value.shape[2:]) for _, value in engine.runner.kv_caches] == [(1, 16), (1, 0), (1, 16)]
+    index_widths = [tuple(value.shape[2:]) for _, value in engine.runner.kv_caches]
+    assert index_widths == ([(1, 16), (1, 0), (1, 16)] if model_type == "glm_moe_dsa" else [(1, 16)] * 2)
     assert _greedy(llm, prompts, 8) == expected
     llm.close()
 
@@ -184,11 +190,12 @@ def test_requests_within_the_top_k_take_the_decode_kernel(decode_kernel, tmp_pat
     llm.close()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v4", "hy_v4", "qwen4_exp_text"])
-def test_indexers_of_other_shapes_stay_refused_with_the_reason(model_type):
-    config = transformers.AutoConfig.for_model(model_type)
-    support = model_support(config)
-    assert not support.ok and support.reason is not None and "indexer" in support.reason
+@pytest.mark.parametrize(("model_type", "words"), [
+    ("deepseek_v4", "compressors pool over blocks"), ("hy_v4", "attention sinks"),
+    ("dots3_note_text", "sliding-window latent layers"), ("qwen4_exp_text", "blocks of averaged keys")])
+def test_indexers_of_other_shapes_stay_refused_with_the_reason(model_type, words):
+    support = model_support(tiny_config(model_type, 512, **tiny_overrides(model_type)))
+    assert not support.ok and support.reason is not None and words in support.reason
 
 
 def test_an_indexed_type_whose_latents_cannot_be_cached_is_refused():

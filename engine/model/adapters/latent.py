@@ -13,10 +13,10 @@ own computations, in its order.
 The types differ only where LATENT_LAYOUTS says: how the rotary part is rotated
 (deepseek_v2 multiplies complex numbers; kimi_linear's latent layers use no
 rotation), longcat_flash's LoRA scales on the query and the latent and
-bailing_hybrid's per-head output gate, and a sparse attention's indexer (deepseek_v32,
-glm_moe_dsa: adapters/indexer.py), whose selection the attention then reads. The query
-comes from q_proj, or from q_a_proj, q_a_layernorm and q_b_proj where the layer has
-a query LoRA.
+bailing_hybrid's per-head output gate, axk2's gated query projection, and a sparse
+attention's indexer (deepseek_v32, glm_moe_dsa, axk2: adapters/indexer.py), whose
+selection the attention then reads. The query comes from q_proj, or from q_a_proj,
+q_a_layernorm and q_b_proj where the layer has a query LoRA.
 
 Latent caching needs kv_b_proj's weight as a float matrix (the absorbed projections):
 an FP8 checkpoint's quantized kv_b_proj (engine/quantization/) is dequantized once, on
@@ -64,7 +64,9 @@ class LatentLayout:
     another type's (sarvam_mla runs deepseek_v3's).
     indexer: a sparse attention's indexer and how it rotates its rotary part ("half" or
     "interleave"; None: no indexer); its layers return their key selection as a third
-    output where ``returns_selection``."""
+    output where ``returns_selection``.
+    query_gate: each head's query and an output gate from q_gate_proj over the query
+    LoRA's normed and raw outputs side by side, the output scaled by sigmoid(gate) (axk2)."""
 
     attention_class: str
     rotation: str = "config"
@@ -73,6 +75,7 @@ class LatentLayout:
     modeling: str | None = None
     indexer: str | None = None
     returns_selection: bool = False
+    query_gate: bool = False
 
 
 LATENT_LAYOUTS: dict[str, LatentLayout] = {
@@ -89,6 +92,7 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "deepseek_v32": LatentLayout("DeepseekV32Attention", rotation="interleave", indexer="half"),
     "glm_moe_dsa": LatentLayout("GlmMoeDsaAttention", rotation="interleave", indexer="interleave",
                                 returns_selection=True),
+    "axk2": LatentLayout("AXK2Attention", rotation="interleave", indexer="half", query_gate=True),
 }
 
 
@@ -166,6 +170,7 @@ class LatentAttention(_Replacement):
         self.lora_scales = ((layer_scale(original, "mla_scale_q_lora"), layer_scale(original, "mla_scale_kv_lora"))
                             if layout.lora_scales else None)
         self.output_gate = layout.output_gate
+        self.query_gate = layout.query_gate
         self._dequantized: list[torch.Tensor] = []  # a quantized kv_b_proj's float weight, once read
         modeling = sys.modules[type(original).__module__]
         self._rotate = _rotation(modeling, layout.rotation, config)
@@ -183,7 +188,7 @@ class LatentAttention(_Replacement):
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
         x = hidden_states[0]
         position_embeddings = call.get("position_embeddings")
-        q_nope, q_rot, latent, k_rot, q_resid = self._project(x, position_embeddings)
+        q_nope, q_rot, latent, k_rot, q_resid, gate = self._project(x, position_embeddings)
         w_uk, w_uv = split_up_projection(self._up_projection(x.dtype), q_nope.shape[1], self.nope_dim, self.value_dim)
         if isinstance(ctx.work, TritonIndices) and not self.indexed:
             out = self._attend_triton(ctx, ctx.work, q_nope, q_rot.contiguous(), latent, k_rot, w_uk, w_uv)
@@ -203,6 +208,8 @@ class LatentAttention(_Replacement):
                                          ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel=kernel,
                                          selections=selections)
         out = out.to(x.dtype)
+        if gate is not None:
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         if self.output_gate:
             out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
         return (self.get_submodule("o_proj")(out.flatten(1)[None]), None, None)[:self._outputs]
@@ -241,14 +248,20 @@ class LatentAttention(_Replacement):
             f"attention layer {self.layer_idx}: kv_b_proj is a {type(kv_b_proj).__name__}; a layer caching "
             "latents reads kv_b_proj's weight itself (an nn.Linear or a QuantizedLinear without bias, no wrapper)")
 
-    def _project(self, x: torch.Tensor, position_embeddings: PositionEmbeddings
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _project(self, x: torch.Tensor, position_embeddings: PositionEmbeddings) -> LatentProjection:
         """x [T, hidden] -> q_nope [T, H, dn], q_rot [T, H, dr] (rotated), latent [T, r],
-        k_rot [T, dr] (rotated), as the original module computes them, and the query
-        LoRA's normed output [T, q_lora_rank] (None without one: the indexer's input)."""
+        k_rot [T, dr] (rotated), as the original module computes them, the query
+        LoRA's normed output [T, q_lora_rank] (None without one: the indexer's input) and
+        the output gate [T, H, dv] (``query_gate``, else None)."""
         module = self.get_submodule
-        q_resid = None
-        if self.q_lora:
+        q_resid = gate = None
+        if self.query_gate:
+            q_compressed = module("q_a_proj")(x)
+            q_resid = module("q_a_layernorm")(q_compressed)
+            query_gate = module("q_gate_proj")(torch.cat([q_resid, q_compressed], dim=-1))
+            q_states, gate = query_gate.view(x.shape[0], -1, self.nope_dim + self.rope_dim + self.value_dim).split(
+                [self.nope_dim + self.rope_dim, self.value_dim], dim=-1)
+        elif self.q_lora:
             q_resid = module("q_a_layernorm")(module("q_a_proj")(x))
             q_states = module("q_b_proj")(q_resid)
         else:
@@ -261,9 +274,12 @@ class LatentAttention(_Replacement):
             q_scale, latent_scale = self.lora_scales
             q_nope, q_rot, latent = q_nope * q_scale, q_rot * q_scale, latent * latent_scale
         q_rot, k_rot = self._rotate(q_rot.transpose(0, 1)[None], k_rot[None, None], position_embeddings)
-        return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0], q_resid
+        return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0], q_resid, gate
 
 
+# (q_nope, q_rot, latent, k_rot, the query LoRA's normed output or None, the output gate or None)
+LatentProjection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                         torch.Tensor | None]
 # complex frequencies (deepseek_v2), (cos, sin), or None (kimi_linear: no rotation)
 PositionEmbeddings = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
 Rotation = Callable[[torch.Tensor, torch.Tensor, PositionEmbeddings], tuple[torch.Tensor, torch.Tensor]]
