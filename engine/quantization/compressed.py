@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from .activations import InputQuantization
 from .scheme import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -81,24 +82,42 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
     kind, bits, strategy = str(weights.type), int(weights.num_bits), str(weights.strategy)
     described = f"compressed-tensors {kind}{bits} weights ({fmt}, strategy {strategy!r})"
     act = "none" if activations is None else ("dynamic" if activations.dynamic else "static")
+    inputs = _input_quantization(activations, described)
     if kind == "float" and bits == 8 and strategy in ("tensor", "channel", "block"):
         block = tuple(weights.block_structure) if strategy == "block" else None
         if strategy == "block" and (block is None or len(block) != 2):
             raise UnsupportedModelError(f"{described}: block_structure {weights.block_structure!r} is not [rows, cols]")
         return QuantScheme(method="compressed-tensors", weights="fp8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
-                           block=(int(block[0]), int(block[1])) if block else None, activations=act, ignore=ignore)
+                           block=(int(block[0]), int(block[1])) if block else None, activations=act,
+                           input_quantization=inputs, ignore=ignore)
     if kind == "int" and bits == 8 and strategy in ("tensor", "channel"):
         if not weights.symmetric:
             raise UnsupportedModelError(f"{described}: asymmetric int8 weights are not run by shardline "
                                         "(its int8 layout has no zero point); vLLM runs them")
         return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
-                           activations=act, ignore=ignore)
+                           activations=act, input_quantization=inputs, ignore=ignore)
     if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
         group_size = int(weights.group_size) if strategy == "group" else None
         if group_size is not None and (group_size <= 0 or group_size % 2):
             raise UnsupportedModelError(f"{described}: group_size {group_size} is not an even positive integer")
         return QuantScheme(method="compressed-tensors", weights="int4", layout="packed", strategy="group",
                            group_size=group_size, symmetric=bool(weights.symmetric),
-                           act_order=weights.actorder is not None, ignore=ignore)
+                           act_order=weights.actorder is not None, input_quantization=inputs, ignore=ignore)
     raise UnsupportedModelError(f"{described} are not run by shardline (it runs fp8 and int8 per tensor or "
                                 "channel, fp8 blocks, and pack-quantized int4 by group or channel); vLLM runs others")
+
+
+def _input_quantization(activations: Any, described: str) -> InputQuantization:
+    """How the checkpoint's own forward quantizes each linear's input: compressed-tensors
+    fake-quantizes it by ``input_activations`` before the product. Refused where
+    shardline does not compute that (engine/quantization/activations.py)."""
+    if activations is None:
+        return "none"
+    kind, bits, strategy = str(activations.type), int(activations.num_bits), str(activations.strategy)
+    if (bits == 8 and kind in ("int", "float") and strategy == "token" and activations.dynamic is True
+            and activations.symmetric):
+        return "int8" if kind == "int" else "fp8"
+    raise UnsupportedModelError(
+        f"{described}: input_activations {kind}{bits} (strategy {strategy!r}, dynamic {activations.dynamic!r}, "
+        f"symmetric {activations.symmetric!r}) are not quantized by shardline (it quantizes inputs as dynamic "
+        "symmetric int8 or fp8 per token); vLLM runs them")

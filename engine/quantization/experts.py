@@ -73,6 +73,10 @@ class LinearsPerExpert(nn.Module):
         self.in_features = linears[0][0].in_features
         self.out_features = sum(part[0].out_features for part in linears)
 
+    def parts_quantize_inputs(self) -> bool:
+        """Whether the checkpoint's forward quantizes these linears' inputs (activations.py)."""
+        return self._linears[0][0].input_quantization != "none"
+
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]."""
         x32 = x.float()
@@ -98,7 +102,7 @@ def stack_w8(parts: dict[str, list[QuantizedLinear]]) -> LinearsPerExpert:
     views = []
     for expert in range(weight.shape[0]):
         view = QuantizedLinear.w8(weight[expert], scale[expert], block)
-        view.activations = linears[0].activations
+        view.activations, view.input_quantization = linears[0].activations, linears[0].input_quantization
         views.append(view)
     stacked = LinearsPerExpert({"stacked": views})
     # Buffers of the projection too; the views share their storage.
@@ -196,7 +200,9 @@ class QuantizedExperts(nn.Module):
         grouped = (isinstance(gate_up, Mxfp4ExpertWeights) and isinstance(down, Mxfp4ExpertWeights)) or (
             isinstance(gate_up, LinearsPerExpert) and isinstance(down, LinearsPerExpert)
             and gate_up.stacked_weight is not None and down.stacked_weight is not None
-            and gate_up.stacked_block == down.stacked_block)
+            and gate_up.stacked_block == down.stacked_block
+            # the grouped kernel multiplies x as it is: not for inputs the checkpoint quantizes
+            and gate_up.parts_quantize_inputs() is False)
         return (hidden_states.is_cuda and triton_available() and hidden_states.dtype in KERNEL_DTYPES and grouped
                 and self.kernel_activation() is not None)
 

@@ -52,7 +52,7 @@ def read_quantized_linear(tensors: CheckpointTensors, module: str, scheme: Quant
     bias = tensors.get(bias_name).to(bias_dtype) if bias_name in tensors else None
     readers = {"w8": _read_w8, "packed": _read_packed, "gptq": _read_gptq, "awq": _read_awq}
     layer = readers[scheme.layout](tensors, module, scheme, shape, bias)
-    layer.activations = scheme.activations
+    layer.activations, layer.input_quantization = scheme.activations, scheme.input_quantization
     return layer
 
 

@@ -15,6 +15,10 @@ Invariants:
   CPU kernels' prefill panels round the dequantized weight to a 16-bit x's dtype once;
   the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
+- ``input_quantization`` other than "none" (a compressed-tensors W8A8 checkpoint): every
+  path, the reference included, multiplies x as the checkpoint's own forward quantizes
+  it per token (engine/quantization/activations.py); the int8 one runs as integer
+  products on CPUs with AVX512_VNNI (kernels/cpu_quant_int8.py).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import torch
 from torch import nn
 
 from ..kernels.cpu_quant import cpu_quant_available, cpu_w4_linear, cpu_w8_linear, w4_layout_supported
+from ..kernels.cpu_quant_int8 import MAX_IN_FEATURES, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_supported
 from ..kernels.quant_linear import triton_w4_linear, triton_w8_linear
 from ..kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
+from .activations import InputQuantization, fake_quantize_inputs
 
 # Float32 elements of dequantized weight the torch path holds at once (a tile of rows).
 TILE_ELEMENTS = 1 << 20
@@ -38,7 +44,8 @@ TILE_ELEMENTS = 1 << 20
 class QuantizedLinear(nn.Module):
     """y = x @ w.T + bias with w kept quantized (see the module docstring); built by
     ``w8`` or ``w4``. ``activations`` "dynamic": a W8A8 kernel may quantize x per
-    token where the device has FP8 tensor cores; every other path is weight-only."""
+    token where the device has FP8 tensor cores. ``input_quantization``: how the
+    checkpoint's own forward quantizes x (see the module docstring)."""
 
     weight: torch.Tensor | None
     scale: torch.Tensor | None
@@ -55,6 +62,7 @@ class QuantizedLinear(nn.Module):
         self.block: tuple[int, int] | None = None
         self.group_size = 0
         self.activations: Literal["none", "dynamic", "static"] = "none"
+        self.input_quantization: InputQuantization = "none"
         self.use_reference = False
         # The CPU path (engine/cpu/paths.py's quant_kernels): the C kernels where they
         # build and take the layout, else the torch tile path.
@@ -129,25 +137,40 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     [M, N] in x's dtype, by the kernel for x's device. The one dispatch: each kernel
     family is wired here in one line where it runs."""
     if layer.use_reference:
+        x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
+    if x.device.type == "cpu" and layer.cpu_kernels and int8_kernel_takes(layer, x):
+        assert layer.weight is not None and layer.scale is not None
+        return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
+    x = fake_quantize_inputs(x, layer.input_quantization)
     if x.device.type == "cpu" and layer.cpu_kernels and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
         return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
 
 
+def int8_kernel_takes(layer: QuantizedLinear, x: torch.Tensor) -> bool:
+    """Whether the W8A8 int8 kernel (integer products, AVX512_VNNI) runs this layer on x:
+    int8 inputs and weights with a per-tensor or per-channel scale, x float32 or bfloat16."""
+    return (layer.input_quantization == "int8" and layer.layout == "w8" and layer.block is None
+            and layer.weight is not None and layer.weight.dtype == torch.int8
+            and layer.in_features <= MAX_IN_FEATURES and cpu_w8a8_available(x.dtype))
+
+
 def cuda_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     """The Triton kernels: FP8 W8A8 (activations quantized per token) for an FP8 layer
     whose checkpoint quantizes activations, on GPUs with FP8 tensor cores; weight-only
-    W8A16 / W4A16 otherwise."""
+    W8A16 / W4A16 otherwise, on x quantized as the checkpoint's forward quantizes it."""
     if layer.layout == "w8":
         assert layer.weight is not None and layer.scale is not None
         if (layer.activations != "none" and layer.weight.dtype == torch.float8_e4m3fn
                 and fp8_w8a8_supported(x.device)):
             return fp8_w8a8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+        x = fake_quantize_inputs(x, layer.input_quantization)
         return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
     assert layer.packed is not None and layer.scales is not None
+    x = fake_quantize_inputs(x, layer.input_quantization)
     return triton_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
 
@@ -205,16 +228,21 @@ def dequantized_reference(model: nn.Module) -> Iterator[None]:
             module.use_reference = False
 
 
-# How far a kernel that quantizes activations (FP8 W8A8 on GPUs with FP8 tensor cores)
-# may move a layer's output from the weight-only reference, relative to its largest
-# value: per-token FP8 activations round each element to 3 mantissa bits.
+# How far a layer whose input is quantized may move its output from the reference,
+# relative to its largest value. FP8 W8A8 on GPUs with FP8 tensor cores rounds each
+# input element to 3 mantissa bits; where the checkpoint's forward quantizes inputs
+# (input_quantization), a last-bit difference upstream (the paged attention's sums
+# against the reference's) can move an element across a rounding boundary: one code
+# step of its token's scale.
 ACTIVATION_QUANTIZED_TOLERANCE = 0.1
 
 
 def quantized_tolerance(model: nn.Module) -> float:
     """The load check's tolerance the model's quantized linears need beyond their
-    dtype's: ACTIVATION_QUANTIZED_TOLERANCE where a W8A8 layer runs on CUDA, else 0 (every
-    weight-only path computes the reference's float32 product)."""
-    needs = any(layer.activations != "none" and layer.layout == "w8" and layer.weight is not None
-                and layer.weight.device.type == "cuda" for _, layer in quantized_linears(model))
+    dtype's: ACTIVATION_QUANTIZED_TOLERANCE where a W8A8 layer runs on CUDA or any layer
+    quantizes its input, else 0 (every weight-only path computes the reference's float32
+    product)."""
+    needs = any(layer.input_quantization != "none" or (
+        layer.activations != "none" and layer.layout == "w8" and layer.weight is not None
+        and layer.weight.device.type == "cuda") for _, layer in quantized_linears(model))
     return ACTIVATION_QUANTIZED_TOLERANCE if needs else 0.0

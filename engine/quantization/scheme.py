@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UnsupportedModelError
+from .activations import InputQuantization
 
 # Where a checkpoint's quantized linear keeps its tensors (engine/quantization/formats.py):
 # "w8": weight (fp8/int8) + weight_scale or weight_scale_inv; "packed": compressed-tensors'
@@ -37,7 +38,10 @@ class QuantScheme:
     ``zero_offset``: added to stored zero points (1 for GPTQ's v1 checkpoint format).
     ``activations``: how a W8A8 kernel quantizes activations ("dynamic" per token,
     "static" from input_scale); "none" for weight-only schemes. Every kernel path
-    without FP8 tensor cores multiplies by the dequantized weight (W8A16).
+    without FP8 tensor cores multiplies by the dequantized weight.
+    ``input_quantization``: how the checkpoint's own forward quantizes each linear's
+    input per token before multiplying ("int8", "fp8"; engine/quantization/activations.py),
+    which every path then does too; "none" where its reference multiplies x as it is.
     ``ignore``: module names or patterns the checkpoint left unquantized (``ignores``).
     ``online``: quantized by the engine at load from a 16/32-bit checkpoint."""
 
@@ -51,6 +55,7 @@ class QuantScheme:
     act_order: bool = False
     zero_offset: int = 0
     activations: Literal["none", "dynamic", "static"] = "none"
+    input_quantization: InputQuantization = "none"
     scale_names: tuple[str, ...] = ("weight_scale",)
     ignore: tuple[str, ...] = ()
     online: bool = False

@@ -69,6 +69,13 @@ def reference_model(float_dir: str | Path, dequantized: dict[str, torch.Tensor],
     return model
 
 
+def transformers_own_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """The checkpoint as transformers itself loads and runs it (compressed-tensors'
+    forward: the weights decompressed, a W8A8 scheme's inputs quantized per token)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                              attn_implementation="eager").eval()
+
+
 def engine_model(llm: LLM) -> torch.nn.Module:
     """The model an LLM's generation engine runs."""
     engine = llm.llm_engine

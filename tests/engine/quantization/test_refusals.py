@@ -22,6 +22,8 @@ from shardline.tasks.preflight import check_model
 
 from .checkpoints import compressed_config
 
+_INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 REFUSED = {
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
     "nvfp4_modelopt": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
@@ -37,6 +39,12 @@ REFUSED = {
     "int8_asymmetric": (compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
                                                             "strategy": "channel"}), "asymmetric int8"),
     "fp8_e5m2": ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
+    # input activations quantized other than per token, dynamically and symmetrically
+    "int8_static_inputs": (compressed_config("int-quantized", _INT8_CHANNEL, {**_INT8_TOKEN, "strategy": "tensor",
+                                                                              "dynamic": False}),
+                           "input_activations int8 (strategy 'tensor', dynamic False"),
+    "int8_asymmetric_inputs": (compressed_config("int-quantized", _INT8_CHANNEL, {**_INT8_TOKEN, "symmetric": False}),
+                               "symmetric False"),
 }
 
 

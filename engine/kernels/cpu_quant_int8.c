@@ -1,0 +1,224 @@
+/* W8A8 int8 linears for the CPU path: y = x @ w.T + bias where the checkpoint's own
+ * forward quantizes x per token to int8 (compressed-tensors' dynamic symmetric token
+ * scheme) and w is int8 codes times a per-tensor or per-output-channel scale.
+ *
+ * Two steps, each an OpenMP region:
+ * 1. Each row of x is quantized as compressed-tensors does it in x's dtype:
+ *    scale = max|x| / 127.5 (rounded to x's dtype; the dtype's epsilon where 0), code =
+ *    round-half-even(clamp(x / scale rounded to x's dtype, -128, 127)). The codes, their
+ *    row sums and the scales go to the caller's scratch.
+ * 2. Integer products with AVX512_VNNI's vpdpbusd, which multiplies unsigned by signed
+ *    bytes and adds groups of four products into int32 lanes. The weight codes become
+ *    unsigned by adding 128 (w + 128 in 0..255) and x's codes stay signed, so
+ *    sum((w + 128) x) - 128 sum(x) is the exact integer dot product. No lane can
+ *    overflow while K < 65536 (|sum| <= K * 255 * 128 < 2^31; the launcher checks).
+ *    Each thread takes tiles of NT weight rows and multiplies them by every block of MB
+ *    rows of x, reducing the 16 lanes of NT accumulators at once.
+ * out[m, n] = float(dot) * x_scale[m] * w_scale[n] (+ bias[n]), rounded to x's dtype
+ * once: the float32 product of the dequantized x and w up to the order of the sums.
+ *
+ * Built for every target; without AVX512_VNNI (and AVX512BW/VL) quant_int8_vnni() is 0
+ * and the launcher takes the weight-only kernels over x dequantized from its codes.
+ * x and out: float32 (kind 0) or bfloat16 (kind 1), rows contiguous.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define NT 4 /* weight rows per tile */
+#define MB 6 /* rows of x per block */
+#define PARALLEL_MIN_WORK (1 << 16)
+
+int quant_int8_vnni(void) { return 1; }
+
+/* float32 rounded to the nearest bfloat16 (ties to even), as a float32; NaN aside. */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline float round_bf16_scalar(float v) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, round_bf16(_mm512_set1_ps(v)));
+    return lanes[0];
+}
+
+/* 16 elements of x from index k (mask: which are there) as float32. */
+static inline __m512 load_x16(const void *row, int64_t k, __mmask16 mask, int bf16) {
+    if (bf16) {
+        const __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + k);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)row + k);
+}
+
+static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* One row of x quantized (see the file comment): codes[K], its scale and code sum. */
+static void quantize_row(const void *row, int64_t K, int bf16, int8_t *codes, float *scale, int32_t *code_sum) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_x16(row, k, tail16(K - k), bf16)));
+    float s = _mm512_reduce_max_ps(amax) / 127.5f;
+    if (bf16) s = round_bf16_scalar(s);
+    if (s == 0.0f) s = bf16 ? 0.0078125f : 1.1920928955078125e-7f;  /* torch.finfo(dtype).eps */
+    const __m512 divisor = _mm512_set1_ps(s), low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
+    __m512i sums = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = tail16(K - k);
+        __m512 v = _mm512_div_ps(load_x16(row, k, mask, bf16), divisor);
+        if (bf16) v = round_bf16(v);
+        v = _mm512_roundscale_ps(_mm512_min_ps(_mm512_max_ps(v, low), high), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i q = _mm512_maskz_cvtps_epi32(mask, v);
+        sums = _mm512_add_epi32(sums, q);
+        _mm_mask_storeu_epi8(codes + k, mask, _mm512_cvtepi32_epi8(q));
+    }
+    *scale = s;
+    *code_sum = _mm512_reduce_add_epi32(sums);
+}
+
+void int8_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, int8_t *codes,
+                        float *scales, int32_t *code_sums, int threads) {
+    const size_t item = kind ? 2 : 4;
+#pragma omp parallel for num_threads(threads) if (rows * K >= PARALLEL_MIN_WORK) schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row((const char *)x + (size_t)m * (size_t)x_stride * item, K, kind, codes + m * K, scales + m,
+                     code_sums + m);
+}
+
+/* The 16 lanes of each of 4 accumulators summed: lane i of the result is acc[i]'s sum. */
+static inline __m128i sum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* acc += the products of u8 (unsigned bytes) and s8, four by four into int32 lanes. In
+ * place through asm: GCC copies the intrinsic's accumulator to a new register (and
+ * spills) on every step of a loop that keeps sixteen of them. */
+#define DPBUSD(acc, u8, s8) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8))
+
+/* The accumulators of one row of x against the NT weight rows, and one step of them:
+ * 64 columns from k (mask: which are there). */
+#define DOT_ROW(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0
+#define DOT_STEP(r)                                                                     \
+    do {                                                                                \
+        const __m512i xv = _mm512_maskz_loadu_epi8(mask, x + (r) * K + k);             \
+        DPBUSD(a##r##0, w0, xv);                                                 \
+        DPBUSD(a##r##1, w1, xv);                                                 \
+        DPBUSD(a##r##2, w2, xv);                                                 \
+        DPBUSD(a##r##3, w3, xv);                                                 \
+    } while (0)
+#define LOAD_W(j) const __m512i w##j = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (j) * K + k), flip)
+#define DOT_STORE(r) _mm_storeu_si128((__m128i *)dots[r], sum4(a##r##0, a##r##1, a##r##2, a##r##3))
+
+/* dots[r][j] = sum_k (w[j][k] + 128) * x[r][k] over the NT (4) weight rows and MB (6)
+ * rows of x (tile_dots1: one row). */
+static void tile_dots6(const int8_t *w, int64_t K, const int8_t *x, int32_t dots[MB][NT]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    DOT_ROW(0); DOT_ROW(1); DOT_ROW(2); DOT_ROW(3); DOT_ROW(4); DOT_ROW(5);
+    int64_t k = 0;
+    for (const __mmask64 mask = ~(__mmask64)0; k + 64 <= K; k += 64) {
+        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
+        DOT_STEP(0); DOT_STEP(1); DOT_STEP(2); DOT_STEP(3); DOT_STEP(4); DOT_STEP(5);
+    }
+    if (k < K) {
+        const __mmask64 mask = ((__mmask64)1 << (K - k)) - 1;
+        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
+        DOT_STEP(0); DOT_STEP(1); DOT_STEP(2); DOT_STEP(3); DOT_STEP(4); DOT_STEP(5);
+    }
+    DOT_STORE(0); DOT_STORE(1); DOT_STORE(2); DOT_STORE(3); DOT_STORE(4); DOT_STORE(5);
+}
+
+static void tile_dots1(const int8_t *w, int64_t K, const int8_t *x, int32_t dots[MB][NT]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    DOT_ROW(0);
+    int64_t k = 0;
+    for (const __mmask64 mask = ~(__mmask64)0; k + 64 <= K; k += 64) {
+        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
+        DOT_STEP(0);
+    }
+    if (k < K) {
+        const __mmask64 mask = ((__mmask64)1 << (K - k)) - 1;
+        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
+        DOT_STEP(0);
+    }
+    DOT_STORE(0);
+}
+
+typedef struct {
+    const int8_t *codes;       /* [M, K] x's codes */
+    const float *x_scales;     /* [M] */
+    const int32_t *code_sums;  /* [M] */
+    const int8_t *weight;      /* [N, K] */
+    const float *w_scales;     /* [1] or [N] */
+    int per_channel;
+    const float *bias;         /* [N] or NULL */
+    void *out;                 /* [M, N] rows out_stride apart, x's dtype */
+    int64_t out_stride, M, N, K;
+    int bf16;
+} w8a8_problem;
+
+static void store_block(const w8a8_problem *p, int64_t n0, int64_t m0, int rows, int32_t dots[MB][NT]) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t m = m0 + r;
+        for (int j = 0; j < NT && n0 + j < p->N; j++) {
+            const int64_t n = n0 + j;
+            const int32_t dot = dots[r][j] - 128 * p->code_sums[m];
+            float value = (float)dot * p->x_scales[m] * p->w_scales[p->per_channel ? n : 0];
+            if (p->bias) value += p->bias[n];
+            if (p->bf16) ((uint16_t *)p->out)[m * p->out_stride + n] = f32_to_bf16(value);
+            else ((float *)p->out)[m * p->out_stride + n] = value;
+        }
+    }
+}
+
+/* Every row of x times weight rows [n0, n0 + NT) (rows past N read a zero tile). */
+static void weight_tile(const w8a8_problem *p, int64_t n0, int8_t *zero_tile) {
+    const int8_t *w = p->weight + n0 * p->K;
+    if (n0 + NT > p->N) {  /* the last, partial tile: copy its rows beside zero rows */
+        memset(zero_tile, 0, (size_t)(NT * p->K));
+        memcpy(zero_tile, w, (size_t)((p->N - n0) * p->K));
+        w = zero_tile;
+    }
+    int32_t dots[MB][NT];
+    int64_t m0 = 0;
+    for (; m0 + MB <= p->M; m0 += MB) {
+        tile_dots6(w, p->K, p->codes + m0 * p->K, dots);
+        store_block(p, n0, m0, MB, dots);
+    }
+    for (; m0 < p->M; m0++) {
+        tile_dots1(w, p->K, p->codes + m0 * p->K, dots);
+        store_block(p, n0, m0, 1, dots);
+    }
+}
+
+void w8a8_int8_linear(const int8_t *codes, const float *x_scales, const int32_t *code_sums, int64_t M,
+                      const int8_t *weight, const float *w_scales, int per_channel, const float *bias, void *out,
+                      int64_t out_stride, int64_t N, int64_t K, int kind, int threads) {
+    const w8a8_problem problem = {codes, x_scales, code_sums, weight, w_scales, per_channel, bias, out,
+                                  out_stride, M, N, K, kind};
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel num_threads(threads) if (M * N * K >= PARALLEL_MIN_WORK * 16)
+    {
+        int8_t *zero_tile = NULL;
+        if ((N % NT) != 0) zero_tile = (int8_t *)malloc((size_t)(NT * K));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) weight_tile(&problem, tile * NT, zero_tile);
+        free(zero_tile);
+    }
+}
+
+#else
+
+int quant_int8_vnni(void) { return 0; }
+
+#endif

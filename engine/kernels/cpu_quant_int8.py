@@ -1,0 +1,94 @@
+"""Launcher of the W8A8 int8 linear for the CPU path (cpu_quant_int8.c): x quantized per
+token to int8 as compressed-tensors' dynamic symmetric token scheme does it, times int8
+weight codes with a per-tensor or per-output-channel scale, by integer dot products
+(AVX512_VNNI). What it computes is engine/quantization/activations.py's
+``w8a8_reference`` (x fake-quantized, then the float32 product of the dequantized
+weight) up to the order of the float32 sums.
+
+``cpu_w8a8_available(dtype)`` says where it runs: the library built with AVX512_VNNI
+(and AVX512BW/VL), x float32 or bfloat16. Elsewhere the callers dequantize x's codes
+and take the weight-only kernels (cpu_quant.py), which compute the same product.
+AMX-INT8 is not used (no host at hand to test it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .native import NativeLibrary, declare
+
+SOURCE = Path(__file__).with_name("cpu_quant_int8.c")
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+# Past this many columns an int32 lane of the dot products could overflow.
+MAX_IN_FEATURES = 65535
+
+_P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    declare(library, ["quant_int8_vnni"], [], ctypes.c_int)
+    if library.quant_int8_vnni():
+        declare(library, ["int8_quantize_rows"], [_P, _I, _I, _I, _N, _P, _P, _P, _N], None)
+        declare(library, ["w8a8_int8_linear"], [_P, _P, _P, _I, _P, _P, _N, _P, _P, _I, _I, _I, _N, _N], None)
+
+
+_LIBRARY = NativeLibrary(SOURCE, _declare, "W8A8 int8 linears take the weight-only kernels")
+
+
+def _vnni_library() -> ctypes.CDLL | None:
+    library = _LIBRARY.load()
+    return library if library is not None and library.quant_int8_vnni() else None
+
+
+def cpu_w8a8_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the int8 x int8 kernel runs here for activations of ``dtype``."""
+    return dtype in _KINDS and _vnni_library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    assert x.device.type == "cpu" and x.dtype in _KINDS, (x.device, x.dtype)
+    assert 0 < x.shape[-1] <= MAX_IN_FEATURES, tuple(x.shape)
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def cpu_int8_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized per row by the C kernel: (codes int8 [M, K], scales float32
+    [M], code sums int32 [M])."""
+    library = _vnni_library()
+    assert library is not None, "call cpu_w8a8_available first"
+    x2 = _rows(x)
+    rows, cols = x2.shape
+    codes = torch.empty(rows, cols, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    sums = torch.empty(rows, dtype=torch.int32)
+    library.int8_quantize_rows(x2.data_ptr(), x2.stride(0), rows, cols, _KINDS[x.dtype], codes.data_ptr(),
+                               scales.data_ptr(), sums.data_ptr(), torch.get_num_threads())
+    return codes, scales, sums
+
+
+def cpu_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] quantized per token, times ``weight`` [N, K] int8 codes times ``scale``
+    float32 ([1, 1] or [N, 1]), plus ``bias`` -> [..., N] of x's dtype."""
+    out_features, in_features = weight.shape
+    assert weight.dtype == torch.int8 and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
+    assert x.shape[-1] == in_features, (tuple(x.shape), in_features)
+    assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
+    assert scale.shape in ((1, 1), (out_features, 1)), f"W8A8 scale {tuple(scale.shape)}: [1, 1] or [{out_features}, 1]"
+    bias32 = None
+    if bias is not None:
+        assert bias.shape == (out_features,), tuple(bias.shape)
+        bias32 = bias.detach().to(torch.float32).contiguous()
+    codes, scales, sums = cpu_int8_token_codes(x)
+    out = torch.empty(codes.shape[0], out_features, dtype=x.dtype)
+    library = _vnni_library()
+    assert library is not None
+    library.w8a8_int8_linear(codes.data_ptr(), scales.data_ptr(), sums.data_ptr(), codes.shape[0], weight.data_ptr(),
+                             scale.data_ptr(), int(scale.numel() > 1), None if bias32 is None else bias32.data_ptr(),
+                             out.data_ptr(), out.stride(0), out_features, in_features, _KINDS[x.dtype],
+                             torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
