@@ -14,17 +14,26 @@ On a host other work keeps busy, runs on several threads lose most (each paralle
 region waits for its slowest thread), so compare tp2 with tp1-plain-half as well.
 Every run must give the same greedy tokens; the bench says if one does not.
 
+``--memory``: host memory instead of time. Each rank's peak resident memory (VmHWM)
+while it loads its shard of a model of a few hundred MB, each load in a fresh process:
+the rank reading the whole checkpoint before splitting it, and reading only its slices
+(engine/parallel/loading.py); then a two-rank engine's processes after loading.
+
     python bench/bench_tp.py [--prompts 16] [--max-tokens 32] [--layers 4] [--rounds 2]
+    python bench/bench_tp.py --memory [--layers 6] [--hidden 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 
 import torch
 from common import build_bench_model, random_prompts
+from safetensors.torch import load_file, save_file
 
 from shardline import LLM, SamplingParams
 
@@ -46,13 +55,87 @@ def run(model_dir: str, size: int, prompts: list[list[int]], max_tokens: int) ->
         llm.close()
 
 
+def peak_rss_mib(pid: int | str = "self") -> float:
+    """A process's peak resident memory (VmHWM), MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def load_one_rank(model_dir: str, how: str, rank: int) -> None:
+    """In this (fresh) process: rank ``rank`` of 2's load of its shard as the engine makes
+    it (``how``: "whole" reads the checkpoint whole, "slices" only its parts; "none"
+    only imports), then print the peak resident memory."""
+    from shardline.engine.config import EngineConfig
+    from shardline.engine.model.adapters import adapt_attention
+    from shardline.engine.model.kv_cache_spec import KVCacheSpec
+    from shardline.engine.model.loader import load_causal_lm
+    from shardline.engine.parallel.group import RankGroup
+    from shardline.engine.parallel.loading import SliceReader
+    from shardline.engine.parallel.placement import shard_then_place
+
+    if how != "none":
+        reader = SliceReader() if how == "slices" else None
+        loaded = load_causal_lm(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2), reader)
+        assert (reader is None) == (how == "whole") and (reader is None or reader.checkpoint is not None)
+        adapt_attention(loaded.model)
+        layers = sum(1 for layer in KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype).layers
+                     if layer.num_kv_heads)
+        shard_then_place(loaded.model, RankGroup(rank, 2, lambda: ""), layers, torch.device("cpu"),
+                         checkpoint=reader.checkpoint if reader is not None else None)
+    print(f"{peak_rss_mib():.0f}")
+
+
+def engine_memory(model_dir: str) -> None:
+    """In this (fresh) process: a two-rank engine's peak resident memory per rank process."""
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
+    followers = llm.llm_engine.runner.followers
+    assert followers is not None
+    print(" ".join(f"{value:.0f}" for value in [peak_rss_mib(), *(peak_rss_mib(p.pid) for p in followers.processes)]))
+    llm.close()
+
+
+def memory(args: argparse.Namespace) -> None:
+    model_dir = build_bench_model(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                  intermediate_size=3 * args.hidden)
+    # Stored in bfloat16, as published checkpoints are; the CPU engine runs float32.
+    path = os.path.join(model_dir, "model.safetensors")
+    save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(path).items()}, path,
+              metadata={"format": "pt"})
+    size_mib = sum(os.path.getsize(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
+                   if name.endswith(".safetensors")) / 2**20
+
+    def child(*argv: str) -> str:
+        return subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True,
+                              text=True).stdout.split("\n")[-2]
+
+    imports = float(child("--load-rank", model_dir, "none", "0"))
+    print(f"Llama-shaped {args.layers} layers x {args.hidden} wide, bfloat16 checkpoint {size_mib:.0f} MiB run in "
+          f"float32; "
+          f"peak resident memory of one rank's load (a process importing the engine alone: {imports:.0f} MiB)")
+    for how in ("whole", "slices"):
+        peaks = [float(child("--load-rank", model_dir, how, str(rank))) for rank in (0, 1)]
+        print(f"rank reads {how:6s}: " + ", ".join(f"rank {rank} {peak:.0f} MiB (+{peak - imports:.0f})"
+                                                   for rank, peak in enumerate(peaks)))
+    peaks = child("--engine-memory", model_dir).split()
+    print("two-rank engine after loading: " + ", ".join(f"rank {rank} {peak} MiB" for rank, peak in enumerate(peaks)))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--load-rank"]:
+        return load_one_rank(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1:2] == ["--engine-memory"]:
+        return engine_memory(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each, interleaved; the best is kept")
+    parser.add_argument("--memory", action="store_true", help="peak host memory per rank while loading")
+    parser.add_argument("--hidden", type=int, default=1024, help="--memory's model width")
     args = parser.parse_args()
+    if args.memory:
+        return memory(args)
     model_dir = build_bench_model(num_hidden_layers=args.layers)
     prompts = random_prompts(args.prompts, 32, 96, 16384, seed=0)
     threads = torch.get_num_threads()  # a two-rank engine gives its process a share: each run starts equal

@@ -112,7 +112,11 @@ class CheckpointTensors:
         """The part ``index`` (one slice per leading dimension) of tensor ``name``, in
         memory of its own: only that part's bytes are read (a tensor-parallel rank's
         share, engine/parallel/loading.py)."""
-        return self._count(name, self._handle(name, what).get_slice(self.stored_name(name))[index])
+        part = self._count(name, self._handle(name, what).get_slice(self.stored_name(name))[index])
+        # Parts are read far apart in the file (every rank's share lies between them):
+        # unmapped after each, so the pages read do not stay resident.
+        self._handles.pop(self._file_of[name], None)
+        return part
 
     def _count(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, read from ``name``'s file, in memory of its own; the file is
