@@ -2,7 +2,8 @@
 
 A column-parallel linear needs no module of its own: it is an nn.Linear holding its
 rank's rows of the weight (its heads, its share of the intermediate size), built by
-``sharding.py``. The modules here add the one collective each split needs:
+``column_linear`` (or ``column_share``, which also splits a quantized linear with its
+scales). The modules here add the one collective each split needs:
 - RowParallelLinear: the rank's columns of the weight; the partial products summed
   over ranks, then the bias added once.
 - VocabParallelEmbedding: the rank's rows of the vocabulary; a token outside them
@@ -11,6 +12,8 @@ rank's rows of the weight (its heads, its share of the intermediate size), built
   logits gathered from every rank and cut to the vocabulary size, on every rank.
 - ReducedOutput: a module computing a partial sum per rank (experts split over their
   intermediate size), its output summed over ranks.
+- SpanningGatedNorm: a Mamba-2 gated RMS norm whose groups span several ranks' channels;
+  each group's sum of squares summed over ranks.
 """
 
 from __future__ import annotations
@@ -19,12 +22,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .group import RankGroup
+from ..quantization.linear import QuantizedLinear
+from .group import RankGroup, ShardingError
+from .quantized import split_quantized
 
 
 def vocab_share(vocab_size: int, size: int) -> int:
     """Rows of the vocabulary each of ``size`` ranks holds (the last ones padded)."""
     return -(-vocab_size // size)
+
+
+def column_linear(linear: nn.Linear, rows: slice | torch.Tensor) -> nn.Linear:
+    """An nn.Linear holding ``rows`` of ``linear``'s output."""
+    weight = linear.weight.detach()[rows].contiguous()
+    new = nn.Linear(linear.in_features, weight.shape[0], bias=linear.bias is not None,
+                    device=weight.device, dtype=weight.dtype)
+    new.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        new.bias = nn.Parameter(linear.bias.detach()[rows].contiguous(), requires_grad=False)
+    return new
+
+
+def column_share(module: nn.Module, name: str, rows: slice | torch.Tensor, group: RankGroup) -> nn.Module:
+    """Output ``rows`` of a linear (nn.Linear, or QuantizedLinear with its scales);
+    ShardingError, naming ``name``, for another module or a share a quantized layout
+    cannot cut."""
+    if isinstance(module, QuantizedLinear):
+        return split_quantized(module, name, rows, group)
+    if type(module) is not nn.Linear:
+        raise ShardingError(f"{name}: a {type(module).__name__} is not split over ranks")
+    return column_linear(module, rows)
+
+
+def row_share(module: nn.Module, name: str, group: RankGroup) -> nn.Module:
+    """This rank's share of a linear's input (nn.Linear, or QuantizedLinear with its
+    scales), its output summed over ranks; ShardingError as ``column_share``."""
+    if isinstance(module, QuantizedLinear):
+        return split_quantized(module, name, None, group)
+    if type(module) is not nn.Linear:
+        raise ShardingError(f"{name}: a {type(module).__name__} is not split over ranks")
+    if module.in_features % group.size:
+        raise ShardingError(f"{name}: {module.in_features} input features do not split over {group.size} ranks")
+    return RowParallelLinear(module, group)
 
 
 class RowParallelLinear(nn.Module):
@@ -109,3 +148,32 @@ class ReducedOutput(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.group.all_reduce(self.inner(*args, **kwargs))
+
+
+class SpanningGatedNorm(nn.Module):
+    """A Mamba-2 gated RMS norm (``weight * norm(x * silu(gate))`` over groups of
+    ``group_size`` channels, in float32) on this rank's channels, which lie inside group
+    ``group_index`` of ``num_groups``, a group spanning several ranks: each rank's sum of
+    squares of its part of the group is summed over ranks (the sum transformers' mean
+    takes, added in another order)."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, eps: float, num_groups: int, group_index: int,
+                 group: RankGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.group_size, self.variance_epsilon = group_size, eps
+        self.num_groups, self.group_index = num_groups, group_index
+        self.group = group
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden_states, gate: [..., C], this rank's C channels of one group
+        input_dtype = hidden_states.dtype
+        hidden = hidden_states.to(torch.float32)
+        if gate is not None:
+            hidden = hidden * F.silu(gate.to(torch.float32))
+        sums = hidden.new_zeros((*hidden.shape[:-1], self.num_groups))
+        sums[..., self.group_index] = hidden.pow(2).sum(-1)
+        self.group.all_reduce(sums)
+        variance = sums[..., self.group_index : self.group_index + 1] / self.group_size
+        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden.to(input_dtype)

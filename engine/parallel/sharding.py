@@ -8,9 +8,9 @@ it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise,
 row-wise. The input embedding is split along the vocabulary and the LM head along its
 output, the logits gathered. Experts are tensor-parallel: every rank routes every token
 and computes each expert over its share of the intermediate size, the experts' output
-summed over ranks (no token moves between ranks). Recurrent mixers run whole on every
-rank with their whole state: transformers' plans gather their projections' outputs
-("colwise_gather_output"), which is the unsplit module's result.
+summed over ranks (no token moves between ranks). Gated delta-net and Mamba-2 mixers
+split their heads, convolution channels and state (engine/parallel/recurrent.py); the
+other recurrent mixers run whole on every rank with their whole state.
 
 Invariants:
 - Every attention layer's query heads split evenly over the ranks; key-value heads
@@ -35,8 +35,9 @@ from ..quantization.linear import QuantizedLinear
 from ..quantization.methods import resolve_scheme
 from ..surgery import replace
 from .group import RankGroup, ShardingError
-from .layers import GatheredLMHead, ReducedOutput, RowParallelLinear, VocabParallelEmbedding
+from .layers import GatheredLMHead, ReducedOutput, RowParallelLinear, VocabParallelEmbedding, column_linear
 from .quantized import refuse_quantized_experts, split_quantized
+from .recurrent import shard_recurrent_mixers
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
@@ -162,17 +163,6 @@ def column_rows(linear: nn.Linear | QuantizedLinear, name: str, group: RankGroup
         slice(starts[0], starts[0] + share)
 
 
-def column_linear(linear: nn.Linear, rows: slice | torch.Tensor) -> nn.Linear:
-    """An nn.Linear holding ``rows`` of ``linear``'s output."""
-    weight = linear.weight.detach()[rows].contiguous()
-    new = nn.Linear(linear.in_features, weight.shape[0], bias=linear.bias is not None,
-                    device=weight.device, dtype=weight.dtype)
-    new.weight = nn.Parameter(weight, requires_grad=False)
-    if linear.bias is not None:
-        new.bias = nn.Parameter(linear.bias.detach()[rows].contiguous(), requires_grad=False)
-    return new
-
-
 def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -> int:
     """The surgery step: replace each module the plan or the shape rules split by this
     rank's share of it (``group``), the input embedding and the LM head by their
@@ -183,9 +173,12 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
     rules = plan_rules(model)
-    replaced, attention = 0, set()
+    mixers = tuple(f"{name}." for name in shard_recurrent_mixers(model, group))  # their parts split already
+    replaced, attention = len(mixers), set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
+        if name.startswith(mixers):
+            continue
         if leaf in FUSED_ATTENTION:
             raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
                                 "is not split over ranks")

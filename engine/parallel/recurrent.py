@@ -1,0 +1,241 @@
+"""Recurrent mixers split over tensor-parallel ranks: each rank runs its share of a
+layer's heads, with their convolution channels and per-head parameters, and its state
+slots hold those heads only.
+
+- Gated delta-net (Qwen3-Next, Qwen3.5 and their MoE and text variants, LaraMini): the
+  key and value heads split evenly (rank r: key heads r*Hk/n.., value heads r*Hv/n..,
+  the value heads its key heads serve); the input projections keep those heads' rows
+  (Qwen3-Next's fused q|k|v|z and b|a rows are grouped by key head, so a rank's rows
+  are one contiguous share), the convolution its q, k and v channels, A_log and
+  dt_bias their heads; the per-head gated norm stays whole; out_proj is row-parallel.
+- Mamba-2 (mamba2, bamba, nemotron_h, granitemoehybrid, zamba2, falcon_h1): heads
+  split evenly with their x and gate channels, groups too where they split evenly;
+  with fewer groups than ranks (ranks a multiple of them) each rank keeps the B and C
+  channels of the one group its heads read, and the gated norm, whose groups then span
+  ranks, sums each group's squares over ranks (layers.SpanningGatedNorm); out_proj is
+  row-parallel.
+
+Other recurrent kinds, and a mixer whose counts do not split, run whole on every rank
+with their whole state (their projections' outputs are the unsplit module's); the load
+log names each and why.
+
+Invariants:
+- A split mixer's size attributes (head and group counts, widths) are this rank's, so
+  its kind's state shapes (engine/recurrent/) and the module's own forward (the load
+  check's reference) both read the rank's share; its output is summed over ranks by
+  out_proj, so every rank holds the whole layer's output.
+- A mixer is split whole or not at all: every share is built before any is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+import torch
+from torch import nn
+
+from ..recurrent import kinds  # noqa: F401 - its import registers every kind the engine runs
+from ..recurrent.base import projection_out_features, registered_module_classes
+from ..surgery import replace
+from .group import RankGroup, ShardingError
+from .layers import SpanningGatedNorm, column_share, row_share
+
+logger = logging.getLogger(__name__)
+
+GATED_DELTA_NET = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                   "LaraMiniGatedDeltaNet")
+MAMBA2 = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "FalconH1Mixer",
+          "GraniteMoeHybridMambaLayer")
+# Every other recurrent mixer class the engine runs; each runs whole on every rank.
+WHOLE_REASON = "its kind is not split over ranks"
+
+
+class RunWhole(Exception):  # noqa: N818 - an outcome, not a failure
+    """Why a mixer runs whole on every rank."""
+
+
+def ranges(*parts: tuple[int, int]) -> torch.Tensor:
+    """The indices of the [start, start + length) ``parts``, in order."""
+    return torch.cat([torch.arange(start, start + length) for start, length in parts])
+
+
+def share(count: int, group: RankGroup, what: str) -> tuple[int, int]:
+    """(first, how many) of ``count`` items that this rank holds; RunWhole if they do not split."""
+    if count % group.size:
+        raise RunWhole(f"its {count} {what} do not split over {group.size} ranks")
+    each = count // group.size
+    return group.rank * each, each
+
+
+def shard_recurrent_mixers(model: nn.Module, group: RankGroup) -> list[str]:
+    """Replace each gated delta-net and Mamba-2 mixer's parts by this rank's share
+    (module docstring); return the names of the mixers split. The other recurrent
+    mixers the engine runs (engine/recurrent/) are logged as running whole, with the
+    reason."""
+    recurrent_classes = registered_module_classes()
+    split, whole = [], {}
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if kind not in recurrent_classes and kind not in GATED_DELTA_NET + MAMBA2:
+            continue
+        try:
+            if kind in GATED_DELTA_NET:
+                parts, sizes = gated_delta_net_share(module, name, group)
+            elif kind in MAMBA2:
+                parts, sizes = mamba2_share(module, name, group)
+            else:
+                raise RunWhole(WHOLE_REASON)
+        except (RunWhole, ShardingError) as reason:
+            whole.setdefault(kind, str(reason))
+            continue
+        for attribute, part in parts.items():
+            if isinstance(part, nn.Module):
+                replace(module, attribute, part)
+            else:
+                setattr(module, attribute, part)
+        for attribute, value in sizes.items():
+            setattr(module, attribute, value)
+        split.append(name)
+    for kind, reason in whole.items():
+        logger.info("tensor parallelism: %s layers run whole on each of %d ranks (%s)", kind, group.size, reason)
+    return split
+
+
+Parts = dict[str, nn.Module | nn.Parameter]
+
+
+def gated_delta_net_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a gated delta-net and its sizes (module docstring)."""
+    num_k_heads, num_v_heads = int_of(module, "num_k_heads"), int_of(module, "num_v_heads")
+    head_k_dim, head_v_dim = int_of(module, "head_k_dim"), int_of(module, "head_v_dim")
+    first_k, k_heads = share(num_k_heads, group, "key heads")
+    first_v, v_heads = share(num_v_heads, group, "value heads")
+    key_dim, k_width = num_k_heads * head_k_dim, k_heads * head_k_dim
+    channels = ranges((first_k * head_k_dim, k_width), (key_dim + first_k * head_k_dim, k_width),
+                      (2 * key_dim + first_v * head_v_dim, v_heads * head_v_dim))
+    value_rows, head_rows = ranges((first_v * head_v_dim, v_heads * head_v_dim)), ranges((first_v, v_heads))
+    parts: Parts = {"conv1d": depthwise_conv(module_of(module, "conv1d"), channels),
+                    "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
+    if hasattr(module, "in_proj_qkvz"):  # rows grouped by key head: one contiguous share each
+        for attribute in ("in_proj_qkvz", "in_proj_ba"):
+            projection = module_of(module, attribute)
+            _, rows = share(projection_out_features(projection), group, f"{attribute} rows")
+            parts[attribute] = column_share(projection, f"{name}.{attribute}",
+                                            ranges((group.rank * rows, rows)), group)
+    else:
+        for attribute, rows in (("in_proj_qkv", channels), ("in_proj_z", value_rows), ("in_proj_b", head_rows),
+                                ("in_proj_a", head_rows)):
+            parts[attribute] = column_share(module_of(module, attribute), f"{name}.{attribute}", rows, group)
+    for attribute in ("A_log", "dt_bias"):
+        parts[attribute] = sliced(tensor_of(module, attribute), head_rows)
+    sizes = dict(num_k_heads=k_heads, num_v_heads=v_heads, key_dim=k_heads * head_k_dim,
+                 value_dim=v_heads * head_v_dim, conv_dim=2 * k_heads * head_k_dim + v_heads * head_v_dim)
+    return parts, sizes
+
+
+def mamba2_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a Mamba-2 mixer and its sizes (module docstring)."""
+    num_heads, head_dim = int_of(module, "num_heads"), int_of(module, "head_dim")
+    num_groups, state_size = int_of(module, "n_groups"), int_of(module, "ssm_state_size")
+    inner = int_of(module, "intermediate_size")
+    first_head, heads = share(num_heads, group, "heads")
+    if num_groups % group.size == 0:
+        first_group, groups = share(num_groups, group, "groups")
+    elif group.size % num_groups == 0:  # each rank's heads read one group, kept on every rank that reads it
+        first_group, groups = group.rank * num_groups // group.size, 1
+    else:
+        raise RunWhole(f"its {num_groups} groups split over {group.size} ranks only when one count divides the other")
+    projection = module_of(module, "in_proj")
+    if projection_out_features(projection) != 2 * inner + 2 * num_groups * state_size + num_heads:
+        raise RunWhole("its input projection has rows beside gate, x, B, C and dt")
+    width = num_groups * state_size
+    x = (first_head * head_dim, heads * head_dim)
+    b = (inner + first_group * state_size, groups * state_size)
+    c = (inner + width + first_group * state_size, groups * state_size)
+    channels = ranges(x, b, c)
+    rows = torch.cat([ranges(x), channels + inner, ranges((2 * inner + 2 * width + first_head, heads))])
+    head_rows = ranges((first_head, heads))
+    parts: Parts = {"in_proj": column_share(projection, f"{name}.in_proj", rows, group),
+                    "conv1d": depthwise_conv(module_of(module, "conv1d"), channels),
+                    "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
+    for attribute in ("A_log", "dt_bias", "D"):
+        parts[attribute] = sliced(tensor_of(module, attribute), head_rows)
+    norm = getattr(module, "norm", None)
+    if isinstance(norm, nn.Module) and getattr(module, "mamba_rms_norm", True):  # falcon_h1 may have none
+        parts["norm"] = gated_norm_share(norm, name, ranges(x), num_groups, first_group, group)
+    sizes = dict(num_heads=heads, n_groups=groups, intermediate_size=heads * head_dim,
+                 conv_dim=heads * head_dim + 2 * groups * state_size)
+    mup_vector = getattr(module, "mup_vector", None)  # falcon_h1: a buffer over the projection's rows
+    if isinstance(mup_vector, torch.Tensor):
+        module.register_buffer("mup_vector", mup_vector[..., rows.to(mup_vector.device)].contiguous(),
+                               persistent=False)
+    if hasattr(module, "groups_time_state_size"):  # falcon_h1
+        sizes["groups_time_state_size"] = groups * state_size
+    return parts, sizes
+
+
+def gated_norm_share(norm: nn.Module, name: str, channels: torch.Tensor, num_groups: int, first_group: int,
+                     group: RankGroup) -> nn.Module:
+    """The mixer's gated norm over this rank's ``channels``: the norm itself with its
+    weight's share where its groups lie within ranks, a SpanningGatedNorm where they span
+    several (transformers' grouped form only; falcon_h1's norm, with its gate after the
+    norm, runs whole then)."""
+    weight = tensor_of(norm, "weight")
+    spans = num_groups < group.size
+    group_size = getattr(norm, "group_size", None)
+    if isinstance(group_size, int):  # weight * norm(x * silu(gate)) per group of group_size channels
+        if not spans:
+            norm.weight = sliced(weight, channels)
+            return norm
+        return SpanningGatedNorm(weight.detach()[channels.to(weight.device)], group_size,
+                                 float(getattr(norm, "variance_epsilon", 1e-6)), num_groups, first_group, group)
+    if isinstance(getattr(norm, "n_groups", None), int) and not spans:  # falcon_h1: groups by count
+        norm.weight = sliced(weight, channels)
+        setattr(norm, "n_groups", num_groups // group.size)  # noqa: B010 - an int attribute of an nn.Module
+        return norm
+    raise RunWhole(f"its norm {type(norm).__name__} spans ranks' channels")
+
+
+def depthwise_conv(conv: nn.Module, channels: torch.Tensor) -> nn.Conv1d:
+    """A depthwise causal nn.Conv1d over ``channels`` of ``conv``'s."""
+    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels:
+        raise RunWhole(f"its convolution {type(conv).__name__} is not a depthwise nn.Conv1d")
+    weight = conv.weight.detach()[channels.to(conv.weight.device)].contiguous()
+    count = weight.shape[0]
+    new = nn.Conv1d(count, count, conv.kernel_size[0], groups=count, padding=cast(tuple[int], conv.padding),
+                    bias=conv.bias is not None, device=weight.device, dtype=weight.dtype)
+    new.weight = nn.Parameter(weight, requires_grad=False)
+    if conv.bias is not None:
+        new.bias = nn.Parameter(conv.bias.detach()[channels.to(weight.device)].contiguous(), requires_grad=False)
+    return new
+
+
+def int_of(module: nn.Module, attribute: str) -> int:
+    """A mixer's size ``attribute``; RunWhole where it has none."""
+    value = getattr(module, attribute, None)
+    if not isinstance(value, int):
+        raise RunWhole(f"it has no integer {attribute}")
+    return value
+
+
+def module_of(module: nn.Module, attribute: str) -> nn.Module:
+    """A mixer's submodule ``attribute``; RunWhole where it has none."""
+    value = getattr(module, attribute, None)
+    if not isinstance(value, nn.Module):
+        raise RunWhole(f"it has no module {attribute}")
+    return value
+
+
+def tensor_of(module: nn.Module, attribute: str) -> torch.Tensor:
+    """A mixer's parameter ``attribute``; RunWhole where it has none."""
+    value = getattr(module, attribute, None)
+    if not isinstance(value, torch.Tensor):
+        raise RunWhole(f"it has no tensor {attribute}")
+    return value
+
+
+def sliced(parameter: torch.Tensor, index: torch.Tensor) -> nn.Parameter:
+    """``parameter``'s entries ``index`` (along its first dimension) as a new parameter."""
+    return nn.Parameter(parameter.detach()[index.to(parameter.device)].contiguous(), requires_grad=False)
+

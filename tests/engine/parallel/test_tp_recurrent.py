@@ -1,0 +1,170 @@
+"""Recurrent layers split over tensor-parallel ranks: gated delta-net and Mamba-2 mixers
+on 2 gloo ranks give 1 rank's (and transformers') greedy tokens through chunked
+prefill, preemption and prefix hits, each rank's state slots holding half the heads;
+the shares of a mixer over the ranks are the whole mixer's parts; a mixer whose counts
+do not split runs whole, which the load log says."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from shardline import LLM
+from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parallel.group import RankGroup
+from shardline.engine.parallel.layers import RowParallelLinear, SpanningGatedNorm
+from shardline.engine.parallel.recurrent import shard_recurrent_mixers
+from shardline.engine.parallel.sharding import shard_cache_spec
+from shardline.engine.recurrent.state import RecurrentStateSpec, install_recurrent_layers
+
+from ..hf_reference import hf_greedy
+from .test_tensor_parallel import GDN, MAX_TOKENS, MOE, OPTIONS, generate, prompts_for, rank_processes
+
+MAMBA2: dict[str, Any] = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_chunk_size=4,
+                              mamba_d_conv=4)
+CASES: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {**GDN},
+    "qwen3_next": {**GDN, **MOE},  # fused q|k|v|z and b|a projections
+    "bamba": dict(MAMBA2, mamba_n_groups=1, attn_layer_indices=[1]),  # one group spanning both ranks
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=4,
+                       conv_kernel=4, layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=3,
+                       head_dim=16),  # a group per rank
+    "granitemoehybrid": dict(MAMBA2, mamba_n_groups=2, layer_types=["mamba", "attention"], num_local_experts=4,
+                             num_experts_per_tok=2),
+}
+NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
+
+
+def rank_zero_bytes(model_dir: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(state bytes per slot, KV bytes per block) on rank 0 of 2: the model's mixers split
+    as a rank splits them (no collective runs while splitting)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    shard_recurrent_mixers(model, RankGroup(0, 2, lambda: "no collective runs here"))
+    per_slot = RecurrentStateSpec.from_layers(install_recurrent_layers(model)).bytes_per_slot()
+    spec = shard_cache_spec(KVCacheSpec.from_hf_config(model.config, dtype), model.config, 2)
+    return per_slot, spec.bytes_per_block(BLOCK_SIZE)
+
+
+def state_shapes(llm: LLM) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Each recurrent layer's state shapes per slot on this process's rank."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    return {index: {name: tuple(tensor.shape[1:]) for name, tensor in states.items()}
+            for index, states in engine.runner.recurrent_states.items()}
+
+
+def check_two_ranks(model_dir: str, dtype: torch.dtype, preempt: bool) -> tuple[dict, dict]:
+    """2 ranks = 1 rank = transformers (greedy, ``dtype``), with prefix hits (and, with
+    ``preempt``, a cache too small for every request: preemption); return the 1-rank and
+    the 2-rank engines' per-slot state shapes."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                                  attn_implementation="eager").eval()
+    prompts = prompts_for(reference.config.get_text_config().vocab_size)
+    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) > 1  # the tokens depend on the prompt
+    options = dict(OPTIONS, dtype=str(dtype).removeprefix("torch."), max_num_seqs=NUM_SLOTS, block_size=BLOCK_SIZE,
+                   max_model_len=64)
+    one_rank = LLM(model_dir, **options)
+    try:
+        assert generate(one_rank, prompts) == expected
+        whole = state_shapes(one_rank)
+    finally:
+        one_rank.close()
+    if preempt:
+        per_slot, per_block = rank_zero_bytes(model_dir, dtype)
+        options["kv_cache_memory_bytes"] = NUM_BLOCKS * per_block + (NUM_SLOTS + NUM_SNAPSHOTS) * per_slot
+    two_ranks = LLM(model_dir, tensor_parallel_size=2, **options)
+    processes = rank_processes(two_ranks)
+    try:
+        assert generate(two_ranks, prompts) == expected
+        stats = two_ranks.llm_engine.stats()
+        assert stats.prefix_cache_hit_rate
+        assert stats.num_preemptions > 0 or not preempt
+        split = state_shapes(two_ranks)
+    finally:
+        two_ranks.close()
+    assert not any(process.is_alive() for process in processes)
+    return whole, split
+
+
+def test_gated_delta_net_split_on_two_ranks(tmp_path):
+    """qwen3_5_text: each rank runs one of the 2 key heads and 2 of the 4 value heads; its
+    state slots hold those heads' delta-rule matrices and convolution channels."""
+    model_dir = str(build_tiny_model(tmp_path, "qwen3_5_text", **CASES["qwen3_5_text"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=True)
+    assert set(split) == set(whole) == {0, 2}
+    for index in whole:
+        assert whole[index]["recurrent"] == (4, 16, 8) and split[index]["recurrent"] == (2, 16, 8)
+        assert whole[index]["conv"] == (3, 96) and split[index]["conv"] == (3, 48)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid"])
+def test_recurrent_mixers_split_on_two_ranks(tmp_path, arch):
+    model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=arch in ("bamba", "nemotron_h"))
+    assert set(split) == set(whole)
+    for index, shapes in whole.items():
+        heads = shapes.get("recurrent", shapes.get("ssm"))
+        assert heads is not None
+        split_heads = split[index].get("recurrent", split[index].get("ssm"))
+        assert split_heads == (heads[0] // 2, *heads[1:])  # half the heads per rank
+        assert split[index]["conv"][1] < shapes["conv"][1]
+
+
+def mixer_parts(arch: str, tmp_path, **overrides) -> tuple[Any, list[Any]]:
+    """A tiny ``arch`` model's first recurrent mixer, whole and as ranks 0 and 1 split it
+    (transformers' module: its attributes are read as the test needs them)."""
+    model_dir = str(build_tiny_model(tmp_path, arch, **{**CASES[arch], **overrides}))
+    models = [transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) for _ in range(3)]
+    for rank in (0, 1):
+        shard_recurrent_mixers(models[rank + 1], RankGroup(rank, 2, lambda: "no collective runs here"))
+    mixers = [next(module for module in model.modules() if hasattr(module, "conv1d")) for model in models]
+    return mixers[0], mixers[1:]
+
+
+def test_shares_are_the_whole_mixer_parts(tmp_path):
+    """Qwen3.5's gated delta-net and a Mamba-2 mixer with one group: the ranks' channels,
+    heads and output columns joined give the whole mixer's; B and C are on both ranks."""
+    whole, shares = mixer_parts("qwen3_5_text", tmp_path / "gdn")
+    conv = torch.cat([share.conv1d.weight for share in shares])
+    key_dim = whole.key_dim  # q | k | v channels: each rank's q, k and v in rank order
+    order = torch.cat([torch.arange(0, key_dim // 2), torch.arange(key_dim, key_dim + key_dim // 2),
+                       torch.arange(2 * key_dim, 2 * key_dim + whole.value_dim // 2)])
+    assert torch.equal(conv[: conv.shape[0] // 2], whole.conv1d.weight[order])
+    assert torch.equal(torch.cat([share.A_log for share in shares]), whole.A_log)
+    assert torch.equal(torch.cat([share.in_proj_z.weight for share in shares]), whole.in_proj_z.weight)
+    outs = [share.out_proj for share in shares]
+    assert all(isinstance(out, RowParallelLinear) for out in outs)
+    assert torch.equal(torch.cat([out.weight for out in outs], dim=1), whole.out_proj.weight)
+    assert [share.num_v_heads for share in shares] == [2, 2] and shares[0].conv_dim == whole.conv_dim // 2
+
+    whole, shares = mixer_parts("bamba", tmp_path / "bamba")
+    inner, width = whole.intermediate_size, whole.n_groups * whole.ssm_state_size
+    for rank, share in enumerate(shares):
+        assert (share.num_heads, share.n_groups, share.intermediate_size) == (4, 1, inner // 2)
+        b_and_c = share.conv1d.weight[inner // 2:]
+        assert torch.equal(b_and_c, whole.conv1d.weight[inner:])  # the one group's B and C, on both ranks
+        assert torch.equal(share.D, whole.D[rank * 4 : rank * 4 + 4])
+        assert isinstance(share.norm, SpanningGatedNorm) and share.norm.group_size == inner
+        gate_rows = share.in_proj.weight[: inner // 2]
+        assert torch.equal(gate_rows, whole.in_proj.weight[rank * inner // 2 : (rank + 1) * inner // 2])
+        assert share.in_proj.out_features == inner // 2 * 2 + 2 * width + 4
+
+
+def test_a_mixer_whose_heads_do_not_split_runs_whole(tmp_path, caplog):
+    """3 key heads over 2 ranks: the gated delta-net keeps its whole parts, and the log says why."""
+    with caplog.at_level(logging.INFO, logger="shardline.engine.parallel.recurrent"):
+        whole, shares = mixer_parts("qwen3_5_text", tmp_path, linear_num_key_heads=3, linear_num_value_heads=3)
+    for share in shares:
+        assert share.num_k_heads == 3 and type(share.out_proj) is nn.Linear
+        assert torch.equal(share.conv1d.weight, whole.conv1d.weight)
+    assert "Qwen3_5GatedDeltaNet layers run whole on each of 2 ranks (its 3 key heads do not split over 2 ranks)" \
+        in caplog.text
