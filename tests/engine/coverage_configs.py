@@ -112,7 +112,7 @@ OVERRIDES: dict[str, dict] = {
     # Sparse attention's indexer with 8 heads: a key's score sums several positive parts, so two
     # keys tie at the top-k boundary only by accident; glm_moe_dsa's layers alternate running the
     # indexer and reusing its selection (full, shared, full, ...).
-    **{name: dict(index_n_heads=8) for name in ("deepseek_v32", "axk2")},
+    **{name: dict(index_n_heads=8) for name in ("deepseek_v32", "axk2", "hy_v4")},
     "glm_moe_dsa": dict(index_n_heads=8, index_topk_freq=2, index_skip_topk_offset=1),
 }
 
@@ -174,6 +174,9 @@ SECOND_OVERRIDES: dict[str, dict] = {
     "rwkv": dict(intermediate_size=96, rescale_every=2),
     # Its output projection takes hidden_size inputs: heads times head_dim must match it.
     "helium": dict(head_dim=8),
+    # Another mLSTM head count, biases, and chunks of 4 so prompts run chunkwise too (fused
+    # projections are tested on the layer: transformers' weight init fails on them).
+    "xlstm": dict(num_heads=2, use_bias=True, chunk_size=4),
 }
 # Types whose layer layout the first config fixes (OVERRIDES): the second keeps it.
 _FIXED_LAYOUT_KEYS = {"num_hidden_layers", "layer_types", "layers_block_type", "block_types", "attn_layer_indices",
@@ -204,7 +207,11 @@ def second_config(model_type: str) -> dict:
         layers = 4 if _has_value(text_defaults, "num_kv_shared_layers") else SECOND_LAYERS
         changes["num_hidden_layers"] = layers
         kinds = base.get("layer_types") or list(dict.fromkeys(getattr(text_defaults, "layer_types", None) or []))
-        if kinds:  # given whole: some tiny configs take the layer count after their layer_types are derived
+        # Given whole: some tiny configs take the layer count after their layer_types are
+        # derived; a config that computes its layer_types (Mamba's; Falcon-H1's, under
+        # another name) takes the count alone.
+        config_class = type(text_defaults)
+        if kinds and not _is_property(config_class, config_class.attribute_map.get("layer_types", "layer_types")):
             changes["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
         if layers == 4:
             changes["num_kv_shared_layers"] = 2
