@@ -8,13 +8,16 @@ next copy (so the weights come from memory, as a decode step reads them), x of
 M = 1, 8, 16, 32, 64, 512 rows in bfloat16: the engine's bfloat16
 linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
-blocks and int4 groups of 128. Prints milliseconds per call and bf16 / quantized.
+blocks and int4 groups of 128, and where the host has AVX512_VNNI the W8A8 int8 kernel
+(kernels/cpu_quant_int8.py: x quantized per token, integer products). Prints
+milliseconds per call and bf16 / quantized.
 
 ``--mode model`` (default): bench_engine's Llama-shaped model at a size where the
 decoder's linears dominate memory, served in bfloat16 from its float checkpoint, with
-online FP8 and int8 (``quantization="fp8" | "int8"``) and from a GPTQ int4 checkpoint
-(groups of 128, written in GPTQ's on-disk layout by the quantized-checkpoint tests'
-builder). For each: the resident weight bytes (every tensor the engine's model holds,
+online FP8 and int8 (``quantization="fp8" | "int8"``), from a GPTQ int4 checkpoint
+(groups of 128) and from a compressed-tensors W8A8 int8 checkpoint (per-channel
+weights, inputs quantized per token), both written in their on-disk layouts by the
+quantized-checkpoint tests' builder. For each: the resident weight bytes (every tensor the engine's model holds,
 oneDNN's packed copies included), decode-heavy throughput (a few short prompts, many
 output tokens) and prefill throughput (long prompts, one output token), with ratios to
 bfloat16. Runs are interleaved round by round and the best of each compared.
@@ -47,6 +50,7 @@ from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
 from shardline.engine.cpu.linear import PackedLinear
 from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear
+from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available, cpu_w8a8_linear
 from shardline.engine.llm_engine import LLMEngine
 
 clock: Callable[[], float] = time.perf_counter
@@ -66,13 +70,16 @@ def best_ms(call: Callable[[], object], repeats: int = 5) -> float:
 def kernel_calls(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
     """The bf16 linear as the engine runs it and each quantized kernel, on x."""
     onednn = torch.ops.mkldnn._reorder_linear_weight(weights["bf16"], x.shape[0])
-    return {
+    calls: dict[str, Callable[[], object]] = {
         "bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
         "int8": lambda: cpu_w8_linear(x, weights["int8"], weights["channel"]),
         "fp8": lambda: cpu_w8_linear(x, weights["fp8"], weights["channel"]),
         "fp8 128x128": lambda: cpu_w8_linear(x, weights["fp8"], weights["blocks"], (128, 128)),
         "int4 g128": lambda: cpu_w4_linear(x, weights["packed"], weights["groups"], weights["zeros"], 128),
     }
+    if cpu_w8a8_available(x.dtype):
+        calls["w8a8 int8"] = lambda: cpu_w8a8_linear(x, weights["int8"], weights["channel"])
+    return calls
 
 
 def layer_weights(rows: int, cols: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -122,6 +129,20 @@ def write_int4_checkpoint(float_dir: str, group_size: int) -> str:
     return out_dir
 
 
+def write_w8a8_checkpoint(float_dir: str) -> str:
+    """A compressed-tensors W8A8 int8 copy of ``float_dir``'s decoder linears (per-channel
+    weights, dynamic per-token int8 inputs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.engine.quantization import checkpoints
+
+    out_dir = tempfile.mkdtemp(prefix="shardline-bench-w8a8-")
+    config = checkpoints.compressed_config(
+        "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True})
+    checkpoints.write_quantized(float_dir, out_dir, config, checkpoints.int8_per_channel)
+    return out_dir
+
+
 def weight_bytes(llm: LLM) -> tuple[int, int]:
     """Bytes of every tensor the engine's model holds (each storage once), and of
     oneDNN's packed copies of its linears (opaque tensors: element count times size)."""
@@ -158,7 +179,7 @@ def model_mode(args: argparse.Namespace) -> None:
     float_dir = build_bench_model(**overrides)
     int4_dir = write_int4_checkpoint(float_dir, 128)
     variants = {"bf16": (float_dir, None), "fp8": (float_dir, "fp8"), "int8": (float_dir, "int8"),
-                "int4 (GPTQ g128)": (int4_dir, None)}
+                "int4 (GPTQ g128)": (int4_dir, None), "w8a8 int8": (write_w8a8_checkpoint(float_dir), None)}
     engines, memory = {}, {}
     for name, (directory, quantization) in variants.items():
         llm = LLM(directory, dtype="bfloat16", quantization=quantization)

@@ -167,16 +167,27 @@ typedef struct {
     int bf16;
 } w8a8_problem;
 
+/* out[m, n0 .. n0 + 4) for the block's rows from their dots, four outputs at a time
+ * (masked past N); in the order of the file comment's formula. */
 static void store_block(const w8a8_problem *p, int64_t n0, int64_t m0, int rows, int32_t dots[MB][NT]) {
+    const __mmask8 mask = (__mmask8)(p->N - n0 >= NT ? 0xf : (1u << (p->N - n0)) - 1);
+    const __m128 w_scale = p->per_channel ? _mm_maskz_loadu_ps(mask, p->w_scales + n0) : _mm_set1_ps(p->w_scales[0]);
+    const __m128 bias = p->bias ? _mm_maskz_loadu_ps(mask, p->bias + n0) : _mm_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const int64_t m = m0 + r;
-        for (int j = 0; j < NT && n0 + j < p->N; j++) {
-            const int64_t n = n0 + j;
-            const int32_t dot = dots[r][j] - 128 * p->code_sums[m];
-            float value = (float)dot * p->x_scales[m] * p->w_scales[p->per_channel ? n : 0];
-            if (p->bias) value += p->bias[n];
-            if (p->bf16) ((uint16_t *)p->out)[m * p->out_stride + n] = f32_to_bf16(value);
-            else ((float *)p->out)[m * p->out_stride + n] = value;
+        const __m128i dot = _mm_sub_epi32(_mm_loadu_si128((const __m128i *)dots[r]),
+                                          _mm_set1_epi32(128 * p->code_sums[m]));
+        __m128 value = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(p->x_scales[m])), w_scale);
+        if (p->bias) value = _mm_add_ps(value, bias);
+        if (p->bf16) {  /* rounded to nearest even, as f32_to_bf16 */
+            const __m128i bits = _mm_castps_si128(value);
+            const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+            __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
+            rounded = _mm_mask_mov_epi32(rounded, _mm_cmp_ps_mask(value, value, _CMP_UNORD_Q),  /* NaN stays NaN */
+                                         _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40)));
+            _mm_mask_storeu_epi16((uint16_t *)p->out + m * p->out_stride + n0, mask, _mm_cvtepi32_epi16(rounded));
+        } else {
+            _mm_mask_storeu_ps((float *)p->out + m * p->out_stride + n0, mask, value);
         }
     }
 }
