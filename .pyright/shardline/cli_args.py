@@ -1,0 +1,1 @@
+../../shardline/cli_args.py
