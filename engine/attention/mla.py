@@ -75,7 +75,8 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
                            absorb_up_to: int = 1, decode_kernel: str | None = None,
-                           selections: Sequence[Selection] | None = None) -> torch.Tensor:
+                           selections: Sequence[Selection] | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
     request's latent context; requests of at most ``absorb_up_to`` queries attend
     absorbed, the others up-projected. With ``decode_kernel`` "c", the one-query
@@ -83,7 +84,8 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
     with "triton" through the Triton kernel (kernels/mla_decode.py), all together.
     ``selections``: per request the keys each query attends (a sparse attention's
     indexer), None for a request attending causally; a selected request attends in torch.
-    Returns [T, H, dv]."""
+    ``sinks`` [H]: a learned logit per head that joins each softmax and attends to no
+    value (the kernels take none: every request attends in torch). Returns [T, H, dv]."""
     if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS} or None, got {decode_kernel!r}")
     rank = w_uk.shape[-1]
@@ -96,7 +98,8 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
         raise ValueError(f"{len(selections)} selections for {len(lens)} requests")
     decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1
                 and (selections is None or selections[request] is None)]
-    kernel_takes = decode_kernel == "triton" or (decode_kernel == "c" and mla_decode_available(latent_cache))
+    kernel_takes = sinks is None and (
+        decode_kernel == "triton" or (decode_kernel == "c" and mla_decode_available(latent_cache)))
     if decoding and kernel_takes and latent_cache.dtype == q_nope.dtype:
         _kernel_decode(output, q_nope, q_rope, latent_cache, decoding, [starts[r] for r in decoding], seq_lens,
                        block_tables, w_uk, w_uv, scale, decode_kernel == "triton")
@@ -112,7 +115,7 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
         attend = _absorbed if end - first <= absorb_up_to else _up_projected
         selected = selections[request] if selections is not None else None
         output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale,
-                                   selected)
+                                   selected, sinks)
     return output
 
 
@@ -157,30 +160,38 @@ def _absorbed_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tens
     return torch.cat([q_latent, q_rope], dim=-1).contiguous()
 
 
-def _causal_softmax(scores: torch.Tensor, selected: Selection = None) -> torch.Tensor:
+def _causal_softmax(scores: torch.Tensor, selected: Selection = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """softmax over keys of scores [H, n, S], query i at position S - n + i seeing keys
-    at or before it, or the keys ``selected`` [n, S] marks for it."""
+    at or before it, or the keys ``selected`` [n, S] marks for it; with ``sinks`` [H],
+    each head's sink logit joins the softmax (its weight dropped after)."""
     num_queries, seq_len = scores.shape[1], scores.shape[2]
-    if selected is not None:
-        return scores.masked_fill(~selected, float("-inf")).softmax(dim=-1)
-    query_pos = torch.arange(seq_len - num_queries, seq_len, device=scores.device)[:, None]
-    hidden = torch.arange(seq_len, device=scores.device)[None, :] > query_pos
-    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    if selected is None:
+        query_pos = torch.arange(seq_len - num_queries, seq_len, device=scores.device)[:, None]
+        selected = torch.arange(seq_len, device=scores.device)[None, :] <= query_pos
+    masked = scores.masked_fill(~selected, float("-inf"))
+    if sinks is None:
+        return masked.softmax(dim=-1)
+    logits = torch.cat([masked, sinks.to(masked.dtype)[:, None, None].expand(-1, num_queries, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return logits.softmax(dim=-1)[..., :-1]
 
 
 def _absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
-              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None) -> torch.Tensor:
+              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk.to(q_nope.dtype))
     scores = torch.einsum("nhr,sr->hns", q_latent, latent) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
-    weights = _causal_softmax(scores * scale, selected)
+    weights = _causal_softmax(scores * scale, selected, sinks)
     out_latent = torch.einsum("hns,sr->nhr", weights, latent)
     return torch.einsum("nhr,hvr->nhv", out_latent, w_uv.to(q_nope.dtype))
 
 
 def _up_projected(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None) -> torch.Tensor:
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float, selected: Selection = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     key_nope = torch.einsum("sr,hdr->shd", latent, w_uk.to(q_nope.dtype))
     value = torch.einsum("sr,hvr->shv", latent, w_uv.to(q_nope.dtype))
     scores = torch.einsum("nhd,shd->hns", q_nope, key_nope) + torch.einsum("nhd,sd->hns", q_rope, rope_key)
-    weights = _causal_softmax(scores * scale, selected)
+    weights = _causal_softmax(scores * scale, selected, sinks)
     return torch.einsum("hns,shv->nhv", weights, value)

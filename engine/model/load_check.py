@@ -133,10 +133,13 @@ def _decode_differs_from_scan(model: nn.Module) -> bool:
 def _record_layers(layers: nn.ModuleList, sink: dict[int, torch.Tensor]):
     """Forward hooks keeping each layer's output hidden states as [streams, T, hidden]:
     [1, T, hidden] for most layers, one row per stream where a layer passes several
-    stacked ahead of the batch (gemma3n's AltUp: [streams, 1, T, hidden])."""
+    stacked ahead of the batch (gemma3n's AltUp: [streams, 1, T, hidden]) or beside each
+    token (hyper-connections, hy_v4: [1, T, streams, hidden])."""
     def keep(index: int, output: object) -> None:
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         assert isinstance(hidden, torch.Tensor), f"layer {index} returns no hidden-state tensor"
+        if hidden.dim() == 4 and hidden.shape[0] == 1:  # AltUp's streams (more than one) lead instead
+            hidden = hidden[0].transpose(0, 1)
         sink[index] = hidden.reshape(-1, *hidden.shape[-2:])
 
     def hook(index):

@@ -49,9 +49,6 @@ _INDEXER_SHAPES: dict[str, str] = {
                    "pool over blocks of tokens (compress_rates per layer type; an indexer picks the top "
                    "index_topk of the compressed ones), kept in caches of their own; the paged cache keeps one "
                    "entry per token",
-    "hy_v4": "its sparse latent attention adds learned attention sinks and a per-head sigmoid output gate from "
-             "the hidden state, and its indexer rotates the last part of each index head and layer-norms its keys "
-             "in float32; the latent adapter runs neither",
     "dots3_note_text": "its indexed latent layers sit beside sliding-window latent layers of their own sizes "
                        "(swa_* fields, a per-layer config) and scale the query and latent LoRA outputs before "
                        "projecting them; the latent adapter runs one latent layout per model",

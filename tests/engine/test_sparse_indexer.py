@@ -141,14 +141,17 @@ def test_deepseek_v32_equals_transformers_through_chunks_preemption_and_prefix_h
 
 
 # glm_moe_dsa with a layer reusing the previous one's selection (no index keys of its
-# own), axk2 with its gated query projection.
-TYPE_CASES = {"glm_moe_dsa": dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"]), "axk2": {}}
+# own), axk2 with its gated query projection, hy_v4 with attention sinks, head gates,
+# hyper-connections and a shared third layer; each type's index-key widths per layer.
+TYPE_CASES = {"glm_moe_dsa": (dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"]), [16, 0, 16]),
+              "axk2": ({}, [16, 16]), "hy_v4": (dict(num_hidden_layers=3), [16, 16, 0])}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(TYPE_CASES))
 def test_other_indexed_types_equal_transformers(model_type, tmp_path, monkeypatch):
-    model_dir, reference = _tiny_indexed(tmp_path, model_type, **TYPE_CASES[model_type])
+    overrides, widths = TYPE_CASES[model_type]
+    model_dir, reference = _tiny_indexed(tmp_path, model_type, **overrides)
     prompts = random_prompts(4, (8, 30), 512, seed=34)
     ties = IndexerTies(monkeypatch, INDEX_TOPK)
     expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
@@ -157,8 +160,7 @@ def test_other_indexed_types_equal_transformers(model_type, tmp_path, monkeypatc
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
-    index_widths = [tuple(value.shape[2:]) for _, value in engine.runner.kv_caches]
-    assert index_widths == ([(1, 16), (1, 0), (1, 16)] if model_type == "glm_moe_dsa" else [(1, 16)] * 2)
+    assert [tuple(value.shape[2:]) for _, value in engine.runner.kv_caches] == [(1, width) for width in widths]
     assert _greedy(llm, prompts, 8) == expected
     llm.close()
 
@@ -191,7 +193,7 @@ def test_requests_within_the_top_k_take_the_decode_kernel(decode_kernel, tmp_pat
 
 
 @pytest.mark.parametrize(("model_type", "words"), [
-    ("deepseek_v4", "compressors pool over blocks"), ("hy_v4", "attention sinks"),
+    ("deepseek_v4", "compressors pool over blocks"),
     ("dots3_note_text", "sliding-window latent layers"), ("qwen4_exp_text", "blocks of averaged keys")])
 def test_indexers_of_other_shapes_stay_refused_with_the_reason(model_type, words):
     support = model_support(tiny_config(model_type, 512, **tiny_overrides(model_type)))

@@ -15,6 +15,7 @@ with one selected in the same step (kept on the model's StepScope, cleared per s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,21 @@ from .base import StepScope, UnsupportedAttentionError, layer_attribute, layer_s
 
 # (q [1, H, T, dr], k [1, 1, T, dr], the call's position embeddings) -> rotated (q, k)
 Rotate = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class IndexerLayout:
+    """Where one type's indexer departs from deepseek_v32's.
+
+    rotation: how its rotary part turns ("half" or "interleave", as latent layouts name it).
+    rope_last: the rotary part is each index head's last qk_rope_head_dim numbers, not its
+    first (hy_v4).
+    scale_on_weights: the softmax scale multiplies the head weights instead of each
+    head's score (hy_v4), a different rounding of the same product."""
+
+    rotation: str
+    rope_last: bool = False
+    scale_on_weights: bool = False
 
 
 def runs_indexer(text_config: transformers.PretrainedConfig, layer_index: int) -> bool:
@@ -44,7 +60,8 @@ def index_key_width(text_config: transformers.PretrainedConfig, layer_index: int
 class LayerIndexer:
     """One layer's indexer over its index-key cache (see the module docstring)."""
 
-    def __init__(self, owner: nn.Module, layer_idx: int, rotate: Rotate, scope: StepScope) -> None:
+    def __init__(self, owner: nn.Module, layer_idx: int, layout: IndexerLayout, rotate: Rotate,
+                 scope: StepScope) -> None:
         indexer = owner.get_submodule("indexer")
         self._owner = (owner,)  # the adapter holding the indexer's modules (not registered twice)
         self.layer_idx = layer_idx
@@ -58,6 +75,7 @@ class LayerIndexer:
                                             "the indexer keeps at least one key")
         self._rotate = rotate
         self._scope = scope
+        self.layout = layout
 
     def select(self, ctx: AttentionContext, x: torch.Tensor, q_resid: torch.Tensor,
                position_embeddings: object) -> list[Selection]:
@@ -67,21 +85,40 @@ class LayerIndexer:
         module = self._owner[0].get_submodule
         num_tokens = x.shape[0]
         q_index = module("indexer.wq_b")(q_resid).view(num_tokens, self.heads, self.head_dim)
-        k_index = module("indexer.k_norm")(module("indexer.wk")(x))  # [T, D]
-        q_rot, k_rot = self._rotate(q_index[..., :self.rope_dim].transpose(0, 1)[None],
-                                    k_index[None, None, :, :self.rope_dim], position_embeddings)
-        q_index = torch.cat([q_rot[0].transpose(0, 1), q_index[..., self.rope_dim:]], dim=-1)
-        k_index = torch.cat([k_rot[0, 0], k_index[..., self.rope_dim:]], dim=-1)
+        k_norm = module("indexer.k_norm")  # in its weight's dtype (hy_v4 keeps it in float32)
+        k_index = k_norm(module("indexer.wk")(x).to(_weight_dtype(k_norm, x.dtype))).to(x.dtype)  # [T, D]
+        q_index, k_index = self._rotated(q_index, k_index, position_embeddings)
         weights_proj = module("indexer.weights_proj")
-        weight = getattr(weights_proj, "weight", None)
-        head_input = x.to(weight.dtype) if isinstance(weight, torch.Tensor) else x
-        head_weights = weights_proj(head_input).float() * (self.heads ** -0.5)  # [T, H]
+        head_weights = weights_proj(x.to(_weight_dtype(weights_proj, x.dtype))).float() * (self.heads ** -0.5)
+        scale = self.scale
+        if self.layout.scale_on_weights:
+            head_weights, scale = head_weights * self.scale, 1.0
         index_cache = ctx.kv_caches[self.layer_idx][1]
         write_index_keys(index_cache, k_index, ctx.slot_mapping)
         selections = select_keys(q_index, head_weights, index_cache, ctx.query_start_loc, ctx.seq_lens,
-                                 ctx.block_tables, self.topk, self.scale)
+                                 ctx.block_tables, self.topk, scale)
         self._scope.index_selections = selections
         return selections
+
+    def _rotated(self, q_index: torch.Tensor, k_index: torch.Tensor,
+                 position_embeddings: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [T, H, D] and keys [T, D] with their rotary part rotated: the
+        first rope_dim numbers of each, or the last (``rope_last``)."""
+        split = self.head_dim - self.rope_dim if self.layout.rope_last else self.rope_dim
+        q_first, q_second = q_index.split([split, self.head_dim - split], dim=-1)
+        k_first, k_second = k_index.split([split, self.head_dim - split], dim=-1)
+        q_part, k_part = (q_second, k_second) if self.layout.rope_last else (q_first, k_first)
+        q_rot, k_rot = self._rotate(q_part.transpose(0, 1)[None], k_part[None, None], position_embeddings)
+        q_rot, k_rot = q_rot[0].transpose(0, 1), k_rot[0, 0]
+        if self.layout.rope_last:
+            return torch.cat([q_first, q_rot], dim=-1), torch.cat([k_first, k_rot], dim=-1)
+        return torch.cat([q_rot, q_second], dim=-1), torch.cat([k_rot, k_second], dim=-1)
+
+
+def _weight_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype of the module's weight (its input is cast to it), else ``default``."""
+    weight = getattr(module, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else default
 
 
 def shared_selections(scope: StepScope, layer_idx: int) -> list[Selection]:

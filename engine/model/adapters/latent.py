@@ -45,7 +45,7 @@ from ...attention.context import AttentionContext
 from ...attention.mla import latent_decode_triton, latent_paged_attention, split_up_projection, write_latent
 from ...quantization.linear import QuantizedLinear
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
-from .indexer import LayerIndexer, shared_selections
+from .indexer import IndexerLayout, LayerIndexer, shared_selections
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +62,23 @@ class LatentLayout:
     output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid).
     modeling: the model type whose modeling file holds the attention class, where it is
     another type's (sarvam_mla runs deepseek_v3's).
-    indexer: a sparse attention's indexer and how it rotates its rotary part ("half" or
-    "interleave"; None: no indexer); its layers return their key selection as a third
-    output where ``returns_selection``.
+    indexer: a sparse attention's indexer (adapters/indexer.py; None: no indexer); its
+    layers return their key selection as a third output where ``returns_selection``.
     query_gate: each head's query and an output gate from q_gate_proj over the query
-    LoRA's normed and raw outputs side by side, the output scaled by sigmoid(gate) (axk2)."""
+    LoRA's normed and raw outputs side by side, the output scaled by sigmoid(gate) (axk2).
+    head_gate: each head's output scaled by sigmoid(gate_proj(x)) in the model's dtype,
+    and ``sinks``: a learned logit per head joining each softmax (hy_v4)."""
 
     attention_class: str
     rotation: str = "config"
     lora_scales: bool = False
     output_gate: bool = False
     modeling: str | None = None
-    indexer: str | None = None
+    indexer: IndexerLayout | None = None
     returns_selection: bool = False
     query_gate: bool = False
+    head_gate: bool = False
+    sinks: bool = False
 
 
 LATENT_LAYOUTS: dict[str, LatentLayout] = {
@@ -89,10 +92,12 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "longcat_flash": LatentLayout("LongcatFlashMLA", rotation="interleave", lora_scales=True),
     "kimi_linear": LatentLayout("KimiLinearAttention", rotation="none"),
     "sarvam_mla": LatentLayout("DeepseekV3Attention", modeling="deepseek_v3"),
-    "deepseek_v32": LatentLayout("DeepseekV32Attention", rotation="interleave", indexer="half"),
-    "glm_moe_dsa": LatentLayout("GlmMoeDsaAttention", rotation="interleave", indexer="interleave",
+    "deepseek_v32": LatentLayout("DeepseekV32Attention", rotation="interleave", indexer=IndexerLayout("half")),
+    "glm_moe_dsa": LatentLayout("GlmMoeDsaAttention", rotation="interleave", indexer=IndexerLayout("interleave"),
                                 returns_selection=True),
-    "axk2": LatentLayout("AXK2Attention", rotation="interleave", indexer="half", query_gate=True),
+    "axk2": LatentLayout("AXK2Attention", rotation="interleave", indexer=IndexerLayout("half"), query_gate=True),
+    "hy_v4": LatentLayout("HYV4Attention", rotation="half", returns_selection=True, head_gate=True, sinks=True,
+                          indexer=IndexerLayout("half", rope_last=True, scale_on_weights=True)),
 }
 
 
@@ -171,12 +176,15 @@ class LatentAttention(_Replacement):
                             if layout.lora_scales else None)
         self.output_gate = layout.output_gate
         self.query_gate = layout.query_gate
+        self.head_gate = layout.head_gate
+        self.has_sinks = layout.sinks
         self._dequantized: list[torch.Tensor] = []  # a quantized kv_b_proj's float weight, once read
         modeling = sys.modules[type(original).__module__]
         self._rotate = _rotation(modeling, layout.rotation, config)
         self._outputs = 3 if layout.returns_selection else 2
         self.indexed = layout.indexer is not None
-        self._indexer = (LayerIndexer(self, self.layer_idx, _rotation(modeling, layout.indexer, config), scope)
+        self._indexer = (LayerIndexer(self, self.layer_idx, layout.indexer,
+                                      _rotation(modeling, layout.indexer.rotation, config), scope)
                          if layout.indexer is not None and getattr(original, "indexer", None) is not None else None)
 
     def forward(self, *args, **kwargs):
@@ -204,10 +212,13 @@ class LatentAttention(_Replacement):
             elif self.indexed:
                 selections = shared_selections(self._scope, self.layer_idx)
             kernel = "triton" if isinstance(ctx.work, TritonIndices) else "c" if self.latent_decode_kernel else None
+            sinks = self.get_parameter("sinks") if self.has_sinks else None
             out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel=kernel,
-                                         selections=selections)
+                                         selections=selections, sinks=sinks)
         out = out.to(x.dtype)
+        if self.head_gate:
+            out = out * torch.sigmoid(self.get_submodule("gate_proj")(x).view(out.shape))
         if gate is not None:
             out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         if self.output_gate:
