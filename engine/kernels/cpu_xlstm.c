@@ -25,7 +25,7 @@ static void head_tokens(const float *q, int64_t q_stride, const float *k, int64_
                         int64_t v_stride, float *h, int64_t h_stride, const float *igate, int64_t i_stride,
                         const float *fgate, int64_t f_stride, int64_t first, int64_t count, float *c, float *n,
                         float *m, int64_t dqk, int64_t dv, float eps) {
-    const float scale = 1.0f / sqrtf((float)dqk);
+    const float scale = (float)pow((double)dqk, -0.5); /* as torch scales by the double dqk ** -0.5 */
     for (int64_t t = first; t < first + count; t++) {
         const float *qt = q + t * q_stride, *kt = k + t * k_stride, *vt = v + t * v_stride;
         float *ht = h + t * h_stride;

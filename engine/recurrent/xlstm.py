@@ -8,8 +8,8 @@ Per request and layer the state is, per head, the matrix memory C [DQK, DV], its
 normaliser n [DQK] and the running maximum m, in the model's dtype (where transformers'
 cache keeps them between calls). Each request's scheduled tokens run as transformers
 runs a forward call's: whole chunks of ``chunk_size`` chunkwise, the rest token by token
-in ``inference_state_dtype`` (float32), through the C kernel once the CPU paths choose
-it (float32 models). transformers' model has mLSTM blocks only (no sLSTM); the block's
+in ``inference_state_dtype`` (float32), for float32 models through the Triton kernel on
+CUDA or the C kernel once the CPU paths choose it. transformers' model has mLSTM blocks only (no sLSTM); the block's
 norms and feed-forward stay the model's own, around this layer.
 
 ``prepare_model`` readies what the model's own forward does around its layers: it
@@ -27,8 +27,10 @@ from typing import Literal, Protocol, cast
 import torch
 from torch import nn
 
+from ..kernels._triton import triton_available
 from ..kernels.cpu_xlstm import mlstm_kernel_available, mlstm_step_loop_cpu
-from ..kernels.xlstm_mlstm import mlstm_varlen, step_loop_varlen
+from ..kernels.xlstm_mlstm import StepLoop, mlstm_varlen, step_loop_varlen
+from ..kernels.xlstm_mlstm_triton import mlstm_step_loop_triton
 from .base import RecurrentKind, StateShapes, register_kind
 
 
@@ -168,12 +170,15 @@ class MlstmLayerKind(RecurrentKind):
         normed = m.multihead_norm(h[None]).reshape(num_tokens, -1)
         return m.out_proj(m.ogate_act_fn(o) * normed)
 
-    def _step_loop(self, q: torch.Tensor, state_dtype: torch.dtype, states: dict[str, torch.Tensor]):
-        """The C kernel's step loop where it computes what the torch one does (float32
-        inputs and state on the CPU), else the torch loop."""
-        if (self.native_core and q.device.type == "cpu" and q.dtype == state_dtype == torch.float32
-                and all(state.dtype == torch.float32 and state.is_contiguous() for state in states.values())
-                and mlstm_kernel_available()):
+    def _step_loop(self, q: torch.Tensor, state_dtype: torch.dtype, states: dict[str, torch.Tensor]) -> StepLoop:
+        """A kernel's step loop where it computes what the torch one does (float32 inputs
+        and state): the Triton kernel on CUDA, the C kernel on the CPU once the CPU paths
+        chose it; else the torch loop."""
+        float32 = q.dtype == state_dtype == torch.float32 and all(
+            state.dtype == torch.float32 and state.is_contiguous() for state in states.values())
+        if float32 and q.is_cuda and triton_available():
+            return mlstm_step_loop_triton
+        if float32 and self.native_core and q.device.type == "cpu" and mlstm_kernel_available():
             return mlstm_step_loop_cpu
         return step_loop_varlen
 
