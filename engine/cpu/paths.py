@@ -6,10 +6,11 @@ themselves, never by an assumed instruction set (engine/cpu/capability.py asks t
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
 matmul, the native prefill kernel against SDPA, the quantized linears' C kernels
-against their torch tile path. Each measurement is cached per host, library configuration and
-shape in the cache directory, so a host pays it once (a few hundred milliseconds at
-most). Native decode attention needs no race: it reads each context row once where
-the torch path gathers the paged blocks into a padded copy first.
+against their torch tile path, the W8A8 int8 kernel against the weight-only kernels.
+Each measurement is cached per host, library configuration and shape in the cache
+directory, so a host pays it once (a few hundred milliseconds at most). Native decode
+attention needs no race: it reads each context row once where the torch path gathers
+the paged blocks into a padded copy first.
 
 ``SHARDLINE_CPU_PATHS`` sets paths by name: ``prefill_kernel=off`` never takes one,
 ``packed_linears=on`` takes one wherever the host can run it without measuring, and
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_prefill_attention, native
 from ..kernels.cpu_quant import cpu_w8_linear
+from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 from .capability import (
     ModelShape,
@@ -54,7 +56,7 @@ from .recurrent_core import take_native_core
 logger = logging.getLogger(__name__)
 
 PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel",
-              "quant_kernels")
+              "quant_kernels", "quant_int8_kernel")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
 
@@ -74,6 +76,9 @@ class CpuPaths:
     # Quantized linears and experts through the C kernels (kernels/cpu_quant.py, cpu_mxfp4.py),
     # else through torch, a tile of dequantized weight rows at a time.
     quant_kernels: bool = False
+    # W8A8 int8 linears (inputs quantized per token) through integer products
+    # (kernels/cpu_quant_int8.py), else the weight-only kernels on the dequantized codes.
+    quant_int8_kernel: bool = False
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -112,6 +117,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         "recurrent_kernel": (recurrent_kernel_capability(dtype), None, ""),
         "quant_kernels": (quant_kernels_capability(dtype), lambda: _quant_speedup(dtype, shape),
                           "the torch tile path"),
+        "quant_int8_kernel": (_quant_int8_capability(dtype), lambda: _quant_int8_speedup(dtype, shape),
+                              "the weight-only kernels"),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -190,7 +197,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         others += take_native_core(model)
     if paths.decode_kernel:  # latent attention layers' decode steps through kernels/cpu_mla.py
         take_latent_decode_kernel(model)
-    quantized = choose_quant_kernels(model, paths.quant_kernels)
+    quantized = choose_quant_kernels(model, paths.quant_kernels, paths.quant_int8_kernel)
     rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
@@ -206,12 +213,15 @@ def take_latent_decode_kernel(model: torch.nn.Module) -> int:
     return len(modules)
 
 
-def choose_quant_kernels(model: torch.nn.Module, take: bool) -> int:
+def choose_quant_kernels(model: torch.nn.Module, take: bool, int8_kernel: bool = False) -> int:
     """Set every quantized module's CPU path (its boolean ``cpu_kernels``: the C kernels,
-    else torch's dequantized tiles, engine/quantization/); returns how many there are."""
+    else torch's dequantized tiles, engine/quantization/; and where it has one, its
+    boolean ``int8_kernel``: W8A8 int8 through integer products); returns how many there are."""
     modules = [module for module in model.modules() if isinstance(getattr(module, "cpu_kernels", None), bool)]
     for module in modules:
         setattr(module, "cpu_kernels", take)  # noqa: B010 - a plain attribute, not a submodule
+        if isinstance(getattr(module, "int8_kernel", None), bool):
+            setattr(module, "int8_kernel", int8_kernel)  # noqa: B010
     return len(modules)
 
 
@@ -345,3 +355,29 @@ def _quant_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
     inputs = [torch.randn(count, shape.hidden_size, generator=generator).to(dtype) for count in MEASURED_QUANT_ROWS]
     return _race(lambda: [cpu_w8_linear(x, weight, scale) for x in inputs],
                  lambda: [quantized_linear_reference(x, dequantize_w8(weight, scale)) for x in inputs])
+
+
+def _quant_int8_capability(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the W8A8 int8 kernel (kernels/cpu_quant_int8.py) runs ``dtype`` here, and why."""
+    if not cpu_w8a8_available(dtype):
+        return False, "no AVX512_VNNI build of cpu_quant_int8.c for this dtype (float32 and bfloat16 only)"
+    return True, "built with AVX512_VNNI"
+
+
+@torch.inference_mode()
+def _quant_int8_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
+    """How many times faster the W8A8 int8 kernel runs a per-channel int8 linear of the
+    model's width than the weight-only C kernel on x's per-token codes dequantized
+    (what a W8A8 layer runs without it)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = min(shape.widest_linear, MEASURED_OUTPUTS)
+    weight = torch.randint(-127, 128, (rows, shape.hidden_size), dtype=torch.int8, generator=generator)
+    scale = torch.rand(rows, 1, generator=generator) * 1e-2
+    inputs = [torch.randn(count, shape.hidden_size, generator=generator).to(dtype) for count in MEASURED_QUANT_ROWS]
+
+    def weight_only(x: torch.Tensor) -> torch.Tensor:
+        codes, scales, _ = cpu_int8_token_codes(x)
+        return cpu_w8_linear(codes.to(dtype) * scales.to(dtype)[:, None], weight, scale)
+
+    return _race(lambda: [cpu_w8a8_linear(x, weight, scale) for x in inputs],
+                 lambda: [weight_only(x) for x in inputs])

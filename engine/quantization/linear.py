@@ -67,6 +67,8 @@ class QuantizedLinear(nn.Module):
         # The CPU path (engine/cpu/paths.py's quant_kernels): the C kernels where they
         # build and take the layout, else the torch tile path.
         self.cpu_kernels = True
+        # With them, W8A8 int8 through integer products (paths.py's quant_int8_kernel).
+        self.int8_kernel = True
         for name in ("weight", "scale", "packed", "scales", "zeros", "input_perm"):
             self.register_buffer(name, None)
         self.register_buffer("bias", bias)
@@ -141,7 +143,7 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
-    if x.device.type == "cpu" and layer.cpu_kernels and int8_kernel_takes(layer, x):
+    if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
         assert layer.weight is not None and layer.scale is not None
         return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
     x = fake_quantize_inputs(x, layer.input_quantization)

@@ -20,6 +20,7 @@ from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
 from shardline.engine.cpu.paths import PATH_NAMES, choose_cpu_paths, path_settings
 from shardline.engine.kernels import native
+from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available
 
 from .paths_taken import taken_unless_forced_off
 
@@ -86,7 +87,8 @@ def test_unknown_path_setting_names_the_item(monkeypatch):
         path_settings()
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=off,decode_kernel=on")
     assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
-                               "prefill_kernel": False, "recurrent_kernel": False, "quant_kernels": False}
+                               "prefill_kernel": False, "recurrent_kernel": False, "quant_kernels": False,
+                               "quant_int8_kernel": False}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,
@@ -102,7 +104,8 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
     assert all(reasons[name].startswith("measured ") for name in ("packed_linears", "prefill_kernel", "quant_kernels"))
     cache = tmp_path / "cpu_paths.json"
     measured = json.loads(cache.read_text())
-    assert len(measured) == 3 and all(isinstance(ratio, float) and ratio > 0 for ratio in measured.values())
+    raced = 3 + int(cpu_w8a8_available(torch.float32))  # the W8A8 int8 kernel where it builds
+    assert len(measured) == raced and all(isinstance(ratio, float) and ratio > 0 for ratio in measured.values())
     # Ratios the other side of the margin, as a host where torch wins would measure.
     cache.write_text(json.dumps({key: 0.5 for key in measured}))
     slower = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
@@ -110,10 +113,12 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
     assert dict(slower.reasons)["packed_linears"] == "measured 0.50x torch's matmul"
     assert dict(slower.reasons)["prefill_kernel"] == "measured 0.50x SDPA"
     assert dict(slower.reasons)["quant_kernels"] == "measured 0.50x the torch tile path"
+    assert not slower.quant_int8_kernel
     assert slower.decode_kernel == paths.decode_kernel  # not raced
     cache.write_text(json.dumps({key: 2.0 for key in measured}))
     faster = choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
     assert faster.packed_linears and faster.prefill_kernel and faster.quant_kernels
+    assert faster.quant_int8_kernel == cpu_w8a8_available(torch.float32)
     # Other C kernel sources or build flags: the cached ratios are not theirs; both race again.
     monkeypatch.setattr(native, "kernel_sources_digest", lambda: "other kernels")
     cpu_paths._host_key.cache_clear()
@@ -121,7 +126,7 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
         choose_cpu_paths(torch.float32, SHAPE, rows_hint=64)
     finally:
         cpu_paths._host_key.cache_clear()
-    assert len(json.loads(cache.read_text())) == 6
+    assert len(json.loads(cache.read_text())) == 2 * raced
 
 
 def test_float64_takes_no_packed_or_fused_path():

@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 
 from shardline import LLM, SamplingParams
+from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.quantization.linear import QuantizedLinear, quantized_linears
 
@@ -205,3 +206,21 @@ def test_bfloat16_serving_passes_the_load_check(name, float_dirs, tmp_path):
                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
     assert all(len(output.outputs[0].token_ids) == MAX_NEW_TOKENS for output in outputs)
     assert_kept_quantized(ckpt.engine_model(llm), list(dequantized), dtype)
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_w8a8_int8_with_the_integer_kernel_path_on_and_off(setting, float_dirs, tmp_path, monkeypatch):
+    """SHARDLINE_CPU_PATHS=quant_int8_kernel=on|off: integer products (where the host has
+    AVX512_VNNI) or the weight-only kernels on the dequantized codes; the same tokens as
+    transformers' own load of the checkpoint either way."""
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"quant_int8_kernel={setting}")
+    arch, config, quantize, _ = FORMATS["compressed_int8_w8a8_channel"]
+    ckpt.write_quantized(float_dirs[arch], tmp_path / "w8a8", config, quantize)
+    reference = ckpt.transformers_own_model(tmp_path / "w8a8")
+    prompts = clear_prompts(reference, PROMPTS)
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    llm, tokens = _engine_tokens(tmp_path / "w8a8", prompts)
+    assert tokens == expected
+    taken = setting == "on" and cpu_w8a8_available(torch.float32)
+    assert llm.llm_engine.cpu_paths.quant_int8_kernel == taken
+    assert {layer.int8_kernel for _, layer in quantized_linears(ckpt.engine_model(llm))} == {taken}
