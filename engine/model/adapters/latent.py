@@ -135,10 +135,15 @@ def caches_latents(text_config: transformers.PretrainedConfig) -> bool:
 
 
 def latent_caching(text_config: transformers.PretrainedConfig) -> bool:
-    """``caches_latents``, logging for a latent type that keeps full keys and values why."""
+    """``caches_latents``, logging for a latent type that keeps full keys and values why,
+    and for a sparse attention which paths take its selection."""
     reason = latent_cache_refusal(text_config)
     if reason is not None:
         logger.info("%s's attention layers cache full keys and values, not latents: %s", text_config.model_type, reason)
+    elif selects_keys(text_config):
+        logger.info("%s's sparse attention: index keys cached beside the latents; a request of more than "
+                    "index_topk=%d keys attends its selected keys in torch, a shorter one every key through the "
+                    "latent decode kernels where they run", text_config.model_type, text_config.index_topk)
     return caches_latents(text_config)
 
 

@@ -32,8 +32,10 @@ PROMPTS = [PREFIX + [40, 41, 42], PREFIX + [43, 44, 45, 46, 47], [90, 17, 88, 12
 # without one (DeepSeek-V2-Lite's shape), its rotation by complex frequencies.
 CASES = {"deepseek_v3": dict(num_attention_heads=20, num_key_value_heads=20),
          "deepseek_v2": dict(q_lora_rank=None)}
-# The other latent types at the coverage sweep's tiny sizes (slow under the interpreter).
-SLOW_TYPES = [model_type for model_type in LATENT_LAYOUTS if model_type not in CASES]
+# The other latent types at the coverage sweep's tiny sizes (slow under the interpreter);
+# the sparse-attention ones in test_sparse_indexer_triton.py.
+SLOW_TYPES = [model_type for model_type, layout in LATENT_LAYOUTS.items()
+              if model_type not in CASES and layout.indexer is None]
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
