@@ -157,3 +157,17 @@ def test_template_rows_match_transformers(xlstm_model, prefix_caching):
     scheduler = _scheduler(llm)
     assert (scheduler.snapshots is not None) == prefix_caching
     assert (scheduler.kv_cache.stats.num_hit_tokens > 0) == prefix_caching
+
+
+def test_a_step_longer_than_max_inference_chunksize_runs_whole(tmp_path):
+    """transformers splits an input longer than max_inference_chunksize into pieces it
+    runs in turn; the engine's packed step reaches its layers whole (the split is a
+    memory bound, not part of the math), with transformers' tokens."""
+    model_dir = str(build_tiny_model(tmp_path, "xlstm", **{**TINY, "max_inference_chunksize": 8}))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(3, (10, 30), 500, seed=7)
+    expected = [hf_greedy(hf_model, prompt, 4) for prompt in prompts]
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_batched_tokens=64)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=4),
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
