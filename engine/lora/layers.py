@@ -18,6 +18,12 @@ tokens. Tokens of no slot are left as the base layer computed them, bit for bit,
 with no slot in use the wrapper adds nothing at all. Which rows belong to which slot
 is decided once per step by the manager in a LoRATokenGroups object that every
 wrapper shares (an explicit context object, not a module global).
+
+On a tensor-parallel rank a layer may be its rank's share of the whole layer an
+adapter was trained for (its ``LayerShare``, set by engine/parallel/): a slot then
+holds the matching part of the adapter, B's rows of a column share (A whole), A's
+columns of a row share (B whole, the partial deltas summed with the base layer's
+partial products, so the delta is added once).
 """
 
 from __future__ import annotations
@@ -43,6 +49,24 @@ class LoRATokenGroups:
 
     num_tokens: int = 0
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LayerShare:
+    """How a layer relates to the whole layer of (``in_features``, ``out_features``)
+    an adapter was trained for: it computes output ``rows`` of the whole layer's, or
+    takes input ``columns`` of its input (None: all of them). ``named_by_parent``: the
+    adapter names it by its parent module's name (a row share's inner linear)."""
+
+    in_features: int
+    out_features: int
+    rows: torch.Tensor | slice | None = None
+    columns: torch.Tensor | slice | None = None
+    named_by_parent: bool = False
+
+
+# The attribute of a layer holding its LayerShare, where it is a share of a whole layer.
+SHARE_ATTRIBUTE = "lora_layer_share"
 
 
 # The layers LoRA can adapt.
@@ -77,6 +101,8 @@ class BatchedLoRALinear(nn.Module):
             f"{type(base_layer).__name__} is not an adaptable linear layer"
         self.base_layer: AdaptableLinear = base_layer
         self.in_features, self.out_features = _features(base_layer)
+        share = getattr(base_layer, SHARE_ATTRIBUTE, None)
+        self.share: LayerShare | None = share if isinstance(share, LayerShare) else None
         self.token_groups = token_groups
         # ranks[s] == 0: slot s leaves this layer alone (empty, or its adapter skips it).
         self.ranks = [0] * max_loras
@@ -94,13 +120,26 @@ class BatchedLoRALinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base_layer.bias
 
+    @property
+    def adapted_features(self) -> tuple[int, int]:
+        """(in_features, out_features) of the layer an adapter adapts: the whole layer's,
+        where this one is a share of it."""
+        return (self.in_features, self.out_features) if self.share is None else \
+            (self.share.in_features, self.share.out_features)
+
     def set_slot(self, slot: int, lora_a: torch.Tensor | None, scaled_lora_b: torch.Tensor | None) -> None:
-        """Put one adapter's A [r, in] and scaled B [out, r] in ``slot``; None clears it."""
+        """Put one adapter's A [r, in] and scaled B [out, r] (the whole layer's, see
+        ``adapted_features``) in ``slot``; None clears it."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if lora_a is None or scaled_lora_b is None:
             self.ranks[slot] = 0
             return
+        if self.share is not None:  # this layer's part of the whole layer's adapter
+            if self.share.columns is not None:
+                lora_a = lora_a[:, _on(self.share.columns, lora_a.device)]
+            if self.share.rows is not None:
+                scaled_lora_b = scaled_lora_b[_on(self.share.rows, scaled_lora_b.device)]
         rank = lora_a.shape[0]
         assert lora_a.shape == (rank, self.in_features) and scaled_lora_b.shape == (self.out_features, rank)
         self.lora_a[slot, :rank].copy_(lora_a)
@@ -132,6 +171,10 @@ class BatchedLoRALinear(nn.Module):
         return out
 
 
+def _on(index: torch.Tensor | slice, device: torch.device) -> torch.Tensor | slice:
+    return index.to(device) if isinstance(index, torch.Tensor) else index
+
+
 def _text_modules(model: nn.Module) -> set[int] | None:
     """ids of the modules of a vision-language model's text decoder, where LoRA applies
     (as vLLM's: its vision encoders and projector run outside the step's packed forward,
@@ -148,7 +191,8 @@ def _text_modules(model: nn.Module) -> set[int] | None:
 def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, token_groups: LoRATokenGroups,
                           device: torch.device, dtype: torch.dtype) -> dict[str, BatchedLoRALinear]:
     """Replace every adaptable layer of ``model`` (not its output embeddings) by a
-    BatchedLoRALinear, in place (through surgery.replace); return them by module name."""
+    BatchedLoRALinear, in place (through surgery.replace); return them by the module
+    name an adapter gives them (a row share's inner linear: its parent's name)."""
     # A transformers model names its output embeddings; a bare nn.Module has none.
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
@@ -164,5 +208,5 @@ def wrap_adaptable_layers(model: nn.Module, max_loras: int, max_lora_rank: int, 
     for name in targets:
         layer = BatchedLoRALinear(submodule(model, name), max_loras, max_lora_rank, token_groups, device, dtype)
         replace(model, name, layer)
-        wrapped[name] = layer
+        wrapped[name.rsplit(".", 1)[0] if layer.share is not None and layer.share.named_by_parent else name] = layer
     return wrapped

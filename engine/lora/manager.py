@@ -45,7 +45,9 @@ class LoRAManager:
         self.layers: dict[str, BatchedLoRALinear] = wrap_adaptable_layers(
             model, max_loras, max_lora_rank, self.token_groups, self.device, dtype
         )
-        self._layer_shapes = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
+        # The whole layers' shapes, which adapters are trained for (a tensor-parallel rank's
+        # layers keep their share of each adapter, engine/lora/layers.py).
+        self._layer_shapes = {name: layer.adapted_features for name, layer in self.layers.items()}
         self._specs: dict[int, AdapterSpec] = {}
         self._slot_ids: list[int | None] = [None] * max_loras
         self._lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot

@@ -40,6 +40,7 @@ from .kv_cache_spec import KVCacheSpec, plan_num_blocks
 
 if TYPE_CHECKING:
     from ..lora.manager import LoRAManager
+    from ..lora.request import LoRARequest
     from ..multimodal.encoder_cache import EncoderCache
 
 logger = logging.getLogger(__name__)
@@ -255,10 +256,18 @@ class ModelRunner:
         keep = 0 if len(plan.keep) == num_tokens else to_device(plan.keep, self.device)
         if self.lora_manager is not None:
             items = scheduler_output.scheduled
-            self.lora_manager.prepare_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
+            self.prepare_lora_step([i.request.lora_request for i in items], [i.num_new_tokens for i in items])
         forward = partial(self.model, **model_inputs, use_cache=False, logits_to_keep=keep)
         outputs = forward() if self.followers is None else self.followers.run_step(model_inputs, keep, forward)
         return ModelOutput(outputs.logits[0], plan.sample_rows, plan.prompt_rows)
+
+    def prepare_lora_step(self, lora_requests: list[LoRARequest | None], num_tokens: list[int]) -> None:
+        """Activate a step's adapters and set its tokens' slots (LoRAManager.prepare_step),
+        on every tensor-parallel rank: each loads its share of the adapters in the same order."""
+        assert self.lora_manager is not None, "a LoRA step on a runner without enable_lora"
+        self.lora_manager.prepare_step(lora_requests, num_tokens)  # first: an adapter it refuses reaches no rank
+        if self.followers is not None:
+            self.followers.mirror("prepare_lora_step", lora_requests, num_tokens)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]], group_pairs: list[list[tuple[int, int]]] | None = None) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..lora.layers import SHARE_ATTRIBUTE, LayerShare
 from ..quantization.linear import QuantizedLinear
 from .group import RankGroup, ShardingError
 from .quantized import split_quantized
@@ -44,26 +45,36 @@ def column_linear(linear: nn.Linear, rows: slice | torch.Tensor) -> nn.Linear:
 
 
 def column_share(module: nn.Module, name: str, rows: slice | torch.Tensor, group: RankGroup) -> nn.Module:
-    """Output ``rows`` of a linear (nn.Linear, or QuantizedLinear with its scales);
-    ShardingError, naming ``name``, for another module or a share a quantized layout
-    cannot cut."""
+    """Output ``rows`` of a linear (nn.Linear, or QuantizedLinear with its scales),
+    marked with its LayerShare (an adapter's B keeps those rows); ShardingError, naming
+    ``name``, for another module or a share a quantized layout cannot cut."""
     if isinstance(module, QuantizedLinear):
-        return split_quantized(module, name, rows, group)
-    if type(module) is not nn.Linear:
+        part = split_quantized(module, name, rows, group)
+    elif isinstance(module, nn.Linear):
+        part = column_linear(module, rows)
+    else:
         raise ShardingError(f"{name}: a {type(module).__name__} is not split over ranks")
-    return column_linear(module, rows)
+    setattr(part, SHARE_ATTRIBUTE, LayerShare(module.in_features, module.out_features, rows=rows))
+    return part
 
 
 def row_share(module: nn.Module, name: str, group: RankGroup) -> nn.Module:
     """This rank's share of a linear's input (nn.Linear, or QuantizedLinear with its
-    scales), its output summed over ranks; ShardingError as ``column_share``."""
+    scales), its output summed over ranks; its inner linear marked with its LayerShare
+    (an adapter's A keeps those columns); ShardingError as ``column_share``."""
     if isinstance(module, QuantizedLinear):
-        return split_quantized(module, name, None, group)
-    if type(module) is not nn.Linear:
+        part = split_quantized(module, name, None, group)
+    elif isinstance(module, nn.Linear):
+        if module.in_features % group.size:
+            raise ShardingError(f"{name}: {module.in_features} input features do not split over {group.size} ranks")
+        part = RowParallelLinear(module, group)
+    else:
         raise ShardingError(f"{name}: a {type(module).__name__} is not split over ranks")
-    if module.in_features % group.size:
-        raise ShardingError(f"{name}: {module.in_features} input features do not split over {group.size} ranks")
-    return RowParallelLinear(module, group)
+    share = module.in_features // group.size
+    setattr(part.get_submodule("linear"), SHARE_ATTRIBUTE, LayerShare(
+        module.in_features, module.out_features, columns=slice(group.rank * share, (group.rank + 1) * share),
+        named_by_parent=True))
+    return part
 
 
 class RowParallelLinear(nn.Module):

@@ -39,8 +39,9 @@ from .group import RankGroup, TensorParallelError, collective_timeout, join_grou
 logger = logging.getLogger(__name__)
 
 STEP, MIRROR, STOP, READY, FAILED = "step", "mirror", "stop", "ready", "failed"
-# The runner methods rank 0 has every rank call too: the cache copies.
-MIRRORED = ("copy_blocks", "copy_block_prefixes", "copy_states")
+# The runner methods rank 0 has every rank call too: the cache copies, and a step's
+# LoRA adapters and token slots (each rank loads its share of the adapters).
+MIRRORED = ("copy_blocks", "copy_block_prefixes", "copy_states", "prepare_lora_step")
 STOP_GRACE_S = 10.0
 _T = TypeVar("_T")
 

@@ -35,8 +35,8 @@ from ..quantization.linear import QuantizedLinear
 from ..quantization.methods import resolve_scheme
 from ..surgery import replace
 from .group import RankGroup, ShardingError
-from .layers import GatheredLMHead, ReducedOutput, RowParallelLinear, VocabParallelEmbedding, column_linear
-from .quantized import refuse_quantized_experts, split_quantized
+from .layers import GatheredLMHead, ReducedOutput, VocabParallelEmbedding, column_share, row_share
+from .quantized import refuse_quantized_experts
 from .recurrent import shard_recurrent_mixers
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
@@ -83,11 +83,11 @@ def model_heads(hf_config: transformers.PretrainedConfig) -> Heads | None:
 def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
                           quantization: str | None, task: str) -> None:
     """Refuse, before any rank starts, what ``size`` ranks cannot run exactly: one line
-    naming the model or option and why."""
+    naming the model or option and why. ``enable_lora`` refuses nothing: each rank keeps
+    its share of an adapter as of the layer it adapts (engine/lora/layers.py)."""
+    del enable_lora  # accepted with any model the ranks split
     model_type = hf_config.get_text_config().model_type
     prefix = f"tensor_parallel_size={size}"
-    if enable_lora:
-        raise ShardingError(f"{prefix}: LoRA adapters are not split over ranks; turn enable_lora off")
     scheme = resolve_scheme(hf_config, quantization)
     if scheme is not None and scheme.weights == "mxfp4":
         raise ShardingError(f"{prefix}: {model_type}'s mxfp4 experts are not split over ranks; run it on one rank")
@@ -207,19 +207,15 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
     if split == EXPERTS:
         refuse_quantized_experts(module, name)
         return split_experts(module, name, group)
-    if isinstance(module, QuantizedLinear):  # split with its scales (engine/parallel/quantized.py)
-        rows = None if split == ROW else column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1)
-        return split_quantized(module, name, rows, group)
-    if not isinstance(module, nn.Linear):
+    if not isinstance(module, (nn.Linear, QuantizedLinear)):  # a quantized one splits with its scales
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
             return None
         raise ShardingError(f"{name}: a {type(module).__name__} the rule {split!r} names is not an nn.Linear; "
                             "it is not split over ranks")
     if split == ROW:
-        if module.in_features % group.size:
-            raise ShardingError(f"{name}: {module.in_features} input features do not split over {group.size} ranks")
-        return RowParallelLinear(module, group)
-    return column_linear(module, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1))
+        return row_share(module, name, group)
+    return column_share(module, name, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1),
+                        group)
 
 
 def split_experts(module: nn.Module, name: str, group: RankGroup) -> nn.Module:

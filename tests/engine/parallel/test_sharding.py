@@ -40,7 +40,7 @@ def test_refusals_name_the_option_and_why():
     llama = tiny_config("llama", 512)
     check_tensor_parallel(llama, 2, enable_lora=False, quantization=None, task="generate")
     assert "4 attention heads, which do not split over 3 ranks" in refusal(llama, 3)
-    assert "LoRA" in refusal(llama, enable_lora=True)
+    check_tensor_parallel(llama, 2, enable_lora=True, quantization=None, task="generate")  # adapters split too
     check_tensor_parallel(llama, 2, enable_lora=False, quantization="fp8", task="generate")  # split with scales
     assert "embedding models" in refusal(llama, task="embed")
     three_kv = tiny_config("llama", 512, num_attention_heads=12, num_key_value_heads=3)
