@@ -95,10 +95,14 @@ def _attention_features(model: torch.nn.Module, layers: tuple, hf_config) -> lis
     features = sorted(f"{kind.replace('_', ' ')} attention" for kind in kinds)
     if "sliding_window" not in kinds and any(layer.sliding_window for layer in layers):
         features.append("sliding window")  # a window on layers of another cache kind
-    if any(layer.num_kv_heads and layer.head_dim != layer.value_head_dim for layer in layers):
+    indexed = any(getattr(module, "indexed", False) is True for module in model.modules())
+    # A sparse attention's layers keep their index keys where values would be: no value head size.
+    if not indexed and any(layer.num_kv_heads and layer.head_dim != layer.value_head_dim for layer in layers):
         features.append("keys and values of different head sizes")
     if any(name.endswith("sinks") for name, _ in model.named_parameters()):
         features.append("attention sinks")
+    if indexed:
+        features.append("sparse attention (indexer's top-k keys)")
     text_config = hf_config.get_text_config()
     if getattr(text_config, "attn_logit_softcapping", None):
         features.append("softcap")

@@ -206,6 +206,10 @@ def _config_verdict(hf_config: transformers.PretrainedConfig, task: Task) -> tup
         return reason, index
     if task == "embed":
         for index, layer_type in enumerate(declared_layer_types(hf_config)):
+            if layer_type == "indexed_attention":
+                return (f"layer {index} is an 'indexed_attention' layer, whose indexer picks each query's keys from "
+                        "index keys the generation engine's paged cache keeps; the pooling engine's packed "
+                        "forward keeps none"), index
             if layer_kind(hf_config, layer_type) not in _EMBED_KINDS or keeps_state(hf_config, layer_type):
                 return (f"layer {index} is a {layer_type!r} layer, which the pooling engine cannot run: it packs "
                         "every prompt of a step into one sequence and keeps no per-request recurrent state, and "
