@@ -92,6 +92,9 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] | None = None
+    # Gigabytes of processed images (their pixel tensors) kept by image hash, so an image
+    # that recurs is preprocessed once (vLLM's option; 0 keeps none; engine/multimodal/pixel_cache.py).
+    mm_processor_cache_gb: float = 1.0
     enforce_eager: bool = False
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -140,6 +143,9 @@ class EngineConfig:
             _check_choice("attention_backend", self.attention_backend, ("cpu", "torch", "triton"))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        cache_gb = self.mm_processor_cache_gb
+        if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not cache_gb >= 0:
+            raise ConfigError(f"mm_processor_cache_gb must be a number >= 0, got {cache_gb!r}")
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
         if self.allowed_media_domains is not None:

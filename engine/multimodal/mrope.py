@@ -21,6 +21,8 @@ Invariants:
   the processor step builds the request's ImageInputs).
 - ``mrope_positions(positions, images)[:, i]`` depends on ``positions[i]`` and the
   images alone.
+- No image's placeholders run straight into the next image's (refused: the models
+  read one run of image tokens as one image).
 """
 
 from __future__ import annotations
@@ -95,6 +97,18 @@ def check_mrope_image(request_id: str, image: ImageInput) -> None:
         raise ValueError(f"request {request_id!r}: an image's {image.num_rows} placeholder tokens at prompt "
                          f"positions {image.start}..{image.end - 1} do not form its {frames}x{height}x{width} "
                          "token grid (one contiguous run of height * width tokens, one frame)")
+
+
+def check_adjacent_images(request_id: str, images: Sequence[ImageInput]) -> None:
+    """ValueError naming the request when one image's placeholders run straight into the
+    next one's: the models read a run of image tokens as one image (transformers' rope
+    index then fails), so their prompts put text (the vision end and start markers)
+    between images."""
+    for before, after in zip(images, images[1:]):
+        if after.start == before.end:
+            raise ValueError(f"request {request_id!r}: two images' placeholder tokens are adjacent (prompt positions "
+                             f"{before.start}..{after.end - 1}); this model reads a run of image tokens as one image, "
+                             "so each image needs its own markers (<|vision_start|>, <|vision_end|>) or text between")
 
 
 def _advance(image: ImageInput) -> int:

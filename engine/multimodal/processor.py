@@ -10,7 +10,9 @@ holds one placeholder token per image, which is replaced by what the processor
 writes for that image alone.
 
 Runs on the caller's threads (llm.py's worker pool): images are decoded and hashed
-in parallel, the processor is called under a lock.
+in parallel, the processor is called under a lock. The processor's image processor is
+wrapped by a cache of its outputs by image hash (engine/multimodal/pixel_cache.py), so
+an image that recurs is resized and normalized once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from .image_only import load_processor
 from .inputs import ImageInput, ProcessedPrompt
 from .loading import MediaOptions, as_image
 from .media import media_uuids, refuse_media
-from .mrope import check_mrope_image
+from .mrope import check_adjacent_images, check_mrope_image
+from .pixel_cache import PixelCache
 from .specs import VisionSpec, vision_spec
 
 logger = logging.getLogger(__name__)
@@ -75,10 +78,12 @@ class MultimodalProcessor:
         processor = load_processor(config.tokenizer or config.model, hf_config.model_type,
                                    revision=config.tokenizer_revision or config.revision,
                                    trust_remote_code=config.trust_remote_code)
-        if getattr(processor, "image_processor", None) is None:
+        if processor is None or getattr(processor, "image_processor", None) is None:
             logger.warning("%s is a vision-language model without an image processor in its directory: it runs as "
                            "a text model, and its image prompts are refused", config.model)
             return None
+        processor.image_processor = PixelCache(processor.image_processor,
+                                               int(config.mm_processor_cache_gb * (1 << 30)))
         limits = config.limit_mm_per_prompt or {}
         max_images = limits.get("image", spec.max_images)
         if spec.max_images is not None and max_images is not None:
@@ -114,33 +119,37 @@ class MultimodalProcessor:
         refuse_media(request_id, media, self.model, accepted=("image",))
         uuids = media_uuids(request_id, prompt, media)["image"]
         images = [as_image(request_id, item, f"image {index}") for index, item in enumerate(media["image"])]
+        hashes = [image_hash(image, uuid) for image, uuid in zip(images, uuids)]
         if self.max_images is not None and len(images) > self.max_images:
             raise ValueError(f"request {request_id!r} has {len(images)} images; model {self.model!r} takes at "
                              f"most {self.max_images} per prompt (limit_mm_per_prompt)")
         if "prompt_token_ids" in prompt:
-            token_ids, pixels, counts = self._expand_token_ids(request_id, prompt["prompt_token_ids"], images)
+            token_ids, pixels, counts = self._expand_token_ids(request_id, prompt["prompt_token_ids"], images,
+                                                               hashes)
             text = prompt.get("prompt")
         else:
             text = prompt.get("prompt")
             if not isinstance(text, str) or not text:
                 raise ValueError(f"request {request_id!r}: an image prompt needs a non-empty 'prompt' str or "
                                  "'prompt_token_ids'")
-            token_ids, pixels, counts = self._process_text(request_id, text, images)
+            token_ids, pixels, counts = self._process_text(request_id, text, images, hashes)
         positions = [i for i, token_id in enumerate(token_ids) if token_id == self.image_token_id]
         if sum(counts) != len(positions):
             raise ValueError(f"request {request_id!r}: the prompt has {len(positions)} image placeholder tokens "
                              f"where its {len(images)} image(s) need {sum(counts)}")
         inputs, first = [], 0
-        for image, uuid, pixel_inputs, count in zip(images, uuids, pixels, counts):
+        for name, pixel_inputs, count in zip(hashes, pixels, counts):
             grid = None
             if self.spec.grid is not None:
                 assert self.hf_config is not None, "an M-RoPE model's processor step without its config"
                 grid = self.spec.grid(pixel_inputs, self.hf_config)
-            inputs.append(ImageInput(image_hash(image, uuid), tuple(positions[first:first + count]), pixel_inputs,
+            inputs.append(ImageInput(name, tuple(positions[first:first + count]), pixel_inputs,
                                      grid, bidirectional=self.spec.bidirectional))
             if grid is not None:
                 check_mrope_image(request_id, inputs[-1])
             first += count
+        if self.spec.grid is not None:
+            check_adjacent_images(request_id, inputs)
         return ProcessedPrompt(text, token_ids, tuple(inputs))
 
     def load_check_prompt(self, vocab_size: int) -> ProcessedPrompt:
@@ -153,17 +162,24 @@ class MultimodalProcessor:
         prompt = {"prompt_token_ids": [*before, self.prompt_token_id, *after], "multi_modal_data": {"image": picture}}
         return self.process("load-check-image", prompt, {"image": [picture]})
 
-    def _call(self, request_id: str, text: str, images: list[Image.Image], **kwargs: Any) -> Any:
+    def _call(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str], **kwargs: Any) -> Any:
         try:
             with self.lock:
-                return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+                cache = self.processor.image_processor
+                if not isinstance(cache, PixelCache):
+                    return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+                cache.declare({id(image): name for image, name in zip(images, hashes)})
+                try:
+                    return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+                finally:
+                    cache.declare({})  # ids of this call's images name nothing afterwards
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: the model's processor cannot take this prompt and its "
                              f"{len(images)} image(s): {exc}") from exc
 
-    def _process_text(self, request_id: str, text: str, images: list[Image.Image]) \
+    def _process_text(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str]) \
             -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
-        outputs = self._call(request_id, text, images)
+        outputs = self._call(request_id, text, images, hashes)
         token_ids = outputs["input_ids"][0].tolist()
         counts = self._counts(request_id, token_ids, images)
         pixels = self._split(outputs, counts)
@@ -200,7 +216,7 @@ class MultimodalProcessor:
                              f"among {len(images)} images")
         return [total // len(images)] * len(images)
 
-    def _expand_token_ids(self, request_id: str, token_ids: Any, images: list[Image.Image]) \
+    def _expand_token_ids(self, request_id: str, token_ids: Any, images: list[Image.Image], hashes: list[str]) \
             -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
         """Replace the one placeholder token of each image by its processor expansion."""
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
@@ -212,8 +228,8 @@ class MultimodalProcessor:
                              "image(s); put one where each image goes")
         expanded: list[int] = []
         pixels, counts, previous = [], [], 0
-        for position, image in zip(found, images):
-            outputs = self._call(request_id, self.prompt_token, [image], add_special_tokens=False)
+        for position, image, name in zip(found, images, hashes):
+            outputs = self._call(request_id, self.prompt_token, [image], [name], add_special_tokens=False)
             expansion = outputs["input_ids"][0].tolist()
             expanded += list(token_ids[previous:position]) + expansion
             counts.append(sum(1 for token_id in expansion if token_id == self.image_token_id))

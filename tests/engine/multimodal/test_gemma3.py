@@ -83,6 +83,7 @@ def test_chunked_prefill_keeps_each_image_whole(gemma3_dir, reference):
     _check(llm, reference, _prompts(images(5)))
 
 
+@pytest.mark.slow
 def test_token_prompts_and_chats_expand_the_image_marker(gemma3_dir, reference):
     llm = LLM(gemma3_dir, dtype="float32")
     [picture] = images(1)
@@ -101,6 +102,7 @@ def test_token_prompts_and_chats_expand_the_image_marker(gemma3_dir, reference):
     assert list(by_chat.outputs[0].token_ids) == reference(rendered.removeprefix("<|bos|>"), [picture])
 
 
+@pytest.mark.slow
 def test_a_prefix_hit_on_the_same_image(gemma3_dir, reference):
     llm = LLM(gemma3_dir, dtype="float32", block_size=4)
     first, second = images(2)
@@ -119,6 +121,7 @@ def test_an_image_longer_than_the_token_budget_is_refused(gemma3_dir):
                      use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_the_triton_backend_hands_image_steps_to_the_torch_path(gemma3_dir, reference, monkeypatch):
     # Under TRITON_INTERPRET=1 on CPU: decode steps run the Triton kernel, a step with
     # image rows attending both ways runs on the torch path (TritonBackend.build_context).

@@ -81,6 +81,7 @@ def test_generate_matches_transformers(qwen_vl):
     assert _tokens(outputs) == [reference(text, images) for text, images in items]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption(qwen_vl):
     # 5 tokens a step: every image's placeholders span several steps; blocks of 4 and a
     # cache of a few blocks: preemption and recompute.
@@ -96,6 +97,7 @@ def test_chunked_prefill_and_preemption(qwen_vl):
         assert [list(c.token_ids) for c in output.outputs] == [expected, expected], text
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_are_keyed_by_the_image(qwen_vl):
     # The second image has the first's grid: the same tokens, other pixels.
     model_dir, reference = qwen_vl
@@ -111,6 +113,7 @@ def test_prefix_cache_hits_are_keyed_by_the_image(qwen_vl):
                                   reference(text + " now", [first])]
 
 
+@pytest.mark.slow
 def test_token_prompts_and_chat_expand_like_text_prompts(qwen_vl):
     model_dir, reference = qwen_vl
     llm = LLM(model_dir, dtype="float32")
@@ -132,12 +135,19 @@ def test_token_prompts_and_chat_expand_like_text_prompts(qwen_vl):
     assert list(by_chat.outputs[0].token_ids) == reference(rendered, [picture])
 
 
-def test_a_video_is_refused(qwen_vl):
+def test_a_video_and_adjacent_images_are_refused(qwen_vl):
     model_dir, _ = qwen_vl
     llm = LLM(model_dir, dtype="float32", check_model=False)
     with pytest.raises(ValueError, match=r"cannot take video input"):
         llm.generate({"prompt": "<|vision_start|><|video_pad|><|vision_end|>", "multi_modal_data": {
             "video": [pictures(1)[0]]}}, GREEDY, use_tqdm=False)
+    # Two images in one run of placeholders, by text and by token ids: refused, never
+    # given positions transformers would not give.
+    adjacent = "<|vision_start|><|image_pad|><|image_pad|><|vision_end|> what?"
+    ids = llm.get_tokenizer()(adjacent, add_special_tokens=False).input_ids
+    for prompt in ({"prompt": adjacent}, {"prompt_token_ids": ids}):
+        with pytest.raises(ValueError, match=r"request '\d+': two images' placeholder tokens are adjacent"):
+            llm.generate({**prompt, "multi_modal_data": {"image": pictures(2)}}, GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])

@@ -15,7 +15,13 @@ import transformers
 from shardline.engine.model.tiny_qwen_vl import build_tiny_qwen_vl
 from shardline.engine.multimodal.image_only import load_processor
 from shardline.engine.multimodal.inputs import ImageInput
-from shardline.engine.multimodal.mrope import check_mrope_image, mrope_delta, mrope_positions, step_mrope_positions
+from shardline.engine.multimodal.mrope import (
+    check_adjacent_images,
+    check_mrope_image,
+    mrope_delta,
+    mrope_positions,
+    step_mrope_positions,
+)
 
 IMAGE_TOKEN = 9
 MERGE = 2
@@ -94,6 +100,17 @@ def test_placeholders_off_the_grid_are_refused():
     with pytest.raises(ValueError, match=r"request 'r1'.*do not form its 1x2x2 token grid"):
         check_mrope_image("r1", split)
     check_mrope_image("r1", ImageInput("whole", (1, 2, 3, 4), {}, (1, 2, 2)))
+
+
+def test_adjacent_images_are_refused(rope_index):
+    # The models read a run of image tokens as one image: their own rope index fails.
+    ids, images, grids = _prompt([2, (2, 3), (3, 2), 2])
+    with pytest.raises(RuntimeError):
+        rope_index(ids, grids)
+    with pytest.raises(ValueError, match=r"request 'r1': two images' placeholder tokens are adjacent \(prompt "
+                                         r"positions 2..13\)"):
+        check_adjacent_images("r1", images)
+    check_adjacent_images("r1", _prompt([2, (2, 3), 1, (3, 2), 2])[1])
 
 
 @pytest.mark.skipif(transformers.utils.import_utils.is_torchvision_available(),

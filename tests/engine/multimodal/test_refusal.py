@@ -70,3 +70,17 @@ def test_embedding_engine_refuses_images(embedding_model):
     llm = LLM(embedding_model, task="embed")
     with pytest.raises(ValueError, match=r"request '0' carries 1 image item"):
         llm.embed({"prompt": "hi", "multi_modal_data": {"image": IMAGE}}, use_tqdm=False)
+
+
+def test_processor_options_are_refused(tiny_llava_dir):
+    # vLLM's mm_processor_kwargs (Gemma 3's do_pan_and_scan among them) is not taken:
+    # processors run with their saved settings, and the option is refused, never ignored,
+    # as an engine option and as a prompt field.
+    from shardline import LLM
+
+    with pytest.raises(TypeError, match=r"unknown engine option\(s\) 'mm_processor_kwargs'"):
+        LLM(tiny_llava_dir, mm_processor_kwargs={"do_pan_and_scan": True})
+    llm = LLM(tiny_llava_dir, dtype="float32", check_model=False)
+    with pytest.raises(ValueError, match=r"request '\d+': unknown prompt field\(s\) 'mm_processor_kwargs'"):
+        llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": IMAGE},
+                      "mm_processor_kwargs": {"do_pan_and_scan": True}}, GREEDY, use_tqdm=False)

@@ -43,8 +43,9 @@ TINY_BUILDERS = {"llava": build_tiny_llava, "llava_next": build_tiny_llava_next,
                  "idefics3": build_tiny_idefics3, "smolvlm": build_tiny_smolvlm,
                  "mistral3": build_tiny_mistral3,
                  **{model_type: partial(build_tiny_qwen_vl, model_type=model_type) for model_type in QWEN_VL_TYPES}}
-FAST_SET = ("llava", "llava_next", "vipllava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "mistral3",
-            "paligemma", "gemma3", "mllama")
+# One type per outcome: the types at parity have their own fast tests (test_llava.py,
+# test_qwen_vl.py, ...), and vipllava's line is its only one.
+FAST_SET = ("vipllava", "paligemma", "mllama")
 MAX_TOKENS = 6
 
 
