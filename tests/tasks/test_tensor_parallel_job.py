@@ -29,5 +29,3 @@ def test_preflight_refuses_heads_that_do_not_split(make_job):
     check_model(make_job(tensor_parallel_size=2))
     with pytest.raises(ModelUnusable, match="tensor_parallel_size=3: llama has 4 attention heads"):
         check_model(make_job(tensor_parallel_size=3))
-    with pytest.raises(ModelUnusable, match="LoRA adapters are not split"):
-        check_model(make_job(tensor_parallel_size=2, lora_adapters={"a": "/nonexistent"}))
