@@ -88,6 +88,7 @@ print(chr(10).join(compile_launches("float32", launches, 90)), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_the_step_loop_kernel_compiles_for_hopper():
     """Triton's real compiler (through ptxas), which the interpreter never runs, takes
     the kernel for sm_90."""

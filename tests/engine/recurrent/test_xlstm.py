@@ -128,7 +128,7 @@ def xlstm_model(request, tmp_path_factory):
     return model_dir, dtype, prompts, expected, rows, expected_rows
 
 
-@pytest.mark.parametrize("recurrent_kernel", ["on", "off"])
+@pytest.mark.parametrize("recurrent_kernel", ["on", pytest.param("off", marks=pytest.mark.slow)])
 def test_chunked_and_forked_requests_match_transformers(xlstm_model, recurrent_kernel, monkeypatch):
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"recurrent_kernel={recurrent_kernel}")
     model_dir, dtype, prompts, expected, *_ = xlstm_model
@@ -146,7 +146,8 @@ def test_chunked_and_forked_requests_match_transformers(xlstm_model, recurrent_k
     assert {kind.native_core for kind in kinds} == {recurrent_kernel == "on" and mlstm_kernel_available()}
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["prefix-caching", "no-prefix-caching"])
 def test_template_rows_match_transformers(xlstm_model, prefix_caching):
     model_dir, dtype, *_, rows, expected_rows = xlstm_model
     llm = LLM(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
@@ -159,6 +160,7 @@ def test_template_rows_match_transformers(xlstm_model, prefix_caching):
     assert (scheduler.kv_cache.stats.num_hit_tokens > 0) == prefix_caching
 
 
+@pytest.mark.slow
 def test_a_step_longer_than_max_inference_chunksize_runs_whole(tmp_path):
     """transformers splits an input longer than max_inference_chunksize into pieces it
     runs in turn; the engine's packed step reaches its layers whole (the split is a
