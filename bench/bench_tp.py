@@ -3,11 +3,11 @@ gloo ranks, side by side in one process, with their ratio.
 
 On a CPU host tensor parallelism is a correctness feature (the CUDA path is the one
 that pays): two ranks share the host's cores, each step adds one broadcast of its inputs
-and two all-reduces per layer, and the ranks take no CPU fast path. The figures show
+and two all-reduces per layer, and the ranks take only the CPU fast paths a split model
+runs (engine/parallel/ranks.py: no fused decoder layers or MLPs). The figures show
 what a step costs for it. Runs, each engine from a cold cache:
 - tp1: one rank, with the CPU fast paths this host takes;
-- tp1-plain: one rank without them (SHARDLINE_CPU_PATHS=all=off), the same kernels
-  the ranks run;
+- tp1-plain: one rank without them (SHARDLINE_CPU_PATHS=all=off);
 - tp1-plain-half: the same on half the threads, as each of the two ranks gets;
 - tp2: two ranks.
 On a host other work keeps busy, runs on several threads lose most (each parallel
@@ -36,6 +36,8 @@ from common import build_bench_model, random_prompts
 from safetensors.torch import load_file, save_file
 
 from shardline import LLM, SamplingParams
+from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.parallel.ranks import RankDriver
 
 
 def run(model_dir: str, size: int, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list]:
@@ -55,7 +57,7 @@ def run(model_dir: str, size: int, prompts: list[list[int]], max_tokens: int) ->
         llm.close()
 
 
-def peak_rss_mib(pid: int | str = "self") -> float:
+def peak_rss_mib(pid: int | str | None = "self") -> float:
     """A process's peak resident memory (VmHWM), MiB."""
     with open(f"/proc/{pid}/status") as status:
         line = next(line for line in status if line.startswith("VmHWM:"))
@@ -89,8 +91,10 @@ def load_one_rank(model_dir: str, how: str, rank: int) -> None:
 def engine_memory(model_dir: str) -> None:
     """In this (fresh) process: a two-rank engine's peak resident memory per rank process."""
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
-    followers = llm.llm_engine.runner.followers
-    assert followers is not None
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    followers = engine.runner.followers
+    assert isinstance(followers, RankDriver)
     print(" ".join(f"{value:.0f}" for value in [peak_rss_mib(), *(peak_rss_mib(p.pid) for p in followers.processes)]))
     llm.close()
 

@@ -52,13 +52,20 @@ def plan_placements(size: int, engine_options: dict[str, Any]) -> list[Placement
     visible = _visible_cuda_devices() if device != "cpu" else []
     if device.startswith("cuda") and not visible:
         raise ValueError(f"data_parallel_size={size} with device={device!r}: no CUDA device is visible here")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return place_replicas(size, per_replica, visible, cpus)
+
+
+def place_replicas(size: int, per_replica: int, visible: list[str], cpus: int) -> list[Placement]:
+    """``size`` replicas of ``per_replica`` devices each (their tensor-parallel ranks)
+    over the ``visible`` CUDA device ids, in order, without sharing one; with none
+    visible, ``cpus`` threads shared among them. ValueError when too few are visible."""
     if visible:
         if size * per_replica > len(visible):
             raise ValueError(f"data_parallel_size={size} with {per_replica} device(s) per replica needs "
                              f"{size * per_replica} CUDA devices; {len(visible)} are visible "
                              f"({', '.join(visible)})")
         return [Placement(tuple(visible[i * per_replica:(i + 1) * per_replica]), None) for i in range(size)]
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return [Placement(None, max(1, cpus // size)) for _ in range(size)]
 
 

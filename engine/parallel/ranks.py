@@ -31,6 +31,7 @@ from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsa
 
 from ..attention.backends import StepBatch
 from ..config import EngineConfig
+from ..cpu.paths import PATH_NAMES, CpuPaths
 from ..model.loader import resolve_device
 from ..model.runner import ModelInputs, ModelRunner
 from ..recurrent.state import RecurrentStep
@@ -146,8 +147,6 @@ class RankDriver:
         if device_type == "cuda" and torch.cuda.device_count() < self.size:
             raise TensorParallelError(f"tensor_parallel_size={self.size} needs {self.size} CUDA devices; "
                                       f"this host has {torch.cuda.device_count()}")
-        if device_type == "cpu":
-            share_cpu_threads(self.size)
         context = multiprocessing.get_context("spawn")
         store = TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=collective_timeout(),
                               wait_for_workers=False)
@@ -162,7 +161,8 @@ class RankDriver:
             theirs.close()
             self.processes.append(process)
             self.pipes.append(ours)
-        self._finalizer = weakref.finalize(self, stop_ranks, self.processes, self.pipes)
+        threads = share_cpu_threads(self.size) if device_type == "cpu" else None
+        self._finalizer = weakref.finalize(self, stop_ranks, self.processes, self.pipes, threads)
         try:
             join_group(store, 0, self.size, device_type)
         except BaseException:
@@ -237,17 +237,43 @@ class RankDriver:
         self._finalizer()
 
 
-def share_cpu_threads(size: int) -> None:
+def share_cpu_threads(size: int) -> int:
     """On CPU, give each of ``size`` ranks an equal share of the cores torch would use
-    (the ranks compute at once; more threads than cores slow every rank)."""
-    threads = max(1, torch.get_num_threads() // size)
-    logger.info("tensor-parallel rank process takes %d of torch's %d CPU threads", threads, torch.get_num_threads())
+    (the ranks compute at once; more threads than cores slow every rank); return the
+    thread count before (rank 0's process gets it back when the group closes)."""
+    before = torch.get_num_threads()
+    threads = max(1, before // size)
+    logger.info("tensor-parallel rank process takes %d of torch's %d CPU threads", threads, before)
     torch.set_num_threads(threads)
+    return before
+
+
+# The CPU paths a split model runs as the whole one does: packed linears (each rank's
+# share packed; a row-split linear's sum stays outside them), the attention kernels on
+# each rank's heads and cache, the quantized kernels on each share. Not the fused
+# decoder layers and MLPs (they read the projections whole and would skip the ranks'
+# sums) nor a hybrid's CPU layers.
+RANK_CPU_PATHS = ("packed_linears", "decode_kernel", "prefill_kernel", "quant_kernels")
+
+
+def rank_cpu_paths(paths: CpuPaths, group: RankGroup, hybrid: bool) -> CpuPaths:
+    """The CPU paths every rank of ``group`` takes: rank 0's choice among
+    RANK_CPU_PATHS (broadcast, so every rank replaces the same modules and runs the same
+    collectives), none for a ``hybrid`` (recurrent layers) model. Every rank calls it."""
+    names = () if hybrid else RANK_CPU_PATHS
+    chosen = group.broadcast(torch.tensor([int(getattr(paths, name)) for name in RANK_CPU_PATHS], dtype=torch.int64))
+    taken = {name: bool(value) and name in names for name, value in zip(RANK_CPU_PATHS, chosen.tolist())}
+    why_off = ("a hybrid model's CPU layers are not run over tensor-parallel ranks" if hybrid else
+               "not taken over tensor-parallel ranks: its fused layers read the split projections whole")
+    reasons = tuple((name, why if name in names else why_off) for name, why in paths.reasons)
+    return dataclasses.replace(paths, **{**dict.fromkeys(PATH_NAMES, False), **taken}, reasons=reasons,
+                               packed_dtype=paths.packed_dtype if taken["packed_linears"] else None)
 
 
 def stop_ranks(processes: list[multiprocessing.process.BaseProcess],
-               pipes: list[multiprocessing.connection.Connection]) -> None:
-    """Ask each rank to stop, then kill any still running after STOP_GRACE_S."""
+               pipes: list[multiprocessing.connection.Connection], threads: int | None = None) -> None:
+    """Ask each rank to stop, then kill any still running after STOP_GRACE_S; give rank
+    0's process back its ``threads`` (None: left as they are)."""
     for pipe in pipes:
         try:
             pipe.send((STOP, None))
@@ -262,6 +288,8 @@ def stop_ranks(processes: list[multiprocessing.process.BaseProcess],
     for pipe in pipes:
         pipe.close()
     leave_group()
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def run_rank(rank: int, config: EngineConfig, port: int, pipe: multiprocessing.connection.Connection,

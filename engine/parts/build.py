@@ -52,8 +52,9 @@ from ..multimodal.processor import MultimodalProcessor
 from ..parallel.group import RankGroup
 from ..parallel.loading import RankCheckpoint, SliceReader
 from ..parallel.placement import shard_then_place
-from ..parallel.ranks import RankDriver
-from ..parallel.sharding import check_tensor_parallel, shard_cache_spec
+from ..parallel.ranks import RankDriver, rank_cpu_paths
+from ..parallel.sharding import shard_cache_spec
+from ..parallel.verdict import tensor_parallel_verdict
 from ..quantization.load import put_quantized_linears
 from ..recurrent.state import RecurrentStateSpec, prepare_recurrent_layers
 from ..sampling.harmony import HarmonyParser
@@ -146,9 +147,10 @@ def build_rank_zero_parts(config: EngineConfig, loaded: LoadedModel | None) -> E
     """Rank 0 of a tensor-parallel engine: refuse what the ranks cannot split (before any
     starts), start the other ranks, build this rank's parts beside theirs and hand its
     runner the driver that sends them each step. The ranks are stopped if any fails."""
-    check_tensor_parallel(loaded.hf_config if loaded is not None else load_hf_config(config),
-                          config.tensor_parallel_size, enable_lora=config.enable_lora,
-                          quantization=config.quantization, task=config.task)
+    tensor_parallel_verdict(loaded.hf_config if loaded is not None else load_hf_config(config),
+                            config.tensor_parallel_size, enable_lora=config.enable_lora,
+                            quantization=config.quantization, task=config.task,
+                            trust_remote_code=config.trust_remote_code)
     driver = RankDriver(config, build_rank_runner)
     try:
         parts = build_engine_parts(config, loaded, driver.group)
@@ -188,9 +190,9 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
     spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
     # A model without attention layers (a pure state-space model) may name no heads.
     num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
-    # A tensor-parallel rank takes no CPU fast path: their fused layers read whole
-    # linears and would skip the ranks' sums.
-    cpu_paths = choose_host_paths(config, loaded, spec, num_heads) if ranks is None else None
+    cpu_paths = choose_host_paths(config, loaded, spec, num_heads)
+    if ranks is not None and cpu_paths is not None:  # rank 0's choice of those a split model runs
+        cpu_paths = rank_cpu_paths(cpu_paths, ranks, hybrid=bool(recurrent_layer_indices(loaded.hf_config)))
     num_attention_layers = sum(1 for layer in spec.layers if layer.num_kv_heads)
     if ranks is not None:
         spec, num_heads = shard_cache_spec(spec, loaded.hf_config, ranks.size), max(1, num_heads // ranks.size)

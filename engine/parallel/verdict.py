@@ -1,0 +1,53 @@
+"""Whether ``tensor_parallel_size`` ranks can split a model: every refusal the load
+would raise, answered from the config and the model built on the meta device, before
+any weight is read or any rank starts (the engine's rank 0 and the pipeline's
+pre-flight ask it).
+
+The config's refusals (``check_tensor_parallel``: heads, LoRA, MXFP4 experts, images,
+embeddings; an unknown quantization) come first; then the sharding step itself runs on
+the meta-device model with the engine's attention adapters, as the first and last
+rank would run it at load, so a projection it does not split (a fused query-key-value
+projection, a size that does not divide, an expert layout it does not know) is refused
+with the load's own line. What only a quantized checkpoint's tensors show (a share
+cutting a quantization block, quantized experts) is refused when the ranks load.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from ..attention.context import register as register_attention
+from ..model.adapters import adapt_attention, has_adapter
+from ..model.kv_cache_spec import KVCacheSpec
+from ..model.support import auto_class_for
+from .group import RankGroup
+from .sharding import check_tensor_parallel, shard_model
+
+
+def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
+                            quantization: str | None, task: str, trust_remote_code: bool = False) -> None:
+    """Raise what loading the model of ``hf_config`` over ``size`` ranks would raise
+    (ShardingError, or UnsupportedModelError for its quantization), one line naming the
+    model or module and why; return where the split can be made."""
+    check_tensor_parallel(hf_config, size, enable_lora=enable_lora, quantization=quantization, task=task)
+    num_attention_layers = sum(1 for layer in KVCacheSpec.from_hf_config(hf_config, torch.float32).layers
+                               if layer.num_kv_heads)
+    for rank in sorted({0, size - 1}):
+        try:
+            model = meta_model(hf_config, trust_remote_code)
+            adapt_attention(model)
+        except Exception:  # noqa: BLE001 - a model the engine cannot build: the load refuses it with its reason
+            return
+        shard_model(model, RankGroup(rank, size, lambda: ""), num_attention_layers)
+
+
+def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool) -> torch.nn.Module:
+    """The generation model of ``hf_config`` on the meta device, with the attention
+    implementation the loader gives it."""
+    auto_class = auto_class_for(hf_config, "generate")
+    model_class = auto_class._model_mapping.get(type(hf_config), None)
+    implementation = "eager" if model_class is not None and has_adapter(model_class) else register_attention()
+    with torch.device("meta"):
+        return auto_class.from_config(hf_config, trust_remote_code=trust_remote_code,
+                                      attn_implementation=implementation)
