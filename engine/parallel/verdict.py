@@ -14,6 +14,8 @@ cutting a quantization block, quantized experts) is refused when the ranks load.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import transformers
 
@@ -21,8 +23,10 @@ from ..attention.context import register as register_attention
 from ..model.adapters import adapt_attention, has_adapter
 from ..model.kv_cache_spec import KVCacheSpec
 from ..model.support import auto_class_for
-from .group import RankGroup
+from .group import RankGroup, ShardingError
 from .sharding import check_tensor_parallel, shard_model
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
@@ -37,9 +41,12 @@ def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int,
         try:
             model = meta_model(hf_config, trust_remote_code)
             adapt_attention(model)
-        except Exception:  # noqa: BLE001 - a model the engine cannot build: the load refuses it with its reason
+            shard_model(model, RankGroup(rank, size, lambda: ""), num_attention_layers)
+        except ShardingError:
+            raise
+        except Exception as error:  # noqa: BLE001 - what only real weights answer: the load decides
+            logger.debug("tensor-parallel verdict left to the load: %s: %s", type(error).__name__, error)
             return
-        shard_model(model, RankGroup(rank, size, lambda: ""), num_attention_layers)
 
 
 def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool) -> torch.nn.Module:
