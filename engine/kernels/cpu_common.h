@@ -5,6 +5,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* The steps of exp_f32 below, as macros that also serve GCC vector types (lane by lane). */
 #define EXP_F32_ROUND(x) (((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f)
@@ -70,22 +73,59 @@ static inline float load1(const void *base, int64_t index, int bf16) {
 static inline vf loadv(const void *base, int64_t index, int bf16) {
     vf x;
     if (bf16) {
+#if defined(__AVX512F__)  /* one widening load (GCC splits the generic one in two) */
+        x = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index))), 16);
+#else
         vh half;
         memcpy(&half, (const uint16_t *)base + index, sizeof half);
         x = (vf)(__builtin_convertvector(half, vi) << 16);
+#endif
     } else {
         memcpy(&x, (const float *)base + index, sizeof x);
     }
     return x;
 }
 
+/* f32_to_bf16 on VL lanes, each as its bfloat16 bits in the high half of a 32-bit lane
+ * (the low half zero): round to nearest even in integer arithmetic, NaN kept quiet.
+ * Not AVX512_BF16's conversion instruction: it flushes subnormals to zero, where
+ * torch's bfloat16 keeps them. */
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+static inline vu bf16_bits_v(vf x) {
+    const vu bits = (vu)x;
+    const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const vu nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (nan & ((bits & 0xffff0000u) | 0x400000u)) | (~nan & rounded);
+}
+
+/* x rounded to bfloat16 and widened back, lane by lane (round_bf16 on vectors). */
+static inline vf round_bf16_v(vf x) { return (vf)bf16_bits_v(x); }
+
 static inline void storev(void *base, int64_t index, vf x, int bf16) {
     if (bf16) {
-        for (int lane = 0; lane < VL; lane++) ((uint16_t *)base)[index + lane] = f32_to_bf16(x[lane]);
+#if defined(__AVX512F__)  /* one narrowing store */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + index), _mm512_cvtepi32_epi16((__m512i)(bf16_bits_v(x) >> 16)));
+#else
+        const vh half = __builtin_convertvector(bf16_bits_v(x) >> 16, vh);
+        memcpy((uint16_t *)base + index, &half, sizeof half);
+#endif
     } else {
         memcpy((float *)base + index, &x, sizeof x);
     }
 }
+
+/* DOT_BF16: AVX512_BF16's dot-product instruction is there (the build's target has
+ * it): each float32 lane adds the two products of a pair of bfloat16 lanes (exact in
+ * float32) to its sum, 2 VL elements per instruction, without widening either side.
+ * It treats subnormal bfloat16 inputs (below 1.2e-38) as zero. */
+#if defined(__AVX512BF16__) && VL == 16
+#define DOT_BF16 1
+static inline vf dot_bf16(vf sum, vf pairs_a, vf pairs_b) {
+    return (vf)_mm512_dpbf16_ps((__m512)sum, (__m512bh)pairs_a, (__m512bh)pairs_b);
+}
+#else
+#define DOT_BF16 0
+#endif
 
 static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf blend(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }

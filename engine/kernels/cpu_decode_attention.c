@@ -9,7 +9,8 @@
  * (OpenMP, dynamic schedule: contexts differ in length).
  *
  * float32, float64 and bfloat16 caches; bfloat16 is read into float32 and
- * accumulates there, which halves the bytes a decode step reads.
+ * accumulates there, which halves the bytes a decode step reads (its keys' scores by
+ * AVX512_BF16's dot-product instruction where the target has it: DOT_BF16 below).
  *
  * float32 and bfloat16 caches whose head sizes are multiples of the target's vector
  * width go through the vector item (below DEFINE_ITEM: explicit vectors of the
@@ -185,6 +186,30 @@ static inline __attribute__((always_inline)) vf key_scores(
     return sum_each(a);
 }
 
+#if DOT_BF16
+/* Bfloat16 caches whose key head size is a multiple of 2 VL score keys by the
+ * dot-product instruction (DOT_BF16, cpu_common.h) with no widening of the keys; the
+ * query stays bfloat16 and the scale multiplies the sums (torch's bfloat16 attention
+ * scales the float32 product too). */
+static inline __attribute__((always_inline)) vf key_scores_dot_bf16(
+    const uint16_t *query, const void *k_cache, int64_t key0, int64_t row_stride, const int num_keys,
+    const int64_t D, float scale, const char *prefetch, int64_t prefetch_row_bytes)
+{
+    vf a[VL];
+    for (int j = 0; j < VL; j++) a[j] = splat(0.0f);
+    for (int64_t d = 0; d < D; d += 2 * VL) {
+        const vf qd = (vf)_mm512_loadu_si512(query + d);
+        /* prefetch (or NULL): the next block's key rows, two per step (D >= VL * VL) */
+        for (int64_t r = d / VL; prefetch && r < d / VL + 2 && r < VL; r++)
+            prefetch_lines(prefetch + r * prefetch_row_bytes, D * 2);
+        for (int j = 0; j < VL; j++)
+            if (j < num_keys)
+                a[j] = dot_bf16(a[j], qd, (vf)_mm512_loadu_si512((const uint16_t *)k_cache + key0 + j * row_stride + d));
+    }
+    return sum_each(a) * scale;
+}
+#endif
+
 /* acc[rows][c .. c + cols - 1] += sum over keys j in lo .. hi - 1 of p[row][j] * value
  * row j's columns, for `rows` consecutive query rows of one KV head; with prefetch
  * (else NULL), the same columns of the next block's row j are prefetched beside row j. */
@@ -227,13 +252,19 @@ static inline __attribute__((always_inline)) void vector_item(
     int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
     if (chunk > 0 && query_pos - query_pos % chunk > first) first = query_pos - query_pos % chunk;
     float qs[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    /* The queries as they are (bfloat16), for the dot-product instruction (DOT_BF16). */
+    const int dot_bf16 = DOT_BF16 && bf16 && D % (2 * VL) == 0;
+    uint16_t q16[DOT_BF16 ? MAX_ITEM_HEADS : 1][MAX_HEAD_DIM] __attribute__((aligned(64)));
     vf acc[MAX_ITEM_HEADS][MAX_HEAD_DIM / VL];
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
     /* The block's scores, then its probabilities, by key (room for a last partial vector). */
     float p[MAX_ITEM_HEADS][MAX_BLOCK + VL] __attribute__((aligned(64)));
     for (int64_t i = 0; i < n; i++) {
         const int64_t qh = query_row * q_stride_t + (h0 * group + i) * q_stride_h;
-        for (int64_t d = 0; d < D; d++) qs[i][d] = load1(q, qh + d, bf16) * scale;
+        if (dot_bf16)
+            memcpy(q16[i], (const uint16_t *)q + qh, D * sizeof(uint16_t));
+        else
+            for (int64_t d = 0; d < D; d++) qs[i][d] = load1(q, qh + d, bf16) * scale;
         for (int64_t d = 0; d < DV; d++) acc[i][d] = splat(0.0f);
         m[i] = sinks ? (float)sinks[h0 * group + i] : -INFINITY;
         l[i] = sinks ? 1.0f : 0.0f;
@@ -259,10 +290,24 @@ static inline __attribute__((always_inline)) void vector_item(
                     /* the first query row of the head prefetches the next block's rows j0 .. j0 + VL - 1 */
                     const char *fetch = next_k && spread_keys && i == kv * group
                         ? next_k + (j0 * row_stride + kv * D) * element : NULL;
-                    const vf s = hi - j0 >= VL
+                    const int num_keys = hi - j0 >= VL ? VL : (int)(hi - j0);
+#if DOT_BF16
+                    const vf s = dot_bf16
+                        ? (num_keys == VL
+                           ? key_scores_dot_bf16(q16[i], k_cache, key0, row_stride, VL, D, scale, fetch,
+                                                 row_stride * element)
+                           : key_scores_dot_bf16(q16[i], k_cache, key0, row_stride, num_keys, D, scale, fetch,
+                                                 row_stride * element))
+                        : num_keys == VL
                         ? key_scores(qs[i], k_cache, key0, row_stride, VL, D, bf16, fetch, row_stride * element)
-                        : key_scores(qs[i], k_cache, key0, row_stride, (int)(hi - j0), D, bf16, fetch,
+                        : key_scores(qs[i], k_cache, key0, row_stride, num_keys, D, bf16, fetch,
                                      row_stride * element);
+#else
+                    const vf s = num_keys == VL
+                        ? key_scores(qs[i], k_cache, key0, row_stride, VL, D, bf16, fetch, row_stride * element)
+                        : key_scores(qs[i], k_cache, key0, row_stride, num_keys, D, bf16, fetch,
+                                     row_stride * element);
+#endif
                     memcpy(&p[i][j0], &s, sizeof s);
                 }
             }

@@ -29,15 +29,14 @@
 /* Below this many elements a call runs on one thread. */
 #define PARALLEL_MIN_ELEMENTS 65536
 
-static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 
-/* One row of silu(gate) * up: float32 rows VL lanes at a time through vexp (cpu_common.h;
- * the compiler's own vectorisation of the element loop is several times slower), the
- * rest of the row and bfloat16 rows element by element. vexp differs from exp_f32 only
- * below -87, where 1 + exp(-x) is 1 either way. */
+/* One row of silu(gate) * up: VL lanes at a time through vexp (cpu_common.h; the
+ * compiler's own vectorisation of the element loop is several times slower), the rest
+ * of the row element by element. vexp differs from exp_f32 only below -87, where
+ * 1 + exp(-x) is 1 either way. */
 static inline void silu_mul_row_f32(const float *gate, const float *up, float *out, int64_t cols) {
     int64_t c = 0;
     for (; c + VL <= cols; c += VL) {
@@ -51,26 +50,80 @@ static inline void silu_mul_row_f32(const float *gate, const float *up, float *o
 }
 
 static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t cols) {
-    _Pragma("omp simd")
-    for (int64_t c = 0; c < cols; c++)
-        out[c] = f32_to_bf16(round_bf16(silu_f32(bf16_to_f32(gate[c]))) * bf16_to_f32(up[c]));
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) {
+        const vf g = loadv(gate, c, 1);
+        storev(out, c, round_bf16_v(g / (1.0f + vexp(-g))) * loadv(up, c, 1), 1);
+    }
+    for (; c < cols; c++) out[c] = f32_to_bf16(round_bf16(silu_f32(bf16_to_f32(gate[c]))) * bf16_to_f32(up[c]));
 }
 
-#define DEFINE_FUSED(SUFFIX, T, LOAD, STORE, ROUND)                                            \
-    static inline void rms_row_##SUFFIX(const T *x, const T *weight, T *out, int64_t cols,      \
-                                        float eps) {                                            \
-        float sum = 0.0f;                                                                       \
-        _Pragma("omp simd reduction(+:sum)")                                                    \
-        for (int64_t c = 0; c < cols; c++) {                                                    \
-            const float v = LOAD(x[c]);                                                         \
-            sum += v * v;                                                                       \
-        }                                                                                       \
-        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);                                \
-        _Pragma("omp simd")                                                                     \
-        for (int64_t c = 0; c < cols; c++)                                                      \
-            out[c] = STORE(LOAD(weight[c]) * ROUND(LOAD(x[c]) * inv));                          \
-    }                                                                                           \
-                                                                                                \
+/* bfloat16 rows VL lanes at a time (the element loops' rounding to nearest even of
+ * f32_to_bf16 keeps the compiler from vectorising them): rms_norm's row, and one head
+ * of the rotary step. The same roundings as the element loops, in the same places. */
+static inline void rms_row_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t cols,
+                                float eps) {
+    vf sums = splat(0.0f);
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) {
+        const vf v = loadv(x, c, 1);
+        sums += v * v;
+    }
+    float sum = hsum(sums);
+    for (int64_t tail = c; tail < cols; tail++) sum += bf16_to_f32(x[tail]) * bf16_to_f32(x[tail]);
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+    for (c = 0; c + VL <= cols; c += VL)
+        storev(out, c, loadv(weight, c, 1) * round_bf16_v(loadv(x, c, 1) * inv), 1);
+    for (; c < cols; c++) out[c] = f32_to_bf16(bf16_to_f32(weight[c]) * round_bf16(bf16_to_f32(x[c]) * inv));
+}
+
+static inline void rotate_head_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t half) {
+    int64_t i = 0;
+    for (; i + VL <= half; i += VL) {
+        const vf a = loadv(x, i, 1), b = loadv(x, i + half, 1);
+        storev(x, i, round_bf16_v(a * loadv(cos, i, 1)) + round_bf16_v(-b * loadv(sin, i, 1)), 1);
+        storev(x, i + half, round_bf16_v(b * loadv(cos, i + half, 1)) + round_bf16_v(a * loadv(sin, i + half, 1)), 1);
+    }
+    for (; i < half; i++) {
+        const float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
+        x[i] = f32_to_bf16(round_bf16(a * bf16_to_f32(cos[i])) + round_bf16(-b * bf16_to_f32(sin[i])));
+        x[i + half] = f32_to_bf16(round_bf16(b * bf16_to_f32(cos[i + half])) + round_bf16(a * bf16_to_f32(sin[i + half])));
+    }
+}
+
+static inline void add_row_bf16(uint16_t *x, const uint16_t *delta, int64_t cols) {
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) storev(x, c, loadv(x, c, 1) + loadv(delta, c, 1), 1);
+    for (; c < cols; c++) x[c] = f32_to_bf16(bf16_to_f32(x[c]) + bf16_to_f32(delta[c]));
+}
+
+/* float32 rows: the compiler vectorises these element loops itself. */
+static inline void add_row_f32(float *x, const float *delta, int64_t cols) {
+    _Pragma("omp simd")
+    for (int64_t c = 0; c < cols; c++) x[c] += delta[c];
+}
+
+static inline void rms_row_f32(const float *x, const float *weight, float *out, int64_t cols, float eps) {
+    float sum = 0.0f;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t c = 0; c < cols; c++) sum += x[c] * x[c];
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+    _Pragma("omp simd")
+    for (int64_t c = 0; c < cols; c++) out[c] = weight[c] * (x[c] * inv);
+}
+
+/* One head of one token: x[i], x[i + half] -> x[i] c[i] - x[i + half] s[i],
+ * x[i + half] c[i + half] + x[i] s[i + half]. */
+static inline void rotate_head_f32(float *x, const float *cos, const float *sin, int64_t half) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + -b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+#define DEFINE_FUSED(SUFFIX, T)                                                                   \
     void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out,               \
                            int64_t out_stride, int64_t rows, int64_t cols, double eps,          \
                            int num_threads) {                                                   \
@@ -86,8 +139,7 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
         for (int64_t r = 0; r < rows; r++) {                                                    \
             T *xr = x + r * x_stride;                                                           \
             const T *dr = delta + r * delta_stride;                                             \
-            _Pragma("omp simd")                                                                 \
-            for (int64_t c = 0; c < cols; c++) xr[c] = STORE(LOAD(xr[c]) + LOAD(dr[c]));        \
+            add_row_##SUFFIX(xr, dr, cols);                                                     \
             rms_row_##SUFFIX(xr, weight, out + r * out_stride, cols, (float)eps);               \
         }                                                                                       \
     }                                                                                           \
@@ -98,17 +150,6 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
         for (int64_t r = 0; r < rows; r++) {                                                    \
             const T *gate = gate_up + r * stride;                                               \
             silu_mul_row_##SUFFIX(gate, gate + cols, out + r * out_stride, cols);               \
-        }                                                                                       \
-    }                                                                                           \
-                                                                                                \
-    /* One head of one token: x[i], x[i + half] -> x[i] c[i] - x[i + half] s[i],             \
-     * x[i + half] c[i + half] + x[i] s[i + half]. */                                           \
-    static inline void rotate_head_##SUFFIX(T *x, const T *cos, const T *sin, int64_t half) {   \
-        _Pragma("omp simd")                                                                     \
-        for (int64_t i = 0; i < half; i++) {                                                    \
-            const float a = LOAD(x[i]), b = LOAD(x[i + half]);                                  \
-            x[i] = STORE(ROUND(a * LOAD(cos[i])) + ROUND(-b * LOAD(sin[i])));                   \
-            x[i + half] = STORE(ROUND(b * LOAD(cos[i + half])) + ROUND(a * LOAD(sin[i + half]))); \
         }                                                                                       \
     }                                                                                           \
                                                                                                 \
@@ -126,5 +167,5 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
         }                                                                                       \
     }
 
-DEFINE_FUSED(f32, float, same_f32, same_f32, round_f32)
-DEFINE_FUSED(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_FUSED(f32, float)
+DEFINE_FUSED(bf16, uint16_t)

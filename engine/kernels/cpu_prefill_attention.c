@@ -1,7 +1,10 @@
 /* Causal attention of prefill chunks for the CPU path: each chunk's query tokens
  * over its request's context, read straight out of the paged KV cache through the
  * block tables (the step's own keys and values are already there). float32, and
- * bfloat16 read into float32, accumulated there and rounded once on the way out.
+ * bfloat16 read into float32, accumulated there and rounded once on the way out;
+ * where the target has AVX512_BF16 (DOT_BF16, cpu_common.h), bfloat16 queries and
+ * keys are multiplied as they are by its dot-product instruction, the products summed
+ * in float32.
  *
  * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
  * heads of the KV head make G * QT query rows that share every key and value read.
@@ -83,6 +86,13 @@ static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk)
     return first;
 }
 
+/* Pair `index` of the bfloat16 pairs stored from `row` on, in every lane. */
+static inline vf splat_pair(const float *row, int64_t index) {
+    uint32_t pair;
+    memcpy(&pair, (const char *)row + index * (int64_t)sizeof pair, sizeof pair);
+    return (vf)((vu){0} + pair);
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *table, int64_t block_size, int64_t row_stride, int64_t v_row_stride, void *out,
@@ -93,11 +103,19 @@ static inline __attribute__((always_inline)) void attend_tile(
     /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
     const int64_t DV = Dv / VL;  /* value vectors per row */
     const int64_t rows = (r1 - r0) * group;
+    /* Bfloat16 keys by the dot-product instruction (DOT_BF16, cpu_common.h): kt holds
+     * D / 2 vectors of VL keys' (d, d + 1) pairs, the queries stay bfloat16 and the
+     * scale multiplies the scores (as torch's bfloat16 attention scales its float32
+     * product). */
+    const int dot = DOT_BF16 && bf16 && KN == 1 && D % (2 * VL) == 0;
     const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
     for (int64_t i = 0; i < padded_rows; i++) {
         const int64_t row = i < rows ? i : rows - 1;
         const int64_t qh = (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
-        for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = load1(q, qh + d, bf16) * scale;
+        if (dot)  /* the query as it is: D / 2 pairs of bfloat16 at the row's start */
+            memcpy(&w->qs[i * D], (const uint16_t *)q + qh, (size_t)D * sizeof(uint16_t));
+        else
+            for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = load1(q, qh + d, bf16) * scale;
         for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
         w->m[i] = sinks ? (float)sinks[h * group + row % group] : -INFINITY;
         w->l[i] = sinks ? 1.0f : 0.0f;
@@ -116,6 +134,15 @@ static inline __attribute__((always_inline)) void attend_tile(
             key_row[j] = slot * row_stride + h * D;
             value_row[j] = slot * v_row_stride + h * Dv;
         }
+        if (dot)
+            for (int64_t d0 = 0; d0 < D; d0 += 2 * VL) {  /* VL keys by VL pairs of columns at a time */
+                vf columns[VL];
+                for (int j = 0; j < VL; j++)
+                    memcpy(&columns[j], (const uint16_t *)k_cache + key_row[j] + d0, sizeof(vf));
+                transpose(columns);
+                for (int d = 0; d < VL; d++) w->kt[d0 / 2 + d] = columns[d];
+            }
+        else
         for (int n = 0; n < KN; n++)
             for (int64_t d0 = 0; d0 < D; d0 += VL) {  /* VL keys by VL columns at a time */
                 vf columns[VL];
@@ -128,9 +155,22 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (kb > last_pos || kb + KB <= first_key(first_pos, window, chunk))
                 continue;  /* every row of the block sees none of these keys */
             vf s[RB][KN];
-#if KN == 1  /* even and odd d in separate sums */
+#if KN == 1  /* even and odd d (pairs of d with DOT_BF16) in separate sums */
             vf odd[RB];
             for (int b = 0; b < RB; b++) s[b][0] = odd[b] = splat(0.0f);
+#if DOT_BF16
+            if (dot) {
+                for (int64_t d = 0; d < D / 2; d += 2) {
+                    const vf kd = w->kt[d], kd1 = w->kt[d + 1];
+                    for (int b = 0; b < RB; b++) {
+                        s[b][0] = dot_bf16(s[b][0], splat_pair(&w->qs[(i0 + b) * D], d), kd);
+                        odd[b] = dot_bf16(odd[b], splat_pair(&w->qs[(i0 + b) * D], d + 1), kd1);
+                    }
+                }
+                for (int b = 0; b < RB; b++) s[b][0] = (s[b][0] + odd[b]) * scale;
+            } else
+#endif
+            {
             for (int64_t d = 0; d < D; d += 2) {
                 const vf kd = w->kt[d], kd1 = w->kt[d + 1];
                 for (int b = 0; b < RB; b++) {
@@ -139,6 +179,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 }
             }
             for (int b = 0; b < RB; b++) s[b][0] += odd[b];
+            }
 #else
             for (int b = 0; b < RB; b++)
                 for (int n = 0; n < KN; n++) s[b][n] = splat(0.0f);

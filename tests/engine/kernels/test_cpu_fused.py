@@ -92,3 +92,19 @@ def test_rotary(dtype, tokens, num_heads, num_kv_heads, head_dim):
 def test_other_dtypes_are_not_taken():
     assert not fused_kernels_available(torch.float64)
     assert not fused_kernels_available(torch.float16)
+
+
+def test_bfloat16_rounding_is_torchs_bit_for_bit():
+    """The residual add (x += delta) rounds each float32 sum to bfloat16 as torch does,
+    on whole vectors and on a row's last elements: to nearest even at exact ties,
+    subnormals kept, overflow to infinity, NaN stays NaN."""
+    halves = torch.tensor([1.0, 2 ** -8, 3 * 2 ** -9, 2 ** -9, 1e-39, 3e38, float("inf"), float("nan"), -0.0, -2.5])
+    base = torch.tensor([1.0, 1.0, 1.0, 1.0, 1e-39, 3e38, 1.0, 1.0, 0.0, 7.0])
+    x = torch.cat([base, (torch.randn(990, generator=generator()) * 100)]).to(torch.bfloat16)
+    delta = torch.cat([halves, torch.randn(990, generator=generator())]).to(torch.bfloat16)
+    rows = torch.stack([x, x.flip(0)]), torch.stack([delta, delta.flip(0)])  # specials in the tail too
+    expected = rows[0] + rows[1]  # torch: float32 sum, rounded to nearest even
+    residual = rows[0].clone()
+    add_rms_norm_(residual, rows[1], torch.ones(1000, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(residual.view(torch.int16)[~expected.isnan()], expected.view(torch.int16)[~expected.isnan()])
+    assert torch.equal(residual.isnan(), expected.isnan())
