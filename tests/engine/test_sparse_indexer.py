@@ -192,6 +192,23 @@ def test_requests_within_the_top_k_take_the_decode_kernel(decode_kernel, tmp_pat
     llm.close()
 
 
+@pytest.mark.slow
+def test_deepseek_v32_on_two_tensor_parallel_ranks_equals_transformers(tmp_path, monkeypatch):
+    """Each rank attends its share of the heads over the same selection: the indexer's
+    projections are kept whole on every rank (no plan or shape rule splits them)."""
+    model_dir, reference = _tiny_indexed(tmp_path, "deepseek_v32")
+    prompts = random_prompts(3, (8, 30), 512, seed=36)
+    ties = IndexerTies(monkeypatch, INDEX_TOPK)
+    expected = [hf_greedy(reference, prompt, 6) for prompt in prompts]
+    ties.assert_untied()
+    monkeypatch.undo()
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=8)
+    try:
+        assert _greedy(llm, prompts, 6) == expected
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize(("model_type", "words"), [
     ("deepseek_v4", "compressors pool over blocks"),
     ("dots3_note_text", "sliding-window latent layers"), ("qwen4_exp_text", "blocks of averaged keys")])
