@@ -33,7 +33,7 @@ def _run(tiny_model: str, inputs: str, output: str, *flags: str) -> list[list[di
     options = json.dumps({"max_num_seqs": 4, "max_model_len": 96, "device": "cpu", "dtype": "float32"})
     assert main(["run", inputs, output, "--model", tiny_model, "--max-tokens", "6", "--temperature", "0",
                  "--engine-options", options, *flags]) == 0
-    return [pq.read_table(f"{output}/part-{i}.parquet").to_pylist() for i in range(3)]
+    return [pq.read_table(f"{output}/part-{i:05d}.parquet").to_pylist() for i in range(3)]
 
 
 @pytest.mark.slow
