@@ -9,9 +9,10 @@ Invariants:
   placeholder position that an image fills replaced by that image's encoder row for
   it: a chunked prefill that splits an image's placeholders takes the rows of the
   positions it computes, and positions a prefix-cache hit skipped need none.
-- The cache holds at most ``capacity_rows`` rows of images not needed by the step
-  being built (least recently used leave first); an image it dropped is encoded again
-  when next needed, to the same output.
+- The cache holds at most ``capacity_bytes`` of outputs of images not needed by the
+  step being built (least recently used leave first); an image it dropped is encoded
+  again when next needed, to the same output. A budget in bytes keeps more images of a
+  small model than of a large one, in bounded memory.
 """
 
 from __future__ import annotations
@@ -33,19 +34,19 @@ from .specs import VisionSpec
 if TYPE_CHECKING:
     from ..core.scheduler import ScheduledRequest
 
-DEFAULT_CAPACITY_ROWS = 1 << 16
+DEFAULT_CAPACITY_BYTES = 1 << 30
 
 
 class EncoderCache:
     """Encoder outputs ([rows, hidden], in the model's dtype, on its device) by image hash."""
 
-    def __init__(self, model: nn.Module, spec: VisionSpec, capacity_rows: int = DEFAULT_CAPACITY_ROWS) -> None:
+    def __init__(self, model: nn.Module, spec: VisionSpec, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         assert isinstance(model, PreTrainedModel), f"{type(model).__name__} is not a transformers model"
         self.model = model
         self.spec = spec
-        self.capacity_rows = capacity_rows
+        self.capacity_bytes = capacity_bytes
         self.outputs: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.num_rows = 0
+        self.num_bytes = 0
         self.num_encoded_images = 0  # images the vision encoder has run on
         self.num_encoder_calls = 0  # batches it ran
         if spec.deepstack:
@@ -86,20 +87,20 @@ class EncoderCache:
                                        f"gave {image.num_rows} placeholder tokens")
                 encoded[image.image_hash] = output.to(parameter.dtype)
                 self.outputs[image.image_hash] = encoded[image.image_hash]
-                self.num_rows += image.num_rows
+                self.num_bytes += _nbytes(encoded[image.image_hash])
                 self.num_encoded_images += 1
         return encoded
 
     def _evict(self, keep: set[str]) -> None:
         for image_hash in list(self.outputs):
-            if self.num_rows <= self.capacity_rows:
+            if self.num_bytes <= self.capacity_bytes:
                 return
             if image_hash not in keep:
-                self.num_rows -= self.outputs.pop(image_hash).shape[0]
+                self.num_bytes -= _nbytes(self.outputs.pop(image_hash))
 
     def clear(self) -> None:
         self.outputs.clear()
-        self.num_rows = 0
+        self.num_bytes = 0
 
     def step_embeddings(self, input_ids: torch.Tensor, scheduled: Sequence[ScheduledRequest],
                         query_starts: np.ndarray | Sequence[int]) -> StepImages | None:
@@ -142,6 +143,10 @@ class StepImages:
 
     embeddings: torch.Tensor
     deepstack: DeepstackRows | None = None
+
+
+def _nbytes(output: torch.Tensor) -> int:
+    return output.numel() * output.element_size()
 
 
 def fills_images(scheduled: Sequence[ScheduledRequest]) -> bool:

@@ -76,6 +76,23 @@ def test_a_repeated_image_is_encoded_once(tiny_llava_dir, llava_reference):
         assert list(output.outputs[0].token_ids) == expected
 
 
+
+def test_the_encoder_cache_is_bounded_in_bytes(tiny_llava_dir, llava_reference):
+    # Room for two images' rows: a third drops the least recently used, which is encoded
+    # again, to the same tokens, when it recurs.
+    llm = LLM(tiny_llava_dir, dtype="float32", enable_prefix_caching=False, max_num_seqs=1)
+    cache = llm.llm_engine.runner.encoder_cache
+    assert cache is not None
+    cache.capacity_bytes = 2 * 16 * 64 * 4  # 16 rows of the 64-wide text model, float32, per image
+    pictures = images(3)
+    prompts = [{"prompt": f"{word} <image> now", "multi_modal_data": {"image": pictures[i]}}
+               for word, i in (("one", 0), ("two", 1), ("three", 2), ("four", 0))]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert cache.num_encoded_images == 4 and cache.num_bytes == cache.capacity_bytes
+    for prompt, output in zip(prompts, outputs):
+        expected = llava_reference(prompt["prompt"], [prompt["multi_modal_data"]["image"]], MAX_TOKENS)
+        assert list(output.outputs[0].token_ids) == expected
+
 def test_prefix_cache_is_keyed_by_the_image(tiny_llava_dir, llava_reference):
     llm = LLM(tiny_llava_dir, dtype="float32", block_size=4)
     first, second = images(2)
