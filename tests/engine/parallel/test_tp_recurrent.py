@@ -31,13 +31,15 @@ MAMBA2: dict[str, Any] = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, 
                               mamba_d_conv=4)
 CASES: dict[str, dict[str, Any]] = {
     "qwen3_5_text": {**GDN},
-    "qwen3_next": {**GDN, **MOE},  # fused q|k|v|z and b|a projections
+    # fused q|k|v|z and b|a projections; dense MLPs (its experts split as qwen2_moe's do)
+    "qwen3_next": {**GDN, **MOE, "mlp_only_layers": [0, 1, 2]},
     "bamba": dict(MAMBA2, mamba_n_groups=1, attn_layer_indices=[1]),  # one group spanning both ranks
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=4,
                        conv_kernel=4, layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=3,
                        head_dim=16),  # a group per rank
     "granitemoehybrid": dict(MAMBA2, mamba_n_groups=2, layer_types=["mamba", "attention"], num_local_experts=4,
                              num_experts_per_tok=2),
+    "falcon_h1": dict(MAMBA2, mamba_n_groups=2, mamba_d_ssm=128, head_dim=16),  # its mup vector and group norm
 }
 NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
 
@@ -106,7 +108,7 @@ def test_gated_delta_net_split_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"])
 def test_recurrent_mixers_split_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     whole, split = check_two_ranks(model_dir, torch.float32, preempt=arch in ("bamba", "nemotron_h"))
