@@ -35,9 +35,10 @@ def _timed(fn, repeats: int) -> float:
     return (time.process_time() - start) / repeats * 1e3
 
 
-def _run(step_loop, inputs: tuple, states: list[torch.Tensor]) -> torch.Tensor:
+def _run(step_loop, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> torch.Tensor:
+    q, k, v, i, f, cu, flags = inputs
     c, n, m = (state.clone() for state in states)  # each call from the same saved states
-    return mlstm_varlen(*inputs, c, n, m, CHUNK, 1e-6, torch.float32, step_loop)
+    return mlstm_varlen(q, k, v, i, f, cu, flags, c, n, m, CHUNK, 1e-6, torch.float32, step_loop)
 
 
 def main() -> None:
