@@ -211,15 +211,20 @@ class SliceReader:
                  dtype: torch.dtype, attn_implementation: str | dict[str, str]) -> nn.Module | None:
         from accelerate import init_empty_weights
 
+        if config.use_safetensors is False:
+            return self._whole(config, "use_safetensors=False")
         try:
             tensors = CheckpointTensors(checkpoint_directory(config.model, config.revision))
             with torch.device("cpu"), init_empty_weights(include_buffers=False):
-                model = auto_class.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+                model = auto_class.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
+                                               trust_remote_code=config.trust_remote_code)
             model.tie_weights()  # tied parameters are read through the one the checkpoint stores
             tensors.rename(checkpoint_renaming(model))
             split = set(slice_plan(model, RankGroup(0, config.tensor_parallel_size, lambda: "")))
         except (QuantizedCheckpointError, ShardingError, OSError) as error:
             return self._whole(config, str(error))
+        except Exception as error:  # noqa: BLE001 - transformers' own refusals: its whole read says them
+            return self._whole(config, f"{type(error).__name__}: {error}")
         if getattr(model, "_keep_in_fp32_modules", None) and dtype != torch.float32:
             return self._whole(config, f"{type(model).__name__} keeps modules in float32 under {dtype}")
         sources, problem = _sources(model, tensors, split)
