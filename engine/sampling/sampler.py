@@ -158,33 +158,60 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] occurrence counts of each token id in each row's list."""
-    max_len = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max_len + 1), vocab_size, dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-    counts = torch.zeros((len(token_lists), vocab_size + 1), dtype=torch.int64)
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab_size].to(device, non_blocking=True)
+def _token_keys(token_lists: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (row, token) pairs of each row's list as flat keys row * V + token,
+    sorted, with how often each occurs; ids past the vocabulary have no logit and are left out."""
+    lengths = [len(tokens) for tokens in token_lists]
+    if not sum(lengths):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for tokens in token_lists if tokens])
+    keys = np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths) + ids
+    return np.unique(keys[(ids >= 0) & (ids < vocab_size)], return_counts=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SequenceRecord]) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt and output tokens, presence and
-    frequency over output tokens only."""
-    vocab_size = logits.shape[1]
-    output_counts = _token_counts([r.sequence.output_token_ids for r in rows], vocab_size, logits.device)
-    prompt_seen = _token_counts([r.sequence.prompt_token_ids for r in rows], vocab_size, logits.device) > 0
-    dtype = logits.dtype
-    device = logits.device
-    repetition = to_device([r.params.repetition_penalty for r in rows], dtype, device)[:, None]
-    frequency = to_device([r.params.frequency_penalty for r in rows], dtype, device)[:, None]
-    presence = to_device([r.params.presence_penalty for r in rows], dtype, device)[:, None]
-    seen = prompt_seen | (output_counts > 0)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency * output_counts.to(dtype)
-    return logits - presence * (output_counts > 0).to(dtype)
+    frequency over output tokens only. logits: [N, V] -> a new [N, V]."""
+    params = [r.params for r in rows]
+    return penalise(logits, [r.sequence.prompt_token_ids for r in rows], [r.sequence.output_token_ids for r in rows],
+                    [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                    [p.presence_penalty for p in params])
+
+
+def penalise(logits: torch.Tensor, prompt_tokens: list[list[int]], output_tokens: list[list[int]],
+             repetition: list[float], frequency: list[float], presence: list[float]) -> torch.Tensor:
+    """Row i's logits with repetition[i] applied at every token of its prompt and
+    output, then frequency[i] times each output token's count and presence[i] once per
+    output token subtracted. logits: [N, V] -> a new [N, V].
+
+    Only the logits of tokens a row has seen are read and written (gathered by flat
+    key, penalised, put back into one copy of the logits): no [N, V] count or mask
+    tensor is built, which at a large vocabulary and batch would cost more than the
+    rest of sampling."""
+    num_rows, vocab_size = logits.shape
+    dtype, device = logits.dtype, logits.device
+    output_keys, output_counts = _token_keys(output_tokens, vocab_size)
+    seen_keys = np.union1d(_token_keys(prompt_tokens, vocab_size)[0], output_keys)  # sorted, output keys among them
+    penalised = logits.clone(memory_format=torch.contiguous_format)
+    if not len(seen_keys):
+        return penalised
+    flat = penalised.view(num_rows * vocab_size)
+    seen_rows = seen_keys // vocab_size
+    counts = np.zeros(len(seen_keys), dtype=np.int64)
+    counts[np.searchsorted(seen_keys, output_keys)] = output_counts
+    rep, freq, pres, count = (torch.from_numpy(values).to(device=device, dtype=dtype, non_blocking=True)
+                              for values in (np.asarray(repetition, dtype=np.float64)[seen_rows],
+                                             np.asarray(frequency, dtype=np.float64)[seen_rows],
+                                             np.asarray(presence, dtype=np.float64)[seen_rows], counts))
+    index = torch.from_numpy(seen_keys).to(device, non_blocking=True)
+    # The whole-vocabulary formulas, in the logits' dtype, at the seen tokens only
+    # (elsewhere every term leaves the logit as it is).
+    values = flat[index]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values = values - freq * count
+    values = values - pres * (count > 0).to(dtype)
+    flat[index] = values
+    return penalised
 
 
 def sample_random(logits: torch.Tensor, rows: list[SequenceRecord], uniforms: torch.Tensor) -> torch.Tensor:
