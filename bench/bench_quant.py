@@ -23,7 +23,7 @@ output tokens) and prefill throughput (long prompts, one output token), with rat
 bfloat16. Runs are interleaved round by round and the best of each compared.
 
     python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
-                                [--cpu-time] [--seqs 1,4,16,32,64]
+                                [--cpu-time] [--seqs 1,4,16,32,64] [--kv-cache-mib 512]
 
 ``--seqs`` sweeps the decode workload over that many sequences decoding at once
 (prompts of 8-24 tokens, ``--output-len`` tokens each) and prints each format's decode
@@ -182,7 +182,8 @@ def model_mode(args: argparse.Namespace) -> None:
                 "int4 (GPTQ g128)": (int4_dir, None), "w8a8 int8": (write_w8a8_checkpoint(float_dir), None)}
     engines, memory = {}, {}
     for name, (directory, quantization) in variants.items():
-        llm = LLM(directory, dtype="bfloat16", quantization=quantization)
+        llm = LLM(directory, dtype="bfloat16", quantization=quantization,
+                  kv_cache_memory_bytes=args.kv_cache_mib << 20)
         llm.generate({"prompt_token_ids": [5] * 8}, SamplingParams(max_tokens=2), use_tqdm=False)
         engines[name], memory[name] = llm, weight_bytes(llm)
         gc.collect()
@@ -245,6 +246,7 @@ def main() -> None:
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV cache (all are held at once)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     parser.add_argument("--seqs", default="", help="comma-separated counts of sequences decoding at once to sweep")
     args = parser.parse_args()
