@@ -8,6 +8,9 @@ slots hold those heads only.
   (Qwen3-Next's fused q|k|v|z and b|a rows are grouped by key head, so a rank's rows
   are one contiguous share), the convolution its q, k and v channels, A_log and
   dt_bias their heads; the per-head gated norm stays whole; out_proj is row-parallel.
+- Mamba-1 (mamba, falcon_mamba, jamba): channels split evenly (in_proj's x and gate
+  rows, the convolution, dt_proj's rows, A_log and D); x_proj, which reads every
+  channel, is row-parallel, so dt, B and C are whole on every rank; out_proj row-parallel.
 - Mamba-2 (mamba2, bamba, nemotron_h, granitemoehybrid, zamba2, falcon_h1): heads
   split evenly with their x and gate channels, groups too where they split evenly;
   with fewer groups than ranks (ranks a multiple of them) each rank keeps the B and C
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 GATED_DELTA_NET = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                    "LaraMiniGatedDeltaNet")
+MAMBA = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 MAMBA2 = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "FalconH1Mixer",
           "GraniteMoeHybridMambaLayer")
 # Every other recurrent mixer class the engine runs; each runs whole on every rank.
@@ -77,11 +81,13 @@ def shard_recurrent_mixers(model: nn.Module, group: RankGroup) -> list[str]:
     split, whole = [], {}
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
-        if kind not in recurrent_classes and kind not in GATED_DELTA_NET + MAMBA2:
+        if kind not in recurrent_classes and kind not in GATED_DELTA_NET + MAMBA + MAMBA2:
             continue
         try:
             if kind in GATED_DELTA_NET:
                 parts, sizes = gated_delta_net_share(module, name, group)
+            elif kind in MAMBA:
+                parts, sizes = mamba_share(module, name, group)
             elif kind in MAMBA2:
                 parts, sizes = mamba2_share(module, name, group)
             else:
@@ -132,6 +138,28 @@ def gated_delta_net_share(module: nn.Module, name: str, group: RankGroup) -> tup
     sizes = dict(num_k_heads=k_heads, num_v_heads=v_heads, key_dim=k_heads * head_k_dim,
                  value_dim=v_heads * head_v_dim, conv_dim=2 * k_heads * head_k_dim + v_heads * head_v_dim)
     return parts, sizes
+
+
+def mamba_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a Mamba-1 mixer and its sizes: its share of the channels (the
+    x and gate rows of in_proj, the convolution, dt_proj's rows, A_log and D), x_proj
+    row-parallel (dt, B and C, which read every channel, summed over ranks before
+    dt_proj and any norm of them), out_proj row-parallel."""
+    inner = int_of(module, "intermediate_size")
+    first, count = share(inner, group, "channels")
+    channels = ranges((first, count))
+    projection = module_of(module, "in_proj")
+    if projection_out_features(projection) != 2 * inner:
+        raise RunWhole("its input projection has rows beside x and the gate")
+    rows = ranges((first, count), (inner + first, count))  # x, then the gate
+    parts: Parts = {"in_proj": column_share(projection, f"{name}.in_proj", rows, group),
+                    "conv1d": depthwise_conv(module_of(module, "conv1d"), channels),
+                    "x_proj": row_share(module_of(module, "x_proj"), f"{name}.x_proj", group),
+                    "dt_proj": column_share(module_of(module, "dt_proj"), f"{name}.dt_proj", channels, group),
+                    "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
+    for attribute in ("A_log", "D"):
+        parts[attribute] = sliced(tensor_of(module, attribute), channels)
+    return parts, {"intermediate_size": count}
 
 
 def mamba2_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:

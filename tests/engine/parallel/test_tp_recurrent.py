@@ -40,6 +40,9 @@ CASES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(MAMBA2, mamba_n_groups=2, layer_types=["mamba", "attention"], num_local_experts=4,
                              num_experts_per_tok=2),
     "falcon_h1": dict(MAMBA2, mamba_n_groups=2, mamba_d_ssm=128, head_dim=16),  # its mup vector and group norm
+    "jamba": dict(mamba_expand=2, mamba_d_state=8, mamba_dt_rank=4, mamba_d_conv=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                  num_experts_per_tok=2),  # Mamba-1 with its dt, B and C norms
 }
 NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
 
@@ -108,7 +111,7 @@ def test_gated_delta_net_split_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba"])
 def test_recurrent_mixers_split_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     whole, split = check_two_ranks(model_dir, torch.float32, preempt=arch in ("bamba", "nemotron_h"))
