@@ -119,8 +119,8 @@ def test_moe_model_on_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_hybrid_model_on_two_ranks(tmp_path):
-    """qwen3_5_text: attention and MLPs split, the gated delta-net layers whole on each
-    rank (its plan gathers their projections)."""
+    """qwen3_5_text: attention, MLPs and the gated delta-net layers' heads split
+    (tests/engine/parallel/test_tp_recurrent.py checks the state each rank keeps)."""
     model_dir = str(build_tiny_model(tmp_path, "qwen3_5_text", **GDN))
     llm = check_against_one_rank(model_dir)
     assert_closed(llm, rank_processes(llm))
