@@ -12,6 +12,7 @@ from torch import nn
 
 from shardline import LLM, SamplingParams
 from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available
+from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.quantization.linear import QuantizedLinear, quantized_linears
 
@@ -222,5 +223,7 @@ def test_w8a8_int8_with_the_integer_kernel_path_on_and_off(setting, float_dirs, 
     llm, tokens = _engine_tokens(tmp_path / "w8a8", prompts)
     assert tokens == expected
     taken = setting == "on" and cpu_w8a8_available(torch.float32)
-    assert llm.llm_engine.cpu_paths.quant_int8_kernel == taken
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    assert engine.cpu_paths.quant_int8_kernel == taken
     assert {layer.int8_kernel for _, layer in quantized_linears(ckpt.engine_model(llm))} == {taken}
