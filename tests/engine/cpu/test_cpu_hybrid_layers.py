@@ -89,7 +89,10 @@ def install_recurrent_layers_in(container: nn.ModuleList, config) -> None:
     install_recurrent_layers(holder)
 
 
-SETTINGS = ["", "fused_kernels=off", "packed_linears=off"]
+# Each path off is also covered on a dense model by test_cpu_paths' fallback test, so the
+# hybrid's off variants run with the slow set.
+SETTINGS = ["", pytest.param("fused_kernels=off", marks=pytest.mark.slow),
+            pytest.param("packed_linears=off", marks=pytest.mark.slow)]
 
 
 @needs_kernels
