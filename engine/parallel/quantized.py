@@ -50,6 +50,10 @@ def split_quantized(layer: QuantizedLinear, name: str, column_rows: slice | torc
         return column_quantized(layer, name, row_ranges(column_rows, layer.out_features))
     if layer.in_features % group.size:
         raise ShardingError(f"{name}: {layer.in_features} input features do not split over {group.size} ranks")
+    if layer.input_quantization != "none":
+        raise ShardingError(f"{name}: its inputs are quantized per token ({layer.input_quantization}, a W8A8 "
+                            "checkpoint) with a scale from the whole row, which a rank's share of the input "
+                            "columns does not see; it is not split row-wise over these ranks")
     share = layer.in_features // group.size
     return RowParallelQuantized(row_quantized(layer, name, group.rank * share, (group.rank + 1) * share), layer.bias,
                                 group)
@@ -132,8 +136,10 @@ def row_quantized(layer: QuantizedLinear, name: str, start: int, end: int) -> Qu
 
 
 def _like(part: QuantizedLinear, layer: QuantizedLinear) -> QuantizedLinear:
-    """``part`` with ``layer``'s kernel settings."""
+    """``part`` with ``layer``'s kernel settings and input quantization."""
     part.activations, part.cpu_kernels = layer.activations, layer.cpu_kernels
+    part.input_quantization, part.int8_kernel = layer.input_quantization, layer.int8_kernel
+    part.use_reference = layer.use_reference
     return part
 
 
