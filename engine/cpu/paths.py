@@ -37,7 +37,10 @@ from ..kernels import cpu_prefill_attention, native
 from ..kernels.cpu_quant import cpu_w8_linear
 from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
+from . import capability
 from .capability import (
+    COPY_HEADROOM,
+    HostCpu,
     ModelShape,
     decode_kernel_capability,
     fused_kernels_capability,
@@ -50,7 +53,7 @@ from .capability import (
 )
 from .hybrid_layers import optimize_hybrid_layers
 from .layers import fuse_decoder_layers, fuse_rms_norms
-from .linear import fuse_gated_mlps, pack_linears, packed_matmul
+from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears, packed_matmul
 from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
@@ -107,7 +110,7 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     log the decision once."""
     host = host_cpu()
     settings = path_settings()
-    packed_dtype = packed_copy_dtype(host, dtype)
+    packed_dtype, copies_why = _packed_dtype(host, dtype, shape, rows_hint, settings.get("packed_linears"))
     checks = {
         "packed_linears": (packed_linears_capability(host, dtype, shape),
                            lambda: _linear_speedup(dtype, packed_dtype or dtype, shape, rows_hint), "torch's matmul"),
@@ -124,13 +127,13 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     for name, ((capable, why), measure, alternative) in checks.items():
         setting = settings.get(name)
         # How the path would run, where that is not the only way (float32 copies).
-        how = f" {why}" if capable and name == "packed_linears" and packed_dtype is not None else ""
+        how = f" {copies_why or why}" if capable and name == "packed_linears" and packed_dtype is not None else ""
         if not capable or setting is False:
             taken, why = False, why if not capable else "turned off by SHARDLINE_CPU_PATHS"
         elif setting is True or measure is None:
             taken, why = True, why if setting is None else f"turned on by SHARDLINE_CPU_PATHS{how}"
         else:
-            speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint) if name == "packed_linears"
+            speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint, "layer") if name == "packed_linears"
                                 else (dtype, shape, rows_hint), measure)
             taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
         choices[name] = taken
@@ -158,6 +161,27 @@ def choose_recurrent_paths(dtype: torch.dtype) -> CpuPaths:
                 paths.describe())
     return paths
 
+
+
+def _packed_dtype(host: HostCpu, dtype: torch.dtype, shape: ModelShape, rows_hint: int,
+                  setting: bool | None) -> tuple[torch.dtype | None, str]:
+    """The dtype packed copies of ``dtype`` linears take where it is not ``dtype``, and
+    why: float32 for bfloat16 where oneDNN has no bfloat16 (capability.packed_copy_dtype),
+    and where it has but float32 copies, fitting in memory, measure faster: a CPU
+    without bfloat16 units (AVX-512 without AVX512_BF16 or AMX), whose bfloat16 oneDNN
+    emulates with float32 instructions, runs float32 copies about twice as fast."""
+    copy = packed_copy_dtype(host, dtype)
+    if copy is not None or dtype != torch.bfloat16 or not host.onednn_bfloat16 or setting is False:
+        return copy, ""
+    copies, free = shape.linear_weights * torch.float32.itemsize, capability.available_memory()
+    if (free is not None and copies * COPY_HEADROOM > free) or not onednn_linear_available(torch.float32):
+        return None, ""
+    speedup = _measured("bfloat16_packing", (shape, rows_hint),
+                        lambda: _linear_speedup(dtype, dtype, shape, rows_hint, alternative=torch.float32))
+    if speedup >= 1 / MARGIN:
+        return None, ""
+    return torch.float32, (f"as float32 copies ({copies / 2**30:.2f} GiB): oneDNN's bfloat16 measured "
+                           f"{speedup:.2f}x them on this CPU")
 
 
 @dataclass(frozen=True)
@@ -283,19 +307,51 @@ def _race(default: Callable[[], object], alternative: Callable[[], object], roun
 # (the speed ratio settles well below a large model's sizes; the cost stays bounded).
 MEASURED_OUTPUTS = 2048
 MEASURED_ROWS = (16, 256)
+# The measured layer's widths are at most this (its seven linears then cost about one
+# MEASURED_OUTPUTS-wide linear).
+MEASURED_LAYER_WIDTH = 1024
 
 
 @torch.inference_mode()
-def _linear_speedup(dtype: torch.dtype, packed_dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> float:
-    """How many times faster a packed linear of ``packed_dtype`` runs ``dtype`` inputs
-    than torch's matmul runs them in ``dtype``."""
+def _linear_speedup(dtype: torch.dtype, packed_dtype: torch.dtype, shape: ModelShape, rows_hint: int,
+                    alternative: torch.dtype | None = None) -> float:
+    """How many times faster a decoder layer's linears run packed in ``packed_dtype`` on
+    ``dtype`` inputs, as the packed path runs them (query, key and value as one matmul,
+    gate and up as one: cpu/layers.py, cpu/linear.py), than through torch's matmul one
+    by one in ``dtype`` (or, with ``alternative``, than packed in that dtype). Measuring
+    one linear alone would leave out what packing enables: in bfloat16 a single packed
+    linear runs about as fast as torch's."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(min(shape.widest_linear, MEASURED_OUTPUTS), shape.hidden_size, generator=generator)
-    weight = weight.to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(packed_dtype), rows_hint)
-    inputs = [torch.randn(rows, shape.hidden_size, generator=generator).to(dtype) for rows in MEASURED_ROWS]
-    return _race(lambda: [packed_matmul(x, packed, None) for x in inputs],
-                 lambda: [F.linear(x, weight) for x in inputs])
+    hidden, widest, heads, kv_heads = (min(size, MEASURED_LAYER_WIDTH) for size in (
+        shape.hidden_size, shape.widest_linear, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim))
+
+    def weights(*outputs: int, inputs: int) -> list[torch.Tensor]:
+        return [torch.randn(count, inputs, generator=generator).to(dtype) for count in outputs]
+
+    # (the linears on one input, its width) per matmul of the packed path: qkv, o, gate_up, down
+    groups = [(weights(heads, kv_heads, kv_heads, inputs=hidden), hidden), (weights(hidden, inputs=heads), heads),
+              (weights(widest, widest, inputs=hidden), hidden), (weights(hidden, inputs=widest), widest)]
+    def pack(in_dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.ops.mkldnn._reorder_linear_weight(torch.cat(linears).to(in_dtype), rows_hint)
+                for linears, _ in groups]
+
+    packed = pack(packed_dtype)
+    other = pack(alternative) if alternative is not None else None
+    inputs = {(rows, width): torch.randn(rows, width, generator=generator).to(dtype)
+              for rows in MEASURED_ROWS for _, width in groups}
+
+    def packed_layer(weights: list[torch.Tensor]) -> None:
+        for rows in MEASURED_ROWS:
+            for weight, (_, width) in zip(weights, groups):
+                packed_matmul(inputs[rows, width], weight, None)
+
+    def torch_layer() -> None:
+        for rows in MEASURED_ROWS:
+            for linears, width in groups:
+                for weight in linears:
+                    F.linear(inputs[rows, width], weight)
+
+    return _race(lambda: packed_layer(packed), torch_layer if other is None else lambda: packed_layer(other))
 
 
 # The measured prefill: fresh prompts of these lengths, one SDPA call each on the alternative.

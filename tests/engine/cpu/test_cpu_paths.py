@@ -231,3 +231,54 @@ def test_bfloat16_engine_on_float32_copies_gives_torch_bfloat16_tokens(tiny_llam
         assert all(layer.packed_qkv is not None and layer.packed_qkv.dtype == torch.float32 for layer in layers)
     assert greedy(llm) == expected
     llm.close()
+
+
+@pytest.mark.skipif(not host_cpu().onednn_bfloat16, reason="needs oneDNN's bfloat16")
+@taken_unless_forced_off("packed_linears")
+def test_bfloat16_packs_float32_copies_where_onednns_bfloat16_measures_slower(tmp_path, monkeypatch):
+    """On a CPU without bfloat16 units oneDNN emulates bfloat16 and float32 copies run
+    faster: the engine races the two packings (here the race's result is set as such a
+    CPU measures it) and packs copies where they fit, bfloat16 elsewhere."""
+    monkeypatch.delenv("SHARDLINE_CPU_PATHS", raising=False)
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
+    real_speedup = cpu_paths._linear_speedup
+    packing_ratio = {"value": 0.37}  # as oneDNN limited to AVX512_CORE measures it on this host
+
+    def speedup(dtype, packed_dtype, shape, rows_hint, alternative=None):
+        if alternative is not None:  # bfloat16 packing against float32 copies
+            return packing_ratio["value"]
+        if packed_dtype != dtype:  # float32 copies against torch's (emulated) bfloat16 matmul
+            return 1 / packing_ratio["value"]
+        return real_speedup(dtype, packed_dtype, shape, rows_hint)
+
+    monkeypatch.setattr(cpu_paths, "_linear_speedup", speedup)
+    shape = dataclasses.replace(SHAPE, linear_weights=1 << 20)
+    paths = choose_cpu_paths(torch.bfloat16, shape, rows_hint=64)
+    assert paths.packed_linears and paths.packed_dtype == torch.float32
+    assert "float32 copies (0.00 GiB): oneDNN's bfloat16 measured 0.37x them" in dict(paths.reasons)["packed_linears"]
+    # Where bfloat16 packing measures as fast, it stays (a fresh cache: measured again).
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path / "again"))
+    packing_ratio["value"] = 1.5
+    assert choose_cpu_paths(torch.bfloat16, shape, rows_hint=64).packed_dtype is None
+    # Copies that would not fit twice in the memory free are not raced.
+    packing_ratio["value"] = 0.37
+    monkeypatch.setattr(cpu_capability, "available_memory", lambda: 6 << 30)
+    huge = dataclasses.replace(SHAPE, linear_weights=1 << 30)
+    assert choose_cpu_paths(torch.bfloat16, huge, rows_hint=64).packed_dtype is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not host_cpu().onednn_bfloat16 or "avx512f" not in open("/proc/cpuinfo").read(),
+                    reason="needs an AVX-512 host whose oneDNN has bfloat16")
+@taken_unless_forced_off("packed_linears")
+def test_emulated_bfloat16_runs_on_float32_copies(tiny_llama_dir):
+    """oneDNN limited to AVX512_CORE (as on an AVX-512 CPU without AVX512_BF16 or AMX)
+    emulates bfloat16: the measured race packs float32 copies. A child process, since
+    oneDNN reads its limit once."""
+    script = ("import sys\nfrom shardline import LLM\n"
+              "print(dict(LLM(sys.argv[1], dtype='bfloat16').llm_engine.cpu_paths.reasons)['packed_linears'])\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    run = subprocess.run([sys.executable, "-c", script, tiny_llama_dir], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "as float32 copies" in run.stdout.strip().splitlines()[-1]
