@@ -42,11 +42,15 @@ class HostCpu:
     kernel_target: str
     onednn: bool
     onednn_bfloat16: bool
+    # The CPU's bfloat16 matrix units as it reports them (AMX, AVX512_BF16, or none):
+    # for the log line only; the paths go by what oneDNN runs and by measurement.
+    bfloat16_units: str = "none"
 
     def describe(self) -> str:
         kernels = f"{self.kernel_isa} (-march={self.kernel_target})" if self.kernel_isa else "none (no C compiler)"
         return (f"{self.model} ({self.machine}); torch kernels {self.torch_isa}; C kernels {kernels}; "
-                f"oneDNN {'yes' if self.onednn else 'no'}, bfloat16 {'yes' if self.onednn_bfloat16 else 'no'}")
+                f"oneDNN {'yes' if self.onednn else 'no'}, bfloat16 {'yes' if self.onednn_bfloat16 else 'no'}; "
+                f"bfloat16 units {self.bfloat16_units}")
 
 
 def _cpu_model() -> str:
@@ -70,7 +74,16 @@ def host_cpu() -> HostCpu:
         kernel_target=native.kernel_target(),
         onednn=onednn,
         onednn_bfloat16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        bfloat16_units=_bfloat16_units(),
     )
+
+
+def _bfloat16_units() -> str:
+    """AMX, AVX512_BF16 or none, as torch's CPU queries report the CPU (where this
+    torch has them)."""
+    units = [name for name, query in (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
+             if bool(getattr(torch.cpu, query, lambda: False)())]
+    return "+".join(units) or "none"
 
 
 @dataclass(frozen=True)
