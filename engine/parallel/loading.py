@@ -5,7 +5,7 @@ whole model once per rank in host memory while the ranks load. Instead each rank
 
 1. builds the model skeleton on the meta device (``SliceReader``, the loader's
    ModelReader for ranks), reads every tensor the ranks keep whole (norms, routers,
-   recurrent layers, biases of row-split linears) and leaves on the meta device the
+   recurrent mixers, biases of row-split linears) and leaves on the meta device the
    parameters the sharding rules split (``split_parameters``);
 2. runs the sharding step on that skeleton (shapes are all it reads of a split
    module), then reads each meta parameter of the sharded model as the part of its
@@ -16,7 +16,8 @@ whole model once per rank in host memory while the ranks load. Instead each rank
 
 A checkpoint this cannot read exactly (not safetensors, a parameter it stores under
 another layout than fused experts of per-expert projections, modules kept in float32
-under another dtype) is read whole by the loader as before, which the log says.
+under another dtype, a parameter the skeleton would leave neither read nor planned) is
+read whole by the loader, which the log says.
 
 Invariants:
 - Every slice read has the shape of the sharded parameter it fills (else ShardingError,
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Iterable
 
 import torch
@@ -37,11 +37,12 @@ import transformers
 from torch import nn
 
 from ..config import EngineConfig
-from ..model.layer_kinds import recurrent_layer_indices
 from ..quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
 from ..quantization.load import checkpoint_directory, checkpoint_renaming
+from ..recurrent.base import registered_module_classes
 from .group import RankGroup, ShardingError
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
+from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
 from .sharding import COLUMN, EXPERTS, PACKED_COLUMN, ROW, column_rows, model_heads, plan_rules, split_of
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,12 @@ def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
     split is not exact, as ``shard_model`` raises it."""
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
-    recurrent = _recurrent_layers(config)
+    mixers = _recurrent_mixers(model)
     rules = plan_rules(model)
     plan: dict[str, Cut] = {}
     for name, module in model.named_modules():
         split = split_of(name, rules)
-        if split is None or _in_layers(name, recurrent):
+        if split is None or f"{name}.".startswith(mixers):
             continue
         if type(module) is nn.Linear and split in (COLUMN, PACKED_COLUMN):
             rows = column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1)
@@ -132,16 +133,12 @@ def _vocabulary_cuts(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
     return cuts
 
 
-def _recurrent_layers(config: object) -> frozenset[int]:
-    """Recurrent layers' indices: their mixers split by their own rules, read whole."""
-    if not isinstance(config, transformers.PretrainedConfig):
-        return frozenset()
-    return frozenset(recurrent_layer_indices(config))
-
-
-def _in_layers(name: str, layers: frozenset[int]) -> bool:
-    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return match is not None and int(match.group(1)) in layers
+def _recurrent_mixers(model: nn.Module) -> tuple[str, ...]:
+    """The recurrent mixers' names (each with a trailing dot): read whole, split by their
+    own rules (engine/parallel/recurrent.py). The rest of their layers (MLPs, experts)
+    splits as any layer's does."""
+    classes = set(registered_module_classes()) | set(GATED_DELTA_NET + MAMBA + MAMBA2)
+    return tuple(f"{name}." for name, module in model.named_modules() if type(module).__name__ in classes)
 
 
 @dataclasses.dataclass
@@ -230,10 +227,14 @@ class SliceReader:
         sources, problem = _sources(model, tensors, split)
         if problem is not None:
             return self._whole(config, problem)
-        state = {name: _as_loaded(tensors.get(source), tensor.dtype)
-                 for name, tensor in model.state_dict(keep_vars=True).items()
-                 if name not in split and isinstance(source := sources.get(name), str)}
+        checkpoint = RankCheckpoint(tensors, sources)
+        state = {name: _as_loaded(checkpoint.read(name, None), tensor.dtype)
+                 for name, tensor in model.state_dict(keep_vars=True).items() if name not in split and name in sources}
         model.load_state_dict(state, strict=False, assign=True)
+        unread = next((name for name, parameter in model.named_parameters() if parameter.is_meta and name not in split),
+                      None)
+        if unread is not None:
+            return self._whole(config, f"{unread} is neither read whole nor split")
         self.checkpoint = RankCheckpoint(tensors, {name: sources[name] for name in split})
         logger.info("tensor-parallel rank reads %d split parameters of %s as slices", len(split), config.model)
         return model.eval()

@@ -43,6 +43,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("deepseek_v3", MLA),  # latent attention, experts stored per expert
     "qwen2_moe": ("qwen2_moe", MOE),  # q/k/v biases, shared experts
     "qwen3_5_text": ("qwen3_5_text", GDN),  # recurrent layers read whole, split by their own rules
+    "qwen3_next": ("qwen3_next", {**GDN, **MOE}),  # experts (per expert) beside recurrent and attention mixers
 }
 
 
