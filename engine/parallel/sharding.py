@@ -19,6 +19,8 @@ Invariants:
 - Only nn.Linear, QuantizedLinear (with its scales, engine/parallel/quantized.py),
   nn.Embedding and the expert modules of transformers' standard layout are split;
   anything else a rule names is refused at load, naming it.
+- Column-split projections have a row-split one beside them (same parent module) and
+  the reverse; else the module is refused, naming it (``check_pairs``).
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
     rules = plan_rules(model)
     mixers = tuple(f"{name}." for name in shard_recurrent_mixers(model, group))  # their parts split already
-    replaced, attention = len(mixers), set()
+    replaced, attention, splits = len(mixers), set(), {}
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if name.startswith(mixers):
@@ -189,8 +191,10 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
         if new is not None:
             replace(model, name, new)
             replaced += 1
+            splits[name] = split
             if leaf in ATTENTION_COLUMN:
                 attention.add(name.rsplit(".", 1)[0])
+    check_pairs(splits)
     replaced += split_vocabulary(model, group)
     for name in attention:
         set_local_heads(model.get_submodule(name), heads, group)
@@ -199,6 +203,25 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
                             "layers have projections the tensor-parallel rules split (q/k/v_proj, q_b_proj, "
                             "kv_b_proj or its plan's)")
     return replaced
+
+
+def check_pairs(splits: dict[str, str]) -> None:
+    """Refuse, naming them, column-split projections with no row-split one beside them
+    (in the same parent module), or the reverse: the projection they feed (or that feeds
+    them) has a name no rule splits, such as LFM2's attention ``out_proj`` or Zamba2's
+    fused ``gate_up_proj``, so it would stay whole and meet a rank's share."""
+    by_parent: dict[str, dict[bool, list[str]]] = {}
+    for name, split in splits.items():
+        if split in (COLUMN, PACKED_COLUMN, ROW):
+            parent, _, leaf = name.rpartition(".")
+            by_parent.setdefault(parent, {True: [], False: []})[split == ROW].append(leaf)
+    for parent, sides in by_parent.items():
+        if sides[False] and not sides[True]:
+            raise ShardingError(f"{parent}: {', '.join(sides[False])} split column-wise, but the projection they "
+                                "feed is one no tensor-parallel rule splits row-wise; not split over ranks")
+        if sides[True] and not sides[False]:
+            raise ShardingError(f"{parent}: {', '.join(sides[True])} split row-wise, but the projection feeding "
+                                "it is one no tensor-parallel rule splits column-wise; not split over ranks")
 
 
 def split_module(module: nn.Module, name: str, split: str, group: RankGroup, heads: Heads | None) -> nn.Module | None:

@@ -4,6 +4,8 @@ rank, and the plan's patterns."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import transformers
@@ -27,10 +29,11 @@ from shardline.engine.parallel.sharding import (
     shard_cache_spec,
     split_of,
 )
+from shardline.engine.parallel.verdict import tensor_parallel_verdict
 
 
 def refusal(config: transformers.PretrainedConfig, size: int = 2, **options) -> str:
-    kwargs = dict(enable_lora=False, quantization=None, task="generate") | options
+    kwargs: dict[str, Any] = dict(enable_lora=False, quantization=None, task="generate") | options
     with pytest.raises(ShardingError) as error:
         check_tensor_parallel(config, size, **kwargs)
     return str(error.value)
@@ -101,3 +104,20 @@ def test_a_plan_style_not_run_is_refused():
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "sequence_parallel"}
     with pytest.raises(ShardingError, match="'sequence_parallel'"):
         plan_rules(model)
+
+
+@pytest.mark.parametrize(("arch", "overrides", "reason"), [
+    # its attention's output projection is out_proj, which no rule splits
+    ("lfm2", {}, "model.layers.0.self_attn: q_proj, k_proj, v_proj split column-wise, but the projection they feed"),
+    # its shared block's MLP: a fused gate_up_proj no rule splits feeds down_proj
+    ("zamba2", dict(n_mamba_heads=8, mamba_headdim=16, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2, chunk_size=4,
+                    mamba_d_conv=4, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"]),
+     "model.layers.1.shared_transformer.feed_forward: down_proj split row-wise, but the projection feeding it"),
+])
+def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, reason):
+    """The verdict on the meta model refuses it (no rank starts): the whole projection's
+    shapes would not meet the split ones'."""
+    config = tiny_config(arch, 512, **overrides)
+    with pytest.raises(ShardingError, match="not split over ranks") as error:
+        tensor_parallel_verdict(config, 2, enable_lora=False, quantization=None, task="generate")
+    assert str(error.value).startswith(reason)
