@@ -14,15 +14,18 @@ import torch
 import transformers
 from transformers.models.rwkv.modeling_rwkv import RwkvBlock, rwkv_linear_attention_cpu
 
-from shardline import LLM, SamplingParams
 from shardline.engine.kernels.cpu_rwkv import rwkv_kernel_available
 from shardline.engine.kernels.rwkv_wkv import wkv_varlen
-from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.recurrent.rwkv import RWKV, RwkvBlockKind
 
-from ..hf_reference import hf_greedy, random_prompts
+from .attention_free import (
+    TinyModelCase,
+    assert_chunked_and_forked_requests_match,
+    assert_native_core_matches,
+    assert_template_rows_match,
+    tiny_model_case,
+)
 from .mixer_parity import chunked, make_sequences, prefill_then_decode, randomize, run_schedule, whole
-from .test_hybrid_prefix_caching import _scheduler, template_rows
 
 LENGTHS = [9, 1, 23, 3, 6]
 HIDDEN, WIDTH, LAYERS = 16, 8, 2
@@ -96,46 +99,18 @@ def test_the_native_core_matches_the_hf_block_in_float32():
     block = randomize(RwkvBlock(config, layer_id=1), seed=4).float()
     sequences = [s.float() for s in make_sequences(LENGTHS, HIDDEN, seed=5)]
     references = [hf_block_run(block, s) for s in sequences]
-    for schedule in (chunked(LENGTHS, seed=6, max_chunk=7), prefill_then_decode(LENGTHS, 4)):
-        outputs, states = run_schedule(RwkvBlockKind(native_core=True), block, config, sequences, schedule)
-        for i, (expected, expected_states) in enumerate(references):
-            torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
-            for name, value in expected_states.items():
-                torch.testing.assert_close(states[i][name], value, rtol=1e-4, atol=1e-4, msg=f"sequence {i} {name}")
+    assert_native_core_matches(RwkvBlockKind(native_core=True), block, config, sequences, references, decode_after=4)
 
 
 @pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])
-def rwkv_model(request, tmp_path_factory):
-    """A tiny RWKV model's dir, its dtype, and transformers' greedy tokens for varied prompts and template rows."""
-    dtype = request.param
-    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("rwkv"), "rwkv", **TINY))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    prompts = random_prompts(4, (3, 40), 500, seed=3)
-    rows = template_rows(seed=5)
-    expected = [hf_greedy(hf_model, prompt, 6) for prompt in prompts]
-    expected_rows = [hf_greedy(hf_model, row, 4) for row in rows]
-    assert len({tuple(tokens) for tokens in expected_rows}) > 3, "the reference's tokens hardly depend on the row"
-    return model_dir, dtype, prompts, expected, rows, expected_rows
+def rwkv_model(request, tmp_path_factory) -> TinyModelCase:
+    return tiny_model_case(tmp_path_factory, "rwkv", TINY, request.param)
 
 
 def test_chunked_and_forked_requests_match_transformers(rwkv_model):
-    model_dir, dtype, prompts, expected, *_ = rwkv_model
-    llm = LLM(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=6, n=2)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [[want, want] for want in expected]
-    slots = _scheduler(llm).state_slots
-    assert slots is not None and slots.num_free == slots.num_slots
+    assert_chunked_and_forked_requests_match(rwkv_model)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
 def test_template_rows_match_transformers(rwkv_model, prefix_caching):
-    model_dir, dtype, *_, rows, expected_rows = rwkv_model
-    llm = LLM(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
-              enable_prefix_caching=prefix_caching)
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    outputs = llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected_rows
-    scheduler = _scheduler(llm)
-    assert (scheduler.snapshots is not None) == prefix_caching
-    assert (scheduler.kv_cache.stats.num_hit_tokens > 0) == prefix_caching
+    assert_template_rows_match(rwkv_model, prefix_caching, max_num_batched_tokens=16)

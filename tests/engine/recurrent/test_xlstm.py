@@ -24,8 +24,14 @@ from shardline.engine.recurrent.state import RecurrentLayer
 from shardline.engine.recurrent.xlstm import MLSTM, MlstmLayerKind
 
 from ..hf_reference import hf_greedy, random_prompts
+from .attention_free import (
+    TinyModelCase,
+    assert_chunked_and_forked_requests_match,
+    assert_native_core_matches,
+    assert_template_rows_match,
+    tiny_model_case,
+)
 from .mixer_parity import chunked, make_sequences, prefill_then_decode, randomize, run_schedule, whole
-from .test_hybrid_prefix_caching import _scheduler, template_rows
 
 LENGTHS = [9, 1, 23, 3, 6]
 HEADS, DQK, DV, CHUNK = 2, 8, 16, 4
@@ -106,38 +112,18 @@ def test_the_native_core_matches_the_hf_layer_in_float32():
     layer = randomize(xLSTMLayer(config), seed=4).float()
     sequences = [s.float() for s in make_sequences(LENGTHS, 32, seed=5)]
     references = [hf_layer_run(layer, s) for s in sequences]
-    for schedule in (chunked(LENGTHS, seed=6, max_chunk=7), prefill_then_decode(LENGTHS, 5)):
-        outputs, states = run_schedule(MlstmLayerKind(native_core=True), layer, config, sequences, schedule)
-        for i, (expected, expected_states) in enumerate(references):
-            torch.testing.assert_close(outputs[i], expected, rtol=1e-4, atol=1e-4, msg=f"sequence {i} output")
-            for name, value in expected_states.items():
-                torch.testing.assert_close(states[i][name], value, rtol=1e-4, atol=1e-4, msg=f"sequence {i} {name}")
+    assert_native_core_matches(MlstmLayerKind(native_core=True), layer, config, sequences, references, decode_after=5)
 
 
 @pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])
-def xlstm_model(request, tmp_path_factory):
-    """A tiny xLSTM model's dir, its dtype, and transformers' greedy tokens for varied prompts and template rows."""
-    dtype = request.param
-    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("xlstm"), "xlstm", **TINY))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    prompts = random_prompts(4, (3, 40), 500, seed=3)
-    rows = template_rows(seed=5)
-    expected = [hf_greedy(hf_model, prompt, 6) for prompt in prompts]
-    expected_rows = [hf_greedy(hf_model, row, 4) for row in rows]
-    assert len({tuple(tokens) for tokens in expected_rows}) > 3, "the reference's tokens hardly depend on the row"
-    return model_dir, dtype, prompts, expected, rows, expected_rows
+def xlstm_model(request, tmp_path_factory) -> TinyModelCase:
+    return tiny_model_case(tmp_path_factory, "xlstm", TINY, request.param)
 
 
 @pytest.mark.parametrize("recurrent_kernel", ["on", pytest.param("off", marks=pytest.mark.slow)])
 def test_chunked_and_forked_requests_match_transformers(xlstm_model, recurrent_kernel, monkeypatch):
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"recurrent_kernel={recurrent_kernel}")
-    model_dir, dtype, prompts, expected, *_ = xlstm_model
-    llm = LLM(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=6, n=2)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [[want, want] for want in expected]
-    slots = _scheduler(llm).state_slots
-    assert slots is not None and slots.num_free == slots.num_slots
+    llm = assert_chunked_and_forked_requests_match(xlstm_model)
     # A model without attention layers takes the recurrent kernels' path alone (float32 runs it through C).
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
@@ -149,15 +135,7 @@ def test_chunked_and_forked_requests_match_transformers(xlstm_model, recurrent_k
 @pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["prefix-caching", "no-prefix-caching"])
 def test_template_rows_match_transformers(xlstm_model, prefix_caching):
-    model_dir, dtype, *_, rows, expected_rows = xlstm_model
-    llm = LLM(model_dir, dtype=dtype, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
-              enable_prefix_caching=prefix_caching)
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    outputs = llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected_rows
-    scheduler = _scheduler(llm)
-    assert (scheduler.snapshots is not None) == prefix_caching
-    assert (scheduler.kv_cache.stats.num_hit_tokens > 0) == prefix_caching
+    assert_template_rows_match(xlstm_model, prefix_caching, max_num_batched_tokens=32)
 
 
 @pytest.mark.slow
