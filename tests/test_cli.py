@@ -41,6 +41,8 @@ def test_bad_command_lines_exit_2(tiny_model, capsys):
     assert "unknown engine option(s) 'max_seqs'" in capsys.readouterr().err
 
 
+# CI runs `shardline demo` itself as the README's set-up command; this runs with the slow set.
+@pytest.mark.slow
 def test_demo_console_script_runs_with_prefects_ephemeral_api(tmp_path):
     script = shutil.which("shardline", path=str(Path(sys.executable).parent)) or shutil.which("shardline")
     assert script, "the `shardline` console script is not installed (pip install -e '.[prefect,test]')"

@@ -39,6 +39,7 @@ def test_offline_generate_and_chat(tmp_path):
     assert "chat -> " in out
 
 
+@pytest.mark.slow
 def test_structured_extraction_over_parquet(tmp_path, prefect_env):
     out = run_example("structured_extraction.py", tmp_path, prefect_env)
     rows = [line for line in out.splitlines() if line.startswith("{'id'")]
@@ -46,6 +47,7 @@ def test_structured_extraction_over_parquet(tmp_path, prefect_env):
     assert "max_tokens ended the output" in rows[2]
 
 
+@pytest.mark.slow
 def test_openai_batch_file(tmp_path, prefect_env):
     out = run_example("openai_batch.py", tmp_path, prefect_env)
     assert "q-1 ok:" in out and "q-2 ok:" in out
@@ -53,6 +55,7 @@ def test_openai_batch_file(tmp_path, prefect_env):
     assert "{'total': 3, 'completed': 2, 'failed': 1}" in out
 
 
+@pytest.mark.slow
 def test_prefect_deployment_serves_a_backfill_and_its_rerun_skips_every_partition(tmp_path, prefect_env):
     out = run_example("prefect_backfill.py", tmp_path, prefect_env)
     runs = [line for line in out.splitlines() if line.startswith("flow run ")]

@@ -8,6 +8,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from shardline.flows.batch_inference import batch_inference
 from shardline.tasks.engine_cache import engine_requests
 from shardline.tasks.sample_data import write_rows, write_sample_dataset
@@ -31,6 +33,9 @@ def _stop_when_engine_busy(server, requests_before: int, outage: dict) -> None:
     outage["restarted"] = time.monotonic()
 
 
+# The outage lasts over a minute by design; tests/tasks/test_errors.py keeps the fast check
+# that an unreachable store is transient and retried for its budget.
+@pytest.mark.slow
 def test_a_store_outage_longer_than_a_minute_mid_run_loses_nothing_and_recomputes_nothing(controlled_s3, make_job):
     prefix = controlled_s3.new_prefix()
     options = controlled_s3.storage_options()

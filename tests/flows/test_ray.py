@@ -82,6 +82,7 @@ def test_shards_run_on_two_ray_workers_that_each_load_the_engine_once(cpu_cluste
     assert (again["totals"]["skipped"], again["totals"]["done"]) == (8, 0)
 
 
+@pytest.mark.slow
 def test_one_engine_per_gpu_with_shards_spread_across_gpus(logical_gpu_cluster, tmp_path, make_job):
     write_sample_dataset(str(tmp_path / "in"), num_shards=6, rows_per_shard=3)
     summary = batch_inference(make_job(shards_in_flight=4), Execution(task_runner="ray"))
