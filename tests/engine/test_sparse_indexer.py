@@ -115,13 +115,21 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
+def _untied_greedy(monkeypatch, reference: transformers.PreTrainedModel, prompts: list[list[int]],
+                   max_tokens: int, topk: int) -> list[list[int]]:
+    """transformers' greedy tokens for ``prompts``, checking that no indexer score ties at
+    the top-k boundary on the way (the recording is undone before the engine runs)."""
+    ties = IndexerTies(monkeypatch, topk)
+    expected = [hf_greedy(reference, prompt, max_tokens) for prompt in prompts]
+    ties.assert_untied()
+    monkeypatch.undo()
+    return expected
+
+
 def test_deepseek_v32_equals_transformers_through_chunks_preemption_and_prefix_hits(tmp_path, monkeypatch):
     model_dir, reference = _tiny_indexed(tmp_path, "deepseek_v32")
     prompts = random_prompts(6, (2, 30), 512, seed=33, shared_prefix=21)
-    ties = IndexerTies(monkeypatch, INDEX_TOPK)
-    expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
-    ties.assert_untied()
-    monkeypatch.undo()
+    expected = _untied_greedy(monkeypatch, reference, prompts, 8, INDEX_TOPK)
     assert len({tuple(tokens) for tokens in expected}) > 1  # the tokens depend on the prompt
     per_block = KVCacheSpec.from_hf_config(reference.config, torch.float32).bytes_per_block(16)
     # 5 blocks of 16 for prompts of up to 51 tokens growing by 8, with 16-token chunks: preemptions happen.
@@ -153,10 +161,7 @@ def test_other_indexed_types_equal_transformers(model_type, tmp_path, monkeypatc
     overrides, widths = TYPE_CASES[model_type]
     model_dir, reference = _tiny_indexed(tmp_path, model_type, **overrides)
     prompts = random_prompts(4, (8, 30), 512, seed=34)
-    ties = IndexerTies(monkeypatch, INDEX_TOPK)
-    expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
-    ties.assert_untied()
-    monkeypatch.undo()
+    expected = _untied_greedy(monkeypatch, reference, prompts, 8, INDEX_TOPK)
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=8, max_num_seqs=2)
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
@@ -177,10 +182,7 @@ def test_requests_within_the_top_k_take_the_decode_kernel(decode_kernel, tmp_pat
     topk = 16
     model_dir, reference = _tiny_indexed(tmp_path, "deepseek_v32", index_topk=topk)
     prompts = [prompt[:length] for prompt, length in zip(random_prompts(4, (30, 30), 512, seed=35), (4, 9, 14, 30))]
-    ties = IndexerTies(monkeypatch, topk)
-    expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
-    ties.assert_untied()
-    monkeypatch.undo()
+    expected = _untied_greedy(monkeypatch, reference, prompts, 8, topk)
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"decode_kernel={decode_kernel}")
     llm = LLM(model_dir, dtype="float32", max_num_seqs=4)
     engine = llm.llm_engine
@@ -198,10 +200,7 @@ def test_deepseek_v32_on_two_tensor_parallel_ranks_equals_transformers(tmp_path,
     projections are kept whole on every rank (no plan or shape rule splits them)."""
     model_dir, reference = _tiny_indexed(tmp_path, "deepseek_v32")
     prompts = random_prompts(3, (8, 30), 512, seed=36)
-    ties = IndexerTies(monkeypatch, INDEX_TOPK)
-    expected = [hf_greedy(reference, prompt, 6) for prompt in prompts]
-    ties.assert_untied()
-    monkeypatch.undo()
+    expected = _untied_greedy(monkeypatch, reference, prompts, 6, INDEX_TOPK)
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=8)
     try:
         assert _greedy(llm, prompts, 6) == expected
