@@ -34,86 +34,30 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardline.engine.outputs import PoolingRequestOutput
-
-from .executor import EngineReading, RowCallback, RowRequest, RowResult, RunnerError, ShardAborted, report_row, row_done
+from .executor import EngineReading, RowCallback, RowRequest, RowResult, RunnerError, ShardAborted
 from .image_prompts import has_images, image_prompt, prepare_image_rows
+from .shard_work import DriverStats, RetryPolicy, ShardWork, engine_is_gone, row_output
 
 if TYPE_CHECKING:
     from shardline import LLM
-    from shardline.engine.outputs import EmbeddingRequestOutput, RequestOutput
 
-    from .image_prompts import Prepared
-
-    EngineOutput = RequestOutput | EmbeddingRequestOutput | PoolingRequestOutput
+    from .shard_work import EngineOutput
 
 logger = logging.getLogger("shardline.tasks.runner")
 
 # (shard work, position of the row in that shard's request list)
-_Entry = tuple["_ShardWork", int]
+_Entry = tuple[ShardWork, int]
 
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Backoff for groups that failed in a step: delay(depth) = base * 2**(depth-1), capped."""
-
-    base_delay: float = 0.05
-    max_delay: float = 2.0
-    max_row_attempts: int = 2
-
-    def delay(self, depth: int) -> float:
-        return min(self.max_delay, self.base_delay * 2 ** max(depth - 1, 0))
-
-
-@dataclass
-class DriverStats:
-    """What the driver loop did: steps, seconds inside them, and seconds it waited for
-    rows with nothing in flight. Tells a starved engine from a slow one."""
-
-    steps: int = 0
-    requests_added: int = 0  # engine requests, retries included: the engine work asked for
-    step_seconds: float = 0.0
-    idle_seconds: float = 0.0
-    first_step_at: float | None = None  # time.monotonic() of the first and last step
-    last_step_at: float | None = None
-    idle_since: float | None = None  # set while the driver waits with nothing in flight
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "requests_added": self.requests_added, "step_seconds": round(self.step_seconds, 3),
-                "idle_seconds": round(self.idle_seconds, 3),
-                "active_seconds": round((self.last_step_at or 0.0) - (self.first_step_at or 0.0), 3)}
-
-
-@dataclass(eq=False)
-class _ShardWork:
-    """One shard inside the runner: rows still to add, results so far, a done event."""
-
-    key: str
-    rows: list[RowRequest]
-    request_prefix: str  # unique in the runner: the key and the shard's serial
-    on_row: RowCallback | None = None
-    prepared: dict[int, Prepared] = field(default_factory=dict)  # image rows' prompts, by position
-    next_row: int = 0
-    results: dict[int, RowResult] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
-    failure: BaseException | None = None
-
-    def complete(self, position: int, result: RowResult) -> None:
-        self.results[position] = result
-        if self.on_row is not None:
-            report_row(self.on_row, row_done(result))
-        if len(self.results) == len(self.rows):
-            self.done.set()
+DEFAULT_RETRY = RetryPolicy()
 
 
 class ShardRunner:
     """Streams shards through one ``LLM``'s engine from a single driver thread: the
     in-process ShardExecutor (tasks/executor.py)."""
 
-    def __init__(self, llm: LLM, max_queued: int | None = None, retry: RetryPolicy = RetryPolicy(),
+    def __init__(self, llm: LLM, max_queued: int | None = None, retry: RetryPolicy = DEFAULT_RETRY,
                  owner_drives: bool = False) -> None:
         self.llm = llm
         # The pipeline's only reach past the LLM API, kept in this class: the driver steps the
@@ -123,9 +67,9 @@ class ShardRunner:
         self._max_queued = max_queued
         self._retry = retry
         self._cond = threading.Condition()
-        self._queue: collections.deque[_ShardWork] = collections.deque()
+        self._queue: collections.deque[ShardWork] = collections.deque()
         self._in_flight: dict[str, _Entry] = {}
-        self._active: set[_ShardWork] = set()  # submitted, not yet returned to their caller
+        self._active: set[ShardWork] = set()  # submitted, not yet returned to their caller
         self._retry_ids = itertools.count(1)
         self._shard_serials = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -139,7 +83,7 @@ class ShardRunner:
     def run_shard(self, key: str, rows: list[RowRequest], on_row: RowCallback | None = None) -> list[RowResult]:
         """Run ``rows`` (of shard ``key``) and return one RowResult each, in order; ``on_row``
         is told of each as it finishes (on the driver thread)."""
-        work = _ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}", on_row)
+        work = ShardWork(key, list(rows), f"{key}@{next(self._shard_serials)}", on_row)
         if not work.rows:
             return []
         work.prepared = prepare_image_rows(self.llm, work.rows, work.request_prefix)  # off the driver thread
@@ -282,7 +226,7 @@ class ShardRunner:
             return len(self._in_flight) < self._max_queued
         return not self._in_flight or self._engine.has_capacity()  # never stall with nothing to step
 
-    def _add(self, request_id: str, work: _ShardWork, position: int) -> bool:
+    def _add(self, request_id: str, work: ShardWork, position: int) -> bool:
         """Add one row; a row the engine refuses becomes an error row (False)."""
         row = work.rows[position]
         try:
@@ -319,7 +263,7 @@ class ShardRunner:
             entry = self._in_flight.pop(output.request_id, None)
             if entry is not None:  # None: the last word of an aborted request
                 work, position = entry
-                work.complete(position, RowResult(work.rows[position].index, output=_row_output(output)))
+                work.complete(position, RowResult(work.rows[position].index, output=row_output(output)))
 
     def _engine_step(self) -> Sequence[EngineOutput]:
         """One engine step, counted in the driver's stats (failed steps too)."""
@@ -387,7 +331,7 @@ class ShardRunner:
                     entry = pending.pop(output.request_id, None)
                     if entry is not None:
                         work, position = entry
-                        work.complete(position, RowResult(work.rows[position].index, output=_row_output(output)))
+                        work.complete(position, RowResult(work.rows[position].index, output=row_output(output)))
         except Exception as exc:
             if engine_is_gone(exc):
                 raise
@@ -410,19 +354,3 @@ class ShardRunner:
             for work in waiting:
                 work.failure = exc
                 work.done.set()
-
-
-def engine_is_gone(exc: BaseException) -> bool:
-    """Whether a step's error says the engine cannot run another step (a tensor-parallel
-    rank died or stopped answering): no row is to blame, so recovery would only turn
-    every row into an error row."""
-    from shardline.engine.parallel.group import TensorParallelError  # torch is loaded: an engine ran
-
-    return isinstance(exc, TensorParallelError)
-
-
-def _row_output(output: EngineOutput) -> RequestOutput | EmbeddingRequestOutput:
-    """A finished request's output as a row's result: the runner adds generate and embed
-    requests only, never other pooling tasks."""
-    assert not isinstance(output, PoolingRequestOutput), f"request {output.request_id} was a pooling task"
-    return output
