@@ -10,7 +10,7 @@ import torch
 from shardline.engine.core.kv_cache import KVCacheManager
 from shardline.engine.core.partial_blocks import BlockCopy, PartialBlocks, parent_key
 from shardline.engine.core.request import Request, RequestStatus
-from shardline.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, _Step
+from shardline.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, StepPlan
 from shardline.engine.multimodal.inputs import ImageInput
 
 from .test_scheduler import KVTracker
@@ -140,7 +140,7 @@ def test_unscheduling_an_admission_gives_back_its_copied_tokens():
     nor computed: none of them counts as computed (so none is cached at its free)."""
     request = _request("a", list(range(10)))
     request.num_computed_tokens = 9  # 4 hit, 2 copied, 3 scheduled
-    step = _Step(token_budget=5)
+    step = StepPlan(token_budget=5)
     step.scheduled.append(ScheduledRequest(request, 6, 3, [0, 1, 2], 10, block_copy=BlockCopy(5, 1, 2)))
     assert step.unschedule(request) is not None
     assert request.num_computed_tokens == 4 and step.token_budget == 8
