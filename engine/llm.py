@@ -14,11 +14,16 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeGuard
-
-from tqdm.auto import tqdm
+from typing import Any, Protocol
 
 from .config import ConfigError, EngineConfig
+from .inputs.call_args import (
+    ProgressBar,
+    keep_special_tokens,
+    offer_tools,
+    per_item_values,
+    prompt_list,
+)
 from .inputs.chat import ChatOptions, ChatRenderError, is_conversation, keeps_special_tokens, render_chat
 from .inputs.prompts import PromptType
 from .llm_engine import LLMEngine
@@ -35,7 +40,6 @@ from .pooling.engine import (
     pooling_params_for,
     wants_pooling_engine,
 )
-from .tools import ToolChoice
 
 # Image prompts are prepared (decoded, preprocessed) on this many worker threads, at
 # most this many ahead of the engine.
@@ -130,7 +134,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt; one RequestOutput per prompt, in input order."""
         self._require_generation("LLM.generate")
-        return self._run(_prompt_list(prompts), lambda prompt: prompt, sampling_params, use_tqdm, lora_request,
+        return self._run(prompt_list(prompts), lambda prompt: prompt, sampling_params, use_tqdm, lora_request,
                          priority)
 
     def _require_generation(self, method: str) -> LLMEngine:
@@ -165,9 +169,9 @@ class LLM:
                               continue_final_message, tools, chat_template_kwargs or {})
         conversations = [messages] if is_conversation(messages) else list(messages)
         if keeps_special_tokens(self.get_tokenizer(), options):
-            sampling_params = _keep_special_tokens(sampling_params)
+            sampling_params = keep_special_tokens(sampling_params)
         if tools and engine.tool_parser is not None:
-            sampling_params = _offer_tools(sampling_params, tools)
+            sampling_params = offer_tools(sampling_params, tools)
         render = lambda item: self._render_indexed(item, options)  # noqa: E731
         return self._run(list(enumerate(conversations)), render, sampling_params, use_tqdm, lora_request, None)
 
@@ -205,12 +209,12 @@ class LLM:
         """Render, add and run ``items``; return their final outputs in order."""
         items = list(items) if not isinstance(items, (Sequence, Iterator)) else items
         num_items = len(items) if isinstance(items, Sequence) else None
-        per_item = _per_item_values(num_items, params=params, lora_request=lora_request, priority=priority)
+        per_item = per_item_values(num_items, params=params, lora_request=lora_request, priority=priority)
         if params is None:
             per_item["params"] = itertools.repeat(SamplingParams())
         added: list[str] = []
         outputs: dict[str, Any] = {}
-        progress = _ProgressBar(use_tqdm, num_items)
+        progress = ProgressBar(use_tqdm, num_items)
         prepared = self._prepared(items, render)
         try:
             for (request_id, prompt, ready), item_params, item_lora, item_priority in zip(
@@ -281,7 +285,7 @@ class LLM:
     def _batch_is_full(self) -> bool:
         return not self.llm_engine.has_capacity()
 
-    def _step_into(self, outputs: dict[str, Any], progress: _ProgressBar) -> None:
+    def _step_into(self, outputs: dict[str, Any], progress: ProgressBar) -> None:
         for output in self.llm_engine.step():
             outputs[output.request_id] = output
             progress.update(output)
@@ -333,109 +337,4 @@ class LLM:
                 f"generation (task={self.engine_config.task!r}); load it with task='embed'"
             )
         params = pooling_params_for(pooling_params, task, truncate_prompt_tokens)
-        return self._run(_prompt_list(prompts), lambda prompt: prompt, params, use_tqdm, lora_request, priority)
-
-
-def _is_one_prompt(value: object) -> TypeGuard[PromptType]:
-    """Whether ``value`` is one prompt (its text, or a dict of its fields), not an
-    iterable of prompts: a dict is always one prompt, never its keys."""
-    return isinstance(value, (str, dict))
-
-
-def _prompt_list(prompts: PromptType | Iterable[PromptType]) -> Iterable[PromptType]:
-    """A single prompt as a one-item list; an iterable of prompts as it is."""
-    if _is_one_prompt(prompts):
-        return [prompts]
-    return prompts
-
-
-def _keep_special_tokens(params: Any) -> Any:
-    """Copies of ``params`` that keep special tokens in the output text."""
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        params = params.clone()
-        params.skip_special_tokens = False
-        return params
-    return [_keep_special_tokens(p) for p in params]
-
-
-def _offer_tools(params: Any, tools: list[Any]) -> Any:
-    """Copies of ``params`` whose completions' tool calls the engine reads (tool_choice
-    "auto" over ``tools``' function names), unless a copy already sets its tool_choice."""
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        if params.tool_choice is not None:
-            return params
-        names = tuple(_tool_name(tool) for tool in tools)
-        schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools
-                   if isinstance(tool, dict)}
-        params = params.clone()
-        params.tool_choice = ToolChoice("auto", names, parameters=schemas)
-        return params
-    return [_offer_tools(p, tools) for p in params]
-
-
-def _tool_name(tool: Any) -> str:
-    """A tool's function name: an OpenAI function tool's, or a Python function's (which
-    transformers turns into a tool of that name)."""
-    if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"),
-                                                                                          str):
-        return tool["function"]["name"]
-    if callable(tool) and isinstance(getattr(tool, "__name__", None), str):
-        return tool.__name__
-    raise ValueError(f"tools must be OpenAI function tools ({{'type': 'function', 'function': {{'name': ...}}}}) or "
-                     f"Python functions, got {tool!r:.80}")
-
-
-def _per_item_values(num_items: int | None, **values: Any) -> dict[str, Iterable[Any]]:
-    """Broadcast single values; check that sequences match the number of prompts."""
-    result = {}
-    for name, value in values.items():
-        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            if num_items is not None and len(value) != num_items:
-                raise ValueError(
-                    f"the number of prompts ({num_items}) and the length of {name} ({len(value)}) differ"
-                )
-            result[name] = value
-        else:
-            result[name] = itertools.repeat(value)
-    return result
-
-
-class _ProgressBar:
-    """tqdm "Processed prompts" with estimated input and output tokens/s (all n samples)."""
-
-    def __init__(self, use_tqdm: bool | Callable[..., Any], total: int | None) -> None:
-        self.bar = None
-        if use_tqdm:
-            factory = use_tqdm if callable(use_tqdm) else tqdm
-            self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True,
-                               postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
-        self.input_tokens = 0
-        self.output_tokens = 0
-
-    def set_total(self, total: int) -> None:
-        if self.bar is not None and getattr(self.bar, "total", None) != total:
-            self.bar.total = total
-            if hasattr(self.bar, "refresh"):
-                self.bar.refresh()
-
-    def update(self, output: Any) -> None:
-        if self.bar is None:
-            return
-        self.input_tokens += len(output.prompt_token_ids)
-        completions = output.outputs if isinstance(output.outputs, list) else []
-        self.output_tokens += sum(len(c.token_ids) for c in completions)
-        elapsed = self.bar.format_dict.get("elapsed", 0) if hasattr(self.bar, "format_dict") else 0
-        if elapsed:
-            self.bar.postfix = (
-                f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
-                f"output: {self.output_tokens / elapsed:.2f} toks/s"
-            )
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        return self._run(prompt_list(prompts), lambda prompt: prompt, params, use_tqdm, lora_request, priority)
