@@ -17,6 +17,7 @@ slots hold those heads only.
   channels of the one group its heads read, and the gated norm, whose groups then span
   ranks, sums each group's squares over ranks (layers.SpanningGatedNorm); out_proj is
   row-parallel.
+- LFM2's short convolution and RWKV's block split by channels (engine/parallel/mixers.py).
 
 Other recurrent kinds, and a mixer whose counts do not split, run whole on every rank
 with their whole state (their projections' outputs are the unsplit module's); the load
@@ -33,7 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from typing import cast
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ from ..recurrent.base import projection_out_features, registered_module_classes
 from ..surgery import replace
 from .group import RankGroup, ShardingError
 from .layers import SpanningGatedNorm, column_share, row_share
+from .mixers import RWKV, SHORT_CONV, rwkv_share, short_conv_share
+from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ranges, share, sliced, tensor_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,60 +58,51 @@ MAMBA2 = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "Zamba2MambaMixer
 WHOLE_REASON = "its kind is not split over ranks"
 
 
-class RunWhole(Exception):  # noqa: N818 - an outcome, not a failure
-    """Why a mixer runs whole on every rank."""
+Share = Callable[[nn.Module, str, RankGroup], tuple[Parts, dict[str, int]]]
 
 
-def ranges(*parts: tuple[int, int]) -> torch.Tensor:
-    """The indices of the [start, start + length) ``parts``, in order."""
-    return torch.cat([torch.arange(start, start + length) for start, length in parts])
-
-
-def share(count: int, group: RankGroup, what: str) -> tuple[int, int]:
-    """(first, how many) of ``count`` items that this rank holds; RunWhole if they do not split."""
-    if count % group.size:
-        raise RunWhole(f"its {count} {what} do not split over {group.size} ranks")
-    each = count // group.size
-    return group.rank * each, each
+def recurrent_mixer_names(model: nn.Module) -> tuple[str, ...]:
+    """Every recurrent mixer's name with a trailing dot (split here or run whole): no
+    name rule of the sharding step applies inside one."""
+    classes = set(registered_module_classes()) | set(SPLITS)
+    return tuple(f"{name}." for name, module in model.named_modules() if type(module).__name__ in classes)
 
 
 def shard_recurrent_mixers(model: nn.Module, group: RankGroup) -> list[str]:
-    """Replace each gated delta-net and Mamba-2 mixer's parts by this rank's share
-    (module docstring); return the names of the mixers split. The other recurrent
-    mixers the engine runs (engine/recurrent/) are logged as running whole, with the
-    reason."""
+    """Replace each splittable mixer's parts by this rank's share (this module's and
+    engine/parallel/mixers.py's docstrings); return the names of the mixers split. The
+    other recurrent mixers the engine runs (engine/recurrent/) are logged as running
+    whole, with the reason."""
     recurrent_classes = registered_module_classes()
     split, whole = [], {}
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
-        if kind not in recurrent_classes and kind not in GATED_DELTA_NET + MAMBA + MAMBA2:
+        if kind not in recurrent_classes and kind not in SPLITS:
             continue
         try:
-            if kind in GATED_DELTA_NET:
-                parts, sizes = gated_delta_net_share(module, name, group)
-            elif kind in MAMBA:
-                parts, sizes = mamba_share(module, name, group)
-            elif kind in MAMBA2:
-                parts, sizes = mamba2_share(module, name, group)
-            else:
+            if kind not in SPLITS:
                 raise RunWhole(WHOLE_REASON)
+            parts, sizes = SPLITS[kind](module, name, group)
         except (RunWhole, ShardingError) as reason:
             whole.setdefault(kind, str(reason))
             continue
-        for attribute, part in parts.items():
-            if isinstance(part, nn.Module):
-                replace(module, attribute, part)
-            else:
-                setattr(module, attribute, part)
-        for attribute, value in sizes.items():
-            setattr(module, attribute, value)
+        install(module, parts, sizes)
         split.append(name)
     for kind, reason in whole.items():
         logger.info("tensor parallelism: %s layers run whole on each of %d ranks (%s)", kind, group.size, reason)
     return split
 
 
-Parts = dict[str, nn.Module | nn.Parameter]
+def install(module: nn.Module, parts: Parts, sizes: dict[str, int]) -> None:
+    """Put a mixer's ``parts`` (by their dotted paths under it) and ``sizes`` in place."""
+    for path, part in parts.items():
+        if isinstance(part, nn.Module):
+            replace(module, path, part)
+        else:
+            owner, _, attribute = path.rpartition(".")
+            setattr(module.get_submodule(owner), attribute, part)
+    for attribute, value in sizes.items():
+        setattr(module, attribute, value)
 
 
 def gated_delta_net_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
@@ -225,45 +219,6 @@ def gated_norm_share(norm: nn.Module, name: str, channels: torch.Tensor, num_gro
     raise RunWhole(f"its norm {type(norm).__name__} spans ranks' channels")
 
 
-def depthwise_conv(conv: nn.Module, channels: torch.Tensor) -> nn.Conv1d:
-    """A depthwise causal nn.Conv1d over ``channels`` of ``conv``'s."""
-    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels:
-        raise RunWhole(f"its convolution {type(conv).__name__} is not a depthwise nn.Conv1d")
-    weight = conv.weight.detach()[channels.to(conv.weight.device)].contiguous()
-    count = weight.shape[0]
-    new = nn.Conv1d(count, count, conv.kernel_size[0], groups=count, padding=cast(tuple[int], conv.padding),
-                    bias=conv.bias is not None, device=weight.device, dtype=weight.dtype)
-    new.weight = nn.Parameter(weight, requires_grad=False)
-    if conv.bias is not None:
-        new.bias = nn.Parameter(conv.bias.detach()[channels.to(weight.device)].contiguous(), requires_grad=False)
-    return new
-
-
-def int_of(module: nn.Module, attribute: str) -> int:
-    """A mixer's size ``attribute``; RunWhole where it has none."""
-    value = getattr(module, attribute, None)
-    if not isinstance(value, int):
-        raise RunWhole(f"it has no integer {attribute}")
-    return value
-
-
-def module_of(module: nn.Module, attribute: str) -> nn.Module:
-    """A mixer's submodule ``attribute``; RunWhole where it has none."""
-    value = getattr(module, attribute, None)
-    if not isinstance(value, nn.Module):
-        raise RunWhole(f"it has no module {attribute}")
-    return value
-
-
-def tensor_of(module: nn.Module, attribute: str) -> torch.Tensor:
-    """A mixer's parameter ``attribute``; RunWhole where it has none."""
-    value = getattr(module, attribute, None)
-    if not isinstance(value, torch.Tensor):
-        raise RunWhole(f"it has no tensor {attribute}")
-    return value
-
-
-def sliced(parameter: torch.Tensor, index: torch.Tensor) -> nn.Parameter:
-    """``parameter``'s entries ``index`` (along its first dimension) as a new parameter."""
-    return nn.Parameter(parameter.detach()[index.to(parameter.device)].contiguous(), requires_grad=False)
-
+SPLITS: dict[str, Share] = {**dict.fromkeys(GATED_DELTA_NET, gated_delta_net_share),
+                            **dict.fromkeys(MAMBA, mamba_share), **dict.fromkeys(MAMBA2, mamba2_share),
+                            **dict.fromkeys(SHORT_CONV, short_conv_share), **dict.fromkeys(RWKV, rwkv_share)}

@@ -5,12 +5,15 @@ The split follows the model's tensor-parallel plan where transformers gives one
 (``base_model_tp_plan``: "colwise", "rowwise", "packed_colwise", "moe_tp_experts",
 "embedding_rowwise", and the styles that keep a module whole), and shape rules where
 it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise, o/down
-row-wise. The input embedding is split along the vocabulary and the LM head along its
-output, the logits gathered. Experts are tensor-parallel: every rank routes every token
+row-wise, and an attention's out_proj or Wo row-wise where q/k/v_proj sit beside it.
+The input embedding is split along the vocabulary and the LM head along its output,
+the logits gathered. Experts are tensor-parallel: every rank routes every token
 and computes each expert over its share of the intermediate size, the experts' output
-summed over ranks (no token moves between ranks). Gated delta-net and Mamba-2 mixers
-split their heads, convolution channels and state (engine/parallel/recurrent.py); the
-other recurrent mixers run whole on every rank with their whole state.
+summed over ranks (no token moves between ranks). Recurrent mixers are left to their own
+rules: gated delta-net, Mamba, LFM2's short convolution and RWKV split their heads or
+channels and state (engine/parallel/recurrent.py, mixers.py); the other recurrent
+mixers run whole on every rank with their whole state, no name rule splitting a part
+of one.
 
 Invariants:
 - Every attention layer's query heads split evenly over the ranks; key-value heads
@@ -39,7 +42,7 @@ from ..surgery import replace
 from .group import RankGroup, ShardingError
 from .layers import GatheredLMHead, ReducedOutput, VocabParallelEmbedding, column_share, row_share
 from .quantized import refuse_quantized_experts
-from .recurrent import shard_recurrent_mixers
+from .recurrent import recurrent_mixer_names, shard_recurrent_mixers
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
@@ -54,6 +57,10 @@ ATTENTION_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
 SHAPE_RULES = {**dict.fromkeys(ATTENTION_COLUMN, COLUMN), "o_proj": ROW,
                "gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW}
 KEY_VALUE = ("k_proj", "v_proj")
+# An attention module's output projection under names the shape rules cannot take for
+# every model (an MLP's or a mixer's output is called so too): row-split only beside
+# q_proj, k_proj and v_proj (OPT, GPT-Neo, XGLM, BioGPT, LFM2, ModernBERT-decoder).
+ATTENTION_OUTPUT = ("out_proj", "Wo")
 FUSED_ATTENTION = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
 
 
@@ -135,7 +142,25 @@ def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
                                 "which shardline's ranks do not run")
         pattern = re.escape(key).replace(r"\*", r"\d+")
         rules.append((re.compile(rf"(?:^|\.){pattern}$"), PLAN_STYLES[style]))
+    outputs = attention_outputs(model)
+    if outputs:
+        rules.append((re.compile("^(?:" + "|".join(map(re.escape, outputs)) + ")$"), ROW))
     return rules
+
+
+def attention_outputs(model: nn.Module) -> list[str]:
+    """The names of the attention output projections named ``ATTENTION_OUTPUT``: an
+    nn.Module beside q_proj, k_proj and v_proj, outside every recurrent mixer (which
+    keeps its own parts)."""
+    mixers = recurrent_mixer_names(model)
+    outputs = []
+    for name, module in model.named_modules():
+        if f"{name}.".startswith(mixers):
+            continue
+        children = dict(module.named_children())
+        if all(leaf in children for leaf in ATTENTION_COLUMN[:3]):
+            outputs += [f"{name}.{leaf}" if name else leaf for leaf in ATTENTION_OUTPUT if leaf in children]
+    return outputs
 
 
 def split_of(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str | None:
@@ -175,11 +200,12 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
     rules = plan_rules(model)
-    mixers = tuple(f"{name}." for name in shard_recurrent_mixers(model, group))  # their parts split already
-    replaced, attention, splits = len(mixers), set(), {}
+    replaced = len(shard_recurrent_mixers(model, group))
+    mixers = recurrent_mixer_names(model)  # split by their own rules above, or run whole: no name rule applies
+    attention, splits = set(), {}
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if name.startswith(mixers):
+        if f"{name}.".startswith(mixers):
             continue
         if leaf in FUSED_ATTENTION:
             raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
@@ -296,3 +322,6 @@ def set_local_heads(attention: nn.Module, heads: Heads | None, group: RankGroup)
                              ("num_key_value_groups", num_heads // num_kv_heads)):
         if isinstance(getattr(attention, attribute, None), int):
             setattr(attention, attribute, value)
+    head_dim, embed_dim = getattr(attention, "head_dim", None), getattr(attention, "embed_dim", None)
+    if isinstance(head_dim, int) and embed_dim == heads.num_heads * head_dim:  # the heads' width (xglm reshapes to it)
+        setattr(attention, "embed_dim", num_heads * head_dim)  # noqa: B010 - an int attribute of an nn.Module

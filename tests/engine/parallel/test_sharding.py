@@ -107,8 +107,6 @@ def test_a_plan_style_not_run_is_refused():
 
 
 @pytest.mark.parametrize(("arch", "overrides", "reason"), [
-    # its attention's output projection is out_proj, which no rule splits
-    ("lfm2", {}, "model.layers.0.self_attn: q_proj, k_proj, v_proj split column-wise, but the projection they feed"),
     # its shared block's MLP: a fused gate_up_proj no rule splits feeds down_proj
     ("zamba2", dict(n_mamba_heads=8, mamba_headdim=16, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2, chunk_size=4,
                     mamba_d_conv=4, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"]),

@@ -43,6 +43,8 @@ CASES: dict[str, dict[str, Any]] = {
     "jamba": dict(mamba_expand=2, mamba_d_state=8, mamba_dt_rank=4, mamba_d_conv=4, attn_layer_period=2,
                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                   num_experts_per_tok=2),  # Mamba-1 with its dt, B and C norms
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+    "rwkv": dict(intermediate_size=96, rescale_every=2, num_hidden_layers=3),
 }
 NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
 
@@ -173,3 +175,23 @@ def test_a_mixer_whose_heads_do_not_split_runs_whole(tmp_path, caplog):
         assert torch.equal(share.conv1d.weight, whole.conv1d.weight)
     assert "Qwen3_5GatedDeltaNet layers run whole on each of 2 ranks (its 3 key heads do not split over 2 ranks)" \
         in caplog.text
+
+
+def test_short_conv_split_on_two_ranks(tmp_path):
+    """lfm2: each rank runs half the short convolutions' channels (its state holds them)
+    and half the attention heads, out_proj row-split in both."""
+    model_dir = str(build_tiny_model(tmp_path, "lfm2", **CASES["lfm2"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    assert set(split) == set(whole) == {0, 2}
+    for index in whole:
+        assert whole[index]["conv"] == (2, 64) and split[index]["conv"] == (2, 32)
+
+
+@pytest.mark.slow
+def test_rwkv_split_on_two_ranks(tmp_path):
+    """rwkv: each rank keeps half the time mix's WKV channels; the token shifts (over the
+    hidden size) stay whole."""
+    model_dir = str(build_tiny_model(tmp_path, "rwkv", **CASES["rwkv"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    for index, shapes in whole.items():
+        assert split[index]["num"] == (shapes["num"][0] // 2,) and split[index]["att_shift"] == shapes["att_shift"]
