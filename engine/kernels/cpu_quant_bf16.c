@@ -23,8 +23,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-#define R 4
-#define MT 4
+#define R 4  /* weight rows per tile of the many-rows kernel */
 #define PARALLEL_MIN_WORK (1 << 18)
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -84,66 +83,83 @@ static inline __m512bh w4_codes_bf16(const uint8_t *p, __m512i table) {
 
 static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loadu_si512(x); }
 
-/* result[r][m] = sum_k w8(n_r, k) * x[m][k]; scale_rows[r]: row n_r / bn of scale. */
+/* ---- Few rows of x (up to the launcher's DECODE_MAX_ROWS): DR weight rows a tile ----
+ *
+ * Each tile decodes DR = 2 adjacent weight rows, VL codes at a time, in registers and
+ * multiplies them by up to DMT rows of x (DMT_BLOCKED where scales change along K,
+ * which needs a second set of accumulators), so up to 8 rows of x share one decode.
+ * The two rows are one contiguous stretch of the weight, and each step prefetches the
+ * next tile's stretch in order (a short row is too short a stream for the hardware
+ * prefetcher, and streams of several rows at once measured slower). */
+#define DR 2
+#define DMT 8
+#define DMT_BLOCKED 4
+
+/* result[r][m] = sum_k w8(n_r, k) * x[m][k]; scale_rows[r]: row n_r / bn of scale;
+ * blocked: scales change along K (bk < K), else one scale multiplies the row's sum. */
 static inline __attribute__((always_inline)) void w8_tile(
-    const uint16_t *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R], int64_t K,
-    int64_t bk, int fp8, const int mt, float result[R][MT]) {
-    __m512 acc[R][MT];
-    float tail[R][MT];
-    for (int r = 0; r < R; r++)
+    const uint16_t *const x[DMT], const uint8_t *const w[DR], const float *const scale_rows[DR], int64_t K,
+    int64_t bk, int fp8, const int blocked, const int mt, float result[DR][DMT]) {
+    __m512 acc[DR][DMT];
+    float tail[DR][DMT];
+    for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), tail[r][m] = 0.0f;
+    const uint8_t *next = w[0] + DR * K;  /* rows past N repeat the last: w[1] - w[0] is K or 0 */
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
-        const int64_t k1 = min64(K, k0 + bk);
-        __m512 part[R][MT];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
+        const int64_t k1 = blocked ? min64(K, k0 + bk) : K;
+        __m512 part[DR][DMT];
+        for (int r = 0; r < DR; r++)
+            for (int m = 0; m < mt; m++) part[r][m] = blocked ? _mm512_setzero_ps() : acc[r][m];
         int64_t k = k0;
         for (; k + 32 <= k1; k += 32) {
-            __m512bh xv[MT];
-            for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(w[r] + k + R * K);  /* the next tile's rows: see cpu_quant.c */
-                const __m512bh wv = w8_codes_bf16(w[r] + k, fp8);
-                for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
+            __builtin_prefetch(next + DR * k);
+            __m512bh wv[DR];
+            for (int r = 0; r < DR; r++) wv[r] = w8_codes_bf16(w[r] + k, fp8);
+            for (int m = 0; m < mt; m++) {
+                const __m512bh xv = load_x32(x[m] + k);
+                for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
             }
         }
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < DR; r++) {
             const float s = scale_rows[r][kb];
             for (int64_t j = k; j < k1; j++) {
                 const float wv = w8_scalar(w[r][j], fp8) * s;
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * bf16_to_f32(x[m][j]);
             }
             for (int m = 0; m < mt; m++)
-                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
+                acc[r][m] = blocked ? _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]) : part[r][m];
         }
+        if (!blocked) break;
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) result[r][m] = _mm512_reduce_add_ps(acc[r][m]) + tail[r][m];
+    for (int r = 0; r < DR; r++)
+        for (int m = 0; m < mt; m++)
+            result[r][m] = _mm512_reduce_add_ps(acc[r][m]) * (blocked ? 1.0f : scale_rows[r][0]) + tail[r][m];
 }
 
 /* result[r][m] = sum_k w4(n_r, k) * x[m][k]; x_sums[m][g]: x's sum over group g. */
 static inline __attribute__((always_inline)) void w4_tile(
-    const uint16_t *const x[MT], const float *const x_sums[MT], const uint8_t *const w[R],
-    const float *const scale_rows[R], const float *const zero_rows[R], int64_t K, int64_t group,
-    __m512i table, const int mt, float result[R][MT]) {
-    __m512 acc[R][MT];
-    float shift[R][MT];  /* sum over groups of zero * scale * the group's sum of x */
-    for (int r = 0; r < R; r++)
+    const uint16_t *const x[DMT], const float *const x_sums[DMT], const uint8_t *const w[DR],
+    const float *const scale_rows[DR], const float *const zero_rows[DR], int64_t K, int64_t group,
+    __m512i table, const int mt, float result[DR][DMT]) {
+    __m512 acc[DR][DMT];
+    float shift[DR][DMT];  /* sum over groups of zero * scale * the group's sum of x */
+    for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), shift[r][m] = 0.0f;
+    const uint8_t *next = w[0] + DR * (K / 2);
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
-        __m512 part[R][MT];
-        for (int r = 0; r < R; r++)
+        __m512 part[DR][DMT];
+        for (int r = 0; r < DR; r++)
             for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
         for (int64_t k = g0; k < g0 + group; k += 32) {
-            __m512bh xv[MT];
-            for (int m = 0; m < mt; m++) xv[m] = load_x32(x[m] + k);
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(w[r] + (k + R * K) / 2);
-                const __m512bh wv = w4_codes_bf16(w[r] + k / 2, table);
-                for (int m = 0; m < mt; m++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv, xv[m]);
+            __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 32 per step */
+            __m512bh wv[DR];
+            for (int r = 0; r < DR; r++) wv[r] = w4_codes_bf16(w[r] + k / 2, table);
+            for (int m = 0; m < mt; m++) {
+                const __m512bh xv = load_x32(x[m] + k);
+                for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
             }
         }
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < DR; r++) {
             const float s = scale_rows[r][g], zs = (zero_rows[r] ? zero_rows[r][g] : 8.0f) * s;
             for (int m = 0; m < mt; m++) {
                 acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
@@ -151,14 +167,14 @@ static inline __attribute__((always_inline)) void w4_tile(
             }
         }
     }
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) result[r][m] = _mm512_reduce_add_ps(acc[r][m]) - shift[r][m];
 }
 
-static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64_t N, int64_t rows,
+static inline void store_tile(float result[DR][DMT], int64_t n0, int64_t m0, int mt, int64_t N,
                               const float *bias, uint16_t *out, int64_t out_stride) {
-    for (int r = 0; r < R && n0 + r < N; r++)
-        for (int m = 0; m < MT && m0 + m < rows; m++)
+    for (int r = 0; r < DR && n0 + r < N; r++)
+        for (int m = 0; m < mt; m++)
             out[(m0 + m) * out_stride + n0 + r] = f32_to_bf16(result[r][m] + (bias ? bias[n0 + r] : 0.0f));
 }
 
@@ -189,32 +205,51 @@ static __m512i w4_table(float offset) {
         default: CALL(4); break;                                                   \
         }                                                                          \
     } while (0)
+#define BY_ROWS8(CALL, count) do {                                                 \
+        if ((count) <= 4) BY_ROWS(CALL, count);                                    \
+        else if ((count) == 5) CALL(5);                                            \
+        else if ((count) == 6) CALL(6);                                            \
+        else if ((count) == 7) CALL(7);                                            \
+        else CALL(8);                                                              \
+    } while (0)
+
+/* x_rows[m] = row m0 + m of x; rows past the last repeat it (their results are not stored). */
+static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, int64_t rows,
+                               const uint16_t *x_rows[DMT]) {
+    for (int m = 0; m < DMT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
+}
 
 int quant_bf16_dot(void) { return 1; }
 
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    const int64_t blocks = (N + R - 1) / R;
+    const int64_t blocks = (N + DR - 1) / DR;
+    const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * R;
-        const uint8_t *w[R];
-        const float *scale_rows[R];
-        for (int r = 0; r < R; r++) {
+        const int64_t n0 = b * DR;
+        const uint8_t *w[DR];
+        const float *scale_rows[DR];
+        for (int r = 0; r < DR; r++) {
             const int64_t n = min64(n0 + r, N - 1);  /* rows past N repeat the last; not stored */
             w[r] = weight + n * K;
             scale_rows[r] = scale + n / bn * scale_cols;
         }
-        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
-            const uint16_t *x_rows[MT];
-            float result[R][MT];
-            for (int m = 0; m < MT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
-#define INT8_TILE(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, ROWS, result)
-#define FP8_TILE(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, ROWS, result)
-            if (fp8) BY_ROWS(FP8_TILE, (int)min64(rows - m0, MT));
-            else BY_ROWS(INT8_TILE, (int)min64(rows - m0, MT));
-            store_tile(result, n0, m0, N, rows, bias, out, out_stride);
+        for (int64_t m0 = 0; m0 < rows; m0 += mt) {
+            const uint16_t *x_rows[DMT];
+            float result[DR][DMT];
+            const int count = (int)min64(rows - m0, mt);
+            tile_x_rows(x, x_stride, m0, rows, x_rows);
+#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, 0, ROWS, result)
+#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, 0, ROWS, result)
+#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, 1, ROWS, result)
+#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, 1, ROWS, result)
+            if (blocked && fp8) BY_ROWS(FP8_BLOCKED, count);
+            else if (blocked) BY_ROWS(INT8_BLOCKED, count);
+            else if (fp8) BY_ROWS8(FP8_WHOLE, count);
+            else BY_ROWS8(INT8_WHOLE, count);
+            store_tile(result, n0, m0, count, N, bias, out, out_stride);
         }
     }
 }
@@ -223,32 +258,30 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
 void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
                     const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                     int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    const int64_t groups = K / group, blocks = (N + R - 1) / R;
+    const int64_t groups = K / group, blocks = (N + DR - 1) / DR;
     group_sums(x, x_stride, rows, group, K, x_sums);
     const __m512i table = w4_table(0.0f);
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * R;
-        const uint8_t *w[R];
-        const float *scale_rows[R], *zero_rows[R];
-        for (int r = 0; r < R; r++) {
+        const int64_t n0 = b * DR;
+        const uint8_t *w[DR];
+        const float *scale_rows[DR], *zero_rows[DR];
+        for (int r = 0; r < DR; r++) {
             const int64_t n = min64(n0 + r, N - 1);
             w[r] = packed + n * (K / 2);
             scale_rows[r] = scales + n * groups;
             zero_rows[r] = zeros ? zeros + n * groups : NULL;
         }
-        for (int64_t m0 = 0; m0 < rows; m0 += MT) {
-            const uint16_t *x_rows[MT];
-            const float *sum_rows[MT];
-            float result[R][MT];
-            for (int m = 0; m < MT; m++) {
-                const int64_t row = min64(m0 + m, rows - 1);
-                x_rows[m] = x + row * x_stride;
-                sum_rows[m] = x_sums + row * groups;
-            }
+        for (int64_t m0 = 0; m0 < rows; m0 += DMT_BLOCKED) {
+            const uint16_t *x_rows[DMT];
+            const float *sum_rows[DMT];
+            float result[DR][DMT];
+            const int count = (int)min64(rows - m0, DMT_BLOCKED);
+            tile_x_rows(x, x_stride, m0, rows, x_rows);
+            for (int m = 0; m < DMT; m++) sum_rows[m] = x_sums + min64(m0 + m, rows - 1) * groups;
 #define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, ROWS, result)
-            BY_ROWS(W4_TILE, (int)min64(rows - m0, MT));
-            store_tile(result, n0, m0, N, rows, bias, out, out_stride);
+            BY_ROWS(W4_TILE, count);
+            store_tile(result, n0, m0, count, N, bias, out, out_stride);
         }
     }
 }
