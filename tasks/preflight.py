@@ -180,8 +180,8 @@ def check_support(model: str, config: Any, task: JobTask, trust_remote_code: boo
 
 def check_tensor_parallel_split(job: BatchJob, config: Any) -> None:
     """Refuse a tensor_parallel_size the engine would refuse for this model and job: the
-    engine's verdict (engine/parallel/verdict.py: heads that do not split, LoRA, mxfp4
-    experts, images, embeddings, an unknown quantization, and the sharding step run on
+    engine's verdict (engine/parallel/verdict.py: heads that do not split, images,
+    embeddings, an unknown quantization, and the sharding step run on
     the model built on the meta device, so a projection or size it cannot split is
     refused with the load's line). Raises ModelUnusable."""
     size = int(job.engine_kwargs().get("tensor_parallel_size", 1))
@@ -192,8 +192,7 @@ def check_tensor_parallel_split(job: BatchJob, config: Any) -> None:
     from shardline.engine.parallel.verdict import tensor_parallel_verdict
 
     try:
-        tensor_parallel_verdict(config, size, enable_lora=bool(job.lora_adapters), quantization=job.quantization,
-                                task=engine_task(job.task),
+        tensor_parallel_verdict(config, size, quantization=job.quantization, task=engine_task(job.task),
                                 trust_remote_code=bool(job.engine_options.get("trust_remote_code", False)))
     except (ShardingError, UnsupportedModelError) as exc:
         raise ModelUnusable("load", f"model {job.model}", str(exc)) from None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantization.experts import QuantizedExperts
 from ..quantization.linear import QuantizedLinear
 from .group import RankGroup, ShardingError
 
@@ -57,14 +56,6 @@ def split_quantized(layer: QuantizedLinear, name: str, column_rows: slice | torc
     share = layer.in_features // group.size
     return RowParallelQuantized(row_quantized(layer, name, group.rank * share, (group.rank + 1) * share), layer.bias,
                                 group)
-
-
-def refuse_quantized_experts(module: nn.Module, name: str) -> None:
-    """Quantized experts keep each expert's projections in their own layouts, which the
-    ranks do not split: refused, naming the module."""
-    if isinstance(module, QuantizedExperts):
-        raise ShardingError(f"{name}: quantized experts ({type(module).__name__}) are not split over ranks; "
-                            "run a checkpoint whose experts are left unquantized, or one rank")
 
 
 def _check_boundary(name: str, what: str, size: int, start: int, end: int, total: int) -> None:

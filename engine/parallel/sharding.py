@@ -1,5 +1,5 @@
-"""Which module of a model each rank splits, and how: the surgery step ``shard_model``,
-the per-rank cache spec, and the refusals made before any rank starts.
+"""Which module of a model each rank splits, and how: the surgery step ``shard_model``
+and the per-rank cache spec (the refusals made before any rank starts: verdict.py).
 
 The split follows the model's tensor-parallel plan where transformers gives one
 (``base_model_tp_plan``: "colwise", "rowwise", "packed_colwise", "moe_tp_experts",
@@ -36,12 +36,12 @@ import transformers
 from torch import nn
 
 from ..model.kv_cache_spec import KVCacheSpec
+from ..quantization.experts import QuantizedExperts
 from ..quantization.linear import QuantizedLinear
-from ..quantization.methods import resolve_scheme
 from ..surgery import replace
+from .experts import split_quantized_experts
 from .group import RankGroup, ShardingError
 from .layers import GatheredLMHead, ReducedOutput, VocabParallelEmbedding, column_share, row_share
-from .quantized import refuse_quantized_experts
 from .recurrent import recurrent_mixer_names, shard_recurrent_mixers
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
@@ -87,32 +87,6 @@ def model_heads(hf_config: transformers.PretrainedConfig) -> Heads | None:
         return None
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     return Heads(int(num_heads), int(num_kv_heads))
-
-
-def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
-                          quantization: str | None, task: str) -> None:
-    """Refuse, before any rank starts, what ``size`` ranks cannot run exactly: one line
-    naming the model or option and why. ``enable_lora`` refuses nothing: each rank keeps
-    its share of an adapter as of the layer it adapts (engine/lora/layers.py)."""
-    del enable_lora  # accepted with any model the ranks split
-    model_type = hf_config.get_text_config().model_type
-    prefix = f"tensor_parallel_size={size}"
-    scheme = resolve_scheme(hf_config, quantization)
-    if scheme is not None and scheme.weights == "mxfp4":
-        raise ShardingError(f"{prefix}: {model_type}'s mxfp4 experts are not split over ranks; run it on one rank")
-    if task == "embed":
-        raise ShardingError(f"{prefix}: embedding models run on one rank")
-    if getattr(hf_config, "vision_config", None) is not None:
-        raise ShardingError(f"{prefix}: {model_type} takes images, whose encoder is not split over ranks")
-    heads = model_heads(hf_config)
-    if heads is None:
-        return
-    if heads.num_heads % size:
-        raise ShardingError(f"{prefix}: {model_type} has {heads.num_heads} attention heads, which do not "
-                            f"split over {size} ranks")
-    if heads.num_kv_heads % size and size % heads.num_kv_heads:
-        raise ShardingError(f"{prefix}: {model_type} has {heads.num_kv_heads} key-value heads; they split "
-                            f"over ranks only when one count divides the other")
 
 
 def shard_cache_spec(spec: KVCacheSpec, hf_config: transformers.PretrainedConfig, size: int) -> KVCacheSpec:
@@ -210,7 +184,8 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
         if leaf in FUSED_ATTENTION:
             raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
                                 "is not split over ranks")
-        split = split_of(name, rules)
+        # Quantized experts split with their scales whether or not a rule names them (gpt-oss's plan does not).
+        split = EXPERTS if isinstance(module, QuantizedExperts) else split_of(name, rules)
         if split is None or split == WHOLE or split == EMBEDDING:
             continue
         new = split_module(module, name, split, group, heads)
@@ -254,7 +229,8 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
     """This rank's share of ``module`` under ``split`` (None: a name the rule matches
     that is no module to split, such as a plan entry for a parameter)."""
     if split == EXPERTS:
-        refuse_quantized_experts(module, name)
+        if isinstance(module, QuantizedExperts):
+            return split_quantized_experts(module, name, group)
         return split_experts(module, name, group)
     if not isinstance(module, (nn.Linear, QuantizedLinear)):  # a quantized one splits with its scales
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
@@ -322,6 +298,10 @@ def set_local_heads(attention: nn.Module, heads: Heads | None, group: RankGroup)
                              ("num_key_value_groups", num_heads // num_kv_heads)):
         if isinstance(getattr(attention, attribute, None), int):
             setattr(attention, attribute, value)
+    sinks = getattr(attention, "sinks", None)  # one logit per query head (gpt-oss): this rank's heads'
+    if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and sinks.shape[0] == heads.num_heads:
+        start = group.rank * num_heads
+        attention.sinks = nn.Parameter(sinks.detach()[start: start + num_heads].contiguous(), requires_grad=False)
     head_dim, embed_dim = getattr(attention, "head_dim", None), getattr(attention, "embed_dim", None)
     if isinstance(head_dim, int) and embed_dim == heads.num_heads * head_dim:  # the heads' width (xglm reshapes to it)
         setattr(attention, "embed_dim", num_heads * head_dim)  # noqa: B010 - an int attribute of an nn.Module

@@ -3,13 +3,13 @@ would raise, answered from the config and the model built on the meta device, be
 any weight is read or any rank starts (the engine's rank 0 and the pipeline's
 pre-flight ask it).
 
-The config's refusals (``check_tensor_parallel``: heads, LoRA, MXFP4 experts, images,
-embeddings; an unknown quantization) come first; then the sharding step itself runs on
+The config's refusals (``check_tensor_parallel``: heads, images, embeddings; an unknown
+quantization) come first; then the sharding step itself runs on
 the meta-device model with the engine's attention adapters, as the first and last
 rank would run it at load, so a projection it does not split (a fused query-key-value
 projection, a size that does not divide, an expert layout it does not know) is refused
 with the load's own line. What only a quantized checkpoint's tensors show (a share
-cutting a quantization block, quantized experts) is refused when the ranks load.
+cutting a quantization block or group) is refused when the ranks load.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from ..attention.context import register as register_attention
 from ..model.adapters import adapt_attention, has_adapter
 from ..model.kv_cache_spec import KVCacheSpec
 from ..model.support import auto_class_for
+from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
-from .sharding import check_tensor_parallel, shard_model
+from .sharding import model_heads, shard_model
 
 logger = logging.getLogger(__name__)
 
 
-def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int, *, enable_lora: bool,
-                            quantization: str | None, task: str, trust_remote_code: bool = False) -> None:
+def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int, *, quantization: str | None,
+                            task: str, trust_remote_code: bool = False) -> None:
     """Raise what loading the model of ``hf_config`` over ``size`` ranks would raise
     (ShardingError, or UnsupportedModelError for its quantization), one line naming the
     model or module and why; return where the split can be made."""
-    check_tensor_parallel(hf_config, size, enable_lora=enable_lora, quantization=quantization, task=task)
+    check_tensor_parallel(hf_config, size, quantization=quantization, task=task)
     num_attention_layers = sum(1 for layer in KVCacheSpec.from_hf_config(hf_config, torch.float32).layers
                                if layer.num_kv_heads)
     for rank in sorted({0, size - 1}):
@@ -47,6 +48,30 @@ def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int,
         except Exception as error:  # noqa: BLE001 - what only real weights answer: the load decides
             logger.debug("tensor-parallel verdict left to the load: %s: %s", type(error).__name__, error)
             return
+
+
+def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *, quantization: str | None,
+                          task: str) -> None:
+    """Refuse, from the config alone, what ``size`` ranks cannot run exactly: one line
+    naming the model or option and why (UnsupportedModelError for an unknown
+    quantization). LoRA adapters and quantized checkpoints split with the layers they
+    belong to (engine/lora/layers.py, quantized.py, experts.py)."""
+    model_type = hf_config.get_text_config().model_type
+    prefix = f"tensor_parallel_size={size}"
+    resolve_scheme(hf_config, quantization)
+    if task == "embed":
+        raise ShardingError(f"{prefix}: embedding models run on one rank")
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ShardingError(f"{prefix}: {model_type} takes images, whose encoder is not split over ranks")
+    heads = model_heads(hf_config)
+    if heads is None:
+        return
+    if heads.num_heads % size:
+        raise ShardingError(f"{prefix}: {model_type} has {heads.num_heads} attention heads, which do not "
+                            f"split over {size} ranks")
+    if heads.num_kv_heads % size and size % heads.num_kv_heads:
+        raise ShardingError(f"{prefix}: {model_type} has {heads.num_kv_heads} key-value heads; they split "
+                            f"over ranks only when one count divides the other")
 
 
 def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool) -> torch.nn.Module:

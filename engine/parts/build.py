@@ -148,8 +148,7 @@ def build_rank_zero_parts(config: EngineConfig, loaded: LoadedModel | None) -> E
     starts), start the other ranks, build this rank's parts beside theirs and hand its
     runner the driver that sends them each step. The ranks are stopped if any fails."""
     tensor_parallel_verdict(loaded.hf_config if loaded is not None else load_hf_config(config),
-                            config.tensor_parallel_size, enable_lora=config.enable_lora,
-                            quantization=config.quantization, task=config.task,
+                            config.tensor_parallel_size, quantization=config.quantization, task=config.task,
                             trust_remote_code=config.trust_remote_code)
     driver = RankDriver(config, build_rank_runner)
     try:

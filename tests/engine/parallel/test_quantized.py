@@ -10,15 +10,13 @@ import pytest
 import torch
 
 from shardline import LLM, SamplingParams
-from shardline.engine.model.tiny import build_tiny_model, tiny_config
+from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.group import RankGroup, ShardingError
 from shardline.engine.parallel.quantized import RowParallelQuantized, split_quantized
-from shardline.engine.parallel.sharding import check_tensor_parallel
 from shardline.engine.quantization.linear import QuantizedLinear
 
 from ..hf_reference import hf_greedy, random_prompts
 from ..quantization import checkpoints as ckpt
-from ..quantization.moe_checkpoints import tiny_qwen3_moe
 
 MAX_TOKENS = 10
 OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
@@ -190,13 +188,6 @@ def test_fp8_blocks_the_ranks_cannot_split_are_refused(tmp_path):
         LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **OPTIONS)
 
 
-def test_mxfp4_experts_are_refused_before_ranks_start():
-    config = tiny_config("gpt_oss", 512)
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with pytest.raises(ShardingError, match="tensor_parallel_size=2: gpt_oss's mxfp4 experts are not split"):
-        check_tensor_parallel(config, 2, enable_lora=False, quantization=None, task="generate")
-
-
 @pytest.mark.slow
 def test_gptq_act_order_split_by_input_is_refused_at_load(tmp_path):
     float_dir = build_tiny_model(tmp_path / "float", "llama")
@@ -205,12 +196,3 @@ def test_gptq_act_order_split_by_input_is_refused_at_load(tmp_path):
     ckpt.write_quantized(float_dir, tmp_path / "gptq", config, ckpt.gptq(32, False, act_order=True))
     with pytest.raises(ShardingError, match=r"model\.layers\.0\.self_attn\.o_proj: its act-order \(g_idx\) groups"):
         LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, **OPTIONS)
-
-
-@pytest.mark.slow
-def test_quantized_experts_are_refused_at_the_split(tmp_path):
-    float_dir = tiny_qwen3_moe(tmp_path / "float")
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    ckpt.write_quantized(float_dir, tmp_path / "fp8", config, ckpt.fp8_per_channel)
-    with pytest.raises(ShardingError, match=r"model\.layers\.0\.mlp\.experts: quantized experts"):
-        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2, **OPTIONS)

@@ -23,17 +23,16 @@ from shardline.engine.parallel.sharding import (
     WHOLE,
     Heads,
     ShardingError,
-    check_tensor_parallel,
     column_rows,
     plan_rules,
     shard_cache_spec,
     split_of,
 )
-from shardline.engine.parallel.verdict import tensor_parallel_verdict
+from shardline.engine.parallel.verdict import check_tensor_parallel, tensor_parallel_verdict
 
 
 def refusal(config: transformers.PretrainedConfig, size: int = 2, **options) -> str:
-    kwargs: dict[str, Any] = dict(enable_lora=False, quantization=None, task="generate") | options
+    kwargs: dict[str, Any] = dict(quantization=None, task="generate") | options
     with pytest.raises(ShardingError) as error:
         check_tensor_parallel(config, size, **kwargs)
     return str(error.value)
@@ -41,14 +40,13 @@ def refusal(config: transformers.PretrainedConfig, size: int = 2, **options) -> 
 
 def test_refusals_name_the_option_and_why():
     llama = tiny_config("llama", 512)
-    check_tensor_parallel(llama, 2, enable_lora=False, quantization=None, task="generate")
+    check_tensor_parallel(llama, 2, quantization=None, task="generate")
     assert "4 attention heads, which do not split over 3 ranks" in refusal(llama, 3)
-    check_tensor_parallel(llama, 2, enable_lora=True, quantization=None, task="generate")  # adapters split too
-    check_tensor_parallel(llama, 2, enable_lora=False, quantization="fp8", task="generate")  # split with scales
+    check_tensor_parallel(llama, 2, quantization="fp8", task="generate")  # split with scales
     assert "embedding models" in refusal(llama, task="embed")
     three_kv = tiny_config("llama", 512, num_attention_heads=12, num_key_value_heads=3)
     assert "3 key-value heads" in refusal(three_kv, 2)
-    check_tensor_parallel(three_kv, 3, enable_lora=False, quantization=None, task="generate")
+    check_tensor_parallel(three_kv, 3, quantization=None, task="generate")
 
 
 def test_an_engine_refuses_before_starting_ranks(tmp_path):
@@ -117,5 +115,5 @@ def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, r
     shapes would not meet the split ones'."""
     config = tiny_config(arch, 512, **overrides)
     with pytest.raises(ShardingError, match="not split over ranks") as error:
-        tensor_parallel_verdict(config, 2, enable_lora=False, quantization=None, task="generate")
+        tensor_parallel_verdict(config, 2, quantization=None, task="generate")
     assert str(error.value).startswith(reason)

@@ -55,11 +55,11 @@ def _set_quantization_config(path: Path, quantization_config: dict) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_gpt_oss_mxfp4(path: str | Path, seed: int = 0) -> Path:
+def write_gpt_oss_mxfp4(path: str | Path, seed: int = 0, intermediate_size: int = 64) -> Path:
     """A tiny gpt-oss checkpoint whose experts are MXFP4 (``_blocks``/``_scales`` [E, N, K // 32, ...]
     with the float biases) and the rest float32, with gpt-oss's quantization_config."""
     path = build_tiny_model(path, "gpt_oss", seed=seed, head_dim=16, sliding_window=8, num_local_experts=4,
-                            num_experts_per_tok=2, intermediate_size=64)
+                            num_experts_per_tok=2, intermediate_size=intermediate_size)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, tensor in load_file(path / "model.safetensors").items():
