@@ -54,7 +54,7 @@ from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available, cpu_w8a8
 from shardline.engine.llm_engine import LLMEngine
 
 clock: Callable[[], float] = time.perf_counter
-ROWS = (1, 8, 16, 32, 64, 512)
+ROWS = (1, 4, 8, 16, 32, 64, 512)
 
 
 def best_ms(call: Callable[[], object], repeats: int = 5) -> float:
@@ -157,8 +157,9 @@ def weight_bytes(llm: LLM) -> tuple[int, int]:
             seen.add(storage.data_ptr())
             held += storage.nbytes()
     for module in model.modules():
-        if isinstance(module, PackedLinear):
-            packed += module.packed_weight.numel() * module.packed_weight.element_size()
+        if isinstance(module, PackedLinear):  # oneDNN's opaque tensor, or a small-rows kernel's own packing
+            weight = getattr(module.packed_weight, "packed", module.packed_weight)
+            packed += weight.numel() * weight.element_size()
     return held, packed
 
 

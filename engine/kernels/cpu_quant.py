@@ -234,3 +234,77 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
                                   in_features, panel.data_ptr(), kind, threads)
         _panel_product(x2, out, bias, dequantize)
     return out.view(*x.shape[:-1], out_features)
+
+
+class DecodeCall:
+    """One linear's call of the bfloat16 decode kernel (cpu_quant_bf16.c) with the
+    weight's layout checked and its arguments bound once (``w8_decode_call`` /
+    ``w4_decode_call``): a call checks x and passes it and a fresh output, so a decode
+    step's many small products do not each pay the launcher's checks. ``source``: the
+    layer's tensors it was bound to (``binds`` tells whether they still are the
+    layer's); ``held``: the float32 bias copy its pointers also address."""
+
+    def __init__(self, kernel: Callable[..., None], weight_args: tuple[int | None, ...],
+                 source: tuple[torch.Tensor | None, ...], held: torch.Tensor | None, out_features: int,
+                 in_features: int, w4_groups: int) -> None:
+        self.kernel, self.weight_args, self.source, self.held = kernel, weight_args, source, held
+        self.out_features, self.in_features, self.w4_groups = out_features, in_features, w4_groups
+
+    def binds(self, source: tuple[torch.Tensor | None, ...]) -> bool:
+        """Whether this call was bound to exactly these tensors (by identity)."""
+        return len(source) == len(self.source) and all(a is b for a, b in zip(source, self.source, strict=True))
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy (deepcopy, pickle) binds nothing: its pointers would address the originals.
+        return {"source": ()}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16, M <= DECODE_MAX_ROWS, rows of contiguous elements -> [M, N] bfloat16."""
+        rows = x.shape[0]
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape, x.stride())
+        assert 0 < rows <= DECODE_MAX_ROWS and x.shape[1] == self.in_features, (tuple(x.shape), self.in_features)
+        out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
+        head: tuple[int, ...] = (x.data_ptr(), x.stride(0), rows)
+        sums = torch.empty(rows, self.w4_groups, dtype=torch.float32) if self.w4_groups else None
+        if sums is not None:  # the kernel's scratch of x's sums per group, held through the call
+            head += (sums.data_ptr(),)
+        self.kernel(*head, *self.weight_args, out.data_ptr(), self.out_features, self.out_features,
+                    self.in_features, torch.get_num_threads())
+        return out
+
+
+def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   bias: torch.Tensor | None) -> DecodeCall | None:
+    """``cpu_w8_linear``'s decode shapes for bfloat16 x bound to this weight, or None
+    where this build has no bfloat16 dot-product kernel."""
+    library = _bf16_dot_library()
+    if library is None:
+        return None
+    out_features, in_features = weight.shape
+    assert weight.dtype in W8_DTYPES and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
+    assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
+    block_rows, block_cols = w8_blocks(weight, scale, block)
+    bias32 = _float32_vector(bias, out_features, "bias")
+    args = (weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
+            -(-in_features // block_cols), block_rows, block_cols, _pointer(bias32))
+    return DecodeCall(library.w8_linear_bf16, args, (weight, scale, bias), bias32, out_features, in_features, 0)
+
+
+def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                   bias: torch.Tensor | None) -> DecodeCall | None:
+    """``cpu_w4_linear``'s decode shapes for bfloat16 x bound to this weight (no
+    act-order permutation: the caller applies it), or None where this build has no
+    bfloat16 dot-product kernel or the groups are not whole vectors of 32."""
+    library = _bf16_dot_library()
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    if library is None or group_size % 32 or not w4_layout_supported(in_features, group_size):
+        return None
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu", packed.dtype
+    groups = in_features // group_size
+    for table in (scales,) if zeros is None else (scales, zeros):
+        assert table.dtype == torch.float32 and table.is_contiguous(), (table.dtype, table.stride())
+        assert tuple(table.shape) == (out_features, groups), f"W4 scales/zeros {tuple(table.shape)}"
+    bias32 = _float32_vector(bias, out_features, "bias")
+    args = (packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32))
+    return DecodeCall(library.w4_linear_bf16, args, (packed, scales, zeros, bias), bias32, out_features,
+                      in_features, groups)

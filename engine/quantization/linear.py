@@ -30,7 +30,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..kernels.cpu_quant import cpu_quant_available, cpu_w4_linear, cpu_w8_linear, w4_layout_supported
+from ..kernels.cpu_quant import (
+    DECODE_MAX_ROWS,
+    DecodeCall,
+    cpu_quant_available,
+    cpu_w4_linear,
+    cpu_w8_linear,
+    w4_decode_call,
+    w4_layout_supported,
+    w8_decode_call,
+)
 from ..kernels.cpu_quant_int8 import MAX_IN_FEATURES, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_supported
 from ..kernels.quant_linear import triton_w4_linear, triton_w8_linear
@@ -69,6 +78,8 @@ class QuantizedLinear(nn.Module):
         self.cpu_kernels = True
         # With them, W8A8 int8 through integer products (paths.py's quant_int8_kernel).
         self.int8_kernel = True
+        # The bfloat16 decode kernel's call bound to this layer's tensors (decode_call).
+        self.bound_decode: DecodeCall | None = None
         for name in ("weight", "scale", "packed", "scales", "zeros", "input_perm"):
             self.register_buffer(name, None)
         self.register_buffer("bias", bias)
@@ -141,6 +152,9 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    call = decode_call(layer, x)
+    if call is not None:
+        return call(x)
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
     if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
@@ -189,6 +203,28 @@ def cpu_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
     assert layer.packed is not None and layer.scales is not None
     return cpu_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
+
+
+def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
+    """The layer's bfloat16 decode-kernel call where it runs x (a CPU decode shape of
+    bfloat16 rows, weight-only, the C kernels chosen): bound on first use and again
+    whenever the layer's tensors were replaced; None where it does not run x."""
+    if not (x.dtype == torch.bfloat16 and x.shape[0] <= DECODE_MAX_ROWS and x.is_cpu and x.stride(-1) == 1
+            and layer.cpu_kernels and layer.input_quantization == "none"):
+        return None
+    buffers = layer._buffers  # read directly: a decode step asks this for every linear
+    names = ("weight", "scale", "bias") if layer.layout == "w8" else ("packed", "scales", "zeros", "bias")
+    source = tuple(buffers[name] for name in names)
+    call = layer.bound_decode
+    if call is None or not call.binds(source):
+        if layer.layout == "w8":
+            assert layer.weight is not None and layer.scale is not None
+            call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias)
+        else:
+            assert layer.packed is not None and layer.scales is not None
+            call = w4_decode_call(layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
+        layer.bound_decode = call
+    return call
 
 
 def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:

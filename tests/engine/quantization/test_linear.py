@@ -4,6 +4,8 @@ check's reference switch is scoped."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +66,33 @@ def test_dequantized_reference_is_scoped():
     with dequantized_reference(model):
         assert all(module.use_reference for module in model if isinstance(module, QuantizedLinear))
     assert not any(module.use_reference for module in model if isinstance(module, QuantizedLinear))
+
+
+@pytest.mark.parametrize("name", ["w8_fp8_per_channel", "w8_fp8_partial_blocks", "w4_symmetric"])
+def test_bound_decode_call_follows_the_layers_tensors(name):
+    """bfloat16 decode rows take the call bound to the layer's tensors (where the build
+    has the bfloat16 kernel): it gives the reference, is bound again when a tensor is
+    replaced, and a deep copy binds its own tensors, not the original's."""
+    layer = CASES[name](torch.Generator().manual_seed(3))
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    def check(module: QuantizedLinear) -> None:
+        expected = _reference(module, x).float()
+        bound = 1e-3 * expected.abs().max().item()
+        torch.testing.assert_close(module(x).float(), expected, rtol=8e-3, atol=bound)
+
+    check(layer)
+    first = layer.bound_decode
+    copied = copy.deepcopy(layer)
+    if layer.layout == "w8":
+        assert layer.weight is not None
+        layer.weight = (-layer.weight.float()).to(layer.weight.dtype)  # a new tensor
+        assert copied.weight is not None
+        copied.weight.zero_()
+    else:
+        assert layer.scales is not None and copied.scales is not None
+        layer.scales = layer.scales * 2
+        copied.scales.fill_(0.5)
+    check(layer)
+    check(copied)
+    assert first is None or layer.bound_decode is not first
