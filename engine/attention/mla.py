@@ -34,6 +34,7 @@ import torch
 
 from ..kernels import mla_decode as triton_mla
 from ..kernels.cpu_mla import mla_decode, mla_decode_available
+from .latent_window import visible_keys, window_start
 from .sparse_index import Selection
 
 DECODE_KERNELS = ("c", "triton")
@@ -63,12 +64,14 @@ def write_latent(latent_cache: torch.Tensor, latent: torch.Tensor, rope_key: tor
     latent_cache.view(-1, width).index_copy_(0, slot_mapping, rows)
 
 
-def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One request's [seq_len, r + dr] context, read through its block table."""
+def _context(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
+    """One request's [seq_len - first, r + dr] context from position ``first`` on, read
+    through its block table."""
     block_size = latent_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = latent_cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, latent_cache.shape[-1])[:seq_len]
+    blocks = latent_cache.index_select(0, block_table[first // block_size:num_blocks].long())
+    skipped = first // block_size * block_size
+    return blocks.reshape(-1, latent_cache.shape[-1])[first - skipped:seq_len - skipped]
 
 
 def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
@@ -76,7 +79,7 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
                            w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
                            absorb_up_to: int = 1, decode_kernel: str | None = None,
                            selections: Sequence[Selection] | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of the packed queries (q_nope [T, H, dn], q_rope [T, H, dr]) over each
     request's latent context; requests of at most ``absorb_up_to`` queries attend
     absorbed, the others up-projected. With ``decode_kernel`` "c", the one-query
@@ -85,7 +88,9 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
     ``selections``: per request the keys each query attends (a sparse attention's
     indexer), None for a request attending causally; a selected request attends in torch.
     ``sinks`` [H]: a learned logit per head that joins each softmax and attends to no
-    value (the kernels take none: every request attends in torch). Returns [T, H, dv]."""
+    value (the kernels take none: every request attends in torch). ``sliding_window``: a
+    query at p sees keys p - sliding_window + 1 .. p (latent_window.py); a request whose
+    window cuts its context attends in torch. Returns [T, H, dv]."""
     if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS} or None, got {decode_kernel!r}")
     rank = w_uk.shape[-1]
@@ -97,7 +102,8 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
     if selections is not None and len(selections) != len(lens):
         raise ValueError(f"{len(selections)} selections for {len(lens)} requests")
     decoding = [request for request in range(len(lens)) if starts[request + 1] - starts[request] == 1
-                and (selections is None or selections[request] is None)]
+                and (selections is None or selections[request] is None)
+                and (sliding_window is None or lens[request] <= sliding_window)]
     kernel_takes = sinks is None and (
         decode_kernel == "triton" or (decode_kernel == "c" and mla_decode_available(latent_cache)))
     if decoding and kernel_takes and latent_cache.dtype == q_nope.dtype:
@@ -110,10 +116,12 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_ca
         first, end = starts[request], starts[request + 1]
         if end == first or request in taken:
             continue
-        context = _context(latent_cache, block_tables[request], seq_len).to(q_nope.dtype)
+        start = window_start(seq_len, end - first, sliding_window)
+        context = _context(latent_cache, block_tables[request], seq_len, start).to(q_nope.dtype)
         latent, rope_key = context[:, :rank], context[:, rank:]
         attend = _absorbed if end - first <= absorb_up_to else _up_projected
-        selected = selections[request] if selections is not None else None
+        selected = visible_keys(end - first, seq_len, start, sliding_window,
+                                selections[request] if selections is not None else None, q_nope.device)
         output[first:end] = attend(q_nope[first:end], q_rope[first:end], latent, rope_key, w_uk, w_uv, scale,
                                    selected, sinks)
     return output

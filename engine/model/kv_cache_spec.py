@@ -15,7 +15,8 @@ Keys and values each have their own head size: multi-head latent
 attention (deepseek_v2, minicpm3, ...) attends keys of qk_nope + qk_rope and
 values of v_head_dim per head, cached in full at those sizes, except where the layer
 caches latents (engine/model/adapters/latent.py: its LATENT_LAYOUTS types, float or FP8): one
-"head" of kv_lora_rank + qk_rope_head_dim numbers per token and no values; a sparse attention's
+"head" of the layer's kv_lora_rank + qk_rope_head_dim numbers per token and no values (a
+sliding-window latent layer, dots3_note's, in its windowed group); a sparse attention's
 layer (deepseek_v32, glm_moe_dsa) keeps its indexer's keys in the value cache's place, one
 "head" of index_head_dim numbers per token (none for a layer reusing another's selection),
 so they share the latents' blocks, slots and prefix hits. A "recurrent" layer
@@ -92,8 +93,9 @@ class KVCacheSpec:
                 num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
             if caches_latents(text_config):  # a sparse attention's index keys where values would be
                 index_width = index_key_width(text_config, index) if selects_keys(text_config) else 0
-                layers.append(LayerCacheSpec(kind, 1, text_config.kv_lora_rank + text_config.qk_rope_head_dim,
-                                             index_width))
+                window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
+                layers.append(LayerCacheSpec(kind, 1, layer_config.kv_lora_rank + layer_config.qk_rope_head_dim,
+                                             index_width, window))
                 continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)
@@ -129,6 +131,16 @@ class KVCacheSpec:
             caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
                            torch.zeros(value_shape, dtype=self.dtype, device=device)))
         return caches
+
+
+def first_attention_heads(hf_config: transformers.PretrainedConfig) -> int:
+    """The query heads of the model's first layer, read from its own per-layer config where
+    the config has one (dots3_note's layers differ, and transformers refuses the global
+    read then); 1 for a model that names none (a pure state-space model)."""
+    text_config = hf_config.get_text_config()
+    per_layer = getattr(text_config, "per_layer_config", None)
+    layer_config = per_layer[0] if per_layer is not None else text_config
+    return getattr(layer_config, "num_attention_heads", None) or 1
 
 
 def repeated_pass_layers(text_config: transformers.PretrainedConfig) -> list[int]:

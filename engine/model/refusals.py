@@ -49,11 +49,7 @@ _INDEXER_SHAPES: dict[str, str] = {
                    "pool over blocks of tokens (compress_rates per layer type; an indexer picks the top "
                    "index_topk of the compressed ones), kept in caches of their own; the paged cache keeps one "
                    "entry per token",
-    "dots3_note_text": "its indexed latent layers sit beside sliding-window latent layers of their own sizes "
-                       "(swa_* fields, a per-layer config) and scale the query and latent LoRA outputs before "
-                       "projecting them; the latent adapter runs one latent layout per model",
 }
-_INDEXER_SHAPES["dots3_note"] = _INDEXER_SHAPES["dots3_note_text"]
 
 
 def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:

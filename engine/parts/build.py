@@ -41,7 +41,7 @@ from ..cpu.paths import (
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
 from ..model.adapters.latent import selects_keys
-from ..model.kv_cache_spec import KVCacheSpec, plan_windowed_blocks
+from ..model.kv_cache_spec import KVCacheSpec, first_attention_heads, plan_windowed_blocks
 from ..model.layer_kinds import recurrent_layer_indices
 from ..model.load_check import check_model
 from ..model.loader import LoadedModel, load_causal_lm, load_hf_config
@@ -187,8 +187,7 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
     (an adapter may attend with a position bias only the torch path takes). ``checkpoint``:
     where a tensor-parallel rank reads the slices of the parameters its loader left unread."""
     spec = KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype)
-    # A model without attention layers (a pure state-space model) may name no heads.
-    num_heads = getattr(loaded.hf_config.get_text_config(), "num_attention_heads", None) or 1
+    num_heads = first_attention_heads(loaded.hf_config)
     cpu_paths = choose_host_paths(config, loaded, spec, num_heads)
     if ranks is not None and cpu_paths is not None:  # rank 0's choice of those a split model runs
         cpu_paths = rank_cpu_paths(cpu_paths, ranks, hybrid=bool(recurrent_layer_indices(loaded.hf_config)))

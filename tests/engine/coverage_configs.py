@@ -62,9 +62,11 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=4, hc_lowrank=16, indexer_n_heads=2, indexer_kv_heads=1,
                            indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
-    # Its sliding layers' own attention sizes (the per-layer config it derives from swa_* fields).
-    "dots3_note_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=24,
-                            swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16),
+    # Its sliding layers' own attention sizes (the per-layer config it derives from swa_* fields),
+    # each unlike the indexed layers' (heads, latent and rotary widths), and 8 indexer heads.
+    "dots3_note_text": dict(swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=16,
+                            swa_kv_lora_rank=24, swa_head_dim=16, swa_qk_nope_head_dim=12, swa_v_head_dim=8,
+                            index_n_heads=8),
     # transformers checks that the (unbuilt) vision and audio adapters output the text width.
     "dots3_note": dict(vision_config=dict(adapter_out_dim=64), audio_config=dict(adapter_out_dim=64)),
     # Its byte patcher, local encoder and decoder, global transformer and hash embeddings, small.

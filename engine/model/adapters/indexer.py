@@ -1,5 +1,6 @@
 """A latent attention layer's sparse-attention indexer (DeepSeek Sparse Attention:
-deepseek_v32, glm_moe_dsa), run on the engine's paged cache of index keys.
+deepseek_v32, glm_moe_dsa, axk2, hy_v4, dots3_note), run on the engine's paged cache of
+index keys.
 
 The indexer is the original layer's own ``indexer`` submodule (wq_b, wk, k_norm,
 weights_proj), which the latent adapter takes over; this module computes its index
@@ -10,6 +11,7 @@ selects each query's keys (engine/attention/sparse_index.py).
 
 glm_moe_dsa's "shared" layers have no indexer: they attend what the previous layer
 with one selected in the same step (kept on the model's StepScope, cleared per step).
+dots3_note's sliding-window layers select nothing: they attend their window.
 """
 
 from __future__ import annotations
@@ -45,11 +47,19 @@ class IndexerLayout:
     scale_on_weights: bool = False
 
 
+def layer_selects(text_config: transformers.PretrainedConfig, layer_index: int) -> bool:
+    """Whether the layer attends a selection of keys: every layer of a sparse attention,
+    except those its ``layer_types`` name otherwise (dots3_note's "sliding_attention"
+    layers attend a window of keys, with no indexer)."""
+    kinds = getattr(text_config, "layer_types", None)
+    return kinds is None or kinds[layer_index] == "indexed_attention"
+
+
 def runs_indexer(text_config: transformers.PretrainedConfig, layer_index: int) -> bool:
     """Whether the layer runs an indexer of its own (glm_moe_dsa's ``indexer_types``
     name "shared" layers that reuse the previous one's selection)."""
     indexer_types = getattr(text_config, "indexer_types", None)
-    return indexer_types is None or indexer_types[layer_index] == "full"
+    return layer_selects(text_config, layer_index) and (indexer_types is None or indexer_types[layer_index] == "full")
 
 
 def index_key_width(text_config: transformers.PretrainedConfig, layer_index: int) -> int:

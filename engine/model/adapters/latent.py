@@ -41,11 +41,11 @@ import transformers
 from torch import nn
 
 from ...attention.backends import TritonIndices
-from ...attention.context import AttentionContext
+from ...attention.context import AttentionContext, AttentionOptions
 from ...attention.mla import latent_decode_triton, latent_paged_attention, split_up_projection, write_latent
 from ...quantization.linear import QuantizedLinear
 from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
-from .indexer import IndexerLayout, LayerIndexer, shared_selections
+from .indexer import IndexerLayout, LayerIndexer, layer_selects, shared_selections
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,13 @@ class LatentLayout:
     (deepseek_v2's apply_rotary_emb on complex frequencies) or "none".
     lora_scales: the query scaled by the layer's mla_scale_q_lora and the latent by its
     mla_scale_kv_lora before the rotation (the latent is cached scaled).
-    output_gate: each head's output scaled by sigmoid(g_proj(x)) (bailing_hybrid).
+    lora_input_scales: the query LoRA's normed output scaled by the layer's q_lora_scale
+    before q_b_proj (the indexer reads it scaled) and the normed latent by its
+    kv_lora_scale (cached scaled) (dots3_note).
+    rope_key_norm: the rotary key RMS-normed by k_rope_only_layernorm before the
+    rotation (dots3_note).
+    output_gate: each head's output scaled by sigmoid(g_proj(x)), the sigmoid taken in
+    float32 ("float", bailing_hybrid) or the model's dtype ("model", dots3_note).
     modeling: the model type whose modeling file holds the attention class, where it is
     another type's (sarvam_mla runs deepseek_v3's).
     indexer: a sparse attention's indexer (adapters/indexer.py; None: no indexer); its
@@ -72,7 +78,9 @@ class LatentLayout:
     attention_class: str
     rotation: str = "config"
     lora_scales: bool = False
-    output_gate: bool = False
+    lora_input_scales: bool = False
+    rope_key_norm: bool = False
+    output_gate: str | None = None
     modeling: str | None = None
     indexer: IndexerLayout | None = None
     returns_selection: bool = False
@@ -88,7 +96,7 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "glm4_moe_lite": LatentLayout("Glm4MoeLiteAttention"),
     "youtu": LatentLayout("YoutuAttention"),
     "axk1": LatentLayout("AXK1Attention"),
-    "bailing_hybrid": LatentLayout("BailingHybridAttention", rotation="interleave", output_gate=True),
+    "bailing_hybrid": LatentLayout("BailingHybridAttention", rotation="interleave", output_gate="float"),
     "longcat_flash": LatentLayout("LongcatFlashMLA", rotation="interleave", lora_scales=True),
     "kimi_linear": LatentLayout("KimiLinearAttention", rotation="none"),
     "sarvam_mla": LatentLayout("DeepseekV3Attention", modeling="deepseek_v3"),
@@ -98,6 +106,11 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "axk2": LatentLayout("AXK2Attention", rotation="interleave", indexer=IndexerLayout("half"), query_gate=True),
     "hy_v4": LatentLayout("HYV4Attention", rotation="half", returns_selection=True, head_gate=True, sinks=True,
                           indexer=IndexerLayout("half", rope_last=True, scale_on_weights=True)),
+    # Indexed layers beside sliding-window layers of their own latent sizes (each layer's
+    # sizes are its module's; a layer's window is its module's sliding_window).
+    "dots3_note_text": LatentLayout("Dots3NoteTextAttention", modeling="dots3_note", rotation="interleave",
+                                    lora_input_scales=True, rope_key_norm=True, output_gate="model",
+                                    indexer=IndexerLayout("interleave")),
 }
 
 
@@ -179,6 +192,11 @@ class LatentAttention(_Replacement):
         layout = LATENT_LAYOUTS[config.model_type]
         self.lora_scales = ((layer_scale(original, "mla_scale_q_lora"), layer_scale(original, "mla_scale_kv_lora"))
                             if layout.lora_scales else None)
+        self.lora_input_scales = ((layer_scale(original, "q_lora_scale"), layer_scale(original, "kv_lora_scale"))
+                                  if layout.lora_input_scales else None)
+        self.rope_key_norm = layout.rope_key_norm
+        window = getattr(original, "sliding_window", None)
+        self.sliding_window = None if window is None else int(layer_scale(original, "sliding_window"))
         self.output_gate = layout.output_gate
         self.query_gate = layout.query_gate
         self.head_gate = layout.head_gate
@@ -187,7 +205,7 @@ class LatentAttention(_Replacement):
         modeling = sys.modules[type(original).__module__]
         self._rotate = _rotation(modeling, layout.rotation, config)
         self._outputs = 3 if layout.returns_selection else 2
-        self.indexed = layout.indexer is not None
+        self.indexed = layout.indexer is not None and layer_selects(config, self.layer_idx)
         self._indexer = (LayerIndexer(self, self.layer_idx, layout.indexer,
                                       _rotation(modeling, layout.indexer.rotation, config), scope)
                          if layout.indexer is not None and getattr(original, "indexer", None) is not None else None)
@@ -196,6 +214,7 @@ class LatentAttention(_Replacement):
         ctx = self._scope.ctx
         if ctx is None:
             return self.original(*args, **kwargs)
+        ctx = ctx.for_layer(self.layer_idx, AttentionOptions(self.scale, self.sliding_window))  # a windowed group's
         call = self._signature.bind(*args, **kwargs).arguments
         hidden_states = call["hidden_states"]
         assert hidden_states.shape[0] == 1, "the engine runs one packed sequence"
@@ -203,10 +222,11 @@ class LatentAttention(_Replacement):
         position_embeddings = call.get("position_embeddings")
         q_nope, q_rot, latent, k_rot, q_resid, gate = self._project(x, position_embeddings)
         w_uk, w_uv = split_up_projection(self._up_projection(x.dtype), q_nope.shape[1], self.nope_dim, self.value_dim)
-        if isinstance(ctx.work, TritonIndices) and not self.indexed:
+        if isinstance(ctx.work, TritonIndices) and not self.indexed and self.sliding_window is None:
             out = self._attend_triton(ctx, ctx.work, q_nope, q_rot.contiguous(), latent, k_rot, w_uk, w_uv)
         else:
-            # A sparse attention's layers read their selection on the host, on either backend.
+            # A sparse attention's layers read their selection on the host, on either backend, and
+            # windowed layers attend there (the Triton decode kernel takes no window).
             cache = ctx.kv_caches[self.layer_idx][0]
             latent_cache = cache.view(*cache.shape[:2], cache.shape[2] * cache.shape[3])
             write_latent(latent_cache, latent, k_rot, ctx.slot_mapping)
@@ -220,14 +240,16 @@ class LatentAttention(_Replacement):
             sinks = self.get_parameter("sinks") if self.has_sinks else None
             out = latent_paged_attention(q_nope, q_rot.contiguous(), latent_cache, ctx.query_start_loc, ctx.seq_lens,
                                          ctx.block_tables, w_uk, w_uv, self.scale, decode_kernel=kernel,
-                                         selections=selections, sinks=sinks)
+                                         selections=selections, sinks=sinks, sliding_window=self.sliding_window)
         out = out.to(x.dtype)
         if self.head_gate:
             out = out * torch.sigmoid(self.get_submodule("gate_proj")(x).view(out.shape))
         if gate is not None:
             out = (out * torch.sigmoid(gate.float())).to(out.dtype)
-        if self.output_gate:
-            out = out * torch.sigmoid(self.get_submodule("g_proj")(x).float()).to(x.dtype)[..., None]
+        if self.output_gate is not None:
+            head_gate = self.get_submodule("g_proj")(x)
+            out = out * (torch.sigmoid(head_gate.float()).to(x.dtype) if self.output_gate == "float"
+                         else torch.sigmoid(head_gate))[..., None]
         return (self.get_submodule("o_proj")(out.flatten(1)[None]), None, None)[:self._outputs]
 
     def _attend_triton(self, ctx: AttentionContext, indices: TritonIndices, q_nope: torch.Tensor,
@@ -279,6 +301,8 @@ class LatentAttention(_Replacement):
                 [self.nope_dim + self.rope_dim, self.value_dim], dim=-1)
         elif self.q_lora:
             q_resid = module("q_a_layernorm")(module("q_a_proj")(x))
+            if self.lora_input_scales is not None:
+                q_resid = q_resid * self.lora_input_scales[0]
             q_states = module("q_b_proj")(q_resid)
         else:
             q_states = module("q_proj")(x)
@@ -286,10 +310,16 @@ class LatentAttention(_Replacement):
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = module("kv_a_proj_with_mqa")(x).split([self.rank, self.rope_dim], dim=-1)
         latent = module("kv_a_layernorm")(latent)
+        if self.lora_input_scales is not None:
+            latent = latent * self.lora_input_scales[1]
+        if self.rope_key_norm:
+            k_rot = module("k_rope_only_layernorm")(k_rot)
         if self.lora_scales is not None:
             q_scale, latent_scale = self.lora_scales
             q_nope, q_rot, latent = q_nope * q_scale, q_rot * q_scale, latent * latent_scale
         q_rot, k_rot = self._rotate(q_rot.transpose(0, 1)[None], k_rot[None, None], position_embeddings)
+        # Back to the inputs' dtypes where the rotation's cos/sin were float32 (dots3_note's indexed layers).
+        q_rot, k_rot = q_rot.to(q_nope.dtype), k_rot.to(latent.dtype)
         return q_nope, q_rot[0].transpose(0, 1), latent, k_rot[0, 0], q_resid, gate
 
 
