@@ -44,7 +44,7 @@ from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
-from .linear import PackedLinear, pack_side_by_side, packable_side_by_side, packed_matmul
+from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
 from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder, WeightedNorm
 
 if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
@@ -179,7 +179,7 @@ class FusedDecoderLayer(LayerReplacement):
     it answers for."""
 
     layer: LlamaDecoder  # registered as a submodule; typed by what is read of it
-    packed_qkv: torch.Tensor | None
+    packed_qkv: PackedWeight | None
     qkv_bias: torch.Tensor | None
 
     def __init__(self, layer: LlamaDecoder, attend: AttentionFunction, is_last: bool, rows_hint: int) -> None:

@@ -6,8 +6,11 @@ engine races the two on the model's shapes at load; bench/bench_engine.py prints
 both peaks). ``PackedLinear`` replaces an
 ``nn.Linear`` in its parent: an ``nn.Linear`` itself, sharing the original weight and
 bias (tied embeddings, LoRA wrappers and state dicts see the same parameters), plus
-the packed copy, an opaque oneDNN tensor: on CPU the packed linear weights are held
-twice.
+the packed copy: on CPU the packed linear weights are held twice. The copy is
+oneDNN's (an opaque tensor) or, for the shapes where it measures faster (the
+engine's per-shape race, engine/cpu/linear_race.py), the small-batch C kernel's
+(kernels/cpu_small_linear.py), which runs any number of rows without padding them;
+never both.
 
 Only float32 and bfloat16 pack (oneDNN has no float64 matmul); float64 keeps torch's
 exact-reference path. Where oneDNN reports no bfloat16 support (hosts without
@@ -31,12 +34,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
+from ..kernels.cpu_small_linear import SmallLinearWeight, pack_small_linear, small_linear, small_linear_available
 from ..surgery import called_on, probe_matches, replace
 from .protocols import GatedMLP
 
@@ -46,6 +51,23 @@ if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+# A packed weight: oneDNN's (an opaque tensor) or the small-batch kernel's.
+PackedWeight = torch.Tensor | SmallLinearWeight
+# Whether a weight of this shape (out_features, in_features) and dtype is packed for
+# the small-batch kernel (kernels/cpu_small_linear.py) instead of oneDNN: the engine's
+# per-shape race (engine/cpu/paths.py), or always where forced on.
+SmallKernelChoice = Callable[[int, int, torch.dtype], bool]
+
+
+def pack_weight(weight: torch.Tensor, rows_hint: int, small_kernel: SmallKernelChoice | None) -> PackedWeight:
+    """``weight`` [out, in] packed once: for the small-batch kernel where ``small_kernel``
+    takes its shape (its packed copy then replaces oneDNN's: one copy either way),
+    else for oneDNN, tuned for ``rows_hint`` rows."""
+    if (small_kernel is not None and small_linear_available(weight.dtype)
+            and small_kernel(weight.shape[0], weight.shape[1], weight.dtype)):
+        return pack_small_linear(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
 @functools.cache
@@ -74,17 +96,18 @@ class PackedLinear(nn.Linear):
     or an input of another dtype, torch's own linear runs: autograd does not see
     through the packed copy."""
 
-    packed_weight: torch.Tensor  # an opaque oneDNN tensor (not a parameter: state dicts leave it out)
+    packed_weight: PackedWeight  # not a parameter: state dicts leave it out
     packed_bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, rows_hint: int, packed_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear, rows_hint: int, packed_dtype: torch.dtype | None = None,
+                 small_kernel: SmallKernelChoice | None = None) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameters
         self.register_parameter("bias", linear.bias)
         packed_dtype = packed_dtype or linear.weight.dtype
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(packed_dtype),
-                                                                     rows_hint)
+        self.small_kernel = small_kernel  # read again where its weight is packed side by side with others
+        self.packed_weight = pack_weight(linear.weight.detach().to(packed_dtype), rows_hint, small_kernel)
         self.packed_bias = None if linear.bias is None else linear.bias.detach().to(packed_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,11 +125,12 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ...] = PACKABLE_DTYPES,
-                 packed_dtype: torch.dtype | None = None) -> int:
+                 packed_dtype: torch.dtype | None = None, small_kernel: SmallKernelChoice | None = None) -> int:
     """Replace every CPU nn.Linear of ``model`` whose weight is of one of ``dtypes`` by
     a PackedLinear, where oneDNN runs that dtype here; returns how many were replaced.
     With ``packed_dtype``, the packed copies are of that dtype instead (float32 copies
-    of bfloat16 linears), where oneDNN runs it.
+    of bfloat16 linears), where oneDNN runs it. ``small_kernel`` says which shapes the
+    small-batch kernel runs instead (see ``pack_weight``).
 
     ``rows_hint`` is the number of rows oneDNN tunes the packed layout for; any number
     of rows runs on it.
@@ -125,7 +149,7 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
         if module.bias is None or module.bias.dtype == weight.dtype:
             targets.append((name, module))
     for name, module in targets:
-        replace(model, name, PackedLinear(module, rows_hint, packed_dtype))
+        replace(model, name, PackedLinear(module, rows_hint, packed_dtype, small_kernel))
     return len(targets)
 
 
@@ -158,9 +182,11 @@ def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype != weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
-def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a packed weight (and bias, of the packed weight's dtype):
     [..., out] in x's dtype, computed in the packed weight's."""
+    if isinstance(packed, SmallLinearWeight):  # any number of rows, no padding
+        return small_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
@@ -179,7 +205,7 @@ class FusedGatedMLP(nn.Module):
     ``silu_kernel``. ``mlp`` is the original module, whose projections it reads."""
 
     mlp: GatedMLP  # registered as a submodule; typed by what is read of it
-    packed_gate_up: torch.Tensor
+    packed_gate_up: PackedWeight
 
     def __init__(self, mlp: GatedMLP, rows_hint: int, silu_kernel: bool) -> None:
         super().__init__()
@@ -248,7 +274,7 @@ def packable_side_by_side(linears: tuple[object, ...]) -> TypeGuard[tuple[Packed
                      for linear in packed}) == 1)
 
 
-def pack_side_by_side(linears: tuple[PackedLinear, ...], rows_hint: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_side_by_side(linears: tuple[PackedLinear, ...], rows_hint: int) -> tuple[PackedWeight, torch.Tensor | None]:
     """One packed weight, and bias or None, that computes all of ``linears`` (see
     ``packable_side_by_side``) on the same input in one matmul, their outputs side by
     side in the given order."""
@@ -257,4 +283,4 @@ def pack_side_by_side(linears: tuple[PackedLinear, ...], rows_hint: int) -> tupl
     biases = [linear.bias for linear in linears]
     weight = torch.cat([linear.weight.detach() for linear in linears]).to(packed_dtype)
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).to(packed_dtype)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), bias
+    return pack_weight(weight, rows_hint, linears[0].small_kernel), bias

@@ -21,19 +21,14 @@ its reasons, is logged once at load and kept on the engine (``LLMEngine.cpu_path
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_prefill_attention, native
+from ..kernels import cpu_prefill_attention
 from ..kernels.cpu_quant import cpu_w8_linear
 from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
@@ -54,12 +49,16 @@ from .capability import (
 from .hybrid_layers import optimize_hybrid_layers
 from .layers import fuse_decoder_layers, fuse_rms_norms
 from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears, packed_matmul
+from .linear_race import small_kernel_choice, small_linear_capability
+from .measurement import host_key as _host_key  # noqa: F401 - cleared by the tests with the others
+from .measurement import measured as _measured
+from .measurement import race as _race
 from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
 
 PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel",
-              "quant_kernels", "quant_int8_kernel")
+              "quant_kernels", "quant_int8_kernel", "small_linear_kernel")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
 
@@ -82,6 +81,9 @@ class CpuPaths:
     # W8A8 int8 linears (inputs quantized per token) through integer products
     # (kernels/cpu_quant_int8.py), else the weight-only kernels on the dequantized codes.
     quant_int8_kernel: bool = False
+    # Packed linears whose shape measures faster on the small-batch C kernel
+    # (kernels/cpu_small_linear.py) than on oneDNN take it (cpu/linear_race.py).
+    small_linear_kernel: bool = False
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -122,6 +124,7 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
                           "the torch tile path"),
         "quant_int8_kernel": (_quant_int8_capability(dtype), lambda: _quant_int8_speedup(dtype, shape),
                               "the weight-only kernels"),
+        "small_linear_kernel": (small_linear_capability(packed_dtype or dtype), None, ""),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -136,6 +139,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
             speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint, "layer") if name == "packed_linears"
                                 else (dtype, shape, rows_hint), measure)
             taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
+        if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
+            taken, why = False, "it runs packed linears, which are not taken"
         choices[name] = taken
         reasons.append((name, why))
     paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,
@@ -209,7 +214,10 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
         assert paths.dtype is not None, "a path is chosen for the model's dtype (choose_cpu_paths)"
-        packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype)
+        small_kernel = small_kernel_choice(rows_hint, path_settings().get("small_linear_kernel") is True
+                                           ) if paths.small_linear_kernel else None
+        packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype,
+                              small_kernel=small_kernel)
         mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
@@ -250,58 +258,6 @@ def choose_quant_kernels(model: torch.nn.Module, take: bool, int8_kernel: bool =
 
 
 # -------------------------------------------------------------- measurements
-
-def _measured(kind: str, key: tuple, measure: Callable[[], float]) -> float:
-    """``measure()`` (how many times faster the default path is than its
-    alternative), cached per host, library configuration and ``key``."""
-    path = native.cache_dir().parent / "cpu_paths.json"
-    entry = hashlib.sha256(repr((kind, key, _host_key())).encode()).hexdigest()[:24]
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached.get(entry), float):
-        return cached[entry]
-    speedup = measure()
-    cached[entry] = speedup
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(cached, indent=0))
-        os.replace(scratch, path)
-    except OSError as error:  # a read-only cache directory: measured again next time
-        logger.debug("could not cache a CPU path measurement in %s: %s", path, error)
-    return speedup
-
-
-@functools.lru_cache(maxsize=1)
-def _host_key() -> str:
-    """What a measurement depends on besides its shape: the CPU, torch, the thread
-    count, the C kernels' sources and build, and every setting that changes which
-    instructions the libraries use."""
-    settings = {name: os.environ.get(name, "") for name in (
-        "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
-    return repr((native.cpu_signature(), torch.__version__, torch.get_num_threads(), native.kernel_target(),
-                 native.kernel_sources_digest(), sorted(settings.items())))
-
-
-def _race(default: Callable[[], object], alternative: Callable[[], object], rounds: int = 5) -> float:
-    """Best time of ``alternative`` over best time of ``default``, run interleaved
-    (a slow phase of the machine hits both). On one thread both run on the calling
-    thread and are timed by its CPU time, which other work on the machine does not
-    inflate; on several, by the wall clock."""
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    # Warm up: oneDNN and the kernels build their code on first use.
-    default()
-    alternative()
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for index, run in enumerate((default, alternative)):
-            start = clock()
-            run()
-            best[index] = min(best[index], clock() - start)
-    return best[1] / best[0]
-
 
 # The measured matmul: the model's input width, at most this many outputs and rows
 # (the speed ratio settles well below a large model's sizes; the cost stays bounded).

@@ -1,0 +1,86 @@
+"""The small_linear_kernel CPU path: packed linears of the shapes that race faster on
+the small-batch C kernel take its packed copy instead of oneDNN's, and the engine's
+greedy tokens stay transformers'. Off, every fallback test of test_cpu_paths.py runs."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from shardline.engine.cpu import linear_race
+from shardline.engine.cpu.layers import FusedDecoderLayer
+from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
+from shardline.engine.kernels.cpu_small_linear import SmallLinearWeight, small_linear_available
+
+from .paths_taken import taken_unless_forced_off
+
+pytestmark = pytest.mark.skipif(not (small_linear_available(torch.float32) and torch.backends.mkldnn.is_available()),
+                                reason="needs a C compiler and oneDNN")
+PROMPTS = [[5, 6, 7], list(range(3, 60)), [(7 * i) % 200 + 3 for i in range(90)]]
+
+
+def _packed_weights(model: torch.nn.Module) -> list[object]:
+    found = []
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            found.append(module.packed_weight)
+        elif isinstance(module, FusedGatedMLP):
+            found.append(module.packed_gate_up)
+        elif isinstance(module, FusedDecoderLayer) and module.packed_qkv is not None:
+            found.append(module.packed_qkv)
+    return found
+
+
+def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
+    from shardline import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False, pad_token_id=2)
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+@taken_unless_forced_off("packed_linears", "small_linear_kernel")
+def test_forced_on_every_packed_linear_takes_the_kernel_and_tokens_stay(tiny_llama_dir, monkeypatch):
+    from shardline import LLM
+
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "packed_linears=on,small_linear_kernel=on")
+    expected = _hf_greedy(tiny_llama_dir, PROMPTS)
+    assert expected != _hf_greedy(tiny_llama_dir, [p[1:] + [9] for p in PROMPTS])  # the input matters
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    assert llm.llm_engine.cpu_paths.small_linear_kernel
+    packed = _packed_weights(llm.llm_engine.model)
+    assert packed and all(isinstance(weight, SmallLinearWeight) for weight in packed)
+    assert _greedy(llm, PROMPTS) == expected
+    llm.close()
+    llm = LLM(tiny_llama_dir, dtype="bfloat16")  # the load check passes on the bfloat16 kernel
+    assert any(isinstance(weight, SmallLinearWeight) for weight in _packed_weights(llm.llm_engine.model))
+    assert all(len(tokens) == 8 for tokens in _greedy(llm, PROMPTS))
+    llm.close()
+
+
+def test_each_shape_is_raced_once_and_the_cached_ratio_decides(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
+    choose = linear_race.small_kernel_choice(rows_hint=64, forced=False)
+    choose(48, 32, torch.float32)
+    cache = tmp_path / "cpu_paths.json"
+    measured = json.loads(cache.read_text())
+    assert len(measured) == 1 and all(ratio > 0 for ratio in measured.values())
+    for ratio, taken in ((0.5, False), (2.0, True)):
+        cache.write_text(json.dumps({key: ratio for key in measured}))
+        assert choose(48, 32, torch.float32) is taken
+    choose(48, 40, torch.float32)  # another shape races on its own
+    assert len(json.loads(cache.read_text())) == 2
+    assert linear_race.small_kernel_choice(rows_hint=64, forced=True)(48, 40, torch.float32)

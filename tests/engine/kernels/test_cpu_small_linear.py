@@ -1,0 +1,86 @@
+"""The small-batch linear kernel (kernels/cpu_small_linear.c) against its plain-torch
+reference, built for every target this host runs: AVX-512 with and without
+AVX512_BF16's dot-product instruction, AVX2 and the SSE2 baseline."""
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardline.engine.kernels import native
+from shardline.engine.kernels.cpu_small_linear import (
+    pack_small_linear,
+    small_linear,
+    small_linear_available,
+    small_linear_reference,
+)
+
+
+def _targets() -> list[str]:
+    """native, and the narrower x86 targets this compiler builds and this CPU runs."""
+    compiler = native._compiler()
+    if compiler is None or platform.machine() != "x86_64":
+        return ["native"]
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    narrower = (["x86-64-v4"] if " avx512f" in flags else []) + ["x86-64-v3", "x86-64"]
+    return ["native"] + [target for target in narrower if native.compiler_vector_isa(compiler, target) != "scalar"]
+
+
+pytestmark = pytest.mark.skipif(not small_linear_available(torch.float32), reason="needs a C compiler")
+
+
+@pytest.fixture(params=_targets())
+def target(request, monkeypatch) -> str:
+    monkeypatch.setenv("SHARDLINE_CPU_TARGET", request.param)
+    return request.param
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out within float32 summation error (either side's order) of the reference,
+    and one bfloat16 unit in the last place apart for bfloat16 outputs (both rounded)."""
+    expected = small_linear_reference(x, weight, bias).double()
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    allowed = 2e-5 * magnitude + (2.0 ** -7 * expected.abs() if out.dtype == torch.bfloat16 else 0)
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    assert ((out.double() - expected).abs() <= allowed).all(), (out.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_and_odd_shapes_match_the_reference(target, dtype):
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((1, 1), (37, 19), (64, 64), (100, 257)):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        packed = pack_small_linear(weight)
+        for rows in (*range(1, 17), 33):
+            # x's rows are a slice of wider rows holding NaN past in_features: a read past K shows.
+            wide = torch.full((rows, in_features + 3), float("nan"), dtype=dtype)
+            wide[:, :in_features] = torch.randn(rows, in_features, generator=generator).to(dtype)
+            x = wide[:, :in_features]
+            for b in (None, bias):
+                _check(small_linear(x, packed, b), x, weight, b)
+
+
+def test_leading_dimensions_are_kept_and_inputs_matter(target):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 40, generator=generator)
+    packed = pack_small_linear(weight)
+    x = torch.randn(2, 3, 40, generator=generator)
+    out = small_linear(x, packed, None)
+    assert out.shape == (2, 3, 48)
+    _check(out.view(6, 48), x.view(6, 40), weight, None)
+    assert not torch.equal(out[0, 0], out[0, 1])  # each row its own product
+
+
+def test_packed_layout_holds_the_weight_in_blocks_of_outputs():
+    """float32 [NB, K, BN], bfloat16 [NB, ceil(K / 2), BN, 2], zero past the weight."""
+    weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3) + 1
+    packed = pack_small_linear(weight)
+    width = packed.packed.shape[-1]
+    assert packed.packed.shape == (1, 3, width) and (packed.out_features, packed.in_features) == (5, 3)
+    assert torch.equal(packed.packed[0, :, :5], weight.T) and not packed.packed[0, :, 5:].any()
+    bf16 = pack_small_linear(weight.bfloat16())
+    assert bf16.packed.shape == (1, 2, width, 2)
+    assert torch.equal(bf16.packed[0, :, :5, :].permute(1, 0, 2).reshape(5, 4)[:, :3], weight.bfloat16())
+    assert not bf16.packed[0, 1, :, 1].any()  # the odd K's pair partner
