@@ -22,7 +22,12 @@ Invariants:
   tokens a finished (or earlier queued) step has written, and a block's owner only
   ever writes later slots, so an entry stays true until the block is allocated again
   or the cache is reset, which drop it (core/kv_cache.py BlockPool).
-- Blocks touching images are never recorded: their keys depend on more than tokens.
+- A block touching an image is keyed position by position: a token where the prompt
+  has text, (image hash, encoder row) where an image fills it. A hit over an image's
+  positions therefore needs the same image's same rows at the same positions (after
+  the same parent chain), whose KV is the same: the encoder output is a function of
+  the image's hash, and everything before them is the parent chain and the tokens
+  and rows matched before them. Rows a hit covers need no encoder output.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from dataclasses import dataclass
 from .request import Request
 
 ParentKey = bytes
+# What must match at one position: its token id, or (image hash, encoder row) where an
+# image fills it.
+PositionKey = int | tuple[str, int]
 
 
 def parent_key(parent_hash: bytes | None, cache_salt: object) -> ParentKey:
@@ -58,16 +66,17 @@ class PartialBlocks:
     """Blocks by parent key and first token, each with the tokens whose KV it holds."""
 
     def __init__(self) -> None:
-        # parent key -> first token -> block id -> the block's valid tokens
-        self._buckets: dict[ParentKey, dict[int, dict[int, tuple[int, ...]]]] = {}
-        self._where: dict[int, tuple[ParentKey, int]] = {}  # block id -> its bucket
+        # parent key -> first position's key -> block id -> the keys of its valid positions
+        self._buckets: dict[ParentKey, dict[PositionKey, dict[int, tuple[PositionKey, ...]]]] = {}
+        self._where: dict[int, tuple[ParentKey, PositionKey]] = {}  # block id -> its bucket
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def record(self, block_id: int, key: ParentKey, token_ids: Sequence[int]) -> None:
-        """The block's first len(token_ids) slots hold these tokens' KV after ``key``'s
-        chain (replacing what was recorded for the block before)."""
+    def record(self, block_id: int, key: ParentKey, token_ids: Sequence[PositionKey]) -> None:
+        """The block's first len(token_ids) slots hold the KV of these positions (tokens,
+        or image rows) after ``key``'s chain (replacing what was recorded for the block
+        before)."""
         if not token_ids:
             return
         bucket_key = (key, token_ids[0])
@@ -103,10 +112,8 @@ class PartialBlocks:
         for index in range(first_block, last_block):
             start = index * block_size
             end = min(start + block_size, num_computed)
-            if request.images and request.image_hashes_in(start, end):
-                continue
             key = parent_key(block_hashes[index - 1] if index else None, request.cache_salt)
-            self.record(block_ids[index], key, request.token_ids_slice(start, end))
+            self.record(block_ids[index], key, position_keys(request, start, end))
 
     def lookup(self, request: Request, num_hit_blocks: int, block_hashes: Sequence[bytes],
                block_size: int) -> tuple[int, int]:
@@ -116,12 +123,12 @@ class PartialBlocks:
         ``block_hashes``: the hashes of the request's first ``num_hit_blocks`` blocks."""
         start = num_hit_blocks * block_size
         end = min(start + block_size, request.num_tokens - 1)
-        if end <= start or (request.images and request.image_hashes_in(start, end)):
+        if end <= start:
             return -1, 0
         key = parent_key(block_hashes[num_hit_blocks - 1] if num_hit_blocks else None, request.cache_salt)
-        return self.longest(key, request.token_ids_slice(start, end))
+        return self.longest(key, position_keys(request, start, end))
 
-    def longest(self, key: ParentKey, token_ids: Sequence[int]) -> tuple[int, int]:
+    def longest(self, key: ParentKey, token_ids: Sequence[PositionKey]) -> tuple[int, int]:
         """(block id, n): the block holding the longest run of ``token_ids``' first n
         tokens after ``key``'s chain; (-1, 0) when no block starts with token_ids[0]."""
         if not token_ids:
@@ -139,7 +146,20 @@ class PartialBlocks:
         return best_block, best
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def position_keys(request: Request, start: int, end: int) -> list[PositionKey]:
+    """The keys of positions [start, end) of the request: token ids, with each position
+    an image fills replaced by (its hash, its encoder row)."""
+    keys: list[PositionKey] = list(request.token_ids_slice(start, end))
+    for image in request.images:
+        if image.start >= end or image.end <= start:
+            continue
+        first, last = image.rows_in(start, end)
+        for row in range(first, last):
+            keys[image.positions[row] - start] = (image.image_hash, row)
+    return keys
+
+
+def _common_prefix_len(a: Sequence[PositionKey], b: Sequence[PositionKey]) -> int:
     num_common = 0
     for x, y in zip(a, b):
         if x != y:

@@ -81,18 +81,25 @@ def _image(image_hash: str, start: int, end: int) -> ImageInput:
     return ImageInput(image_hash, tuple(range(start, end)), {"pixel_values": torch.zeros(1, 3, 2, 2)})
 
 
-def test_blocks_with_images_are_neither_recorded_nor_matched():
+def test_positions_an_image_fills_match_only_the_same_images_same_rows():
     kv_cache = KVCacheManager(num_blocks=8, block_size=4)
     first = _request("a", [5, 6, 7, 8, 9, 9, 9], images=(_image("h1", 4, 6),))
     _compute(kv_cache, first, 7)
+    block = kv_cache.get_block_ids("a")[1]
     kv_cache.free(first)
-    assert kv_cache.partial_hit(_request("b", [5, 6, 7, 8, 9, 9, 1, 1]), 1) == (-1, 0)
-    plain = _request("c", [5, 6, 7, 8, 3, 3, 3])
+    # The same image at the same positions: its two rows are a hit (and no encoder row is needed for them).
+    src, num_copied = kv_cache.partial_hit(_request("b", [5, 6, 7, 8, 9, 9, 1, 1], images=(_image("h1", 4, 6),)), 1)
+    assert (src, num_copied) == (block, 2)
+    # The same tokens without the image, another image, or the image one position later: no hit.
+    assert kv_cache.partial_hit(_request("c", [5, 6, 7, 8, 9, 9, 1, 1]), 1) == (-1, 0)
+    assert kv_cache.partial_hit(_request("d", [5, 6, 7, 8, 9, 9, 1, 1], images=(_image("h2", 4, 6),)), 1) == (-1, 0)
+    assert kv_cache.partial_hit(_request("e", [5, 6, 7, 8, 3, 9, 9, 1], images=(_image("h1", 5, 7),)), 1) == (-1, 0)
+    # Text before an image in a block matches a text-only block up to the image.
+    plain = _request("f", [5, 6, 7, 8, 3, 3, 3])
     _compute(kv_cache, plain, 7)
     kv_cache.free(plain)
-    with_image = _request("d", [5, 6, 7, 8, 3, 3, 1, 1], images=(_image("h2", 6, 8),))
-    assert kv_cache.partial_hit(with_image, 1) == (-1, 0)
-    assert kv_cache.partial_hit(_request("e", [5, 6, 7, 8, 3, 3, 1, 1]), 1)[1] == 2
+    with_image = _request("g", [5, 6, 7, 8, 3, 3, 1, 1], images=(_image("h2", 6, 8),))
+    assert kv_cache.partial_hit(with_image, 1)[1] == 2
 
 
 def _scheduler(**overrides) -> Scheduler:

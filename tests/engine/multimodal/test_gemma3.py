@@ -112,6 +112,17 @@ def test_a_prefix_hit_on_the_same_image(gemma3_dir, reference):
     assert outputs[1].num_cached_tokens < 4 and outputs[2].num_cached_tokens >= 16
     for output, picture in zip(outputs, (first, second, first)):
         assert list(output.outputs[0].token_ids) == reference(text, [picture])
+    # Another question about the first image: a partial hit covers the image's last rows
+    # (which attend both ways) up to the question, with no encoder output needed.
+    cache = llm.llm_engine.runner.encoder_cache
+    assert cache is not None
+    cache.clear()
+    encoded, other = cache.num_encoded_images, "<start_of_image> another question"
+    [again] = llm.generate({"prompt": other, "multi_modal_data": {"image": first}}, GREEDY, use_tqdm=False)
+    image_token = llm.llm_engine.runner.model.config.image_token_id
+    image_end = max(i for i, token in enumerate(again.prompt_token_ids) if token == image_token) + 1
+    assert cache.num_encoded_images == encoded and again.num_cached_tokens >= image_end and image_end % 4
+    assert list(again.outputs[0].token_ids) == reference(other, [first])
 
 
 def test_an_image_longer_than_the_token_budget_is_refused(gemma3_dir):

@@ -106,6 +106,31 @@ def test_prefix_cache_is_keyed_by_the_image(tiny_llava_dir, llava_reference):
     assert list(b.outputs[0].token_ids) == llava_reference(text, [second], MAX_TOKENS)
 
 
+def test_a_repeated_image_recomputes_none_of_its_rows(tiny_llava_dir, llava_reference):
+    # The image's last rows share a block with each prompt's own question: a partial
+    # prefix hit keyed by the image's rows covers them, so the second prompt needs no
+    # encoder output (the encoder cache is emptied between the two to show it).
+    llm = LLM(tiny_llava_dir, dtype="float32", block_size=8)
+    first, second = images(2)
+    cache = llm.llm_engine.runner.encoder_cache
+    assert cache is not None
+    caption, objects = "hi <image> write a caption", "hi <image> list the objects"
+    [a] = llm.generate({"prompt": caption, "multi_modal_data": {"image": first}}, GREEDY, use_tqdm=False)
+    image_token = llm.get_tokenizer().convert_tokens_to_ids("<image>")
+    image_end = max(i for i, token in enumerate(a.prompt_token_ids) if token == image_token) + 1
+    assert image_end % 8, "the image ends inside a block"
+    cache.clear()
+    encoded = cache.num_encoded_images
+    [b] = llm.generate({"prompt": objects, "multi_modal_data": {"image": first}}, GREEDY, use_tqdm=False)
+    assert cache.num_encoded_images == encoded and b.num_cached_tokens >= image_end
+    # Another image in the same place shares no image row.
+    [c] = llm.generate({"prompt": objects, "multi_modal_data": {"image": second}}, GREEDY, use_tqdm=False)
+    assert cache.num_encoded_images == encoded + 1 and c.num_cached_tokens <= image_end - 16  # the text before it
+    assert list(a.outputs[0].token_ids) == llava_reference(caption, [first], MAX_TOKENS)
+    assert list(b.outputs[0].token_ids) == llava_reference(objects, [first], MAX_TOKENS)
+    assert list(c.outputs[0].token_ids) == llava_reference(objects, [second], MAX_TOKENS)
+
+
 def test_uuids_name_images_for_the_caches(tiny_llava_dir):
     llm = LLM(tiny_llava_dir, dtype="float32")
     first, second = images(2)
