@@ -36,6 +36,7 @@ import transformers
 
 from ..core.kv_cache import blocks_needed
 from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
+from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES, COMPRESSED_TYPES, compressed_row_width
 from .adapters.indexer import index_key_width
 from .adapters.latent import caches_latents, selects_keys
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
@@ -91,6 +92,8 @@ class KVCacheSpec:
             num_kv_heads = key_value_heads(layer_config, num_heads)
             if kind == "sliding_window":
                 num_kv_heads *= SLIDING_KV_HEAD_FACTOR.get(text_config.model_type, 1)
+            if text_config.model_type in COMPRESSED_MODEL_TYPES:  # one shared key-value head, whatever the config says
+                num_kv_heads = 1
             if caches_latents(text_config):  # a sparse attention's index keys where values would be
                 index_width = index_key_width(text_config, index) if selects_keys(text_config) else 0
                 window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
@@ -99,6 +102,8 @@ class KVCacheSpec:
                 continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)
+            if layer_type in COMPRESSED_TYPES:  # the compressors' rows where values would be (K = V)
+                value_head_dim = compressed_row_width(text_config, layer_type)
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))

@@ -19,9 +19,12 @@ from ..recurrent.base import kind_for_layer_type, recurrent_model_types
 # transformers' config.layer_types values the engine's paged KV cache holds, and their
 # kind there (engine/model/kv_cache_spec.py).
 # A sparse attention's "indexed_attention" layer keeps full context (its index keys beside
-# its latents) and selects among it when attending (engine/model/adapters/indexer.py).
+# its latents) and selects among it when attending (engine/model/adapters/indexer.py);
+# DeepSeek-V4's compressed layers keep full context too (raw keys, and per token the
+# compressors' rows: engine/model/adapters/deepseek_v4.py).
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window", "chunked_attention": "chunked",
-               "indexed_attention": "full"}
+               "indexed_attention": "full", "compressed_sparse_attention": "full",
+               "heavily_compressed_attention": "full"}
 # A layer registered as a recurrent kind for its model type (engine/recurrent/) keeps
 # per-request state slots instead of KV blocks; a "hybrid" one (an attention block and a
 # recurrent mixer side by side: zamba, falcon_h1) keeps both. Layers without token

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import transformers
 
+from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES
 from .adapters.latent import latent_cache_refusal, selects_keys
 
 _INKLING_BIAS = (
@@ -45,10 +46,6 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
 # Sparse attentions the latent adapter does not run yet, and how each departs from the
 # indexed latent attention it runs (deepseek_v32's: one index key per token, top-k over them).
 _INDEXER_SHAPES: dict[str, str] = {
-    "deepseek_v4": "its attention layers attend a sliding window of raw keys plus keys that learned compressors "
-                   "pool over blocks of tokens (compress_rates per layer type; an indexer picks the top "
-                   "index_topk of the compressed ones), kept in caches of their own; the paged cache keeps one "
-                   "entry per token",
 }
 
 
@@ -67,6 +64,8 @@ def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
             return (f"indexer_types[0] is {indexer_types[0]!r}: its first layer reuses a previous layer's key "
                     "selection, and there is none")
         return None
+    if index_topk and text_config.model_type in COMPRESSED_MODEL_TYPES:
+        return None  # its indexer ranks compressed keys (adapters/deepseek_v4.py)
     if index_topk and text_config.model_type in _INDEXER_SHAPES:
         return _INDEXER_SHAPES[text_config.model_type]
     if index_topk:

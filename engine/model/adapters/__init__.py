@@ -25,6 +25,7 @@ from .base import (
     PagedAttentionAdapter,
     StepScope,
 )
+from .deepseek_v4 import CompressedAttention
 from .latent import latent_adapter_keys, latent_caching
 from .shapes import (
     BloomAttention,
@@ -39,7 +40,7 @@ from .shapes import (
 
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
-ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
+ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention]] = {
     _MODELS + "gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": GPTNeoAttention,
     _MODELS + "xglm.modeling_xglm.XGLMAttention": XGLMAttention,
     _MODELS + "openai.modeling_openai.Attention": OpenAIGPTAttention,
@@ -48,6 +49,7 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter]] = {
     _MODELS + "bloom.modeling_bloom.BloomAttention": BloomAttention,
     _MODELS + "mpt.modeling_mpt.MptAttention": MptAttention,
     _MODELS + "diffllama.modeling_diffllama.DiffLlamaAttention": DiffLlamaAttention,
+    _MODELS + "deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention": CompressedAttention,
 }
 # Attention classes of models whose layers cache latents (adapters/latent.py), adapted
 # where caches_latents says their cache holds latents.
