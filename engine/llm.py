@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from .config import ConfigError, EngineConfig
+from .config import EngineConfig
 from .inputs.call_args import (
     ProgressBar,
     keep_special_tokens,
@@ -100,9 +100,6 @@ class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine_config = EngineConfig.from_kwargs(model, **engine_options)
         engine_class = PoolingEngine if wants_pooling_engine(self.engine_config) else LLMEngine
-        if engine_class is PoolingEngine and self.engine_config.tensor_parallel_size > 1:
-            raise ConfigError(f"tensor_parallel_size={self.engine_config.tensor_parallel_size}: {model} is an "
-                              "embedding model, and embedding models run on one rank")
         self.llm_engine: Engine = engine_class(self.engine_config)
         self.request_counter = itertools.count()
 

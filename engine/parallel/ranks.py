@@ -43,14 +43,24 @@ STEP, MIRROR, STOP, READY, FAILED = "step", "mirror", "stop", "ready", "failed"
 # The runner methods rank 0 has every rank call too: the cache copies, and a step's
 # LoRA adapters and token slots (each rank loads its share of the adapters).
 MIRRORED = ("copy_blocks", "copy_block_prefixes", "copy_states", "prepare_lora_step")
+# Forwards a rank runs from one message instead of a step's broadcast inputs: an
+# embedding model's packed batch (engine/pooling/ranks.py).
+MIRRORED_FORWARDS = ("pool_forward",)
 STOP_GRACE_S = 10.0
 _T = TypeVar("_T")
 
 
-class BuildRunner(Protocol):
-    """Builds a rank's runner: the engine parts on this rank's shard (parts/build.py)."""
+class MirroredForwards(Protocol):
+    """A rank's model run only through MIRRORED_FORWARDS (an embedding model's shard)."""
 
-    def __call__(self, config: EngineConfig, ranks: RankGroup) -> ModelRunner: ...
+    def pool_forward(self, batch: Any) -> None: ...
+
+
+class BuildRunner(Protocol):
+    """Builds a rank's runner: the engine parts on this rank's shard (parts/build.py),
+    or an embedding model's shard (engine/pooling/ranks.py)."""
+
+    def __call__(self, config: EngineConfig, ranks: RankGroup) -> ModelRunner | MirroredForwards: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +229,17 @@ class RankDriver:
         layout, flat = pack_step(model_inputs, keep)
         self._send((STEP, layout))
         self.group.broadcast(flat)
+        return self._beside(forward)
+
+    def run_mirrored(self, method: str, args: tuple[Any, ...], forward: Callable[[], _T]) -> _T:
+        """Have every rank call ``method`` (one of MIRRORED_FORWARDS) with ``args``, a
+        forward of its shard, then run this rank's ``forward`` beside theirs (failing
+        the group as ``run_step`` does)."""
+        assert method in MIRRORED_FORWARDS, f"{method!r} is not a forward the ranks mirror"
+        self._send((MIRROR, (method, args)))
+        return self._beside(forward)
+
+    def _beside(self, forward: Callable[[], _T]) -> _T:
         try:
             return forward()
         except BaseException as error:
@@ -317,7 +338,8 @@ def run_rank(rank: int, config: EngineConfig, port: int, pipe: multiprocessing.c
         leave_group()
 
 
-def follow(runner: ModelRunner, group: RankGroup, pipe: multiprocessing.connection.Connection) -> None:
+def follow(runner: ModelRunner | MirroredForwards, group: RankGroup,
+           pipe: multiprocessing.connection.Connection) -> None:
     """Run rank 0's steps and copies on this rank's shard until it says stop or its pipe
     closes (rank 0's process is gone)."""
     while True:
@@ -328,10 +350,11 @@ def follow(runner: ModelRunner, group: RankGroup, pipe: multiprocessing.connecti
         if kind == STOP:
             return
         if kind == STEP:
+            assert isinstance(runner, ModelRunner), type(runner)
             run_step(runner, group, payload)
         else:
             method, args = payload
-            assert kind == MIRROR and method in MIRRORED, (kind, method)
+            assert kind == MIRROR and method in MIRRORED + MIRRORED_FORWARDS, (kind, method)
             getattr(runner, method)(*args)
 
 

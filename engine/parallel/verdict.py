@@ -3,7 +3,7 @@ would raise, answered from the config and the model built on the meta device, be
 any weight is read or any rank starts (the engine's rank 0 and the pipeline's
 pre-flight ask it).
 
-The config's refusals (``check_tensor_parallel``: heads, images, embeddings; an unknown
+The config's refusals (``check_tensor_parallel``: heads, images; an unknown
 quantization) come first; then the sharding step itself runs on
 the meta-device model with the engine's attention adapters, as the first and last
 rank would run it at load, so a projection it does not split (a fused query-key-value
@@ -40,8 +40,9 @@ def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int,
                                if layer.num_kv_heads)
     for rank in sorted({0, size - 1}):
         try:
-            model = meta_model(hf_config, trust_remote_code)
-            adapt_attention(model)
+            model = meta_model(hf_config, trust_remote_code, task)
+            if task != "embed":  # the pooling engine's packed attention takes the models as they are
+                adapt_attention(model)
             shard_model(model, RankGroup(rank, size, lambda: ""), num_attention_layers)
         except ShardingError:
             raise
@@ -59,8 +60,6 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
     model_type = hf_config.get_text_config().model_type
     prefix = f"tensor_parallel_size={size}"
     resolve_scheme(hf_config, quantization)
-    if task == "embed":
-        raise ShardingError(f"{prefix}: embedding models run on one rank")
     if getattr(hf_config, "vision_config", None) is not None:
         raise ShardingError(f"{prefix}: {model_type} takes images, whose encoder is not split over ranks")
     heads = model_heads(hf_config)
@@ -74,10 +73,12 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
                             f"over ranks only when one count divides the other")
 
 
-def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool) -> torch.nn.Module:
-    """The generation model of ``hf_config`` on the meta device, with the attention
+def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool,
+               task: str = "generate") -> torch.nn.Module:
+    """The model of ``hf_config`` on the meta device (``task`` "embed": the base model
+    the pooling engine runs, else the generation model), with the attention
     implementation the loader gives it."""
-    auto_class = auto_class_for(hf_config, "generate")
+    auto_class = auto_class_for(hf_config, "embed" if task == "embed" else "generate")
     model_class = auto_class._model_mapping.get(type(hf_config), None)
     implementation = "eager" if model_class is not None and has_adapter(model_class) else register_attention()
     with torch.device("meta"):

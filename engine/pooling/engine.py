@@ -10,7 +10,6 @@ states and returns every request of the batch finished.
 from __future__ import annotations
 
 import heapq
-import inspect
 import itertools
 import logging
 from collections.abc import Iterable
@@ -22,14 +21,13 @@ import transformers
 
 from ..config import EngineConfig
 from ..inputs.prompts import PromptType, tokenize_prompt
-from ..model.loader import LoadedModel, load_hf_config, load_model
+from ..model.loader import LoadedModel, load_hf_config
 from ..model.runner import model_max_len
 from ..multimodal.media import check_prompt_keys, prompt_media, refuse_media
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineStats, PoolingOutput, PoolingRequestOutput
+from ..parallel.ranks import RankDriver
 from ..params import PoolingParams, PoolingTask
 from ..parts.build import resolve_for_device, resolve_max_model_len
-from .packed_attention import PackedAttentionContext
-from .packed_attention import register as register_packed_attention
 from .pooler import (
     PoolerConfig,
     at_least_float32,
@@ -39,6 +37,7 @@ from .pooler import (
     read_pooler_config,
     resolve_dimensions,
 )
+from .ranks import PackedBatch, load_base_model, packed_forward, start_pooling_ranks, takes_token_type_ids
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +56,6 @@ def wants_pooling_engine(config: EngineConfig) -> bool:
         return config.task == "embed"
     architectures = getattr(load_hf_config(config), "architectures", None) or []
     return bool(architectures) and not any(a.endswith(_GENERATIVE_SUFFIXES) for a in architectures)
-
-
-def load_base_model(config: EngineConfig) -> LoadedModel:
-    """The model without its head (transformers' AutoModel), attention packed."""
-    return load_model(config, "embed", register_packed_attention())
 
 
 @dataclass(eq=False)
@@ -130,6 +124,10 @@ class PoolingEngine:
     task = "embed"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        # With tensor_parallel_size > 1 this process is rank 0 of the split model (ranks.py).
+        self.followers: RankDriver | None = None
+        if loaded is None and config.tensor_parallel_size > 1:
+            self.followers, loaded = start_pooling_ranks(config)
         loaded = loaded or load_base_model(config)
         self.config = config = resolve_for_device(config, loaded.device)
         self.model = loaded.model
@@ -144,7 +142,7 @@ class PoolingEngine:
         )
         self.position_offset = _position_offset(self.model)
         self.max_model_len = resolve_pooling_max_len(config, self.hf_config, self.pooler_config, self.position_offset)
-        self._takes_token_type_ids = "token_type_ids" in inspect.signature(self.model.forward).parameters
+        self._takes_token_type_ids = takes_token_type_ids(self.model)
         token_budget = config.max_num_batched_tokens
         assert token_budget is not None, "resolve_for_device fills in the token budget"
         self.scheduler = PoolingScheduler(config.max_num_seqs, token_budget)
@@ -229,6 +227,8 @@ class PoolingEngine:
 
     def close(self) -> None:
         self.abort_all()
+        if self.followers is not None:
+            self.followers.close()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[EmbeddingRequestOutput | PoolingRequestOutput]:
@@ -247,20 +247,15 @@ class PoolingEngine:
     @torch.inference_mode()
     def _forward(self, batch: list[PoolingRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the packed batch. Returns (last hidden states [T, H], cu_seqlens [B+1])."""
-        seq_lens = [len(r.prompt_token_ids) for r in batch]
-        ctx = PackedAttentionContext.from_seq_lens(seq_lens, self.device)
-        token_ids = [t for r in batch for t in r.prompt_token_ids]
-        positions = [self.position_offset + p for n in seq_lens for p in range(n)]
-        input_ids = torch.tensor([token_ids], dtype=torch.int64, device=self.device)
-        model_inputs: dict[str, torch.Tensor | PackedAttentionContext] = dict(
-            input_ids=input_ids,
-            position_ids=torch.tensor([positions], dtype=torch.int64, device=self.device),
-            shardline_packed_ctx=ctx,
-        )
-        if self._takes_token_type_ids:
-            model_inputs["token_type_ids"] = torch.zeros_like(input_ids)
-        outputs = self.model(**model_inputs, use_cache=False)
-        return outputs.last_hidden_state[0], ctx.cu_seqlens
+        seq_lens = tuple(len(r.prompt_token_ids) for r in batch)
+        packed = PackedBatch(tuple(t for r in batch for t in r.prompt_token_ids),
+                             tuple(self.position_offset + p for n in seq_lens for p in range(n)), seq_lens)
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            return packed_forward(self.model, packed, self.device, self._takes_token_type_ids)
+
+        if self.followers is None:
+            return forward()
+        return self.followers.run_mirrored("pool_forward", (packed,), forward)  # the ranks' shards beside this one
 
     @torch.inference_mode()
     def _make_outputs(self, batch: list[PoolingRequest], hidden: torch.Tensor,

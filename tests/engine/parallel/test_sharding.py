@@ -12,7 +12,6 @@ import transformers
 from torch import nn
 
 from shardline import LLM
-from shardline.engine.config import ConfigError
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.group import RankGroup
@@ -43,7 +42,6 @@ def test_refusals_name_the_option_and_why():
     check_tensor_parallel(llama, 2, quantization=None, task="generate")
     assert "4 attention heads, which do not split over 3 ranks" in refusal(llama, 3)
     check_tensor_parallel(llama, 2, quantization="fp8", task="generate")  # split with scales
-    assert "embedding models" in refusal(llama, task="embed")
     three_kv = tiny_config("llama", 512, num_attention_heads=12, num_key_value_heads=3)
     assert "3 key-value heads" in refusal(three_kv, 2)
     check_tensor_parallel(three_kv, 3, quantization=None, task="generate")
@@ -53,8 +51,6 @@ def test_an_engine_refuses_before_starting_ranks(tmp_path):
     model_dir = str(build_tiny_model(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ShardingError, match="tensor_parallel_size=3: llama has 4 attention heads"):
         LLM(model_dir, tensor_parallel_size=3, dtype="float32")
-    with pytest.raises(ConfigError, match="embedding models run on one rank"):
-        LLM(model_dir, task="embed", tensor_parallel_size=2, dtype="float32")
 
 
 def test_each_rank_reads_the_key_value_head_of_its_queries():
