@@ -9,9 +9,11 @@ bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
 cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
 (exactly) by the bfloat16 dot-product instruction; there, up to ``tile_max_rows``
 rows take its many-rows kernel, which decodes a few weight rows once into a tile
-and multiplies it by every row of x. Above it (prefill), a panel of
-weight rows at a time is dequantized into a scratch of x's dtype and multiplied by
-torch's matmul, so the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
+and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
+time is dequantized to x's dtype, straight into oneDNN's blocked weight layout where
+cpu_quant_panel.py finds it (float32 and bfloat16 x on AVX-512 builds) and multiplied
+by oneDNN's packed linear, else into a plain scratch multiplied by torch's matmul, so
+the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
 the decode path and float32 activations keep the float32 weight.
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_quant_panel import PackedPanel, packed_panel, packed_panels_available, whole_runs
 from .native import NativeLibrary, declare
 from .quant_reference import W8_DTYPES
 
@@ -46,6 +49,10 @@ TILE_MAX_ROWS = 64
 BLOCKED_TILE_MAX_ROWS = 16
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
+# Where oneDNN multiplies panels packed in its blocked layout (kernels/cpu_quant_panel.py):
+# panels of this size (still in the cache when oneDNN reads them), but at least 1024
+# rows up to 4x the size: oneDNN's matmul is slower on fewer rows of weight.
+PACKED_PANEL_BYTES = 4 << 20
 
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -147,20 +154,39 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _packed_panel_rows(row_bytes: int) -> int:
+    """Weight rows per packed panel (see PACKED_PANEL_BYTES), a multiple of 64."""
+    rows = max(PACKED_PANEL_BYTES // row_bytes, min(1024, 4 * PACKED_PANEL_BYTES // row_bytes))
+    return max(64, rows // 64 * 64)
+
+
 def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-                   dequantize: Callable[[int, int, torch.Tensor], None]) -> None:
-    """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows, each
-    ``dequantize(n0, n1, panel)``d into a scratch of x's dtype; x: [M, K]."""
+                   dequantize: Callable[[int, int, torch.Tensor], None],
+                   to_blocked: Callable[[int, PackedPanel], None] | None) -> None:
+    """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows; x: [M, K]. Where
+    oneDNN packs x's dtype in a layout cpu_quant_panel.py fills, ``to_blocked(n0,
+    panel)`` (None: the weight's scales do not suit it) dequantizes each panel straight
+    into a packed weight that oneDNN multiplies; else ``dequantize(n0, n1, panel)``
+    fills a plain scratch of x's dtype for torch's matmul."""
     in_features, out_features = x.shape[1], out.shape[1]
-    panel_rows = max(16, PANEL_BYTES // (in_features * x.element_size()))
-    panel = torch.empty(min(panel_rows, out_features), in_features, dtype=x.dtype)
+    packs = to_blocked is not None and packed_panels_available(x.dtype)
+    row_bytes = in_features * x.element_size()
+    panel_rows = _packed_panel_rows(row_bytes) if packs else max(16, PANEL_BYTES // row_bytes)
     bias = None if bias is None else bias.to(x.dtype)
+    scratch: torch.Tensor | None = None
     for n0 in range(0, out_features, panel_rows):
         n1 = min(out_features, n0 + panel_rows)
-        rows = panel[: n1 - n0]
+        packed = packed_panel(n1 - n0, in_features, x.dtype) if packs else None
+        panel_bias = None if bias is None else bias[n0:n1]
+        if packed is not None and to_blocked is not None:
+            to_blocked(n0, packed)
+            out[:, n0:n1] = packed.matmul(x, panel_bias)
+            continue
+        if scratch is None:
+            scratch = torch.empty(min(panel_rows, out_features), in_features, dtype=x.dtype)
+        rows = scratch[: n1 - n0]
         dequantize(n0, n1, rows)
-        product = (torch.mm(x, rows.t()) if bias is None else torch.addmm(bias[n0:n1], x, rows.t()))
-        out[:, n0:n1] = product
+        out[:, n0:n1] = torch.mm(x, rows.t()) if panel_bias is None else torch.addmm(panel_bias, x, rows.t())
 
 
 def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -192,7 +218,10 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
             library.w8_dequantize(weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols,
                                   n0, n1, in_features, panel.data_ptr(), kind, threads)
-        _panel_product(x2, out, bias, dequantize)
+
+        def to_blocked(n0: int, panel: PackedPanel) -> None:
+            panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads)
+        _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(block_cols, in_features) else None)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -232,7 +261,10 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
         def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
             library.w4_dequantize(packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, n0, n1,
                                   in_features, panel.data_ptr(), kind, threads)
-        _panel_product(x2, out, bias, dequantize)
+
+        def to_blocked(n0: int, panel: PackedPanel) -> None:
+            panel.fill_w4(packed, scales, zeros, group_size, n0, threads)
+        _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(group_size, in_features) else None)
     return out.view(*x.shape[:-1], out_features)
 
 

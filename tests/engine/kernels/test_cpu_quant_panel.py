@@ -1,0 +1,129 @@
+"""Prefill panels dequantized straight into oneDNN's blocked layout (cpu_quant_panel.c):
+the packed buffer must hold exactly what oneDNN's own packing of the dequantized weight
+(quant_reference, rounded to x's dtype once) holds, byte for byte, on each build target
+(AVX-512 builds in vector tiles, the others element by element); and the probed layout
+must be the one oneDNN uses."""
+
+import shutil
+
+import pytest
+import torch
+
+from shardline.engine.kernels import cpu_quant_panel
+from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear, w8_blocks
+from shardline.engine.kernels.cpu_quant_panel import PackedPanel, find_layout, packed_panels_available
+from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
+
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: no packed panels"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")]
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (panel rows, K): whole tiles; ragged rows and K (edges element by element, padded columns).
+SHAPES = [(128, 256), (70, 200), (37, 96)]
+
+
+def dtype_packs(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def onednn_bytes(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's own packing of ``weight`` (the hint the panels use), as raw bytes."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1024)
+    return cpu_quant_panel._buffer(packed, torch.uint8).clone()
+
+
+def panel_for(rows: int, cols: int, dtype: torch.dtype) -> PackedPanel:
+    if not dtype_packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    layout = find_layout(rows, cols, dtype)
+    assert layout is not None, f"oneDNN's layout for [{rows}, {cols}] {dtype} is not a blocked one"
+    return PackedPanel(rows, cols, dtype, layout)
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.usefixtures("kernel_target")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("scale_kind", ["tensor", "channel", "block128", "block_64x32"])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_w8_panel_is_onednns_packing_of_the_dequantized_weight(dtype, weight_dtype, scale_kind, rows, cols):
+    total_rows, n0 = rows + 64, 64  # a panel starting past the weight's first rows (and block rows)
+    codes = torch.randn(total_rows, cols, generator=generator(1)) * 60
+    weight = (codes.round().clamp(-127, 127).to(torch.int8) if weight_dtype == torch.int8
+              else codes.to(torch.float8_e4m3fn))  # every fp8 exponent, subnormals included
+    block = {"block128": (128, 128), "block_64x32": (64, 32)}.get(scale_kind)
+    shape = {"tensor": (1, 1), "channel": (total_rows, 1)}.get(
+        scale_kind, (-(-total_rows // (block or (1, 1))[0]), -(-cols // (block or (1, 1))[1])))
+    scale = torch.rand(shape, generator=generator(2)) * 1e-2 + 1e-3
+    panel = panel_for(rows, cols, dtype)
+    panel.fill_w8(weight, scale, w8_blocks(weight, scale, block), n0, threads=2)
+    dequantized = dequantize_w8(weight, scale, block)[n0:n0 + rows].to(dtype)
+    assert torch.equal(cpu_quant_panel._buffer(panel.packed, torch.uint8), onednn_bytes(dequantized))
+
+
+@pytest.mark.usefixtures("kernel_target")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 128, 18])  # 18: runs cross groups, element by element
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])
+def test_w4_panel_is_onednns_packing_of_the_dequantized_weight(dtype, group_size, with_zeros):
+    rows, cols, n0 = 80, 2 * 18 * 16 if group_size == 18 else 256, 16
+    total_rows = rows + n0
+    packed = torch.randint(0, 256, (total_rows, cols // 2), dtype=torch.uint8, generator=generator(3))
+    scales = torch.rand(total_rows, cols // group_size, generator=generator(4)) * 1e-2 + 1e-3
+    zeros = torch.randint(0, 16, scales.shape, generator=generator(5)).float() if with_zeros else None
+    panel = panel_for(rows, cols, dtype)
+    panel.fill_w4(packed, scales, zeros, group_size, n0, threads=2)
+    dequantized = dequantize_w4(packed, scales, zeros, group_size)[n0:n0 + rows].to(dtype)
+    assert torch.equal(cpu_quant_panel._buffer(panel.packed, torch.uint8), onednn_bytes(dequantized))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_fp8_codes_stay_nan_in_the_panel(dtype):
+    weight = torch.full((64, 64), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 0x7f: NaN
+    weight[::2] = torch.tensor(1.0).to(torch.float8_e4m3fn)  # even output rows finite
+    panel = panel_for(64, 64, dtype)
+    panel.fill_w8(weight, torch.ones(1, 1), (64, 64), 0, threads=1)
+    out = panel.matmul(torch.ones(3, 64, dtype=dtype), None)
+    assert out[:, 1::2].isnan().all() and not out[:, ::2].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [65, 300])
+def test_prefill_rows_take_the_packed_panels_and_match_the_reference(dtype, rows):
+    """Through the launchers (cpu_quant.py): a weight of several panels, a bias, rows
+    oneDNN sees padded; float32: the reference's float32 product up to the order of its
+    sums; bfloat16: the weight rounded to bfloat16 once, one rounding of the sum."""
+    if not packed_panels_available(dtype):
+        pytest.skip("no packed panels for this dtype on this build")
+    out_features, in_features = 4200, 512  # panels of 4096 (float32: 2048) rows and a short last one
+    weight = (torch.randn(out_features, in_features, generator=generator(6)) * 40).round().clamp(-127, 127)
+    weight = weight.to(torch.int8)
+    scale = torch.rand(out_features, 1, generator=generator(7)) * 1e-2 + 1e-3
+    bias = torch.randn(out_features, generator=generator(8))
+    x = torch.randn(rows, in_features, generator=generator(9)).to(dtype)
+    expected = quantized_linear_reference(x, dequantize_w8(weight, scale, None), bias)
+    cpu_quant_panel.clear_packed_panels()
+    out = cpu_w8_linear(x, weight, scale, None, bias)
+    assert len(cpu_quant_panel._PANELS.by_shape) >= 2, "the packed panels were not used"
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol * expected.abs().max().item())
+    packed = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=generator(10))
+    scales = torch.rand(out_features, in_features // 128, generator=generator(11)) * 1e-2
+    expected = quantized_linear_reference(x, dequantize_w4(packed, scales, None, 128), None)
+    out = cpu_w4_linear(x, packed, scales, None, 128)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol * expected.abs().max().item())
+
+
+def test_the_probed_layout_is_checked_element_by_element():
+    """find_layout's description reproduces oneDNN's packing of an index-coded weight."""
+    for dtype in [dtype for dtype in DTYPES if dtype_packs(dtype)]:
+        for rows, cols in SHAPES:
+            layout = find_layout(rows, cols, dtype)
+            assert layout is not None
+            per_unit = 4 // torch.tensor([], dtype=dtype).element_size()
+            expected = cpu_quant_panel._expected_indices(layout, rows, cols, per_unit)
+            assert torch.equal(cpu_quant_panel._packed_indices(rows, cols, dtype), expected)
