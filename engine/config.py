@@ -95,6 +95,9 @@ class EngineConfig:
     # Gigabytes of processed images (their pixel tensors) kept by image hash, so an image
     # that recurs is preprocessed once (vLLM's option; 0 keeps none; engine/multimodal/pixel_cache.py).
     mm_processor_cache_gb: float = 1.0
+    # Settings passed to the model's processor on every image prompt (vLLM's option; the
+    # keys each model takes: engine/multimodal/specs.py, e.g. Gemma 3's pan-and-scan).
+    mm_processor_kwargs: dict[str, Any] | None = None
     enforce_eager: bool = False
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -146,6 +149,9 @@ class EngineConfig:
         cache_gb = self.mm_processor_cache_gb
         if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) or not cache_gb >= 0:
             raise ConfigError(f"mm_processor_cache_gb must be a number >= 0, got {cache_gb!r}")
+        kwargs = self.mm_processor_kwargs
+        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+            raise ConfigError(f"mm_processor_kwargs must be a dict of str keys, got {kwargs!r}")
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             _check_positive_int(f"limit_mm_per_prompt[{modality!r}]", limit)
         if self.allowed_media_domains is not None:

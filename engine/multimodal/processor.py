@@ -28,7 +28,7 @@ import torch
 import transformers
 from PIL import Image
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from .image_only import load_processor
 from .inputs import ImageInput, ProcessedPrompt
 from .loading import MediaOptions, as_image
@@ -64,6 +64,7 @@ class MultimodalProcessor:
     media_options: MediaOptions
     model: str
     hf_config: transformers.PretrainedConfig | None = None  # read by the spec's grid (M-RoPE models)
+    processor_kwargs: Mapping[str, Any] = field(default_factory=dict)  # mm_processor_kwargs, on every call
     # The processor's tokenizer is not safe to call from two threads at once (its Rust
     # side refuses a second borrow); image decoding and hashing run unlocked.
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -74,13 +75,18 @@ class MultimodalProcessor:
         runs with images, else None."""
         spec = vision_spec(hf_config)
         if spec is None:
+            if config.mm_processor_kwargs:
+                raise ConfigError(f"mm_processor_kwargs is set, but {config.model!r} takes no images here")
             return None
+        kwargs = _processor_kwargs(config, spec)
         processor = load_processor(config.tokenizer or config.model, hf_config.model_type,
                                    revision=config.tokenizer_revision or config.revision,
                                    trust_remote_code=config.trust_remote_code)
         if processor is None or getattr(processor, "image_processor", None) is None:
             logger.warning("%s is a vision-language model without an image processor in its directory: it runs as "
                            "a text model, and its image prompts are refused", config.model)
+            if kwargs:
+                raise ConfigError(f"mm_processor_kwargs is set, but {config.model!r} has no image processor")
             return None
         processor.image_processor = PixelCache(processor.image_processor,
                                                int(config.mm_processor_cache_gb * (1 << 30)))
@@ -89,7 +95,8 @@ class MultimodalProcessor:
         if spec.max_images is not None and max_images is not None:
             max_images = min(max_images, spec.max_images)
         options = MediaOptions(config.allowed_local_media_path, config.allowed_media_domains)
-        return cls(processor, spec, spec.image_token_id(hf_config), max_images, options, config.model, hf_config)
+        return cls(processor, spec, spec.image_token_id(hf_config), max_images, options, config.model, hf_config,
+                   kwargs)
 
     @property
     def image_token(self) -> str:
@@ -166,6 +173,7 @@ class MultimodalProcessor:
         try:
             with self.lock:
                 cache = self.processor.image_processor
+                kwargs = {**self.processor_kwargs, **kwargs}
                 if not isinstance(cache, PixelCache):
                     return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
                 cache.declare({id(image): name for image, name in zip(images, hashes)})
@@ -195,6 +203,12 @@ class MultimodalProcessor:
     def _counts(self, request_id: str, token_ids: list[int], images: list[Image.Image]) -> list[int]:
         """How many placeholder tokens each image of a processed text prompt has."""
         total = sum(1 for token_id in token_ids if token_id == self.image_token_id)
+        if self.spec.views is not None:  # views of as many rows each (Gemma 3's image and its crops)
+            views = self.spec.views(self.processor, images, self.processor_kwargs)
+            if total % sum(views):
+                raise ValueError(f"request {request_id!r}: the prompt's {total} image placeholder tokens do not "
+                                 f"split into its images' {sum(views)} views")
+            return [count * (total // sum(views)) for count in views]
         if self.spec.count_rows is not None:
             counts = self.spec.count_rows(self.processor, token_ids, self.image_token_id)
             if len(counts) != len(images) or sum(counts) != total:
@@ -236,6 +250,18 @@ class MultimodalProcessor:
             pixels += self._split(outputs, counts[-1:])
             previous = position + 1
         return expanded + list(token_ids[previous:]), pixels, counts
+
+
+def _processor_kwargs(config: EngineConfig, spec: VisionSpec) -> dict[str, Any]:
+    """``config.mm_processor_kwargs`` when the model's processor takes each key here
+    (VisionSpec.processor_kwargs); ConfigError naming the first key it does not."""
+    kwargs = dict(config.mm_processor_kwargs or {})
+    unknown = sorted(set(kwargs) - spec.processor_kwargs)
+    if unknown:
+        accepted = ", ".join(sorted(spec.processor_kwargs)) or "none"
+        raise ConfigError(f"mm_processor_kwargs key {unknown[0]!r} is not taken for {spec.model_type} models "
+                          f"(accepted: {accepted})")
+    return kwargs
 
 
 def _split_images(outputs: Mapping[str, Any], num_images: int) -> list[dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ import torch
 import transformers
 from torch import nn
 
+from .gemma3 import PAN_AND_SCAN_KWARGS, count_views, split_views
 from .idefics import rows_by_global_view, split_tiles
 from .pixtral import rows_by_end_marker, split_sized
 from .qwen_vl import deepstack_features, image_grid, split_patches
@@ -33,6 +34,9 @@ RowSplitter = Callable[[Mapping[str, Any], list[int]], list[dict[str, torch.Tens
 RowCounter = Callable[[Any, list[int], int], list[int]]
 # One image's tensors and the model's config -> its (frames, height, width) in tokens.
 GridOf = Callable[[Mapping[str, torch.Tensor], transformers.PretrainedConfig], tuple[int, int, int]]
+# The processor, a prompt's images and the processor settings -> each image's views (the
+# image and the crops its processor adds), which fill as many rows each.
+ViewCounter = Callable[[Any, list[Any], Mapping[str, Any]], list[int]]
 
 
 def image_features(model: nn.Module, pixel_inputs: dict[str, torch.Tensor],
@@ -80,6 +84,10 @@ class VisionSpec:
     # Early decoder layers that add a part of the encoder output at the image's
     # positions (Qwen3-VL's deepstack, engine/multimodal/qwen_vl.py).
     deepstack: bool = False
+    # The ``mm_processor_kwargs`` keys the engine passes to this model's processor (the
+    # rest are refused): settings that change how many rows an image fills need ``views``.
+    processor_kwargs: frozenset[str] = frozenset()
+    views: ViewCounter | None = None
 
     def image_token_id(self, hf_config: transformers.PretrainedConfig) -> int:
         """The placeholder token id the processor writes for every image row."""
@@ -94,7 +102,8 @@ VISION_SPECS: dict[str, VisionSpec] = {spec.model_type: spec for spec in (
     VisionSpec("llava"),
     VisionSpec("llava_next"),
     VisionSpec("vipllava"),
-    VisionSpec("gemma3", bidirectional=True),
+    VisionSpec("gemma3", bidirectional=True, split_by_rows=split_views, processor_kwargs=PAN_AND_SCAN_KWARGS,
+               views=count_views),
     VisionSpec("idefics3", split_by_rows=split_tiles),
     VisionSpec("smolvlm", split_by_rows=split_tiles, count_rows=rows_by_global_view),
     VisionSpec("mistral3", split=split_sized, count_rows=rows_by_end_marker),

@@ -125,6 +125,35 @@ def test_a_prefix_hit_on_the_same_image(gemma3_dir, reference):
     assert list(again.outputs[0].token_ids) == reference(other, [first])
 
 
+def test_pan_and_scan_crops_are_more_views_of_the_image(gemma3_dir):
+    # mm_processor_kwargs as vLLM's: a wide or tall image gets crops (more views between
+    # their own markers, with text between), a square one none; tokens as transformers'
+    # with the same processor settings, which differ from those without crops.
+    settings = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}
+    processor = transformers.AutoProcessor.from_pretrained(gemma3_dir)
+    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+    def reference(text: str, pictures: list[Image.Image], **kwargs: Any) -> list[int]:
+        inputs = processor(text=text, images=pictures, return_tensors="pt", **kwargs)
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    [wide] = images(1, size=(120, 40))
+    [tall] = images(1, size=(30, 70))
+    [square] = images(1, size=(40, 40))
+    cases = [("hi <start_of_image> x", [wide]), (f"{IMAGE} and {IMAGE} compare", [square, tall]),
+             (f"a {IMAGE} b {IMAGE} c", [tall, wide])]
+    llm = LLM(gemma3_dir, dtype="float32", mm_processor_kwargs=settings)
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], GREEDY,
+                           use_tqdm=False)
+    for (text, pics), output in zip(cases, outputs):
+        expected = reference(text, pics, **settings)
+        assert list(output.outputs[0].token_ids) == expected != reference(text, pics), text
+    cache = llm.llm_engine.runner.encoder_cache
+    assert cache is not None and cache.num_encoded_images == 3  # an image and its crops: one entry
+
+
 def test_an_image_longer_than_the_token_budget_is_refused(gemma3_dir):
     llm = LLM(gemma3_dir, dtype="float32", max_num_batched_tokens=12, check_model=False)
     with pytest.raises(PromptTooLongError, match="max_num_batched_tokens=12"):

@@ -72,14 +72,16 @@ def test_embedding_engine_refuses_images(embedding_model):
         llm.embed({"prompt": "hi", "multi_modal_data": {"image": IMAGE}}, use_tqdm=False)
 
 
-def test_processor_options_are_refused(tiny_llava_dir):
-    # vLLM's mm_processor_kwargs (Gemma 3's do_pan_and_scan among them) is not taken:
-    # processors run with their saved settings, and the option is refused, never ignored,
-    # as an engine option and as a prompt field.
+def test_processor_options_a_model_does_not_take_are_refused(tiny_llava_dir):
+    # mm_processor_kwargs is taken only with keys the model's processor takes here
+    # (Gemma 3's pan-and-scan, tests/engine/multimodal/test_gemma3.py); others are
+    # refused, never ignored, and the prompt field is refused.
     from shardline import LLM
 
-    with pytest.raises(TypeError, match=r"unknown engine option\(s\) 'mm_processor_kwargs'"):
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs key 'do_pan_and_scan' is not taken for llava"):
         LLM(tiny_llava_dir, mm_processor_kwargs={"do_pan_and_scan": True})
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs must be a dict"):
+        LLM(tiny_llava_dir, mm_processor_kwargs=["do_pan_and_scan"])
     llm = LLM(tiny_llava_dir, dtype="float32", check_model=False)
     with pytest.raises(ValueError, match=r"request '\d+': unknown prompt field\(s\) 'mm_processor_kwargs'"):
         llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": IMAGE},
