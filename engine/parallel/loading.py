@@ -44,6 +44,7 @@ from .group import RankGroup, ShardingError
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
 from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
 from .sharding import COLUMN, EXPERTS, PACKED_COLUMN, ROW, column_rows, model_heads, plan_rules, split_of
+from .vlm import encoder_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
     split is not exact, as ``shard_model`` raises it."""
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
-    mixers = _recurrent_mixers(model)
+    mixers = _recurrent_mixers(model) + encoder_prefixes(model)  # read whole (a VLM's encoders: vlm.py)
     rules = plan_rules(model)
     plan: dict[str, Cut] = {}
     for name, module in model.named_modules():
@@ -118,7 +119,7 @@ def _vocabulary_cuts(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
     cuts: dict[str, Cut] = {}
     get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     embedding = get_input() if callable(get_input) else None
-    if type(embedding) is nn.Embedding and id(embedding) in names:
+    if type(embedding) is nn.Embedding and id(embedding) in names and not encoder_prefixes(model):
         share = vocab_share(embedding.num_embeddings, group.size)
         start = min(group.rank * share, embedding.num_embeddings)
         cuts[f"{names[id(embedding)]}.weight"] = Cut(0, ((start, min(start + share, embedding.num_embeddings)),))

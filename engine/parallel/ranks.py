@@ -34,6 +34,7 @@ from ..config import EngineConfig
 from ..cpu.paths import PATH_NAMES, CpuPaths
 from ..model.loader import resolve_device
 from ..model.runner import ModelInputs, ModelRunner
+from ..multimodal.qwen_vl import DEEPSTACK_KEY
 from ..recurrent.state import RecurrentStep
 from .group import RankGroup, TensorParallelError, collective_timeout, join_group, leave_group
 
@@ -74,6 +75,9 @@ class StepLayout:
     has_state: bool
     has_prompt_counts: bool
     keep_all: bool
+    # A vision-language model's step with images: the input embeddings' shape and dtype,
+    # broadcast after the integers (engine/parallel/vlm.py); None: the ids suffice.
+    embeds: tuple[tuple[int, ...], torch.dtype] | None = None
 
     @property
     def numel(self) -> int:
@@ -88,7 +92,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[StepLayout, torch.Tensor]:
-    """A step's inputs as a layout (to pickle) and one flat int64 tensor (to broadcast)."""
+    """A step's inputs as a layout (to pickle) and one flat int64 tensor (to broadcast);
+    a step with images' input embeddings go apart (``RankDriver.run_step``)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def encode(key: str, value: object) -> object:
@@ -102,10 +107,13 @@ def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[Step
     ctx = model_inputs["shardline_ctx"]
     batch = {field.name: encode(f"batch.{field.name}", getattr(ctx, field.name))
              for field in dataclasses.fields(StepBatch) if field.name != "kv_caches"}
-    input_ids = model_inputs.get("input_ids")
-    if input_ids is None:
-        raise TensorParallelError("a step on input embeddings (images) does not run over tensor-parallel ranks")
-    tensors["input_ids"], tensors["position_ids"] = input_ids, model_inputs["position_ids"]
+    input_ids, embeds = model_inputs.get("input_ids"), model_inputs.get("inputs_embeds")
+    if DEEPSTACK_KEY in model_inputs:
+        raise TensorParallelError("a step whose images feed the decoder's early layers (deepstack) does not run "
+                                  "over tensor-parallel ranks")
+    if input_ids is not None:
+        tensors["input_ids"] = input_ids
+    tensors["position_ids"] = model_inputs["position_ids"]
     state = model_inputs.get("shardline_state")
     if state is not None:
         tensors["state.slots"], tensors["state.has_initial_state"] = state.slots, state.has_initial_state
@@ -116,14 +124,16 @@ def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[Step
     assert all(not t.is_floating_point() for t in tensors.values()), "a step's inputs are integers"
     layout = StepLayout(tuple((key, tuple(t.shape), t.dtype) for key, t in tensors.items()), batch,
                         state is not None, state is not None and state.num_prompt_tokens is not None,
-                        not isinstance(keep, torch.Tensor))
+                        not isinstance(keep, torch.Tensor),
+                        None if embeds is None else (tuple(embeds.shape), embeds.dtype))
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors.values()])
     return layout, flat
 
 
-def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner) -> tuple[ModelInputs, torch.Tensor | int]:
+def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner,
+                embeds: torch.Tensor | None = None) -> tuple[ModelInputs, torch.Tensor | int]:
     """The model inputs of a step on this rank: ``flat`` split by ``layout``, over this
-    rank's caches and recurrent states."""
+    rank's caches and recurrent states (``embeds``: a step with images' input embeddings)."""
     tensors, offset = {}, 0
     for key, shape, dtype in layout.tensors:
         count = _numel(shape)
@@ -137,8 +147,11 @@ def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner) -> 
         return tuple(decode(item) for item in value) if kind == "tuple" else value
 
     batch = StepBatch(kv_caches=runner.kv_caches, **{name: decode(node) for name, node in layout.batch.items()})
-    inputs = ModelInputs(position_ids=tensors["position_ids"], shardline_ctx=runner.attention.build_context(batch),
-                         input_ids=tensors["input_ids"])
+    inputs = ModelInputs(position_ids=tensors["position_ids"], shardline_ctx=runner.attention.build_context(batch))
+    if embeds is not None:
+        inputs["inputs_embeds"] = embeds
+    else:
+        inputs["input_ids"] = tensors["input_ids"]
     if layout.has_state:
         inputs["shardline_state"] = RecurrentStep(
             slots=tensors["state.slots"], has_initial_state=tensors["state.has_initial_state"],
@@ -229,6 +242,8 @@ class RankDriver:
         layout, flat = pack_step(model_inputs, keep)
         self._send((STEP, layout))
         self.group.broadcast(flat)
+        if layout.embeds is not None:
+            self.group.broadcast(model_inputs["inputs_embeds"].contiguous())
         return self._beside(forward)
 
     def run_mirrored(self, method: str, args: tuple[Any, ...], forward: Callable[[], _T]) -> _T:
@@ -362,5 +377,9 @@ def follow(runner: ModelRunner | MirroredForwards, group: RankGroup,
 def run_step(runner: ModelRunner, group: RankGroup, layout: StepLayout) -> None:
     """This rank's forward of one step: its inputs from rank 0's broadcast."""
     flat = group.broadcast(torch.empty(layout.numel, dtype=torch.int64, device=runner.device))
-    model_inputs, keep = unpack_step(layout, flat, runner)
+    embeds = None
+    if layout.embeds is not None:
+        shape, dtype = layout.embeds
+        embeds = group.broadcast(torch.empty(shape, dtype=dtype, device=runner.device))
+    model_inputs, keep = unpack_step(layout, flat, runner, embeds)
     runner.model(**model_inputs, use_cache=False, logits_to_keep=keep)

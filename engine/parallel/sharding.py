@@ -43,6 +43,7 @@ from .experts import split_quantized_experts
 from .group import RankGroup, ShardingError
 from .layers import GatheredLMHead, ReducedOutput, VocabParallelEmbedding, column_share, row_share
 from .recurrent import recurrent_mixer_names, shard_recurrent_mixers
+from .vlm import encoder_prefixes
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
@@ -176,6 +177,7 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     rules = plan_rules(model)
     replaced = len(shard_recurrent_mixers(model, group))
     mixers = recurrent_mixer_names(model)  # split by their own rules above, or run whole: no name rule applies
+    mixers += encoder_prefixes(model)  # a vision-language model's encoders: whole on every rank (vlm.py)
     attention, splits = set(), {}
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
@@ -276,7 +278,7 @@ def split_vocabulary(model: nn.Module, group: RankGroup) -> int:
     replaced = 0
     get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     embedding = get_input() if callable(get_input) else None
-    if type(embedding) is nn.Embedding and id(embedding) in names:
+    if type(embedding) is nn.Embedding and id(embedding) in names and not encoder_prefixes(model):  # a VLM's: whole
         replace(model, names[id(embedding)], VocabParallelEmbedding(embedding, group))
         replaced += 1
     head = get_output() if callable(get_output) else None
