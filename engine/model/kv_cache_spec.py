@@ -38,6 +38,7 @@ from ..core.kv_cache import blocks_needed
 from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES, COMPRESSED_TYPES, compressed_row_width
 from .adapters.indexer import index_key_width
+from .adapters.inkling import INKLING_TYPES, inkling_cache_widths
 from .adapters.latent import caches_latents, selects_keys
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
 from .loader import key_value_heads, value_cache_head_size
@@ -99,6 +100,11 @@ class KVCacheSpec:
                 window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
                 layers.append(LayerCacheSpec(kind, 1, layer_config.kv_lora_rank + layer_config.qk_rope_head_dim,
                                              index_width, window))
+                continue
+            if text_config.model_type in INKLING_TYPES:  # keys; values and the convolutions' inputs
+                key_width, row_width = inkling_cache_widths(text_config, layer_type)
+                window = text_config.sliding_window if kind == "sliding_window" else None
+                layers.append(LayerCacheSpec(kind, 1, key_width, row_width, window))
                 continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)

@@ -35,6 +35,10 @@ NO_STATE = "none"
 # "hybrid_sliding": its CCA projection's state beside a sliding-window attention).
 _HYBRID = {"hybrid": "full", "hybrid_sliding": "sliding_window"}
 _NO_STATE_TYPES = ("mlp", "moe")
+# Types whose "hybrid" layers are attention layers that also convolve short spans of
+# their streams, the convolutions' inputs cached per token beside the values
+# (engine/model/adapters/inkling.py): no recurrent state.
+_CONVOLVING_ATTENTION = {"inkling_text": {"hybrid": "full", "hybrid_sliding": "sliding_window"}}
 # Types whose config names no layer types but whose every attention layer takes the
 # config's sliding_window when it is set: those layers are sliding-window layers.
 _WINDOWED_WITHOUT_LAYER_TYPES = ("mistral", "mixtral", "phi3", "starcoder2", "ministral3")
@@ -51,6 +55,9 @@ def layer_kind(hf_config: transformers.PretrainedConfig, layer_type: str) -> str
         return LAYER_KINDS[layer_type]
     if layer_type in _NO_STATE_TYPES:
         return NO_STATE
+    convolving = _CONVOLVING_ATTENTION.get(hf_config.get_text_config().model_type, {})
+    if layer_type in convolving:
+        return convolving[layer_type]
     if _registered_recurrent(hf_config, layer_type):
         return _HYBRID.get(layer_type, RECURRENT)
     return None

@@ -13,18 +13,10 @@ import transformers
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES
 from .adapters.latent import latent_cache_refusal, selects_keys
 
-_INKLING_BIAS = (
-    "its attention layers ('hybrid' and 'hybrid_sliding') add to each score a relative position bias computed "
-    "from the query token's hidden state (a per-head projection mixing a learned bank of bias-by-distance profiles, "
-    "up to rel_extent keys back), which shardline's paged attention takes no input for"
-)
-_INKLING_CONVS = (
-    "and each layer keeps four short convolutions (over its keys, values, attention output and MLP output), "
-    "where the engine keeps the recurrent state of one module per layer"
-)
-_INKLING2_CONVS = (
-    "and its full-attention layers convolve keys and values with taps projected from each token (dynamic short "
-    "convolutions), which no recurrent kind runs yet"
+_INKLING2 = (
+    "its attention layers add to each score a relative position bias computed from the query token's hidden "
+    "state, and its full-attention layers convolve keys and values with taps projected from each token (dynamic "
+    "short convolutions); shardline runs inkling's layers, whose convolutions have fixed taps, and not these"
 )
 
 # Model types the engine cannot run exactly, and why (a composite type's text type too:
@@ -37,9 +29,7 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
               "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
               "position bias between segments; the paged attention is causal and prefills a prompt in "
               "chunks, so the prompt's keys and values would differ from the model's",
-    **{name: f"{_INKLING_BIAS}, {_INKLING_CONVS}" for name in ("inkling", "inkling_text")},
-    **{name: f"{_INKLING_BIAS}, {_INKLING2_CONVS}"
-       for name in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
+    **{name: _INKLING2 for name in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
 }
 
 

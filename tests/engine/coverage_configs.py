@@ -98,6 +98,10 @@ OVERRIDES: dict[str, dict] = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "hunyuan_v1_dense": dict(head_dim=16),
     **{name: dict(unpadded_vocab_size=VOCAB_SIZE) for name in ("inkling2_text", "inkling2_loop_text")},
+    # Sliding layers of their own (small) sizes, a position bias reaching past their window,
+    # and the full layers' logarithmic query scaling from position 4 on.
+    "inkling_text": dict(swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8, d_rel=4,
+                         rel_extent=12, log_scaling_n_floor=4),
     "ministral": dict(head_dim=16),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     "zaya": dict(num_experts_per_tok=1),

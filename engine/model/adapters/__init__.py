@@ -26,6 +26,7 @@ from .base import (
     StepScope,
 )
 from .deepseek_v4 import CompressedAttention
+from .inkling import InklingAttention, PagedShortConv
 from .latent import latent_adapter_keys, latent_caching
 from .shapes import (
     BloomAttention,
@@ -40,7 +41,8 @@ from .shapes import (
 
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
-ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention]] = {
+ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention] | type[InklingAttention]
+               | type[PagedShortConv]] = {
     _MODELS + "gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": GPTNeoAttention,
     _MODELS + "xglm.modeling_xglm.XGLMAttention": XGLMAttention,
     _MODELS + "openai.modeling_openai.Attention": OpenAIGPTAttention,
@@ -49,6 +51,8 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention]] = {
     _MODELS + "bloom.modeling_bloom.BloomAttention": BloomAttention,
     _MODELS + "mpt.modeling_mpt.MptAttention": MptAttention,
     _MODELS + "diffllama.modeling_diffllama.DiffLlamaAttention": DiffLlamaAttention,
+    _MODELS + "inkling.modeling_inkling.InklingAttention": InklingAttention,
+    _MODELS + "inkling.modeling_inkling.InklingShortConvolution": PagedShortConv,
     _MODELS + "deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention": CompressedAttention,
 }
 # Attention classes of models whose layers cache latents (adapters/latent.py), adapted

@@ -48,7 +48,6 @@ def test_attention_sinks_and_chunked_attention_pass(tmp_path, arch, overrides):
 
 
 @pytest.mark.parametrize("arch,layer_type,overrides", [
-    ("inkling_text", "relative position bias computed from the query token's hidden state", dict(head_dim=16)),
     ("cpmant", "its prompt attends bidirectionally", dict(dim_head=16, dim_ff=128, prompt_length=4)),
 ])
 def test_layers_the_cache_cannot_hold_are_refused_by_name(tmp_path, arch, layer_type, overrides):

@@ -1,0 +1,206 @@
+"""inkling's attention layers on the paged cache: short convolutions whose inputs are
+cached per token, and a relative position bias that each query computes from its own
+hidden state.
+
+An inkling layer ("hybrid": full attention, "hybrid_sliding": a sliding window of
+``sliding_window_size`` keys) convolves four streams over the last ``conv_kernel_size``
+tokens, each in float32 with a residual: its raw keys and values before they are
+normed and attended (k_sconv, v_sconv), the attention's output and the MLP's output
+(the decoder layer's attn_sconv and mlp_sconv). A token's convolution reads the inputs
+of the tokens before it, so the layer's cache keeps, per token, beside its key and
+value, those four inputs (``PagedShortConv``): the value cache's row is [value |
+raw key | raw value | attention output | MLP output]. They come back with cached
+blocks on a prefix hit, are recomputed with the rest after a preemption, and a
+prompt's chunk reads its predecessors' from the cache; no recurrent state is kept.
+(inputs of the model's dtype are exact in its cache: the float32 convolution reads
+them widened.)
+
+The bias (``InklingAttention``): r_proj(x) gives each query d_rel numbers per head,
+mixed by the learned bank ``rel_logits_proj.proj`` [d_rel, rel_extent] into one bias
+per backward distance 0 .. rel_extent - 1 (zero beyond), added to the scaled scores;
+full layers scale query and bias by 1 + alpha * log(max(1, (p + 1) / n_floor)) at
+position p where ``log_scaling_n_floor`` is set. Queries and keys are RMS-normed per
+head (no rotation) and scaled by 1 / head_dim. The attention runs here in torch, per
+request, over the keys it sees (a window's from its first key on).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import transformers
+from torch import nn
+from torch.nn import functional as F
+
+from ...attention.context import AttentionContext
+from ...attention.latent_window import window_start
+from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
+
+INKLING_TYPES = ("inkling_text",)
+
+
+def _layer_sizes(text_config: transformers.PretrainedConfig, layer_type: str) -> tuple[int, int]:
+    """(key-value heads, head size) of an inkling layer of ``layer_type``."""
+    if layer_type == "hybrid_sliding":
+        return text_config.swa_num_key_value_heads, text_config.swa_head_dim
+    return text_config.num_key_value_heads, text_config.head_dim
+
+
+def inkling_cache_widths(text_config: transformers.PretrainedConfig, layer_type: str) -> tuple[int, int]:
+    """(key width, value width) per token of an inkling layer's cache: its keys, and
+    its values followed by the four convolutions' inputs (see the module docstring)."""
+    kv_heads, head_dim = _layer_sizes(text_config, layer_type)
+    width = kv_heads * head_dim
+    if layer_type == "hybrid_sliding" and text_config.conv_kernel_size > text_config.sliding_window_size:
+        raise UnsupportedAttentionError(
+            f"conv_kernel_size={text_config.conv_kernel_size} is wider than sliding_window_size="
+            f"{text_config.sliding_window_size}: a sliding layer's cache keeps only its window's tokens")
+    return width, 3 * width + 2 * text_config.hidden_size
+
+
+def layer_context(ctx: AttentionContext, layer_idx: int) -> AttentionContext:
+    """The context of the layer's block table: its windowed group's, or the step's own."""
+    group = ctx.layer_groups[layer_idx] if ctx.layer_groups else 0
+    return ctx if group == 0 else ctx.group_contexts[group - 1]
+
+
+def _slots(ctx: AttentionContext, request: int, first: int, end: int) -> torch.Tensor:
+    """Cache slots of positions first .. end - 1 of ``request``."""
+    block_size = ctx.kv_caches[0][0].shape[1]
+    positions = torch.arange(first, end, device=ctx.block_tables.device)
+    blocks = ctx.block_tables[request].long()[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class PagedShortConv(_Replacement):
+    """One of an inkling layer's short convolutions (InklingShortConvolution): writes its
+    inputs into the layer's cache rows and convolves each request's new tokens with the
+    inputs of the ``conv_kernel_size - 1`` tokens before them, read back from there."""
+
+    layer_idx: int
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_attribute(original, "layer_idx", int), scope)
+        self.kernel = layer_attribute(original, "conv_kernel_size", int)
+        conv_idx = layer_attribute(original, "conv_idx", int)
+        channels = layer_attribute(original.get_submodule("conv1d"), "in_channels", int)
+        self.channels = channels
+        self._conv_idx = conv_idx
+
+    def _offset(self, row_width: int, hidden: int) -> int:
+        """Where this convolution's inputs start in a value-cache row."""
+        width = (row_width - 2 * hidden) // 3  # the layer's key-value width
+        return (width, 2 * width, 3 * width, 3 * width + hidden)[self._conv_idx]
+
+    def forward(self, hidden_states: torch.Tensor, cache: object = None, conv_mask: torch.Tensor | None = None,
+                **kwargs):
+        ctx = self._scope.ctx
+        if ctx is None:
+            return self.original(hidden_states, cache=cache, conv_mask=conv_mask, **kwargs)
+        ctx = layer_context(ctx, self.layer_idx)
+        rows = hidden_states[0].float()  # [T, C]
+        value_cache = ctx.kv_caches[self.layer_idx][1]
+        flat = value_cache.view(-1, value_cache.shape[-1])
+        hidden = _hidden_size(self.channels, self._conv_idx, flat.shape[-1])
+        offset = self._offset(flat.shape[-1], hidden)
+        flat[ctx.slot_mapping, offset:offset + self.channels] = rows.to(flat.dtype)
+        weight = self.get_parameter("conv1d.weight")  # [C, 1, K] float32
+        out = torch.empty_like(rows)
+        starts, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
+        for request, seq_len in enumerate(lens):
+            first, end = starts[request], starts[request + 1]
+            if end == first:
+                continue
+            position = seq_len - (end - first)
+            history_start = max(0, position - self.kernel + 1)
+            history = flat[_slots(ctx, request, history_start, position), offset:offset + self.channels].float()
+            stream = torch.cat([history, rows[first:end]]).transpose(0, 1)[None]  # [1, C, L]
+            conv = F.conv1d(stream, weight, None, padding=self.kernel - 1, groups=self.channels)
+            out[first:end] = conv[0, :, :stream.shape[-1]].transpose(0, 1)[-(end - first):]
+        return (out + rows).to(hidden_states.dtype)[None]
+
+
+def _hidden_size(channels: int, conv_idx: int, row_width: int) -> int:
+    """The model's hidden size from a value-cache row of width 3 * w + 2 * hidden, given
+    one convolution's channels (w for the key and value ones, hidden for the others)."""
+    return channels if conv_idx >= 2 else (row_width - 3 * channels) // 2
+
+
+class InklingAttention(_Replacement):
+    """Replaces one InklingAttention module (see the module docstring)."""
+
+    layer_idx: int
+
+    def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
+        super().__init__(original, layer_idx, scope)
+        self._signature = inspect.signature(original.forward)
+        self.num_heads = layer_attribute(original, "num_heads", int)
+        self.num_kv_heads = layer_attribute(original, "num_key_value_heads", int)
+        self.head_dim = layer_attribute(original, "head_dim", int)
+        self.scale = layer_scale(original, "scaling")
+        self.rel_extent = layer_attribute(original, "rel_extent", int)
+        window = getattr(original, "sliding_window", None)
+        self.sliding_window = None if window is None else int(layer_scale(original, "sliding_window"))
+        config = layer_attribute(original, "config", transformers.PretrainedConfig)
+        floor = config.log_scaling_n_floor if window is None else None
+        self.log_scaling = None if floor is None else (float(floor), float(config.log_scaling_alpha))
+
+    def forward(self, *args, **kwargs):
+        ctx = self._scope.ctx
+        if ctx is None:
+            return self.original(*args, **kwargs)
+        ctx = layer_context(ctx, self.layer_idx)
+        x = self._signature.bind(*args, **kwargs).arguments["hidden_states"]
+        assert x.shape[0] == 1, "the engine runs one packed sequence"
+        module = self.get_submodule
+        num_tokens = x.shape[1]
+        query = module("q_norm")(module("q_proj")(x).view(num_tokens, self.num_heads, self.head_dim))
+        key = module("k_sconv")(module("k_proj")(x))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = module("v_sconv")(module("v_proj")(x))[0]
+        key = module("k_norm")(key)
+        relative = module("r_proj")(x)[0].view(num_tokens, self.num_heads, -1)
+        rel_logits = relative @ self.get_parameter("rel_logits_proj.proj")  # [T, H, rel_extent]
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        key_cache.view(-1, key_cache.shape[-1]).index_copy_(0, ctx.slot_mapping, key.flatten(1).to(key_cache.dtype))
+        values = value_cache.view(-1, value_cache.shape[-1])
+        values[ctx.slot_mapping, :value.shape[-1]] = value.to(values.dtype)
+        out = query.new_empty(num_tokens, self.num_heads, self.head_dim)
+        starts, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
+        for request, seq_len in enumerate(lens):
+            first, end = starts[request], starts[request + 1]
+            if end > first:
+                out[first:end] = self._attend(ctx, request, seq_len, query[first:end], rel_logits[first:end])
+        return module("o_proj")(out.reshape(1, num_tokens, -1)), None
+
+    def _attend(self, ctx: AttentionContext, request: int, seq_len: int, query: torch.Tensor,
+                rel_logits: torch.Tensor) -> torch.Tensor:
+        """One request's n queries [n, H, D] over the keys they see; rel_logits [n, H, E]."""
+        num_queries = query.shape[0]
+        start = window_start(seq_len, num_queries, self.sliding_window)
+        slots = _slots(ctx, request, start, seq_len)
+        width = self.num_kv_heads * self.head_dim
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        keys = key_cache.view(-1, key_cache.shape[-1])[slots].view(-1, self.num_kv_heads, self.head_dim)
+        values = value_cache.view(-1, value_cache.shape[-1])[slots, :width].view(-1, self.num_kv_heads, self.head_dim)
+        group = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1).to(query.dtype), values.repeat_interleave(
+            group, dim=1).to(query.dtype)
+        query_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        distance = query_pos[:, None] - torch.arange(start, seq_len, device=query.device)[None, :]  # [n, S']
+        index = distance.clamp(0, self.rel_extent - 1)[:, None, :].expand(-1, self.num_heads, -1)
+        bias = rel_logits.gather(-1, index).masked_fill(
+            ((distance < 0) | (distance >= self.rel_extent))[:, None, :], 0.0)  # [n, H, S']
+        if self.log_scaling is not None:
+            floor, alpha = self.log_scaling
+            tau = 1.0 + alpha * torch.log(((query_pos + 1).float() / floor).clamp(min=1.0))
+            query = (query.float() * tau[:, None, None]).to(query.dtype)
+            bias = (bias.float() * tau[:, None, None]).to(bias.dtype)
+        scores = torch.einsum("nhd,shd->hns", query, keys) * self.scale + bias.transpose(0, 1)
+        hidden = distance < 0
+        if self.sliding_window is not None:
+            hidden = hidden | (distance >= self.sliding_window)
+        scores = scores + torch.zeros_like(distance, dtype=scores.dtype).masked_fill(
+            hidden, torch.finfo(scores.dtype).min)
+        weights = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.einsum("hns,shd->nhd", weights, values)

@@ -1,0 +1,61 @@
+"""inkling (engine/model/adapters/inkling.py): attention layers whose keys, values,
+attention output and MLP output pass through short convolutions, the convolutions'
+inputs cached per token beside the values, and a relative position bias each query
+computes from its hidden state; greedy tokens equal transformers' through chunked
+prefill (chunks reading their predecessors' convolution inputs from the cache),
+preemption, prefix-cache hits and the sliding layers' windowed block group.
+
+The tiny model's sliding layers have their own head counts and sizes, the bias reaches
+past their window (rel_extent 12, window 8) and the full layer scales its queries and
+bias logarithmically from position 4 on.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from shardline import LLM, SamplingParams
+from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.tiny import build_tiny_model
+
+from .coverage import tiny_overrides
+from .hf_reference import hf_greedy, random_prompts
+
+LAYERS = ["hybrid_sliding", "hybrid", "hybrid_sliding"]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def test_inkling_equals_transformers_through_chunks_preemption_and_prefix_hits(tmp_path):
+    overrides = {**tiny_overrides("inkling_text"), "num_hidden_layers": 3, "layer_types": LAYERS}
+    model_dir = str(build_tiny_model(tmp_path, "inkling_text", **overrides))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts(6, (2, 30), 512, seed=38, shared_prefix=21)
+    expected = [hf_greedy(reference, prompt, 8) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) > 1  # the tokens depend on the prompt
+    spec = KVCacheSpec.from_hf_config(reference.config, torch.float32)
+    # Per token: the keys; the values, then raw keys and values, attention and MLP outputs.
+    hidden = reference.config.hidden_size
+    assert [(layer.head_dim, layer.value_head_dim) for layer in spec.layers] == [
+        (8, 3 * 8 + 2 * hidden), (2 * 16, 3 * 2 * 16 + 2 * hidden), (8, 3 * 8 + 2 * hidden)]
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64,
+              kv_cache_memory_bytes=6 * spec.bytes_per_block(16))
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    windowed = engine.runner.windowed
+    assert windowed is not None and windowed.layer_groups == (1, 0, 1)  # the sliding layers free their blocks
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
+    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
+    assert _greedy(llm, prompts[:2], 8) == expected[:2]  # convolution inputs come back with cached blocks
+    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    llm.close()
