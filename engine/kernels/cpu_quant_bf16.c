@@ -83,6 +83,51 @@ static inline __m512bh w4_codes_bf16(const uint8_t *p, __m512i table) {
 
 static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loadu_si512(x); }
 
+/* FP8 codes 64 at a time by table (the decode tiles' fast path): byte lookups of each
+ * code's 7-bit magnitude give its bfloat16's high and low bytes (fp8_tables: 128 high
+ * bytes, then 128 low ones, from w8_scalar: exact, NaN kept), the sign bit is or-ed in,
+ * and the bytes interleave into two vectors of 32 bfloat16: *first holds columns
+ * 16 L + 0..7 of each 128-bit lane L, *second 16 L + 8..15 (x_unpack_order's order). */
+typedef struct { __m512i high[2], low[2]; } fp8_tables;
+
+static fp8_tables fp8_byte_tables(void) {
+    uint8_t high[128], low[128];
+    for (int code = 0; code < 128; code++) {
+        const float value = w8_scalar((uint8_t)code, 1);
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        high[code] = (uint8_t)(bits >> 24), low[code] = (uint8_t)(bits >> 16);
+    }
+    fp8_tables tables;
+    for (int half = 0; half < 2; half++) {
+        tables.high[half] = _mm512_loadu_si512(high + 64 * half);
+        tables.low[half] = _mm512_loadu_si512(low + 64 * half);
+    }
+    return tables;
+}
+
+static inline void fp8_codes64(const uint8_t *p, const fp8_tables *tables, __m512bh *first, __m512bh *second) {
+    const __m512i code = _mm512_loadu_si512(p);  /* permutex2var reads 7 index bits: the magnitude */
+    __m512i high = _mm512_permutex2var_epi8(tables->high[0], code, tables->high[1]);
+    const __m512i low = _mm512_permutex2var_epi8(tables->low[0], code, tables->low[1]);
+    high = _mm512_ternarylogic_epi32(high, code, _mm512_set1_epi8((char)0x80), 0xf8);  /* | sign */
+    *first = (__m512bh)_mm512_unpacklo_epi8(low, high);
+    *second = (__m512bh)_mm512_unpackhi_epi8(low, high);
+}
+
+/* x row [K] into fp8_codes64's column order, each whole 64 columns: out[64 j + 8 L + i] =
+ * x[64 j + 16 L + i], out[64 j + 32 + 8 L + i] = x[64 j + 16 L + 8 + i]; the last K % 64
+ * columns as they are. */
+static void x_unpack_order(const uint16_t *x, int64_t K, uint16_t *out) {
+    int64_t k0 = 0;
+    for (; k0 + 64 <= K; k0 += 64)
+        for (int lane = 0; lane < 4; lane++) {
+            memcpy(out + k0 + 8 * lane, x + k0 + 16 * lane, 8 * sizeof(uint16_t));
+            memcpy(out + k0 + 32 + 8 * lane, x + k0 + 16 * lane + 8, 8 * sizeof(uint16_t));
+        }
+    memcpy(out + k0, x + k0, (size_t)(K - k0) * sizeof(uint16_t));
+}
+
 /* ---- Few rows of x (up to the launcher's DECODE_MAX_ROWS): DR weight rows a tile ----
  *
  * Each tile decodes DR = 2 adjacent weight rows, VL codes at a time, in registers and
@@ -99,7 +144,7 @@ static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loa
  * blocked: scales change along K (bk < K), else one scale multiplies the row's sum. */
 static inline __attribute__((always_inline)) void w8_tile(
     const uint16_t *const x[DMT], const uint8_t *const w[DR], const float *const scale_rows[DR], int64_t K,
-    int64_t bk, int fp8, const int blocked, const int mt, float result[DR][DMT]) {
+    int64_t bk, int fp8, const fp8_tables *tables, const int blocked, const int mt, float result[DR][DMT]) {
     __m512 acc[DR][DMT];
     float tail[DR][DMT];
     for (int r = 0; r < DR; r++)
@@ -111,6 +156,19 @@ static inline __attribute__((always_inline)) void w8_tile(
         for (int r = 0; r < DR; r++)
             for (int m = 0; m < mt; m++) part[r][m] = blocked ? _mm512_setzero_ps() : acc[r][m];
         int64_t k = k0;
+        for (; tables && k + 64 <= k1; k += 64) {  /* fp8 by table, x in x_unpack_order */
+            __builtin_prefetch(next + DR * k);
+            __builtin_prefetch(next + DR * k + 64);
+            __m512bh first[DR], second[DR];
+            for (int r = 0; r < DR; r++) fp8_codes64(w[r] + k, tables, &first[r], &second[r]);
+            for (int m = 0; m < mt; m++) {
+                const __m512bh x_first = load_x32(x[m] + k), x_second = load_x32(x[m] + k + 32);
+                for (int r = 0; r < DR; r++) {
+                    part[r][m] = _mm512_dpbf16_ps(part[r][m], first[r], x_first);
+                    part[r][m] = _mm512_dpbf16_ps(part[r][m], second[r], x_second);
+                }
+            }
+        }
         for (; k + 32 <= k1; k += 32) {
             __builtin_prefetch(next + DR * k);
             __m512bh wv[DR];
@@ -226,6 +284,15 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     const int64_t blocks = (N + DR - 1) / DR;
     const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
+    /* fp8 by table for one row of x, where every block holds whole 64-column runs (x
+     * reordered to match): with more rows the products, not the decoding, bound the
+     * tile, and the table lookups measured slower than the conversions there. */
+    const fp8_tables table_values = fp8_byte_tables();
+    const fp8_tables *tables = fp8 && rows == 1 && K >= 64 && (!blocked || bk % 64 == 0) ? &table_values : NULL;
+    uint16_t *ordered = tables ? malloc((size_t)(rows * K) * sizeof(uint16_t)) : NULL;
+    if (tables && !ordered) tables = NULL;
+    for (int64_t m = 0; ordered && m < rows; m++) x_unpack_order(x + m * x_stride, K, ordered + m * K);
+    if (ordered) x = ordered, x_stride = K;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * DR;
@@ -241,10 +308,10 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
             float result[DR][DMT];
             const int count = (int)min64(rows - m0, mt);
             tile_x_rows(x, x_stride, m0, rows, x_rows);
-#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, 0, ROWS, result)
-#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, 0, ROWS, result)
-#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, 1, ROWS, result)
-#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, 1, ROWS, result)
+#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, NULL, 0, ROWS, result)
+#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, tables, 0, ROWS, result)
+#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, NULL, 1, ROWS, result)
+#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, tables, 1, ROWS, result)
             if (blocked && fp8) BY_ROWS(FP8_BLOCKED, count);
             else if (blocked) BY_ROWS(INT8_BLOCKED, count);
             else if (fp8) BY_ROWS8(FP8_WHOLE, count);
@@ -252,6 +319,7 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
             store_tile(result, n0, m0, count, N, bias, out, out_stride);
         }
     }
+    free(ordered);
 }
 
 /* x_sums: [rows, K / group] float32 scratch. */

@@ -136,18 +136,21 @@ def flush_denormal(request):
 @pytest.mark.usefixtures("flush_denormal")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-def test_every_w8_code_decodes_exactly(weight_dtype, dtype):
+@pytest.mark.parametrize("out_features", [16, 4])  # 4 rows of 64 codes: the decode tiles' table path
+def test_every_w8_code_decodes_exactly(weight_dtype, dtype, out_features):
     """One-hot rows of x pick single weights: every one of the 256 codes (fp8's
     subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly,
     whether or not the CPU flushes subnormals (the decoding builds them from bits)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if weight_dtype == torch.float8_e4m3fn:
         codes[[0x7F, 0xFF]] = 0  # fp8's NaNs: a NaN weight makes its whole row's products NaN
-    codes = codes.view(weight_dtype).reshape(16, 16)
-    scale = torch.rand(16, 1, generator=generator(1)) + 0.5
+    in_features = 256 // out_features
+    codes = codes.view(weight_dtype).reshape(out_features, in_features)
+    scale = torch.rand(out_features, 1, generator=generator(1)) + 0.5
     expected = dequantize_w8(codes, scale)
-    for rows in (list(range(16)), [0, 5, 10, 15], [7]):  # every path: 16 rows, then tiles of 4 and 1
-        out = cpu_w8_linear(torch.eye(16, dtype=dtype)[rows], codes, scale)
+    # every path: all columns' rows, then tiles of several and of 1
+    for rows in (list(range(in_features)), list(range(0, in_features, 9))[:8], [7]):
+        out = cpu_w8_linear(torch.eye(in_features, dtype=dtype)[rows], codes, scale)
         assert torch.equal(out, expected.t()[rows].to(dtype))
 
 
