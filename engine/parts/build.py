@@ -41,6 +41,7 @@ from ..cpu.paths import (
 from ..lora.manager import LoRAManager
 from ..model.adapters import adapt_attention
 from ..model.adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES
+from ..model.adapters.inkling import INKLING_TYPES
 from ..model.adapters.latent import selects_keys
 from ..model.kv_cache_spec import KVCacheSpec, first_attention_heads, plan_windowed_blocks
 from ..model.layer_kinds import recurrent_layer_indices
@@ -278,7 +279,8 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
             and prepared.ranks is None
             and attention.replays_decode_graphs and not num_state_slots and windowed is None
             and not selects_keys(loaded.hf_config.get_text_config())  # selections read on the host
-            and loaded.hf_config.get_text_config().model_type not in COMPRESSED_MODEL_TYPES):  # pooled per request
+            and loaded.hf_config.get_text_config().model_type not in COMPRESSED_MODEL_TYPES  # pooled per request
+            and loaded.hf_config.get_text_config().model_type not in INKLING_TYPES):  # per request, on the host
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=True)
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=num_state_slots or config.max_num_seqs,
