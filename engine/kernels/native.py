@@ -30,7 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Included by every source; part of each library's cache key.
+# Included by every source; it and every other header beside it are part of each
+# library's cache key.
 COMMON_HEADER = Path(__file__).with_name("cpu_common.h")
 
 
@@ -95,7 +96,8 @@ def kernel_sources_digest() -> str:
 
 
 def _build(source: Path, compiler: str, target: str) -> Path:
-    key_material = (source.read_bytes() + COMMON_HEADER.read_bytes() + compiler.encode() + target.encode()
+    headers = b"".join(path.read_bytes() for path in sorted(COMMON_HEADER.parent.glob("*.h")))
+    key_material = (source.read_bytes() + headers + compiler.encode() + target.encode()
                     + " ".join(BUILD_FLAGS).encode() + cpu_signature())
     library_path = cache_dir() / f"{source.stem}-{hashlib.sha256(key_material).hexdigest()[:16]}.so"
     if library_path.exists():
