@@ -14,6 +14,8 @@ scales). The modules here add the one collective each split needs:
   intermediate size), its output summed over ranks.
 - SpanningGatedNorm: a Mamba-2 gated RMS norm whose groups span several ranks' channels;
   each group's sum of squares summed over ranks.
+- SpanningRMSNorm: an RMS norm over every head of a layer (MiniMax's lightning
+  attention) on this rank's heads; the sum of squares summed over ranks.
 """
 
 from __future__ import annotations
@@ -187,4 +189,25 @@ class SpanningGatedNorm(nn.Module):
         self.group.all_reduce(sums)
         variance = sums[..., self.group_index : self.group_index + 1] / self.group_size
         hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden.to(input_dtype)
+
+
+class SpanningRMSNorm(nn.Module):
+    """An RMS norm (``weight * x / sqrt(mean(x^2) + eps)``, in float32, the weight applied
+    in the input's dtype) over ``width`` channels of which this rank holds its share: the
+    sum of squares of its channels summed over ranks (the sum transformers' mean takes,
+    added in another order)."""
+
+    def __init__(self, weight: torch.Tensor, width: int, eps: float, group: RankGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.width, self.variance_epsilon = width, eps
+        self.group = group
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [..., C], this rank's C of the norm's width channels
+        input_dtype = hidden_states.dtype
+        hidden = hidden_states.to(torch.float32)
+        squares = self.group.all_reduce(hidden.pow(2).sum(-1, keepdim=True))
+        hidden = hidden * torch.rsqrt(squares / self.width + self.variance_epsilon)
         return self.weight * hidden.to(input_dtype)

@@ -12,18 +12,42 @@ delta-net and Mamba kinds of engine/parallel/recurrent.py.
   receptance, which gates the summed output, and both token shifts (over the hidden
   size) stay whole.
 
+- Kimi delta attention (kimi_linear, bailing_hybrid): every head keeps its own state
+  [K, V] and its own decay per key channel, so a rank keeps its share of the heads:
+  q/k/v_proj rows and their convolution channels, b_proj's rows, the forget gate's
+  head rows (f_b_proj or f_proj, dt_bias, A_log), the output gate's rows (g_b_proj,
+  whose low-rank g_a_proj stays whole, or g_proj), and o_proj's columns
+  (row-parallel). The output norm is per head (over head_dim) and stays whole.
+
+- MiniMax's lightning attention: every head keeps its own state [D, D] and decay
+  (slope_rate and the decay tables built from it), so a rank keeps its share of the
+  heads: qkv_proj's rows of them (laid out per head as q|k|v), output_gate's rows and
+  out_proj's columns (row-parallel). Its RMS norm runs over all heads' channels, so it
+  becomes a SpanningRMSNorm: each rank's sum of squares summed over ranks.
+
+- RecurrentGemma's recurrent block: the RG-LRU's gates are block-diagonal per head and
+  its recurrence per channel, so a rank keeps its share of the heads with their
+  channels: linear_x's and linear_y's rows, the convolution's channels, the gates'
+  blocks and biases, recurrent_param, and linear_out's columns (row-parallel).
+
 Invariants: as engine/parallel/recurrent.py's (a mixer split whole or not at all; its
 output summed over ranks by its row-parallel projections).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .group import RankGroup
-from .layers import column_share, row_share
-from .mixers_base import Parts, RunWhole, depthwise_conv, module_of, ranges, share, sliced, tensor_of
+from .layers import SpanningRMSNorm, column_share, row_share
+from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ranges, share, sliced, tensor_of
 
+KDA = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
+LIGHTNING = ("MiniMaxLightningAttention",)
+RG_LRU = ("RecurrentGemmaRecurrentBlock",)
+# The lightning attention's per-head buffers.
+LIGHTNING_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 SHORT_CONV = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 RWKV = ("RwkvBlock",)
 
@@ -67,3 +91,77 @@ def rwkv_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, d
     parts["feed_forward.key"] = column_share(key, f"{name}.feed_forward.key", ranges((first, count)), group)
     parts["feed_forward.value"] = row_share(module_of(feed_forward, "value"), f"{name}.feed_forward.value", group)
     return parts, {}
+
+
+def kda_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a Kimi delta attention mixer and its sizes (module docstring;
+    dotted sizes are its forget gate's)."""
+    num_heads, head_dim = int_of(module, "num_heads"), int_of(module, "head_dim")
+    first, count = share(num_heads, group, "heads")
+    width, qkv_dim = count * head_dim, num_heads * head_dim
+    rows, heads = ranges((first * head_dim, width)), ranges((first, count))
+    channels = torch.cat([rows, rows + qkv_dim, rows + 2 * qkv_dim])
+    parts: Parts = {attribute: column_share(module_of(module, attribute), f"{name}.{attribute}", rows, group)
+                    for attribute in ("q_proj", "k_proj", "v_proj")}
+    parts["b_proj"] = column_share(module_of(module, "b_proj"), f"{name}.b_proj", heads, group)
+    parts["conv1d"] = depthwise_conv(module_of(module, "conv1d"), channels)
+    parts["o_proj"] = row_share(module_of(module, "o_proj"), f"{name}.o_proj", group)
+    output_gate = "g_proj" if hasattr(module, "g_proj") else "g_b_proj"
+    parts[output_gate] = column_share(module_of(module, output_gate), f"{name}.{output_gate}", rows, group)
+    gate = module_of(module, "forget_gate")
+    projection = "f_proj" if hasattr(gate, "f_proj") else "f_b_proj"
+    parts[f"forget_gate.{projection}"] = column_share(module_of(gate, projection), f"{name}.forget_gate.{projection}",
+                                                      rows, group)
+    parts["forget_gate.dt_bias"] = sliced(tensor_of(gate, "dt_bias"), rows)
+    a_log = tensor_of(gate, "A_log")  # [H] or [1, 1, H, 1]
+    if a_log.dim() == 1:
+        parts["forget_gate.A_log"] = sliced(a_log, heads)
+    elif a_log.dim() == 4 and a_log.shape[2] == num_heads:
+        parts["forget_gate.A_log"] = nn.Parameter(a_log.detach()[:, :, first : first + count].contiguous(),
+                                                  requires_grad=False)
+    else:
+        raise RunWhole(f"its forget gate's A_log has shape {tuple(a_log.shape)}")
+    sizes = {"num_heads": count, "qkv_dim": width, "conv_dim": 3 * width, "forget_gate.num_heads": count,
+             "forget_gate.qkv_dim": width}
+    return parts, sizes
+
+
+def lightning_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a MiniMax lightning attention mixer and its head count
+    (module docstring)."""
+    num_heads, head_dim = int_of(module, "num_attention_heads"), int_of(module, "head_dim")
+    first, count = share(num_heads, group, "heads")
+    rows = ranges((first * head_dim, count * head_dim))
+    parts: Parts = {
+        "qkv_proj": column_share(module_of(module, "qkv_proj"), f"{name}.qkv_proj",
+                                 ranges((first * 3 * head_dim, count * 3 * head_dim)), group),
+        "output_gate": column_share(module_of(module, "output_gate"), f"{name}.output_gate", rows, group),
+        "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
+    for attribute in LIGHTNING_BUFFERS:  # heads on the first axis longer than 1 ([H, ...] or [1, H, ...])
+        buffer = tensor_of(module, attribute)
+        axis = next((axis for axis, length in enumerate(buffer.shape) if length != 1), 0)
+        if buffer.shape[axis] != num_heads:
+            raise RunWhole(f"its {attribute} has shape {tuple(buffer.shape)}, not one entry per head")
+        parts[attribute] = buffer.narrow(axis, first, count).contiguous()
+    norm = module_of(module, "norm")
+    weight = tensor_of(norm, "weight")
+    parts["norm"] = SpanningRMSNorm(weight.detach()[rows.to(weight.device)], num_heads * head_dim,
+                                    float(getattr(norm, "variance_epsilon", 1e-6)), group)
+    return parts, {"num_attention_heads": count}
+
+
+def rg_lru_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
+    """The rank's parts of a RecurrentGemma recurrent block and its sizes (module
+    docstring; dotted sizes are its RG-LRU's)."""
+    rg_lru = module_of(module, "rg_lru")
+    num_heads, block_width = int_of(rg_lru, "num_attention_heads"), int_of(rg_lru, "block_width")
+    first, count = share(num_heads, group, "RG-LRU heads")
+    channels, heads = ranges((first * block_width, count * block_width)), ranges((first, count))
+    parts: Parts = {attribute: column_share(module_of(module, attribute), f"{name}.{attribute}", channels, group)
+                    for attribute in ("linear_x", "linear_y")}
+    parts["conv_1d"] = depthwise_conv(module_of(module, "conv_1d"), channels)
+    parts["linear_out"] = row_share(module_of(module, "linear_out"), f"{name}.linear_out", group)
+    parts["rg_lru.recurrent_param"] = sliced(tensor_of(rg_lru, "recurrent_param"), channels)
+    for attribute in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
+        parts[f"rg_lru.{attribute}"] = sliced(tensor_of(rg_lru, attribute), heads)
+    return parts, {"lru_width": count * block_width, "rg_lru.num_attention_heads": count}

@@ -29,7 +29,9 @@ def share(count: int, group: RankGroup, what: str) -> tuple[int, int]:
     return group.rank * each, each
 
 
-Parts = dict[str, nn.Module | nn.Parameter]
+# A mixer's new parts by their dotted path under it: modules, parameters, or buffers
+# (plain tensors) replacing buffers of that name.
+Parts = dict[str, nn.Module | torch.Tensor]
 
 
 def depthwise_conv(conv: nn.Module, channels: torch.Tensor) -> nn.Conv1d:

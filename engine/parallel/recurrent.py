@@ -17,7 +17,9 @@ slots hold those heads only.
   channels of the one group its heads read, and the gated norm, whose groups then span
   ranks, sums each group's squares over ranks (layers.SpanningGatedNorm); out_proj is
   row-parallel.
-- LFM2's short convolution and RWKV's block split by channels (engine/parallel/mixers.py).
+- LFM2's short convolution and RWKV's block (by channels), Kimi delta attention,
+  MiniMax's lightning attention and RecurrentGemma's RG-LRU (by heads):
+  engine/parallel/mixers.py.
 
 Other recurrent kinds, and a mixer whose counts do not split, run whole on every rank
 with their whole state (their projections' outputs are the unsplit module's); the load
@@ -44,7 +46,18 @@ from ..recurrent.base import projection_out_features, registered_module_classes
 from ..surgery import replace
 from .group import RankGroup, ShardingError
 from .layers import SpanningGatedNorm, column_share, row_share
-from .mixers import RWKV, SHORT_CONV, rwkv_share, short_conv_share
+from .mixers import (
+    KDA,
+    LIGHTNING,
+    RG_LRU,
+    RWKV,
+    SHORT_CONV,
+    kda_share,
+    lightning_share,
+    rg_lru_share,
+    rwkv_share,
+    short_conv_share,
+)
 from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ranges, share, sliced, tensor_of
 
 logger = logging.getLogger(__name__)
@@ -94,15 +107,16 @@ def shard_recurrent_mixers(model: nn.Module, group: RankGroup) -> list[str]:
 
 
 def install(module: nn.Module, parts: Parts, sizes: dict[str, int]) -> None:
-    """Put a mixer's ``parts`` (by their dotted paths under it) and ``sizes`` in place."""
+    """Put a mixer's ``parts`` and ``sizes`` (by their dotted paths under it) in place."""
     for path, part in parts.items():
         if isinstance(part, nn.Module):
             replace(module, path, part)
         else:
             owner, _, attribute = path.rpartition(".")
             setattr(module.get_submodule(owner), attribute, part)
-    for attribute, value in sizes.items():
-        setattr(module, attribute, value)
+    for path, value in sizes.items():
+        owner, _, attribute = path.rpartition(".")
+        setattr(module.get_submodule(owner), attribute, value)
 
 
 def gated_delta_net_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, int]]:
@@ -221,4 +235,6 @@ def gated_norm_share(norm: nn.Module, name: str, channels: torch.Tensor, num_gro
 
 SPLITS: dict[str, Share] = {**dict.fromkeys(GATED_DELTA_NET, gated_delta_net_share),
                             **dict.fromkeys(MAMBA, mamba_share), **dict.fromkeys(MAMBA2, mamba2_share),
-                            **dict.fromkeys(SHORT_CONV, short_conv_share), **dict.fromkeys(RWKV, rwkv_share)}
+                            **dict.fromkeys(SHORT_CONV, short_conv_share), **dict.fromkeys(RWKV, rwkv_share),
+                            **dict.fromkeys(KDA, kda_share), **dict.fromkeys(LIGHTNING, lightning_share),
+                            **dict.fromkeys(RG_LRU, rg_lru_share)}

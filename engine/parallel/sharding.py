@@ -10,7 +10,8 @@ The input embedding is split along the vocabulary and the LM head along its outp
 the logits gathered. Experts are tensor-parallel: every rank routes every token
 and computes each expert over its share of the intermediate size, the experts' output
 summed over ranks (no token moves between ranks). Recurrent mixers are left to their own
-rules: gated delta-net, Mamba, LFM2's short convolution and RWKV split their heads or
+rules: gated delta-net, Mamba, LFM2's short convolution, RWKV, Kimi delta attention,
+MiniMax's lightning attention and RecurrentGemma's RG-LRU split their heads or
 channels and state (engine/parallel/recurrent.py, mixers.py); the other recurrent
 mixers run whole on every rank with their whole state, no name rule splitting a part
 of one.
@@ -117,25 +118,36 @@ def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
                                 "which shardline's ranks do not run")
         pattern = re.escape(key).replace(r"\*", r"\d+")
         rules.append((re.compile(rf"(?:^|\.){pattern}$"), PLAN_STYLES[style]))
-    outputs = attention_outputs(model)
-    if outputs:
-        rules.append((re.compile("^(?:" + "|".join(map(re.escape, outputs)) + ")$"), ROW))
+    named = attention_rules(model)
+    for split in (ROW, COLUMN):
+        names = [name for name, rule in named.items() if rule == split]
+        if names:
+            rules.append((re.compile("^(?:" + "|".join(map(re.escape, names)) + ")$"), split))
     return rules
 
 
-def attention_outputs(model: nn.Module) -> list[str]:
-    """The names of the attention output projections named ``ATTENTION_OUTPUT``: an
-    nn.Module beside q_proj, k_proj and v_proj, outside every recurrent mixer (which
-    keeps its own parts)."""
+def attention_rules(model: nn.Module) -> dict[str, str]:
+    """Splits of attention parts whose names the shape rules cannot take for every
+    model, by module name: an output projection named ``ATTENTION_OUTPUT`` beside
+    q_proj, k_proj and v_proj (row-wise), and a per-head output gate ``g_proj`` (one
+    output per query head, bailing_hybrid) beside split query and key projections
+    (column-wise: each rank's heads' gates). Recurrent mixers keep their own parts."""
     mixers = recurrent_mixer_names(model)
-    outputs = []
+    config = getattr(model, "config", None)
+    heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
+    named = {}
     for name, module in model.named_modules():
         if f"{name}.".startswith(mixers):
             continue
         children = dict(module.named_children())
+        prefix = f"{name}." if name else ""
         if all(leaf in children for leaf in ATTENTION_COLUMN[:3]):
-            outputs += [f"{name}.{leaf}" if name else leaf for leaf in ATTENTION_OUTPUT if leaf in children]
-    return outputs
+            named.update({prefix + leaf: ROW for leaf in ATTENTION_OUTPUT if leaf in children})
+        gate = children.get("g_proj")
+        if (heads is not None and gate is not None and getattr(gate, "out_features", None) == heads.num_heads
+                and {"q_proj", "q_b_proj"} & set(children) and {"k_proj", "kv_b_proj"} & set(children)):
+            named[prefix + "g_proj"] = COLUMN
+    return named
 
 
 def split_of(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str | None:
@@ -211,8 +223,8 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
 def check_pairs(splits: dict[str, str]) -> None:
     """Refuse, naming them, column-split projections with no row-split one beside them
     (in the same parent module), or the reverse: the projection they feed (or that feeds
-    them) has a name no rule splits, such as LFM2's attention ``out_proj`` or Zamba2's
-    fused ``gate_up_proj``, so it would stay whole and meet a rank's share."""
+    them) has a name no rule splits, such as Zamba2's fused ``gate_up_proj``, so it
+    would stay whole and meet a rank's share."""
     by_parent: dict[str, dict[bool, list[str]]] = {}
     for name, split in splits.items():
         if split in (COLUMN, PACKED_COLUMN, ROW):
@@ -295,15 +307,23 @@ def set_local_heads(attention: nn.Module, heads: Heads | None, group: RankGroup)
         return
     num_heads = heads.num_heads // group.size
     _, num_kv_heads = heads.kv_head_of(group.rank, group.size)
+    original = getattr(attention, "original", None)  # an adapter's module, whose own forward is the reference
+    for module in (attention, original) if isinstance(original, nn.Module) else (attention,):
+        set_head_counts(module, heads, num_heads, num_kv_heads)
+    sinks = getattr(attention, "sinks", None)  # one logit per query head (gpt-oss): this rank's heads'
+    if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and sinks.shape[0] == heads.num_heads:
+        start = group.rank * num_heads
+        attention.sinks = nn.Parameter(sinks.detach()[start: start + num_heads].contiguous(), requires_grad=False)
+
+
+def set_head_counts(attention: nn.Module, heads: Heads, num_heads: int, num_kv_heads: int) -> None:
+    """Set the integer head counts an attention module (or its adapter) reads to this
+    rank's, and its ``embed_dim`` where that is the heads' width (xglm reshapes to it)."""
     for attribute, value in (("num_heads", num_heads), ("num_attention_heads", num_heads),
                              ("num_key_value_heads", num_kv_heads),
                              ("num_key_value_groups", num_heads // num_kv_heads)):
         if isinstance(getattr(attention, attribute, None), int):
             setattr(attention, attribute, value)
-    sinks = getattr(attention, "sinks", None)  # one logit per query head (gpt-oss): this rank's heads'
-    if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and sinks.shape[0] == heads.num_heads:
-        start = group.rank * num_heads
-        attention.sinks = nn.Parameter(sinks.detach()[start: start + num_heads].contiguous(), requires_grad=False)
     head_dim, embed_dim = getattr(attention, "head_dim", None), getattr(attention, "embed_dim", None)
-    if isinstance(head_dim, int) and embed_dim == heads.num_heads * head_dim:  # the heads' width (xglm reshapes to it)
+    if isinstance(head_dim, int) and embed_dim == heads.num_heads * head_dim:
         setattr(attention, "embed_dim", num_heads * head_dim)  # noqa: B010 - an int attribute of an nn.Module

@@ -15,7 +15,7 @@ from torch import nn
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.group import RankGroup
 from shardline.engine.parallel.layers import RowParallelLinear
-from shardline.engine.parallel.sharding import attention_outputs, shard_model
+from shardline.engine.parallel.sharding import ROW, attention_rules, shard_model
 
 from .test_tensor_parallel import assert_closed, check_against_one_rank, rank_processes
 
@@ -26,8 +26,8 @@ CASES: dict[str, dict[str, Any]] = {
     "modernbert-decoder": {},
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
 }
-# transformers' reference in float32 where its float64 run is not the model's own
-FLOAT32 = {"lfm2"}
+# xglm's eager attention takes no float64 (its mask's minimum overflows float32)
+FLOAT32 = {"xglm"}
 
 
 def split_on_rank_zero(arch: str, **overrides: Any) -> nn.Module:
@@ -52,7 +52,7 @@ def test_opt_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(CASES))
+@pytest.mark.parametrize("arch", sorted(set(CASES) - {"lfm2"}))  # lfm2: test_tp_recurrent.py, with its convolutions
 def test_out_proj_models_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     llm = check_against_one_rank(model_dir, reference_dtype=torch.float32 if arch in FLOAT32 else torch.float64)
@@ -67,10 +67,10 @@ def test_only_attention_outputs_take_the_rule():
     Wi no rule splits) stays whole; LFM2: the attention's out_proj is row-split, the
     short convolution's out_proj is its mixer's own (split with its channels)."""
     modernbert = transformers.AutoModelForCausalLM.from_config(tiny_config("modernbert-decoder", 512))
-    assert attention_outputs(modernbert) == [f"model.layers.{i}.attn.Wo" for i in range(2)]
+    assert attention_rules(modernbert) == {f"model.layers.{i}.attn.Wo": ROW for i in range(2)}
     model = split_on_rank_zero("modernbert-decoder")
     layer = model.get_submodule("model.layers.0")
     assert isinstance(layer.attn.Wo, RowParallelLinear) and type(layer.mlp.Wo) is nn.Linear
     assert layer.mlp.Wo.in_features == 128 and layer.attn.Wo.weight.shape == (64, 32)
     lfm2 = transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2", 512, **CASES["lfm2"]))
-    assert attention_outputs(lfm2) == ["model.layers.1.self_attn.out_proj"]
+    assert attention_rules(lfm2) == {"model.layers.1.self_attn.out_proj": ROW}

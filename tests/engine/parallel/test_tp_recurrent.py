@@ -17,11 +17,11 @@ from torch import nn
 from shardline import LLM
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
-from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.group import RankGroup
 from shardline.engine.parallel.layers import RowParallelLinear, SpanningGatedNorm
 from shardline.engine.parallel.recurrent import shard_recurrent_mixers
-from shardline.engine.parallel.sharding import shard_cache_spec
+from shardline.engine.parallel.sharding import shard_cache_spec, shard_model
 from shardline.engine.recurrent.state import RecurrentStateSpec, install_recurrent_layers
 
 from ..hf_reference import hf_greedy
@@ -29,6 +29,8 @@ from .test_tensor_parallel import GDN, MAX_TOKENS, MOE, OPTIONS, generate, promp
 
 MAMBA2: dict[str, Any] = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_chunk_size=4,
                               mamba_d_conv=4)
+KDA: dict[str, Any] = dict(linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, num_key_value_heads=4,
+                          layer_types=["linear_attention", "full_attention"])
 CASES: dict[str, dict[str, Any]] = {
     "qwen3_5_text": {**GDN},
     # fused q|k|v|z and b|a projections; dense MLPs (its experts split as qwen2_moe's do)
@@ -45,6 +47,11 @@ CASES: dict[str, dict[str, Any]] = {
                   num_experts_per_tok=2),  # Mamba-1 with its dt, B and C norms
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
     "rwkv": dict(intermediate_size=96, rescale_every=2, num_hidden_layers=3),
+    "kimi_linear": dict(KDA),
+    "bailing_hybrid": dict(KDA),
+    "minimax": dict(head_dim=16, block_size=4, layer_types=["linear_attention", "full_attention"],
+                    num_local_experts=4, num_experts_per_tok=2),
+    "recurrent_gemma": dict(lru_width=64, conv1d_width=4, num_hidden_layers=3, attention_window_size=8, head_dim=16),
 }
 NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
 
@@ -195,3 +202,44 @@ def test_rwkv_split_on_two_ranks(tmp_path):
     whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
     for index, shapes in whole.items():
         assert split[index]["num"] == (shapes["num"][0] // 2,) and split[index]["att_shift"] == shapes["att_shift"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["kimi_linear", "bailing_hybrid"])
+def test_kimi_delta_attention_split_on_two_ranks(tmp_path, arch):
+    """Each rank keeps 2 of the 4 heads' delta-rule matrices and their q/k/v channels."""
+    model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    assert whole[0]["recurrent"] == (4, 16, 16) and split[0]["recurrent"] == (2, 16, 16)
+    assert split[0]["conv"][1] * 2 == whole[0]["conv"][1]
+
+
+@pytest.mark.slow
+def test_lightning_attention_split_on_two_ranks(tmp_path):
+    """minimax: each rank keeps 2 of the 4 heads' states; the norm over all heads sums
+    its squares over ranks."""
+    model_dir = str(build_tiny_model(tmp_path, "minimax", **CASES["minimax"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    assert whole[0]["kv"] == (4, 16, 16) and split[0]["kv"] == (2, 16, 16)
+
+
+@pytest.mark.slow
+def test_rg_lru_split_on_two_ranks(tmp_path):
+    """recurrent_gemma: each rank keeps 2 of the RG-LRU's 4 heads, their 32 channels of
+    state and convolution window."""
+    model_dir = str(build_tiny_model(tmp_path, "recurrent_gemma", **CASES["recurrent_gemma"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    assert whole[0] == {"conv": (3, 64), "recurrent": (64,)} and split[0] == {"conv": (3, 32), "recurrent": (32,)}
+
+
+def test_a_mixer_run_whole_keeps_its_parts_from_the_name_rules():
+    """Kimi delta attention with 3 heads over 2 ranks runs whole: its q/k/v_proj and o_proj
+    (names the attention rules split) stay whole, while the MLA attention beside it splits."""
+    config = tiny_config("kimi_linear", 512, **{**KDA, "linear_num_heads": 3})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shard_model(model, RankGroup(0, 2, lambda: "no collective runs here"), num_attention_layers=1)
+    mixer = model.get_submodule("model.layers.0.self_attn")
+    assert mixer.num_heads == 3
+    assert all(type(mixer.get_submodule(part)) is nn.Linear for part in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert mixer.q_proj.out_features == 48
+    assert isinstance(model.get_submodule("model.layers.1.self_attn.o_proj"), RowParallelLinear)
