@@ -120,6 +120,12 @@ OVERRIDES: dict[str, dict] = {
     # indexer and reusing its selection (full, shared, full, ...).
     **{name: dict(index_n_heads=8) for name in ("deepseek_v32", "axk2", "hy_v4")},
     "glm_moe_dsa": dict(index_n_heads=8, index_topk_freq=2, index_skip_topk_offset=1),
+    # Its three attention layer types, with blocks of 4 (CSA) and 8 (HCA) tokens so that short prompts
+    # pool several, and 8 indexer heads (no ties at the top-k boundary, as above).
+    "deepseek_v4": dict(index_n_heads=8, num_hidden_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"],
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
 }
 
 # What a composite type's text part needs beyond its text type's tiny config.

@@ -56,7 +56,6 @@ def test_trust_remote_code_is_off_by_default(tiny_llama_dir):
 
 @pytest.mark.parametrize("arch,reason", [
     ("cpmant", "its prompt attends bidirectionally"),
-    ("deepseek_v4", "compressors pool over blocks"),
 ])
 def test_model_types_the_cache_cannot_hold_are_refused_with_the_reason(tmp_path, arch, reason):
     from shardline.engine.errors import UnsupportedModelError
