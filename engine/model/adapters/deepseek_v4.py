@@ -76,6 +76,7 @@ class CompressedAttention(_Replacement):
         self.rate = int(config.compress_rates[self.layer_type]) if self.layer_type in COMPRESSED_TYPES else 0
         self.series = row_series(config, self.layer_type) if self.rate else []
         self.row_width = sum(series.row_width for series in self.series)
+        self.indexed = self.layer_type == COMPRESSED_SPARSE  # its indexer picks each query's entries
         # The compressors' modules (the compressor, then a CSA layer's indexer) by name.
         self.poolers = ["compressor", "compressor.indexer"][:len(self.series)]
         if self.layer_type == COMPRESSED_SPARSE:
