@@ -22,6 +22,7 @@
  *   units = K's bytes / 4; padded_units >= units (the columns oneDNN pads to), and
  *   rows beyond the panel's up to a whole block: both stay as the launcher zeroed them.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -137,11 +138,23 @@ static inline __m512i bf16_units_from_runs(vf first, vf second) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
-/* 16 units of a W8 row from column k (within one scale block). */
-static inline __m512i w8_units(const uint8_t *row, float scale, int64_t k, int fp8, int bf16) {
+/* Scales at least this large keep every nonzero W8 value (a code of magnitude at
+ * least 2^-9 times the scale) a normal float, where AVX512_BF16's conversion (which
+ * flushes subnormals) rounds exactly as bf16_bits_v does: to nearest even, NaN quiet. */
+#define NORMAL_SCALE 0x1p-116f
+
+/* 16 units of a W8 row from column k (within one scale block); ``normal``: the scale
+ * is at least NORMAL_SCALE. */
+static inline __m512i w8_units(const uint8_t *row, float scale, int64_t k, int fp8, int bf16, int normal) {
     const vf first = (vf)w8_codes16(row + k, fp8) * scale;
     if (!bf16) return (__m512i)first;
-    return bf16_units_from_runs(first, (vf)w8_codes16(row + k + 16, fp8) * scale);
+    const vf second = (vf)w8_codes16(row + k + 16, fp8) * scale;
+#if defined(__AVX512BF16__)
+    if (normal) return (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
+#else
+    (void)normal;
+#endif
+    return bf16_units_from_runs(first, second);
 }
 
 /* 16 units of a W4 row from column k (within one group). */
@@ -209,9 +222,11 @@ static void dequantize_tile(const quantized_rows *q, const tile_rows *rows, int6
             if (q->group)
                 units[i] = w4_units(rows->codes[i], scale, rows->zeros[i] ? rows->zeros[i][column] : 8.0f, k,
                                     panel->bf16);
+            else if (fabsf(scale) >= NORMAL_SCALE)
+                units[i] = q->fp8 ? w8_units(rows->codes[i], scale, k, 1, panel->bf16, 1)
+                                  : w8_units(rows->codes[i], scale, k, 0, panel->bf16, 1);
             else
-                units[i] = q->fp8 ? w8_units(rows->codes[i], scale, k, 1, panel->bf16)
-                                  : w8_units(rows->codes[i], scale, k, 0, panel->bf16);
+                units[i] = w8_units(rows->codes[i], scale, k, q->fp8, panel->bf16, 0);
         }
         transpose16_registers(units, panel->blocked + r0 / panel->block_rows * panel->padded_units * panel->block_rows
                                 + u0 * panel->block_rows + r0 % panel->block_rows, panel->block_rows);

@@ -48,7 +48,7 @@ def generator(seed: int) -> torch.Generator:
 @pytest.mark.usefixtures("kernel_target")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize("scale_kind", ["tensor", "channel", "block128", "block_64x32"])
+@pytest.mark.parametrize("scale_kind", ["tensor", "channel", "block128", "block_64x32", "tiny_channel"])
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_w8_panel_is_onednns_packing_of_the_dequantized_weight(dtype, weight_dtype, scale_kind, rows, cols):
     total_rows, n0 = rows + 64, 64  # a panel starting past the weight's first rows (and block rows)
@@ -56,9 +56,11 @@ def test_w8_panel_is_onednns_packing_of_the_dequantized_weight(dtype, weight_dty
     weight = (codes.round().clamp(-127, 127).to(torch.int8) if weight_dtype == torch.int8
               else codes.to(torch.float8_e4m3fn))  # every fp8 exponent, subnormals included
     block = {"block128": (128, 128), "block_64x32": (64, 32)}.get(scale_kind)
-    shape = {"tensor": (1, 1), "channel": (total_rows, 1)}.get(
+    shape = {"tensor": (1, 1), "channel": (total_rows, 1), "tiny_channel": (total_rows, 1)}.get(
         scale_kind, (-(-total_rows // (block or (1, 1))[0]), -(-cols // (block or (1, 1))[1])))
     scale = torch.rand(shape, generator=generator(2)) * 1e-2 + 1e-3
+    if scale_kind == "tiny_channel":  # rows on both sides of where values turn subnormal
+        scale = torch.rand(shape, generator=generator(2)) * 2.0 ** -112
     panel = panel_for(rows, cols, dtype)
     panel.fill_w8(weight, scale, w8_blocks(weight, scale, block), n0, threads=2)
     dequantized = dequantize_w8(weight, scale, block)[n0:n0 + rows].to(dtype)
