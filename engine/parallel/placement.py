@@ -11,14 +11,19 @@ takes those originals' own buffers too; the steps after this one run on the devi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..quantization.load import QuantizedWeights
 from .group import RankGroup
 from .loading import RankCheckpoint, read_rank_slices, slice_plan
+from .quantized_slices import put_linear_shares, put_whole_linears, quantized_share_plan
 from .sharding import shard_model
+
+logger = logging.getLogger(__name__)
 
 
 def place_on_device(model: nn.Module, device: torch.device) -> None:
@@ -32,13 +37,23 @@ def place_on_device(model: nn.Module, device: torch.device) -> None:
 
 def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: int, device: torch.device,
                      place: Callable[[nn.Module, torch.device], None] = place_on_device,
-                     checkpoint: RankCheckpoint | None = None) -> int:
+                     checkpoint: RankCheckpoint | None = None, quantized: QuantizedWeights | None = None) -> int:
     """The tensor-parallel surgery step: ``shard_model``, then (``checkpoint``: the split
     parameters were left on the meta device by engine/parallel/loading.py) this rank's
     slices read into them, then ``place`` this rank's shard on ``device``; return how
-    many modules were replaced."""
+    many modules were replaced. ``quantized``: a quantized checkpoint's linears, left on
+    the meta device by the loader: those split exactly by slices are read as this rank's
+    shares after the split (engine/parallel/quantized_slices.py), the others whole before it."""
     plan = slice_plan(model, group) if checkpoint is not None else {}
+    shares = quantized_share_plan(model, group, quantized) if quantized is not None else {}
+    if quantized is not None:
+        whole = put_whole_linears(model, quantized, set(shares))
+        logger.info("tensor-parallel rank %d reads %d quantized linears as slices, %d whole", group.rank,
+                    len(shares), whole)
     replaced = shard_model(model, group, num_attention_layers)
+    if quantized is not None:
+        put_linear_shares(model, group, quantized, shares)
+        quantized.tensors.close()
     if checkpoint is not None:
         read_rank_slices(model, checkpoint, plan)
         checkpoint.tensors.close()

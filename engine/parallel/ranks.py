@@ -242,8 +242,9 @@ class RankDriver:
         layout, flat = pack_step(model_inputs, keep)
         self._send((STEP, layout))
         self.group.broadcast(flat)
-        if layout.embeds is not None:
-            self.group.broadcast(model_inputs["inputs_embeds"].contiguous())
+        embeds = model_inputs.get("inputs_embeds")
+        if embeds is not None:
+            self.group.broadcast(embeds.contiguous())
         return self._beside(forward)
 
     def run_mirrored(self, method: str, args: tuple[Any, ...], forward: Callable[[], _T]) -> _T:

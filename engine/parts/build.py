@@ -17,6 +17,7 @@ same parts on its shard, and rank 0's runner sends the others each step. The poo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -197,9 +198,14 @@ def prepare_engine_model(config: EngineConfig, loaded: LoadedModel, ranks: RankG
     if ranks is not None:
         spec, num_heads = shard_cache_spec(spec, loaded.hf_config, ranks.size), max(1, num_heads // ranks.size)
     # A rank's model arrives on the CPU (loader.py): the sharding step splits it, then moves its shard.
+    # A rank reads a quantized checkpoint's split linears as shares in the sharding step (quantized_slices.py).
+    sliced = loaded.quantized if ranks and loaded.quantized is not None and not loaded.quantized.scheme.online else None
     sharding = (partial(shard_then_place, group=ranks, num_attention_layers=num_attention_layers,
-                        device=loaded.device, checkpoint=checkpoint) if ranks else None)
-    prepared = prepare_model(loaded.model, engine_preparation(config, loaded, cpu_paths, sharding))
+                        device=loaded.device, checkpoint=checkpoint, quantized=sliced) if ranks else None)
+    preparation = engine_preparation(config, loaded, cpu_paths, sharding)
+    if sliced is not None:
+        preparation = dataclasses.replace(preparation, quantized_linears=None)
+    prepared = prepare_model(loaded.model, preparation)
     if loaded.quantized is not None and loaded.device.type == "cpu":
         release_freed_memory()  # the quantized linears' conversion temporaries (engine/quantization/)
     taken = cpu_paths or NO_CPU_PATHS

@@ -34,7 +34,8 @@ def reference(model_dir: str, cases: list[tuple[str, Image.Image]]) -> list[list
     for text, image in cases:
         inputs = processor(text=text, images=[image], return_tensors="pt")
         with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS,  # pyright: ignore[reportAttributeAccessIssue]
+                                    do_sample=False)
         tokens.append(output[0, inputs["input_ids"].shape[1]:].tolist())
     return tokens
 

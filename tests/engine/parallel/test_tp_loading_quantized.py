@@ -1,0 +1,114 @@
+"""A tensor-parallel rank reads only its share of a quantized checkpoint's linears: for
+every on-disk layout (FP8 per tensor, channel and block, compressed-tensors FP8, INT8 and
+W4A16, GPTQ 4- and 8-bit, AWQ), each rank's shares read slice by slice dequantize to the
+shares split from the whole linears, with the same biases; linears a slice would cut (a
+row split over act-order columns, a block wider than a share) are read whole, and the split
+refuses them as without slices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parallel.group import RankGroup, ShardingError
+from shardline.engine.parallel.placement import shard_then_place
+from shardline.engine.parallel.quantized import RowParallelQuantized
+from shardline.engine.parallel.quantized_slices import quantized_share_plan
+from shardline.engine.parallel.sharding import shard_model
+from shardline.engine.quantization.linear import QuantizedLinear
+from shardline.engine.quantization.load import QuantizedWeights, load_quantized_model, put_quantized_linears
+from shardline.engine.quantization.methods import resolve_scheme
+
+from ..quantization import checkpoints as ckpt
+from ..quantization.test_formats import FORMATS
+
+# Format: how many of its 14 linears (2 layers x q, k, v, o, gate, up, down) a rank reads as slices.
+SLICED = {
+    "fp8_per_tensor_static": 14, "fp8_blocks_scale_inv": 14, "compressed_w4a16_symmetric": 14, "gptq_v2": 14,
+    "gptq_8bit": 14, "awq_gemm_with_biases": 14, "fp8_channel_with_biases": 14,
+}
+
+
+def loaded(directory: Path) -> tuple[nn.Module, QuantizedWeights]:
+    """The loader's model of a quantized checkpoint (its quantized linears on the meta device)."""
+    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    scheme = resolve_scheme(hf_config, None)
+    assert scheme is not None
+    return load_quantized_model(transformers.AutoModelForCausalLM, hf_config, directory, scheme, torch.float32,
+                                torch.device("cpu"), "sdpa")
+
+
+def attention_layers(model: nn.Module) -> int:
+    config = model.config
+    assert isinstance(config, transformers.PretrainedConfig)
+    return sum(1 for layer in KVCacheSpec.from_hf_config(config, torch.float32).layers if layer.num_kv_heads)
+
+
+def dequantized(layer: QuantizedLinear) -> torch.Tensor:
+    """A share's float32 weight in input-column order (act-order undone)."""
+    weight = layer.dequantized_rows(0, layer.out_features)
+    if layer.input_perm is None:
+        return weight
+    ordered = torch.empty_like(weight)
+    ordered[:, layer.input_perm] = weight
+    return ordered
+
+
+def quantized_parts(model: nn.Module) -> dict[str, QuantizedLinear | RowParallelQuantized]:
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, (QuantizedLinear, RowParallelQuantized))}
+
+
+@pytest.mark.parametrize("name", sorted(SLICED))
+def test_slice_read_shares_equal_the_whole_linears_split(name, tmp_path):
+    arch, config, quantize, _ = FORMATS[name]
+    float_dir = build_tiny_model(tmp_path / "float", arch)
+    directory = tmp_path / name
+    ckpt.write_quantized(float_dir, directory, config, quantize)
+    for rank in (0, 1):
+        group = RankGroup(rank, 2, lambda: "")
+        whole, weights = loaded(directory)
+        put_quantized_linears(whole, weights)
+        shard_model(whole, group, attention_layers(whole))
+        sliced, weights = loaded(directory)
+        assert len(quantized_share_plan(sliced, group, weights)) == SLICED[name]
+        shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
+        want, have = quantized_parts(whole), quantized_parts(sliced)
+        assert sorted(want) == sorted(have) and len(want) >= 14
+        for module_name, expected in want.items():
+            got = have[module_name]
+            assert type(got) is type(expected), module_name
+            if isinstance(expected, RowParallelQuantized):
+                assert isinstance(got, RowParallelQuantized)
+                assert (got.bias is None) == (expected.bias is None)
+                if expected.bias is not None and got.bias is not None:
+                    assert torch.equal(got.bias, expected.bias), module_name
+                continue  # its inner linear is compared on its own
+            assert isinstance(got, QuantizedLinear) and isinstance(expected, QuantizedLinear)
+            assert torch.equal(dequantized(got), dequantized(expected)), module_name
+            assert (got.bias is None) == (expected.bias is None), module_name
+            if expected.bias is not None and got.bias is not None:
+                assert torch.equal(got.bias, expected.bias), module_name
+            assert got.input_quantization == expected.input_quantization
+
+
+@pytest.mark.parametrize(("name", "sliced", "refusal"), [
+    ("compressed_w4a16_asymmetric_act_order", 10, r"o_proj: its act-order \(g_idx\) groups mix"),
+    ("fp8_partial_blocks", 0, r"q_proj: a rank's share \[0, 32\) of its 64 output rows .* blocks of 48"),
+])
+def test_linears_a_slice_would_cut_are_read_whole_and_split_or_refused(name, sliced, refusal, tmp_path):
+    """Act-order columns split by input, blocks wider than a share: read whole, and the
+    split refuses them naming the layer as it does without slices."""
+    arch, config, quantize, _ = FORMATS[name]
+    ckpt.write_quantized(build_tiny_model(tmp_path / "float", arch), tmp_path / name, config, quantize)
+    model, weights = loaded(tmp_path / name)
+    group = RankGroup(0, 2, lambda: "")
+    assert len(quantized_share_plan(model, group, weights)) == sliced
+    with pytest.raises(ShardingError, match=refusal):
+        shard_then_place(model, group, attention_layers(model), torch.device("cpu"), quantized=weights)
