@@ -17,15 +17,18 @@ Every run must give the same greedy tokens; the bench says if one does not.
 ``--memory``: host memory instead of time. Each rank's peak resident memory (VmHWM)
 while it loads its shard of a model of a few hundred MB, each load in a fresh process:
 the rank reading the whole checkpoint before splitting it, and reading only its slices
-(engine/parallel/loading.py); then a two-rank engine's processes after loading.
+(engine/parallel/loading.py); then a two-rank engine's processes after loading. With
+``--quantized``, the checkpoint's linears are FP8 with a scale per output channel, and a
+rank reads them whole before the split or as its slices (engine/parallel/quantized_slices.py).
 
     python bench/bench_tp.py [--prompts 16] [--max-tokens 32] [--layers 4] [--rounds 2]
-    python bench/bench_tp.py --memory [--layers 6] [--hidden 1024]
+    python bench/bench_tp.py --memory [--layers 6] [--hidden 1024] [--quantized]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +79,8 @@ def load_one_rank(model_dir: str, how: str, rank: int) -> None:
     from shardline.engine.parallel.loading import SliceReader
     from shardline.engine.parallel.placement import shard_then_place
 
+    if how != "none" and os.path.exists(os.path.join(model_dir, QUANTIZED_MARK)):
+        return load_one_quantized_rank(model_dir, how, rank)
     if how != "none":
         reader = SliceReader() if how == "slices" else None
         loaded = load_causal_lm(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2), reader)
@@ -86,6 +91,51 @@ def load_one_rank(model_dir: str, how: str, rank: int) -> None:
         shard_then_place(loaded.model, RankGroup(rank, 2, lambda: ""), layers, torch.device("cpu"),
                          checkpoint=reader.checkpoint if reader is not None else None)
     print(f"{peak_rss_mib():.0f}")
+
+
+QUANTIZED_MARK = "bench-fp8"  # a file beside the checkpoint: its linears are FP8
+
+
+def load_one_quantized_rank(model_dir: str, how: str, rank: int) -> None:
+    """``load_one_rank`` of an FP8 checkpoint: its linears read whole then split, or as
+    this rank's slices."""
+    from shardline.engine.config import EngineConfig
+    from shardline.engine.model.kv_cache_spec import KVCacheSpec
+    from shardline.engine.model.loader import load_causal_lm
+    from shardline.engine.parallel.group import RankGroup
+    from shardline.engine.parallel.placement import shard_then_place
+    from shardline.engine.quantization.load import put_quantized_linears
+
+    loaded = load_causal_lm(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2))
+    assert loaded.quantized is not None
+    layers = sum(1 for layer in KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype).layers if layer.num_kv_heads)
+    group = RankGroup(rank, 2, lambda: "")
+    if how == "whole":
+        put_quantized_linears(loaded.model, loaded.quantized)
+    shard_then_place(loaded.model, group, layers, torch.device("cpu"),
+                     quantized=loaded.quantized if how == "slices" else None)
+    print(f"{peak_rss_mib():.0f}")
+
+
+def write_fp8(model_dir: str) -> None:
+    """Rewrite the checkpoint with its decoder linears FP8, one scale per output channel."""
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = {}
+    for name, tensor in load_file(path).items():
+        if name.endswith("_proj.weight"):
+            scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 448.0
+            tensors[name] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = os.path.join(model_dir, "config.json")
+    with open(config_path) as file:
+        config = json.load(file)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with open(config_path, "w") as file:
+        json.dump(config, file)
+    open(os.path.join(model_dir, QUANTIZED_MARK), "w").close()
 
 
 def engine_memory(model_dir: str) -> None:
@@ -106,6 +156,8 @@ def memory(args: argparse.Namespace) -> None:
     path = os.path.join(model_dir, "model.safetensors")
     save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(path).items()}, path,
               metadata={"format": "pt"})
+    if args.quantized:
+        write_fp8(model_dir)
     size_mib = sum(os.path.getsize(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
                    if name.endswith(".safetensors")) / 2**20
 
@@ -114,7 +166,8 @@ def memory(args: argparse.Namespace) -> None:
                               text=True).stdout.split("\n")[-2]
 
     imports = float(child("--load-rank", model_dir, "none", "0"))
-    print(f"Llama-shaped {args.layers} layers x {args.hidden} wide, bfloat16 checkpoint {size_mib:.0f} MiB run in "
+    stored = "FP8 linears, bfloat16 rest" if args.quantized else "bfloat16"
+    print(f"Llama-shaped {args.layers} layers x {args.hidden} wide, {stored} checkpoint {size_mib:.0f} MiB run in "
           f"float32; "
           f"peak resident memory of one rank's load (a process importing the engine alone: {imports:.0f} MiB)")
     for how in ("whole", "slices"):
@@ -137,6 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each, interleaved; the best is kept")
     parser.add_argument("--memory", action="store_true", help="peak host memory per rank while loading")
     parser.add_argument("--hidden", type=int, default=1024, help="--memory's model width")
+    parser.add_argument("--quantized", action="store_true", help="--memory on an FP8 (per-channel) checkpoint")
     args = parser.parse_args()
     if args.memory:
         return memory(args)
