@@ -18,13 +18,21 @@ gave the same tokens.
 thread's: shardline preprocesses images on a small pool beside the engine), for a
 machine other work is loading.
 
+``--profile N``: instead, the captions of N images on each side under cProfile with
+per-thread CPU time (torch on one thread): CPU ms per image of the whole process, of
+the calling thread and of the others (shardline's image preprocessing pool), and the
+calling thread's functions with the most self time, to see where each side spends it.
+
     python bench/bench_vlm.py [--num-images 200] [--output-len 32] [--batch-size 16] [--repeat 1]
                               [--vision-size 336] [--patch-size 14] [--hidden-size 256] [--cpu-time]
+                              [--profile N]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import tempfile
 import time
@@ -128,6 +136,30 @@ def compare(label: str, model_dir: str, rows: list[Row], args: argparse.Namespac
           f"{same}/{len(rows)} outputs token-identical; the vision encoder ran on {encoded} images", flush=True)
 
 
+def profile(model_dir: str, images: list[Image.Image], args: argparse.Namespace) -> None:
+    """Each side's captions of ``images`` under cProfile (see the module docstring)."""
+    rows = [(CAPTION, image) for image in images]
+    llm = fresh_engine(model_dir)
+    run_shardline(llm, [(CAPTION, image) for image in make_images(4, seed=1)], args.output_len)  # warm
+    sides: dict[str, Callable[[], object]] = {
+        "transformers": lambda: run_hf(model_dir, rows, args.output_len, args.batch_size),
+        "shardline": lambda: run_shardline(llm, rows, args.output_len)}
+    for side, run in sides.items():
+        profiler = cProfile.Profile(time.thread_time)
+        process_start, thread_start = time.process_time(), time.thread_time()
+        profiler.runcall(run)
+        process_ms = (time.process_time() - process_start) * 1000 / len(rows)
+        thread_ms = (time.thread_time() - thread_start) * 1000 / len(rows)
+        print(f"{side}: {process_ms:.1f} CPU ms per image: calling thread {thread_ms:.1f}, other threads "
+              f"{process_ms - thread_ms:.1f}; most self time (ms per image):", flush=True)
+        stats: Any = pstats.Stats(profiler)
+        entries = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:12]
+        for (filename, line, name), (_, _, self_time, cumulative, _) in entries:
+            where = f"{filename.rsplit('/', 2)[-1]}:{line}" if line else "built-in"
+            print(f"  {self_time * 1000 / len(rows):7.2f}  (cumulative {cumulative * 1000 / len(rows):7.2f})  "
+                  f"{name} [{where}]", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--num-images", type=int, default=200)
@@ -138,9 +170,10 @@ def main() -> None:
     parser.add_argument("--patch-size", type=int, default=14)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--cpu-time", action="store_true", help="one torch thread, timed by process CPU time")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile the captions of N images")
     args = parser.parse_args()
     clock: Clock = time.perf_counter
-    if args.cpu_time:
+    if args.cpu_time or args.profile:
         torch.set_num_threads(1)
         clock = time.process_time
     with tempfile.TemporaryDirectory() as folder:
@@ -150,6 +183,9 @@ def main() -> None:
                                          hidden_size=args.hidden_size, num_text_layers=4))
         print(f"{(args.vision_size // args.patch_size) ** 2} image tokens per image, {args.output_len} output "
               f"tokens per row; host: {host_cpu()}; torch threads {torch.get_num_threads()}", flush=True)
+        if args.profile:
+            profile(model_dir, make_images(args.profile), args)
+            return
         images = make_images(args.num_images)
         compare("captions (each image once)", model_dir, [(CAPTION, image) for image in images], args, clock)
         compare("each image twice (caption, objects)", model_dir, workload(images), args, clock)
