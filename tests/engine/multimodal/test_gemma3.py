@@ -152,6 +152,11 @@ def test_pan_and_scan_crops_are_more_views_of_the_image(gemma3_dir):
         assert list(output.outputs[0].token_ids) == expected != reference(text, pics), text
     cache = llm.llm_engine.runner.encoder_cache
     assert cache is not None and cache.num_encoded_images == 3  # an image and its crops: one entry
+    # A token prompt's marker expands to the same views and text.
+    ids = llm.get_tokenizer()(cases[0][0], add_special_tokens=False).input_ids
+    [by_ids] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [wide]}}, GREEDY, use_tqdm=False)
+    assert by_ids.prompt_token_ids == outputs[0].prompt_token_ids
+    assert by_ids.outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
 
 def test_an_image_longer_than_the_token_budget_is_refused(gemma3_dir):
