@@ -12,6 +12,11 @@ matmul peak; bench/roofline.py).
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
     python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1]
+    python bench/bench_engine.py --skip-hf --without small_linear_kernel [--cpu-time]
+
+``--without PATH`` also runs, interleaved in the same process, an engine loaded with
+that CPU path turned off (as ``SHARDLINE_CPU_PATHS=PATH=off`` would), and prints
+shardline's ratio to it.
 
 ``--sweep`` runs a grid of workload shapes (vocabularies 8k-128k, prompts 32-2048
 tokens, 32-512 output tokens; SWEEP_SHAPES) against transformers' static generate
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -202,6 +208,10 @@ def default_run(args: argparse.Namespace) -> None:
         if args.continuous:
             runners["transformers generate_batch"] = lambda: run_hf_continuous(hf_model, prompts, args.output_len)
     runners["shardline"] = lambda: run_shardline(llm, prompts, args.output_len)
+    for path in args.without:
+        other = engine_without(model_dir, args.dtype, path)
+        other.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        runners[f"shardline without {path}"] = lambda other=other: run_shardline(other, prompts, args.output_len)
     limits_before = HostLimits.measure(dtype)
     results, profile = run_rounds(runners, args.repeat, args.profile)
 
@@ -227,6 +237,19 @@ def default_run(args: argparse.Namespace) -> None:
           f"bound {bound.seconds:.2f} s: {bound.describe()})")
     if profile is not None:
         print("shardline profile (last run):\n" + profile.report(results["shardline"][-1]))
+
+
+def engine_without(model_dir: str, dtype: str, path: str) -> LLM:
+    """An engine loaded with the CPU path ``path`` turned off (SHARDLINE_CPU_PATHS, read at load)."""
+    before = os.environ.get("SHARDLINE_CPU_PATHS")
+    os.environ["SHARDLINE_CPU_PATHS"] = ",".join(filter(None, (before, f"{path}=off")))
+    try:
+        return LLM(model_dir, dtype=dtype)
+    finally:
+        if before is None:
+            del os.environ["SHARDLINE_CPU_PATHS"]
+        else:
+            os.environ["SHARDLINE_CPU_PATHS"] = before
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -291,6 +314,8 @@ def main() -> None:
                              "sampling, output processing (by the run's clock)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread, timed by its CPU time (for a machine other work is loading)")
+    parser.add_argument("--without", action="append", default=[], metavar="PATH",
+                        help="also run an engine with this CPU path turned off (repeatable; default workload)")
     parser.add_argument("--sweep", action="store_true",
                         help="run the grid of workload shapes (SWEEP_SHAPES) against transformers' static generate")
     args = parser.parse_args()

@@ -6,11 +6,11 @@ engine races the two on the model's shapes at load; bench/bench_engine.py prints
 both peaks). ``PackedLinear`` replaces an
 ``nn.Linear`` in its parent: an ``nn.Linear`` itself, sharing the original weight and
 bias (tied embeddings, LoRA wrappers and state dicts see the same parameters), plus
-the packed copy: on CPU the packed linear weights are held twice. The copy is
-oneDNN's (an opaque tensor) or, for the shapes where it measures faster (the
-engine's per-shape race, engine/cpu/linear_race.py), the small-batch C kernel's
-(kernels/cpu_small_linear.py), which runs any number of rows without padding them;
-never both.
+the packed copy, an opaque oneDNN tensor: on CPU the packed linear weights are held
+twice. Where oneDNN's packed bytes are a layout the small-batch C kernel reads
+(kernels/cpu_small_linear.py: AVX-512 hosts), the row counts at which that kernel
+measures faster for the weight's shape (the engine's race, engine/cpu/linear_race.py)
+run on it, over the same packed copy: it takes any number of rows without padding.
 
 Only float32 and bfloat16 pack (oneDNN has no float64 matmul); float64 keeps torch's
 exact-reference path. Where oneDNN reports no bfloat16 support (hosts without
@@ -35,13 +35,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
-from ..kernels.cpu_small_linear import SmallLinearWeight, pack_small_linear, small_linear, small_linear_available
+from ..kernels.cpu_small_linear import SmallLinearWeight, onednn_view, small_linear
 from ..surgery import called_on, probe_matches, replace
 from .protocols import GatedMLP
 
@@ -52,22 +53,47 @@ logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
-# A packed weight: oneDNN's (an opaque tensor) or the small-batch kernel's.
-PackedWeight = torch.Tensor | SmallLinearWeight
-# Whether a weight of this shape (out_features, in_features) and dtype is packed for
-# the small-batch kernel (kernels/cpu_small_linear.py) instead of oneDNN: the engine's
-# per-shape race (engine/cpu/paths.py), or always where forced on.
-SmallKernelChoice = Callable[[int, int, torch.dtype], bool]
+# The row counts the small-batch kernel is raced at; a step's rows run as the
+# smallest of these at or above them was measured, and more than the last on oneDNN.
+KERNEL_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# Which of KERNEL_ROW_COUNTS the small-batch kernel runs faster than oneDNN for a
+# weight of this shape (out_features, in_features) and dtype: the engine's race
+# (engine/cpu/linear_race.py), or all where forced on.
+SmallKernelChoice = Callable[[int, int, torch.dtype], frozenset[int]]
+
+
+@dataclass(frozen=True)
+class KernelPacked:
+    """oneDNN's packed weight and the small-batch kernel's view of the same memory,
+    with the row counts (of KERNEL_ROW_COUNTS) the kernel runs."""
+
+    onednn: torch.Tensor
+    kernel: SmallLinearWeight
+    kernel_rows: frozenset[int]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.onednn.dtype
+
+    def takes(self, rows: int) -> bool:
+        measured_as = next((count for count in KERNEL_ROW_COUNTS if count >= rows), None)
+        return measured_as in self.kernel_rows
+
+
+# A packed weight: oneDNN's (an opaque tensor), with the kernel's view where it has one.
+PackedWeight = torch.Tensor | KernelPacked
 
 
 def pack_weight(weight: torch.Tensor, rows_hint: int, small_kernel: SmallKernelChoice | None) -> PackedWeight:
-    """``weight`` [out, in] packed once: for the small-batch kernel where ``small_kernel``
-    takes its shape (its packed copy then replaces oneDNN's: one copy either way),
-    else for oneDNN, tuned for ``rows_hint`` rows."""
-    if (small_kernel is not None and small_linear_available(weight.dtype)
-            and small_kernel(weight.shape[0], weight.shape[1], weight.dtype)):
-        return pack_small_linear(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+    """``weight`` [out, in] packed once by oneDNN for ``rows_hint`` rows, with the
+    small-batch kernel's view of it where the kernel reads its layout and
+    ``small_kernel`` takes some row counts for its shape."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+    view = onednn_view(packed, weight) if small_kernel is not None else None
+    if view is None or small_kernel is None:
+        return packed
+    rows = small_kernel(weight.shape[0], weight.shape[1], weight.dtype)
+    return KernelPacked(packed, view, rows) if rows else packed
 
 
 @functools.cache
@@ -185,9 +211,11 @@ def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a packed weight (and bias, of the packed weight's dtype):
     [..., out] in x's dtype, computed in the packed weight's."""
-    if isinstance(packed, SmallLinearWeight):  # any number of rows, no padding
-        return small_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
     rows = x.numel() // x.shape[-1]
+    if isinstance(packed, KernelPacked):
+        if packed.takes(rows):  # no padding
+            return small_linear(x.to(packed.dtype), packed.kernel, bias).to(x.dtype)
+        packed = packed.onednn
     flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
     if bucket != rows or flat.dtype != packed.dtype:

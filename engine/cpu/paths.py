@@ -6,7 +6,9 @@ themselves, never by an assumed instruction set (engine/cpu/capability.py asks t
 Where two correct paths exist, the faster one is chosen by measurement on the
 model's own shapes: packed oneDNN linears (or their float32 copies) against torch's
 matmul, the native prefill kernel against SDPA, the quantized linears' C kernels
-against their torch tile path, the W8A8 int8 kernel against the weight-only kernels.
+against their torch tile path, the W8A8 int8 kernel against the weight-only kernels,
+the small-batch linear kernel against oneDNN per weight shape and row count, as the
+linears are packed (cpu/linear_race.py).
 Each measurement is cached per host, library configuration and shape in the cache
 directory, so a host pays it once (a few hundred milliseconds at most). Native decode
 attention needs no race: it reads each context row once where the torch path gathers

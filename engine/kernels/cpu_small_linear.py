@@ -1,13 +1,17 @@
 """Launcher of the small-batch linear for the CPU path (cpu_small_linear.c), beside its
 plain-torch reference: out = x @ w.T (+ bias) for float32 or bfloat16 x and weight.
 
-The weight is repacked once (``pack_small_linear``) into blocks of ``block_width()``
-outputs by K, in which a tile of rows of x reads each block's weights as one
-stream; the packed copy is what the caller keeps in place of a oneDNN one. Sums
-run in float32 in the kernel's own order (bfloat16 outputs rounded once), as
-oneDNN's and torch's float32-accumulating products do in theirs.
-``small_linear_available(dtype)`` says whether the library built here and takes the
-dtype; without it the callers keep oneDNN.
+The kernel reads a weight in blocks of BN outputs by K (cpu_small_linear.c), in
+which a tile of rows of x reads each block's weights as one stream. That is the
+layout oneDNN packs float32 and bfloat16 linear weights in on AVX-512 hosts (blocks
+of 64 outputs; bfloat16 as pairs of k), so ``onednn_view`` lets the kernel read
+oneDNN's own packed copy where its bytes are that layout: no second copy. The
+check is exact: the view is made only where the packed bytes equal
+``pack_small_linear``'s packing of the weight, byte for byte. Sums run in float32 in
+the kernel's own order (bfloat16 outputs rounded once), as oneDNN's and torch's
+float32-accumulating products do in theirs. ``small_linear_available(dtype)`` says
+whether the library built here and takes the dtype; without it the callers keep
+oneDNN alone.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from .native import NativeLibrary, declare
 SOURCE = Path(__file__).with_name("cpu_small_linear.c")
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGTYPES = [_P, _I, _I, _P, _P, _P, _I, _I, _I, _N]
+_ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _N]
 
 
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, [f"small_linear_{suffix}" for suffix in _SUFFIXES.values()], _ARGTYPES, None)
-    declare(library, ["small_linear_block", "small_linear_dot_bf16"], [], ctypes.c_int)
+    declare(library, ["small_linear_vector", "small_linear_dot_bf16"], [], ctypes.c_int)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "linears stay on oneDNN")
@@ -45,46 +49,86 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-def block_width() -> int:
-    """Outputs per packed block in this build (two vectors of the target's width)."""
-    return int(_library().small_linear_block())
+def vector_width() -> int:
+    """float32 lanes per vector in this build; a block's outputs are a multiple of twice it."""
+    return int(_library().small_linear_vector())
 
 
 @dataclass(frozen=True)
 class SmallLinearWeight:
-    """A weight [out_features, in_features] packed for the kernel (see cpu_small_linear.c):
-    float32 [NB, K, BN] or bfloat16 [NB, ceil(K / 2), BN, 2], zero past the weight."""
+    """A weight [out_features, in_features] as the kernel reads it: blocks of ``block``
+    outputs, each ``block_stride`` elements of ``storage`` (float32 [NB, Kp, BN];
+    bfloat16 [NB, Kp / 2, BN, 2]), zero past the weight. ``storage`` is a plain
+    tensor or oneDNN's opaque packed one, whose memory it is."""
 
-    packed: torch.Tensor
+    storage: torch.Tensor
+    block: int
+    block_stride: int
     out_features: int
     in_features: int
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.packed.dtype
+        return self.storage.dtype
+
+    def data_ptr(self) -> int:
+        return torch.ops.mkldnn.data_ptr(self.storage) if self.storage.is_mkldnn else self.storage.data_ptr()
 
 
-def pack_small_linear(weight: torch.Tensor) -> SmallLinearWeight:
-    """``weight`` [N, K] (float32 or bfloat16, on the CPU) in the kernel's layout."""
+def pack_small_linear(weight: torch.Tensor, block: int | None = None, padded_k: int | None = None
+                      ) -> SmallLinearWeight:
+    """``weight`` [N, K] (float32 or bfloat16, on the CPU) in the kernel's layout: blocks
+    of ``block`` outputs (default twice the build's vector), ``padded_k`` >= K rows of k
+    (default K, rounded up to even for bfloat16)."""
     assert weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype in _SUFFIXES, (
         weight.shape, weight.device, weight.dtype)
     out_features, in_features = weight.shape
-    width = block_width()
-    blocks = -(-out_features // width)
+    width = block or 2 * vector_width()
+    assert width % (2 * vector_width()) == 0, (width, vector_width())
     pair = 2 if weight.dtype == torch.bfloat16 else 1
-    columns = -(-in_features // pair) * pair
+    columns = padded_k or -(-in_features // pair) * pair
+    assert columns >= in_features and columns % pair == 0, (columns, in_features)
+    blocks = -(-out_features // width)
     padded = weight.detach().new_zeros(blocks * width, columns)
     padded[:out_features, :in_features] = weight.detach()
-    # [NB, BN, K / pair, pair] -> [NB, K / pair, BN, pair]
+    # [NB, BN, Kp / pair, pair] -> [NB, Kp / pair, BN, pair]
     packed = padded.view(blocks, width, columns // pair, pair).transpose(1, 2).contiguous()
-    return SmallLinearWeight(packed if pair == 2 else packed.view(blocks, columns, width), out_features, in_features)
+    return SmallLinearWeight(packed.view(blocks, -1), width, columns * width, out_features, in_features)
+
+
+def _raw_bytes(weight: SmallLinearWeight, size: int) -> torch.Tensor:
+    """The first ``size`` bytes at the weight's memory, as uint8 (a view, not a copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * size).from_address(weight.data_ptr()), dtype=torch.uint8)
+
+
+def onednn_view(packed: torch.Tensor, weight: torch.Tensor) -> SmallLinearWeight | None:
+    """The kernel's view of ``packed``, oneDNN's packed copy of ``weight`` [N, K], where
+    its bytes are ``pack_small_linear(weight, block, padded_k)``'s for some block and
+    padding this build reads; else None."""
+    if not (packed.is_mkldnn and weight.dtype == packed.dtype and small_linear_available(weight.dtype)):
+        return None
+    out_features, in_features = weight.shape
+    size, itemsize = torch.ops.mkldnn._nbytes(packed), weight.dtype.itemsize
+    for block in (64, 32, 16, 128):
+        blocks = -(-out_features // block)
+        if block % (2 * vector_width()) or size % (blocks * block * itemsize):
+            continue
+        padded_k = size // (blocks * block * itemsize)
+        if padded_k < in_features or padded_k % (2 if weight.dtype == torch.bfloat16 else 1):
+            continue
+        ours = pack_small_linear(weight, block, padded_k)
+        view = SmallLinearWeight(packed, block, ours.block_stride, out_features, in_features)
+        if torch.equal(_raw_bytes(view, size), ours.storage.view(-1).view(torch.uint8)):
+            return view
+    return None
 
 
 def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] times the packed weight (+ bias [N]): [..., N] in x's dtype, which is the weight's."""
     assert x.dtype == weight.dtype and x.device.type == "cpu", (x.dtype, weight.dtype, x.device)
     assert x.shape[-1] == weight.in_features, (x.shape, weight.in_features)
-    assert weight.packed.is_contiguous()
+    assert weight.storage.is_mkldnn or weight.storage.is_contiguous()
+    assert weight.block % (2 * vector_width()) == 0, (weight.block, vector_width())
     rows = x.numel() // weight.in_features
     flat = x.reshape(rows, weight.in_features)
     if flat.stride(1) != 1:
@@ -94,7 +138,7 @@ def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor 
         bias = bias.detach().to(torch.float32).contiguous()
         assert bias.shape == (weight.out_features,), (bias.shape, weight.out_features)
     function = getattr(_library(), f"small_linear_{_SUFFIXES[x.dtype]}")
-    function(flat.data_ptr(), flat.stride(0), rows, weight.packed.data_ptr(),
+    function(flat.data_ptr(), flat.stride(0), rows, weight.data_ptr(), weight.block, weight.block_stride,
              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), weight.out_features,
              weight.in_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.out_features)

@@ -1,5 +1,5 @@
-"""The small_linear_kernel CPU path: packed linears of the shapes that race faster on
-the small-batch C kernel take its packed copy instead of oneDNN's, and the engine's
+"""The small_linear_kernel CPU path: packed linears run the row counts that race faster
+on the small-batch C kernel on it, over oneDNN's own packed copy, and the engine's
 greedy tokens stay transformers'. Off, every fallback test of test_cpu_paths.py runs."""
 
 import json
@@ -10,8 +10,15 @@ import transformers
 
 from shardline.engine.cpu import linear_race
 from shardline.engine.cpu.layers import FusedDecoderLayer
-from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
-from shardline.engine.kernels.cpu_small_linear import SmallLinearWeight, small_linear_available
+from shardline.engine.cpu.linear import (
+    KERNEL_ROW_COUNTS,
+    FusedGatedMLP,
+    KernelPacked,
+    PackedLinear,
+    pack_weight,
+    packed_matmul,
+)
+from shardline.engine.kernels.cpu_small_linear import small_linear_available
 
 from .paths_taken import taken_unless_forced_off
 
@@ -62,11 +69,11 @@ def test_forced_on_every_packed_linear_takes_the_kernel_and_tokens_stay(tiny_lla
     llm = LLM(tiny_llama_dir, dtype="float32")
     assert llm.llm_engine.cpu_paths.small_linear_kernel
     packed = _packed_weights(llm.llm_engine.model)
-    assert packed and all(isinstance(weight, SmallLinearWeight) for weight in packed)
+    assert packed and all(isinstance(weight, KernelPacked) for weight in packed)
     assert _greedy(llm, PROMPTS) == expected
     llm.close()
     llm = LLM(tiny_llama_dir, dtype="bfloat16")  # the load check passes on the bfloat16 kernel
-    assert any(isinstance(weight, SmallLinearWeight) for weight in _packed_weights(llm.llm_engine.model))
+    assert any(isinstance(weight, KernelPacked) for weight in _packed_weights(llm.llm_engine.model))
     assert all(len(tokens) == 8 for tokens in _greedy(llm, PROMPTS))
     llm.close()
 
@@ -76,11 +83,27 @@ def test_each_shape_is_raced_once_and_the_cached_ratio_decides(tmp_path, monkeyp
     choose = linear_race.small_kernel_choice(rows_hint=64, forced=False)
     choose(48, 32, torch.float32)
     cache = tmp_path / "cpu_paths.json"
-    measured = json.loads(cache.read_text())
-    assert len(measured) == 1 and all(ratio > 0 for ratio in measured.values())
-    for ratio, taken in ((0.5, False), (2.0, True)):
+    measured = json.loads(cache.read_text())  # one ratio per row count
+    assert len(measured) == len(KERNEL_ROW_COUNTS) and all(ratio >= 0 for ratio in measured.values())
+    for ratio, taken in ((0.5, frozenset()), (2.0, frozenset(KERNEL_ROW_COUNTS))):
         cache.write_text(json.dumps({key: ratio for key in measured}))
-        assert choose(48, 32, torch.float32) is taken
+        assert choose(48, 32, torch.float32) == taken
     choose(48, 40, torch.float32)  # another shape races on its own
-    assert len(json.loads(cache.read_text())) == 2
-    assert linear_race.small_kernel_choice(rows_hint=64, forced=True)(48, 40, torch.float32)
+    assert len(json.loads(cache.read_text())) == 2 * len(KERNEL_ROW_COUNTS)
+    assert linear_race.small_kernel_choice(rows_hint=64, forced=True)(48, 40, torch.float32) == frozenset(
+        KERNEL_ROW_COUNTS)
+
+
+@pytest.mark.parametrize("rows", [3, 40, KERNEL_ROW_COUNTS[-1] + 5])
+def test_packed_matmul_takes_the_kernel_at_its_row_counts_and_gives_the_product(rows):
+    """Row counts up to 4 through the kernel here, others through oneDNN; either way
+    the float32 product."""
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    packed = pack_weight(weight, 64, lambda *_: frozenset({1, 2, 4}))
+    if not isinstance(packed, KernelPacked):
+        pytest.skip("the kernel does not read oneDNN's layout on this host")
+    assert packed.takes(rows) == (rows <= 4)
+    x = torch.randn(rows, 24, generator=generator)
+    torch.testing.assert_close(packed_matmul(x, packed, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)

@@ -10,10 +10,12 @@ import torch
 
 from shardline.engine.kernels import native
 from shardline.engine.kernels.cpu_small_linear import (
+    onednn_view,
     pack_small_linear,
     small_linear,
     small_linear_available,
     small_linear_reference,
+    vector_width,
 )
 
 
@@ -48,18 +50,22 @@ def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_row_count_and_odd_shapes_match_the_reference(target, dtype):
+    """Blocks of two and four vectors of outputs (4 x 16 is oneDNN's on AVX-512), k
+    padded or not, rows 1-16 and past a tile, odd sizes, bias or none."""
     generator = torch.Generator().manual_seed(0)
+    width = 2 * vector_width()
     for out_features, in_features in ((1, 1), (37, 19), (64, 64), (100, 257)):
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype)
-        packed = pack_small_linear(weight)
-        for rows in (*range(1, 17), 33):
-            # x's rows are a slice of wider rows holding NaN past in_features: a read past K shows.
-            wide = torch.full((rows, in_features + 3), float("nan"), dtype=dtype)
-            wide[:, :in_features] = torch.randn(rows, in_features, generator=generator).to(dtype)
-            x = wide[:, :in_features]
-            for b in (None, bias):
-                _check(small_linear(x, packed, b), x, weight, b)
+        for packed in (pack_small_linear(weight), pack_small_linear(weight, 2 * width, in_features + 7 + (
+                in_features + 7) % 2)):
+            for rows in (*range(1, 17), 33):
+                # x's rows are a slice of wider rows holding NaN past in_features: a read past K shows.
+                wide = torch.full((rows, in_features + 3), float("nan"), dtype=dtype)
+                wide[:, :in_features] = torch.randn(rows, in_features, generator=generator).to(dtype)
+                x = wide[:, :in_features]
+                for b in (None, bias):
+                    _check(small_linear(x, packed, b), x, weight, b)
 
 
 def test_leading_dimensions_are_kept_and_inputs_matter(target):
@@ -74,13 +80,36 @@ def test_leading_dimensions_are_kept_and_inputs_matter(target):
 
 
 def test_packed_layout_holds_the_weight_in_blocks_of_outputs():
-    """float32 [NB, K, BN], bfloat16 [NB, ceil(K / 2), BN, 2], zero past the weight."""
+    """float32 [NB, Kp, BN], bfloat16 [NB, Kp / 2, BN, 2], zero past the weight."""
     weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3) + 1
     packed = pack_small_linear(weight)
-    width = packed.packed.shape[-1]
-    assert packed.packed.shape == (1, 3, width) and (packed.out_features, packed.in_features) == (5, 3)
-    assert torch.equal(packed.packed[0, :, :5], weight.T) and not packed.packed[0, :, 5:].any()
-    bf16 = pack_small_linear(weight.bfloat16())
-    assert bf16.packed.shape == (1, 2, width, 2)
-    assert torch.equal(bf16.packed[0, :, :5, :].permute(1, 0, 2).reshape(5, 4)[:, :3], weight.bfloat16())
-    assert not bf16.packed[0, 1, :, 1].any()  # the odd K's pair partner
+    width = packed.block
+    blocks = packed.storage.view(1, 3, width)
+    assert (packed.block_stride, packed.out_features, packed.in_features) == (3 * width, 5, 3)
+    assert torch.equal(blocks[0, :, :5], weight.T) and not blocks[0, :, 5:].any()
+    bf16 = pack_small_linear(weight.bfloat16()).storage.view(1, 2, width, 2)
+    assert torch.equal(bf16[0, :, :5, :].permute(1, 0, 2).reshape(5, 4)[:, :3], weight.bfloat16())
+    assert not bf16[0, 1, :, 1].any()  # the odd K's pair partner
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_packed_weights_are_read_in_place_only_where_their_bytes_are_the_layout(dtype):
+    """Where oneDNN's packed bytes equal the kernel's packing (AVX-512 hosts), the view
+    reads them and gives the reference; a packed copy of another weight is refused."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 here")
+    generator = torch.Generator().manual_seed(4)
+    viewed = 0
+    for out_features, in_features in ((37, 19), (256, 96), (100, 257)):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        view = onednn_view(packed, weight)
+        assert onednn_view(packed, weight + 1) is None
+        if view is None:
+            continue
+        viewed += 1
+        x = torch.randn(5, in_features, generator=generator).to(dtype)
+        _check(small_linear(x, view, None), x, weight, None)
+    if platform.machine() == "x86_64" and " avx512f" in Path("/proc/cpuinfo").read_text():
+        assert viewed == 3  # oneDNN packs in blocks of 64 outputs there
