@@ -72,7 +72,7 @@ def test_embedding_engine_refuses_images(embedding_model):
         llm.embed({"prompt": "hi", "multi_modal_data": {"image": IMAGE}}, use_tqdm=False)
 
 
-def test_processor_options_a_model_does_not_take_are_refused(tiny_llava_dir):
+def test_processor_options_a_model_does_not_take_are_refused(tiny_llava_dir, tiny_llama_dir, embedding_model):
     # mm_processor_kwargs is taken only with keys the model's processor takes here
     # (Gemma 3's pan-and-scan, tests/engine/multimodal/test_gemma3.py); others are
     # refused, never ignored, and the prompt field is refused.
@@ -82,6 +82,10 @@ def test_processor_options_a_model_does_not_take_are_refused(tiny_llava_dir):
         LLM(tiny_llava_dir, mm_processor_kwargs={"do_pan_and_scan": True})
     with pytest.raises(ValueError, match=r"mm_processor_kwargs must be a dict"):
         LLM(tiny_llava_dir, mm_processor_kwargs=["do_pan_and_scan"])
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs is set, but '.*' takes no images here"):
+        LLM(tiny_llama_dir, dtype="float64", mm_processor_kwargs={"do_pan_and_scan": True})
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs is set, but the embedding engine"):
+        LLM(embedding_model, task="embed", mm_processor_kwargs={"do_pan_and_scan": True})
     llm = LLM(tiny_llava_dir, dtype="float32", check_model=False)
     with pytest.raises(ValueError, match=r"request '\d+': unknown prompt field\(s\) 'mm_processor_kwargs'"):
         llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": IMAGE},
