@@ -30,11 +30,25 @@ delta-net and Mamba kinds of engine/parallel/recurrent.py.
   channels: linear_x's and linear_y's rows, the convolution's channels, the gates'
   blocks and biases, recurrent_param, and linear_out's columns (row-parallel).
 
+- xLSTM's mLSTM layer: every head keeps its own matrix memory, normaliser and maximum,
+  and its norm is per head, so a rank keeps its share of the heads: the q, k, v and
+  output-gate rows of them and their input and forget gates (separate projections,
+  weight_mode "single"; fused ones run whole), the norm's weights, and out_proj's columns (row-parallel). Its head
+  count is read from the model's config, so the layer (and its backend) gets a copy
+  of the config with the rank's count.
+
+- Zamba's Mamba mixer: its channels form heads, each with its own x_proj and dt_proj
+  weights (so its dt, B and C), so a rank keeps its share of the heads: in_proj's rows
+  of their channels (x and gate interleaved per channel), the convolution's channels,
+  the heads' x_proj, dt_proj, A_log and D, and out_proj's columns (row-parallel).
+
 Invariants: as engine/parallel/recurrent.py's (a mixer split whole or not at all; its
 output summed over ranks by its row-parallel projections).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -46,6 +60,8 @@ from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ran
 KDA = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
 LIGHTNING = ("MiniMaxLightningAttention",)
 RG_LRU = ("RecurrentGemmaRecurrentBlock",)
+MLSTM = ("xLSTMLayer",)
+ZAMBA_MAMBA = ("ZambaMambaMixer",)
 # The lightning attention's per-head buffers.
 LIGHTNING_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 SHORT_CONV = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
@@ -165,3 +181,51 @@ def rg_lru_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts,
     for attribute in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
         parts[f"rg_lru.{attribute}"] = sliced(tensor_of(rg_lru, attribute), heads)
     return parts, {"lru_width": count * block_width, "rg_lru.num_attention_heads": count}
+
+
+def mlstm_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, object]]:
+    """The rank's parts of an xLSTM mLSTM layer and its sizes (module docstring; its
+    config and its backend's become a copy with the rank's head count)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        raise RunWhole("it has no config")
+    num_heads, qk_dim, v_dim = int_of(config, "num_heads"), int_of(module, "qk_dim"), int_of(module, "v_dim")
+    first, count = share(num_heads, group, "heads")
+    dqk, dv = qk_dim // num_heads, v_dim // num_heads
+    qk_rows, v_rows = ranges((first * dqk, count * dqk)), ranges((first * dv, count * dv))
+    heads = ranges((first, count))
+    if hasattr(module, "qkv_opreact"):
+        raise RunWhole("its projections are fused (weight_mode 'fused'), which is not split")
+    rows = {"q": qk_rows, "k": qk_rows, "v": v_rows, "ogate_preact": v_rows, "igate_preact": heads,
+            "fgate_preact": heads}
+    parts: Parts = {attribute: column_share(module_of(module, attribute), f"{name}.{attribute}", index, group)
+                    for attribute, index in rows.items()}
+    parts["out_proj"] = row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)
+    norm = module_of(module, "multihead_norm")
+    for attribute in ("weight", "bias"):
+        if isinstance(getattr(norm, attribute, None), torch.Tensor):
+            parts[f"multihead_norm.{attribute}"] = sliced(tensor_of(norm, attribute), v_rows)
+    local = copy.copy(config)
+    local.num_heads = count
+    sizes: dict[str, object] = {"qk_dim": count * dqk, "v_dim": count * dv, "config": local,
+                                "multihead_norm.num_heads": count, "multihead_norm.num_features": count * dv}
+    if isinstance(getattr(module_of(module, "mlstm_backend"), "config", None), type(config)):
+        sizes["mlstm_backend.config"] = local
+    return parts, sizes
+
+
+def zamba_mamba_share(module: nn.Module, name: str, group: RankGroup) -> tuple[Parts, dict[str, object]]:
+    """The rank's parts of a Zamba Mamba mixer and its sizes (module docstring)."""
+    num_heads, head_dim = int_of(module, "n_mamba_heads"), int_of(module, "mamba_head_dim")
+    first, count = share(num_heads, group, "heads")
+    channels, heads = ranges((first * head_dim, count * head_dim)), ranges((first, count))
+    projection = module_of(module, "in_proj")
+    if getattr(projection, "out_features", None) != 2 * num_heads * head_dim:
+        raise RunWhole("its input projection has rows beside x and the gate")
+    rows = torch.stack([2 * channels, 2 * channels + 1], dim=1).reshape(-1)  # x, gate interleaved per channel
+    parts: Parts = {"in_proj": column_share(projection, f"{name}.in_proj", rows, group),
+                    "conv1d": depthwise_conv(module_of(module, "conv1d"), channels),
+                    "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
+    for attribute in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
+        parts[attribute] = sliced(tensor_of(module, attribute), heads)
+    return parts, {"n_mamba_heads": count, "intermediate_size": count * head_dim}

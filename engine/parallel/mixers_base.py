@@ -48,7 +48,7 @@ def depthwise_conv(conv: nn.Module, channels: torch.Tensor) -> nn.Conv1d:
     return new
 
 
-def int_of(module: nn.Module, attribute: str) -> int:
+def int_of(module: object, attribute: str) -> int:
     """A mixer's size ``attribute``; RunWhole where it has none."""
     value = getattr(module, attribute, None)
     if not isinstance(value, int):

@@ -18,8 +18,8 @@ slots hold those heads only.
   ranks, sums each group's squares over ranks (layers.SpanningGatedNorm); out_proj is
   row-parallel.
 - LFM2's short convolution and RWKV's block (by channels), Kimi delta attention,
-  MiniMax's lightning attention and RecurrentGemma's RG-LRU (by heads):
-  engine/parallel/mixers.py.
+  MiniMax's lightning attention, RecurrentGemma's RG-LRU, xLSTM's mLSTM layer and
+  Zamba's Mamba mixer (by heads): engine/parallel/mixers.py.
 
 Other recurrent kinds, and a mixer whose counts do not split, run whole on every rank
 with their whole state (their projections' outputs are the unsplit module's); the load
@@ -36,7 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -49,14 +49,18 @@ from .layers import SpanningGatedNorm, column_share, row_share
 from .mixers import (
     KDA,
     LIGHTNING,
+    MLSTM,
     RG_LRU,
     RWKV,
     SHORT_CONV,
+    ZAMBA_MAMBA,
     kda_share,
     lightning_share,
+    mlstm_share,
     rg_lru_share,
     rwkv_share,
     short_conv_share,
+    zamba_mamba_share,
 )
 from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ranges, share, sliced, tensor_of
 
@@ -71,7 +75,7 @@ MAMBA2 = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "Zamba2MambaMixer
 WHOLE_REASON = "its kind is not split over ranks"
 
 
-Share = Callable[[nn.Module, str, RankGroup], tuple[Parts, dict[str, int]]]
+Share = Callable[[nn.Module, str, RankGroup], tuple[Parts, Mapping[str, object]]]
 
 
 def recurrent_mixer_names(model: nn.Module) -> tuple[str, ...]:
@@ -106,7 +110,7 @@ def shard_recurrent_mixers(model: nn.Module, group: RankGroup) -> list[str]:
     return split
 
 
-def install(module: nn.Module, parts: Parts, sizes: dict[str, int]) -> None:
+def install(module: nn.Module, parts: Parts, sizes: Mapping[str, object]) -> None:
     """Put a mixer's ``parts`` and ``sizes`` (by their dotted paths under it) in place."""
     for path, part in parts.items():
         if isinstance(part, nn.Module):
@@ -237,4 +241,5 @@ SPLITS: dict[str, Share] = {**dict.fromkeys(GATED_DELTA_NET, gated_delta_net_sha
                             **dict.fromkeys(MAMBA, mamba_share), **dict.fromkeys(MAMBA2, mamba2_share),
                             **dict.fromkeys(SHORT_CONV, short_conv_share), **dict.fromkeys(RWKV, rwkv_share),
                             **dict.fromkeys(KDA, kda_share), **dict.fromkeys(LIGHTNING, lightning_share),
-                            **dict.fromkeys(RG_LRU, rg_lru_share)}
+                            **dict.fromkeys(RG_LRU, rg_lru_share), **dict.fromkeys(MLSTM, mlstm_share),
+                            **dict.fromkeys(ZAMBA_MAMBA, zamba_mamba_share)}

@@ -51,6 +51,9 @@ CASES: dict[str, dict[str, Any]] = {
     "bailing_hybrid": dict(KDA),
     "minimax": dict(head_dim=16, block_size=4, layer_types=["linear_attention", "full_attention"],
                     num_local_experts=4, num_experts_per_tok=2),
+    "zamba": dict(mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, num_hidden_layers=4,
+                  layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),  # a head per rank, its own dt, B, C
+    "xlstm": dict(hidden_size=128, embedding_dim=128, num_heads=4, num_hidden_layers=2, chunk_size=8),
     "recurrent_gemma": dict(lru_width=64, conv1d_width=4, num_hidden_layers=3, attention_window_size=8, head_dim=16),
 }
 NUM_SLOTS, NUM_BLOCKS, NUM_SNAPSHOTS, BLOCK_SIZE = 4, 6, 3, 16
@@ -120,7 +123,8 @@ def test_gated_delta_net_split_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba",
+                                  "zamba"])
 def test_recurrent_mixers_split_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     whole, split = check_two_ranks(model_dir, torch.float32, preempt=arch in ("bamba", "nemotron_h"))
@@ -133,14 +137,16 @@ def test_recurrent_mixers_split_on_two_ranks(tmp_path, arch):
         assert split[index]["conv"][1] < shapes["conv"][1]
 
 
-def mixer_parts(arch: str, tmp_path, **overrides) -> tuple[Any, list[Any]]:
+def mixer_parts(arch: str, tmp_path, conv: str = "conv1d", **overrides) -> tuple[Any, list[Any]]:
     """A tiny ``arch`` model's first recurrent mixer, whole and as ranks 0 and 1 split it
-    (transformers' module: its attributes are read as the test needs them)."""
+    (transformers' module, the first whose ``conv`` is an nn.Conv1d: its attributes are
+    read as the test needs them)."""
     model_dir = str(build_tiny_model(tmp_path, arch, **{**CASES[arch], **overrides}))
     models = [transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) for _ in range(3)]
     for rank in (0, 1):
         shard_recurrent_mixers(models[rank + 1], RankGroup(rank, 2, lambda: "no collective runs here"))
-    mixers = [next(module for module in model.modules() if hasattr(module, "conv1d")) for model in models]
+    mixers = [next(module for module in model.modules() if isinstance(getattr(module, conv, None), nn.Conv1d))
+              for model in models]
     return mixers[0], mixers[1:]
 
 
@@ -171,6 +177,23 @@ def test_shares_are_the_whole_mixer_parts(tmp_path):
         gate_rows = share.in_proj.weight[: inner // 2]
         assert torch.equal(gate_rows, whole.in_proj.weight[rank * inner // 2 : (rank + 1) * inner // 2])
         assert share.in_proj.out_features == inner // 2 * 2 + 2 * width + 4
+
+
+def test_channel_shares_keep_their_rows_in_each_part(tmp_path):
+    """LFM2's in_proj (B | C | x) and Zamba's (x and gate interleaved per channel): each
+    rank's rows are its channels' rows in every part, in the part's own order."""
+    whole, shares = mixer_parts("lfm2", tmp_path / "lfm2", conv="conv")
+    width = whole.conv.weight.shape[0]
+    for rank, share in enumerate(shares):
+        parts = whole.in_proj.weight.reshape(3, width, -1)[:, rank * width // 2 : (rank + 1) * width // 2]
+        assert torch.equal(share.in_proj.weight, parts.reshape(-1, parts.shape[-1]))
+        assert torch.equal(share.conv.weight, whole.conv.weight[rank * width // 2 : (rank + 1) * width // 2])
+    whole, shares = mixer_parts("zamba", tmp_path / "zamba")
+    width = whole.intermediate_size
+    for rank, share in enumerate(shares):
+        assert torch.equal(share.in_proj.weight, whole.in_proj.weight[rank * width : (rank + 1) * width])
+        assert torch.equal(share.x_proj_weight, whole.x_proj_weight[rank : rank + 1])
+        assert (share.n_mamba_heads, share.intermediate_size) == (1, width // 2)
 
 
 def test_a_mixer_whose_heads_do_not_split_runs_whole(tmp_path, caplog):
@@ -230,6 +253,16 @@ def test_rg_lru_split_on_two_ranks(tmp_path):
     model_dir = str(build_tiny_model(tmp_path, "recurrent_gemma", **CASES["recurrent_gemma"]))
     whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
     assert whole[0] == {"conv": (3, 64), "recurrent": (64,)} and split[0] == {"conv": (3, 32), "recurrent": (32,)}
+
+
+@pytest.mark.slow
+def test_mlstm_split_on_two_ranks(tmp_path):
+    """xlstm: each rank keeps 2 of the 4 heads' matrix memories, normalisers and maxima."""
+    model_dir = str(build_tiny_model(tmp_path, "xlstm", **CASES["xlstm"]))
+    whole, split = check_two_ranks(model_dir, torch.float32, preempt=False)
+    for index, shapes in whole.items():
+        assert {name: shape[0] for name, shape in shapes.items()} == {"c": 4, "n": 4, "m": 4}
+        assert split[index] == {name: (2, *shape[1:]) for name, shape in shapes.items()}
 
 
 def test_a_mixer_run_whole_keeps_its_parts_from_the_name_rules():
