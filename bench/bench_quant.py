@@ -157,9 +157,10 @@ def weight_bytes(llm: LLM) -> tuple[int, int]:
             seen.add(storage.data_ptr())
             held += storage.nbytes()
     for module in model.modules():
-        if isinstance(module, PackedLinear):  # oneDNN's opaque tensor, or a small-rows kernel's own packing
-            weight = getattr(module.packed_weight, "packed", module.packed_weight)
-            packed += weight.numel() * weight.element_size()
+        if isinstance(module, PackedLinear):  # oneDNN's opaque tensor (the small-rows kernel reads its memory)
+            weight = module.packed_weight
+            tensor = weight if isinstance(weight, torch.Tensor) else weight.onednn
+            packed += tensor.numel() * tensor.element_size()
     return held, packed
 
 

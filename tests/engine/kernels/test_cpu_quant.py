@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
 DTYPES = [torch.float32, torch.bfloat16]
 # Each remainder of the kernels' tiles of x rows, both sides of DECODE_MAX_ROWS and
 # TILE_MAX_ROWS, and a prefill's many.
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 13, 32, 33, 40, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 300]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 13, 32, 33, 40, TILE_MAX_ROWS,
+        TILE_MAX_ROWS + 1, 300]
 
 
 def generator(seed: int = 0) -> torch.Generator:
