@@ -5,7 +5,7 @@ Two modes:
 ``--mode kernel``: one linear of the model's shapes (o_proj, gate and up packed
 together, down_proj) in as many copies as the model has layers, each call on the
 next copy (so the weights come from memory, as a decode step reads them), x of
-M = 1, 8, 16, 32, 64, 512 rows in bfloat16: the engine's bfloat16
+M = 1, 8, 16, 32, 64, 512 rows (``--rows``) in bfloat16: the engine's bfloat16
 linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
 blocks and int4 groups of 128, and where the host has AVX512_VNNI the W8A8 int8 kernel
@@ -101,14 +101,14 @@ def per_call_ms(calls: list[dict[str, Callable[[], object]]], kind: str) -> floa
     return best_ms(lambda: [call[kind]() for call in calls]) / len(calls)
 
 
-def kernel_mode(hidden: int, intermediate: int, layers: int) -> None:
+def kernel_mode(hidden: int, intermediate: int, layers: int, rows: tuple[int, ...] = ROWS) -> None:
     """Each shape's weights in ``layers`` copies, read in turn as a decode step reads
     its layers' (so they come from memory, not from the cache, as in the model)."""
     generator = torch.Generator().manual_seed(0)
     for name, (rows, cols) in {"o_proj": (hidden, hidden), "gate_up": (2 * intermediate, hidden),
                                "down_proj": (hidden, intermediate)}.items():
         copies = [layer_weights(rows, cols, generator) for _ in range(layers)]
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, cols, generator=generator).bfloat16()
             calls = [kernel_calls(x, weights) for weights in copies]
             times = {kind: per_call_ms(calls, kind) for kind in calls[0]}
@@ -251,11 +251,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV cache (all are held at once)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     parser.add_argument("--seqs", default="", help="comma-separated counts of sequences decoding at once to sweep")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="kernel mode: comma-separated rows of x")
     args = parser.parse_args()
     global clock
     clock = run_clock(args.cpu_time)
     if args.mode == "kernel":
-        kernel_mode(args.hidden, args.intermediate, args.layers)
+        kernel_mode(args.hidden, args.intermediate, args.layers, tuple(int(m) for m in args.rows.split(",")))
     else:
         model_mode(args)
 
