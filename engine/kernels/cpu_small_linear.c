@@ -2,8 +2,8 @@
  * in blocks of BN outputs by K (oneDNN's own packed layout on AVX-512, or one packed
  * for this kernel), so that a tile of up to MR rows of x streams each block's weights
  * once, every weight vector multiplied by each row's x element broadcast (no
- * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 or 2, the
- * block split in sub-blocks of NV VL outputs). The threads split the output blocks;
+ * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 for few
+ * rows of x, else 2: the block split in sub-blocks of NV VL outputs). The threads split the output blocks;
  * a block's weights stay in the cache while the row tiles after the first read them.
  *
  *   small_linear_f32:  float32 x, weight and output.
@@ -190,7 +190,9 @@ static inline __attribute__((always_inline)) void small_linear(const void *x, in
                                                                const float *bias, void *out, int64_t out_stride,
                                                                int64_t N, int64_t K, int bf16, int num_threads) {
     const int64_t blocks = (N + bn - 1) / bn;
-    const int nv = VL == 16 && bn % (4 * VL) == 0 ? 4 : 2;
+    /* Up to MR(4) rows (bound by reading the weights) a tile reads whole rows of a
+     * block's k at once; more rows (bound by arithmetic) take the taller tiles. */
+    const int nv = VL == 16 && bn % (4 * VL) == 0 && M <= MR(4) ? 4 : 2;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (M * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t s = 0; s < bn && b * bn + s < N; s += nv * VL) {
