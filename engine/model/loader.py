@@ -173,9 +173,10 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str,
         if task != "generate":
             raise UnsupportedModelError(f"{config.model} is quantized as {scheme.description}, which only the "
                                         "generation engine runs (task 'generate')")
+        # A tensor-parallel rank (``reader`` given) reads its shares of MXFP4 experts after the split.
         model, quantized = load_quantized_model(
             auto_class, hf_config, checkpoint_directory(config.model, config.revision), scheme, dtype, device,
-            attn_implementation)
+            attn_implementation, read_experts=reader is None or scheme.weights != "mxfp4")
         logger.info("loaded %s (%s) on %s in %s, %s", config.model, type(model).__name__, device, dtype,
                     scheme.description)
         return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype, quantized)

@@ -20,7 +20,7 @@ from torch import nn
 from ..quantization.load import QuantizedWeights
 from .group import RankGroup
 from .loading import RankCheckpoint, read_rank_slices, slice_plan
-from .quantized_slices import put_linear_shares, put_whole_linears, quantized_share_plan
+from .quantized_slices import put_expert_shares, put_linear_shares, put_whole_linears, quantized_share_plan
 from .sharding import shard_model
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: i
     replaced = shard_model(model, group, num_attention_layers)
     if quantized is not None:
         put_linear_shares(model, group, quantized, shares)
+        put_expert_shares(model, group, quantized)
         quantized.tensors.close()
     if checkpoint is not None:
         read_rank_slices(model, checkpoint, plan)

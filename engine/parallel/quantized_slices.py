@@ -29,12 +29,15 @@ from torch import nn
 
 from ..lora.layers import SHARE_ATTRIBUTE
 from ..quantization.checkpoint import CheckpointTensors
+from ..quantization.experts import QuantizedExperts, experts_modules, replace_quantized_experts
 from ..quantization.formats import read_quantized_linear
 from ..quantization.load import QuantizedWeights
+from ..quantization.mxfp4 import MXFP4_BLOCK
 from ..quantization.scheme import QuantScheme
 from ..surgery import replace
+from .experts import expert_share
 from .group import RankGroup, ShardingError
-from .layers import RowParallelLinear
+from .layers import ReducedOutput, RowParallelLinear
 from .loading import Cut, slice_plan
 from .quantized import RowParallelQuantized
 
@@ -209,3 +212,33 @@ def put_linear_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeig
         bias = weights.tensors.get(bias_name).to(weights.dtype) if bias_name in weights.tensors else None
         replace(model, name, RowParallelQuantized(part, bias, group))
     return len(shares)
+
+
+def put_expert_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeights) -> int:
+    """After the split: each MXFP4 experts module the loader left on the meta device
+    (``experts_deferred``) read as this rank's share (experts.py's ``expert_share`` in
+    whole 32-element blocks: gate_up's interleaved rows and bias rows, down's input
+    blocks) by the checkpoint's own experts reader, its output summed over ranks (down's
+    bias on rank 0 only); return how many."""
+    if not weights.experts_deferred:
+        return 0
+    cuts: dict[str, Cut] = {}
+    deferred = [(name, module) for name, module in experts_modules(model)
+                if isinstance(module.down_proj, torch.Tensor) and module.down_proj.is_meta]
+    for name, module in deferred:
+        intermediate = module.__dict__["intermediate_size"]  # a plain int the experts module keeps
+        start, end = expert_share(intermediate, MXFP4_BLOCK, group, name)
+        rows, blocks = ((2 * start, 2 * end),), ((start // MXFP4_BLOCK, -(-end // MXFP4_BLOCK)),)
+        for suffix, cut in (("gate_up_proj_blocks", Cut(1, rows)), ("gate_up_proj_scales", Cut(1, rows)),
+                            ("gate_up_proj_bias", Cut(1, rows)), ("down_proj_blocks", Cut(2, blocks)),
+                            ("down_proj_scales", Cut(2, blocks))):
+            cuts[f"{name}.{suffix}"] = cut
+        module.__dict__["intermediate_size"] = end - start  # the reader's expected shapes: the share's
+    replace_quantized_experts(model, SlicedTensors(weights.tensors, cuts), weights.scheme)
+    for name, _ in deferred:
+        share = model.get_submodule(name)
+        assert isinstance(share, QuantizedExperts), (name, type(share).__name__)
+        if group.rank:
+            share.down_bias = None
+        replace(model, name, ReducedOutput(share, group))
+    return len(deferred)

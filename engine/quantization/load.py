@@ -31,7 +31,7 @@ from torch import nn
 
 from ..surgery import replace, submodule
 from .checkpoint import CheckpointTensors, QuantizedCheckpointError
-from .experts import replace_quantized_experts
+from .experts import experts_modules, replace_quantized_experts
 from .formats import read_quantized_linear, stored_quantized
 from .online import quantize_linear
 from .scheme import QuantScheme
@@ -49,6 +49,9 @@ class QuantizedWeights:
     tensors: CheckpointTensors
     linears: tuple[str, ...]
     dtype: torch.dtype
+    # The MoE experts left on the meta device for a tensor-parallel rank, which reads its
+    # shares of them (engine/parallel/quantized_slices.py).
+    experts_deferred: bool = False
 
 
 def checkpoint_directory(model: str, revision: str | None) -> Path:
@@ -63,9 +66,10 @@ def checkpoint_directory(model: str, revision: str | None) -> Path:
 
 def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedConfig, directory: Path,
                          scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                         attn_implementation: str) -> tuple[nn.Module, QuantizedWeights]:
+                         attn_implementation: str, read_experts: bool = True) -> tuple[nn.Module, QuantizedWeights]:
     """The model of ``directory`` with every tensor but the quantized linears' read, and
-    what the ``quantized_linears`` step needs to put those in place (module docstring)."""
+    what the ``quantized_linears`` step needs to put those in place (module docstring).
+    ``read_experts`` False: the MoE experts stay on the meta device (``experts_deferred``)."""
     from accelerate import init_empty_weights
 
     config = copy.deepcopy(hf_config)
@@ -84,15 +88,18 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
     skipped = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
     state = {name: _as_loaded(tensors.get(name), dtype) for name in _loadable(model) - skipped if name in tensors}
     model.load_state_dict(state, strict=False, assign=True)
-    replace_quantized_experts(model, tensors, scheme)
+    if read_experts:
+        replace_quantized_experts(model, tensors, scheme)
     model.tie_weights()
-    missing = sorted(name for name, param in model.named_parameters() if param.is_meta and name not in skipped)
+    deferred = () if read_experts else tuple(f"{name}." for name, _ in experts_modules(model))
+    missing = sorted(name for name, param in model.named_parameters()
+                     if param.is_meta and name not in skipped and not name.startswith(deferred))
     if missing:
         raise QuantizedCheckpointError(
             f"checkpoint {directory} has no tensor {missing[0]!r} ({len(missing) - 1} more parameters of "
             f"{type(model).__name__} missing)")
     logger.info("read %s: %d linears quantized as %s", directory, len(linears), scheme.description)
-    return model.eval(), QuantizedWeights(scheme, tensors, tuple(linears), dtype)
+    return model.eval(), QuantizedWeights(scheme, tensors, tuple(linears), dtype, experts_deferred=not read_experts)
 
 
 def checkpoint_renaming(model: nn.Module) -> Callable[[str], str]:

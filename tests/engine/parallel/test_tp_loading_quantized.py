@@ -17,15 +17,19 @@ from torch import nn
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.group import RankGroup, ShardingError
+from shardline.engine.parallel.layers import ReducedOutput
 from shardline.engine.parallel.placement import shard_then_place
 from shardline.engine.parallel.quantized import RowParallelQuantized
 from shardline.engine.parallel.quantized_slices import quantized_share_plan
 from shardline.engine.parallel.sharding import shard_model
+from shardline.engine.quantization.experts import QuantizedExperts
 from shardline.engine.quantization.linear import QuantizedLinear
 from shardline.engine.quantization.load import QuantizedWeights, load_quantized_model, put_quantized_linears
 from shardline.engine.quantization.methods import resolve_scheme
+from shardline.engine.quantization.mxfp4 import Mxfp4ExpertWeights
 
 from ..quantization import checkpoints as ckpt
+from ..quantization.moe_checkpoints import write_gpt_oss_mxfp4
 from ..quantization.test_formats import FORMATS
 
 # Format: how many of its 14 linears (2 layers x q, k, v, o, gate, up, down) a rank reads as slices.
@@ -35,13 +39,13 @@ SLICED = {
 }
 
 
-def loaded(directory: Path) -> tuple[nn.Module, QuantizedWeights]:
+def loaded(directory: Path, read_experts: bool = True) -> tuple[nn.Module, QuantizedWeights]:
     """The loader's model of a quantized checkpoint (its quantized linears on the meta device)."""
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     scheme = resolve_scheme(hf_config, None)
     assert scheme is not None
     return load_quantized_model(transformers.AutoModelForCausalLM, hf_config, directory, scheme, torch.float32,
-                                torch.device("cpu"), "sdpa")
+                                torch.device("cpu"), "eager", read_experts=read_experts)
 
 
 def attention_layers(model: nn.Module) -> int:
@@ -112,3 +116,31 @@ def test_linears_a_slice_would_cut_are_read_whole_and_split_or_refused(name, sli
     assert len(quantized_share_plan(model, group, weights)) == sliced
     with pytest.raises(ShardingError, match=refusal):
         shard_then_place(model, group, attention_layers(model), torch.device("cpu"), quantized=weights)
+
+
+def test_mxfp4_expert_shares_read_as_slices_equal_the_whole_experts_split(tmp_path):
+    """gpt-oss: each rank reads its share of the experts' blocks, scales and biases (3
+    blocks of 32 over 2 ranks: 64 and 32 of the intermediate size)."""
+    directory = write_gpt_oss_mxfp4(tmp_path / "gpt-oss", intermediate_size=96)
+    for rank in (0, 1):
+        group = RankGroup(rank, 2, lambda: "")
+        whole, _ = loaded(directory)
+        shard_model(whole, group, attention_layers(whole))
+        sliced, weights = loaded(directory, read_experts=False)
+        assert weights.experts_deferred
+        shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
+        want = {name: module.inner for name, module in whole.named_modules() if isinstance(module, ReducedOutput)}
+        have = {name: module.inner for name, module in sliced.named_modules() if isinstance(module, ReducedOutput)}
+        assert sorted(want) == sorted(have) and len(want) == 2
+        for name, expected in want.items():
+            got = have[name]
+            assert isinstance(got, QuantizedExperts) and isinstance(expected, QuantizedExperts)
+            assert got.down.in_features == (64 if rank == 0 else 32)
+            for projection in ("gate_up", "down"):
+                mine, theirs = getattr(got, projection), getattr(expected, projection)
+                assert isinstance(mine, Mxfp4ExpertWeights) and isinstance(theirs, Mxfp4ExpertWeights)
+                assert torch.equal(mine.blocks, theirs.blocks) and torch.equal(mine.scales, theirs.scales)
+            for bias in ("gate_up_bias", "down_bias"):
+                mine, theirs = getattr(got, bias), getattr(expected, bias)
+                assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), bias
+        assert not any(parameter.is_meta for parameter in sliced.parameters())
