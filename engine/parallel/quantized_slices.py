@@ -16,8 +16,13 @@ row, or where the linear is not a plain split one (inside a recurrent mixer, onl
 quantization), the linear is read whole before the split, as without slices, and the
 sharding step splits it (or refuses it, naming it).
 
-Invariant: a slice-read share and the share split from the whole linear dequantize to
-the same weight (tests/engine/parallel/test_tp_loading_quantized.py).
+MXFP4 experts (gpt-oss) are read the same way after the split (``put_expert_shares``):
+the loader leaves them on the meta device for a rank, and the checkpoint's own experts
+reader reads the rank's share at its share of the intermediate size. Per-expert FP8,
+INT8 and INT4 experts are read whole at load and split (engine/parallel/experts.py).
+
+Invariant: a slice-read share and the share split from the whole linear (or experts)
+dequantize to the same weight (tests/engine/parallel/test_tp_loading_quantized.py).
 """
 
 from __future__ import annotations
