@@ -12,6 +12,7 @@ import transformers
 
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES
 from .adapters.latent import latent_cache_refusal, selects_keys
+from .adapters.qwen4_exp import QSA_MODEL_TYPES, qsa_refusal
 
 _INKLING2 = (
     "its attention layers add to each score a relative position bias computed from the query token's hidden "
@@ -63,6 +64,8 @@ def _indexer_reason(text_config: transformers.PretrainedConfig) -> str | None:
                 "index-key cache of its own, while the paged attention attends every key and keeps no index "
                 f"keys, so past {index_topk} tokens the two differ")
     indexer_budget = getattr(text_config, "indexer_budget", None)
+    if indexer_budget and text_config.model_type in QSA_MODEL_TYPES:
+        return qsa_refusal(text_config)  # its indexer picks blocks of tokens (adapters/qwen4_exp.py)
     if indexer_budget:
         return (f"its sparse attention has an indexer pick up to {indexer_budget} tokens of each query from "
                 "blocks of averaged keys it keeps of its own, while the paged attention attends every key, so "

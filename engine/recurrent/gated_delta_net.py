@@ -207,6 +207,8 @@ def input_projections(module: torch.nn.Module, hidden_states: torch.Tensor
 
 GATED_DELTA_NET = register_kind(
     GatedDeltaNetKind(),
-    ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet"),
-    model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lara_mini"),
+    ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet",
+     "Qwen4ExpTextGatedDeltaNet"),
+    model_types=("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lara_mini", "qwen4_exp",
+                 "qwen4_exp_text"),
     layer_types=("linear_attention",))

@@ -60,7 +60,7 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     # Its query-sparse attention's indexer (QSA) and its gated delta-net layers, small.
     "qwen4_exp_text": dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                           linear_num_value_heads=4, hc_lowrank=16, indexer_n_heads=2, indexer_kv_heads=1,
+                           linear_num_value_heads=4, hc_lowrank=16, indexer_n_heads=8, indexer_kv_heads=1,
                            indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
     # Its sliding layers' own attention sizes (the per-layer config it derives from swa_* fields),
     # each unlike the indexed layers' (heads, latent and rotary widths), and 8 indexer heads.

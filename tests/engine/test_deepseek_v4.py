@@ -5,7 +5,7 @@ transformers' through chunked prefill splitting compress blocks, preemption, pre
 hits and decode.
 
 The tiny model: a compress rate of 4 (CSA) and 8 (HCA), a window of 8 and an index top-k
-of 3, so prompts of up to 45 tokens cross the window and rank up to 11 entries; sinks,
+of 3, so prompts of up to 61 tokens cross the window and rank up to 15 entries; sinks,
 the hash router's token table and the compressors' position biases are random (their
 defaults are zeros). Ties: 8 indexer heads, and every test records transformers' indexer
 rows and asserts a gap at the top-k boundary (test_sparse_indexer.IndexerTies).

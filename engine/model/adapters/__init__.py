@@ -28,6 +28,7 @@ from .base import (
 from .deepseek_v4 import CompressedAttention
 from .inkling import InklingAttention, PagedShortConv
 from .latent import latent_adapter_keys, latent_caching
+from .qwen4_exp import QuerySparseAttention
 from .shapes import (
     BloomAttention,
     DiffLlamaAttention,
@@ -42,7 +43,7 @@ from .shapes import (
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
 ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention] | type[InklingAttention]
-               | type[PagedShortConv]] = {
+               | type[PagedShortConv] | type[QuerySparseAttention]] = {
     _MODELS + "gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": GPTNeoAttention,
     _MODELS + "xglm.modeling_xglm.XGLMAttention": XGLMAttention,
     _MODELS + "openai.modeling_openai.Attention": OpenAIGPTAttention,
@@ -54,6 +55,7 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention] | ty
     _MODELS + "inkling.modeling_inkling.InklingAttention": InklingAttention,
     _MODELS + "inkling.modeling_inkling.InklingShortConvolution": PagedShortConv,
     _MODELS + "deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention": CompressedAttention,
+    _MODELS + "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention": QuerySparseAttention,
 }
 # Attention classes of models whose layers cache latents (adapters/latent.py), adapted
 # where caches_latents says their cache holds latents.
