@@ -101,14 +101,14 @@ def per_call_ms(calls: list[dict[str, Callable[[], object]]], kind: str) -> floa
     return best_ms(lambda: [call[kind]() for call in calls]) / len(calls)
 
 
-def kernel_mode(hidden: int, intermediate: int, layers: int, rows: tuple[int, ...] = ROWS) -> None:
+def kernel_mode(hidden: int, intermediate: int, layers: int, row_counts: tuple[int, ...] = ROWS) -> None:
     """Each shape's weights in ``layers`` copies, read in turn as a decode step reads
     its layers' (so they come from memory, not from the cache, as in the model)."""
     generator = torch.Generator().manual_seed(0)
     for name, (rows, cols) in {"o_proj": (hidden, hidden), "gate_up": (2 * intermediate, hidden),
                                "down_proj": (hidden, intermediate)}.items():
         copies = [layer_weights(rows, cols, generator) for _ in range(layers)]
-        for m in rows:
+        for m in row_counts:
             x = torch.randn(m, cols, generator=generator).bfloat16()
             calls = [kernel_calls(x, weights) for weights in copies]
             times = {kind: per_call_ms(calls, kind) for kind in calls[0]}
