@@ -120,39 +120,36 @@ static inline __m128i sum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
 #define LOAD_W(j) const __m512i w##j = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (j) * K + k), flip)
 #define DOT_STORE(r) _mm_storeu_si128((__m128i *)dots[r], sum4(a##r##0, a##r##1, a##r##2, a##r##3))
 
-/* dots[r][j] = sum_k (w[j][k] + 128) * x[r][k] over the NT (4) weight rows and MB (6)
- * rows of x (tile_dots1: one row). */
-static void tile_dots6(const int8_t *w, int64_t K, const int8_t *x, int32_t dots[MB][NT]) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    DOT_ROW(0); DOT_ROW(1); DOT_ROW(2); DOT_ROW(3); DOT_ROW(4); DOT_ROW(5);
-    int64_t k = 0;
-    for (const __mmask64 mask = ~(__mmask64)0; k + 64 <= K; k += 64) {
-        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
-        DOT_STEP(0); DOT_STEP(1); DOT_STEP(2); DOT_STEP(3); DOT_STEP(4); DOT_STEP(5);
+/* dots[r][j] = sum_k (w[j][k] + 128) * x[r][k] over the NT (4) weight rows and 6, 4, 2
+ * or 1 rows of x (tile_dots6 .. tile_dots1). Each step prefetches the next tile's
+ * weight rows in order: they follow these NT rows in memory, and a short row is too
+ * short a stream for the hardware prefetcher (as in cpu_quant_bf16.c). */
+#define ROWS6(X) X(0); X(1); X(2); X(3); X(4); X(5)
+#define ROWS4(X) X(0); X(1); X(2); X(3)
+#define ROWS2(X) X(0); X(1)
+#define ROWS1(X) X(0)
+#define TILE_DOTS(NAME, ROWS)                                                            \
+    static void NAME(const int8_t *w, int64_t K, const int8_t *x, int32_t dots[MB][NT]) { \
+        const __m512i flip = _mm512_set1_epi8((char)0x80);                                \
+        const int8_t *next = w + NT * K;                                                  \
+        ROWS(DOT_ROW);                                                                    \
+        int64_t k = 0;                                                                    \
+        for (const __mmask64 mask = ~(__mmask64)0; k + 64 <= K; k += 64) {                \
+            for (int line = 0; line < NT; line++) __builtin_prefetch(next + NT * k + 64 * line); \
+            LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);                                   \
+            ROWS(DOT_STEP);                                                               \
+        }                                                                                 \
+        if (k < K) {                                                                      \
+            const __mmask64 mask = ((__mmask64)1 << (K - k)) - 1;                         \
+            LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);                                   \
+            ROWS(DOT_STEP);                                                               \
+        }                                                                                 \
+        ROWS(DOT_STORE);                                                                  \
     }
-    if (k < K) {
-        const __mmask64 mask = ((__mmask64)1 << (K - k)) - 1;
-        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
-        DOT_STEP(0); DOT_STEP(1); DOT_STEP(2); DOT_STEP(3); DOT_STEP(4); DOT_STEP(5);
-    }
-    DOT_STORE(0); DOT_STORE(1); DOT_STORE(2); DOT_STORE(3); DOT_STORE(4); DOT_STORE(5);
-}
-
-static void tile_dots1(const int8_t *w, int64_t K, const int8_t *x, int32_t dots[MB][NT]) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    DOT_ROW(0);
-    int64_t k = 0;
-    for (const __mmask64 mask = ~(__mmask64)0; k + 64 <= K; k += 64) {
-        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
-        DOT_STEP(0);
-    }
-    if (k < K) {
-        const __mmask64 mask = ((__mmask64)1 << (K - k)) - 1;
-        LOAD_W(0); LOAD_W(1); LOAD_W(2); LOAD_W(3);
-        DOT_STEP(0);
-    }
-    DOT_STORE(0);
-}
+TILE_DOTS(tile_dots6, ROWS6)
+TILE_DOTS(tile_dots4, ROWS4)
+TILE_DOTS(tile_dots2, ROWS2)
+TILE_DOTS(tile_dots1, ROWS1)
 
 typedef struct {
     const int8_t *codes;       /* [M, K] x's codes */
@@ -206,9 +203,15 @@ static void weight_tile(const w8a8_problem *p, int64_t n0, int8_t *zero_tile) {
         tile_dots6(w, p->K, p->codes + m0 * p->K, dots);
         store_block(p, n0, m0, MB, dots);
     }
-    for (; m0 < p->M; m0++) {
-        tile_dots1(w, p->K, p->codes + m0 * p->K, dots);
-        store_block(p, n0, m0, 1, dots);
+    /* the last rows in blocks of 4, 2 and 1: each weight tile's codes shared by a block */
+    for (int block = 4; block >= 1; block /= 2) {
+        for (; m0 + block <= p->M; m0 += block) {
+            const int8_t *x = p->codes + m0 * p->K;
+            if (block == 4) tile_dots4(w, p->K, x, dots);
+            else if (block == 2) tile_dots2(w, p->K, x, dots);
+            else tile_dots1(w, p->K, x, dots);
+            store_block(p, n0, m0, block, dots);
+        }
     }
 }
 

@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
               pytest.mark.usefixtures("kernel_target")]  # each build target in turn
 
 DTYPES = [torch.float32, torch.bfloat16]
-# The kernel's blocks of 6 rows of x and tiles of 4 weight rows with every remainder;
-# columns with and without a tail of the 64-byte step.
-SHAPES = [(1, 7, 5), (2, 4, 64), (6, 33, 100), (7, 64, 128), (13, 130, 1000), (64, 96, 256), (300, 20, 72)]
+# The kernel's blocks of 6 rows of x (then 4, 2, 1) and tiles of 4 weight rows with
+# every remainder; columns with and without a tail of the 64-byte step.
+SHAPES = [(1, 7, 5), (2, 4, 64), (3, 9, 70), (6, 33, 100), (7, 64, 128), (11, 40, 192), (13, 130, 1000),
+          (64, 96, 256), (300, 20, 72)]
 
 
 def _inputs(dtype, rows, cols, seed=0):
