@@ -10,7 +10,9 @@ tables (engine/core/window_blocks.py), which hold only the blocks some query sti
 reads; otherwise every layer keeps the whole context, the window or chunk applied when
 attending. A model that runs some layers several times per token (hrm_text's
 reasoning cycles, dory's loops) gets one cache layer per pass, each call of its
-attention naming its own (engine/model/adapters/base.py, CallIndexedAttention).
+attention naming its own (engine/model/adapters/base.py, CallIndexedAttention); inkling
+keeps its layers' convolution inputs in as many sliding-window layers after its own
+(engine/model/adapters/inkling.py).
 Keys and values each have their own head size: multi-head latent
 attention (deepseek_v2, minicpm3, ...) attends keys of qk_nope + qk_rope and
 values of v_head_dim per head, cached in full at those sizes, except where the layer
@@ -38,7 +40,7 @@ from ..core.kv_cache import blocks_needed
 from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES, COMPRESSED_TYPES, compressed_row_width
 from .adapters.indexer import index_key_width
-from .adapters.inkling import INKLING_TYPES, inkling_cache_widths
+from .adapters.inkling import INKLING_TYPES, inkling_conv_widths, inkling_kv_width
 from .adapters.latent import caches_latents, selects_keys
 from .adapters.qwen4_exp import QSA_MODEL_TYPES, index_columns
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
@@ -102,10 +104,10 @@ class KVCacheSpec:
                 layers.append(LayerCacheSpec(kind, 1, layer_config.kv_lora_rank + layer_config.qk_rope_head_dim,
                                              index_width, window))
                 continue
-            if text_config.model_type in INKLING_TYPES:  # keys; values and the convolutions' inputs
-                key_width, row_width = inkling_cache_widths(text_config, layer_type)
+            if text_config.model_type in INKLING_TYPES:  # all heads' keys and values in one row each
+                width = inkling_kv_width(text_config, layer_type)
                 window = text_config.sliding_window if kind == "sliding_window" else None
-                layers.append(LayerCacheSpec(kind, 1, key_width, row_width, window))
+                layers.append(LayerCacheSpec(kind, 1, width, width, window))
                 continue
             head_dim, value_head_dim = _head_sizes(layer_config, text_config.hidden_size // num_heads)
             value_head_dim = value_cache_head_size(layer_config, value_head_dim)
@@ -117,6 +119,10 @@ class KVCacheSpec:
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))
         layers += [layers[index] for index in repeated_pass_layers(text_config)]
+        if text_config.model_type in INKLING_TYPES:  # then each layer's convolution inputs, for a few tokens
+            layers += [LayerCacheSpec(SLIDING, 1, *inkling_conv_widths(text_config, layer_type),
+                                      sliding_window=text_config.conv_kernel_size)
+                       for layer_type in layer_types(hf_config)]
         return cls(tuple(layers), dtype)
 
     @property

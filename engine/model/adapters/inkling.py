@@ -7,13 +7,15 @@ An inkling layer ("hybrid": full attention, "hybrid_sliding": a sliding window o
 tokens, each in float32 with a residual: its raw keys and values before they are
 normed and attended (k_sconv, v_sconv), the attention's output and the MLP's output
 (the decoder layer's attn_sconv and mlp_sconv). A token's convolution reads the inputs
-of the tokens before it, so the layer's cache keeps, per token, beside its key and
-value, those four inputs (``PagedShortConv``): the value cache's row is [value |
-raw key | raw value | attention output | MLP output]. They come back with cached
-blocks on a prefix hit, are recomputed with the rest after a preemption, and a
-prompt's chunk reads its predecessors' from the cache; no recurrent state is kept.
-(inputs of the model's dtype are exact in its cache: the float32 convolution reads
-them widened.)
+of the tokens before it, so the engine keeps, per token, those four inputs in a cache
+layer of their own (``PagedShortConv``): after the model's L layers (keys and values,
+one row each per token) come L more, layer i's at L + i, its key row [raw key | raw
+value], its value row [attention output | MLP output]; they are sliding-window layers
+of ``conv_kernel_size`` tokens, so their windowed block group hands back the blocks no
+later convolution reads. They come back with cached blocks on a prefix hit, are
+recomputed with the rest after a preemption, and a prompt's chunk reads its
+predecessors' from the cache; no recurrent state is kept. (Inputs of the model's dtype
+are exact in its cache: the float32 convolution reads them widened.)
 
 The bias (``InklingAttention``): r_proj(x) gives each query d_rel numbers per head,
 mixed by the learned bank ``rel_logits_proj.proj`` [d_rel, rel_extent] into one bias
@@ -35,7 +37,7 @@ from torch.nn import functional as F
 
 from ...attention.context import AttentionContext
 from ...attention.latent_window import window_start
-from .base import StepScope, UnsupportedAttentionError, _Replacement, layer_attribute, layer_scale
+from .base import StepScope, _Replacement, layer_attribute, layer_scale
 
 INKLING_TYPES = ("inkling_text",)
 
@@ -47,16 +49,16 @@ def _layer_sizes(text_config: transformers.PretrainedConfig, layer_type: str) ->
     return text_config.num_key_value_heads, text_config.head_dim
 
 
-def inkling_cache_widths(text_config: transformers.PretrainedConfig, layer_type: str) -> tuple[int, int]:
-    """(key width, value width) per token of an inkling layer's cache: its keys, and
-    its values followed by the four convolutions' inputs (see the module docstring)."""
+def inkling_kv_width(text_config: transformers.PretrainedConfig, layer_type: str) -> int:
+    """Numbers per token of an inkling layer's keys (and of its values): all its heads'."""
     kv_heads, head_dim = _layer_sizes(text_config, layer_type)
-    width = kv_heads * head_dim
-    if layer_type == "hybrid_sliding" and text_config.conv_kernel_size > text_config.sliding_window_size:
-        raise UnsupportedAttentionError(
-            f"conv_kernel_size={text_config.conv_kernel_size} is wider than sliding_window_size="
-            f"{text_config.sliding_window_size}: a sliding layer's cache keeps only its window's tokens")
-    return width, 3 * width + 2 * text_config.hidden_size
+    return kv_heads * head_dim
+
+
+def inkling_conv_widths(text_config: transformers.PretrainedConfig, layer_type: str) -> tuple[int, int]:
+    """(key row, value row) widths of an inkling layer's convolution-input cache layer:
+    raw keys and values, then the attention and MLP outputs (the module docstring)."""
+    return 2 * inkling_kv_width(text_config, layer_type), 2 * text_config.hidden_size
 
 
 def layer_context(ctx: AttentionContext, layer_idx: int) -> AttentionContext:
@@ -84,26 +86,21 @@ class PagedShortConv(_Replacement):
         super().__init__(original, layer_attribute(original, "layer_idx", int), scope)
         self.kernel = layer_attribute(original, "conv_kernel_size", int)
         conv_idx = layer_attribute(original, "conv_idx", int)
-        channels = layer_attribute(original.get_submodule("conv1d"), "in_channels", int)
-        self.channels = channels
-        self._conv_idx = conv_idx
-
-    def _offset(self, row_width: int, hidden: int) -> int:
-        """Where this convolution's inputs start in a value-cache row."""
-        width = (row_width - 2 * hidden) // 3  # the layer's key-value width
-        return (width, 2 * width, 3 * width, 3 * width + hidden)[self._conv_idx]
+        self.channels = layer_attribute(original.get_submodule("conv1d"), "in_channels", int)
+        # Raw keys and values in the key row, attention and MLP outputs in the value row.
+        self._row, self._offset = conv_idx // 2, conv_idx % 2 * self.channels
 
     def forward(self, hidden_states: torch.Tensor, cache: object = None, conv_mask: torch.Tensor | None = None,
                 **kwargs):
         ctx = self._scope.ctx
         if ctx is None:
             return self.original(hidden_states, cache=cache, conv_mask=conv_mask, **kwargs)
-        ctx = layer_context(ctx, self.layer_idx)
+        cache_layer = conv_cache_layer(ctx, self.layer_idx)
+        ctx = layer_context(ctx, cache_layer)
         rows = hidden_states[0].float()  # [T, C]
-        value_cache = ctx.kv_caches[self.layer_idx][1]
-        flat = value_cache.view(-1, value_cache.shape[-1])
-        hidden = _hidden_size(self.channels, self._conv_idx, flat.shape[-1])
-        offset = self._offset(flat.shape[-1], hidden)
+        cache = ctx.kv_caches[cache_layer][self._row]
+        flat = cache.view(-1, cache.shape[-1])
+        offset = self._offset
         flat[ctx.slot_mapping, offset:offset + self.channels] = rows.to(flat.dtype)
         weight = self.get_parameter("conv1d.weight")  # [C, 1, K] float32
         out = torch.empty_like(rows)
@@ -121,10 +118,10 @@ class PagedShortConv(_Replacement):
         return (out + rows).to(hidden_states.dtype)[None]
 
 
-def _hidden_size(channels: int, conv_idx: int, row_width: int) -> int:
-    """The model's hidden size from a value-cache row of width 3 * w + 2 * hidden, given
-    one convolution's channels (w for the key and value ones, hidden for the others)."""
-    return channels if conv_idx >= 2 else (row_width - 3 * channels) // 2
+def conv_cache_layer(ctx: AttentionContext, layer_idx: int) -> int:
+    """The cache layer of decoder layer ``layer_idx``'s convolution inputs: after the
+    model's layers, as many again (KVCacheSpec.from_hf_config)."""
+    return len(ctx.kv_caches) // 2 + layer_idx
 
 
 class InklingAttention(_Replacement):
@@ -163,8 +160,7 @@ class InklingAttention(_Replacement):
         rel_logits = relative @ self.get_parameter("rel_logits_proj.proj")  # [T, H, rel_extent]
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         key_cache.view(-1, key_cache.shape[-1]).index_copy_(0, ctx.slot_mapping, key.flatten(1).to(key_cache.dtype))
-        values = value_cache.view(-1, value_cache.shape[-1])
-        values[ctx.slot_mapping, :value.shape[-1]] = value.to(values.dtype)
+        value_cache.view(-1, value_cache.shape[-1]).index_copy_(0, ctx.slot_mapping, value.to(value_cache.dtype))
         out = query.new_empty(num_tokens, self.num_heads, self.head_dim)
         starts, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
         for request, seq_len in enumerate(lens):
@@ -179,10 +175,9 @@ class InklingAttention(_Replacement):
         num_queries = query.shape[0]
         start = window_start(seq_len, num_queries, self.sliding_window)
         slots = _slots(ctx, request, start, seq_len)
-        width = self.num_kv_heads * self.head_dim
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         keys = key_cache.view(-1, key_cache.shape[-1])[slots].view(-1, self.num_kv_heads, self.head_dim)
-        values = value_cache.view(-1, value_cache.shape[-1])[slots, :width].view(-1, self.num_kv_heads, self.head_dim)
+        values = value_cache.view(-1, value_cache.shape[-1])[slots].view(-1, self.num_kv_heads, self.head_dim)
         group = self.num_heads // self.num_kv_heads
         keys, values = keys.repeat_interleave(group, dim=1).to(query.dtype), values.repeat_interleave(
             group, dim=1).to(query.dtype)
