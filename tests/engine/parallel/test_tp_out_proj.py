@@ -12,6 +12,8 @@ import torch
 import transformers
 from torch import nn
 
+from shardline import LLM
+from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.group import RankGroup
 from shardline.engine.parallel.layers import RowParallelLinear
@@ -37,17 +39,24 @@ def split_on_rank_zero(arch: str, **overrides: Any) -> nn.Module:
     return model
 
 
+def runner_model(llm: LLM) -> nn.Module:
+    """The model rank 0 runs."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine)
+    return engine.runner.model
+
+
 def test_opt_on_two_ranks(tmp_path):
     """Each rank holds half the heads' q/k/v rows and out_proj's columns (its bias added
     once, after the sum); the MLP's fc1/fc2, which no rule names, stay whole."""
     model_dir = str(build_tiny_model(tmp_path, "opt"))
     llm = check_against_one_rank(model_dir)
     processes = rank_processes(llm)
-    attention = llm.llm_engine.runner.model.model.decoder.layers[0].self_attn
-    out_proj = attention.out_proj
+    attention = runner_model(llm).get_submodule("model.decoder.layers.0.self_attn")
+    out_proj = attention.get_submodule("out_proj")
     assert isinstance(out_proj, RowParallelLinear) and out_proj.bias is not None
-    assert out_proj.weight.shape == (64, 32) and attention.q_proj.weight.shape == (32, 64)
-    assert attention.num_heads == 2
+    assert out_proj.weight.shape == (64, 32) and attention.get_parameter("q_proj.weight").shape == (32, 64)
+    assert getattr(attention, "num_heads") == 2  # noqa: B009 - an attribute transformers' module sets
     assert_closed(llm, processes)
 
 
@@ -57,7 +66,7 @@ def test_out_proj_models_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     llm = check_against_one_rank(model_dir, reference_dtype=torch.float32 if arch in FLOAT32 else torch.float64)
     processes = rank_processes(llm)
-    kinds = {type(module) for module in llm.llm_engine.runner.model.modules()}
+    kinds = {type(module) for module in runner_model(llm).modules()}
     assert RowParallelLinear in kinds
     assert_closed(llm, processes)
 
@@ -69,8 +78,8 @@ def test_only_attention_outputs_take_the_rule():
     modernbert = transformers.AutoModelForCausalLM.from_config(tiny_config("modernbert-decoder", 512))
     assert attention_rules(modernbert) == {f"model.layers.{i}.attn.Wo": ROW for i in range(2)}
     model = split_on_rank_zero("modernbert-decoder")
-    layer = model.get_submodule("model.layers.0")
-    assert isinstance(layer.attn.Wo, RowParallelLinear) and type(layer.mlp.Wo) is nn.Linear
-    assert layer.mlp.Wo.in_features == 128 and layer.attn.Wo.weight.shape == (64, 32)
+    attention_wo, mlp_wo = model.get_submodule("model.layers.0.attn.Wo"), model.get_submodule("model.layers.0.mlp.Wo")
+    assert isinstance(attention_wo, RowParallelLinear) and type(mlp_wo) is nn.Linear
+    assert mlp_wo.in_features == 128 and attention_wo.weight.shape == (64, 32)
     lfm2 = transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2", 512, **CASES["lfm2"]))
     assert attention_rules(lfm2) == {"model.layers.1.self_attn.out_proj": ROW}
