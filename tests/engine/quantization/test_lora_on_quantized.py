@@ -52,6 +52,7 @@ def test_lora_on_a_quantized_base(tmp_path, kind):
     dequantized = ckpt.write_quantized(float_dir, tmp_path / kind, config, quantize)
     adapter = make_adapter(str(float_dir), tmp_path / "adapter", seed=5, r=4, lora_alpha=8,
                            target_modules=["q_proj", "v_proj", "down_proj"])
+    adapted: Any  # a PeftModel (unmerged) or the merged transformers model: both generate
     if inputs_quantized:  # transformers' own load (compressed-tensors' forward) under peft's adapter
         base = ckpt.transformers_own_model(tmp_path / kind)
         adapted = peft.PeftModel.from_pretrained(ckpt.transformers_own_model(tmp_path / kind), adapter).eval()
