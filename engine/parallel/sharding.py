@@ -82,8 +82,19 @@ class Heads:
 
 
 def model_heads(hf_config: transformers.PretrainedConfig) -> Heads | None:
-    """The text model's heads (None for a model without attention heads)."""
+    """The text model's heads (None for a model without attention heads); ShardingError
+    for a model whose layers have heads of their own counts (dots3_note's per-layer
+    config), which one split of the heads per rank cannot serve."""
     text_config = hf_config.get_text_config()
+    per_layer = getattr(text_config, "per_layer_config", None)
+    if per_layer:
+        counts = {(getattr(layer, "num_attention_heads", None), getattr(layer, "num_key_value_heads", None))
+                  for layer in per_layer}
+        if len(counts) > 1:
+            raise ShardingError(
+                f"{text_config.model_type}: its layers have different head counts (query, key-value heads: "
+                f"{sorted(counts, key=str)}), while tensor parallelism gives every layer the same share of heads")
+        text_config = per_layer[0]
     num_heads = getattr(text_config, "num_attention_heads", None)
     if not num_heads:
         return None

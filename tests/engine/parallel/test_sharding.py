@@ -29,6 +29,8 @@ from shardline.engine.parallel.sharding import (
 )
 from shardline.engine.parallel.verdict import check_tensor_parallel, tensor_parallel_verdict
 
+from ..coverage_configs import tiny_overrides
+
 
 def refusal(config: transformers.PretrainedConfig, size: int = 2, **options) -> str:
     kwargs: dict[str, Any] = dict(quantization=None, task="generate") | options
@@ -113,3 +115,11 @@ def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, r
     with pytest.raises(ShardingError, match="not split over ranks") as error:
         tensor_parallel_verdict(config, 2, quantization=None, task="generate")
     assert str(error.value).startswith(reason)
+
+
+def test_layers_with_their_own_head_counts_are_refused():
+    """dots3_note's sliding layers have heads of their own counts (its per-layer config):
+    one share of heads per rank cannot serve both, so the verdict refuses it naming them."""
+    config = tiny_config("dots3_note_text", 512, **tiny_overrides("dots3_note_text"))
+    with pytest.raises(ShardingError, match=r"dots3_note_text: its layers have different head counts"):
+        tensor_parallel_verdict(config, 2, quantization=None, task="generate")
