@@ -52,14 +52,15 @@ def qsa_refusal(text_config: transformers.PretrainedConfig) -> str | None:
 def block_selection(q_index: torch.Tensor, pooled: torch.Tensor, positions: torch.Tensor, ratio: int,
                     block_topk: int, seq_len: int) -> torch.Tensor:
     """[n, seq_len] bool: the tokens each query attends. q_index [n, H, D] (normed and
-    rotated), pooled [B, D] the complete blocks' keys (rotated), positions [n]."""
-    scores = torch.matmul(q_index.float(), pooled.float().transpose(0, 1))  # [n, H, B]
-    scores = torch.relu(scores).sum(dim=1) / math.sqrt(q_index.shape[-1])  # [n, B]
+    rotated), pooled [B, D] the complete blocks' keys (rotated), positions [n]. Each
+    query's scores are computed as transformers does, over the blocks it sees alone."""
     selected = torch.zeros(q_index.shape[0], seq_len, dtype=torch.bool, device=q_index.device)
     for row, position in enumerate(positions.tolist()):
         visible = (position + 1) // ratio
         if visible:
-            best = scores[row, :visible].topk(min(block_topk, visible), dim=0).indices
+            scores = torch.matmul(q_index[row].float(), pooled[:visible].float().transpose(-1, -2)).transpose(-1, -2)
+            scores = torch.relu(scores).sum(dim=-1) / math.sqrt(q_index.shape[-1])  # [visible]
+            best = scores.topk(min(block_topk, visible), dim=0).indices
             tokens = (best[:, None] * ratio + torch.arange(ratio, device=best.device)[None, :]).flatten()
             selected[row, tokens] = True
         selected[row, visible * ratio:position + 1] = True
@@ -154,10 +155,12 @@ class QuerySparseAttention(_Replacement):
 
 def _masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, selected: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """query [n, H, D] over keys, values [S, Hkv, D] where selected [n, S]; -> [n, H, D]."""
+    """query [n, H, D] over keys, values [S, Hkv, D] where selected [n, S]; -> [n, H, D].
+    The ops (and roundings) of transformers' eager attention: scaled scores in the model's
+    dtype, the masked ones at its lowest value, softmax in float32."""
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    logits = torch.einsum("nhd,shd->hns", query, keys) * scale
-    logits = logits.masked_fill(~selected[None], float("-inf"))
+    logits = torch.matmul(query.transpose(0, 1), keys.permute(1, 2, 0)) * scale  # [H, n, S]
+    logits = logits.masked_fill(~selected[None], torch.finfo(logits.dtype).min)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.einsum("hns,shd->nhd", probs, values)
+    return torch.matmul(probs, values.transpose(0, 1)).transpose(0, 1)
