@@ -162,8 +162,9 @@ def _packed_panel_rows(row_bytes: int) -> int:
 
 def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                    dequantize: Callable[[int, int, torch.Tensor], None],
-                   to_blocked: Callable[[int, PackedPanel], None] | None) -> None:
-    """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows; x: [M, K]. Where
+                   to_blocked: Callable[[int, PackedPanel], None] | None) -> torch.Tensor:
+    """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows, returning out (or
+    the one packed panel's product where it covers the weight); x: [M, K]. Where
     oneDNN packs x's dtype in a layout cpu_quant_panel.py fills, ``to_blocked(n0,
     panel)`` (None: the weight's scales do not suit it) dequantizes each panel straight
     into a packed weight that oneDNN multiplies; else ``dequantize(n0, n1, panel)``
@@ -180,13 +181,17 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
         panel_bias = None if bias is None else bias[n0:n1]
         if packed is not None and to_blocked is not None:
             to_blocked(n0, packed)
-            out[:, n0:n1] = packed.matmul(x, panel_bias)
+            product = packed.matmul(x, panel_bias)
+            if n1 - n0 == out_features:
+                return product
+            out[:, n0:n1] = product
             continue
         if scratch is None:
             scratch = torch.empty(min(panel_rows, out_features), in_features, dtype=x.dtype)
         rows = scratch[: n1 - n0]
         dequantize(n0, n1, rows)
         out[:, n0:n1] = torch.mm(x, rows.t()) if panel_bias is None else torch.addmm(panel_bias, x, rows.t())
+    return out
 
 
 def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -221,7 +226,7 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
             panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads)
-        _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(block_cols, in_features) else None)
+        out = _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(block_cols, in_features) else None)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -264,7 +269,7 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
             panel.fill_w4(packed, scales, zeros, group_size, n0, threads)
-        _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(group_size, in_features) else None)
+        out = _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(group_size, in_features) else None)
     return out.view(*x.shape[:-1], out_features)
 
 
