@@ -209,7 +209,7 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
     """The layer's bfloat16 decode-kernel call where it runs x (a CPU decode shape of
     bfloat16 rows, weight-only, the C kernels chosen): bound on first use and again
     whenever the layer's tensors were replaced; None where it does not run x."""
-    if not (x.dtype == torch.bfloat16 and x.shape[0] <= DECODE_MAX_ROWS and x.is_cpu and x.stride(-1) == 1
+    if not (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS and x.is_cpu and x.stride(-1) == 1
             and layer.cpu_kernels and layer.input_quantization == "none"):
         return None
     buffers = layer._buffers  # read directly: a decode step asks this for every linear

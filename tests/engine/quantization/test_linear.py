@@ -82,6 +82,7 @@ def test_bound_decode_call_follows_the_layers_tensors(name):
         torch.testing.assert_close(module(x).float(), expected, rtol=8e-3, atol=bound)
 
     check(layer)
+    assert layer(x[:0]).shape == (0, layer.out_features)  # no rows: not the decode kernel's shape
     first = layer.bound_decode
     copied = copy.deepcopy(layer)
     if layer.layout == "w8":
