@@ -5,7 +5,7 @@ transformers' through chunked prefill splitting compress blocks, preemption, pre
 hits and decode.
 
 The tiny model: a compress rate of 4 (CSA) and 8 (HCA), a window of 8 and an index top-k
-of 3, so prompts of up to 61 tokens cross the window and rank up to 15 entries; sinks,
+of 3, so prompts of up to 41 tokens cross the window and rank up to 10 entries; sinks,
 the hash router's token table and the compressors' position biases are random (their
 defaults are zeros). Ties: 8 indexer heads, and every test records transformers' indexer
 rows and asserts a gap at the top-k boundary (test_sparse_indexer.IndexerTies).
@@ -91,7 +91,7 @@ def test_selection_keeps_the_top_k_visible_entries():
 def test_deepseek_v4_equals_transformers_through_chunks_preemption_and_prefix_hits(tmp_path, monkeypatch):
     model_dir, reference = _tiny_deepseek_v4(tmp_path)
     assert model_support(reference.config, "generate").ok
-    prompts = random_prompts(6, (2, 45), 512, seed=41, shared_prefix=21)
+    prompts = random_prompts(4, (2, 45), 512, seed=41, shared_prefix=21)
     expected = _untied_greedy(monkeypatch, reference, prompts, 8, INDEX_TOPK)
     assert len({tuple(tokens) for tokens in expected}) > 1  # the tokens depend on the prompt
     spec = KVCacheSpec.from_hf_config(reference.config, torch.float32)
