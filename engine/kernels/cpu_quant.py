@@ -53,6 +53,10 @@ PANEL_BYTES = 2 << 20
 # panels of this size (still in the cache when oneDNN reads them), but at least 1024
 # rows up to 4x the size: oneDNN's matmul is slower on fewer rows of weight.
 PACKED_PANEL_BYTES = 4 << 20
+# From this many rows of x the packed panels are taken: below it, dequantizing a panel
+# into the blocked layout costs more than oneDNN's own reorder of a plain one saves
+# (measured in bench_quant.py's kernel mode: slower at 128 rows, faster from 512).
+PACKED_MIN_ROWS = 256
 
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -170,7 +174,7 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     into a packed weight that oneDNN multiplies; else ``dequantize(n0, n1, panel)``
     fills a plain scratch of x's dtype for torch's matmul."""
     in_features, out_features = x.shape[1], out.shape[1]
-    packs = to_blocked is not None and packed_panels_available(x.dtype)
+    packs = to_blocked is not None and x.shape[0] >= PACKED_MIN_ROWS and packed_panels_available(x.dtype)
     row_bytes = in_features * x.element_size()
     panel_rows = _packed_panel_rows(row_bytes) if packs else max(16, PANEL_BYTES // row_bytes)
     bias = None if bias is None else bias.to(x.dtype)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardline.engine.kernels import cpu_quant_panel
-from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear, w8_blocks
+from shardline.engine.kernels.cpu_quant import PACKED_MIN_ROWS, cpu_w4_linear, cpu_w8_linear, w8_blocks
 from shardline.engine.kernels.cpu_quant_panel import PackedPanel, find_layout, packed_panels_available
 from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 
@@ -94,7 +94,7 @@ def test_nan_fp8_codes_stay_nan_in_the_panel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [65, 300])
+@pytest.mark.parametrize("rows", [PACKED_MIN_ROWS, 300])
 def test_prefill_rows_take_the_packed_panels_and_match_the_reference(dtype, rows):
     """Through the launchers (cpu_quant.py): a weight of several panels, a bias, rows
     oneDNN sees padded; float32: the reference's float32 product up to the order of its
