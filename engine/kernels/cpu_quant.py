@@ -11,7 +11,8 @@ cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat1
 rows take its many-rows kernel, which decodes a few weight rows once into a tile
 and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
 time is dequantized to x's dtype, straight into oneDNN's blocked weight layout where
-cpu_quant_panel.py finds it (float32 and bfloat16 x on AVX-512 builds) and multiplied
+cpu_quant_panel.py finds it (from ``PACKED_MIN_ROWS`` rows of float32 and bfloat16 x on
+AVX-512 builds) and multiplied
 by oneDNN's packed linear, else into a plain scratch multiplied by torch's matmul, so
 the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
