@@ -37,8 +37,7 @@ def small_linear_capability(dtype: torch.dtype) -> tuple[bool, str]:
 
 def small_kernel_choice(rows_hint: int, forced: bool) -> SmallKernelChoice:
     """The choice ``pack_linears`` asks per weight shape: every row count when
-    ``forced`` (SHARDLINE_CPU_PATHS=small_linear_kernel=on), else those whose cached
-    race the kernel won."""
+    ``forced``, else those whose cached race the kernel won."""
     def choose(out_features: int, in_features: int, dtype: torch.dtype) -> frozenset[int]:
         if forced:
             return frozenset(KERNEL_ROW_COUNTS)

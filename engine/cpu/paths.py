@@ -143,6 +143,10 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
             taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
         if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
             taken, why = False, "it runs packed linears, which are not taken"
+        elif name == "small_linear_kernel" and taken and setting is None:
+            # Its per-shape races win at 1-32 rows, yet bench_engine's workloads ran
+            # slower with it on this AVX-512 host: taken only where turned on.
+            taken, why = False, "off unless SHARDLINE_CPU_PATHS turns it on"
         choices[name] = taken
         reasons.append((name, why))
     paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,
@@ -216,8 +220,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
         assert paths.dtype is not None, "a path is chosen for the model's dtype (choose_cpu_paths)"
-        small_kernel = small_kernel_choice(rows_hint, path_settings().get("small_linear_kernel") is True
-                                           ) if paths.small_linear_kernel else None
+        small_kernel = small_kernel_choice(rows_hint, forced=False) if paths.small_linear_kernel else None
         packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype,
                               small_kernel=small_kernel)
         mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)

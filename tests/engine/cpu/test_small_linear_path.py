@@ -60,10 +60,11 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @taken_unless_forced_off("packed_linears", "small_linear_kernel")
-def test_forced_on_every_packed_linear_takes_the_kernel_and_tokens_stay(tiny_llama_dir, monkeypatch):
+def test_turned_on_every_packed_linear_takes_the_kernel_and_tokens_stay(tiny_llama_dir, monkeypatch):
     from shardline import LLM
 
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "packed_linears=on,small_linear_kernel=on")
+    monkeypatch.setattr(linear_race, "TAKE_RATIO", 0.0)  # every raced row count taken
     expected = _hf_greedy(tiny_llama_dir, PROMPTS)
     assert expected != _hf_greedy(tiny_llama_dir, [p[1:] + [9] for p in PROMPTS])  # the input matters
     llm = LLM(tiny_llama_dir, dtype="float32")
@@ -107,3 +108,15 @@ def test_packed_matmul_takes_the_kernel_at_its_row_counts_and_gives_the_product(
     x = torch.randn(rows, 24, generator=generator)
     torch.testing.assert_close(packed_matmul(x, packed, bias), torch.nn.functional.linear(x, weight, bias),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_off_unless_turned_on(monkeypatch):
+    from shardline.engine.cpu.capability import ModelShape
+    from shardline.engine.cpu.paths import choose_cpu_paths
+
+    monkeypatch.delenv("SHARDLINE_CPU_PATHS", raising=False)
+    shape = ModelShape(hidden_size=64, widest_linear=192, num_heads=4, num_kv_heads=2, head_dim=16)
+    paths = choose_cpu_paths(torch.float32, shape, rows_hint=64)
+    assert not paths.small_linear_kernel
+    assert dict(paths.reasons)["small_linear_kernel"] in ("off unless SHARDLINE_CPU_PATHS turns it on",
+                                                         "it runs packed linears, which are not taken")
