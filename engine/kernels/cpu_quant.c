@@ -51,25 +51,6 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* ---- Element conversions ---- */
 
-/* float8_e4m3fn code -> float32, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
- * bits; exponent 0 is subnormal (m * 2^-9); 0x7f and 0xff are NaN. Built from the
- * bits (no subnormal float arithmetic, so flush-to-zero modes do not change it). */
-static inline float fp8_to_f32(uint8_t code) {
-    const uint32_t magnitude = code & 0x7fu;
-    uint32_t bits;
-    if (magnitude == 0x7fu) {
-        bits = 0x7fc00000u;
-    } else if (magnitude < 8u) {
-        const float value = (float)magnitude * (1.0f / 512.0f);
-        memcpy(&bits, &value, sizeof bits);
-    } else {
-        bits = (magnitude << 20) + (120u << 23);
-    }
-    bits |= (uint32_t)(code & 0x80u) << 24;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 /* VL bytes at p widened to int32 lanes, sign- or zero-extended. x86 gets its widening
  * loads (GCC lowers __builtin_convertvector's byte-to-int lane by lane). */

@@ -30,21 +30,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The float32 value of a W8 code, as cpu_quant.c decodes it (fp8: exact, NaN kept). */
 static inline float w8_scalar(uint8_t code, int fp8) {
-    if (!fp8) return (float)(int8_t)code;
-    const uint32_t magnitude = code & 0x7fu;
-    uint32_t bits;
-    if (magnitude == 0x7fu) {
-        bits = 0x7fc00000u;
-    } else if (magnitude < 8u) {
-        const float value = (float)magnitude * (1.0f / 512.0f);
-        memcpy(&bits, &value, sizeof bits);
-    } else {
-        bits = (magnitude << 20) + (120u << 23);
-    }
-    bits |= (uint32_t)(code & 0x80u) << 24;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
+    return fp8 ? fp8_to_f32(code) : (float)(int8_t)code;
 }
 
 /* 32 W8 codes at p as bfloat16, in order. fp8 by its bits: a normal code's exponent

@@ -34,24 +34,6 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* ---- Dequantizing into the blocked layout ---- */
 
-/* float8_e4m3fn code -> float32, exactly (subnormals m * 2^-9; 0x7f / 0xff NaN). */
-static inline float fp8_value(uint8_t code) {
-    const uint32_t magnitude = code & 0x7fu;
-    uint32_t bits;
-    if (magnitude == 0x7fu) {
-        bits = 0x7fc00000u;
-    } else if (magnitude < 8u) {
-        const float value = (float)magnitude * (1.0f / 512.0f);
-        memcpy(&bits, &value, sizeof bits);
-    } else {
-        bits = (magnitude << 20) + (120u << 23);
-    }
-    bits |= (uint32_t)(code & 0x80u) << 24;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
 /* Where the blocked layout holds a panel's rows and units (see the top of the file). */
 typedef struct {
     uint32_t *blocked;
@@ -69,7 +51,7 @@ static inline void store_element(const blocked_panel *panel, int64_t r, int64_t 
 
 /* Which scale of a W8 row covers column k, and the W4 group's. */
 static inline float w8_element(const uint8_t *row, const float *scale_row, int64_t bk, int64_t k, int fp8) {
-    const float code = fp8 ? fp8_value(row[k]) : (float)(int8_t)row[k];
+    const float code = fp8 ? fp8_to_f32(row[k]) : (float)(int8_t)row[k];
     return code * scale_row[k / bk];
 }
 
