@@ -133,8 +133,10 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         setting = settings.get(name)
         # How the path would run, where that is not the only way (float32 copies).
         how = f" {copies_why or why}" if capable and name == "packed_linears" and packed_dtype is not None else ""
-        if not capable or setting is False:
-            taken, why = False, why if not capable else "turned off by SHARDLINE_CPU_PATHS"
+        if setting is False:  # the user's choice is the reason, whatever the host could do
+            taken, why = False, "turned off by SHARDLINE_CPU_PATHS"
+        elif not capable:
+            taken = False
         elif setting is True or measure is None:
             taken, why = True, why if setting is None else f"turned on by SHARDLINE_CPU_PATHS{how}"
         else:
