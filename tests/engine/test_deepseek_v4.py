@@ -19,15 +19,15 @@ import pytest
 import torch
 import transformers
 
-from shardline import LLM, SamplingParams
+from shardline import LLM
 from shardline.engine.attention.sparse_compressed import PooledSeries, pool_blocks, select_entries
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.support import model_support
 from shardline.engine.model.tiny import build_tiny_model
 
-from .hf_reference import random_prompts
-from .test_sparse_indexer import _greedy, _untied_greedy
+from .hf_reference import assert_exact_through_preemption_and_hits, engine_greedy, random_prompts
+from .test_sparse_indexer import _untied_greedy
 
 INDEX_TOPK = 3
 LAYERS = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"]
@@ -103,13 +103,8 @@ def test_deepseek_v4_equals_transformers_through_chunks_preemption_and_prefix_hi
               kv_cache_memory_bytes=5 * spec.bytes_per_block(16))
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
-    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
-    assert _greedy(llm, prompts[:3], 8) == expected[:3]  # entries and projections come back with the blocks
-    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    # The rerun: entries and projections come back with the blocks.
+    assert_exact_through_preemption_and_hits(llm, prompts, expected, rerun=3)
     llm.close()
 
 
@@ -122,5 +117,5 @@ def test_deepseek_v4_compressed_layers_alone_decode_past_many_blocks(tmp_path, m
     prompts = random_prompts(3, (5, 30), 512, seed=42)
     expected = _untied_greedy(monkeypatch, reference, prompts, 24, INDEX_TOPK)
     llm = LLM(model_dir, dtype="float32", max_num_seqs=3)
-    assert _greedy(llm, prompts, 24) == expected
+    assert engine_greedy(llm, prompts, 24) == expected
     llm.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from shardline import LLM, SamplingParams
+from shardline import LLM
 from shardline.engine.attention.latent_window import visible_keys, window_start
 from shardline.engine.attention.mla import latent_paged_attention
 from shardline.engine.llm_engine import LLMEngine
@@ -23,8 +23,8 @@ from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model
 
 from .coverage import tiny_overrides
-from .hf_reference import random_prompts
-from .test_sparse_indexer import _greedy, _untied_greedy
+from .hf_reference import assert_exact_through_preemption_and_hits, random_prompts
+from .test_sparse_indexer import _untied_greedy
 
 WINDOW, INDEX_TOPK = 8, 6
 LAYERS = ["indexed_attention", "sliding_attention", "indexed_attention"]
@@ -116,12 +116,6 @@ def test_dots3_note_equals_transformers_through_windows_chunks_preemption_and_pr
     assert isinstance(engine, LLMEngine)
     windowed = engine.runner.windowed
     assert windowed is not None and windowed.layer_groups == (0, 1, 0)  # the sliding layer frees its blocks
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
-    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
-    assert _greedy(llm, prompts[:2], 8) == expected[:2]
-    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    assert_exact_through_preemption_and_hits(llm, prompts, expected, rerun=2)
     llm.close()
 

@@ -16,21 +16,15 @@ from __future__ import annotations
 import torch
 import transformers
 
-from shardline import LLM, SamplingParams
+from shardline import LLM
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model
 
 from .coverage import tiny_overrides
-from .hf_reference import hf_greedy, random_prompts
+from .hf_reference import assert_exact_through_preemption_and_hits, hf_greedy, random_prompts
 
 LAYERS = ["hybrid_sliding", "hybrid", "hybrid_sliding"]
-
-
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
 
 
 def test_inkling_equals_transformers_through_chunks_preemption_and_prefix_hits(tmp_path):
@@ -55,11 +49,6 @@ def test_inkling_equals_transformers_through_chunks_preemption_and_prefix_hits(t
     windowed = engine.runner.windowed
     # The sliding layers and the convolution inputs free the blocks no later query reads.
     assert windowed is not None and windowed.layer_groups == (1, 0, 1, 2, 2, 2)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
-    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
-    assert _greedy(llm, prompts[:2], 8) == expected[:2]  # convolution inputs come back with cached blocks
-    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    # The rerun: convolution inputs come back with cached blocks.
+    assert_exact_through_preemption_and_hits(llm, prompts, expected, rerun=2)
     llm.close()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from shardline import LLM, SamplingParams
+from shardline import LLM
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.adapters.qwen4_exp import block_selection
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
@@ -22,7 +22,7 @@ from shardline.engine.model.support import model_support
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
 
 from .coverage import tiny_overrides
-from .hf_reference import hf_greedy, random_prompts
+from .hf_reference import assert_exact_through_preemption_and_hits, hf_greedy, random_prompts
 
 BLOCK_TOPK = 2
 
@@ -50,12 +50,6 @@ def _tiny_qwen4_exp(tmp_path) -> tuple[str, transformers.PreTrainedModel]:
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     return str(model_dir), reference
-
-
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
 
 
 def test_a_query_attends_its_best_blocks_and_the_tokens_after_its_last_whole_block():
@@ -92,11 +86,6 @@ def test_qwen4_exp_equals_transformers_through_chunks_preemption_and_prefix_hits
               kv_cache_memory_bytes=6 * spec.bytes_per_block(16) + 24 * 1024)
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
-    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
-    assert _greedy(llm, prompts[:3], 8) == expected[:3]  # index keys come back with the cached blocks
-    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    # The rerun: index keys come back with the cached blocks.
+    assert_exact_through_preemption_and_hits(llm, prompts, expected, rerun=3)
     llm.close()

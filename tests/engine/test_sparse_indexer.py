@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from shardline import LLM, SamplingParams
+from shardline import LLM
 from shardline.engine.attention.sparse_index import select_keys, write_index_keys
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
@@ -24,7 +24,7 @@ from shardline.engine.model.support import model_support
 from shardline.engine.model.tiny import build_tiny_model
 
 from .coverage import tiny_overrides
-from .hf_reference import hf_greedy, random_prompts
+from .hf_reference import assert_exact_through_preemption_and_hits, engine_greedy, hf_greedy, random_prompts
 
 INDEX_TOPK = 6
 INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=INDEX_TOPK)
@@ -109,12 +109,6 @@ def _tiny_indexed(tmp_path, model_type: str, **overrides) -> tuple[str, transfor
     return str(model_dir), reference
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
-
-
 def _untied_greedy(monkeypatch, reference: transformers.PreTrainedModel, prompts: list[list[int]],
                    max_tokens: int, topk: int) -> list[list[int]]:
     """transformers' greedy tokens for ``prompts``, checking that no indexer score ties at
@@ -138,13 +132,8 @@ def test_deepseek_v32_equals_transformers_through_chunks_preemption_and_prefix_h
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
     assert {tuple(value.shape[2:]) for _, value in engine.runner.kv_caches} == {(1, INDEXER["index_head_dim"])}
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    assert sum(output.metrics.num_preemptions for output in outputs if output.metrics is not None) > 0
-    hits_before = engine.scheduler.kv_cache.stats.num_hit_tokens
-    assert _greedy(llm, prompts[:2], 8) == expected[:2]  # index keys come back with the cached blocks
-    assert engine.scheduler.kv_cache.stats.num_hit_tokens > hits_before
+    # The rerun: index keys come back with the cached blocks.
+    assert_exact_through_preemption_and_hits(llm, prompts, expected, rerun=2)
     llm.close()
 
 
@@ -166,7 +155,7 @@ def test_other_indexed_types_equal_transformers(model_type, tmp_path, monkeypatc
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine)
     assert [tuple(value.shape[2:]) for _, value in engine.runner.kv_caches] == [(1, width) for width in widths]
-    assert _greedy(llm, prompts, 8) == expected
+    assert engine_greedy(llm, prompts, 8) == expected
     llm.close()
 
 
@@ -190,7 +179,7 @@ def test_requests_within_the_top_k_take_the_decode_kernel(decode_kernel, tmp_pat
     taken = {module.latent_decode_kernel for module in engine.runner.model.modules()
              if hasattr(module, "latent_decode_kernel")}
     assert taken == {decode_kernel == "on"}
-    assert _greedy(llm, prompts, 8) == expected
+    assert engine_greedy(llm, prompts, 8) == expected
     llm.close()
 
 
@@ -203,7 +192,7 @@ def test_deepseek_v32_on_two_tensor_parallel_ranks_equals_transformers(tmp_path,
     expected = _untied_greedy(monkeypatch, reference, prompts, 6, INDEX_TOPK)
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=8)
     try:
-        assert _greedy(llm, prompts, 6) == expected
+        assert engine_greedy(llm, prompts, 6) == expected
     finally:
         llm.close()
 
