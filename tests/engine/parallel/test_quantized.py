@@ -6,8 +6,13 @@ model's greedy tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
+import transformers
+from torch import nn
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny import build_tiny_model
@@ -133,10 +138,21 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def check_two_ranks(float_dir, quantized_dir, dequantized_weights) -> None:
     """2 ranks and 1 give the dequantized transformers model's greedy tokens, which
     depend on the prompt; the ranks hold quantized shares."""
-    reference = ckpt.reference_model(float_dir, dequantized_weights)
+    def holds_quantized_shares(model: nn.Module) -> bool:
+        return {QuantizedLinear, RowParallelQuantized} <= {type(module) for module in model.modules()}
+
+    two_ranks_match(ckpt.reference_model(float_dir, dequantized_weights), quantized_dir, holds_quantized_shares,
+                    num_short=4)
+
+
+def two_ranks_match(reference: transformers.PreTrainedModel, quantized_dir: Path,
+                    holds_shares: Callable[[nn.Module], bool], num_short: int) -> None:
+    """The quantized checkpoint on 1 rank and on 2 gives ``reference``'s greedy tokens
+    (which depend on the prompt: 3 prompts sharing a prefix, ``num_short`` short ones),
+    and the 2 ranks' model passes ``holds_shares``."""
     vocab_size = reference.config.vocab_size
     prompts = random_prompts(3, (9, 12), vocab_size, seed=1, shared_prefix=32) + \
-        random_prompts(4, (4, 12), vocab_size, seed=2)
+        random_prompts(num_short, (4, 12), vocab_size, seed=2)
     expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
     assert len({tuple(tokens) for tokens in expected}) > 1
     one_rank = LLM(str(quantized_dir), **OPTIONS)
@@ -147,8 +163,7 @@ def check_two_ranks(float_dir, quantized_dir, dequantized_weights) -> None:
     two_ranks = LLM(str(quantized_dir), tensor_parallel_size=2, **OPTIONS)
     try:
         assert generate(two_ranks, prompts) == expected
-        kinds = {type(module) for module in ckpt.engine_model(two_ranks).modules()}
-        assert {QuantizedLinear, RowParallelQuantized} <= kinds
+        assert holds_shares(ckpt.engine_model(two_ranks))
     finally:
         two_ranks.close()
 

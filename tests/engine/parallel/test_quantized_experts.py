@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 from accelerate import init_empty_weights
+from torch import nn
 from transformers.utils.quantization_config import Mxfp4Config
 
-from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.experts import expert_share, split_quantized_experts
 from shardline.engine.parallel.group import RankGroup, ShardingError
@@ -25,12 +25,10 @@ from shardline.engine.quantization.checkpoint import CheckpointTensors
 from shardline.engine.quantization.experts import QuantizedExperts, replace_quantized_experts
 from shardline.engine.quantization.methods import parse_quantization_config
 
-from ..hf_reference import hf_greedy, random_prompts
 from ..quantization import checkpoints as ckpt
 from ..quantization.moe_checkpoints import fused_reference_model, write_gpt_oss_mxfp4
+from .test_quantized import two_ranks_match
 
-MAX_TOKENS = 10
-OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
 # Per format: (quantization_config, the checkpoint writer).
 FORMATS = {
     "fp8_channel": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, ckpt.fp8_per_channel),
@@ -126,33 +124,14 @@ def test_act_order_groups_mixing_the_ranks_inputs_are_refused(tmp_path):
         split_quantized_experts(experts, "experts", RankGroup(0, 2, lambda: ""))
 
 
-def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
-
-
 def check_two_ranks(reference: transformers.PreTrainedModel, quantized_dir: Path) -> None:
     """2 ranks and 1 give the dequantized transformers model's greedy tokens, which
     depend on the prompt; the ranks hold quantized shares of the experts."""
-    vocab_size = reference.config.vocab_size
-    prompts = random_prompts(3, (9, 12), vocab_size, seed=1, shared_prefix=32) + \
-        random_prompts(3, (4, 12), vocab_size, seed=2)
-    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
-    assert len({tuple(tokens) for tokens in expected}) > 1
-    one_rank = LLM(str(quantized_dir), **OPTIONS)
-    try:
-        assert generate(one_rank, prompts) == expected
-    finally:
-        one_rank.close()
-    two_ranks = LLM(str(quantized_dir), tensor_parallel_size=2, **OPTIONS)
-    try:
-        assert generate(two_ranks, prompts) == expected
-        shares = [module.inner for module in ckpt.engine_model(two_ranks).modules()
-                  if isinstance(module, ReducedOutput)]
-        assert shares and all(isinstance(share, QuantizedExperts) for share in shares)
-    finally:
-        two_ranks.close()
+    def holds_expert_shares(model: nn.Module) -> bool:
+        shares = [module.inner for module in model.modules() if isinstance(module, ReducedOutput)]
+        return bool(shares) and all(isinstance(share, QuantizedExperts) for share in shares)
+
+    two_ranks_match(reference, quantized_dir, holds_expert_shares, num_short=3)
 
 
 def test_gpt_oss_mxfp4_on_two_ranks(tmp_path):
