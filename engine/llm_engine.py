@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,13 +29,14 @@ from .core.scheduler import SchedulerOutput
 from .inputs.prompts import PromptType, tokenize_prompt
 from .lora.request import lora_cache_salt
 from .model.loader import LoadedModel
-from .model.runner import ModelOutput, PendingTokens
+from .model.runner import ModelOutput
+from .model.step_io import LaunchedStep, take_rows
 from .multimodal.inputs import ImageInput, ProcessedPrompt
 from .multimodal.media import check_prompt_keys, prompt_media, refuse_media
 from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams, SamplingTraits, SamplingType
 from .parts.build import EngineParts, build_engine_parts
-from .sampling.sampler import SamplerOutput, gather_logprobs
+from .sampling.sampler import gather_logprobs
 from .sampling.sequences import RequestState, SequenceRecord, Sequences
 from .sampling.structured import StructuredOutputError, forbidden_picks
 from .tools import TOOL_CALL_PARSERS
@@ -381,33 +381,3 @@ class LLMEngine:
         self.sequences.remove(state.request_id)
         num_cached = max(state.samples[0].sequence.num_cached_tokens, 0)
         return self.output_processor.make_output(state, num_cached)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and sampling are queued: its sample rows, the sampler's
-    output (token ids still on the device), the structured-output bitmask and the
-    rows it restricts, the failures found so far, and whether its outputs wait for
-    the next step (``deferred``: each row's sequence then has one pending token)."""
-
-    rows: list[SequenceRecord]
-    sampled: SamplerOutput | None
-    bitmask: torch.Tensor | None
-    restricted: set[int]
-    failures: dict[str, StructuredOutputError]
-    deferred: bool
-
-    def pending_tokens(self) -> PendingTokens | None:
-        """The runner's view of the sampled ids the next step reads, if deferred."""
-        if not self.deferred:
-            return None
-        assert self.sampled is not None, "a deferred step has sampled its rows"
-        return PendingTokens(self.sampled.token_ids, {row.sequence.request_id: i for i, row in enumerate(self.rows)})
-
-
-def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows]; the common case (every row once, in order) without a copy, and
-    otherwise without a blocking host-to-device copy of the index."""
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))

@@ -1,7 +1,7 @@
 """What one step of the model runner takes and gives: the packed forward's keyword
 arguments, the logits rows it keeps (for sampling and prompt logprobs) and its output,
-a step's sampled tokens not yet processed, and the other tensor-parallel ranks as the
-runner drives them."""
+a step's sampled tokens not yet processed, a launched step waiting for them (async
+scheduling), and the other tensor-parallel ranks as the runner drives them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from ..attention.context import AttentionContext
 from ..core.scheduler import ScheduledRequest
 from ..multimodal.qwen_vl import DeepstackRows
 from ..recurrent.state import RecurrentStep
+from ..sampling.sampler import SamplerOutput
+from ..sampling.sequences import SequenceRecord
+from ..sampling.structured import StructuredOutputError
 from .input_batch import PackedBatch
 
 
@@ -137,3 +140,33 @@ class ModelOutput:
     logits: torch.Tensor
     sample_rows: dict[str, int]
     prompt_rows: dict[str, PromptRows]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued: its sample rows, the sampler's
+    output (token ids still on the device), the structured-output bitmask and the
+    rows it restricts, the failures found so far, and whether its outputs wait for
+    the next step (``deferred``: each row's sequence then has one pending token)."""
+
+    rows: list[SequenceRecord]
+    sampled: SamplerOutput | None
+    bitmask: torch.Tensor | None
+    restricted: set[int]
+    failures: dict[str, StructuredOutputError]
+    deferred: bool
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """The runner's view of the sampled ids the next step reads, if deferred."""
+        if not self.deferred:
+            return None
+        assert self.sampled is not None, "a deferred step has sampled its rows"
+        return PendingTokens(self.sampled.token_ids, {row.sequence.request_id: i for i, row in enumerate(self.rows)})
+
+
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]; the common case (every row once, in order) without a copy, and
+    otherwise without a blocking host-to-device copy of the index."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
