@@ -43,6 +43,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from ..quantization.linear import QuantizedLinear
+from ..quantization.stacked import stacked_projection
 from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
 from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
 from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder, WeightedNorm
@@ -192,8 +194,11 @@ class FusedDecoderLayer(LayerReplacement):
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         # q, k and v as one matmul over their weights packed side by side (not LoRA wrappers).
         self.packed_qkv, self.qkv_bias, self.qkv_sizes = None, None, [p.out_features for p in projections]
+        self.stacked_qkv: QuantizedLinear | None = None
         if packable_side_by_side(projections):
             self.packed_qkv, self.qkv_bias = pack_side_by_side(projections, rows_hint)
+        else:  # quantized q, k and v as one stacked call where they agree (quantization/stacked.py)
+            self.stacked_qkv = stacked_projection(projections)[0]
 
     def forward(self, hidden_states: torch.Tensor, *args: Any,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -228,10 +233,12 @@ class FusedDecoderLayer(LayerReplacement):
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [T, H, D], keys and values [T, Hkv, D] of x [T, hidden]: one matmul over
         the three weights packed side by side when they were (views of its output, rows
-        of D contiguous), else the three projections."""
+        of D contiguous), or the quantized ones stacked, else the three projections."""
         attention = self.layer.self_attn
         tokens, head_dim = x.shape[0], attention.head_dim
-        if self.packed_qkv is None or x.dtype != attention.o_proj.weight.dtype:
+        if self.stacked_qkv is not None:
+            query, key, value = self.stacked_qkv(x).split(self.qkv_sizes, dim=-1)
+        elif self.packed_qkv is None or x.dtype != attention.o_proj.weight.dtype:
             query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         else:
             query, key, value = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)

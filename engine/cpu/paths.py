@@ -34,6 +34,7 @@ from ..kernels import cpu_prefill_attention
 from ..kernels.cpu_quant import cpu_w8_linear
 from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
+from ..quantization.stacked import stack_gated_mlps
 from . import capability
 from .capability import (
     COPY_HEADROOM,
@@ -236,6 +237,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         others += take_native_core(model)
     if paths.decode_kernel:  # latent attention layers' decode steps through kernels/cpu_mla.py
         take_latent_decode_kernel(model)
+    if paths.quant_kernels and paths.dtype is not None:  # quantized gate and up as one stacked call
+        mlps += stack_gated_mlps(model, paths.dtype, silu_kernel=paths.fused_kernels)
     quantized = choose_quant_kernels(model, paths.quant_kernels, paths.quant_int8_kernel)
     rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)

@@ -21,6 +21,7 @@ from . import checkpoints as ckpt
 
 MAX_NEW_TOKENS = 8
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+STACKED_GROUPS = ("stacked_qkv", "gate_up")  # the stacked groups' names in their modules
 PROMPTS = random_prompts(6, (2, 40), 512, seed=3)
 
 
@@ -97,10 +98,14 @@ def _engine_tokens(model_dir, prompts=PROMPTS, **options):
 
 def assert_kept_quantized(model: nn.Module, modules: list[str], dtype: torch.dtype) -> None:
     """Every quantized module is a QuantizedLinear holding ``dtype`` codes and no float weight."""
-    # The CPU path's fused decoder layers keep the original layer as their ``layer``.
-    found = {name.replace(".layer.", "."): layer for name, layer in quantized_linears(model)}
+    # The CPU path's fused decoder layers keep the original layer as their ``layer``, its
+    # stacked MLPs the original MLP as their ``mlp``; a stacked group (quantization/stacked.py)
+    # holds its parts' codes, which are views of it.
+    layers = dict(quantized_linears(model))
+    found = {name.replace(".layer.", ".").replace(".mlp.mlp.", ".mlp."): layer for name, layer in layers.items()
+             if name.rsplit(".", 1)[-1] not in STACKED_GROUPS}
     assert sorted(found) == sorted(modules)
-    for layer in found.values():
+    for layer in layers.values():
         stored = layer.weight if layer.layout == "w8" else layer.packed
         assert stored is not None and stored.dtype == dtype
         floats = [name for name, tensor in layer.named_buffers() if tensor.dtype in FLOAT_DTYPES
