@@ -1,9 +1,14 @@
-"""Quantized MoE experts (engine/quantization/experts.py's QuantizedExperts) split over
-tensor-parallel ranks with their scales.
+"""MoE experts split over tensor-parallel ranks: transformers' float experts modules
+(``split_float_experts``) and quantized ones (engine/quantization/experts.py's
+QuantizedExperts, with their scales).
 
-As the float experts split (engine/parallel/sharding.py's ``split_experts``), every rank
-routes every token and computes each expert over its share of the intermediate size;
-the experts' outputs are summed over ranks (ReducedOutput). A rank keeps:
+Every rank routes every token and computes each expert over its share of the
+intermediate size; the experts' outputs are summed over ranks (ReducedOutput). Float
+experts keep their own module and forward, holding the rank's share of each weight in
+the layout transformers gives it (``FloatExpertsLayout``: gate_up [E, 2I, H] or,
+transposed, [E, H, 2I], its gate and up outputs as two halves or interleaved pairs;
+down [E, H, I] or [E, I, H]; biases [E, 2I] and [E, H]); down's bias is kept on rank 0
+and zero on the others, so the sum adds it once. A quantized experts' rank keeps:
 - gate_up: the output rows of its intermediate share, with their scales (MXFP4: gpt-oss
   interleaves gate and up rows, so rows [2 * start, 2 * end); per-expert W8/W4: the
   share's rows of the gate half and of the up half);
@@ -27,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -54,9 +60,117 @@ def expert_share(intermediate: int, unit: int, group: RankGroup, name: str) -> t
     return first * unit, min((first + count) * unit, intermediate)
 
 
+# Float experts modules split though the model's tensor-parallel plan names none (gpt-oss's
+# plan leaves its experts out), by class name.
+UNNAMED_FLOAT_EXPERTS = ("GptOssExperts",)
+# Float experts' intermediate size is dealt out in whole units of 8, so every rank's rows
+# stay 16-byte aligned in bfloat16 (transformers' grouped matmul refuses other strides).
+FLOAT_EXPERTS_UNIT = 8
+# The marker of a quantized experts module already read as this rank's share
+# (engine/parallel/quantized_slices.py): the split wraps it as it is.
+RANK_SHARE = "rank_share"
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatExpertsLayout:
+    """How a float experts module holds its weights (the attributes transformers'
+    ``use_experts_implementation`` sets): ``transposed`` gate_up [E, H, 2I] and down
+    [E, I, H] (else [E, 2I, H], [E, H, I]); ``interleaved`` gate and up outputs in
+    alternating pairs (else the gate half, then the up half); ``biased`` with
+    gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]."""
+
+    transposed: bool
+    interleaved: bool
+    biased: bool
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(gate_up's output dimension, down's input dimension)."""
+        return (2, 1) if self.transposed else (1, 2)
+
+    def gate_up_ranges(self, intermediate: int, start: int, end: int) -> Ranges:
+        """gate_up's outputs (and bias entries) of the intermediate share [start, end)."""
+        if self.interleaved:
+            return ((2 * start, 2 * end),)
+        return (start, end), (intermediate + start, intermediate + end)
+
+
+def float_experts_layout(module: nn.Module) -> FloatExpertsLayout | None:
+    """``module``'s layout if it is a float experts module the ranks split exactly
+    (gated, no norm after each expert, gate_up twice down's intermediate size); None
+    otherwise."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and getattr(module, "has_gate", True)
+            and not getattr(module, "has_post_expert_norm", False)):
+        return None
+    biased = bool(getattr(module, "has_bias", False))
+    if biased and not all(isinstance(getattr(module, bias, None), nn.Parameter)
+                          for bias in ("gate_up_proj_bias", "down_proj_bias")):
+        return None
+    layout = FloatExpertsLayout(bool(getattr(module, "is_transposed", False)),
+                                not getattr(module, "is_concatenated", True), biased)
+    gate_up_dim, down_dim = layout.dims
+    return layout if gate_up.shape[gate_up_dim] == 2 * down.shape[down_dim] else None
+
+
+def splits_unnamed(module: nn.Module) -> bool:
+    """Whether the ranks split ``module`` as experts though no plan names it: quantized
+    experts, and the float experts of ``UNNAMED_FLOAT_EXPERTS`` in a layout split exactly."""
+    if isinstance(module, QuantizedExperts):
+        return True
+    return type(module).__name__ in UNNAMED_FLOAT_EXPERTS and float_experts_layout(module) is not None
+
+
+Ranges = tuple[tuple[int, int], ...]  # [start, end) ranges along one dimension, joined
+
+
+def float_expert_cuts(module: nn.Module, name: str, group: RankGroup) -> dict[str, tuple[int, Ranges]]:
+    """(dimension, ranges) of each weight of float experts ``module`` this rank keeps,
+    by parameter name (down's bias absent: kept whole); {} for a module not split."""
+    layout = float_experts_layout(module)
+    if layout is None:
+        return {}
+    gate_up_dim, down_dim = layout.dims
+    down = module.down_proj
+    assert isinstance(down, torch.Tensor), name
+    intermediate = int(down.shape[down_dim])
+    start, end = expert_share(intermediate, FLOAT_EXPERTS_UNIT, group, name)
+    ranges = layout.gate_up_ranges(intermediate, start, end)
+    cuts = {"gate_up_proj": (gate_up_dim, ranges), "down_proj": (down_dim, ((start, end),))}
+    if layout.biased:
+        cuts["gate_up_proj_bias"] = (1, ranges)
+    return cuts
+
+
+def split_float_experts(module: nn.Module, name: str, group: RankGroup) -> ReducedOutput:
+    """The float experts ``module`` holding this rank's share of its intermediate size
+    (``float_expert_cuts``), down's bias zero on every rank but 0, its output summed over
+    ranks. ShardingError, naming it, for a layout not split exactly."""
+    cuts = float_expert_cuts(module, name, group)
+    if not cuts:
+        raise ShardingError(f"{name}: {type(module).__name__} is not an expert layout the ranks split (gated "
+                            "gate_up_proj twice down_proj's intermediate size, no norm after each expert)")
+    for parameter_name, (dim, ranges) in cuts.items():
+        whole = getattr(module, parameter_name).detach()
+        part = torch.cat([whole.narrow(dim, start, end - start) for start, end in ranges], dim=dim)
+        setattr(module, parameter_name, nn.Parameter(part.contiguous(), requires_grad=False))
+    down_bias = getattr(module, "down_proj_bias", None)
+    if "gate_up_proj_bias" in cuts and group.rank and isinstance(down_bias, nn.Parameter):
+        module.down_proj_bias = nn.Parameter(torch.zeros_like(down_bias), requires_grad=False)
+    share = cuts["down_proj"][1][0]
+    for attribute in ("intermediate_size", "intermediate_dim"):  # plain ints some experts modules keep
+        if isinstance(module.__dict__.get(attribute), int):
+            module.__dict__[attribute] = share[1] - share[0]
+    return ReducedOutput(module, group)
+
+
 def split_quantized_experts(module: QuantizedExperts, name: str, group: RankGroup) -> ReducedOutput:
     """This rank's share of ``module`` (see the module docstring), its output summed over
-    ranks. ShardingError, naming the tensor, where a share would cut a block or group."""
+    ranks. ShardingError, naming the tensor, where a share would cut a block or group.
+    A module already read as this rank's share (``RANK_SHARE``) is wrapped as it is."""
+    if getattr(module, RANK_SHARE, False):
+        return ReducedOutput(module, group)
     gate_up, down = module.gate_up, module.down
     if isinstance(gate_up, Mxfp4ExpertWeights) and isinstance(down, Mxfp4ExpertWeights):
         start, end = expert_share(down.in_features, MXFP4_BLOCK, group, name)

@@ -40,6 +40,7 @@ from ..config import EngineConfig
 from ..quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
 from ..quantization.load import checkpoint_directory, checkpoint_renaming
 from ..recurrent.base import registered_module_classes
+from .experts import float_expert_cuts, splits_unnamed
 from .group import RankGroup, ShardingError
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
 from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
@@ -73,7 +74,7 @@ def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
     rules = plan_rules(model)
     plan: dict[str, Cut] = {}
     for name, module in model.named_modules():
-        split = split_of(name, rules)
+        split = EXPERTS if splits_unnamed(module) else split_of(name, rules)
         if split is None or f"{name}.".startswith(mixers):
             continue
         if type(module) is nn.Linear and split in (COLUMN, PACKED_COLUMN):
@@ -99,17 +100,10 @@ def _ranges(rows: slice | torch.Tensor, total: int) -> list[tuple[int, int]]:
 
 
 def _expert_cuts(module: nn.Module, name: str, group: RankGroup) -> dict[str, Cut]:
-    """gate_up_proj [E, 2I, H]: this rank's rows of the gate and of the up half;
-    down_proj [E, H, I]: its columns (``split_experts``'s share)."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and down.dim() == 3
-            and gate_up.dim() == 3 and down.shape[2] % group.size == 0):
-        return {}  # not the layout the ranks split: the sharding step refuses it, naming it
-    intermediate = down.shape[2]
-    share = intermediate // group.size
-    start = group.rank * share
-    halves = ((start, start + share), (intermediate + start, intermediate + start + share))
-    return {f"{name}.gate_up_proj": Cut(1, halves), f"{name}.down_proj": Cut(2, ((start, start + share),))}
+    """A float experts module's weights as ``split_float_experts`` cuts them: this
+    rank's gate_up outputs (and bias entries) of its intermediate share, down's inputs."""
+    return {f"{name}.{parameter}": Cut(dim, ranges)
+            for parameter, (dim, ranges) in float_expert_cuts(module, name, group).items()}
 
 
 def _vocabulary_cuts(model: nn.Module, group: RankGroup) -> dict[str, Cut]:

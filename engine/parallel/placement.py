@@ -50,10 +50,10 @@ def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: i
         whole = put_whole_linears(model, quantized, set(shares))
         logger.info("tensor-parallel rank %d reads %d quantized linears as slices, %d whole", group.rank,
                     len(shares), whole)
+        put_expert_shares(model, group, quantized)
     replaced = shard_model(model, group, num_attention_layers)
     if quantized is not None:
         put_linear_shares(model, group, quantized, shares)
-        put_expert_shares(model, group, quantized)
         quantized.tensors.close()
     if checkpoint is not None:
         read_rank_slices(model, checkpoint, plan)

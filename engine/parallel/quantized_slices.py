@@ -16,7 +16,7 @@ row, or where the linear is not a plain split one (inside a recurrent mixer, onl
 quantization), the linear is read whole before the split, as without slices, and the
 sharding step splits it (or refuses it, naming it).
 
-MXFP4 experts (gpt-oss) are read the same way after the split (``put_expert_shares``):
+MXFP4 experts (gpt-oss) are read the same way before the split (``put_expert_shares``):
 the loader leaves them on the meta device for a rank, and the checkpoint's own experts
 reader reads the rank's share at its share of the intermediate size. Per-expert FP8,
 INT8 and INT4 experts are read whole at load and split (engine/parallel/experts.py).
@@ -40,9 +40,9 @@ from ..quantization.load import QuantizedWeights
 from ..quantization.mxfp4 import MXFP4_BLOCK
 from ..quantization.scheme import QuantScheme
 from ..surgery import replace
-from .experts import expert_share
+from .experts import RANK_SHARE, expert_share
 from .group import RankGroup, ShardingError
-from .layers import ReducedOutput, RowParallelLinear
+from .layers import RowParallelLinear
 from .loading import Cut, slice_plan
 from .quantized import RowParallelQuantized
 
@@ -220,11 +220,12 @@ def put_linear_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeig
 
 
 def put_expert_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeights) -> int:
-    """After the split: each MXFP4 experts module the loader left on the meta device
+    """Before the split: each MXFP4 experts module the loader left on the meta device
     (``experts_deferred``) read as this rank's share (experts.py's ``expert_share`` in
     whole 32-element blocks: gate_up's interleaved rows and bias rows, down's input
-    blocks) by the checkpoint's own experts reader, its output summed over ranks (down's
-    bias on rank 0 only); return how many."""
+    blocks) by the checkpoint's own experts reader, down's bias on rank 0 only, and
+    marked as a share (``RANK_SHARE``: the split sums its output over ranks without
+    cutting it again); return how many."""
     if not weights.experts_deferred:
         return 0
     cuts: dict[str, Cut] = {}
@@ -245,5 +246,5 @@ def put_expert_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeig
         assert isinstance(share, QuantizedExperts), (name, type(share).__name__)
         if group.rank:
             share.down_bias = None
-        replace(model, name, ReducedOutput(share, group))
+        setattr(share, RANK_SHARE, True)
     return len(deferred)

@@ -40,9 +40,9 @@ from ..model.kv_cache_spec import KVCacheSpec
 from ..quantization.experts import QuantizedExperts
 from ..quantization.linear import QuantizedLinear
 from ..surgery import replace
-from .experts import split_quantized_experts
+from .experts import split_float_experts, split_quantized_experts, splits_unnamed
 from .group import RankGroup, ShardingError
-from .layers import GatheredLMHead, ReducedOutput, VocabParallelEmbedding, column_share, row_share
+from .layers import GatheredLMHead, VocabParallelEmbedding, column_share, row_share
 from .recurrent import recurrent_mixer_names, shard_recurrent_mixers
 from .vlm import encoder_prefixes
 
@@ -209,8 +209,8 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
         if leaf in FUSED_ATTENTION:
             raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
                                 "is not split over ranks")
-        # Quantized experts split with their scales whether or not a rule names them (gpt-oss's plan does not).
-        split = EXPERTS if isinstance(module, QuantizedExperts) else split_of(name, rules)
+        # Quantized experts, and gpt-oss's float ones, split whether or not a rule names them (its plan does not).
+        split = EXPERTS if splits_unnamed(module) else split_of(name, rules)
         if split is None or split == WHOLE or split == EMBEDDING:
             continue
         new = split_module(module, name, split, group, heads)
@@ -256,7 +256,7 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
     if split == EXPERTS:
         if isinstance(module, QuantizedExperts):
             return split_quantized_experts(module, name, group)
-        return split_experts(module, name, group)
+        return split_float_experts(module, name, group)
     if not isinstance(module, (nn.Linear, QuantizedLinear)):  # a quantized one splits with its scales
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
             return None
@@ -266,31 +266,6 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
         return row_share(module, name, group)
     return column_share(module, name, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1),
                         group)
-
-
-def split_experts(module: nn.Module, name: str, group: RankGroup) -> nn.Module:
-    """The experts module with each expert's intermediate size split (gate_up_proj
-    [E, 2I, H] keeps this rank's rows of the gate and of the up half, down_proj
-    [E, H, I] its columns), its output summed over ranks."""
-    layout_ok = (not getattr(module, "has_bias", False) and not getattr(module, "is_transposed", False)
-                 and getattr(module, "is_concatenated", True) and getattr(module, "has_gate", True))
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (layout_ok and isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
-            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2]):
-        raise ShardingError(f"{name}: {type(module).__name__} is not the expert layout the ranks split "
-                            "(gate_up_proj [E, 2I, H] concatenated, down_proj [E, H, I], no bias)")
-    intermediate = down.shape[2]
-    if intermediate % group.size:
-        raise ShardingError(f"{name}: expert intermediate size {intermediate} does not split over {group.size} ranks")
-    share = intermediate // group.size
-    start = group.rank * share
-    rows = torch.cat([torch.arange(start, start + share),
-                      torch.arange(intermediate + start, intermediate + start + share)])
-    module.gate_up_proj = nn.Parameter(gate_up.detach()[:, rows.to(gate_up.device)].contiguous(), requires_grad=False)
-    module.down_proj = nn.Parameter(down.detach()[:, :, start : start + share].contiguous(), requires_grad=False)
-    if hasattr(module, "intermediate_dim"):
-        setattr(module, "intermediate_dim", share)  # noqa: B010 - an int attribute of an nn.Module
-    return ReducedOutput(module, group)
 
 
 def split_vocabulary(model: nn.Module, group: RankGroup) -> int:

@@ -21,6 +21,7 @@ from shardline.engine.parallel.loading import SliceReader
 from shardline.engine.parallel.placement import shard_then_place
 
 from .test_tensor_parallel import GDN, MLA, MOE
+from .test_tp_float_experts import GPT_OSS
 
 
 def shard(model_dir: str, rank: int, slices: bool) -> tuple[nn.Module, SliceReader]:
@@ -44,6 +45,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("qwen2_moe", MOE),  # q/k/v biases, shared experts
     "qwen3_5_text": ("qwen3_5_text", GDN),  # recurrent layers read whole, split by their own rules
     "qwen3_next": ("qwen3_next", {**GDN, **MOE}),  # experts (per expert) beside recurrent and attention mixers
+    "gpt_oss": ("gpt_oss", GPT_OSS),  # float experts: biased, transposed, interleaved, uneven shares
 }
 
 
