@@ -7,9 +7,9 @@ the kernel streams the quantized weight once, dequantizing in registers, the thr
 splitting the output columns; a decode step reads a quarter (W4) or half (W8) of the
 bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
 cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
-(exactly) by the bfloat16 dot-product instruction; there, up to ``tile_max_rows``
-rows take its many-rows kernel, which decodes a few weight rows once into a tile
-and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
+(exactly) by the bfloat16 dot-product instruction; there, up to ``TILE_MAX_ROWS``
+rows take its register-blocked kernel (cpu_quant_blocked.h), which decodes a panel of
+weight rows once per thread and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
 time is dequantized to x's dtype, straight into oneDNN's blocked weight layout where
 cpu_quant_panel.py finds it (from ``PACKED_MIN_ROWS`` rows of float32 and bfloat16 x on
 AVX-512 builds) and multiplied
@@ -42,12 +42,9 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # At most this many rows of x take the streaming kernel; more go through panels.
 DECODE_MAX_ROWS = 8
 # With cpu_quant_bf16.c's dot-product kernels, up to this many rows of bfloat16 x take
-# its many-rows kernel (the weight decoded once per tile of rows) instead of panels;
-# BLOCKED_TILE_MAX_ROWS where scales change along a row (W8 blocks, W4 groups), whose
-# second set of accumulators leaves fewer registers for rows of x (past it, the panels
-# measure faster in bench_quant.py's model mode).
+# its register-blocked kernel (the weight decoded once per panel of output columns)
+# instead of the prefill panels.
 TILE_MAX_ROWS = 64
-BLOCKED_TILE_MAX_ROWS = 16
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 # Where oneDNN multiplies panels packed in its blocked layout (kernels/cpu_quant_panel.py):
@@ -78,8 +75,8 @@ _LIBRARY = NativeLibrary(SOURCE, _declare, "quantized linears dequantize their w
 _BF16_SIGNATURES = {
     "w8_linear_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
     "w4_linear_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
-    "w8_many_rows_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
-    "w4_many_rows_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
+    "w8_blocked_bf16": [_P, _I, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
+    "w4_blocked_bf16": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
 }
 
 
@@ -110,12 +107,6 @@ def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:
 def w4_layout_supported(in_features: int, group_size: int) -> bool:
     """Whether ``cpu_w4_linear`` takes groups of ``group_size`` over ``in_features`` columns."""
     return group_size > 0 and group_size % 2 == 0 and in_features % group_size == 0
-
-
-def tile_max_rows(in_features: int, block_cols: int) -> int:
-    """How many rows of bfloat16 x at most take the many-rows kernel (where it builds)
-    for a weight whose scales cover ``block_cols`` of its ``in_features`` columns."""
-    return TILE_MAX_ROWS if block_cols >= in_features else BLOCKED_TILE_MAX_ROWS
 
 
 def _library() -> ctypes.CDLL:
@@ -214,8 +205,8 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     fp8, kind, threads = int(weight.dtype == torch.float8_e4m3fn), _KINDS[x.dtype], torch.get_num_threads()
     library = _library()
     dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 else None
-    if x2.shape[0] <= tile_max_rows(in_features, block_cols) and dot_library is not None:
-        kernel = dot_library.w8_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w8_many_rows_bf16
+    if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
+        kernel = dot_library.w8_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w8_blocked_bf16
         kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(), scale_cols,
                block_rows, block_cols, _pointer(bias32), out.data_ptr(), out.stride(0), out_features, in_features,
                threads)
@@ -256,9 +247,9 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     kind, threads, library = _KINDS[x.dtype], torch.get_num_threads(), _library()
     dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 and group_size % 32 == 0 else None
-    if x2.shape[0] <= tile_max_rows(in_features, group_size) and dot_library is not None:
+    if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
         sums = torch.empty(x2.shape[0], in_features // group_size, dtype=torch.float32)
-        kernel = dot_library.w4_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w4_many_rows_bf16
+        kernel = dot_library.w4_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w4_blocked_bf16
         kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], sums.data_ptr(), packed.data_ptr(), scales.data_ptr(),
                _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(), out.stride(0), out_features,
                in_features, threads)

@@ -1,6 +1,6 @@
 /* The quantized linears (cpu_quant.c) for bfloat16 x on CPUs with AVX512_BF16: the
  * decode shapes (up to the launcher's DECODE_MAX_ROWS rows of x, the decode tiles
- * below) and, in cpu_quant_many_rows.h, up to its TILE_MAX_ROWS. The weight codes are
+ * below) and, in cpu_quant_blocked.h, up to its TILE_MAX_ROWS. The weight codes are
  * widened to bfloat16 and multiplied by x's bfloat16 values with the bfloat16
  * dot-product instruction (vdpbf16ps: pairs of products added into float32 lanes),
  * 32 weights per instruction where the float32 kernel takes 16.
@@ -340,7 +340,7 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
     }
 }
 
-#include "cpu_quant_many_rows.h"  /* w8_many_rows_bf16, w4_many_rows_bf16 */
+#include "cpu_quant_blocked.h"  /* w8_blocked_bf16, w4_blocked_bf16 */
 
 #else
 

@@ -1,7 +1,7 @@
 """The CPU quantized linears (C, through ctypes) against quant_reference's
 dequantize-then-multiply, for every W8 scale kind and W4 group, every path (the
-streaming decode kernel, bfloat16's many-rows kernel on AVX512_BF16 builds, and the
-prefill panels), on each build target."""
+streaming decode kernel, bfloat16's register-blocked kernel on AVX512_BF16 builds, and
+the prefill panels), on each build target."""
 
 import shutil
 
@@ -15,7 +15,6 @@ from shardline.engine.kernels.cpu_quant import (
     cpu_quant_available,
     cpu_w4_linear,
     cpu_w8_linear,
-    tile_max_rows,
 )
 from shardline.engine.kernels.native import cpu_signature
 from shardline.engine.kernels.quant_reference import (
@@ -41,10 +40,10 @@ def generator(seed: int = 0) -> torch.Generator:
 
 def assert_matches(out: torch.Tensor, expected: torch.Tensor, rows: int, many_rows: int = TILE_MAX_ROWS) -> None:
     """float32: the reference's float32 product up to the order of its sums. 16-bit:
-    one rounding of the float32 sum on the decode and many-rows paths; on the prefill
-    path the panel also rounds each dequantized weight to x's dtype (bfloat16: a
-    relative 2^-9). ``many_rows``: up to how many rows the layout takes the many-rows
-    kernel (cpu_quant.tile_max_rows; 0 where it does not)."""
+    one rounding of the float32 sum on the decode and register-blocked paths; on the
+    prefill path the panel also rounds each dequantized weight to x's dtype (bfloat16:
+    a relative 2^-9). ``many_rows``: up to how many rows the layout takes the
+    register-blocked kernel (TILE_MAX_ROWS; 0 where it does not)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     scale = expected.float().abs().max().item()
     if out.dtype == torch.float32:
@@ -69,16 +68,19 @@ W8_SCALES = {  # name: (scale shape from (N, K), block)
     "channel": (lambda n, k: (n, 1), None),
     "block128": (lambda n, k: (-(-n // 128), -(-k // 128)), (128, 128)),
     "block_64x32": (lambda n, k: (-(-n // 64), -(-k // 32)), (64, 32)),
+    # blocks of an odd width: the register-blocked kernel's pairs of columns start
+    # odd and end in a lone column
+    "block_16x25": (lambda n, k: (-(-n // 16), -(-k // 25)), (16, 25)),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("scale_kind", list(W8_SCALES))
-@pytest.mark.parametrize("out_features,in_features", [(256, 256), (37, 200)])
+@pytest.mark.parametrize("out_features,in_features", [(256, 256), (101, 200)])
 def test_w8_linear(dtype, weight_dtype, scale_kind, out_features, in_features):
-    """(37, 200) ends in partial blocks, a tile of weight rows short and a row of x
-    not a whole number of vectors."""
+    """(101, 200) ends in partial blocks, a tile (and a panel) of weight rows short and
+    a row of x not a whole number of vectors."""
     assert cpu_quant_available(dtype)
     weight = w8_weight(weight_dtype, out_features, in_features)
     shape, block = W8_SCALES[scale_kind]
@@ -89,14 +91,13 @@ def test_w8_linear(dtype, weight_dtype, scale_kind, out_features, in_features):
         x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
         with_bias = bias.to(dtype) if rows % 2 else None
         out = cpu_w8_linear(x, weight, scale, block, with_bias)
-        many_rows = tile_max_rows(in_features, block[1] if block else in_features)
-        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, many_rows)
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128, 18])  # 18: no whole vector run in a group
 @pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])
-@pytest.mark.parametrize("out_features", [256, 37])
+@pytest.mark.parametrize("out_features", [256, 101])
 def test_w4_linear(dtype, group_size, with_zeros, out_features):
     assert cpu_quant_available(dtype)
     in_features = group_size * 6
@@ -110,7 +111,7 @@ def test_w4_linear(dtype, group_size, with_zeros, out_features):
         x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
         with_bias = bias.to(dtype) if rows % 2 else None
         out = cpu_w4_linear(x, packed, scales, zeros, group_size, with_bias)
-        many_rows = tile_max_rows(in_features, group_size) if group_size % 32 == 0 else 0
+        many_rows = TILE_MAX_ROWS if group_size % 32 == 0 else 0
         assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, many_rows)
 
 
