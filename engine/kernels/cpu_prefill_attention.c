@@ -1,29 +1,34 @@
 /* Causal attention of prefill chunks for the CPU path: each chunk's query tokens
  * over its request's context, read straight out of the paged KV cache through the
  * block tables (the step's own keys and values are already there). float32, and
- * bfloat16 read into float32, accumulated there and rounded once on the way out;
- * where the target has AVX512_BF16 (DOT_BF16, cpu_common.h), bfloat16 queries and
- * keys are multiplied as they are by its dot-product instruction, the products summed
- * in float32.
+ * bfloat16 accumulated in float32 and rounded once on the way out.
  *
- * Work item = (request, KV head, tile of QT consecutive query tokens). The G query
- * heads of the KV head make G * QT query rows that share every key and value read.
- * Keys go through in blocks of KB = KN x VL (VL the target's vector width in floats:
- * 16 with AVX-512, 8 otherwise; KN = 1 and 2 there, below), each transposed once per
- * item into kt[D][KN] vectors (VL x VL at a time, by vector shuffles), so a query
- * row's KB scores are KN vectors built by D multiply-adds each; an online softmax per
- * row (running max m, running sum l,
- * accumulator acc rescaled when the max grows) then adds the block's values. Rows
- * go RB = 4 at a time, so each key and value vector loaded feeds four rows, and the
- * values are added COLS vectors of columns at a time with the four rows'
- * accumulators in registers (4 x 4 of AVX-512's 32 registers, 4 x 2 of AVX2's 16:
- * more would spill to the stack, which costs AVX2 ten times the time). Blocks
- * wholly in a row block's future (or before its sliding window) are skipped. Items
- * run in parallel (OpenMP, dynamic schedule), request by request, the costliest first.
+ * Work item = (request, KV head, tile of consecutive query tokens). The G query heads
+ * of the KV head make the tile's rows (token-major, head-minor), held VL rows to a
+ * vector (VL = 16 floats with AVX-512, 8 otherwise): every quantity a row has (its
+ * scores for one key, running max, running sum, output column) is one lane, so the
+ * online softmax needs no horizontal reduction and every multiply-add is a vector of
+ * VL rows times one broadcast element of a key or value row (an outer product).
+ * Keys go KB = VL at a time:
+ *   Q.K^T: KB accumulators, one per key, each built by D multiply-adds of the rows'
+ *          queries (kept transposed, q^T[d] a vector of rows) by key element d;
+ *   softmax: per row lane, max over the block, rescale of the running sum and
+ *          output, probabilities p = exp(s - max), all vertical;
+ *   P.V:   the output, transposed too (out^T[c] a vector of rows), CB columns at a
+ *          time in registers, each key adding p_key (a vector of rows) times value
+ *          element c.
+ * The block's keys are copied once per item into a contiguous buffer (so a key's
+ * element is a fixed offset), then serve every row vector of the tile. Key blocks past
+ * a row vector's last visible key, or before its first (window, chunk), are skipped
+ * whole; blocks it sees whole skip the masks. Items run in parallel (OpenMP, dynamic
+ * schedule), request by request, the costliest first.
  *
- * The vectors are GCC vector extensions, sized to the registers of the target the
- * library is built for (kernels/native.py): zmm with AVX-512, ymm with AVX2, pairs
- * of NEON registers on ARM.
+ * bfloat16: where the target has AVX512_BF16 (DOT_BF16, cpu_common.h) both products
+ * run on its dot-product instruction, float32 sums: Q.K^T on pairs of head elements
+ * (queries and keys as stored), P.V on pairs of keys (the probabilities rounded to
+ * bfloat16 as torch's bfloat16 attention rounds them before its P.V matmul; the
+ * block's values interleaved by key pairs once per item). Without it, keys and values
+ * are widened to float32 once per block and item and take the float32 path.
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
  *   q:               [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
@@ -50,33 +55,30 @@
 
 #include "cpu_common.h"
 
-/* Value vectors added at a time per row block (see above). */
-#if VL == 16
-#define COLS 4
-#else
-#define COLS 2
-#endif
-#define QT 16
-/* Key vectors per block: two with AVX2, so a row block's scores are RB x 2 chains of
- * multiply-adds (enough to keep both FMA units busy through their latency) and each
- * query element broadcast feeds two; one with AVX-512, whose RB chains are doubled by
- * summing even and odd d apart instead (RB x 2 x 2 would not fit AVX2's registers). */
-#if VL == 16
-#define KN 1
-#else
-#define KN 2
-#endif
-#define KB (KN * VL)
-#define RB 4
+#define KB (2 * VL)     /* keys per block, their scores VL accumulators at a time */
+#define CB VL           /* output columns in registers at a time in P.V */
+#define TILE_ROWS 64    /* query rows (tokens x heads of a KV head) an item aims at */
 #define MAX_HEAD_DIM 256
 
-/* Per-thread scratch, for rows = G * QT query rows rounded up to RB, of head sizes D, Dv. */
+/* What every item of a call shares. */
+struct call {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    int64_t q_stride_t, q_stride_h, block_size, row_stride, v_row_stride, num_heads, group, window, chunk;
+    float scale, softcap;
+    const double *sinks, *alibi;
+};
+
+/* Per-thread scratch, sized for the largest tile of a call. */
 struct scratch {
-    float *qs;   /* [rows][D] scaled queries */
-    vf *acc;     /* [rows][Dv / VL] */
-    float *m, *l;
-    int64_t *pos; /* [rows] position of each row */
-    vf *kt;      /* [D][KN] the block's keys, transposed */
+    vf *qt;       /* [vectors][D] the rows' queries, transposed (pairs of bf16 with dot) */
+    vf *acc;      /* [vectors][Dv] the rows' outputs, transposed */
+    vf *m, *l;    /* [vectors] running max and sum */
+    vf *first, *last, *pos, *slope;  /* [vectors] visible keys, position, ALiBi slope */
+    int64_t *span; /* [vectors][4] lowest and highest first, lowest and highest last */
+    vf *p;        /* [KB] the block's probabilities (pairs of bf16 with dot) */
+    float *keys;  /* [KB][D] the block's keys (bf16 as stored with dot) */
+    float *values; /* [KB][Dv] the block's values widened (bf16 without dot); key pairs with dot */
 };
 
 /* The first key position a query at `position` sees (its window and its chunk). */
@@ -86,182 +88,298 @@ static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk)
     return first;
 }
 
-/* Pair `index` of the bfloat16 pairs stored from `row` on, in every lane. */
-static inline vf splat_pair(const float *row, int64_t index) {
-    uint32_t pair;
-    memcpy(&pair, (const char *)row + index * (int64_t)sizeof pair, sizeof pair);
-    return (vf)((vu){0} + pair);
+/* `bits` (32-bit) in every lane. */
+static inline vf splat_bits(const void *bits) {
+    uint32_t word;
+    memcpy(&word, bits, sizeof word);
+    return (vf)((vu){0} + word);
 }
 
-static inline __attribute__((always_inline)) void attend_tile(
-    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
-    const int32_t *table, int64_t block_size, int64_t row_stride, int64_t v_row_stride, void *out,
-    int64_t num_heads, int64_t first_row, int64_t context, int64_t r0, int64_t r1, int64_t h, int64_t group,
-    const int64_t D, const int64_t Dv, float scale, int64_t window, float softcap, const double *sinks,
-    const double *alibi, int64_t chunk, const struct scratch *w, const int bf16)
+/* The tile's rows: transposed queries, positions, visible spans and softmax starts. */
+static inline __attribute__((always_inline)) void load_rows(
+    const struct call *c, const struct scratch *w, int64_t first_row, int64_t context, int64_t r0,
+    int64_t rows, int64_t h, const int64_t D, const int64_t Dv, const int bf16)
 {
-    /* Query tokens r0 .. r1 - 1 of the chunk, at positions context + r0 .. context + r1 - 1. */
-    const int64_t DV = Dv / VL;  /* value vectors per row */
-    const int64_t rows = (r1 - r0) * group;
-    /* Bfloat16 keys by the dot-product instruction (DOT_BF16, cpu_common.h): kt holds
-     * D / 2 vectors of VL keys' (d, d + 1) pairs, the queries stay bfloat16 and the
-     * scale multiplies the scores (as torch's bfloat16 attention scales its float32
-     * product). */
-    const int dot = DOT_BF16 && bf16 && KN == 1 && D % (2 * VL) == 0;
-    const int64_t padded_rows = (rows + RB - 1) / RB * RB;  /* repeats of the last row */
-    for (int64_t i = 0; i < padded_rows; i++) {
-        const int64_t row = i < rows ? i : rows - 1;
-        const int64_t qh = (first_row + r0 + row / group) * q_stride_t + (h * group + row % group) * q_stride_h;
-        if (dot)  /* the query as it is: D / 2 pairs of bfloat16 at the row's start */
-            memcpy(&w->qs[i * D], (const uint16_t *)q + qh, (size_t)D * sizeof(uint16_t));
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    const int64_t vectors = (rows + VL - 1) / VL;
+    for (int64_t i = 0; i < vectors * VL; i++) {
+        const int64_t row = i < rows ? i : rows - 1;  /* lanes past the rows repeat the last */
+        const int64_t r = i / VL, lane = i % VL, head = h * c->group + row % c->group;
+        const int64_t position = context + r0 + row / c->group;
+        const int64_t qh = (first_row + r0 + row / c->group) * c->q_stride_t + head * c->q_stride_h;
+        if (dot)  /* pairs of bfloat16 as stored */
+            for (int64_t d = 0; d < D / 2; d++)
+                memcpy((uint32_t *)&w->qt[r * D + d] + lane, (const uint32_t *)((const uint16_t *)c->q + qh) + d, 4);
         else
-            for (int64_t d = 0; d < D; d++) w->qs[i * D + d] = load1(q, qh + d, bf16) * scale;
-        for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] = splat(0.0f);
-        w->m[i] = sinks ? (float)sinks[h * group + row % group] : -INFINITY;
-        w->l[i] = sinks ? 1.0f : 0.0f;
-        w->pos[i] = context + r0 + row / group;
+            for (int64_t d = 0; d < D; d++) w->qt[r * D + d][lane] = load1(c->q, qh + d, bf16) * c->scale;
+        w->pos[r][lane] = (float)position;
+        w->last[r][lane] = (float)position;
+        w->first[r][lane] = (float)first_key(position, c->window, c->chunk);
+        w->slope[r][lane] = c->alibi ? (float)c->alibi[head] : 0.0f;
+        w->m[r][lane] = c->sinks ? (float)c->sinks[head] : -INFINITY;
+        w->l[r][lane] = c->sinks ? 1.0f : 0.0f;
     }
-    const int64_t end = context + r1;  /* keys 0 .. end - 1 are the tile's */
-    const int64_t lowest = first_key(w->pos[0], window, chunk);  /* first key seen */
-    for (int64_t kb = lowest - lowest % KB; kb < end; kb += KB) {
-        const int64_t num_keys = end - kb < KB ? end - kb : KB;
-        /* Where each key's row starts in the caches, found once per block (keys past
-         * the end repeat key kb; the mask drops them). */
-        int64_t key_row[KB], value_row[KB];
-        for (int64_t j = 0; j < KB; j++) {
-            const int64_t position = kb + (j < num_keys ? j : 0);
-            const int64_t slot = (int64_t)table[position / block_size] * block_size + position % block_size;
-            key_row[j] = slot * row_stride + h * D;
-            value_row[j] = slot * v_row_stride + h * Dv;
+    for (int64_t r = 0; r < vectors; r++) {
+        int64_t *span = &w->span[4 * r];
+        span[0] = span[2] = INT64_MAX;
+        span[1] = span[3] = INT64_MIN;
+        for (int lane = 0; lane < VL; lane++) {
+            const int64_t first = (int64_t)w->first[r][lane], last = (int64_t)w->last[r][lane];
+            span[0] = first < span[0] ? first : span[0];
+            span[1] = first > span[1] ? first : span[1];
+            span[2] = last < span[2] ? last : span[2];
+            span[3] = last > span[3] ? last : span[3];
         }
-        if (dot)
-            for (int64_t d0 = 0; d0 < D; d0 += 2 * VL) {  /* VL keys by VL pairs of columns at a time */
-                vf columns[VL];
-                for (int j = 0; j < VL; j++)
-                    memcpy(&columns[j], (const uint16_t *)k_cache + key_row[j] + d0, sizeof(vf));
-                transpose(columns);
-                for (int d = 0; d < VL; d++) w->kt[d0 / 2 + d] = columns[d];
+        for (int64_t d = 0; d < Dv; d++) w->acc[r * Dv + d] = splat(0.0f);
+    }
+}
+
+/* The cache slots of keys kb .. kb + num_keys - 1 (kb a multiple of KB); slots from
+ * num_keys on repeat key kb's. Where the cache's blocks hold whole multiples of VL
+ * keys, each VL keys are consecutive slots of one block (no division per key). */
+static inline void block_slots(const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys,
+                               int64_t slots[KB])
+{
+    const int64_t bs = c->block_size;
+    for (int j0 = 0; j0 < KB; j0 += VL) {
+        const int64_t first = kb + j0;  /* a table entry read only for positions in the context */
+        const int64_t base = j0 < num_keys ? (int64_t)table[first / bs] * bs + first % bs : 0;
+        for (int j = j0; j < j0 + VL; j++) {
+            const int64_t position = kb + (j < num_keys ? j : 0);
+            slots[j] = j >= num_keys ? slots[0]
+                : bs % VL == 0 ? base + j - j0 : (int64_t)table[position / bs] * bs + position % bs;
+        }
+    }
+}
+
+/* The block's keys into the contiguous buffer; values widened (bf16 without dot) or
+ * interleaved by key pairs (dot); `value_rows` gets each key's value row. Keys from
+ * `num_keys` on repeat key kb (their probabilities are 0). */
+static inline __attribute__((always_inline)) void load_block(
+    const struct call *c, const struct scratch *w, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h,
+    const float *value_rows[KB], const int64_t D, const int64_t Dv, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    int64_t slots[KB], key_row[KB], value_row[KB];
+    block_slots(c, table, kb, num_keys, slots);
+    for (int j = 0; j < KB; j++) {
+        key_row[j] = slots[j] * c->row_stride + h * D;
+        value_row[j] = slots[j] * c->v_row_stride + h * Dv;
+    }
+    if (dot) {
+        for (int j = 0; j < KB; j++)
+            memcpy((uint16_t *)w->keys + j * D, (const uint16_t *)c->k_cache + key_row[j], (size_t)D * 2);
+        for (int j = 0; j < KB; j += 2)  /* lane d of pair j / 2: value d of keys j and j + 1 */
+            for (int64_t d = 0; d < Dv; d += VL) {
+                const vu low = (vu)loadv(c->v_cache, value_row[j] + d, 1) >> 16;
+                const vu high = (vu)loadv(c->v_cache, value_row[j + 1] + d, 1);
+                const vu pair = low | high;
+                memcpy(&w->values[j / 2 * Dv + d], &pair, sizeof pair);
             }
-        else
-        for (int n = 0; n < KN; n++)
-            for (int64_t d0 = 0; d0 < D; d0 += VL) {  /* VL keys by VL columns at a time */
-                vf columns[VL];
-                for (int j = 0; j < VL; j++) columns[j] = loadv(k_cache, key_row[n * VL + j] + d0, bf16);
-                transpose(columns);
-                for (int d = 0; d < VL; d++) w->kt[(d0 + d) * KN + n] = columns[d];
+        return;
+    }
+    for (int j = 0; j < KB; j++) {
+        for (int64_t d = 0; d < D; d += VL) {
+            const vf k = loadv(c->k_cache, key_row[j] + d, bf16);
+            memcpy(&w->keys[j * D + d], &k, sizeof k);
+        }
+        if (bf16) {
+            for (int64_t d = 0; d < Dv; d += VL) {
+                const vf v = loadv(c->v_cache, value_row[j] + d, 1);
+                memcpy(&w->values[j * Dv + d], &v, sizeof v);
             }
-        for (int64_t i0 = 0; i0 < padded_rows; i0 += RB) {
-            const int64_t last_pos = w->pos[i0 + RB - 1], first_pos = w->pos[i0];
-            if (kb > last_pos || kb + KB <= first_key(first_pos, window, chunk))
-                continue;  /* every row of the block sees none of these keys */
-            vf s[RB][KN];
-#if KN == 1  /* even and odd d (pairs of d with DOT_BF16) in separate sums */
-            vf odd[RB];
-            for (int b = 0; b < RB; b++) s[b][0] = odd[b] = splat(0.0f);
+            value_rows[j] = &w->values[j * Dv];
+        } else {
+            value_rows[j] = (const float *)c->v_cache + value_row[j];
+        }
+    }
+}
+
+/* Asks for the cache lines of the next block's keys and values (positions kb ..
+ * kb + num_keys - 1) while this block's products run. */
+static inline __attribute__((always_inline)) void prefetch_block(
+    const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h, const int64_t D,
+    const int64_t Dv, const int bf16)
+{
+    const int64_t element = bf16 ? 2 : 4;
+    int64_t slots[KB];
+    block_slots(c, table, kb, num_keys, slots);
+    for (int64_t j = 0; j < num_keys; j++) {
+        const char *key = (const char *)c->k_cache + (slots[j] * c->row_stride + h * D) * element;
+        const char *value = (const char *)c->v_cache + (slots[j] * c->v_row_stride + h * Dv) * element;
+        for (int64_t b = 0; b < D * element; b += 64) __builtin_prefetch(key + b);
+        for (int64_t b = 0; b < Dv * element; b += 64) __builtin_prefetch(value + b);
+    }
+}
+
+/* s[j]: the rows' scores for key kb + j, VL keys (VL accumulators) at a time; keys
+ * from `used` on are -inf where a whole VL of them is past the rows' last key. */
+static inline __attribute__((always_inline)) void block_scores(
+    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t used, const int64_t D,
+    const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    const vf *qt = &w->qt[r * D];
+    for (int j0 = 0; j0 < KB; j0 += VL) {
+        vf a[VL];
+        for (int j = 0; j < VL; j++) a[j] = splat(j0 < used ? 0.0f : -INFINITY);
+        if (j0 < used) {
 #if DOT_BF16
             if (dot) {
-                for (int64_t d = 0; d < D / 2; d += 2) {
-                    const vf kd = w->kt[d], kd1 = w->kt[d + 1];
-                    for (int b = 0; b < RB; b++) {
-                        s[b][0] = dot_bf16(s[b][0], splat_pair(&w->qs[(i0 + b) * D], d), kd);
-                        odd[b] = dot_bf16(odd[b], splat_pair(&w->qs[(i0 + b) * D], d + 1), kd1);
-                    }
+                const uint32_t *keys = (const uint32_t *)w->keys + j0 * D / 2;  /* pairs: key j's at j * D / 2 */
+                for (int64_t d = 0; d < D / 2; d++) {
+                    const vf qd = qt[d];
+                    for (int j = 0; j < VL; j++) a[j] = dot_bf16(a[j], qd, splat_bits(&keys[j * D / 2 + d]));
                 }
-                for (int b = 0; b < RB; b++) s[b][0] = (s[b][0] + odd[b]) * scale;
+                for (int j = 0; j < VL; j++) a[j] *= c->scale;
             } else
 #endif
             {
-            for (int64_t d = 0; d < D; d += 2) {
-                const vf kd = w->kt[d], kd1 = w->kt[d + 1];
-                for (int b = 0; b < RB; b++) {
-                    s[b][0] += w->qs[(i0 + b) * D + d] * kd;
-                    odd[b] += w->qs[(i0 + b) * D + d + 1] * kd1;
-                }
-            }
-            for (int b = 0; b < RB; b++) s[b][0] += odd[b];
-            }
-#else
-            for (int b = 0; b < RB; b++)
-                for (int n = 0; n < KN; n++) s[b][n] = splat(0.0f);
-            for (int64_t d = 0; d < D; d++) {
-                vf kd[KN];
-                for (int n = 0; n < KN; n++) kd[n] = w->kt[d * KN + n];
-                for (int b = 0; b < RB; b++) {
-                    const float qd = w->qs[(i0 + b) * D + d];
-                    for (int n = 0; n < KN; n++) s[b][n] += qd * kd[n];
-                }
-            }
-#endif
-            /* The block's probabilities, kept in memory: the value loop broadcasts each
-             * one from there (a load) rather than from a register lane (a shuffle). */
-            float p[RB][KB] __attribute__((aligned(64)));
-            for (int b = 0; b < RB; b++) {
-                const int64_t i = i0 + b;
-                vf scores[KN], largest = splat(-INFINITY);
-                for (int n = 0; n < KN; n++) {
-                    const vf keys = (vf)LANE_INDICES + (float)(kb + n * VL);
-                    /* Keys in the row's future (which covers those past r1) or before its window or chunk. */
-                    vi masked = keys > (float)w->pos[i];
-                    if (window > 0 || chunk > 0) masked |= keys < (float)first_key(w->pos[i], window, chunk);
-                    if (alibi)  /* the row's query head: h * group + its head in the group */
-                        s[b][n] += (float)alibi[h * group + (i < rows ? i : rows - 1) % group]
-                                   * (keys - (float)w->pos[i]);
-                    const vf capped = softcap > 0 ? softcap * vtanh(s[b][n] * (1.0f / softcap)) : s[b][n];
-                    scores[n] = blend(masked, splat(-INFINITY), capped);
-                    largest = vmax(largest, scores[n]);
-                }
-                const float block_max = hmax(largest);
-                const float new_max = block_max > w->m[i] ? block_max : w->m[i];
-                if (new_max == -INFINITY) {  /* no key seen yet: all before its window */
-                    for (int j = 0; j < KB; j++) p[b][j] = 0.0f;
-                    continue;
-                }
-                const float correction = exp_f32(w->m[i] - new_max);
-                vf total = splat(0.0f);
-                for (int n = 0; n < KN; n++) {
-                    const vf probabilities = vexp(scores[n] - new_max);
-                    memcpy(&p[b][n * VL], &probabilities, sizeof probabilities);
-                    total += probabilities;
-                }
-                w->l[i] = w->l[i] * correction + hsum(total);
-                w->m[i] = new_max;
-                if (correction != 1.0f)
-                    for (int64_t d = 0; d < DV; d++) w->acc[i * DV + d] *= correction;
-            }
-            const int64_t num_used = last_pos - kb + 1 < num_keys ? last_pos - kb + 1 : num_keys;
-            if (DV % COLS == 0) {  /* COLS vectors of columns at a time, accumulators in registers */
-                for (int64_t c = 0; c < DV; c += COLS) {
-                    vf a[RB][COLS];
-                    for (int b = 0; b < RB; b++)
-                        for (int d = 0; d < COLS; d++) a[b][d] = w->acc[(i0 + b) * DV + c + d];
-                    for (int64_t j = 0; j < num_used; j++) {
-                        const int64_t vr = value_row[j] + VL * c;
-                        vf v[COLS];
-                        for (int d = 0; d < COLS; d++) v[d] = loadv(v_cache, vr + VL * d, bf16);
-                        for (int b = 0; b < RB; b++) {
-                            const float pj = p[b][j];
-                            for (int d = 0; d < COLS; d++) a[b][d] += pj * v[d];
-                        }
-                    }
-                    for (int b = 0; b < RB; b++)
-                        for (int d = 0; d < COLS; d++) w->acc[(i0 + b) * DV + c + d] = a[b][d];
-                }
-            } else {
-                for (int64_t j = 0; j < num_used; j++) {
-                    const int64_t vr = value_row[j];
-                    for (int64_t d = 0; d < DV; d++) {
-                        const vf vd = loadv(v_cache, vr + VL * d, bf16);
-                        for (int b = 0; b < RB; b++) w->acc[(i0 + b) * DV + d] += p[b][j] * vd;
-                    }
+                const float *keys = w->keys + j0 * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const vf qd = qt[d];
+                    for (int j = 0; j < VL; j++) a[j] += qd * keys[j * D + d];
                 }
             }
         }
+        for (int j = 0; j < VL; j++) s[j0 + j] = a[j];
     }
-    for (int64_t i = 0; i < rows; i++) {
-        const int64_t o = ((first_row + r0 + i / group) * num_heads + h * group + i % group) * Dv;
-        const float inverse = 1.0f / w->l[i];
-        for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, w->acc[i * DV + d] * inverse, bf16);
+}
+
+/* exp on the scores' lanes (at most 0 after the shift by the max; -inf for masked
+ * keys). With AVX-512: x = n ln2 + r as exp_f32 does, e^r by the same series, times
+ * 2^n by the scaling instruction; below -87 about 1e-38 (no subnormals), which the
+ * softmax cannot tell from 0. Elsewhere vexp (cpu_common.h). */
+#if VL == 16
+static inline vf exp_scores(vf x) {
+    x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
+    const vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
+    return (vf)_mm512_scalef_ps((__m512)EXP_F32_SERIES(EXP_F32_REMAINDER(x, n)), (__m512)n);
+}
+#else
+static inline vf exp_scores(vf x) { return vexp(x); }
+#endif
+
+/* The block's online-softmax step for row vector r: scores s (masked unless `whole`)
+ * become probabilities in w->p; returns the factor the output must be rescaled by. */
+static inline __attribute__((always_inline)) vf block_softmax(
+    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t kb, int whole, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    if (c->alibi || c->softcap > 0 || !whole)
+        for (int j = 0; j < KB; j++) {
+            const float key = (float)(kb + j);
+            if (c->alibi) s[j] += w->slope[r] * (key - w->pos[r]);
+            if (c->softcap > 0) s[j] = c->softcap * vtanh(s[j] * (1.0f / c->softcap));
+            if (!whole) s[j] = blend((key > w->last[r]) | (key < w->first[r]), splat(-INFINITY), s[j]);
+        }
+    vf largest = w->m[r];
+    for (int j = 0; j < KB; j++) largest = vmax(largest, s[j]);
+    /* Lanes that have seen no key yet (all before their window) keep max -inf: their
+     * probabilities are exp(-inf) ~ 0 against a max of 0. */
+    const vf shift = blend(largest == -INFINITY, splat(0.0f), largest);
+    const vf correction = exp_scores(w->m[r] - shift);
+    vf total = splat(0.0f);
+    for (int j = 0; j < KB; j++) {
+        s[j] = exp_scores(s[j] - shift);
+        total += s[j];
     }
+    w->l[r] = w->l[r] * correction + total;
+    w->m[r] = largest;
+    if (dot)  /* lane i of pair j / 2: keys j and j + 1's probabilities, bfloat16 */
+        for (int j = 0; j < KB; j += 2)
+            w->p[j / 2] = (vf)((bf16_bits_v(s[j]) >> 16) | bf16_bits_v(s[j + 1]));
+    else
+        for (int j = 0; j < KB; j++) w->p[j] = s[j];
+    return correction;
+}
+
+/* out^T += P.V for row vector r over the block's first `used` keys, rescaled first. */
+static inline __attribute__((always_inline)) void block_values(
+    const struct scratch *w, int64_t r, vf correction, int64_t used, const float *const value_rows[KB],
+    const int64_t Dv, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    vf *acc = &w->acc[r * Dv];
+    for (int64_t col = 0; col < Dv; col += CB) {
+        vf a[CB];
+        for (int i = 0; i < CB; i++) a[i] = acc[col + i] * correction;
+#if DOT_BF16
+        if (dot) {
+            const uint32_t *pairs = (const uint32_t *)w->values;
+            for (int64_t j = 0; j < (used + 1) / 2; j++) {
+                const vf pj = w->p[j];
+                for (int i = 0; i < CB; i++) a[i] = dot_bf16(a[i], pj, splat_bits(&pairs[j * Dv + col + i]));
+            }
+        } else
+#endif
+        {
+            /* Each key's columns from col on, offset here so the loop below reads
+             * them at constant offsets from one pointer. */
+            const float *columns[KB];
+            for (int j = 0; j < KB; j++) columns[j] = value_rows[j] + col;
+            for (int64_t j = 0; j < used; j++) {
+                const vf pj = w->p[j];
+                const float *v = columns[j];
+                for (int i = 0; i < CB; i++) a[i] += pj * v[i];
+            }
+        }
+        for (int i = 0; i < CB; i++) acc[col + i] = a[i];
+    }
+}
+
+/* The tile's rows divided by their sums, transposed back into out's rows. */
+static inline __attribute__((always_inline)) void store_rows(
+    const struct call *c, const struct scratch *w, int64_t first_row, int64_t r0, int64_t rows, int64_t h,
+    const int64_t Dv, const int bf16)
+{
+    for (int64_t r = 0; r * VL < rows; r++) {
+        const vf inverse = 1.0f / w->l[r];
+        for (int64_t col = 0; col < Dv; col += VL) {
+            vf x[VL];
+            for (int i = 0; i < VL; i++) x[i] = w->acc[r * Dv + col + i] * inverse;
+            transpose(x);  /* x[lane]: row r * VL + lane's columns col .. col + VL - 1 */
+            for (int lane = 0; lane < VL && r * VL + lane < rows; lane++) {
+                const int64_t row = r * VL + lane;
+                const int64_t o = ((first_row + r0 + row / c->group) * c->num_heads + h * c->group
+                                   + row % c->group) * Dv;
+                storev(c->out, o + col, x[lane], bf16);
+            }
+        }
+    }
+}
+
+/* Query tokens r0 .. r1 - 1 of a chunk at packed row first_row, at positions
+ * context + r0 .. context + r1 - 1, for KV head h. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const struct call *c, const struct scratch *w, const int32_t *table, int64_t first_row, int64_t context,
+    int64_t r0, int64_t r1, int64_t h, const int64_t D, const int64_t Dv, const int bf16)
+{
+    const int64_t rows = (r1 - r0) * c->group, vectors = (rows + VL - 1) / VL;
+    load_rows(c, w, first_row, context, r0, rows, h, D, Dv, bf16);
+    int64_t lowest = INT64_MAX, highest = INT64_MIN;
+    for (int64_t r = 0; r < vectors; r++) {
+        lowest = w->span[4 * r] < lowest ? w->span[4 * r] : lowest;
+        highest = w->span[4 * r + 3] > highest ? w->span[4 * r + 3] : highest;
+    }
+    for (int64_t kb = lowest - lowest % KB; kb <= highest; kb += KB) {
+        const int64_t num_keys = highest - kb + 1 < KB ? highest - kb + 1 : KB;
+        const float *value_rows[KB];
+        load_block(c, w, table, kb, num_keys, h, value_rows, D, Dv, bf16);
+        if (kb + KB <= highest)
+            prefetch_block(c, table, kb + KB, highest - kb - KB + 1 < KB ? highest - kb - KB + 1 : KB, h, D, Dv, bf16);
+        for (int64_t r = 0; r < vectors; r++) {
+            const int64_t *span = &w->span[4 * r];
+            if (kb > span[3] || kb + KB <= span[0]) continue;  /* no row of the vector sees these keys */
+            const int whole = kb >= span[1] && kb + KB - 1 <= span[2];
+            const int64_t used = span[3] - kb + 1 < KB ? span[3] - kb + 1 : KB;  /* keys up to the last seen */
+            vf s[KB];
+            block_scores(c, w, r, s, used, D, bf16);
+            const vf correction = block_softmax(c, w, r, s, kb, whole, bf16);
+            block_values(w, r, correction, used, value_rows, Dv, bf16);
+        }
+    }
+    store_rows(c, w, first_row, r0, rows, h, Dv, bf16);
 }
 
 /* A work item: query tile `index` of request `request` for KV head `head`. */
@@ -274,97 +392,124 @@ static int costlier_first(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
-static inline __attribute__((always_inline)) int prefill_attention(
-    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens,
-    const int64_t *requests, int64_t num_requests, void *out, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t head_dim_v, int64_t block_size, double scale, int64_t window, double softcap,
-    const double *sinks, const double *alibi, int64_t chunk, int num_threads, const int bf16)
+/* The call's items, request by request, the costliest requests first (dynamic
+ * scheduling then ends on small items), and within a request KV head by head, tiles
+ * in order: each tile reads its predecessor's keys and values again, which are then
+ * still in this core's caches. NULL when out of memory. */
+static struct tile *make_tiles(const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *requests,
+                               int64_t num_requests, int64_t num_kv_heads, int64_t tokens, int64_t window,
+                               int64_t chunk, int64_t *count)
 {
-    const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
-    const int64_t v_row_stride = num_kv_heads * head_dim_v;
-    /* Items run request by request, the costliest requests first (dynamic scheduling
-     * then ends on small items), and within a request KV head by head, tiles in order:
-     * each tile reads its predecessor's keys and values again, which are then still in
-     * this core's caches (a head's context, a few hundred KB, fits its L2). */
     int64_t num_tiles = 0;
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = requests[n];
-        num_tiles += (query_start_loc[b + 1] - query_start_loc[b] + QT - 1) / QT;
+        num_tiles += (query_start_loc[b + 1] - query_start_loc[b] + tokens - 1) / tokens;
     }
     struct tile *tiles = malloc((size_t)(num_tiles * num_kv_heads + 1) * sizeof(struct tile));
     struct request_cost *order = malloc((size_t)(num_requests + 1) * sizeof(struct request_cost));
     if (tiles == NULL || order == NULL) {
         free(tiles);
         free(order);
-        return -1;
+        return NULL;
     }
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = requests[n], length = query_start_loc[b + 1] - query_start_loc[b];
         order[n] = (struct request_cost){b, 0};
-        for (int64_t t = 0; t * QT < length; t++) {
-            const int64_t keys = seq_lens[b] - length + (t * QT + QT < length ? t * QT + QT : length);
+        for (int64_t t = 0; t * tokens < length; t++) {
+            const int64_t keys = seq_lens[b] - length + (t * tokens + tokens < length ? t * tokens + tokens : length);
             int64_t cost = window > 0 && keys > window ? window : keys;
             if (chunk > 0 && cost > chunk) cost = chunk;
             order[n].cost += cost;
         }
     }
     qsort(order, (size_t)num_requests, sizeof(struct request_cost), costlier_first);
-    int64_t count = 0;
+    *count = 0;
     for (int64_t n = 0; n < num_requests; n++) {
         const int64_t b = order[n].request, length = query_start_loc[b + 1] - query_start_loc[b];
         for (int64_t h = 0; h < num_kv_heads; h++)
-            for (int64_t t = 0; t * QT < length; t++) tiles[count++] = (struct tile){b, t, h};
+            for (int64_t t = 0; t * tokens < length; t++) tiles[(*count)++] = (struct tile){b, t, h};
     }
     free(order);
-    const int64_t rows = (group * QT + RB - 1) / RB * RB;
+    return tiles;
+}
+
+/* Scratch for tiles of up to `rows` rows; 0 when every buffer was allocated. */
+static int alloc_scratch(struct scratch *w, int64_t rows, int64_t D, int64_t Dv) {
+    const int64_t vectors = (rows + VL - 1) / VL, widest = D > Dv ? D : Dv;
+    memset(w, 0, sizeof *w);
+    w->qt = aligned_alloc(64, (size_t)(vectors * D) * sizeof(vf));
+    w->acc = aligned_alloc(64, (size_t)(vectors * Dv) * sizeof(vf));
+    w->m = aligned_alloc(64, (size_t)(6 * vectors) * sizeof(vf));
+    w->span = malloc((size_t)(4 * vectors) * sizeof(int64_t));
+    w->p = aligned_alloc(64, (size_t)KB * sizeof(vf));
+    w->keys = aligned_alloc(64, (size_t)(KB * widest) * sizeof(float));
+    w->values = aligned_alloc(64, (size_t)(KB * widest) * sizeof(float));
+    if (w->m) {
+        w->l = w->m + vectors;
+        w->first = w->m + 2 * vectors;
+        w->last = w->m + 3 * vectors;
+        w->pos = w->m + 4 * vectors;
+        w->slope = w->m + 5 * vectors;
+    }
+    return !(w->qt && w->acc && w->m && w->span && w->p && w->keys && w->values);
+}
+
+static void free_scratch(struct scratch *w) {
+    free(w->qt);
+    free(w->acc);
+    free(w->m);
+    free(w->span);
+    free(w->p);
+    free(w->keys);
+    free(w->values);
+}
+
+/* One item, its loops unrolled for the common head sizes. */
+static inline __attribute__((always_inline)) void attend_item(
+    const struct call *c, const struct scratch *w, const struct tile *tile, const int32_t *block_tables,
+    int64_t table_stride, const int64_t *query_start_loc, const int64_t *seq_lens, int64_t tokens, int64_t D,
+    int64_t Dv, const int bf16)
+{
+    const int64_t b = tile->request, h = tile->head;
+    const int64_t first_row = query_start_loc[b], length = query_start_loc[b + 1] - first_row;
+    const int64_t context = seq_lens[b] - length;
+    const int64_t r0 = tile->index * tokens, r1 = r0 + tokens < length ? r0 + tokens : length;
+    const int32_t *table = block_tables + b * table_stride;
+    if (D == 64 && Dv == 64)
+        attend_tile(c, w, table, first_row, context, r0, r1, h, 64, 64, bf16);
+    else if (D == 128 && Dv == 128)
+        attend_tile(c, w, table, first_row, context, r0, r1, h, 128, 128, bf16);
+    else
+        attend_tile(c, w, table, first_row, context, r0, r1, h, D, Dv, bf16);
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+static inline __attribute__((always_inline)) int prefill_attention(
+    const struct call *c, const int32_t *block_tables, int64_t table_stride, const int64_t *query_start_loc,
+    const int64_t *seq_lens, const int64_t *requests, int64_t num_requests, int64_t num_kv_heads, int64_t D,
+    int64_t Dv, int num_threads, const int bf16)
+{
+    const int64_t tokens = (TILE_ROWS + c->group - 1) / c->group;
+    int64_t count = 0;
+    struct tile *tiles = make_tiles(query_start_loc, seq_lens, requests, num_requests, num_kv_heads, tokens,
+                                    c->window, c->chunk, &count);
+    if (tiles == NULL) return -1;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         struct scratch w;
-        w.qs = aligned_alloc(64, (size_t)(rows * head_dim) * sizeof(float));
-        w.acc = aligned_alloc(64, (size_t)(rows * head_dim_v) * sizeof(float));
-        w.kt = aligned_alloc(64, (size_t)(head_dim * KN) * sizeof(vf));
-        w.m = malloc((size_t)rows * sizeof(float));
-        w.l = malloc((size_t)rows * sizeof(float));
-        w.pos = malloc((size_t)rows * sizeof(int64_t));
-        if (!(w.qs && w.acc && w.kt && w.m && w.l && w.pos)) {
+        if (alloc_scratch(&w, tokens * c->group, D, Dv)) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp barrier")
         if (!failed) {
             _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t item = 0; item < count; item++) {
-                const struct tile *tile = &tiles[item];
-                const int64_t b = tile->request, h = tile->head;
-                const int64_t first_row = query_start_loc[b], length = query_start_loc[b + 1] - first_row;
-                const int64_t context = seq_lens[b] - length;
-                const int64_t r0 = tile->index * QT, r1 = r0 + QT < length ? r0 + QT : length;
-                const int32_t *table = block_tables + b * table_stride;
-                /* A constant head size unrolls the inner loops. */
-                const int64_t size = head_dim == head_dim_v && (head_dim == 64 || head_dim == 128) ? head_dim : 0;
-                if (size == 64)
-                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, 64, 64,
-                                (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
-                else if (size == 128)
-                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, 128, 128,
-                                (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
-                else
-                    attend_tile(q, q_stride_t, q_stride_h, k_cache, v_cache, table, block_size, row_stride,
-                                v_row_stride, out, num_heads, first_row, context, r0, r1, h, group, head_dim,
-                                head_dim_v, (float)scale, window, (float)softcap, sinks, alibi, chunk, &w, bf16);
-            }
+            for (int64_t item = 0; item < count; item++)
+                attend_item(c, &w, &tiles[item], block_tables, table_stride, query_start_loc, seq_lens, tokens, D,
+                            Dv, bf16);
         }
-        free(w.qs);
-        free(w.acc);
-        free(w.kt);
-        free(w.m);
-        free(w.l);
-        free(w.pos);
+        free_scratch(&w);
     }
     free(tiles);
     return failed ? -1 : 0;
@@ -379,10 +524,14 @@ int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, c
          int64_t block_size, double scale, int64_t window, double softcap, const double *sinks,   \
          const double *alibi, int64_t chunk, int num_threads)                                     \
 {                                                                                                 \
-    return prefill_attention(q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables,          \
-                             table_stride, query_start_loc, seq_lens, requests, num_requests,    \
-                             out, num_heads, num_kv_heads, head_dim, head_dim_v, block_size,     \
-                             scale, window, softcap, sinks, alibi, chunk, num_threads, BF16);    \
+    const struct call c = {                                                                       \
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out, .q_stride_t = q_stride_t,     \
+        .q_stride_h = q_stride_h, .block_size = block_size, .row_stride = num_kv_heads * head_dim, \
+        .v_row_stride = num_kv_heads * head_dim_v, .num_heads = num_heads,                        \
+        .group = num_heads / num_kv_heads, .window = window, .chunk = chunk,                      \
+        .scale = (float)scale, .softcap = (float)softcap, .sinks = sinks, .alibi = alibi};        \
+    return prefill_attention(&c, block_tables, table_stride, query_start_loc, seq_lens, requests, \
+                             num_requests, num_kv_heads, head_dim, head_dim_v, num_threads, BF16); \
 }
 
 DEFINE_ENTRY(prefill_attention_f32, float, 0)
