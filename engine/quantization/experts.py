@@ -78,9 +78,13 @@ class LinearsPerExpert(nn.Module):
         return self._linears[0][0].input_quantization != "none"
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]."""
-        x32 = x.float()
-        return torch.cat([part[expert](x32) for part in self._linears], dim=-1)
+        """x [T, K] times expert ``expert``'s weight transposed: float32 [T, N]. Parts that
+        quantize their input take x in its own dtype, in which the checkpoint's forward
+        computes each token's scale and codes (activations.py); the others take x in
+        float32, so the product is not rounded to a 16-bit x's dtype."""
+        if not self.parts_quantize_inputs():
+            x = x.float()
+        return torch.cat([part[expert](x) for part in self._linears], dim=-1).float()
 
 
 def stack_w8(parts: dict[str, list[QuantizedLinear]]) -> LinearsPerExpert:
@@ -323,7 +327,7 @@ def _per_expert_experts(tensors: CheckpointTensors, name: str, module: nn.Module
     """The experts of a checkpoint that stores each expert's linears apart, in W8/W4,
     with the checkpoint prefix they were read under (None: stored unquantized)."""
     gate_up_names, down_names, renamings = per_expert_names(model_type)
-    prefix = next((candidate for candidate in _checkpoint_prefixes(name, renamings)
+    prefix = next((candidate for candidate in checkpoint_prefixes(name, renamings)
                    if stored_quantized(tensors, f"{candidate}.0.{(gate_up_names or down_names or ('',))[0]}", scheme)),
                   None)
     if prefix is None:
@@ -373,7 +377,7 @@ def per_expert_names(model_type: str) -> tuple[tuple[str, ...], tuple[str, ...],
     return gate_up, down, tuple(renamings)
 
 
-def _checkpoint_prefixes(name: str, renamings: tuple[tuple[str, str], ...]) -> list[str]:
+def checkpoint_prefixes(name: str, renamings: tuple[tuple[str, str], ...]) -> list[str]:
     """Where a checkpoint may store the experts module ``name``'s tensors: under its own
     name, or under the name transformers' renamings map to it."""
     candidates = [name]
