@@ -5,25 +5,42 @@ bound neither by reading the weights nor by arithmetic, and it pads fewer than 1
 rows to a bucket. The small-batch kernel (kernels/cpu_small_linear.c) reads oneDNN's
 own packed copy where its layout allows (engine/cpu/linear.py's KernelPacked) and
 multiplies any number of rows without padding, its tiles of rows streaming each
-block of weights once. Which is faster depends on the weight's shape (whether it
-stays in the cache, a vocabulary-wide LM head), the row count and the host, so each
-shape is raced at each of KERNEL_ROW_COUNTS once per host (cached as the other CPU
-path races are).
+block of weights once. Which is faster depends on the weight's shape, the row count,
+the host, and where the weights come from: a step runs every linear of the model
+once, so between two runs of one linear it reads all the others, and a model whose
+linear weights outgrow the last-level cache reads each from memory. A race that
+runs one weight again and again reads it from the cache instead, where the kernel's
+arithmetic, not its streaming, decides: it would take row counts that run slower in
+the step. So each shape is raced over copies of its weight run one after the other,
+as many as the model's linear weights fill (up to RACED_BYTES), at each of
+KERNEL_ROW_COUNTS, once per host (cached as the other CPU path races are).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from ..kernels.cpu_small_linear import onednn_view, small_linear, small_linear_available
+from ..kernels.cpu_small_linear import SmallLinearWeight, onednn_view, small_linear, small_linear_available
 from .linear import KERNEL_ROW_COUNTS, SmallKernelChoice, onednn_linear_available, packed_matmul
 from .measurement import measured, race
 
 # The kernel takes a row count where it measures at least this much faster.
 TAKE_RATIO = 1.05
-# The raced weight holds at most this many bytes (its outputs cut to fit): past a few
-# times the last-level cache, both sides read it from memory alike.
+# Past the row counts a decode step's few rows bind by reading the weights, arithmetic
+# binds both sides: from the first of these the kernel measures slower at, larger
+# counts stay on oneDNN unraced (racing them costs the most).
+ARITHMETIC_ROWS = 8
+# The raced weight holds at most this many bytes (its outputs cut to fit).
 RACED_WEIGHT_BYTES = 64 << 20
+# The raced copies hold at most this many bytes: past a few times the last-level
+# cache, each copy is read from memory as a step reads a large model's weights.
+RACED_BYTES = 128 << 20
+RACE_ROUNDS = 3
 
 
 def small_linear_capability(dtype: torch.dtype) -> tuple[bool, str]:
@@ -32,40 +49,98 @@ def small_linear_capability(dtype: torch.dtype) -> tuple[bool, str]:
         return False, "cpu_small_linear.c does not build here or takes no such dtype (float32 and bfloat16)"
     if not onednn_linear_available(dtype):
         return False, "it reads oneDNN's packed linears, which do not run this dtype here"
-    return True, "raced per linear shape and row count against oneDNN's packed linear"
+    return True, "raced per linear shape and row count against oneDNN's packed linear, as a step reads the weights"
 
 
-def small_kernel_choice(rows_hint: int, forced: bool) -> SmallKernelChoice:
+def linear_weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``model``'s CPU nn.Linear weights packed in ``dtype``: what a step reads
+    between two runs of one linear."""
+    return sum(module.weight.numel() * dtype.itemsize for module in model.modules()
+               if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu")
+
+
+def small_kernel_choice(rows_hint: int, forced: bool, step_bytes: int = 0) -> SmallKernelChoice:
     """The choice ``pack_linears`` asks per weight shape: every row count when
-    ``forced``, else those whose cached race the kernel won."""
+    ``forced``, else those whose cached race the kernel won, raced over copies of the
+    weight filling ``step_bytes`` (the model's linear weights, ``linear_weight_bytes``)."""
     def choose(out_features: int, in_features: int, dtype: torch.dtype) -> frozenset[int]:
         if forced:
             return frozenset(KERNEL_ROW_COUNTS)
-        taken = set()
-        for rows in KERNEL_ROW_COUNTS:
-            key = (str(dtype), out_features, in_features, rows_hint, rows)
-            speedup = measured("small_linear", key, lambda rows=rows: small_linear_speedup(
-                out_features, in_features, dtype, rows_hint, rows))
-            if speedup >= TAKE_RATIO:
-                taken.add(rows)
-        return frozenset(taken)
+        copies = raced_copies(out_features, in_features, dtype, step_bytes)
+        # Built on the first row count whose race is not cached.
+        raced = functools.cache(lambda: RacedWeights.build(out_features, in_features, dtype, rows_hint, copies))
+
+        def speedup_at(rows: int) -> float:
+            def measure() -> float:  # 0 where the kernel cannot read oneDNN's layout
+                weights = raced()
+                return 0.0 if weights is None else weights.speedup(rows)
+
+            return measured("small_linear", (str(dtype), out_features, in_features, rows_hint, rows, copies), measure)
+
+        return rows_taken(speedup_at)
 
     return choose
 
 
-@torch.inference_mode()
-def small_linear_speedup(out_features: int, in_features: int, dtype: torch.dtype, rows_hint: int,
-                         rows: int) -> float:
-    """How many times faster the small-batch kernel multiplies ``rows`` rows by a random
-    [out_features, in_features] weight of ``dtype`` packed by oneDNN for ``rows_hint``
-    rows than oneDNN does (as packed_matmul runs it); 0 where the kernel cannot read
-    oneDNN's layout of it."""
-    generator = torch.Generator().manual_seed(0)
-    outputs = max(1, min(out_features, RACED_WEIGHT_BYTES // (in_features * dtype.itemsize)))
-    weight = torch.randn(outputs, in_features, generator=generator).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-    view = onednn_view(packed, weight)
-    if view is None:
-        return 0.0
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    return 1 / race(lambda: packed_matmul(x, packed, None), lambda: small_linear(x, view, None))
+def rows_taken(speedup_at: Callable[[int], float]) -> frozenset[int]:
+    """The row counts of KERNEL_ROW_COUNTS the kernel takes, given how many times
+    faster than oneDNN it runs each (asked in increasing order, and not past the first
+    of ARITHMETIC_ROWS or more it runs slower at)."""
+    taken = set()
+    for rows in KERNEL_ROW_COUNTS:
+        speedup = speedup_at(rows)
+        if speedup >= TAKE_RATIO:
+            taken.add(rows)
+        elif rows >= ARITHMETIC_ROWS and speedup < 1:
+            break
+    return frozenset(taken)
+
+
+def raced_copies(out_features: int, in_features: int, dtype: torch.dtype, step_bytes: int) -> int:
+    """How many copies of the raced weight run one after the other: enough to fill
+    ``step_bytes``, at most RACED_BYTES."""
+    weight_bytes = raced_outputs(out_features, in_features, dtype) * in_features * dtype.itemsize
+    return max(1, min(step_bytes, RACED_BYTES) // weight_bytes)
+
+
+def raced_outputs(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    return max(1, min(out_features, RACED_WEIGHT_BYTES // (in_features * dtype.itemsize)))
+
+
+@dataclass(frozen=True)
+class RacedWeights:
+    """Copies of one random weight packed by oneDNN, and the kernel's views of them."""
+
+    onednn: list[torch.Tensor]
+    kernel: list[SmallLinearWeight]
+
+    @classmethod
+    def build(cls, out_features: int, in_features: int, dtype: torch.dtype, rows_hint: int,
+              copies: int) -> RacedWeights | None:
+        """``copies`` random [out_features (cut to RACED_WEIGHT_BYTES), in_features]
+        weights of ``dtype`` packed for ``rows_hint`` rows; None where the kernel cannot
+        read oneDNN's layout of them."""
+        generator = torch.Generator().manual_seed(0)
+        outputs = raced_outputs(out_features, in_features, dtype)
+        weight = torch.randn(outputs, in_features, generator=generator).to(dtype)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) for _ in range(copies)]
+        view = onednn_view(packed[0], weight)
+        # Every copy is packed alike: the first one's layout holds for each.
+        return None if view is None else cls(packed, [dataclasses.replace(view, storage=copy) for copy in packed])
+
+    @torch.inference_mode()
+    def speedup(self, rows: int) -> float:
+        """How many times faster the kernel multiplies ``rows`` random rows by every
+        copy, one after the other, than oneDNN does (as packed_matmul runs it)."""
+        x = torch.randn(rows, self.kernel[0].in_features, generator=torch.Generator().manual_seed(rows))
+        x = x.to(self.kernel[0].dtype)
+
+        def onednn() -> None:
+            for copy in self.onednn:
+                packed_matmul(x, copy, None)
+
+        def kernel() -> None:
+            for copy in self.kernel:
+                small_linear(x, copy, None)
+
+        return 1 / race(onednn, kernel, rounds=RACE_ROUNDS)

@@ -52,7 +52,7 @@ from .capability import (
 from .hybrid_layers import optimize_hybrid_layers
 from .layers import fuse_decoder_layers, fuse_rms_norms
 from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears, packed_matmul
-from .linear_race import small_kernel_choice, small_linear_capability
+from .linear_race import linear_weight_bytes, small_kernel_choice, small_linear_capability
 from .measurement import host_key as _host_key  # noqa: F401 - cleared by the tests with the others
 from .measurement import measured as _measured
 from .measurement import race as _race
@@ -146,10 +146,6 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
             taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
         if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
             taken, why = False, "it runs packed linears, which are not taken"
-        elif name == "small_linear_kernel" and taken and setting is None:
-            # Its per-shape races win at 1-32 rows, yet bench_engine's workloads ran
-            # slower with it on this AVX-512 host: taken only where turned on.
-            taken, why = False, "off unless SHARDLINE_CPU_PATHS turns it on"
         choices[name] = taken
         reasons.append((name, why))
     paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,
@@ -223,7 +219,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     packed = mlps = norms = layers = 0
     if paths.packed_linears:
         assert paths.dtype is not None, "a path is chosen for the model's dtype (choose_cpu_paths)"
-        small_kernel = small_kernel_choice(rows_hint, forced=False) if paths.small_linear_kernel else None
+        step_bytes = linear_weight_bytes(model, paths.packed_dtype or paths.dtype)
+        small_kernel = small_kernel_choice(rows_hint, False, step_bytes) if paths.small_linear_kernel else None
         packed = pack_linears(model, rows_hint, dtypes=(paths.dtype,), packed_dtype=paths.packed_dtype,
                               small_kernel=small_kernel)
         mlps = fuse_gated_mlps(model, rows_hint, silu_kernel=paths.fused_kernels)
