@@ -13,7 +13,8 @@ kernels/cpu_fused.c instead, one pass each:
   norms, LoRA wrappers, the engine's attention) but fuses the residual add into the
   next norm and rotates q and k in place, without transformers' per-call plumbing.
   Query, key and value projections run as one matmul over their weights packed side
-  by side (unless LoRA wraps them): a decode step's three small matmuls each read
+  by side (unless LoRA wraps them; quantized ones as one stacked call,
+  engine/quantization/stacked.py): a decode step's three small matmuls each read
   their weights cold from memory, after attention has streamed the KV cache through
   the caches, so one matmul reading all three is cheaper than three.
   A layer is replaced only if the replacement gives the layer's own output on a probe
