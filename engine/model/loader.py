@@ -3,6 +3,7 @@ local directory, with the engine's attention plugged in."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import transformers
 from ..attention.context import register as register_attention
 from ..config import EngineConfig
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..quantization.checkpoint import CheckpointTensors
 from ..quantization.load import QuantizedWeights, checkpoint_directory, load_quantized_model
 from ..quantization.methods import gguf_refusal, resolve_scheme
 from .adapters import has_adapter
@@ -149,6 +151,12 @@ class ModelReader(Protocol):
     def __call__(self, config: EngineConfig, auto_class: type, hf_config: transformers.PretrainedConfig,
                  dtype: torch.dtype, attn_implementation: str | dict[str, str]) -> torch.nn.Module | None: ...
 
+    def quantized_splits(self, config: EngineConfig, model: torch.nn.Module, tensors: CheckpointTensors,
+                         read_elsewhere: set[str]) -> set[str]:
+        """For a quantized checkpoint: the float parameters of ``model`` (a skeleton) left
+        on the meta device, read after the split (never one of ``read_elsewhere``)."""
+        ...
+
 
 def load_model(config: EngineConfig, task: Task, attn_implementation: str,
                reader: ModelReader | None = None) -> LoadedModel:
@@ -173,10 +181,11 @@ def load_model(config: EngineConfig, task: Task, attn_implementation: str,
         if task != "generate":
             raise UnsupportedModelError(f"{config.model} is quantized as {scheme.description}, which only the "
                                         "generation engine runs (task 'generate')")
-        # A tensor-parallel rank (``reader`` given) reads its shares of MXFP4 experts after the split.
+        # A tensor-parallel rank (``reader`` given) reads its shares of quantized experts as slices.
         model, quantized = load_quantized_model(
             auto_class, hf_config, checkpoint_directory(config.model, config.revision), scheme, dtype, device,
-            attn_implementation, read_experts=reader is None or scheme.weights != "mxfp4")
+            attn_implementation, read_experts=reader is None,
+            defer=functools.partial(reader.quantized_splits, config) if reader is not None else None)
         logger.info("loaded %s (%s) on %s in %s, %s", config.model, type(model).__name__, device, dtype,
                     scheme.description)
         return LoadedModel(model, tokenizer, hf_config, load_generation_config(config), device, dtype, quantized)

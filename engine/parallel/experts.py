@@ -178,8 +178,7 @@ def split_quantized_experts(module: QuantizedExperts, name: str, group: RankGrou
         new_down = _mxfp4_part(down, slice(start // MXFP4_BLOCK, -(-end // MXFP4_BLOCK)), slice(None))
         gate_up_bias = None if module.gate_up_bias is None else module.gate_up_bias[:, 2 * start: 2 * end]
     elif isinstance(gate_up, LinearsPerExpert) and isinstance(down, LinearsPerExpert):
-        unit = math.lcm(*(_row_unit(linear) for linear in _linears(gate_up)),
-                        *(_column_unit(linear) for linear in _linears(down)))
+        unit = share_unit(_linears(gate_up), _linears(down))
         start, end = expert_share(down.in_features, unit, group, name)
         new_gate_up = _column_linears(gate_up, f"{name}.gate_up", start, end)
         new_down = _row_linears(down, f"{name}.down", start, end)
@@ -206,6 +205,12 @@ def _mxfp4_part(weights: Mxfp4ExpertWeights, blocks: slice, rows: slice) -> Mxfp
 
 def _linears(projection: LinearsPerExpert) -> list[QuantizedLinear]:
     return [linear for linear in projection.modules() if isinstance(linear, QuantizedLinear)]
+
+
+def share_unit(gate_up: list[QuantizedLinear], down: list[QuantizedLinear]) -> int:
+    """The intermediate size's unit of per-expert linears: no share cuts gate/up's row
+    blocks nor down's column blocks, groups or packed bytes."""
+    return math.lcm(*(_row_unit(linear) for linear in gate_up), *(_column_unit(linear) for linear in down))
 
 
 def _row_unit(linear: QuantizedLinear) -> int:

@@ -14,6 +14,10 @@ whole model once per rank in host memory while the ranks load. Instead each rank
    padded with zeros), each expert's share of its intermediate size. Only those bytes
    are read (safetensors' ``get_slice``).
 
+A quantized checkpoint's float parameters the rules split (its embedding, LM head and
+unquantized linears) are left on the meta device by its loader (``quantized_splits``)
+and read the same way.
+
 A checkpoint this cannot read exactly (not safetensors, a parameter it stores under
 another layout than fused experts of per-expert projections, modules kept in float32
 under another dtype, a parameter the skeleton would leave neither read nor planned) is
@@ -234,6 +238,31 @@ class SliceReader:
         logger.info("tensor-parallel rank reads %d split parameters of %s as slices", len(split), config.model)
         return model.eval()
 
+    def quantized_splits(self, config: EngineConfig, model: nn.Module, tensors: CheckpointTensors,
+                         read_elsewhere: set[str]) -> set[str]:
+        """For a quantized checkpoint (engine/quantization/load.py's ``defer``): the float
+        parameters the sharding step splits (the embedding, the LM head, any float linear
+        a rule splits), but ``read_elsewhere``'s (quantized linears and experts) and those
+        of modules kept in float32, left on the meta device; ``checkpoint`` then holds
+        where this rank reads its slices of them. None of them where one is not stored as
+        the model holds it (the loader reads them whole), saying why."""
+        try:
+            split = set(slice_plan(model, RankGroup(0, config.tensor_parallel_size, lambda: ""))) - read_elsewhere
+        except ShardingError as error:  # the sharding step refuses it, naming it
+            logger.info("tensor-parallel rank reads %s's float tensors whole: %s", config.model, error)
+            return set()
+        if isinstance(model, transformers.PreTrainedModel):
+            model.tie_weights()  # tied parameters are read through the one the checkpoint stores
+        kept = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+        split = {name for name in split if not set(name.split(".")[:-1]) & set(kept)}
+        sources, problem = _sources(model, tensors, split, only_split=True)
+        if problem is not None:
+            logger.info("tensor-parallel rank reads %s's float tensors whole: %s", config.model, problem)
+            return set()
+        self.checkpoint = RankCheckpoint(tensors, sources)
+        logger.info("tensor-parallel rank reads %d float parameters of %s as slices", len(sources), config.model)
+        return set(sources)
+
     @staticmethod
     def _whole(config: EngineConfig, why: str) -> None:
         logger.info("tensor-parallel rank reads %s whole before splitting it: %s", config.model, why)
@@ -244,16 +273,19 @@ def _as_loaded(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _sources(model: nn.Module, tensors: CheckpointTensors,
-             split: set[str]) -> tuple[dict[str, str | tuple[str, tuple[str, str, str], int]], str | None]:
-    """Where each parameter (and persistent buffer) of ``model`` is stored, and the first
-    problem: a parameter stored nowhere, or a tensor read whole in another shape."""
+def _sources(model: nn.Module, tensors: CheckpointTensors, split: set[str], only_split: bool = False
+             ) -> tuple[dict[str, str | tuple[str, tuple[str, str, str], int]], str | None]:
+    """Where each parameter (and persistent buffer) of ``model`` is stored (``only_split``:
+    each of ``split``), and the first problem: a parameter stored nowhere, or a tensor
+    read whole in another shape."""
     by_tensor: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(parameter), []).append(name)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     sources: dict[str, str | tuple[str, tuple[str, str, str], int]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if only_split and name not in split:
+            continue
         tied = by_tensor.get(id(tensor), [name])
         stored = next((alias for alias in [name, *tied] if alias in tensors), None)
         if stored is not None:

@@ -41,9 +41,11 @@ def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: i
     """The tensor-parallel surgery step: ``shard_model``, then (``checkpoint``: the split
     parameters were left on the meta device by engine/parallel/loading.py) this rank's
     slices read into them, then ``place`` this rank's shard on ``device``; return how
-    many modules were replaced. ``quantized``: a quantized checkpoint's linears, left on
-    the meta device by the loader: those split exactly by slices are read as this rank's
-    shares after the split (engine/parallel/quantized_slices.py), the others whole before it."""
+    many modules were replaced. ``quantized``: a quantized checkpoint's linears and
+    experts, left on the meta device by the loader: experts are read as this rank's shares
+    before the split, linears split exactly by slices after it
+    (engine/parallel/quantized_slices.py), the others whole before it; its float
+    parameters the ranks split are read as ``checkpoint``'s slices."""
     plan = slice_plan(model, group) if checkpoint is not None else {}
     shares = quantized_share_plan(model, group, quantized) if quantized is not None else {}
     if quantized is not None:
@@ -54,9 +56,10 @@ def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: i
     replaced = shard_model(model, group, num_attention_layers)
     if quantized is not None:
         put_linear_shares(model, group, quantized, shares)
-        quantized.tensors.close()
-    if checkpoint is not None:
+    if checkpoint is not None:  # float parameters (a quantized checkpoint's too: its embedding, LM head)
         read_rank_slices(model, checkpoint, plan)
         checkpoint.tensors.close()
+    if quantized is not None:
+        quantized.tensors.close()
     place(model, device)
     return replaced

@@ -16,10 +16,12 @@ row, or where the linear is not a plain split one (inside a recurrent mixer, onl
 quantization), the linear is read whole before the split, as without slices, and the
 sharding step splits it (or refuses it, naming it).
 
-MXFP4 experts (gpt-oss) are read the same way before the split (``put_expert_shares``):
+Quantized MoE experts are read the same way before the split (``put_expert_shares``):
 the loader leaves them on the meta device for a rank, and the checkpoint's own experts
-reader reads the rank's share at its share of the intermediate size. Per-expert FP8,
-INT8 and INT4 experts are read whole at load and split (engine/parallel/experts.py).
+reader reads the rank's share of the intermediate size (MXFP4's whole 32-element
+blocks; per-expert FP8, INT8 and INT4 linears' rows and columns in whole blocks, groups
+and words). The checkpoint's float tensors the ranks split (embedding, LM head, float
+linears) are read as slices by engine/parallel/loading.py's ``quantized_splits``.
 
 Invariant: a slice-read share and the share split from the whole linear (or experts)
 dequantize to the same weight (tests/engine/parallel/test_tp_loading_quantized.py).
@@ -34,13 +36,19 @@ from torch import nn
 
 from ..lora.layers import SHARE_ATTRIBUTE
 from ..quantization.checkpoint import CheckpointTensors
-from ..quantization.experts import QuantizedExperts, experts_modules, replace_quantized_experts
-from ..quantization.formats import read_quantized_linear
+from ..quantization.experts import (
+    QuantizedExperts,
+    checkpoint_prefixes,
+    experts_modules,
+    per_expert_names,
+    replace_quantized_experts,
+)
+from ..quantization.formats import read_quantized_linear, stored_quantized
 from ..quantization.load import QuantizedWeights
 from ..quantization.mxfp4 import MXFP4_BLOCK
 from ..quantization.scheme import QuantScheme
 from ..surgery import replace
-from .experts import RANK_SHARE, expert_share
+from .experts import RANK_SHARE, expert_share, share_unit
 from .group import RankGroup, ShardingError
 from .layers import RowParallelLinear
 from .loading import Cut, slice_plan
@@ -220,31 +228,87 @@ def put_linear_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeig
 
 
 def put_expert_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeights) -> int:
-    """Before the split: each MXFP4 experts module the loader left on the meta device
-    (``experts_deferred``) read as this rank's share (experts.py's ``expert_share`` in
-    whole 32-element blocks: gate_up's interleaved rows and bias rows, down's input
-    blocks) by the checkpoint's own experts reader, down's bias on rank 0 only, and
-    marked as a share (``RANK_SHARE``: the split sums its output over ranks without
-    cutting it again); return how many."""
+    """Before the split: each quantized experts module the loader left on the meta device
+    (``experts_deferred``) read as this rank's share of its intermediate size
+    (experts.py's ``expert_share``) by the checkpoint's own experts reader over the
+    share's slices, down's bias on rank 0 only, and marked as a share (``RANK_SHARE``:
+    the split sums its output over ranks without cutting it again); return how many.
+    MXFP4 (gpt-oss): gate_up's interleaved rows and bias rows, down's whole 32-element
+    blocks. Per-expert W8/W4: each expert's gate and up rows, down's columns, with their
+    scales, in whole blocks, groups and packed words; where a slice would cut one (or
+    down's act-order groups, biases or per-token input scales need the whole row) the
+    module is read whole and the split cuts it, or refuses it naming it."""
     if not weights.experts_deferred:
         return 0
+    model_type = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
     cuts: dict[str, Cut] = {}
-    deferred = [(name, module) for name, module in experts_modules(model)
-                if isinstance(module.down_proj, torch.Tensor) and module.down_proj.is_meta]
-    for name, module in deferred:
-        intermediate = module.__dict__["intermediate_size"]  # a plain int the experts module keeps
-        start, end = expert_share(intermediate, MXFP4_BLOCK, group, name)
-        rows, blocks = ((2 * start, 2 * end),), ((start // MXFP4_BLOCK, -(-end // MXFP4_BLOCK)),)
-        for suffix, cut in (("gate_up_proj_blocks", Cut(1, rows)), ("gate_up_proj_scales", Cut(1, rows)),
-                            ("gate_up_proj_bias", Cut(1, rows)), ("down_proj_blocks", Cut(2, blocks)),
-                            ("down_proj_scales", Cut(2, blocks))):
-            cuts[f"{name}.{suffix}"] = cut
-        module.__dict__["intermediate_size"] = end - start  # the reader's expected shapes: the share's
-    replace_quantized_experts(model, SlicedTensors(weights.tensors, cuts), weights.scheme)
-    for name, _ in deferred:
+    offsets: dict[str, int] = {}
+    shares = []
+    for name, module in experts_modules(model):
+        if not (isinstance(module.down_proj, torch.Tensor) and module.down_proj.is_meta):
+            continue  # stored unquantized: read whole at load, split as float experts
+        if weights.scheme.weights == "mxfp4":
+            found: tuple[dict[str, Cut], dict[str, int]] | None = (_mxfp4_cuts(module, name, group), {})
+        else:
+            found = _per_expert_cuts(module, name, group, weights, model_type)
+        if found is not None:
+            cuts.update(found[0])
+            offsets.update(found[1])
+            shares.append(name)
+    replace_quantized_experts(model, SlicedTensors(weights.tensors, cuts, offsets=offsets), weights.scheme)
+    for name in shares:
         share = model.get_submodule(name)
         assert isinstance(share, QuantizedExperts), (name, type(share).__name__)
         if group.rank:
             share.down_bias = None
         setattr(share, RANK_SHARE, True)
-    return len(deferred)
+    return len(shares)
+
+
+def _mxfp4_cuts(module: nn.Module, name: str, group: RankGroup) -> dict[str, Cut]:
+    """gpt-oss's experts tensors cut to this rank's share, its size set to the share's
+    (the reader's expected shapes)."""
+    intermediate = module.__dict__["intermediate_size"]  # a plain int the experts module keeps
+    start, end = expert_share(intermediate, MXFP4_BLOCK, group, name)
+    rows, blocks = ((2 * start, 2 * end),), ((start // MXFP4_BLOCK, -(-end // MXFP4_BLOCK)),)
+    module.__dict__["intermediate_size"] = end - start
+    return {f"{name}.{suffix}": cut for suffix, cut in (
+        ("gate_up_proj_blocks", Cut(1, rows)), ("gate_up_proj_scales", Cut(1, rows)),
+        ("gate_up_proj_bias", Cut(1, rows)), ("down_proj_blocks", Cut(2, blocks)),
+        ("down_proj_scales", Cut(2, blocks)))}
+
+
+def _per_expert_cuts(module: nn.Module, name: str, group: RankGroup, weights: QuantizedWeights,
+                     model_type: str) -> tuple[dict[str, Cut], dict[str, int]] | None:
+    """Each expert's stored gate, up and down tensors cut to this rank's share (and
+    down's act-order offsets), the skeleton's weights reshaped to the share's (the
+    reader's expected shapes); None where the module is read whole."""
+    scheme, tensors = weights.scheme, weights.tensors
+    gate_up_names, down_names, renamings = per_expert_names(model_type)
+    prefix = next((candidate for candidate in checkpoint_prefixes(name, renamings)
+                   if len(gate_up_names) == 2 and down_names
+                   and stored_quantized(tensors, f"{candidate}.0.{gate_up_names[0]}", scheme)), None)
+    gate_up = module.gate_up_proj
+    if prefix is None or scheme.input_quantization != "none" or not isinstance(gate_up, torch.Tensor) \
+            or any(f"{prefix}.{expert}.{part}.bias" in tensors for expert in range(gate_up.shape[0])
+                   for part in down_names):
+        return None
+    num_experts, hidden, intermediate = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
+    first = [read_quantized_linear(tensors, f"{prefix}.0.{part}", scheme, shape, weights.dtype)  # units only
+             for part, shape in ((gate_up_names[0], (intermediate, hidden)), (down_names[0], (hidden, intermediate)))]
+    start, end = expert_share(intermediate, share_unit(first[:1], first[1:]), group, name)
+    cuts: dict[str, Cut] = {}
+    offsets: dict[str, int] = {}
+    for expert in range(num_experts):
+        for parts, shape, share in ((gate_up_names, (intermediate, hidden), LinearShare(((start, end),), None)),
+                                    (down_names, (hidden, intermediate), LinearShare(None, (start, end)))):
+            for part in parts:
+                found = share_cuts(tensors, f"{prefix}.{expert}.{part}", scheme, shape, share)
+                if found is None:
+                    return None
+                cuts.update(found)
+                offsets.update(group_offsets(found, share, scheme))
+    module.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * (end - start), hidden, device="meta"),
+                                       requires_grad=False)
+    module.down_proj = nn.Parameter(torch.empty(num_experts, hidden, end - start, device="meta"), requires_grad=False)
+    return cuts, offsets

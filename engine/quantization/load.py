@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,11 @@ from .online import quantize_linear
 from .scheme import QuantScheme
 
 logger = logging.getLogger(__name__)
+
+
+# Given the model skeleton, the checkpoint's tensors and the parameters other readers
+# fill: the names of float parameters to leave on the meta device.
+Deferral = Callable[[nn.Module, CheckpointTensors, set[str]], Collection[str]]
 
 
 @dataclass
@@ -66,10 +71,13 @@ def checkpoint_directory(model: str, revision: str | None) -> Path:
 
 def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedConfig, directory: Path,
                          scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                         attn_implementation: str, read_experts: bool = True) -> tuple[nn.Module, QuantizedWeights]:
+                         attn_implementation: str, read_experts: bool = True,
+                         defer: Deferral | None = None) -> tuple[nn.Module, QuantizedWeights]:
     """The model of ``directory`` with every tensor but the quantized linears' read, and
     what the ``quantized_linears`` step needs to put those in place (module docstring).
-    ``read_experts`` False: the MoE experts stay on the meta device (``experts_deferred``)."""
+    ``read_experts`` False: the MoE experts stay on the meta device (``experts_deferred``).
+    ``defer``: names the float parameters left on the meta device too (a tensor-parallel
+    rank reads its slices of them after the split)."""
     from accelerate import init_empty_weights
 
     config = copy.deepcopy(hf_config)
@@ -86,14 +94,17 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
     tensors.rename(checkpoint_renaming(model))
     linears = quantized_linear_names(model, tensors, scheme)
     skipped = {f"{name}.{part}" for name in linears for part in ("weight", "bias")}
-    state = {name: _as_loaded(tensors.get(name), dtype) for name in _loadable(model) - skipped if name in tensors}
+    experts = {f"{name}.{leaf}" for name, module in experts_modules(model) for leaf, _ in module.named_parameters()}
+    left = set(defer(model, tensors, skipped | experts)) if defer is not None else set()
+    state = {name: _as_loaded(tensors.get(name), dtype) for name in _loadable(model) - skipped - left
+             if name in tensors}
     model.load_state_dict(state, strict=False, assign=True)
     if read_experts:
         replace_quantized_experts(model, tensors, scheme)
     model.tie_weights()
     deferred = () if read_experts else tuple(f"{name}." for name, _ in experts_modules(model))
     missing = sorted(name for name, param in model.named_parameters()
-                     if param.is_meta and name not in skipped and not name.startswith(deferred))
+                     if param.is_meta and name not in skipped | left and not name.startswith(deferred))
     if missing:
         raise QuantizedCheckpointError(
             f"checkpoint {directory} has no tensor {missing[0]!r} ({len(missing) - 1} more parameters of "

@@ -14,10 +14,14 @@ import torch
 import transformers
 from torch import nn
 
+from shardline.engine.config import EngineConfig
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
+from shardline.engine.model.loader import load_causal_lm
 from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parallel.experts import RANK_SHARE
 from shardline.engine.parallel.group import RankGroup, ShardingError
 from shardline.engine.parallel.layers import ReducedOutput
+from shardline.engine.parallel.loading import SliceReader
 from shardline.engine.parallel.placement import shard_then_place
 from shardline.engine.parallel.quantized import RowParallelQuantized
 from shardline.engine.parallel.quantized_slices import quantized_share_plan
@@ -31,6 +35,7 @@ from shardline.engine.quantization.mxfp4 import Mxfp4ExpertWeights
 from ..quantization import checkpoints as ckpt
 from ..quantization.moe_checkpoints import write_gpt_oss_mxfp4
 from ..quantization.test_formats import FORMATS
+from .test_quantized_experts import FORMATS as EXPERT_FORMATS
 
 # Format: how many of its 14 linears (2 layers x q, k, v, o, gate, up, down) a rank reads as slices.
 SLICED = {
@@ -144,3 +149,78 @@ def test_mxfp4_expert_shares_read_as_slices_equal_the_whole_experts_split(tmp_pa
                 mine, theirs = getattr(got, bias), getattr(expected, bias)
                 assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), bias
         assert not any(parameter.is_meta for parameter in sliced.parameters())
+
+
+def expert_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """Every expert linear of the ranks' experts shares, by name inside its share."""
+    return {f"{name}.{inner}": linear for name, module in model.named_modules() if isinstance(module, ReducedOutput)
+            for inner, linear in module.inner.named_modules() if isinstance(linear, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "gptq_int4"])
+def test_per_expert_shares_read_as_slices_equal_the_whole_experts_split(fmt, tmp_path):
+    """Qwen3-MoE with per-expert FP8 (16x32 blocks) or GPTQ int4 (groups of 32) experts:
+    each rank reads its gate/up rows and down columns with their scales (intermediate 96
+    over 2 ranks: 64 and 32 in whole 32-column units), equal to the whole experts' split."""
+    quantization_config, quantize = EXPERT_FORMATS[fmt]
+    float_dir = build_tiny_model(tmp_path / "float", "qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=96, norm_topk_prob=True)
+    directory = tmp_path / fmt
+    ckpt.write_quantized(float_dir, directory, quantization_config, quantize)
+    for rank in (0, 1):
+        group = RankGroup(rank, 2, lambda: "")
+        whole, weights = loaded(directory)
+        put_quantized_linears(whole, weights)
+        shard_model(whole, group, attention_layers(whole))
+        sliced, weights = loaded(directory, read_experts=False)
+        shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
+        shares = [module.inner for module in sliced.modules() if isinstance(module, ReducedOutput)]
+        assert len(shares) == 2 and all(getattr(share, RANK_SHARE, False) for share in shares)  # read as slices
+        assert all(isinstance(share, QuantizedExperts) and share.down.in_features == (64 if rank == 0 else 32)
+                   for share in shares)
+        want, have = expert_linears(whole), expert_linears(sliced)
+        assert sorted(want) == sorted(have) and len(want) >= 2 * 4 * 2
+        for name, expected in want.items():
+            assert torch.equal(dequantized(have[name]), dequantized(expected)), name
+        assert not any(parameter.is_meta for parameter in sliced.parameters())
+
+
+def rank_shard(directory: Path, rank: int, slices: bool) -> tuple[nn.Module, SliceReader]:
+    """Rank ``rank`` of 2's shard of a quantized checkpoint as the engine loads it, its
+    float parameters read as slices (``slices``) or whole before the split."""
+    config = EngineConfig(model=str(directory), dtype="float32", tensor_parallel_size=2)
+    reader = SliceReader()
+    model = load_causal_lm(config, reader if slices else None)
+    assert model.quantized is not None
+    shard_then_place(model.model, RankGroup(rank, 2, lambda: ""), attention_layers(model.model), torch.device("cpu"),
+                     place=lambda module, device: None, checkpoint=reader.checkpoint if slices else None,
+                     quantized=model.quantized)
+    return model.model, reader
+
+
+@pytest.mark.parametrize("case", ["float_down_proj_and_head", "gptq_tied_embeddings"])
+def test_a_quantized_checkpoints_float_tensors_read_as_slices(case, tmp_path):
+    """The embedding and LM head (tied, or float beside int4 linears with a vocabulary
+    of 511 that pads the head's last share) and a float row-split linear the config
+    leaves unquantized: each rank's slices equal, tensor for tensor, its shard of the
+    whole tensors."""
+    directory = tmp_path / case
+    if case == "gptq_tied_embeddings":
+        _, config, quantize, _ = FORMATS[case]
+        ckpt.write_quantized(build_tiny_model(tmp_path / "float", "qwen3", tie_word_embeddings=True), directory,
+                             config, quantize)
+    else:
+        kept = "model.layers.1.mlp.down_proj"
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}
+        config = ckpt.compressed_config("pack-quantized", weights, ignore=("lm_head", kept))
+        ckpt.write_quantized(build_tiny_model(tmp_path / "float", "llama", vocab_size=511), directory, config,
+                             ckpt.pack_quantized(32, True), modules=lambda names: [n for n in names if n != kept])
+    for rank in (0, 1):
+        expected, _ = rank_shard(directory, rank, slices=False)
+        got, reader = rank_shard(directory, rank, slices=True)
+        assert reader.checkpoint is not None and len(reader.checkpoint.sources) >= 2
+        want, have = expected.state_dict(), got.state_dict()
+        assert sorted(want) == sorted(have)
+        for name, tensor in want.items():
+            assert have[name].dtype == tensor.dtype and torch.equal(have[name], tensor), (case, rank, name)
+        assert not any(parameter.is_meta for parameter in got.parameters())
