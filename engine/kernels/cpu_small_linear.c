@@ -2,9 +2,12 @@
  * in blocks of BN outputs by K (oneDNN's own packed layout on AVX-512, or one packed
  * for this kernel), so that a tile of up to MR rows of x streams each block's weights
  * once, every weight vector multiplied by each row's x element broadcast (no
- * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 for few
- * rows of x, else 2: the block split in sub-blocks of NV VL outputs). The threads split the output blocks;
- * a block's weights stay in the cache while the row tiles after the first read them.
+ * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 on AVX-512
+ * where a block holds 4 VL outputs: each k's weights are one contiguous stream of whole cache
+ * lines, which the first row tile reads from memory while it multiplies as many rows
+ * as the registers hold; else 2, the block split in sub-blocks of NV VL outputs).
+ * The threads split the output blocks; a block's weights stay in the cache while the
+ * row tiles after the first read them.
  *
  *   small_linear_f32:  float32 x, weight and output.
  *   small_linear_bf16: bfloat16 x, weight and output; products summed in float32
@@ -34,15 +37,16 @@
  * 16 otherwise). */
 #define MAX_NV 4
 #if VL == 16
-#define MR(NV) ((NV) == 4 ? 4 : 8)
+#define MR(NV) ((NV) == 4 ? 6 : 8)
 #else
 #define MR(NV) ((NV) == 4 ? 2 : 4)
 #endif
 #define MAX_MR 8
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN_WORK (1 << 18)
-/* How far ahead of the multiply-adds the weights are prefetched, in bytes. */
-#define PREFETCH_BYTES 2048
+/* How many k (pairs of k for bfloat16) ahead of the multiply-adds each of a tile's
+ * weight vectors is prefetched: far enough to cover a read from memory. */
+#define PREFETCH_K 16
 
 typedef uint32_t vu32 __attribute__((vector_size(4 * VL)));
 
@@ -95,7 +99,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
                                                            int64_t bn, int64_t K, int rows, int nv,
                                                            vf acc[MAX_MR][MAX_NV]) {
     for (int64_t k = 0; k < K; k++) {
-        __builtin_prefetch((const char *)(w + k * bn) + PREFETCH_BYTES);
+        for (int v = 0; v < nv; v++) __builtin_prefetch(w + (k + PREFETCH_K) * bn + v * VL);
         vf wv[MAX_NV];
         for (int v = 0; v < nv; v++) memcpy(&wv[v], w + k * bn + v * VL, sizeof(vf));
         for (int r = 0; r < rows; r++) {
@@ -147,7 +151,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     for (int64_t p = 0; p <= pairs; p++) {
         if (p == pairs && K % 2 == 0) break;
         const uint16_t *row = w + p * 2 * bn;
-        __builtin_prefetch((const char *)row + PREFETCH_BYTES);
+        for (int v = 0; v < nv; v++) __builtin_prefetch(row + PREFETCH_K * 2 * bn + v * 2 * VL);
         for (int v = 0; v < nv; v++) memcpy(&wv[v], row + v * 2 * VL, sizeof(vu32));
         pair_bf16(x, x_stride, wv, rows, nv, 2 * p, p == pairs, acc);
     }
@@ -190,9 +194,9 @@ static inline __attribute__((always_inline)) void small_linear(const void *x, in
                                                                const float *bias, void *out, int64_t out_stride,
                                                                int64_t N, int64_t K, int bf16, int num_threads) {
     const int64_t blocks = (N + bn - 1) / bn;
-    /* Up to MR(4) rows (bound by reading the weights) a tile reads whole rows of a
-     * block's k at once; more rows (bound by arithmetic) take the taller tiles. */
-    const int nv = VL == 16 && bn % (4 * VL) == 0 && M <= MR(4) ? 4 : 2;
+    /* With AVX-512's 32 registers a tile reads whole rows of a block's k at once,
+     * MR(4) rows of them; with 16 registers, the taller tiles of 2 vectors. */
+    const int nv = VL == 16 && bn % (4 * VL) == 0 ? 4 : 2;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (M * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t s = 0; s < bn && b * bn + s < N; s += nv * VL) {
