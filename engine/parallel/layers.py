@@ -194,14 +194,18 @@ class SpanningGatedNorm(nn.Module):
 
 class SpanningRMSNorm(nn.Module):
     """An RMS norm (``weight * x / sqrt(mean(x^2) + eps)``, in float32, the weight applied
-    in the input's dtype) over ``width`` channels of which this rank holds its share: the
-    sum of squares of its channels summed over ranks (the sum transformers' mean takes,
-    added in another order)."""
+    in the input's dtype, or with ``weight_in_float32`` before the cast back as OLMo's)
+    over ``width`` channels of which this rank holds its share: the sum of squares of its
+    channels summed over ranks (the sum transformers' mean takes, added in another order;
+    divided by ``replicas`` where each share sits on that many ranks: key heads fewer
+    than ranks)."""
 
-    def __init__(self, weight: torch.Tensor, width: int, eps: float, group: RankGroup) -> None:
+    def __init__(self, weight: torch.Tensor, width: int, eps: float, group: RankGroup, *, replicas: int = 1,
+                 weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.width, self.variance_epsilon = width, eps
+        self.replicas, self.weight_in_float32 = replicas, weight_in_float32
         self.group = group
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -209,5 +213,9 @@ class SpanningRMSNorm(nn.Module):
         input_dtype = hidden_states.dtype
         hidden = hidden_states.to(torch.float32)
         squares = self.group.all_reduce(hidden.pow(2).sum(-1, keepdim=True))
+        if self.replicas > 1:
+            squares = squares / self.replicas
         hidden = hidden * torch.rsqrt(squares / self.width + self.variance_epsilon)
+        if self.weight_in_float32:
+            return (self.weight * hidden).to(input_dtype)
         return self.weight * hidden.to(input_dtype)

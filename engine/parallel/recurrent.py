@@ -2,7 +2,8 @@
 layer's heads, with their convolution channels and per-head parameters, and its state
 slots hold those heads only.
 
-- Gated delta-net (Qwen3-Next, Qwen3.5 and their MoE and text variants, LaraMini): the
+- Gated delta-net (Qwen3-Next, Qwen3.5 and their MoE and text variants, LaraMini,
+  Qwen4-exp, OLMo hybrid with its separate q/k/v/g/a/b projections and o_proj): the
   key and value heads split evenly (rank r: key heads r*Hk/n.., value heads r*Hv/n..,
   the value heads its key heads serve); the input projections keep those heads' rows
   (Qwen3-Next's fused q|k|v|z and b|a rows are grouped by key head, so a rank's rows
@@ -67,7 +68,7 @@ from .mixers_base import Parts, RunWhole, depthwise_conv, int_of, module_of, ran
 logger = logging.getLogger(__name__)
 
 GATED_DELTA_NET = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                   "LaraMiniGatedDeltaNet")
+                   "LaraMiniGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 MAMBA = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 MAMBA2 = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "FalconH1Mixer",
           "GraniteMoeHybridMambaLayer")
@@ -133,9 +134,15 @@ def gated_delta_net_share(module: nn.Module, name: str, group: RankGroup) -> tup
     channels = ranges((first_k * head_k_dim, k_width), (key_dim + first_k * head_k_dim, k_width),
                       (2 * key_dim + first_v * head_v_dim, v_heads * head_v_dim))
     value_rows, head_rows = ranges((first_v * head_v_dim, v_heads * head_v_dim)), ranges((first_v, v_heads))
+    output = "o_proj" if hasattr(module, "g_proj") else "out_proj"  # OLMo hybrid's names
     parts: Parts = {"conv1d": depthwise_conv(module_of(module, "conv1d"), channels),
-                    "out_proj": row_share(module_of(module, "out_proj"), f"{name}.out_proj", group)}
-    if hasattr(module, "in_proj_qkvz"):  # rows grouped by key head: one contiguous share each
+                    output: row_share(module_of(module, output), f"{name}.{output}", group)}
+    key_rows = ranges((first_k * head_k_dim, k_width))
+    if hasattr(module, "g_proj"):  # OLMo hybrid: q, k, v, gate, a and b projections of their own
+        for attribute, rows in (("q_proj", key_rows), ("k_proj", key_rows), ("v_proj", value_rows),
+                                ("g_proj", value_rows), ("b_proj", head_rows), ("a_proj", head_rows)):
+            parts[attribute] = column_share(module_of(module, attribute), f"{name}.{attribute}", rows, group)
+    elif hasattr(module, "in_proj_qkvz"):  # rows grouped by key head: one contiguous share each
         for attribute in ("in_proj_qkvz", "in_proj_ba"):
             projection = module_of(module, attribute)
             _, rows = share(projection_out_features(projection), group, f"{attribute} rows")

@@ -3,7 +3,8 @@ and the per-rank cache spec (the refusals made before any rank starts: verdict.p
 
 The split follows the model's tensor-parallel plan where transformers gives one
 (``base_model_tp_plan``: "colwise", "rowwise", "packed_colwise", "moe_tp_experts",
-"embedding_rowwise", and the styles that keep a module whole), and shape rules where
+"embedding_rowwise", "rowwise_split_input" resolved by what feeds it, and the styles
+that keep a module whole), and shape rules where
 it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise, o/down
 row-wise, and an attention's out_proj or Wo row-wise where q/k/v_proj sit beside it.
 The input embedding is split along the vocabulary and the LM head along its output,
@@ -40,8 +41,10 @@ from ..model.kv_cache_spec import KVCacheSpec
 from ..quantization.experts import QuantizedExperts
 from ..quantization.linear import QuantizedLinear
 from ..surgery import replace
+from .attention_norms import span_head_norms
 from .experts import split_float_experts, split_quantized_experts, splits_unnamed
 from .group import RankGroup, ShardingError
+from .grouped_output import GROUPED, GROUPED_OUTPUT, set_local_groups, split_grouped_linear
 from .layers import GatheredLMHead, VocabParallelEmbedding, column_share, row_share
 from .recurrent import recurrent_mixer_names, shard_recurrent_mixers
 from .vlm import encoder_prefixes
@@ -49,10 +52,11 @@ from .vlm import encoder_prefixes
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
 # transformers' plan styles, as the splits they ask for.
+SPLIT_INPUT = "split_input"
 PLAN_STYLES = {
     "colwise": COLUMN, "rowwise": ROW, "packed_colwise": PACKED_COLUMN, "moe_tp_experts": EXPERTS,
     "embedding_rowwise": EMBEDDING, "colwise_gather_output": WHOLE, "replicated_with_grad_allreduce": WHOLE,
-    "replicate": WHOLE, "mla_kv_a_proj": WHOLE,
+    "replicate": WHOLE, "mla_kv_a_proj": WHOLE, "embedding_colwise": WHOLE, "rowwise_split_input": SPLIT_INPUT,
 }
 # Shape rules for the names a plan leaves out (or a model without a plan).
 ATTENTION_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
@@ -82,24 +86,38 @@ class Heads:
 
 
 def model_heads(hf_config: transformers.PretrainedConfig) -> Heads | None:
-    """The text model's heads (None for a model without attention heads); ShardingError
-    for a model whose layers have heads of their own counts (dots3_note's per-layer
-    config), which one split of the heads per rank cannot serve."""
+    """The text model's heads (None for a model without attention heads); for a model
+    whose layers have heads of their own counts (dots3_note's per-layer config), its
+    first layer's (``layer_heads`` gives each layer's)."""
     text_config = hf_config.get_text_config()
-    per_layer = getattr(text_config, "per_layer_config", None)
+    per_layer = layer_heads(hf_config)
     if per_layer:
-        counts = {(getattr(layer, "num_attention_heads", None), getattr(layer, "num_key_value_heads", None))
-                  for layer in per_layer}
-        if len(counts) > 1:
-            raise ShardingError(
-                f"{text_config.model_type}: its layers have different head counts (query, key-value heads: "
-                f"{sorted(counts, key=str)}), while tensor parallelism gives every layer the same share of heads")
-        text_config = per_layer[0]
+        return per_layer[0]
+    text_config = (getattr(text_config, "per_layer_config", None) or [text_config])[0]
     num_heads = getattr(text_config, "num_attention_heads", None)
     if not num_heads:
         return None
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     return Heads(int(num_heads), int(num_kv_heads))
+
+
+def layer_heads(hf_config: transformers.PretrainedConfig) -> tuple[Heads, ...]:
+    """Each layer's heads where the layers have counts of their own (a per-layer config
+    whose counts differ: dots3_note's sliding and indexed layers); else empty."""
+    per_layer = getattr(hf_config.get_text_config(), "per_layer_config", None) or []
+    heads = tuple(Heads(int(layer.num_attention_heads), int(getattr(layer, "num_key_value_heads", None)
+                                                            or layer.num_attention_heads))
+                  for layer in per_layer if getattr(layer, "num_attention_heads", None))
+    return heads if len(set(heads)) > 1 and len(heads) == len(per_layer) else ()
+
+
+def heads_at(name: str, heads: Heads | None, per_layer: tuple[Heads, ...]) -> Heads | None:
+    """The heads of the layer module ``name`` belongs to (``layers.<i>.``): its own where
+    the layers' counts differ, else the model's."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", f"{name}.")
+    if per_layer and match and int(match[1]) < len(per_layer):
+        return per_layer[int(match[1])]
+    return heads
 
 
 def shard_cache_spec(spec: KVCacheSpec, hf_config: transformers.PretrainedConfig, size: int) -> KVCacheSpec:
@@ -129,12 +147,44 @@ def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
                                 "which shardline's ranks do not run")
         pattern = re.escape(key).replace(r"\*", r"\d+")
         rules.append((re.compile(rf"(?:^|\.){pattern}$"), PLAN_STYLES[style]))
-    named = attention_rules(model)
-    for split in (ROW, COLUMN):
+    resolved = by_name(split_input_rules(model, rules))  # ahead of the plan's patterns, which they resolve
+    return [*resolved, *rules, *by_name(attention_rules(model))]
+
+
+def by_name(named: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    """Rules matching exactly the module names of ``named``, one per split."""
+    rules = []
+    for split in dict.fromkeys(named.values()):
         names = [name for name, rule in named.items() if rule == split]
-        if names:
-            rules.append((re.compile("^(?:" + "|".join(map(re.escape, names)) + ")$"), split))
+        rules.append((re.compile("^(?:" + "|".join(map(re.escape, names)) + ")$"), split))
     return rules
+
+
+def split_input_rules(model: nn.Module, rules: list[tuple[re.Pattern[str], str]]) -> dict[str, str]:
+    """Splits, by module name, for the plan's ``rowwise_split_input`` projections, whose
+    input transformers gathers whole first (the projections feeding them planned
+    ``colwise_gather_output``: OLMo's q/k/v before norms over all heads, a fused
+    gate_up_proj before its chunk). The ranks keep the input as the rank's share instead:
+    an attention output beside q/k/v_proj is row-split with them column-split by heads
+    (norms over all heads span the ranks: attention_norms.py), a down_proj beside a
+    gate_up_proj row-split with it packed column-split; any other (a low-rank mixing
+    weight over the whole residual, qwen4_exp's hyper-connections) runs whole on every
+    rank, as its input is."""
+    resolved: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        if next((split for pattern, split in rules if pattern.search(name)), None) != SPLIT_INPUT:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        children = dict(model.get_submodule(parent_name).named_children())
+        prefix = f"{parent_name}." if parent_name else ""
+        if all(part in children for part in ATTENTION_COLUMN[:3]):
+            resolved.update({prefix + part: COLUMN for part in ATTENTION_COLUMN[:3]})
+            resolved[name] = ROW
+        elif leaf == "down_proj" and "gate_up_proj" in children:
+            resolved.update({prefix + "gate_up_proj": PACKED_COLUMN, name: ROW})
+        else:
+            resolved[name] = WHOLE
+    return resolved
 
 
 def attention_rules(model: nn.Module) -> dict[str, str]:
@@ -142,7 +192,9 @@ def attention_rules(model: nn.Module) -> dict[str, str]:
     model, by module name: an output projection named ``ATTENTION_OUTPUT`` beside
     q_proj, k_proj and v_proj (row-wise), and a per-head output gate ``g_proj`` (one
     output per query head, bailing_hybrid) beside split query and key projections
-    (column-wise: each rank's heads' gates). Recurrent mixers keep their own parts."""
+    (column-wise: each rank's heads' gates), and DeepSeek-V4's grouped output projection
+    beside q_b_proj (by groups of heads, its mix row-wise; its compressors whole).
+    Recurrent mixers keep their own parts."""
     mixers = recurrent_mixer_names(model)
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
@@ -154,6 +206,12 @@ def attention_rules(model: nn.Module) -> dict[str, str]:
         prefix = f"{name}." if name else ""
         if all(leaf in children for leaf in ATTENTION_COLUMN[:3]):
             named.update({prefix + leaf: ROW for leaf in ATTENTION_OUTPUT if leaf in children})
+        if all(leaf in children for leaf in GROUPED_OUTPUT):  # the heads' groups, then their mix (grouped_output.py)
+            named.update({prefix + "o_a_proj": GROUPED, prefix + "o_b_proj": ROW})
+            # its compressors and indexer read the whole hidden state for the one key head: whole
+            compressor = children.get("compressor")
+            if compressor is not None:
+                named.update({f"{prefix}compressor.{sub}": WHOLE for sub, _ in compressor.named_modules() if sub})
         gate = children.get("g_proj")
         if (heads is not None and gate is not None and getattr(gate, "out_features", None) == heads.num_heads
                 and {"q_proj", "q_b_proj"} & set(children) and {"k_proj", "kv_b_proj"} & set(children)):
@@ -197,6 +255,7 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     model's ``num_attention_layers`` were split (a projection no rule knows)."""
     config = getattr(model, "config", None)
     heads = model_heads(config) if isinstance(config, transformers.PretrainedConfig) else None
+    per_layer = layer_heads(config) if isinstance(config, transformers.PretrainedConfig) else ()
     rules = plan_rules(model)
     replaced = len(shard_recurrent_mixers(model, group))
     mixers = recurrent_mixer_names(model)  # split by their own rules above, or run whole: no name rule applies
@@ -213,7 +272,7 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
         split = EXPERTS if splits_unnamed(module) else split_of(name, rules)
         if split is None or split == WHOLE or split == EMBEDDING:
             continue
-        new = split_module(module, name, split, group, heads)
+        new = split_module(module, name, split, group, heads_at(name, heads, per_layer))
         if new is not None:
             replace(model, name, new)
             replaced += 1
@@ -223,7 +282,9 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     check_pairs(splits)
     replaced += split_vocabulary(model, group)
     for name in attention:
-        set_local_heads(model.get_submodule(name), heads, group)
+        set_local_heads(model.get_submodule(name), heads_at(name, heads, per_layer), group)
+        replaced += span_norms(model.get_submodule(name), name, heads_at(name, heads, per_layer), group)
+        set_local_groups(model.get_submodule(name))
     if len(attention) < num_attention_layers:
         raise ShardingError(f"{type(model).__name__}: {len(attention)} of its {num_attention_layers} attention "
                             "layers have projections the tensor-parallel rules split (q/k/v_proj, q_b_proj, "
@@ -262,6 +323,8 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
             return None
         raise ShardingError(f"{name}: a {type(module).__name__} the rule {split!r} names is not an nn.Linear; "
                             "it is not split over ranks")
+    if split == GROUPED:
+        return split_grouped_linear(module, name, group)
     if split == ROW:
         return row_share(module, name, group)
     return column_share(module, name, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1),
@@ -299,7 +362,20 @@ def set_local_heads(attention: nn.Module, heads: Heads | None, group: RankGroup)
     sinks = getattr(attention, "sinks", None)  # one logit per query head (gpt-oss): this rank's heads'
     if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and sinks.shape[0] == heads.num_heads:
         start = group.rank * num_heads
-        attention.sinks = nn.Parameter(sinks.detach()[start: start + num_heads].contiguous(), requires_grad=False)
+        share = nn.Parameter(sinks.detach()[start: start + num_heads].contiguous(), requires_grad=False)
+        for module in (attention, original) if isinstance(original, nn.Module) else (attention,):
+            module.sinks = share  # an adapter's original (its forward: the load check's reference) too
+
+
+def span_norms(attention: nn.Module, name: str, heads: Heads | None, group: RankGroup) -> int:
+    """Replace the attention's q/k norms over all its heads by spanning ones over this
+    rank's (attention_norms.py); return how many were replaced."""
+    if heads is None:
+        return 0
+    first_kv, num_kv = heads.kv_head_of(group.rank, group.size)
+    num_heads = heads.num_heads // group.size
+    return span_head_norms(attention, name, {"q_norm": (heads.num_heads, group.rank * num_heads, num_heads),
+                                             "k_norm": (heads.num_kv_heads, first_kv, num_kv)}, group)
 
 
 def set_head_counts(attention: nn.Module, heads: Heads, num_heads: int, num_kv_heads: int) -> None:

@@ -26,7 +26,7 @@ from ..model.support import auto_class_for
 from ..multimodal.qwen_vl import num_deepstack_layers
 from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
-from .sharding import model_heads, shard_model
+from .sharding import layer_heads, model_heads, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,13 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
         raise ShardingError(f"{prefix}: {model_type} adds image rows inside its decoder's early layers (deepstack), "
                             "which rank 0 does not send the other ranks; run it on one rank")
     heads = model_heads(hf_config)
-    if heads is None:
-        return
-    if heads.num_heads % size:
-        raise ShardingError(f"{prefix}: {model_type} has {heads.num_heads} attention heads, which do not "
-                            f"split over {size} ranks")
-    if heads.num_kv_heads % size and size % heads.num_kv_heads:
-        raise ShardingError(f"{prefix}: {model_type} has {heads.num_kv_heads} key-value heads; they split "
-                            f"over ranks only when one count divides the other")
+    for layer in dict.fromkeys(layer_heads(hf_config) or ([heads] if heads is not None else [])):
+        if layer.num_heads % size:
+            raise ShardingError(f"{prefix}: {model_type} has {layer.num_heads} attention heads, which do not "
+                                f"split over {size} ranks")
+        if layer.num_kv_heads % size and size % layer.num_kv_heads:
+            raise ShardingError(f"{prefix}: {model_type} has {layer.num_kv_heads} key-value heads; they split "
+                                f"over ranks only when one count divides the other")
 
 
 def meta_model(hf_config: transformers.PretrainedConfig, trust_remote_code: bool,

@@ -25,6 +25,7 @@ from shardline.engine.parallel.sharding import (
     column_rows,
     plan_rules,
     shard_cache_spec,
+    shard_model,
     split_of,
 )
 from shardline.engine.parallel.verdict import check_tensor_parallel, tensor_parallel_verdict
@@ -117,9 +118,18 @@ def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, r
     assert str(error.value).startswith(reason)
 
 
-def test_layers_with_their_own_head_counts_are_refused():
-    """dots3_note's sliding layers have heads of their own counts (its per-layer config):
-    one share of heads per rank cannot serve both, so the verdict refuses it naming them."""
+def test_layers_with_their_own_head_counts_split_each_its_own():
+    """dots3_note's sliding layers have heads of their own counts (its per-layer config:
+    4 heads in its indexed layer, 2 in its sliding one): each layer's heads split over
+    the ranks by its own count; a count that does not split is refused naming it."""
     config = tiny_config("dots3_note_text", 512, **tiny_overrides("dots3_note_text"))
-    with pytest.raises(ShardingError, match=r"dots3_note_text: its layers have different head counts"):
-        tensor_parallel_verdict(config, 2, quantization=None, task="generate")
+    tensor_parallel_verdict(config, 2, quantization=None, task="generate")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shard_model(model, RankGroup(1, 2, lambda: "no collective runs here"), num_attention_layers=2)
+    for index, heads in ((0, 4), (1, 2)):
+        attention: Any = model.get_submodule(f"model.layers.{index}.self_attn")
+        assert attention.num_heads == heads // 2 and attention.g_proj.out_features == heads // 2
+        assert attention.q_b_proj.out_features * 2 == model.config.per_layer_config[index].num_attention_heads * \
+            attention.qk_head_dim
+    with pytest.raises(ShardingError, match="dots3_note_text has 2 attention heads, which do not split over 4 ranks"):
+        tensor_parallel_verdict(config, 4, quantization=None, task="generate")
