@@ -19,10 +19,15 @@ while it loads its shard of a model of a few hundred MB, each load in a fresh pr
 the rank reading the whole checkpoint before splitting it, and reading only its slices
 (engine/parallel/loading.py); then a two-rank engine's processes after loading. With
 ``--quantized``, the checkpoint's linears are FP8 with a scale per output channel, and a
-rank reads them whole before the split or as its slices (engine/parallel/quantized_slices.py).
+rank reads the checkpoint whole before the split or as its slices (quantized linears and
+experts: engine/parallel/quantized_slices.py; the float embedding, LM head and norms:
+engine/parallel/loading.py). ``--moe``: a Qwen3-MoE-shaped model (8 experts per layer,
+stored per expert) instead of the Llama-shaped one. The goal: a rank's load adds about
+its share of the stored bytes (each in the dtype it runs in) plus the parts every rank
+keeps whole (norms, routers); the line "expected" says how much that is.
 
     python bench/bench_tp.py [--prompts 16] [--max-tokens 32] [--layers 4] [--rounds 2]
-    python bench/bench_tp.py --memory [--layers 6] [--hidden 1024] [--quantized]
+    python bench/bench_tp.py --memory [--layers 6] [--hidden 1024] [--quantized] [--moe]
 """
 
 from __future__ import annotations
@@ -32,14 +37,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
+import transformers
 from common import build_bench_model, random_prompts
 from safetensors.torch import load_file, save_file
 
 from shardline import LLM, SamplingParams
 from shardline.engine.llm_engine import LLMEngine
+from shardline.engine.model.tiny import build_tokenizer
 from shardline.engine.parallel.ranks import RankDriver
 
 
@@ -103,16 +111,19 @@ def load_one_quantized_rank(model_dir: str, how: str, rank: int) -> None:
     from shardline.engine.model.kv_cache_spec import KVCacheSpec
     from shardline.engine.model.loader import load_causal_lm
     from shardline.engine.parallel.group import RankGroup
+    from shardline.engine.parallel.loading import SliceReader
     from shardline.engine.parallel.placement import shard_then_place
     from shardline.engine.quantization.load import put_quantized_linears
 
-    loaded = load_causal_lm(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2))
-    assert loaded.quantized is not None
+    reader = SliceReader() if how == "slices" else None
+    loaded = load_causal_lm(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2), reader)
+    assert loaded.quantized is not None and (reader is None or reader.checkpoint is not None)
     layers = sum(1 for layer in KVCacheSpec.from_hf_config(loaded.hf_config, loaded.dtype).layers if layer.num_kv_heads)
     group = RankGroup(rank, 2, lambda: "")
     if how == "whole":
         put_quantized_linears(loaded.model, loaded.quantized)
     shard_then_place(loaded.model, group, layers, torch.device("cpu"),
+                     checkpoint=reader.checkpoint if reader is not None else None,
                      quantized=loaded.quantized if how == "slices" else None)
     print(f"{peak_rss_mib():.0f}")
 
@@ -149,9 +160,38 @@ def engine_memory(model_dir: str) -> None:
     llm.close()
 
 
+def build_moe_model(layers: int, hidden: int) -> str:
+    """A Qwen3-MoE-shaped model (8 experts of intermediate size ``hidden``, 2 per token)
+    with random weights, saved as transformers saves it (experts per expert)."""
+    path = tempfile.mkdtemp(prefix="shardline-bench-moe-")
+    build_tokenizer(path)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=16384, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=hidden, intermediate_size=3 * hidden, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def whole_on_every_rank(model_dir: str, quantized: bool) -> float:
+    """MiB of the checkpoint's tensors every rank keeps whole (norms, routers, per-channel
+    scales: none the rules split), as they run (float32)."""
+    whole = 0
+    for name, tensor in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        split = name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+        if not split or (quantized and name.endswith("weight_scale")):
+            whole += tensor.numel() * 4
+    return whole / 2**20
+
+
 def memory(args: argparse.Namespace) -> None:
-    model_dir = build_bench_model(num_hidden_layers=args.layers, hidden_size=args.hidden,
-                                  intermediate_size=3 * args.hidden)
+    if args.moe:
+        model_dir = build_moe_model(args.layers, args.hidden)
+    else:
+        model_dir = build_bench_model(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                      intermediate_size=3 * args.hidden)
     # Stored in bfloat16, as published checkpoints are; the CPU engine runs float32.
     path = os.path.join(model_dir, "model.safetensors")
     save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(path).items()}, path,
@@ -167,9 +207,15 @@ def memory(args: argparse.Namespace) -> None:
 
     imports = float(child("--load-rank", model_dir, "none", "0"))
     stored = "FP8 linears, bfloat16 rest" if args.quantized else "bfloat16"
-    print(f"Llama-shaped {args.layers} layers x {args.hidden} wide, {stored} checkpoint {size_mib:.0f} MiB run in "
-          f"float32; "
-          f"peak resident memory of one rank's load (a process importing the engine alone: {imports:.0f} MiB)")
+    kept = whole_on_every_rank(model_dir, args.quantized)
+    # As run: FP8 codes 1 byte each, everything else float32 (twice its bfloat16 bytes).
+    running = sum(tensor.numel() * (1 if tensor.dtype == torch.float8_e4m3fn else 4)
+                  for tensor in load_file(os.path.join(model_dir, "model.safetensors")).values()) / 2**20
+    shape = "Qwen3-MoE-shaped (8 experts)" if args.moe else "Llama-shaped"
+    print(f"{shape} {args.layers} layers x {args.hidden} wide, {stored} checkpoint {size_mib:.0f} MiB "
+          f"({running:.0f} MiB as run in float32); peak resident memory of one rank's load (a process importing "
+          f"the engine alone: {imports:.0f} MiB); expected per rank: a share {(running - kept) / 2:.0f} MiB + "
+          f"whole on every rank {kept:.0f} MiB = +{(running - kept) / 2 + kept:.0f} MiB")
     for how in ("whole", "slices"):
         peaks = [float(child("--load-rank", model_dir, how, str(rank))) for rank in (0, 1)]
         print(f"rank reads {how:6s}: " + ", ".join(f"rank {rank} {peak:.0f} MiB (+{peak - imports:.0f})"
@@ -191,6 +237,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="peak host memory per rank while loading")
     parser.add_argument("--hidden", type=int, default=1024, help="--memory's model width")
     parser.add_argument("--quantized", action="store_true", help="--memory on an FP8 (per-channel) checkpoint")
+    parser.add_argument("--moe", action="store_true", help="--memory on a Qwen3-MoE-shaped model")
     args = parser.parse_args()
     if args.memory:
         return memory(args)

@@ -3,7 +3,8 @@ every on-disk layout (FP8 per tensor, channel and block, compressed-tensors FP8,
 W4A16, GPTQ 4- and 8-bit, AWQ), each rank's shares read slice by slice dequantize to the
 shares split from the whole linears, with the same biases; linears a slice would cut (a
 row split over act-order columns, a block wider than a share) are read whole, and the split
-refuses them as without slices."""
+refuses them as without slices. Likewise quantized experts (MXFP4, per-expert FP8 and
+GPTQ) and the checkpoint's float tensors (embedding, LM head, unquantized linears)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from shardline.engine.config import EngineConfig
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.loader import load_causal_lm
 from shardline.engine.model.tiny import build_tiny_model
-from shardline.engine.parallel.experts import RANK_SHARE
+from shardline.engine.parallel.experts import RANK_SHARE, split_quantized_experts
 from shardline.engine.parallel.group import RankGroup, ShardingError
 from shardline.engine.parallel.layers import ReducedOutput
 from shardline.engine.parallel.loading import SliceReader
 from shardline.engine.parallel.placement import shard_then_place
 from shardline.engine.parallel.quantized import RowParallelQuantized
-from shardline.engine.parallel.quantized_slices import quantized_share_plan
+from shardline.engine.parallel.quantized_slices import put_expert_shares, quantized_share_plan
 from shardline.engine.parallel.sharding import shard_model
 from shardline.engine.quantization.experts import QuantizedExperts
 from shardline.engine.quantization.linear import QuantizedLinear
@@ -157,7 +158,7 @@ def expert_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
             for inner, linear in module.inner.named_modules() if isinstance(linear, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "gptq_int4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", pytest.param("gptq_int4", marks=pytest.mark.slow)])
 def test_per_expert_shares_read_as_slices_equal_the_whole_experts_split(fmt, tmp_path):
     """Qwen3-MoE with per-expert FP8 (16x32 blocks) or GPTQ int4 (groups of 32) experts:
     each rank reads its gate/up rows and down columns with their scales (intermediate 96
@@ -198,7 +199,8 @@ def rank_shard(directory: Path, rank: int, slices: bool) -> tuple[nn.Module, Sli
     return model.model, reader
 
 
-@pytest.mark.parametrize("case", ["float_down_proj_and_head", "gptq_tied_embeddings"])
+@pytest.mark.parametrize("case", ["float_down_proj_and_head",
+                                  pytest.param("gptq_tied_embeddings", marks=pytest.mark.slow)])
 def test_a_quantized_checkpoints_float_tensors_read_as_slices(case, tmp_path):
     """The embedding and LM head (tied, or float beside int4 linears with a vocabulary
     of 511 that pads the head's last share) and a float row-split linear the config
@@ -224,3 +226,21 @@ def test_a_quantized_checkpoints_float_tensors_read_as_slices(case, tmp_path):
         for name, tensor in want.items():
             assert have[name].dtype == tensor.dtype and torch.equal(have[name], tensor), (case, rank, name)
         assert not any(parameter.is_meta for parameter in got.parameters())
+
+
+@pytest.mark.slow
+def test_experts_a_slice_would_cut_are_read_whole_and_refused(tmp_path):
+    """Act-order int8 experts whose down groups mix the ranks' inputs: not read as slices
+    (no share marked), and the split refuses them naming the expert's linear."""
+    quantization_config, quantize = EXPERT_FORMATS["gptq_int8_act_order"]
+    float_dir = build_tiny_model(tmp_path / "float", "qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=96, norm_topk_prob=True)
+    ckpt.write_quantized(float_dir, tmp_path / "int8", quantization_config, quantize)
+    model, weights = loaded(tmp_path / "int8", read_experts=False)
+    group = RankGroup(0, 2, lambda: "")
+    assert put_expert_shares(model, group, weights) == 0
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(experts, QuantizedExperts) and not getattr(experts, RANK_SHARE, False)
+    assert experts.down.in_features == 96  # read whole
+    with pytest.raises(ShardingError, match=r"experts\.down\.0\.down_proj: its act-order \(g_idx\) groups mix"):
+        split_quantized_experts(experts, "experts", group)
