@@ -114,10 +114,10 @@ class TorchBackend:
     def _plans(self, step: StepBatch) -> TorchPlans:
         caches = attention_caches(step.kv_caches)
         native_decode, native_prefill = self._kernels_take(caches)
-        # Queries that see later keys (an image attending both ways): their chunks go
-        # through SDPA plans with masks, not the prefill kernel or the causal fresh path.
+        # Queries that see later keys (an image attending both ways): the prefill kernel
+        # takes their limits; without it their chunks go through SDPA plans with masks,
+        # not the causal fresh path.
         bidirectional = step.key_limits is not None
-        native_prefill = native_prefill and not bidirectional
         block_tables = step.block_tables.contiguous()
         if native_decode and step.max_query_len == 1:
             # Every request decodes one token: the decode kernel takes them all (request
@@ -133,7 +133,8 @@ class TorchBackend:
                 decode = DecodeBatch(requests, step.query_start_loc[:-1].contiguous(), step.seq_lens, block_tables)
         if native_prefill and bool((query_lens > 1).any()):
             prefill = PrefillBatch((query_lens > 1).nonzero().flatten(), step.query_start_loc.contiguous(),
-                                   step.seq_lens, block_tables)
+                                   step.seq_lens, block_tables,
+                                   None if step.key_limits is None else step.key_limits.contiguous())
         groups = attention_groups(query_lens, step.seq_lens, group_decoding=decode is None,
                                   group_chunks=not native_prefill, group_fresh=bidirectional)
         fresh = [] if native_prefill or bidirectional else fresh_prompts(step.query_start_loc, step.seq_lens)

@@ -144,7 +144,7 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cpu_prefill_attention.prefill_attention(
         query, k_cache, v_cache, prefill.block_tables, prefill.query_start_loc, prefill.seq_lens, prefill.requests,
         output, options.scale, options.sliding_window, options.softcap, sinks=options.sinks,
-        alibi_slopes=options.alibi_slopes, chunk_size=options.chunk_size)
+        alibi_slopes=options.alibi_slopes, chunk_size=options.chunk_size, key_limits=prefill.key_limits)
 
 
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -90,6 +90,7 @@ class PrefillBatch:
     query_start_loc: torch.Tensor  # [B+1] int64
     seq_lens: torch.Tensor  # [B] int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
+    key_limits: torch.Tensor | None = None  # [T] int64 (StepBatch.key_limits) or None
 
 
 @dataclass(frozen=True)

@@ -9,19 +9,22 @@
  * scores for one key, running max, running sum, output column) is one lane, so the
  * online softmax needs no horizontal reduction and every multiply-add is a vector of
  * VL rows times one broadcast element of a key or value row (an outer product).
- * Keys go KB = VL at a time:
- *   Q.K^T: KB accumulators, one per key, each built by D multiply-adds of the rows'
- *          queries (kept transposed, q^T[d] a vector of rows) by key element d;
+ * Keys go KB = 2 VL at a time (the per-block steps: cpu_prefill_blocks.h):
+ *   Q.K^T: VL accumulators at a time, one per key, each built by D multiply-adds of
+ *          the rows' queries (kept transposed, q^T[d] a vector of rows) by key
+ *          element d;
  *   softmax: per row lane, max over the block, rescale of the running sum and
  *          output, probabilities p = exp(s - max), all vertical;
  *   P.V:   the output, transposed too (out^T[c] a vector of rows), CB columns at a
  *          time in registers, each key adding p_key (a vector of rows) times value
  *          element c.
  * The block's keys are copied once per item into a contiguous buffer (so a key's
- * element is a fixed offset), then serve every row vector of the tile. Key blocks past
- * a row vector's last visible key, or before its first (window, chunk), are skipped
- * whole; blocks it sees whole skip the masks. Items run in parallel (OpenMP, dynamic
- * schedule), request by request, the costliest first.
+ * element is a fixed offset) and serve every row vector of the tile; the next block's
+ * key and value rows are prefetched meanwhile. Key blocks past a row vector's last
+ * visible key, or before its first (window, chunk), are skipped whole (and the second
+ * VL keys of a block its last key does not reach); blocks it sees whole skip the
+ * masks. Items run in parallel (OpenMP, dynamic schedule), request by request, the
+ * costliest first.
  *
  * bfloat16: where the target has AVX512_BF16 (DOT_BF16, cpu_common.h) both products
  * run on its dot-product instruction, float32 sums: Q.K^T on pairs of head elements
@@ -43,6 +46,8 @@
  *   out:             [T, H, Dv] contiguous; only the listed requests' rows are written
  *   sinks:           [H] float64 or NULL: a logit per head in each softmax's denominator
  *   alibi:           [H] float64 or NULL: slope_h * (key - query position) added to scores
+ *   key_limits:      [T] int64 or NULL: the last key position each packed query row sees
+ *                    (NULL: its own; later for the rows of an image attending both ways)
  * D and Dv are multiples of 16 (so of VL), at most MAX_HEAD_DIM; window > 0 keeps the
  * last `window` positions; chunk > 0 keeps the positions of the query's aligned chunk
  * of `chunk`; softcap > 0 applies softcap * tanh(score / softcap) before the softmax
@@ -54,46 +59,7 @@
 #include <string.h>
 
 #include "cpu_common.h"
-
-#define KB (2 * VL)     /* keys per block, their scores VL accumulators at a time */
-#define CB VL           /* output columns in registers at a time in P.V */
-#define TILE_ROWS 64    /* query rows (tokens x heads of a KV head) an item aims at */
-#define MAX_HEAD_DIM 256
-
-/* What every item of a call shares. */
-struct call {
-    const void *q, *k_cache, *v_cache;
-    void *out;
-    int64_t q_stride_t, q_stride_h, block_size, row_stride, v_row_stride, num_heads, group, window, chunk;
-    float scale, softcap;
-    const double *sinks, *alibi;
-};
-
-/* Per-thread scratch, sized for the largest tile of a call. */
-struct scratch {
-    vf *qt;       /* [vectors][D] the rows' queries, transposed (pairs of bf16 with dot) */
-    vf *acc;      /* [vectors][Dv] the rows' outputs, transposed */
-    vf *m, *l;    /* [vectors] running max and sum */
-    vf *first, *last, *pos, *slope;  /* [vectors] visible keys, position, ALiBi slope */
-    int64_t *span; /* [vectors][4] lowest and highest first, lowest and highest last */
-    vf *p;        /* [KB] the block's probabilities (pairs of bf16 with dot) */
-    float *keys;  /* [KB][D] the block's keys (bf16 as stored with dot) */
-    float *values; /* [KB][Dv] the block's values widened (bf16 without dot); key pairs with dot */
-};
-
-/* The first key position a query at `position` sees (its window and its chunk). */
-static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk) {
-    int64_t first = window > 0 && position >= window ? position - window + 1 : 0;
-    if (chunk > 0 && position - position % chunk > first) first = position - position % chunk;
-    return first;
-}
-
-/* `bits` (32-bit) in every lane. */
-static inline vf splat_bits(const void *bits) {
-    uint32_t word;
-    memcpy(&word, bits, sizeof word);
-    return (vf)((vu){0} + word);
-}
+#include "cpu_prefill_blocks.h"
 
 /* The tile's rows: transposed queries, positions, visible spans and softmax starts. */
 static inline __attribute__((always_inline)) void load_rows(
@@ -113,7 +79,7 @@ static inline __attribute__((always_inline)) void load_rows(
         else
             for (int64_t d = 0; d < D; d++) w->qt[r * D + d][lane] = load1(c->q, qh + d, bf16) * c->scale;
         w->pos[r][lane] = (float)position;
-        w->last[r][lane] = (float)position;
+        w->last[r][lane] = (float)(c->key_limits ? c->key_limits[first_row + r0 + row / c->group] : position);
         w->first[r][lane] = (float)first_key(position, c->window, c->chunk);
         w->slope[r][lane] = c->alibi ? (float)c->alibi[head] : 0.0f;
         w->m[r][lane] = c->sinks ? (float)c->sinks[head] : -INFINITY;
@@ -131,200 +97,6 @@ static inline __attribute__((always_inline)) void load_rows(
             span[3] = last > span[3] ? last : span[3];
         }
         for (int64_t d = 0; d < Dv; d++) w->acc[r * Dv + d] = splat(0.0f);
-    }
-}
-
-/* The cache slots of keys kb .. kb + num_keys - 1 (kb a multiple of KB); slots from
- * num_keys on repeat key kb's. Where the cache's blocks hold whole multiples of VL
- * keys, each VL keys are consecutive slots of one block (no division per key). */
-static inline void block_slots(const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys,
-                               int64_t slots[KB])
-{
-    const int64_t bs = c->block_size;
-    for (int j0 = 0; j0 < KB; j0 += VL) {
-        const int64_t first = kb + j0;  /* a table entry read only for positions in the context */
-        const int64_t base = j0 < num_keys ? (int64_t)table[first / bs] * bs + first % bs : 0;
-        for (int j = j0; j < j0 + VL; j++) {
-            const int64_t position = kb + (j < num_keys ? j : 0);
-            slots[j] = j >= num_keys ? slots[0]
-                : bs % VL == 0 ? base + j - j0 : (int64_t)table[position / bs] * bs + position % bs;
-        }
-    }
-}
-
-/* The block's keys into the contiguous buffer; values widened (bf16 without dot) or
- * interleaved by key pairs (dot); `value_rows` gets each key's value row. Keys from
- * `num_keys` on repeat key kb (their probabilities are 0). */
-static inline __attribute__((always_inline)) void load_block(
-    const struct call *c, const struct scratch *w, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h,
-    const float *value_rows[KB], const int64_t D, const int64_t Dv, const int bf16)
-{
-    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
-    int64_t slots[KB], key_row[KB], value_row[KB];
-    block_slots(c, table, kb, num_keys, slots);
-    for (int j = 0; j < KB; j++) {
-        key_row[j] = slots[j] * c->row_stride + h * D;
-        value_row[j] = slots[j] * c->v_row_stride + h * Dv;
-    }
-    if (dot) {
-        for (int j = 0; j < KB; j++)
-            memcpy((uint16_t *)w->keys + j * D, (const uint16_t *)c->k_cache + key_row[j], (size_t)D * 2);
-        for (int j = 0; j < KB; j += 2)  /* lane d of pair j / 2: value d of keys j and j + 1 */
-            for (int64_t d = 0; d < Dv; d += VL) {
-                const vu low = (vu)loadv(c->v_cache, value_row[j] + d, 1) >> 16;
-                const vu high = (vu)loadv(c->v_cache, value_row[j + 1] + d, 1);
-                const vu pair = low | high;
-                memcpy(&w->values[j / 2 * Dv + d], &pair, sizeof pair);
-            }
-        return;
-    }
-    for (int j = 0; j < KB; j++) {
-        for (int64_t d = 0; d < D; d += VL) {
-            const vf k = loadv(c->k_cache, key_row[j] + d, bf16);
-            memcpy(&w->keys[j * D + d], &k, sizeof k);
-        }
-        if (bf16) {
-            for (int64_t d = 0; d < Dv; d += VL) {
-                const vf v = loadv(c->v_cache, value_row[j] + d, 1);
-                memcpy(&w->values[j * Dv + d], &v, sizeof v);
-            }
-            value_rows[j] = &w->values[j * Dv];
-        } else {
-            value_rows[j] = (const float *)c->v_cache + value_row[j];
-        }
-    }
-}
-
-/* Asks for the cache lines of the next block's keys and values (positions kb ..
- * kb + num_keys - 1) while this block's products run. */
-static inline __attribute__((always_inline)) void prefetch_block(
-    const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h, const int64_t D,
-    const int64_t Dv, const int bf16)
-{
-    const int64_t element = bf16 ? 2 : 4;
-    int64_t slots[KB];
-    block_slots(c, table, kb, num_keys, slots);
-    for (int64_t j = 0; j < num_keys; j++) {
-        const char *key = (const char *)c->k_cache + (slots[j] * c->row_stride + h * D) * element;
-        const char *value = (const char *)c->v_cache + (slots[j] * c->v_row_stride + h * Dv) * element;
-        for (int64_t b = 0; b < D * element; b += 64) __builtin_prefetch(key + b);
-        for (int64_t b = 0; b < Dv * element; b += 64) __builtin_prefetch(value + b);
-    }
-}
-
-/* s[j]: the rows' scores for key kb + j, VL keys (VL accumulators) at a time; keys
- * from `used` on are -inf where a whole VL of them is past the rows' last key. */
-static inline __attribute__((always_inline)) void block_scores(
-    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t used, const int64_t D,
-    const int bf16)
-{
-    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
-    const vf *qt = &w->qt[r * D];
-    for (int j0 = 0; j0 < KB; j0 += VL) {
-        vf a[VL];
-        for (int j = 0; j < VL; j++) a[j] = splat(j0 < used ? 0.0f : -INFINITY);
-        if (j0 < used) {
-#if DOT_BF16
-            if (dot) {
-                const uint32_t *keys = (const uint32_t *)w->keys + j0 * D / 2;  /* pairs: key j's at j * D / 2 */
-                for (int64_t d = 0; d < D / 2; d++) {
-                    const vf qd = qt[d];
-                    for (int j = 0; j < VL; j++) a[j] = dot_bf16(a[j], qd, splat_bits(&keys[j * D / 2 + d]));
-                }
-                for (int j = 0; j < VL; j++) a[j] *= c->scale;
-            } else
-#endif
-            {
-                const float *keys = w->keys + j0 * D;
-                for (int64_t d = 0; d < D; d++) {
-                    const vf qd = qt[d];
-                    for (int j = 0; j < VL; j++) a[j] += qd * keys[j * D + d];
-                }
-            }
-        }
-        for (int j = 0; j < VL; j++) s[j0 + j] = a[j];
-    }
-}
-
-/* exp on the scores' lanes (at most 0 after the shift by the max; -inf for masked
- * keys). With AVX-512: x = n ln2 + r as exp_f32 does, e^r by the same series, times
- * 2^n by the scaling instruction; below -87 about 1e-38 (no subnormals), which the
- * softmax cannot tell from 0. Elsewhere vexp (cpu_common.h). */
-#if VL == 16
-static inline vf exp_scores(vf x) {
-    x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
-    const vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
-    return (vf)_mm512_scalef_ps((__m512)EXP_F32_SERIES(EXP_F32_REMAINDER(x, n)), (__m512)n);
-}
-#else
-static inline vf exp_scores(vf x) { return vexp(x); }
-#endif
-
-/* The block's online-softmax step for row vector r: scores s (masked unless `whole`)
- * become probabilities in w->p; returns the factor the output must be rescaled by. */
-static inline __attribute__((always_inline)) vf block_softmax(
-    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t kb, int whole, const int bf16)
-{
-    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
-    if (c->alibi || c->softcap > 0 || !whole)
-        for (int j = 0; j < KB; j++) {
-            const float key = (float)(kb + j);
-            if (c->alibi) s[j] += w->slope[r] * (key - w->pos[r]);
-            if (c->softcap > 0) s[j] = c->softcap * vtanh(s[j] * (1.0f / c->softcap));
-            if (!whole) s[j] = blend((key > w->last[r]) | (key < w->first[r]), splat(-INFINITY), s[j]);
-        }
-    vf largest = w->m[r];
-    for (int j = 0; j < KB; j++) largest = vmax(largest, s[j]);
-    /* Lanes that have seen no key yet (all before their window) keep max -inf: their
-     * probabilities are exp(-inf) ~ 0 against a max of 0. */
-    const vf shift = blend(largest == -INFINITY, splat(0.0f), largest);
-    const vf correction = exp_scores(w->m[r] - shift);
-    vf total = splat(0.0f);
-    for (int j = 0; j < KB; j++) {
-        s[j] = exp_scores(s[j] - shift);
-        total += s[j];
-    }
-    w->l[r] = w->l[r] * correction + total;
-    w->m[r] = largest;
-    if (dot)  /* lane i of pair j / 2: keys j and j + 1's probabilities, bfloat16 */
-        for (int j = 0; j < KB; j += 2)
-            w->p[j / 2] = (vf)((bf16_bits_v(s[j]) >> 16) | bf16_bits_v(s[j + 1]));
-    else
-        for (int j = 0; j < KB; j++) w->p[j] = s[j];
-    return correction;
-}
-
-/* out^T += P.V for row vector r over the block's first `used` keys, rescaled first. */
-static inline __attribute__((always_inline)) void block_values(
-    const struct scratch *w, int64_t r, vf correction, int64_t used, const float *const value_rows[KB],
-    const int64_t Dv, const int bf16)
-{
-    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
-    vf *acc = &w->acc[r * Dv];
-    for (int64_t col = 0; col < Dv; col += CB) {
-        vf a[CB];
-        for (int i = 0; i < CB; i++) a[i] = acc[col + i] * correction;
-#if DOT_BF16
-        if (dot) {
-            const uint32_t *pairs = (const uint32_t *)w->values;
-            for (int64_t j = 0; j < (used + 1) / 2; j++) {
-                const vf pj = w->p[j];
-                for (int i = 0; i < CB; i++) a[i] = dot_bf16(a[i], pj, splat_bits(&pairs[j * Dv + col + i]));
-            }
-        } else
-#endif
-        {
-            /* Each key's columns from col on, offset here so the loop below reads
-             * them at constant offsets from one pointer. */
-            const float *columns[KB];
-            for (int j = 0; j < KB; j++) columns[j] = value_rows[j] + col;
-            for (int64_t j = 0; j < used; j++) {
-                const vf pj = w->p[j];
-                const float *v = columns[j];
-                for (int i = 0; i < CB; i++) a[i] += pj * v[i];
-            }
-        }
-        for (int i = 0; i < CB; i++) acc[col + i] = a[i];
     }
 }
 
@@ -522,14 +294,15 @@ int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, c
          const int64_t *seq_lens, const int64_t *requests, int64_t num_requests, T *out,          \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t head_dim_v,            \
          int64_t block_size, double scale, int64_t window, double softcap, const double *sinks,   \
-         const double *alibi, int64_t chunk, int num_threads)                                     \
+         const double *alibi, int64_t chunk, int num_threads, const int64_t *key_limits)          \
 {                                                                                                 \
     const struct call c = {                                                                       \
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out, .q_stride_t = q_stride_t,     \
         .q_stride_h = q_stride_h, .block_size = block_size, .row_stride = num_kv_heads * head_dim, \
         .v_row_stride = num_kv_heads * head_dim_v, .num_heads = num_heads,                        \
         .group = num_heads / num_kv_heads, .window = window, .chunk = chunk,                      \
-        .scale = (float)scale, .softcap = (float)softcap, .sinks = sinks, .alibi = alibi};        \
+        .scale = (float)scale, .softcap = (float)softcap, .sinks = sinks, .alibi = alibi,         \
+        .key_limits = key_limits};                                                                \
     return prefill_attention(&c, block_tables, table_stride, query_start_loc, seq_lens, requests, \
                              num_requests, num_kv_heads, head_dim, head_dim_v, num_threads, BF16); \
 }

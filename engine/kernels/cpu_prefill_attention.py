@@ -8,8 +8,9 @@ call per prompt or copies of the context padded into groups; the engine races th
 two on the model's heads at load (engine/cpu/paths.py).
 
 float32 and bfloat16 caches (bfloat16 accumulates in float32), key and value head
-sizes a multiple of 16, and every AttentionOptions (sliding windows, softcaps, sinks,
-ALiBi, chunks); everything else stays with SDPA
+sizes a multiple of 16, every AttentionOptions (sliding windows, softcaps, sinks,
+ALiBi, chunks) and queries that see later keys (an image's rows attending both ways);
+everything else stays with SDPA
 (engine/attention/torch_path.py), as it does when the library cannot be built.
 """
 
@@ -27,7 +28,8 @@ _FUNCTIONS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_a
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    declare(library, _FUNCTIONS.values(), PAGED_ATTENTION_ARGTYPES, ctypes.c_int)  # 0, or -1: no scratch memory
+    # The common arguments, then key_limits (int64 [T] or NULL); returns 0, or -1: no scratch memory.
+    declare(library, _FUNCTIONS.values(), [*PAGED_ATTENTION_ARGTYPES, ctypes.c_void_p], ctypes.c_int)
     declare(library, ("prefill_attention_max_head_dim",), None, ctypes.c_int64)
 
 
@@ -57,22 +59,29 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       requests: torch.Tensor, out: torch.Tensor, scale: float,
                       sliding_window: int | None = None, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                      chunk_size: int | None = None) -> None:
+                      chunk_size: int | None = None, key_limits: torch.Tensor | None = None) -> None:
     """Causal attention of the query tokens of each request in ``requests`` over its
-    paged context; writes their rows of ``out``.
+    paged context (each up to its own position, or up to its ``key_limits`` entry);
+    writes their rows of ``out``.
 
     query: [T, H, D] (D contiguous); k_cache: [N, bs, Hkv, D], v_cache:
     [N, bs, Hkv, Dv], contiguous, holding every context token including this step's;
     block_tables: [B, max_blocks] int32; query_start_loc: [B+1] int64; seq_lens: [B]
     int64 (context length after the step); requests: [n] int64; out: [T, H, Dv]
     contiguous; sinks, alibi_slopes: [H] or None; chunk_size: int or None
-    (engine/attention/context.py's AttentionOptions).
+    (engine/attention/context.py's AttentionOptions); key_limits: [T] int64, the last
+    key position each query row sees (StepBatch.key_limits: an image's rows attending
+    both ways see its last), within its request's context, or None.
     """
     library = _LIBRARY.load()
     assert library is not None, "prefill_attention called without prefill_kernel_available"
     assert query.shape[2] % 16 == 0 and v_cache.shape[3] % 16 == 0, (query.shape, v_cache.shape)
+    if key_limits is not None:
+        assert key_limits.dtype == torch.int64 and key_limits.is_contiguous(), (key_limits.dtype, key_limits.stride())
+        assert key_limits.shape == (query.shape[0],) and key_limits.device.type == "cpu", key_limits.shape
     status = call_paged_attention(getattr(library, _FUNCTIONS[query.dtype]), query, k_cache, v_cache, block_tables,
                                   (query_start_loc, seq_lens), requests, out, scale, sliding_window, softcap,
-                                  sinks, alibi_slopes, chunk_size)
+                                  sinks, alibi_slopes, chunk_size,
+                                  extra=(None if key_limits is None else key_limits.data_ptr(),))
     if status != 0:
         raise MemoryError("prefill_attention: no memory for the kernel's scratch buffers")

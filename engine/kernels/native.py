@@ -146,14 +146,16 @@ def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch
                          block_tables: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor],
                          requests: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
                          softcap: float | None, sinks: torch.Tensor | None = None,
-                         alibi_slopes: torch.Tensor | None = None, chunk_size: int | None = None) -> object:
+                         alibi_slopes: torch.Tensor | None = None, chunk_size: int | None = None,
+                         extra: tuple = ()) -> object:
     """Check the tensors a paged attention kernel reads and writes and call it (see
     PAGED_ATTENTION_ARGTYPES); returns what it returns. query: [T, H, D] (D
     contiguous); k_cache: [N, bs, Hkv, D], v_cache: [N, bs, Hkv, Dv], contiguous;
     block_tables: [B, max_blocks] int32; indices: the kernel's two int64 index arrays
     over the B requests; requests: [n] int64, which to attend; out: [T, H, Dv]
     contiguous; one dtype throughout; sinks, alibi_slopes: [H] or None (see
-    engine/attention/context.py's AttentionOptions)."""
+    engine/attention/context.py's AttentionOptions); ``extra``: arguments a kernel takes
+    after the common ones (its header comment says which)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype, (query.dtype, k_cache.dtype, out.dtype)
@@ -172,7 +174,7 @@ def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch
                     head_dim_v, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
                     None if sinks is None else sinks.data_ptr(),
                     None if alibi_slopes is None else alibi_slopes.data_ptr(), int(chunk_size or 0),
-                    torch.get_num_threads())
+                    torch.get_num_threads(), *extra)
 
 
 def declare(library: ctypes.CDLL, names: Iterable[str], argtypes: list | None, restype: object) -> None:

@@ -312,12 +312,14 @@ def paged_attention_reference(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch paged_attention, one sequence at a time; rows past the last query are 0.
     The options as engine/attention/context.py's AttentionOptions: ALiBi's
     slope_h * (key - query position) is added to the scaled score before the softcap;
     a sink is one more softmax logit per head attending to no value; a chunked query
-    sees keys from the start of its aligned chunk."""
+    sees keys from the start of its aligned chunk. key_limits: [T], the last key each
+    query row sees (StepBatch.key_limits), or None: its own position."""
     # q: [T, H, D]; k_cache: [NB, BS, Hkv, D]; v_cache: [NB, BS, Hkv, Dv]; returns [T, H, Dv]
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -342,7 +344,8 @@ def paged_attention_reference(
             scores = scores + alibi_slopes.to(compute_dtype)[:, None, None] * distance
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        visible = key_pos[None, :] <= q_pos[:, None]
+        last = q_pos if key_limits is None else key_limits[q_start:q_end].to(key_pos.device)
+        visible = key_pos[None, :] <= last[:, None]
         if sliding_window is not None:
             visible &= q_pos[:, None] - key_pos[None, :] < sliding_window
         if chunk_size is not None:

@@ -1,0 +1,249 @@
+/* The per-block steps of the CPU prefill attention (cpu_prefill_attention.c, whose
+ * header comment describes the layout of rows, keys and values): a key block's cache
+ * slots, its keys and values brought into the item's buffers, the rows' scores
+ * (Q.K^T), the online-softmax step and the output's update (P.V). */
+#ifndef SHARDLINE_CPU_PREFILL_BLOCKS_H
+#define SHARDLINE_CPU_PREFILL_BLOCKS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define KB (2 * VL)     /* keys per block, their scores VL accumulators at a time */
+#define CB VL           /* output columns in registers at a time in P.V */
+#define TILE_ROWS 64    /* query rows (tokens x heads of a KV head) an item aims at */
+#define MAX_HEAD_DIM 256
+
+/* What every item of a call shares. */
+struct call {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    int64_t q_stride_t, q_stride_h, block_size, row_stride, v_row_stride, num_heads, group, window, chunk;
+    float scale, softcap;
+    const double *sinks, *alibi;
+    const int64_t *key_limits;  /* [T] the last key each packed query row sees, or NULL: its own */
+};
+
+/* Per-thread scratch, sized for the largest tile of a call. */
+struct scratch {
+    vf *qt;       /* [vectors][D] the rows' queries, transposed (pairs of bf16 with dot) */
+    vf *acc;      /* [vectors][Dv] the rows' outputs, transposed */
+    vf *m, *l;    /* [vectors] running max and sum */
+    vf *first, *last, *pos, *slope;  /* [vectors] visible keys, position, ALiBi slope */
+    int64_t *span; /* [vectors][4] lowest and highest first, lowest and highest last */
+    vf *p;        /* [KB] the block's probabilities (pairs of bf16 with dot) */
+    float *keys;  /* [KB][D] the block's keys (bf16 as stored with dot) */
+    float *values; /* [KB][Dv] the block's values widened (bf16 without dot); key pairs with dot */
+};
+
+/* The first key position a query at `position` sees (its window and its chunk). */
+static inline int64_t first_key(int64_t position, int64_t window, int64_t chunk) {
+    int64_t first = window > 0 && position >= window ? position - window + 1 : 0;
+    if (chunk > 0 && position - position % chunk > first) first = position - position % chunk;
+    return first;
+}
+
+/* `bits` (32-bit) in every lane. */
+static inline vf splat_bits(const void *bits) {
+    uint32_t word;
+    memcpy(&word, bits, sizeof word);
+    return (vf)((vu){0} + word);
+}
+
+/* The cache slots of keys kb .. kb + num_keys - 1 (kb a multiple of KB); slots from
+ * num_keys on repeat key kb's. Where the cache's blocks hold whole multiples of VL
+ * keys, each VL keys are consecutive slots of one block (no division per key). */
+static inline void block_slots(const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys,
+                               int64_t slots[KB])
+{
+    const int64_t bs = c->block_size;
+    for (int j0 = 0; j0 < KB; j0 += VL) {
+        const int64_t first = kb + j0;  /* a table entry read only for positions in the context */
+        const int64_t base = j0 < num_keys ? (int64_t)table[first / bs] * bs + first % bs : 0;
+        for (int j = j0; j < j0 + VL; j++) {
+            const int64_t position = kb + (j < num_keys ? j : 0);
+            slots[j] = j >= num_keys ? slots[0]
+                : bs % VL == 0 ? base + j - j0 : (int64_t)table[position / bs] * bs + position % bs;
+        }
+    }
+}
+
+/* The block's keys into the contiguous buffer; values widened (bf16 without dot) or
+ * interleaved by key pairs (dot); `value_rows` gets each key's value row. Keys from
+ * `num_keys` on repeat key kb (their probabilities are 0). */
+static inline __attribute__((always_inline)) void load_block(
+    const struct call *c, const struct scratch *w, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h,
+    const float *value_rows[KB], const int64_t D, const int64_t Dv, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    int64_t slots[KB], key_row[KB], value_row[KB];
+    block_slots(c, table, kb, num_keys, slots);
+    for (int j = 0; j < KB; j++) {
+        key_row[j] = slots[j] * c->row_stride + h * D;
+        value_row[j] = slots[j] * c->v_row_stride + h * Dv;
+    }
+    if (dot) {
+        for (int j = 0; j < KB; j++)
+            memcpy((uint16_t *)w->keys + j * D, (const uint16_t *)c->k_cache + key_row[j], (size_t)D * 2);
+        for (int j = 0; j < KB; j += 2)  /* lane d of pair j / 2: value d of keys j and j + 1 */
+            for (int64_t d = 0; d < Dv; d += VL) {
+                const vu low = (vu)loadv(c->v_cache, value_row[j] + d, 1) >> 16;
+                const vu high = (vu)loadv(c->v_cache, value_row[j + 1] + d, 1);
+                const vu pair = low | high;
+                memcpy(&w->values[j / 2 * Dv + d], &pair, sizeof pair);
+            }
+        return;
+    }
+    for (int j = 0; j < KB; j++) {
+        for (int64_t d = 0; d < D; d += VL) {
+            const vf k = loadv(c->k_cache, key_row[j] + d, bf16);
+            memcpy(&w->keys[j * D + d], &k, sizeof k);
+        }
+        if (bf16) {
+            for (int64_t d = 0; d < Dv; d += VL) {
+                const vf v = loadv(c->v_cache, value_row[j] + d, 1);
+                memcpy(&w->values[j * Dv + d], &v, sizeof v);
+            }
+            value_rows[j] = &w->values[j * Dv];
+        } else {
+            value_rows[j] = (const float *)c->v_cache + value_row[j];
+        }
+    }
+}
+
+/* Asks for the cache lines of the next block's keys and values (positions kb ..
+ * kb + num_keys - 1) while this block's products run. */
+static inline __attribute__((always_inline)) void prefetch_block(
+    const struct call *c, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h, const int64_t D,
+    const int64_t Dv, const int bf16)
+{
+    const int64_t element = bf16 ? 2 : 4;
+    int64_t slots[KB];
+    block_slots(c, table, kb, num_keys, slots);
+    for (int64_t j = 0; j < num_keys; j++) {
+        const char *key = (const char *)c->k_cache + (slots[j] * c->row_stride + h * D) * element;
+        const char *value = (const char *)c->v_cache + (slots[j] * c->v_row_stride + h * Dv) * element;
+        for (int64_t b = 0; b < D * element; b += 64) __builtin_prefetch(key + b);
+        for (int64_t b = 0; b < Dv * element; b += 64) __builtin_prefetch(value + b);
+    }
+}
+
+/* s[j]: the rows' scores for key kb + j, VL keys (VL accumulators) at a time; keys
+ * from `used` on are -inf where a whole VL of them is past the rows' last key. */
+static inline __attribute__((always_inline)) void block_scores(
+    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t used, const int64_t D,
+    const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    const vf *qt = &w->qt[r * D];
+    for (int j0 = 0; j0 < KB; j0 += VL) {
+        vf a[VL];
+        for (int j = 0; j < VL; j++) a[j] = splat(j0 < used ? 0.0f : -INFINITY);
+        if (j0 < used) {
+#if DOT_BF16
+            if (dot) {
+                const uint32_t *keys = (const uint32_t *)w->keys + j0 * D / 2;  /* pairs: key j's at j * D / 2 */
+                for (int64_t d = 0; d < D / 2; d++) {
+                    const vf qd = qt[d];
+                    for (int j = 0; j < VL; j++) a[j] = dot_bf16(a[j], qd, splat_bits(&keys[j * D / 2 + d]));
+                }
+                for (int j = 0; j < VL; j++) a[j] *= c->scale;
+            } else
+#endif
+            {
+                const float *keys = w->keys + j0 * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const vf qd = qt[d];
+                    for (int j = 0; j < VL; j++) a[j] += qd * keys[j * D + d];
+                }
+            }
+        }
+        for (int j = 0; j < VL; j++) s[j0 + j] = a[j];
+    }
+}
+
+/* exp on the scores' lanes (at most 0 after the shift by the max; -inf for masked
+ * keys). With AVX-512: x = n ln2 + r as exp_f32 does, e^r by the same series, times
+ * 2^n by the scaling instruction; below -87 about 1e-38 (no subnormals), which the
+ * softmax cannot tell from 0. Elsewhere vexp (cpu_common.h). */
+#if VL == 16
+static inline vf exp_scores(vf x) {
+    x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
+    const vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
+    return (vf)_mm512_scalef_ps((__m512)EXP_F32_SERIES(EXP_F32_REMAINDER(x, n)), (__m512)n);
+}
+#else
+static inline vf exp_scores(vf x) { return vexp(x); }
+#endif
+
+/* The block's online-softmax step for row vector r: scores s (masked unless `whole`)
+ * become probabilities in w->p; returns the factor the output must be rescaled by. */
+static inline __attribute__((always_inline)) vf block_softmax(
+    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t kb, int whole, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    if (c->alibi || c->softcap > 0 || !whole)
+        for (int j = 0; j < KB; j++) {
+            const float key = (float)(kb + j);
+            if (c->alibi) s[j] += w->slope[r] * (key - w->pos[r]);
+            if (c->softcap > 0) s[j] = c->softcap * vtanh(s[j] * (1.0f / c->softcap));
+            if (!whole) s[j] = blend((key > w->last[r]) | (key < w->first[r]), splat(-INFINITY), s[j]);
+        }
+    vf largest = w->m[r];
+    for (int j = 0; j < KB; j++) largest = vmax(largest, s[j]);
+    /* Lanes that have seen no key yet (all before their window) keep max -inf: their
+     * probabilities are exp(-inf) ~ 0 against a max of 0. */
+    const vf shift = blend(largest == -INFINITY, splat(0.0f), largest);
+    const vf correction = exp_scores(w->m[r] - shift);
+    vf total = splat(0.0f);
+    for (int j = 0; j < KB; j++) {
+        s[j] = exp_scores(s[j] - shift);
+        total += s[j];
+    }
+    w->l[r] = w->l[r] * correction + total;
+    w->m[r] = largest;
+    if (dot)  /* lane i of pair j / 2: keys j and j + 1's probabilities, bfloat16 */
+        for (int j = 0; j < KB; j += 2)
+            w->p[j / 2] = (vf)((bf16_bits_v(s[j]) >> 16) | bf16_bits_v(s[j + 1]));
+    else
+        for (int j = 0; j < KB; j++) w->p[j] = s[j];
+    return correction;
+}
+
+/* out^T += P.V for row vector r over the block's first `used` keys, rescaled first. */
+static inline __attribute__((always_inline)) void block_values(
+    const struct scratch *w, int64_t r, vf correction, int64_t used, const float *const value_rows[KB],
+    const int64_t Dv, const int bf16)
+{
+    const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
+    vf *acc = &w->acc[r * Dv];
+    for (int64_t col = 0; col < Dv; col += CB) {
+        vf a[CB];
+        for (int i = 0; i < CB; i++) a[i] = acc[col + i] * correction;
+#if DOT_BF16
+        if (dot) {
+            const uint32_t *pairs = (const uint32_t *)w->values;
+            for (int64_t j = 0; j < (used + 1) / 2; j++) {
+                const vf pj = w->p[j];
+                for (int i = 0; i < CB; i++) a[i] = dot_bf16(a[i], pj, splat_bits(&pairs[j * Dv + col + i]));
+            }
+        } else
+#endif
+        {
+            /* Each key's columns from col on, offset here so the loop below reads
+             * them at constant offsets from one pointer. */
+            const float *columns[KB];
+            for (int j = 0; j < KB; j++) columns[j] = value_rows[j] + col;
+            for (int64_t j = 0; j < used; j++) {
+                const vf pj = w->p[j];
+                const float *v = columns[j];
+                for (int i = 0; i < CB; i++) a[i] += pj * v[i];
+            }
+        }
+        for (int i = 0; i < CB; i++) acc[col + i] = a[i];
+    }
+}
+
+#endif
