@@ -265,11 +265,23 @@ static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, 
 
 int quant_bf16_dot(void) { return 1; }
 
+void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
+                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
+                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads);
+
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     const int64_t blocks = (N + DR - 1) / DR;
     const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
+    if (blocked && rows > DMT_BLOCKED) {
+        /* Past one tile of rows with blocks along K, these tiles would decode the
+         * weight once per DMT_BLOCKED rows: the register-blocked kernel decodes it once
+         * (measured faster there in bench_quant.py's kernel mode; W4 groups are not). */
+        w8_blocked_bf16(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+                        num_threads);
+        return;
+    }
     /* fp8 by table for one row of x, where every block holds whole 64-column runs (x
      * reordered to match): with more rows the products, not the decoding, bound the
      * tile, and the table lookups measured slower than the conversions there. */
