@@ -1,10 +1,15 @@
 """Micro-benchmark of the attention kernels: the Triton ones on a GPU, or with --cpu the C ones.
 
     python bench/bench_kernels.py [--head-dim 128] [--heads 32] [--kv-heads 8]
-    python bench/bench_kernels.py --cpu [--repeat 5]
+    python bench/bench_kernels.py --cpu [--repeat 5] [--prefill-sweep]
 
 GPU: time per call and the KV bytes read per second (the decode roofline is memory
 bandwidth) of paged attention (decode, prefill) and the KV store; needs a CUDA GPU.
+
+--cpu --prefill-sweep: the C prefill kernel alone on one fresh prompt of 128-2048
+rows, head sizes 64 and 128, 1-8 query heads per KV head (2 KV heads), float32 and
+bfloat16: GFLOP/s (causal: 4 n (n + 1) / 2 H D) beside the host's float32 matmul
+peak measured in the same process (bench/common.py's peak_matmul_flops).
 
 --cpu: the C decode and prefill kernels (engine/kernels/cpu_*.c) on bench_engine's
 heads (8 query heads over 4 KV heads of 64) and prompts: a decode step of its 64
@@ -177,10 +182,46 @@ def bench_cpu(repeat: int) -> None:
     print(f"{'prefill 64 prompts fresh':<34} {seconds * 1e3:8.2f} ms/layer {flops / seconds / 1e9:7.1f} GFLOP/s")
 
 
+def bench_prefill_sweep(repeat: int) -> None:
+    """The C prefill kernel's GFLOP/s by prompt rows, head size, query heads per KV head
+    and dtype (see the module docstring), with the matmul peak beside it."""
+    from common import peak_matmul_flops
+
+    from shardline.engine.cpu.capability import host_cpu
+    from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
+
+    torch.set_num_threads(1)
+    row_counts, kv_heads, block_size = (128, 512, 1024, 2048), 2, 16
+    peak = max(peak_matmul_flops(torch.float32, clock=time.thread_time).values())
+    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}; "
+          f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'dtype':9s} {'D':>4s} {'G':>3s} " + " ".join(f"{f'{rows} rows':>14s}" for rows in row_counts))
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim, group in itertools.product((64, 128), (1, 2, 4, 8)):
+            cells = []
+            for rows in row_counts:
+                block_tables, [(k_cache, v_cache)] = cpu_batch([rows], group * kv_heads, kv_heads, head_dim,
+                                                               block_size, 1)
+                k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+                query = torch.randn(rows, group * kv_heads, head_dim).to(dtype)
+                out = torch.empty_like(query)
+                args = (query, k_cache, v_cache, block_tables, torch.tensor([0, rows]), torch.tensor([rows]),
+                        torch.tensor([0]), out, head_dim ** -0.5)
+                prefill_attention(*args)
+                seconds = best_cpu_seconds(lambda args=args: prefill_attention(*args), repeat)
+                flops = rows * (rows + 1) // 2 * group * kv_heads * head_dim * 4
+                cells.append(f"{flops / seconds / 1e9:6.1f} ({100 * flops / seconds / peak:3.0f}%)")
+            print(f"{str(dtype).split('.')[1]:9s} {head_dim:4d} {group:3d} " + " ".join(f"{c:>14s}" for c in cells),
+                  flush=True)
+    print("(GFLOP/s, and its share of the float32 matmul peak)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the C kernels on bench_engine's workload")
     parser.add_argument("--repeat", type=int, default=5, help="--cpu: timed runs of each kernel, best taken")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="--cpu: the prefill kernel by rows, head size, query heads per KV head and dtype")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -188,7 +229,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     if args.cpu:
-        bench_cpu(args.repeat)
+        if args.prefill_sweep:
+            bench_prefill_sweep(args.repeat)
+        else:
+            bench_cpu(args.repeat)
         return
     args.dtype = getattr(torch, args.dtype)
     if not (torch.cuda.is_available() and triton_available()):
