@@ -4,6 +4,7 @@ steps' key limits (the kernel against its reference: test_cpu_prefill_attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,17 +27,21 @@ def noise_images(count: int, seed: int) -> list[Image.Image]:
             for _ in range(count)]
 
 
-def transformers_tokens(model_dir: str, text: str, pictures: list[Image.Image], causal: bool = False) -> list[int]:
-    """transformers' greedy tokens (``causal``: without the token types that make image
-    rows attend both ways)."""
+def transformers_greedy(model_dir: str) -> Callable[..., list[int]]:
+    """transformers' greedy tokens for a prompt and its images (``causal``: without the
+    token types that make image rows attend both ways)."""
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
     model: Any = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = processor(text=text, images=pictures, return_tensors="pt")
-    if causal:
-        inputs.pop("token_type_ids")
-    with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def generate(text: str, pictures: list[Image.Image], causal: bool = False) -> list[int]:
+        inputs = processor(text=text, images=pictures, return_tensors="pt")
+        if causal:
+            inputs.pop("token_type_ids")
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    return generate
 
 
 @taken_unless_forced_off("prefill_kernel")
@@ -58,7 +63,8 @@ def test_image_rows_attend_both_ways_through_the_kernel(tmp_path, monkeypatch):
     outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pictures}} for text, pictures in cases],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert any(limits_seen), "no image step reached the prefill kernel"
+    reference = transformers_greedy(model_dir)
     for (text, pictures), output in zip(cases, outputs):
-        expected = transformers_tokens(model_dir, text, pictures)
+        expected = reference(text, pictures)
         assert list(output.outputs[0].token_ids) == expected, text
-        assert expected != transformers_tokens(model_dir, text, pictures, causal=True), text
+        assert expected != reference(text, pictures, causal=True), text
