@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..config import ConfigError, EngineConfig
+
 # The fields of a prompt dict the engines read (vLLM's TextPrompt and TokensPrompt).
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids")
 # The modalities vLLM's offline API names; the engine runs images (on vision models).
@@ -21,6 +23,17 @@ MEDIA_PART_TYPES = {
     "image": "image", "audio_url": "audio", "input_audio": "audio", "audio": "audio",
     "video_url": "video", "video": "video",
 }
+# Engine options only an engine that takes images reads (vLLM's names).
+IMAGE_OPTIONS = ("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains")
+
+
+def refuse_image_options(config: EngineConfig, why: str) -> None:
+    """ConfigError naming the first of IMAGE_OPTIONS that ``config`` sets, for an engine
+    that takes no images (``why``: which and why); an option that cannot apply is
+    refused, never ignored."""
+    for name in IMAGE_OPTIONS:
+        if getattr(config, name):
+            raise ConfigError(f"{name} is set, but {why}")
 
 
 def check_prompt_keys(request_id: str, prompt: Any) -> None:

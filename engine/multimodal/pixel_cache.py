@@ -40,6 +40,9 @@ class PixelCache:
         self.num_bytes = 0
         self.num_hits = 0
         self._hashes: dict[int, str] = {}  # id of a PIL image of the call in progress -> its hash
+        # The arguments (images aside) of the latest call on a list of one image, which
+        # engine/multimodal/expansion.py reuses for that image's size.
+        self.last_call: tuple[tuple, dict[str, Any]] | None = None
 
     def declare(self, hashes: Mapping[int, str]) -> None:
         """The hashes of the images the next calls may hand over, by ``id`` (the caller
@@ -47,6 +50,7 @@ class PixelCache:
         self._hashes = dict(hashes)
 
     def __call__(self, images: Any, *args: Any, **kwargs: Any) -> Any:
+        self.last_call = (args, dict(kwargs)) if _nesting(images) == "[i]" else None
         key = self._key(images, args, kwargs)
         if key is None or self.capacity_bytes <= 0:
             return self.image_processor(images, *args, **kwargs)

@@ -12,7 +12,11 @@ writes for that image alone.
 Runs on the caller's threads (llm.py's worker pool): images are decoded and hashed
 in parallel, the processor is called under a lock. The processor's image processor is
 wrapped by a cache of its outputs by image hash (engine/multimodal/pixel_cache.py), so
-an image that recurs is resized and normalized once.
+an image that recurs is resized and normalized once, around a shorter path through
+transformers' PIL image processors (engine/multimodal/fast_pixels.py). Where the
+processor's text expansion may be spliced (engine/multimodal/expansion.py), a prompt
+whose images' sizes were seen before is tokenized as written and expanded without the
+processor.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import transformers
 from PIL import Image
 
 from ..config import ConfigError, EngineConfig
+from .expansion import Expansions
+from .fast_pixels import FastPixels
 from .image_only import load_processor
 from .inputs import ImageInput, ProcessedPrompt
 from .loading import MediaOptions, as_image
-from .media import media_uuids, refuse_media
+from .media import media_uuids, refuse_image_options, refuse_media
 from .mrope import check_adjacent_images, check_mrope_image
 from .pixel_cache import PixelCache
 from .specs import VisionSpec, vision_spec
@@ -70,6 +76,10 @@ class MultimodalProcessor:
     # The processor's tokenizer is not safe to call from two threads at once (its Rust
     # side refuses a second borrow); image decoding and hashing run unlocked.
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    expansions: Expansions = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expansions", Expansions.of(self.processor, self.prompt_token_id))
 
     @classmethod
     def load(cls, config: EngineConfig, hf_config: transformers.PretrainedConfig) -> MultimodalProcessor | None:
@@ -77,8 +87,7 @@ class MultimodalProcessor:
         runs with images, else None."""
         spec = vision_spec(hf_config)
         if spec is None:
-            if config.mm_processor_kwargs:
-                raise ConfigError(f"mm_processor_kwargs is set, but {config.model!r} takes no images here")
+            refuse_image_options(config, f"{config.model!r} takes no images here")
             return None
         kwargs = _processor_kwargs(config, spec)
         processor = load_processor(config.tokenizer or config.model, hf_config.model_type,
@@ -87,10 +96,9 @@ class MultimodalProcessor:
         if processor is None or getattr(processor, "image_processor", None) is None:
             logger.warning("%s is a vision-language model without an image processor in its directory: it runs as "
                            "a text model, and its image prompts are refused", config.model)
-            if kwargs:
-                raise ConfigError(f"mm_processor_kwargs is set, but {config.model!r} has no image processor")
+            refuse_image_options(config, f"{config.model!r} has no image processor")
             return None
-        processor.image_processor = PixelCache(processor.image_processor,
+        processor.image_processor = PixelCache(FastPixels(processor.image_processor),
                                                int(config.mm_processor_cache_gb * (1 << 30)))
         limits = config.limit_mm_per_prompt or {}
         max_images = limits.get("image", spec.max_images)
@@ -189,6 +197,9 @@ class MultimodalProcessor:
 
     def _process_text(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str]) \
             -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
+        spliced = self._splice_text(request_id, text, images, hashes) if self.expansions.splices else None
+        if spliced is not None:
+            return spliced
         outputs = self._call(request_id, text, images, hashes)
         token_ids = outputs["input_ids"][0].tolist()
         counts = self._counts(request_id, token_ids, images)
@@ -237,21 +248,68 @@ class MultimodalProcessor:
         """Replace the one placeholder token of each image by its processor expansion."""
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints")
-        found = [i for i, token_id in enumerate(token_ids) if token_id == self.prompt_token_id]
+        prompt_token_id = self.prompt_token_id
+        found = [i for i, token_id in enumerate(token_ids) if token_id == prompt_token_id]
         if len(found) != len(images):
             raise ValueError(f"request {request_id!r}: prompt_token_ids hold {len(found)} image placeholder "
                              f"token(s) ({self.prompt_token!r}, id {self.prompt_token_id}) for {len(images)} "
                              "image(s); put one where each image goes")
+        return self._splice(token_ids, found, [self._expand_image(request_id, image, name)
+                                               for image, name in zip(images, hashes)])
+
+    def _splice(self, token_ids: Sequence[int], found: list[int],
+                expansions: list[tuple[list[int], Mapping[str, Any]]]) \
+            -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]]:
+        """``token_ids`` with the placeholder at each of ``found`` replaced by its image's
+        expansion, and each image's tensors and rows."""
         expanded: list[int] = []
         pixels, counts, previous = [], [], 0
-        for position, image, name in zip(found, images, hashes):
-            outputs = self._call(request_id, self.prompt_token, [image], [name], add_special_tokens=False)
-            expansion = outputs["input_ids"][0].tolist()
+        for position, (expansion, outputs) in zip(found, expansions):
             expanded += list(token_ids[previous:position]) + expansion
-            counts.append(sum(1 for token_id in expansion if token_id == self.image_token_id))
+            counts.append(expansion.count(self.image_token_id))
             pixels += self._split(outputs, counts[-1:])
             previous = position + 1
         return expanded + list(token_ids[previous:]), pixels, counts
+
+    def _expand_image(self, request_id: str, image: Image.Image, name: str) -> tuple[list[int], Mapping[str, Any]]:
+        """One image's placeholder expansion and its image tensors: from its size's known
+        expansion and the image processor alone, else from the processor."""
+        known = self.expansions.get(image)
+        if known is None:
+            outputs = self._call(request_id, self.prompt_token, [image], [name], add_special_tokens=False)
+            expansion = outputs["input_ids"][0].tolist()
+            cache = self.processor.image_processor
+            self.expansions.put(image, expansion, cache.last_call if isinstance(cache, PixelCache) else None)
+            return expansion, outputs
+        unused = set(getattr(self.processor, "unused_input_names", None) or ())
+        with self.lock:
+            cache = self.processor.image_processor
+            if isinstance(cache, PixelCache):
+                cache.declare({id(image): name})
+            try:
+                outputs = cache([image], *known.args, **known.kwargs)
+            finally:
+                if isinstance(cache, PixelCache):
+                    cache.declare({})
+        return list(known.token_ids), {key: value for key, value in outputs.items() if key not in unused}
+
+    def _splice_text(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str]) \
+            -> tuple[list[int], list[dict[str, torch.Tensor]], list[int]] | None:
+        """A text prompt tokenized as written, each placeholder replaced by its image's
+        expansion (engine/multimodal/expansion.py); None where that would not be the
+        processor's output (placeholders that do not match the images, an expansion that
+        does not splice: then the processor answers)."""
+        with self.lock:
+            token_ids = list(self.processor.tokenizer(text)["input_ids"])
+        prompt_token_id = self.prompt_token_id
+        found = [i for i, token_id in enumerate(token_ids) if token_id == prompt_token_id]
+        if len(found) != len(images):
+            return None
+        expansions = [self._expand_image(request_id, image, name) for image, name in zip(images, hashes)]
+        if not all(self.expansions.splicable(expansion) for expansion, _ in expansions):
+            self.expansions.splices = False  # this processor's expansions hold text: it expands prompts itself
+            return None
+        return self._splice(token_ids, found, expansions)
 
 
 def _processor_kwargs(config: EngineConfig, spec: VisionSpec) -> dict[str, Any]:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import transformers
 
-from ..config import ConfigError, EngineConfig
+from ..config import EngineConfig
 from ..inputs.prompts import PromptType, tokenize_prompt
 from ..model.loader import LoadedModel, load_hf_config
 from ..model.runner import model_max_len
-from ..multimodal.media import check_prompt_keys, prompt_media, refuse_media
+from ..multimodal.media import check_prompt_keys, prompt_media, refuse_image_options, refuse_media
 from ..outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineStats, PoolingOutput, PoolingRequestOutput
 from ..parallel.ranks import RankDriver
 from ..params import PoolingParams, PoolingTask
@@ -124,9 +124,7 @@ class PoolingEngine:
     task = "embed"
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.mm_processor_kwargs:  # refused, not ignored: no image reaches this engine
-            raise ConfigError(f"mm_processor_kwargs is set, but the embedding engine of {config.model!r} takes no "
-                              "images")
+        refuse_image_options(config, f"the embedding engine of {config.model!r} takes no images")
         # With tensor_parallel_size > 1 this process is rank 0 of the split model (ranks.py).
         self.followers: RankDriver | None = None
         if loaded is None and config.tensor_parallel_size > 1:

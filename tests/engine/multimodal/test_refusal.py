@@ -86,6 +86,13 @@ def test_processor_options_a_model_does_not_take_are_refused(tiny_llava_dir, tin
         LLM(tiny_llama_dir, dtype="float64", mm_processor_kwargs={"do_pan_and_scan": True})
     with pytest.raises(ValueError, match=r"mm_processor_kwargs is set, but the embedding engine"):
         LLM(embedding_model, task="embed", mm_processor_kwargs={"do_pan_and_scan": True})
+    # The other image options, on engines that take no images, likewise.
+    for option, value in (("limit_mm_per_prompt", {"image": 2}), ("allowed_local_media_path", "/tmp"),
+                          ("allowed_media_domains", ["example.com"])):
+        with pytest.raises(ValueError, match=rf"{option} is set, but the embedding engine of '.*' takes no images"):
+            LLM(embedding_model, task="embed", **{option: value})
+        with pytest.raises(ValueError, match=rf"{option} is set, but '.*' takes no images here"):
+            LLM(tiny_llama_dir, dtype="float64", **{option: value})
     llm = LLM(tiny_llava_dir, dtype="float32", check_model=False)
     with pytest.raises(ValueError, match=r"request '\d+': unknown prompt field\(s\) 'mm_processor_kwargs'"):
         llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": IMAGE},
