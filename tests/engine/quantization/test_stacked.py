@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardline import LLM
+from shardline.engine.kernels.cpu_fused import fused_kernels_available
 from shardline.engine.kernels.cpu_quant import cpu_quant_available
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.quantization.formats import pack_int4
@@ -81,12 +82,12 @@ def test_a_stacked_group_gives_each_parts_output(name, dtype):
     separate = copy.deepcopy(parts)
     stacked = stack_quantized(parts)
     assert stacked.out_features == sum(SIZES)
-    for rows in (1, 4, 7, 300):  # decode shapes, the many-rows kernel, prefill panels
+    for rows in (1, 4, 7, 16, 300):  # the decode kernel, the blocked one (9-64 rows), prefill panels
         x = _x(rows, dtype)
         expected = [part(x) for part in separate]
         outputs = stacked(x).split(list(SIZES), dim=-1)
         for output, own, alone in zip(outputs, expected, [part(x) for part in parts], strict=True):
-            if rows <= 8:  # each column computed alone: bit for bit
+            if rows <= 64:  # each column computed alone: bit for bit
                 assert torch.equal(output, own), (rows, (output.float() - own.float()).abs().max())
             else:
                 torch.testing.assert_close(output, own, rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-4)
@@ -150,9 +151,12 @@ def test_partial_blocks_stack_only_as_the_last_part():
 
 
 @pytest.mark.slow
-def test_an_engines_quantized_groups_run_stacked(tmp_path):
+@pytest.mark.skipif(not (cpu_quant_available() and fused_kernels_available(torch.float32)),
+                    reason="the quantized or fused C kernels do not build here")
+def test_an_engines_quantized_groups_run_stacked(tmp_path, monkeypatch):
     """An online int8 Qwen3 model on the CPU path: every decoder layer runs q, k and v as
     one stacked call and every MLP its gate and up, the parts being views of them."""
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "fused_kernels=on,quant_kernels=on")  # whatever the run sets
     llm = LLM(str(build_tiny_model(tmp_path, "qwen3")), dtype="float32", device="cpu", quantization="int8")
     model = ckpt.engine_model(llm)
     layers = [module for module in model.modules() if hasattr(module, "stacked_qkv")]
