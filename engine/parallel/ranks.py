@@ -37,6 +37,7 @@ from ..model.runner import ModelInputs, ModelRunner
 from ..multimodal.qwen_vl import DEEPSTACK_KEY
 from ..recurrent.state import RecurrentStep
 from .group import RankGroup, TensorParallelError, collective_timeout, join_group, leave_group
+from .vlm import deepstack_layout, received_deepstack, stacked_deepstack
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class StepLayout:
     # A vision-language model's step with images: the input embeddings' shape and dtype,
     # broadcast after the integers (engine/parallel/vlm.py); None: the ids suffice.
     embeds: tuple[tuple[int, ...], torch.dtype] | None = None
+    # A Qwen3-VL step with images: its deepstack rows stacked [layers, rows, H], broadcast
+    # after the embeddings (their positions' mask travels with the integers); None: none.
+    deepstack: tuple[tuple[int, ...], torch.dtype] | None = None
 
     @property
     def numel(self) -> int:
@@ -108,9 +112,9 @@ def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[Step
     batch = {field.name: encode(f"batch.{field.name}", getattr(ctx, field.name))
              for field in dataclasses.fields(StepBatch) if field.name != "kv_caches"}
     input_ids, embeds = model_inputs.get("input_ids"), model_inputs.get("inputs_embeds")
-    if DEEPSTACK_KEY in model_inputs:
-        raise TensorParallelError("a step whose images feed the decoder's early layers (deepstack) does not run "
-                                  "over tensor-parallel ranks")
+    deepstack = model_inputs.get(DEEPSTACK_KEY)
+    if deepstack is not None:
+        tensors["deepstack.mask"] = deepstack.mask
     if input_ids is not None:
         tensors["input_ids"] = input_ids
     tensors["position_ids"] = model_inputs["position_ids"]
@@ -125,13 +129,14 @@ def pack_step(model_inputs: ModelInputs, keep: torch.Tensor | int) -> tuple[Step
     layout = StepLayout(tuple((key, tuple(t.shape), t.dtype) for key, t in tensors.items()), batch,
                         state is not None, state is not None and state.num_prompt_tokens is not None,
                         not isinstance(keep, torch.Tensor),
-                        None if embeds is None else (tuple(embeds.shape), embeds.dtype))
+                        None if embeds is None else (tuple(embeds.shape), embeds.dtype),
+                        None if deepstack is None else deepstack_layout(deepstack))
     flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors.values()])
     return layout, flat
 
 
-def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner,
-                embeds: torch.Tensor | None = None) -> tuple[ModelInputs, torch.Tensor | int]:
+def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner, embeds: torch.Tensor | None = None,
+                deepstack: torch.Tensor | None = None) -> tuple[ModelInputs, torch.Tensor | int]:
     """The model inputs of a step on this rank: ``flat`` split by ``layout``, over this
     rank's caches and recurrent states (``embeds``: a step with images' input embeddings)."""
     tensors, offset = {}, 0
@@ -148,6 +153,8 @@ def unpack_step(layout: StepLayout, flat: torch.Tensor, runner: ModelRunner,
 
     batch = StepBatch(kv_caches=runner.kv_caches, **{name: decode(node) for name, node in layout.batch.items()})
     inputs = ModelInputs(position_ids=tensors["position_ids"], shardline_ctx=runner.attention.build_context(batch))
+    if deepstack is not None:
+        inputs[DEEPSTACK_KEY] = received_deepstack(runner.model, tensors["deepstack.mask"], deepstack)  # type: ignore[literal-required]
     if embeds is not None:
         inputs["inputs_embeds"] = embeds
     else:
@@ -245,6 +252,8 @@ class RankDriver:
         embeds = model_inputs.get("inputs_embeds")
         if embeds is not None:
             self.group.broadcast(embeds.contiguous())
+        if layout.deepstack is not None:
+            self.group.broadcast(stacked_deepstack(model_inputs[DEEPSTACK_KEY]))  # type: ignore[literal-required]
         return self._beside(forward)
 
     def run_mirrored(self, method: str, args: tuple[Any, ...], forward: Callable[[], _T]) -> _T:
@@ -382,5 +391,9 @@ def run_step(runner: ModelRunner, group: RankGroup, layout: StepLayout) -> None:
     if layout.embeds is not None:
         shape, dtype = layout.embeds
         embeds = group.broadcast(torch.empty(shape, dtype=dtype, device=runner.device))
-    model_inputs, keep = unpack_step(layout, flat, runner, embeds)
+    deepstack = None
+    if layout.deepstack is not None:
+        shape, dtype = layout.deepstack
+        deepstack = group.broadcast(torch.empty(shape, dtype=dtype, device=runner.device))
+    model_inputs, keep = unpack_step(layout, flat, runner, embeds, deepstack)
     runner.model(**model_inputs, use_cache=False, logits_to_keep=keep)

@@ -3,7 +3,7 @@ would raise, answered from the config and the model built on the meta device, be
 any weight is read or any rank starts (the engine's rank 0 and the pipeline's
 pre-flight ask it).
 
-The config's refusals (``check_tensor_parallel``: heads, deepstack images; an unknown
+The config's refusals (``check_tensor_parallel``: heads; an unknown
 quantization) come first; then the sharding step itself runs on
 the meta-device model with the engine's attention adapters, as the first and last
 rank would run it at load, so a projection it does not split (a fused query-key-value
@@ -23,7 +23,6 @@ from ..attention.context import register as register_attention
 from ..model.adapters import adapt_attention, has_adapter
 from ..model.kv_cache_spec import KVCacheSpec
 from ..model.support import auto_class_for
-from ..multimodal.qwen_vl import num_deepstack_layers
 from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
 from .sharding import layer_heads, model_heads, shard_model
@@ -61,10 +60,6 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
     model_type = hf_config.get_text_config().model_type
     prefix = f"tensor_parallel_size={size}"
     resolve_scheme(hf_config, quantization)
-    if getattr(hf_config, "vision_config", None) is not None and num_deepstack_layers(hf_config):
-        # a VLM's images enter as input embeddings otherwise, which rank 0 sends (vlm.py)
-        raise ShardingError(f"{prefix}: {model_type} adds image rows inside its decoder's early layers (deepstack), "
-                            "which rank 0 does not send the other ranks; run it on one rank")
     heads = model_heads(hf_config)
     for layer in dict.fromkeys(layer_heads(hf_config) or ([heads] if heads is not None else [])):
         if layer.num_heads % size:

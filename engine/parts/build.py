@@ -282,6 +282,9 @@ def build_runner_and_scheduler(config: EngineConfig, loaded: LoadedModel,
                          prepared.state_spec, num_state_slots + num_snapshots, lora_manager=prepared.lora_manager,
                          windowed=windowed)
     if (loaded.device.type == "cuda" and not config.enforce_eager and prepared.lora_manager is None
+            # Not over ranks: a replayed graph's collectives skip RankGroup's bounded waits and
+            # failure mapping (a dead rank would hang the replay until NCCL's watchdog), and
+            # capturing NCCL collectives in step on every rank has no multi-GPU host to test it.
             and prepared.ranks is None
             and attention.replays_decode_graphs and not num_state_slots and windowed is None
             and not selects_keys(loaded.hf_config.get_text_config())  # selections read on the host

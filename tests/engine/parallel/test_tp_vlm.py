@@ -1,20 +1,20 @@
 """A vision-language model over tensor-parallel ranks: a tiny LLaVA with its language
 model split and its vision tower whole on every rank (run on rank 0, the step's input
 embeddings sent to the other rank) gives transformers' greedy tokens with images on 2
-gloo ranks, as on 1; a deepstack model (Qwen3-VL) is refused before any rank starts."""
+gloo ranks, as on 1; so does Qwen3-VL, whose deepstack rows rank 0 sends too."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 from PIL import Image
 
 from shardline import LLM, SamplingParams
+from shardline.engine.model.tiny_qwen_vl import build_tiny_qwen_vl
 from shardline.engine.model.tiny_vlm import build_tiny_llava
-from shardline.engine.parallel.group import ShardingError
+from shardline.engine.multimodal.image_only import load_processor
+from shardline.engine.multimodal.qwen_vl import num_deepstack_layers
 from shardline.engine.parallel.layers import GatheredLMHead, RowParallelLinear
-from shardline.engine.parallel.verdict import check_tensor_parallel
 from shardline.engine.parallel.vlm import encoder_prefixes
 
 MAX_TOKENS = 8
@@ -67,11 +67,27 @@ def test_llava_on_two_ranks_matches_transformers(tmp_path):
         two_ranks.close()
 
 
-def test_deepstack_models_are_refused_before_ranks_start():
-    config = transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                         intermediate_size=64, head_dim=16, vocab_size=512),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0]))
-    with pytest.raises(ShardingError, match="tensor_parallel_size=2: qwen3_vl_text adds image rows inside its "
-                                            "decoder's early layers"):
-        check_tensor_parallel(config, 2, quantization=None, task="generate")
+def test_deepstack_rows_reach_every_rank(tmp_path):
+    """Qwen3-VL adds image rows to its early layers' hidden states (deepstack): rank 0
+    sends them with the step, and 2 ranks give transformers' tokens, an image's rows
+    over several steps (5 tokens a step)."""
+    model_dir = str(build_tiny_qwen_vl(tmp_path / "qwen3_vl", "qwen3_vl"))
+    assert num_deepstack_layers(transformers.AutoConfig.from_pretrained(model_dir))
+    processor = load_processor(model_dir, "qwen3_vl")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    cases = [(f"hi {image} what is this?", picture) for picture in pictures(2)] + [(f"{image}Describe it.",
+                                                                                    pictures(1)[0])]
+    expected = []
+    for text, picture in cases:
+        inputs = processor(text=[text], images=[picture], return_tensors="pt")  # pyright: ignore[reportOptionalCall]
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS,  # pyright: ignore[reportAttributeAccessIssue]
+                                    do_sample=False)
+        expected.append(output[0, inputs["input_ids"].shape[1]:].tolist())
+    assert expected[0] != expected[1]  # the image changes the tokens
+    two_ranks = LLM(model_dir, tensor_parallel_size=2, dtype="float32", max_num_seqs=4, max_num_batched_tokens=5)
+    try:
+        assert generate(two_ranks, cases) == expected
+    finally:
+        two_ranks.close()
