@@ -2,10 +2,11 @@
  * in blocks of BN outputs by K (oneDNN's own packed layout on AVX-512, or one packed
  * for this kernel), so that a tile of up to MR rows of x streams each block's weights
  * once, every weight vector multiplied by each row's x element broadcast (no
- * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 on AVX-512
- * where a block holds 4 VL outputs: each k's weights are one contiguous stream of whole cache
- * lines, which the first row tile reads from memory while it multiplies as many rows
- * as the registers hold; else 2, the block split in sub-blocks of NV VL outputs).
+ * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 where a
+ * block holds 4 VL outputs, on AVX-512 at any row count: each k's weights are one
+ * contiguous stream of whole cache lines, which the first row tile reads from memory
+ * while it multiplies as many rows as the registers hold; with 16 registers at up to
+ * 2 rows; else 2, the block split in sub-blocks of NV VL outputs).
  * The threads split the output blocks; a block's weights stay in the cache while the
  * row tiles after the first read them.
  *
@@ -195,8 +196,9 @@ static inline __attribute__((always_inline)) void small_linear(const void *x, in
                                                                int64_t N, int64_t K, int bf16, int num_threads) {
     const int64_t blocks = (N + bn - 1) / bn;
     /* With AVX-512's 32 registers a tile reads whole rows of a block's k at once,
-     * MR(4) rows of them; with 16 registers, the taller tiles of 2 vectors. */
-    const int nv = VL == 16 && bn % (4 * VL) == 0 ? 4 : 2;
+     * MR(4) rows of them; with 16 registers, up to MR(4) rows (bound by reading the
+     * weights) read 4 vectors of each k, more the taller tiles of 2. */
+    const int nv = bn % (4 * VL) == 0 && (VL == 16 || M <= MR(4)) ? 4 : 2;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (M * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t s = 0; s < bn && b * bn + s < N; s += nv * VL) {
