@@ -219,9 +219,11 @@ static inline __attribute__((always_inline)) void block_values(
 {
     const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
     vf *acc = &w->acc[r * Dv];
+    int rescale = 0;  /* once the rows' maxima settle, most blocks leave them (factor 1) */
+    for (int lane = 0; lane < VL; lane++) rescale |= correction[lane] != 1.0f;
     for (int64_t col = 0; col < Dv; col += CB) {
         vf a[CB];
-        for (int i = 0; i < CB; i++) a[i] = acc[col + i] * correction;
+        for (int i = 0; i < CB; i++) a[i] = rescale ? acc[col + i] * correction : acc[col + i];
 #if DOT_BF16
         if (dot) {
             const uint32_t *pairs = (const uint32_t *)w->values;
