@@ -43,8 +43,9 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DECODE_MAX_ROWS = 8
 # With cpu_quant_bf16.c's dot-product kernels, up to this many rows of bfloat16 x take
 # its register-blocked kernel (the weight decoded once per panel of output columns)
-# instead of the prefill panels.
-TILE_MAX_ROWS = 64
+# instead of the prefill panels (measured faster up to here in bench_quant.py's kernel
+# mode, slower at 512 rows, where oneDNN's packed panels win).
+TILE_MAX_ROWS = 256
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 # Where oneDNN multiplies panels packed in its blocked layout (kernels/cpu_quant_panel.py):
