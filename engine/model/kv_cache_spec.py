@@ -41,6 +41,7 @@ from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLay
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES, COMPRESSED_TYPES, compressed_row_width
 from .adapters.indexer import index_key_width
 from .adapters.inkling import INKLING_TYPES, inkling_conv_widths, inkling_kv_width
+from .adapters.inkling2 import repeated_loop_layers
 from .adapters.latent import caches_latents, selects_keys
 from .adapters.qwen4_exp import QSA_MODEL_TYPES, index_columns
 from .layer_kinds import NO_STATE, RECURRENT, layer_kind, layer_types
@@ -118,11 +119,13 @@ class KVCacheSpec:
             window = getattr(text_config, "sliding_window", None) if kind == "sliding_window" else None
             chunk = getattr(text_config, "attention_chunk_size", None) if kind == "chunked" else None
             layers.append(LayerCacheSpec(kind, num_kv_heads, head_dim, value_head_dim, window, chunk))
-        layers += [layers[index] for index in repeated_pass_layers(text_config)]
-        if text_config.model_type in INKLING_TYPES:  # then each layer's convolution inputs, for a few tokens
+        repeated = repeated_pass_layers(text_config)
+        layers += [layers[index] for index in repeated]
+        if text_config.model_type in INKLING_TYPES:  # then each attention layer's convolution inputs, for a few tokens
+            types = layer_types(hf_config)
             layers += [LayerCacheSpec(SLIDING, 1, *inkling_conv_widths(text_config, layer_type),
                                       sliding_window=text_config.conv_kernel_size)
-                       for layer_type in layer_types(hf_config)]
+                       for layer_type in types + [types[index] for index in repeated]]
         return cls(tuple(layers), dtype)
 
     @property
@@ -166,9 +169,11 @@ def first_attention_heads(hf_config: transformers.PretrainedConfig) -> int:
 def repeated_pass_layers(text_config: transformers.PretrainedConfig) -> list[int]:
     """Decoder layers a model runs again in later passes over the same token, each pass
     attending cache layers of its own that follow the model's (dory's recurrent section,
-    once per loop after the first; its attention names them by ``cache_offset``): their
-    indices, in the order of those extra cache layers. hrm_text needs none: its config's
-    num_hidden_layers already counts one layer per pass."""
+    inkling2_loop's looped layers, once per loop after the first; their attention names
+    them by ``cache_offset``): their indices, in the order of those extra cache layers.
+    hrm_text needs none: its config's num_hidden_layers already counts one layer per pass."""
+    if text_config.model_type == "inkling2_loop_text":
+        return repeated_loop_layers(text_config)
     if text_config.model_type != "dory":
         return []
     section = list(range(text_config.n_input_layers, text_config.n_input_layers + text_config.n_recurrent_layers))

@@ -38,7 +38,8 @@ _NO_STATE_TYPES = ("mlp", "moe")
 # Types whose "hybrid" layers are attention layers that also convolve short spans of
 # their streams, the convolutions' inputs cached per token beside the values
 # (engine/model/adapters/inkling.py): no recurrent state.
-_CONVOLVING_ATTENTION = {"inkling_text": {"hybrid": "full", "hybrid_sliding": "sliding_window"}}
+_CONVOLVING_ATTENTION = {name: {"hybrid": "full", "hybrid_sliding": "sliding_window"}
+                         for name in ("inkling_text", "inkling2_text", "inkling2_loop_text")}
 # Types whose config names no layer types but whose every attention layer takes the
 # config's sliding_window when it is set: those layers are sliding-window layers.
 _WINDOWED_WITHOUT_LAYER_TYPES = ("mistral", "mixtral", "phi3", "starcoder2", "ministral3")

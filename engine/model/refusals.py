@@ -15,9 +15,8 @@ from .adapters.latent import latent_cache_refusal, selects_keys
 from .adapters.qwen4_exp import QSA_MODEL_TYPES, qsa_refusal
 
 _INKLING2 = (
-    "its attention layers add to each score a relative position bias computed from the query token's hidden "
-    "state, and its full-attention layers convolve keys and values with taps projected from each token (dynamic "
-    "short convolutions); shardline runs inkling's layers, whose convolutions have fixed taps, and not these"
+    "an image-text model whose vision tower and image rows shardline does not run; its text model "
+    "(inkling2_text, inkling2_loop_text) runs"
 )
 
 # Model types the engine cannot run exactly, and why (a composite type's text type too:
@@ -30,7 +29,7 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
               "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
               "position bias between segments; the paged attention is causal and prefills a prompt in "
               "chunks, so the prompt's keys and values would differ from the model's",
-    **{name: _INKLING2 for name in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")},
+    **{name: _INKLING2 for name in ("inkling2", "inkling2_loop")},
 }
 
 

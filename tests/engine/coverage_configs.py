@@ -97,7 +97,14 @@ OVERRIDES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "hunyuan_v1_dense": dict(head_dim=16),
-    **{name: dict(unpadded_vocab_size=VOCAB_SIZE) for name in ("inkling2_text", "inkling2_loop_text")},
+    # As inkling_text's, attention over depth in blocks of 2 layers; the loop model loops its layer 1 twice.
+    "inkling2_text": dict(unpadded_vocab_size=VOCAB_SIZE, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                          swa_head_dim=8, d_rel=4, rel_extent=12, log_scaling_n_floor=4,
+                          n_layers_per_attn_res_block=2),
+    "inkling2_loop_text": dict(unpadded_vocab_size=VOCAB_SIZE, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                               swa_head_dim=8, d_rel=4, rel_extent=12, log_scaling_n_floor=4,
+                               n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=2,
+                               loop_num_passes=2, loop_gate_rank=8),
     # Sliding layers of their own (small) sizes, a position bias reaching past their window,
     # and the full layers' logarithmic query scaling from position 4 on.
     "inkling_text": dict(swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=8, d_rel=4,

@@ -24,7 +24,7 @@ from shardline.tasks.sample_data import write_sample_dataset
 from ..engine.coverage import SKIPPED, VOCAB_SIZE, decoder_model_types, tiny_overrides, write_tiny_config
 
 # The types the model-coverage sweep reports refused (`python -m tests.engine.coverage`).
-REFUSED_TYPES = ("blt", "cpmant", "git", "inkling2_loop_text", "inkling2_text")
+REFUSED_TYPES = ("blt", "cpmant", "git")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from .base import (
 )
 from .deepseek_v4 import CompressedAttention
 from .inkling import InklingAttention, PagedShortConv
+from .inkling2 import DynamicShortConv, EagerDepthAttention, Inkling2Attention, ScaledShortConv
 from .latent import latent_adapter_keys, latent_caching
 from .qwen4_exp import QuerySparseAttention
 from .shapes import (
@@ -43,7 +44,7 @@ from .shapes import (
 _MODELS = "transformers.models."
 # transformers' attention class (modeling module and name) -> its adapter.
 ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention] | type[InklingAttention]
-               | type[PagedShortConv] | type[QuerySparseAttention]] = {
+               | type[PagedShortConv] | type[QuerySparseAttention] | type[Inkling2Attention]] = {
     _MODELS + "gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": GPTNeoAttention,
     _MODELS + "xglm.modeling_xglm.XGLMAttention": XGLMAttention,
     _MODELS + "openai.modeling_openai.Attention": OpenAIGPTAttention,
@@ -54,9 +55,19 @@ ADAPTERS: dict[str, type[PagedAttentionAdapter] | type[CompressedAttention] | ty
     _MODELS + "diffllama.modeling_diffllama.DiffLlamaAttention": DiffLlamaAttention,
     _MODELS + "inkling.modeling_inkling.InklingAttention": InklingAttention,
     _MODELS + "inkling.modeling_inkling.InklingShortConvolution": PagedShortConv,
+    **{f"{_MODELS}{name}.modeling_{name}.{prefix}{kind}": adapter
+       for name, prefix in (("inkling2", "Inkling2"), ("inkling2_loop", "Inkling2Loop"))
+       for kind, adapter in (("SlidingAttention", Inkling2Attention), ("FullAttention", Inkling2Attention),
+                             ("ShortConvolution", ScaledShortConv), ("DynamicShortConvolution", DynamicShortConv))},
     _MODELS + "deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention": CompressedAttention,
     _MODELS + "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention": QuerySparseAttention,
 }
+# Attention over depth (a token's earlier layer outputs, nothing cached), anywhere in the
+# model: run by transformers' eager attention, not the paged one.
+DEPTH_ADAPTERS = {
+    f"{_MODELS}{name}.modeling_{name}.{prefix}{kind}": EagerDepthAttention
+    for name, prefix in (("inkling2", "Inkling2"), ("inkling2_loop", "Inkling2Loop"))
+    for kind in ("BlockAttentionResidual", "MessageAttentionResidual")}
 # Attention classes of models whose layers cache latents (adapters/latent.py), adapted
 # where caches_latents says their cache holds latents.
 LATENT_ADAPTERS = latent_adapter_keys()
@@ -120,13 +131,19 @@ def adapt_attention(model: nn.Module) -> int:
     one's layer index is its decoder layer's (surgery.decoder_layers), which is
     also its KV-cache layer, except a call-indexed module's, whose calls name theirs;
     those are found anywhere in the model (hrm_text has two stacks of layers), a
-    module shared by several layers once. Every replacement goes through
+    module shared by several layers once, as is attention over depth (DEPTH_ADAPTERS).
+    A module with an adapter of its own is adapted, not wrapped. Every replacement goes through
     surgery.replace; on a model already adapted nothing is replaced again (an adapter
     keeps its original unregistered, so it is not found a second time)."""
     scope = StepScope()
     replaced = 0
     for name, module in list(model.named_modules()):
-        if name and _call_indexed(type(module)):
+        if not name:
+            continue
+        if _key(type(module)) in DEPTH_ADAPTERS:
+            replace(model, name, DEPTH_ADAPTERS[_key(type(module))](module, None, scope))
+            replaced += 1
+        elif _call_indexed(type(module)) and _key(type(module)) not in ADAPTERS:
             replace(model, name, CallIndexedAttention(module, getattr(module, "layer_idx", None), scope))
             replaced += 1
     layers_name, layers = decoder_layers(model)

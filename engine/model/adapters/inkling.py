@@ -29,6 +29,7 @@ request, over the keys it sees (a window's from its first key on).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 
 import torch
 import transformers
@@ -39,7 +40,8 @@ from ...attention.context import AttentionContext
 from ...attention.latent_window import window_start
 from .base import StepScope, _Replacement, layer_attribute, layer_scale
 
-INKLING_TYPES = ("inkling_text",)
+# inkling's cache layout: its own, and inkling2's (engine/model/adapters/inkling2.py).
+INKLING_TYPES = ("inkling_text", "inkling2_text", "inkling2_loop_text")
 
 
 def _layer_sizes(text_config: transformers.PretrainedConfig, layer_type: str) -> tuple[int, int]:
@@ -86,24 +88,42 @@ class PagedShortConv(_Replacement):
         super().__init__(original, layer_attribute(original, "layer_idx", int), scope)
         self.kernel = layer_attribute(original, "conv_kernel_size", int)
         conv_idx = layer_attribute(original, "conv_idx", int)
-        self.channels = layer_attribute(original.get_submodule("conv1d"), "in_channels", int)
+        self.channels = self.input_width(original)
         # Raw keys and values in the key row, attention and MLP outputs in the value row.
         self._row, self._offset = conv_idx // 2, conv_idx % 2 * self.channels
+
+    @staticmethod
+    def input_width(original: nn.Module) -> int:
+        """Channels the convolution convolves (its depthwise conv1d's)."""
+        return layer_attribute(original.get_submodule("conv1d"), "in_channels", int)
 
     def forward(self, hidden_states: torch.Tensor, cache: object = None, conv_mask: torch.Tensor | None = None,
                 **kwargs):
         ctx = self._scope.ctx
         if ctx is None:
             return self.original(hidden_states, cache=cache, conv_mask=conv_mask, **kwargs)
-        cache_layer = conv_cache_layer(ctx, self.layer_idx)
-        ctx = layer_context(ctx, cache_layer)
         rows = hidden_states[0].float()  # [T, C]
+        weight = self.get_parameter("conv1d.weight")  # [C, 1, K] float32
+        out = torch.empty_like(rows)
+        for first, end, history in self.windows(ctx, rows, 0):
+            stream = torch.cat([history, rows[first:end]]).transpose(0, 1)[None]  # [1, C, L]
+            conv = F.conv1d(stream, weight, None, padding=self.kernel - 1, groups=self.channels)
+            out[first:end] = conv[0, :, :stream.shape[-1]].transpose(0, 1)[-(end - first):]
+        return (out + rows).to(hidden_states.dtype)[None]
+
+    def windows(self, ctx: AttentionContext, rows: torch.Tensor,
+                cache_offset: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Write the step's inputs ``rows`` [T, C] into this convolution's cache rows (those
+        of the call's layer, ``layer_idx + cache_offset``), then for each request with new
+        tokens: their rows first .. end - 1 and the inputs of the up to
+        ``conv_kernel_size - 1`` tokens before them, read back from the cache ([h, C], in
+        the rows' dtype widened to float32; fewer at a prompt's start)."""
+        cache_layer = conv_cache_layer(ctx, self.layer_idx + cache_offset)
+        ctx = layer_context(ctx, cache_layer)
         cache = ctx.kv_caches[cache_layer][self._row]
         flat = cache.view(-1, cache.shape[-1])
         offset = self._offset
         flat[ctx.slot_mapping, offset:offset + self.channels] = rows.to(flat.dtype)
-        weight = self.get_parameter("conv1d.weight")  # [C, 1, K] float32
-        out = torch.empty_like(rows)
         starts, lens = ctx.query_start_loc.tolist(), ctx.seq_lens.tolist()
         for request, seq_len in enumerate(lens):
             first, end = starts[request], starts[request + 1]
@@ -112,10 +132,7 @@ class PagedShortConv(_Replacement):
             position = seq_len - (end - first)
             history_start = max(0, position - self.kernel + 1)
             history = flat[_slots(ctx, request, history_start, position), offset:offset + self.channels].float()
-            stream = torch.cat([history, rows[first:end]]).transpose(0, 1)[None]  # [1, C, L]
-            conv = F.conv1d(stream, weight, None, padding=self.kernel - 1, groups=self.channels)
-            out[first:end] = conv[0, :, :stream.shape[-1]].transpose(0, 1)[-(end - first):]
-        return (out + rows).to(hidden_states.dtype)[None]
+            yield first, end, history
 
 
 def conv_cache_layer(ctx: AttentionContext, layer_idx: int) -> int:
