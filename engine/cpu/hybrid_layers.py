@@ -102,8 +102,12 @@ class FusedGatedRMSNorm(StridedGateNorm):
             return self.norm(x, gate)
         rows = x.reshape(-1, x.shape[-1])
         normed = rms_norm(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, self.eps)
-        # gate: any layout of x's numel (a strided view of a packed projection's output)
-        return F.silu(gate).reshape(normed.shape).mul_(normed).view(x.shape)
+        # gate: any layout of x's numel (a strided view of a packed projection's output).
+        # The models' rounding: weight * normed in x's dtype (the kernel's), then silu of
+        # the gate and the product in float32, rounded to x's dtype once.
+        if normed.dtype == torch.float32:
+            return F.silu(gate).reshape(normed.shape).mul_(normed).view(x.shape)
+        return F.silu(gate.float()).reshape(normed.shape).mul_(normed).to(x.dtype).view(x.shape)
 
 
 class SampledRowsMLP(nn.Module):

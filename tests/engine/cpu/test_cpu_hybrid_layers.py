@@ -6,6 +6,8 @@ greedy tokens, with each path on and turned off."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -20,7 +22,7 @@ from shardline.engine.cpu.hybrid_layers import (
     pack_gated_delta_net_projections,
 )
 from shardline.engine.cpu.linear import onednn_linear_available, pack_linears
-from shardline.engine.kernels.cpu_fused import fused_kernels_available
+from shardline.engine.kernels.cpu_fused import fused_kernels_available, rms_norm, rms_norm_reference
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.recurrent.gated_delta_net import input_projections
 from shardline.engine.recurrent.state import install_recurrent_layers
@@ -58,6 +60,31 @@ def test_fused_norms_reproduce_the_hybrid_norms():
         wide = torch.randn(7, 40, generator=generator)
         torch.testing.assert_close(FusedGatedRMSNorm(gated)(x, wide[:, 8:32].view(7, 1, 24)),
                                    gated(x, wide[:, 8:32].contiguous()), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.skipif(not fused_kernels_available(torch.bfloat16), reason="the fused kernels take no bfloat16 here")
+@pytest.mark.parametrize("norm_class", ["qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRMSNormGated",
+                                        "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNormGated",
+                                        "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNormGated"])
+def test_fused_gated_norm_rounds_as_the_models_own_in_bfloat16(norm_class):
+    """In bfloat16 the gated norm rounds weight * normed to bfloat16, then multiplies by
+    silu(gate) in float32 and rounds once: the fused norm gives the module's bits
+    wherever its kernel's normalisation gives torch's (nearly everywhere)."""
+    module_name, class_name = norm_class.rsplit(".", 1)
+    module = importlib.import_module(f"transformers.models.{module_name}")
+    generator = torch.Generator().manual_seed(0)
+    gated = getattr(module, class_name)(128, eps=1e-6)
+    with torch.no_grad():
+        gated.weight.copy_(torch.randn(128, generator=generator) * 0.5 + 1)
+    gated = gated.to(torch.bfloat16)
+    x, gate = ((torch.randn(64, 128, generator=generator) * 3).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        expected, actual = gated(x, gate), FusedGatedRMSNorm(gated)(x, gate)
+        weight = gated.weight.detach()
+        same_norm = rms_norm(x, weight, 1e-6) == rms_norm_reference(x, weight, 1e-6)
+    assert same_norm.float().mean() > 0.99
+    assert torch.equal(actual[same_norm], expected[same_norm])
 
 
 @needs_onednn
