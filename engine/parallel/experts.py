@@ -52,8 +52,9 @@ def expert_share(intermediate: int, unit: int, group: RankGroup, name: str) -> t
     ShardingError, naming the module, where there are fewer units than ranks."""
     units = -(-intermediate // unit)
     if units < group.size:
-        raise ShardingError(f"{name}: its experts' intermediate size {intermediate} holds {units} quantization "
-                            f"blocks of {unit}, fewer than the {group.size} ranks; it is not split over these ranks")
+        raise ShardingError(f"{name}: its experts' intermediate size {intermediate} holds {units} whole units of "
+                            f"{unit} (scale blocks, or 8 for float experts), fewer than the {group.size} ranks; it is "
+                            "not split over these ranks")
     base, extra = divmod(units, group.size)
     first = group.rank * base + min(group.rank, extra)
     count = base + (1 if group.rank < extra else 0)

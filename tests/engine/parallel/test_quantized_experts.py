@@ -88,8 +88,8 @@ def test_expert_shares_deal_out_whole_blocks():
     assert shares == [(0, 64), (64, 96)]
     shares = [expert_share(100, 32, RankGroup(rank, 4, lambda: ""), "experts") for rank in range(4)]
     assert shares == [(0, 32), (32, 64), (64, 96), (96, 100)]  # the last block partial
-    with pytest.raises(ShardingError, match=r"experts: its experts' intermediate size 64 holds 2 quantization "
-                                            "blocks of 32, fewer than the 3 ranks"):
+    with pytest.raises(ShardingError, match=r"experts: its experts' intermediate size 64 holds 2 whole units "
+                                            r"of 32 \(scale blocks, or 8 for float experts\), fewer than the 3 ranks"):
         expert_share(64, 32, RankGroup(0, 3, lambda: ""), "experts")
 
 
@@ -101,7 +101,7 @@ def test_mxfp4_shares_sum_to_the_whole_experts(tmp_path):
     check_shares_sum(experts, (2, 3))
     share = split_quantized_experts(experts, "experts", RankGroup(1, 2, lambda: "")).inner
     assert isinstance(share, QuantizedExperts) and share.down_bias is None  # added once, on rank 0
-    with pytest.raises(ShardingError, match=r"model.layers.0.mlp.experts: .* 3 quantization blocks of 32, fewer "
+    with pytest.raises(ShardingError, match=r"model.layers.0.mlp.experts: .* 3 whole units of 32 .*, fewer "
                                             "than the 4 ranks"):
         split_quantized_experts(experts, "model.layers.0.mlp.experts", RankGroup(0, 4, lambda: ""))
 
