@@ -37,6 +37,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..model.adapters.qwen4_exp import QSA_MODEL_TYPES, index_columns
 from ..model.kv_cache_spec import KVCacheSpec
 from ..quantization.experts import QuantizedExperts
 from ..quantization.linear import QuantizedLinear
@@ -122,13 +123,20 @@ def heads_at(name: str, heads: Heads | None, per_layer: tuple[Heads, ...]) -> He
 
 def shard_cache_spec(spec: KVCacheSpec, hf_config: transformers.PretrainedConfig, size: int) -> KVCacheSpec:
     """The cache one of ``size`` ranks keeps: each attention layer's key-value heads of
-    that rank (a latent cache, one "head" every head reads, whole on each rank)."""
+    that rank (a latent cache, one "head" every head reads, whole on each rank). A
+    Qwen4-exp indexed layer's index key, spread over the columns its heads keep after
+    their values, is whole on every rank: spread over the rank's heads."""
     heads = model_heads(hf_config)
+    text_config = hf_config.get_text_config()
+    types = getattr(text_config, "layer_types", None) or []
     layers = []
-    for layer in spec.layers:
+    for index, layer in enumerate(spec.layers):
         if layer.num_kv_heads and heads is not None and layer.value_head_dim:
             share = layer.num_kv_heads // size if layer.num_kv_heads >= size else 1
-            layer = dataclasses.replace(layer, num_kv_heads=share)
+            value_head_dim = layer.value_head_dim
+            if text_config.model_type in QSA_MODEL_TYPES and index < len(types) and types[index] == "indexed_attention":
+                value_head_dim += index_columns(text_config, share) - index_columns(text_config, layer.num_kv_heads)
+            layer = dataclasses.replace(layer, num_kv_heads=share, value_head_dim=value_head_dim)
         layers.append(layer)
     return dataclasses.replace(spec, layers=tuple(layers))
 

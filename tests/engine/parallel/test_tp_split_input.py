@@ -21,7 +21,16 @@ from shardline.engine.model.tiny import build_tiny_model, tiny_config
 from shardline.engine.parallel.attention_norms import weight_in_float32
 from shardline.engine.parallel.group import RankGroup, ShardingError
 from shardline.engine.parallel.layers import RowParallelLinear, SpanningRMSNorm
-from shardline.engine.parallel.sharding import COLUMN, PACKED_COLUMN, ROW, WHOLE, plan_rules, shard_model, split_of
+from shardline.engine.parallel.sharding import (
+    COLUMN,
+    PACKED_COLUMN,
+    ROW,
+    WHOLE,
+    plan_rules,
+    shard_cache_spec,
+    shard_model,
+    split_of,
+)
 
 from ..coverage_configs import tiny_overrides
 from .test_tp_recurrent import check_two_ranks
@@ -54,14 +63,6 @@ def test_olmo_hybrid_on_two_ranks(tmp_path):
 def test_split_input_plans_on_two_ranks(tmp_path, arch):
     model_dir = str(build_tiny_model(tmp_path, arch, **CASES[arch]))
     check_two_ranks(model_dir, torch.float32, preempt=False)
-
-
-def split_model(arch: str, rank: int) -> nn.Module:
-    config = tiny_config(arch, 512, **CASES[arch])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    num_attention = sum(1 for layer in KVCacheSpec.from_hf_config(config, torch.float32).layers if layer.num_kv_heads)
-    shard_model(model, RankGroup(rank, 2, lambda: NO_COLLECTIVE), num_attention)
-    return model
 
 
 def test_split_input_styles_resolve_to_splits():
@@ -110,3 +111,19 @@ def test_the_norm_form_is_probed_and_other_forms_refused():
     nn.init.normal_(gemma.weight)
     with pytest.raises(ShardingError, match="gemma.q_norm: GemmaRMSNorm over all heads is not an RMS norm"):
         weight_in_float32(gemma, "gemma.q_norm", 1e-6)
+
+
+def test_each_rank_caches_the_whole_index_key():
+    """Qwen4-exp's indexed layer keeps its one index key after the values, spread over
+    its key-value heads' columns: on a rank with half the heads, over those heads."""
+    config = tiny_config("qwen4_exp_text", 512, **CASES["qwen4_exp_text"])
+    spec = KVCacheSpec.from_hf_config(config, torch.float32)
+    sharded = shard_cache_spec(spec, config, 2)
+    text_config = config.get_text_config()
+    indexed = [index for index, kind in enumerate(text_config.layer_types) if kind == "indexed_attention"]
+    assert indexed
+    for index in indexed:
+        whole, share = spec.layers[index], sharded.layers[index]
+        assert share.num_kv_heads * 2 == whole.num_kv_heads
+        values = whole.value_head_dim - -(-text_config.indexer_head_dim // whole.num_kv_heads)
+        assert (share.value_head_dim - values) * share.num_kv_heads >= text_config.indexer_head_dim
