@@ -10,7 +10,9 @@ against their torch tile path, the W8A8 int8 kernel against the weight-only kern
 the small-batch linear kernel against oneDNN per weight shape and row count, as the
 linears are packed (cpu/linear_race.py).
 Each measurement is cached per host, library configuration and shape in the cache
-directory, so a host pays it once (a few hundred milliseconds at most). Native decode
+directory, so a host pays it once (a few hundred milliseconds at most; the small-batch
+kernel's, which reads as many weight bytes as a step, about a second per weight shape
+of a model past the cache). Native decode
 attention needs no race: it reads each context row once where the torch path gathers
 the paged blocks into a padded copy first.
 
