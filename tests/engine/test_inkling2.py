@@ -29,11 +29,10 @@ LAYERS = ["hybrid_sliding", "hybrid", "hybrid_sliding"]
 SMALL = dict(num_hidden_layers=3, layer_types=LAYERS)
 
 
-def _exact_through_chunks_preemption_and_hits(tmp_path, model_type: str, dtype: torch.dtype,
-                                              extra: dict) -> KVCacheSpec:
+def _exact_through_chunks_preemption_and_hits(tmp_path, model_type: str, dtype: torch.dtype) -> KVCacheSpec:
     """Build the tiny ``model_type``, check its reference depends on the context, and run
     the engine through 7-token chunks, a preemption and prefix hits; its cache spec."""
-    overrides = {**tiny_overrides(model_type), **SMALL, **extra}
+    overrides = {**tiny_overrides(model_type), **SMALL}
     model_dir = str(build_tiny_model(tmp_path, model_type, **overrides))
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation="eager").eval()
@@ -54,7 +53,7 @@ def _exact_through_chunks_preemption_and_hits(tmp_path, model_type: str, dtype: 
 
 
 def test_inkling2_equals_transformers_through_chunks_preemption_and_prefix_hits(tmp_path):
-    spec = _exact_through_chunks_preemption_and_hits(tmp_path, "inkling2_text", torch.float32, {})
+    spec = _exact_through_chunks_preemption_and_hits(tmp_path, "inkling2_text", torch.float32)
     # Per token each layer's keys and values, then in a layer of its own (a window of
     # conv_kernel_size tokens) its raw keys and values, attention and MLP outputs.
     assert [(layer.head_dim, layer.value_head_dim, layer.sliding_window) for layer in spec.layers] == [
@@ -63,7 +62,7 @@ def test_inkling2_equals_transformers_through_chunks_preemption_and_prefix_hits(
 
 @pytest.mark.slow
 def test_inkling2_loop_runs_its_looped_layers_in_cache_layers_of_their_own(tmp_path):
-    spec = _exact_through_chunks_preemption_and_hits(tmp_path, "inkling2_loop_text", torch.float32, {})
+    spec = _exact_through_chunks_preemption_and_hits(tmp_path, "inkling2_loop_text", torch.float32)
     # Layer 1 twice: its second pass's keys and values, and its convolution inputs, follow.
     assert [(layer.head_dim, layer.sliding_window) for layer in spec.layers] == [
         (8, 8), (32, None), (8, 8), (32, None), (16, 4), (64, 4), (16, 4), (64, 4)]
