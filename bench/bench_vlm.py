@@ -18,6 +18,11 @@ gave the same tokens.
 thread's: shardline preprocesses images on a small pool beside the engine), for a
 machine other work is loading.
 
+``--plain-processor``: also a third side, shardline with its processor step running the
+model's processor on every prompt (no short path through the image processor, no
+spliced expansions: engine/multimodal/fast_pixels.py, expansion.py), to see what those
+save.
+
 ``--profile N``: instead, the captions of N images on each side under cProfile with
 per-thread CPU time (torch on one thread): CPU ms per image of the whole process, of
 the calling thread and of the others (shardline's image preprocessing pool), and the
@@ -25,7 +30,7 @@ calling thread's functions with the most self time, to see where each side spend
 
     python bench/bench_vlm.py [--num-images 200] [--output-len 32] [--batch-size 16] [--repeat 1]
                               [--vision-size 336] [--patch-size 14] [--hidden-size 256] [--cpu-time]
-                              [--profile N]
+                              [--plain-processor] [--profile N]
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.tiny_vlm import build_tiny_llava
+from shardline.engine.multimodal.fast_pixels import FastPixels
+from shardline.engine.multimodal.pixel_cache import PixelCache
 
 CAPTION = "<|user|><image> Write a caption for this picture.<|end|><|assistant|>"
 OBJECTS = "<|user|><image> List the objects you can see in this picture.<|end|><|assistant|>"
@@ -94,8 +101,16 @@ def run_hf(model_dir: str, rows: list[Row], output_len: int, batch_size: int,
     return clock() - start, tokens
 
 
-def fresh_engine(model_dir: str) -> LLM:
-    return LLM(model_dir, dtype="float32", max_num_seqs=64)
+def fresh_engine(model_dir: str, plain_processor: bool = False) -> LLM:
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=64)
+    if plain_processor:  # the model's processor on every prompt, as the engine's fallback runs it
+        engine = llm.llm_engine
+        assert isinstance(engine, LLMEngine) and engine.multimodal is not None, "a vision-language engine"
+        engine.multimodal.expansions.splices = False
+        cache = engine.multimodal.processor.image_processor
+        assert isinstance(cache, PixelCache) and isinstance(cache.image_processor, FastPixels)
+        cache.image_processor.enabled = False
+    return llm
 
 
 def run_shardline(llm: LLM, rows: list[Row], output_len: int,
@@ -129,6 +144,12 @@ def compare(label: str, model_dir: str, rows: list[Row], args: argparse.Namespac
         print(f"  round {round_index}: transformers {len(rows) / hf_s:.2f} rows/s ({hf_s:.1f} s), "
               f"shardline {len(rows) / sl_s:.2f} rows/s ({sl_s:.1f} s)", flush=True)
         best_hf, best_sl = min(best_hf, hf_s), min(best_sl, sl_s)
+    if args.plain_processor:
+        plain_s, plain_tokens, _ = run_shardline(fresh_engine(model_dir, plain_processor=True), rows,
+                                                 args.output_len, clock)
+        print(f"  shardline with the plain processor step: {len(rows) / plain_s:.2f} rows/s ({plain_s:.1f} s), "
+              f"ratio to transformers {hf_s / plain_s:.2f}x (last round); tokens as shardline's: "
+              f"{plain_tokens == sl_tokens}", flush=True)
     same = sum(a == b for a, b in zip(hf_tokens, sl_tokens))
     distinct = len({id(image) for _, image in rows})
     print(f"{label}: {len(rows)} rows of {distinct} images; transformers {len(rows) / best_hf:.2f} rows/s, "
@@ -170,6 +191,8 @@ def main() -> None:
     parser.add_argument("--patch-size", type=int, default=14)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--cpu-time", action="store_true", help="one torch thread, timed by process CPU time")
+    parser.add_argument("--plain-processor", action="store_true",
+                        help="also run shardline with the model's processor on every prompt")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile the captions of N images")
     args = parser.parse_args()
     clock: Clock = time.perf_counter

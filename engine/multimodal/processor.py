@@ -179,7 +179,10 @@ class MultimodalProcessor:
         prompt = {"prompt_token_ids": [*before, self.prompt_token_id, *after], "multi_modal_data": {"image": picture}}
         return self.process("load-check-image", prompt, {"image": [picture]})
 
-    def _call(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str], **kwargs: Any) -> Any:
+    def _call(self, request_id: str, text: str, images: list[Image.Image], hashes: list[str],
+              expansion_of: Image.Image | None = None, **kwargs: Any) -> Any:
+        """The processor's output for ``text`` and ``images``; with ``expansion_of``
+        (a call on that one image alone), its expansion is kept for the image's size."""
         try:
             with self.lock:
                 cache = self.processor.image_processor
@@ -188,9 +191,12 @@ class MultimodalProcessor:
                     return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
                 cache.declare({id(image): name for image, name in zip(images, hashes)})
                 try:
-                    return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+                    outputs = self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
                 finally:
                     cache.declare({})  # ids of this call's images name nothing afterwards
+                if expansion_of is not None:  # the arguments of this call's image processor call
+                    self.expansions.put(expansion_of, outputs["input_ids"][0].tolist(), cache.last_call)
+                return outputs
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: the model's processor cannot take this prompt and its "
                              f"{len(images)} image(s): {exc}") from exc
@@ -276,11 +282,9 @@ class MultimodalProcessor:
         expansion and the image processor alone, else from the processor."""
         known = self.expansions.get(image)
         if known is None:
-            outputs = self._call(request_id, self.prompt_token, [image], [name], add_special_tokens=False)
-            expansion = outputs["input_ids"][0].tolist()
-            cache = self.processor.image_processor
-            self.expansions.put(image, expansion, cache.last_call if isinstance(cache, PixelCache) else None)
-            return expansion, outputs
+            outputs = self._call(request_id, self.prompt_token, [image], [name], expansion_of=image,
+                                 add_special_tokens=False)
+            return outputs["input_ids"][0].tolist(), outputs
         unused = set(getattr(self.processor, "unused_input_names", None) or ())
         with self.lock:
             cache = self.processor.image_processor
