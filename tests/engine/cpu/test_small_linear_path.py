@@ -109,7 +109,7 @@ def test_row_counts_past_the_first_arithmetic_bound_loss_are_not_raced():
 
     def speedup_at(rows: int) -> float:
         asked.append(rows)
-        return {1: 1.5, 2: 1.02, 4: 1.2, 8: 1.1, 16: 0.9}.get(rows, 3.0)
+        return {1: 1.5, 2: 1.0, 4: 1.3, 8: 1.25, 16: 0.9}.get(rows, 3.0)
 
     assert linear_race.rows_taken(speedup_at) == frozenset({1, 4, 8})
     assert asked == [1, 2, 4, 8, 16]
