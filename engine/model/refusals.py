@@ -14,10 +14,7 @@ from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES
 from .adapters.latent import latent_cache_refusal, selects_keys
 from .adapters.qwen4_exp import QSA_MODEL_TYPES, qsa_refusal
 
-_INKLING2 = (
-    "an image-text model whose vision tower and image rows shardline does not run; its text model "
-    "(inkling2_text, inkling2_loop_text) runs"
-)
+_INKLING2 = "an image-text model whose vision tower and image rows shardline does not run; its text model, {}, runs"
 
 # Model types the engine cannot run exactly, and why (a composite type's text type too:
 # a config is refused when either its type or its text part's type is listed).
@@ -29,7 +26,7 @@ REFUSED_MODEL_TYPES: dict[str, str] = {
               "prefix of prompt_length tokens it prepends to every sequence), with a bucketed relative "
               "position bias between segments; the paged attention is causal and prefills a prompt in "
               "chunks, so the prompt's keys and values would differ from the model's",
-    **{name: _INKLING2 for name in ("inkling2", "inkling2_loop")},
+    **{name: _INKLING2.format(f"{name}_text") for name in ("inkling2", "inkling2_loop")},
 }
 
 
