@@ -15,6 +15,7 @@ import transformers
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.tiny import build_tiny_model, tiny_config
@@ -127,3 +128,28 @@ def test_each_rank_caches_the_whole_index_key():
         assert share.num_kv_heads * 2 == whole.num_kv_heads
         values = whole.value_head_dim - -(-text_config.indexer_head_dim // whole.num_kv_heads)
         assert (share.value_head_dim - values) * share.num_kv_heads >= text_config.indexer_head_dim
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process (its collectives real, the sum over one
+    rank the tensor itself), closed after the test."""
+    store = torch.distributed.HashStore()  # pyright: ignore[reportPrivateImportUsage] - public, not in __all__
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield RankGroup(0, 1, lambda: "one rank")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("norm_class", [Olmo2RMSNorm, LlamaRMSNorm])
+def test_a_spanning_norm_in_its_probed_form_is_the_norm(one_rank_group, norm_class):
+    """In bfloat16, where the two forms differ (weight applied before or after the cast
+    back), the spanning norm over the whole width gives the norm's own output."""
+    norm = norm_class(64, eps=1e-6).to(torch.bfloat16)
+    nn.init.normal_(norm.weight)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    spanning = SpanningRMSNorm(norm.weight, 64, 1e-6, one_rank_group,
+                               weight_in_float32=weight_in_float32(norm, "q_norm", 1e-6))
+    with torch.no_grad():
+        assert torch.equal(spanning(x), norm(x))
