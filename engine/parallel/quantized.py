@@ -13,7 +13,8 @@ layout, so every kernel runs it as it runs the whole layer:
   block boundary); the partial products summed over ranks, then the bias added once.
   An act-order layer stores its columns by group; its share of stored groups must
   read exactly the rank's input columns, else the groups mix the ranks' inputs and
-  the split is refused.
+  the split is refused. A W8A8 layer's row share quantizes its columns of each token's
+  input with the whole row's scale (the max over ranks of each rank's max|x|).
 
 Invariants:
 - A rank's share dequantizes to exactly the rows (or columns) of the whole layer's
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..quantization.activations import InputQuantization, fake_quantize_with_scales, scales_from_absmax
 from ..quantization.linear import QuantizedLinear
 from .group import RankGroup, ShardingError
 
@@ -49,10 +51,6 @@ def split_quantized(layer: QuantizedLinear, name: str, column_rows: slice | torc
         return column_quantized(layer, name, row_ranges(column_rows, layer.out_features))
     if layer.in_features % group.size:
         raise ShardingError(f"{name}: {layer.in_features} input features do not split over {group.size} ranks")
-    if layer.input_quantization != "none":
-        raise ShardingError(f"{name}: its inputs are quantized per token ({layer.input_quantization}, a W8A8 "
-                            "checkpoint) with a scale from the whole row, which a rank's share of the input "
-                            "columns does not see; it is not split row-wise over these ranks")
     share = layer.in_features // group.size
     return RowParallelQuantized(row_quantized(layer, name, group.rank * share, (group.rank + 1) * share), layer.bias,
                                 group)
@@ -136,12 +134,20 @@ def _like(part: QuantizedLinear, layer: QuantizedLinear) -> QuantizedLinear:
 
 class RowParallelQuantized(nn.Module):
     """A QuantizedLinear split along its input: this rank's columns, the partial
-    products summed over ranks, then the bias added once."""
+    products summed over ranks, then the bias added once.
+
+    A W8A8 layer (``input_quantization`` int8 or fp8) quantizes each token's whole input
+    row with one scale from the row's max|x|: each rank takes the max of its columns,
+    the max over ranks is the whole row's, so every rank quantizes its columns with the
+    whole layer's scale into the whole layer's codes for them; the inner share then
+    multiplies those dequantized inputs (its own input quantization off)."""
 
     bias: torch.Tensor | None
 
     def __init__(self, linear: QuantizedLinear, bias: torch.Tensor | None, group: RankGroup) -> None:
         super().__init__()
+        self.input_quantization: InputQuantization = linear.input_quantization
+        linear.input_quantization, linear.activations = "none", "none"
         self.linear = linear
         self.register_buffer("bias", bias)
         self.group = group
@@ -149,5 +155,16 @@ class RowParallelQuantized(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features / size], this rank's share of the input features.
+        if self.input_quantization != "none":
+            x = self.quantize_share(x)
         out = self.group.all_reduce(self.linear(x))
         return out if self.bias is None else out + self.bias
+
+    def quantize_share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of x [..., K / size] quantized per token with the whole
+        row's scale and multiplied back (x's dtype)."""
+        # Each rank's per-token max gathered in float64 (exact for every float dtype).
+        amax = self.group.all_gather(x.abs().amax(dim=-1, keepdim=True).double())  # [..., size]
+        whole = amax.amax(dim=-1, keepdim=True).to(x.dtype)
+        return fake_quantize_with_scales(x, scales_from_absmax(whole, self.input_quantization),
+                                         self.input_quantization)

@@ -49,7 +49,7 @@ from ..quantization.mxfp4 import MXFP4_BLOCK
 from ..quantization.scheme import QuantScheme
 from ..surgery import replace
 from .experts import RANK_SHARE, expert_share, share_unit
-from .group import RankGroup, ShardingError
+from .group import RankGroup
 from .layers import RowParallelLinear
 from .loading import Cut, slice_plan
 from .quantized import RowParallelQuantized
@@ -217,10 +217,6 @@ def put_linear_shares(model: nn.Module, group: RankGroup, weights: QuantizedWeig
         if share.columns is None:
             replace(model, name, part)
             continue
-        if part.input_quantization != "none":
-            raise ShardingError(f"{name}: its inputs are quantized per token ({part.input_quantization}, a W8A8 "
-                                "checkpoint) with a scale from the whole row, which a rank's share of the input "
-                                "columns does not see; it is not split row-wise over these ranks")
         bias_name = f"{name}.bias"
         bias = weights.tensors.get(bias_name).to(weights.dtype) if bias_name in weights.tensors else None
         replace(model, name, RowParallelQuantized(part, bias, group))

@@ -30,9 +30,15 @@ _BOUNDS = {"int8": (-128.0, 127.0), "fp8": (-448.0, 448.0)}
 
 def token_scales(x: torch.Tensor, kind: InputQuantization) -> torch.Tensor:
     """x [..., K] -> [..., 1] per-token scales of x's dtype for ``kind`` codes."""
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scales = amax / torch.tensor(_HALF_RANGE[kind], dtype=x.dtype)
-    return torch.where(scales == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scales)
+    return scales_from_absmax(x.abs().amax(dim=-1, keepdim=True), kind)
+
+
+def scales_from_absmax(amax: torch.Tensor, kind: InputQuantization) -> torch.Tensor:
+    """Per-token scales (amax's dtype and shape) from each token's max|x| ``amax``: a
+    tensor-parallel row share passes the max over ranks of each rank's max, which is
+    the whole row's."""
+    scales = amax / torch.tensor(_HALF_RANGE[kind], dtype=amax.dtype)
+    return torch.where(scales == 0, torch.tensor(torch.finfo(amax.dtype).eps, dtype=amax.dtype), scales)
 
 
 def int8_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,13 +52,16 @@ def fake_quantize_inputs(x: torch.Tensor, kind: InputQuantization) -> torch.Tens
     """x [..., K] quantized per token to ``kind`` codes and multiplied back (x's dtype)."""
     if kind == "none":
         return x
-    if kind == "int8":
-        codes, scales = int8_token_codes(x)
-        return codes.to(x.dtype) * scales
-    scales = token_scales(x, kind)
+    return fake_quantize_with_scales(x, token_scales(x, kind), kind)
+
+
+def fake_quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, kind: InputQuantization) -> torch.Tensor:
+    """x [..., K] quantized to ``kind`` codes with the given per-token ``scales`` [..., 1]
+    (x's dtype) and multiplied back: ``fake_quantize_inputs`` with its scales given."""
     low, high = _BOUNDS[kind]
-    codes = torch.clamp(x / scales, low, high).to(torch.float8_e4m3fn)
-    return codes.to(x.dtype) * scales
+    if kind == "int8":
+        return torch.round(torch.clamp(x / scales, low, high)).to(torch.int8).to(x.dtype) * scales
+    return torch.clamp(x / scales, low, high).to(torch.float8_e4m3fn).to(x.dtype) * scales
 
 
 def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -88,16 +88,19 @@ def test_shares_dequantize_to_the_float_split(make):
 
 
 @pytest.mark.parametrize("inputs", ["int8", "fp8"])
-def test_w8a8_shares_keep_their_input_quantization_and_are_refused_row_wise(inputs):
+def test_w8a8_shares_keep_their_input_quantization(inputs):
     """A W8A8 layer quantizes each token's whole input row with one scale: a column
-    share keeps that (and the kernel settings), a row share would see part of the row."""
+    share keeps that (and the kernel settings); a row share quantizes its columns itself
+    with the whole row's scale (test_tp_w8a8.py), its inner share multiplying them as given."""
     layer = fp8_layer(torch.randn(64, 128, generator=torch.Generator().manual_seed(4)), None)
     layer.input_quantization, layer.int8_kernel, layer.cpu_kernels = inputs, False, False
     rows = split_quantized(layer, "q_proj", slice(32, 64), group_of(1))
     assert isinstance(rows, QuantizedLinear)
     assert (rows.input_quantization, rows.int8_kernel, rows.cpu_kernels) == (inputs, False, False)
-    with pytest.raises(ShardingError, match=f"o_proj: its inputs are quantized per token \\({inputs}"):
-        split_quantized(layer, "o_proj", None, group_of(0))
+    columns = split_quantized(layer, "o_proj", None, group_of(0))
+    assert isinstance(columns, RowParallelQuantized) and columns.input_quantization == inputs
+    assert (columns.linear.input_quantization, columns.linear.activations) == ("none", "none")
+    assert layer.input_quantization == inputs
 
 
 def test_one_group_per_row_splits_row_wise():

@@ -1,0 +1,128 @@
+"""W8A8 linears (inputs quantized per token, INT8 or FP8) split by their input over
+tensor-parallel ranks: each rank quantizes its columns with the whole row's scale (the
+max over ranks of each rank's max|x|) into the whole layer's codes for them, over a real
+gloo group of 2 and 3 ranks; a compressed-tensors INT8 W8A8 Llama on 2 gloo ranks gives
+1 rank's and transformers' own greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardline import LLM, SamplingParams
+from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parallel.group import RankGroup
+from shardline.engine.parallel.quantized import RowParallelQuantized, split_quantized
+from shardline.engine.quantization.activations import (
+    InputQuantization,
+    fake_quantize_inputs,
+    fake_quantize_with_scales,
+    scales_from_absmax,
+    token_scales,
+)
+from shardline.engine.quantization.linear import QuantizedLinear
+
+from ..hf_reference import hf_greedy
+from ..quantization import checkpoints as ckpt
+from ..quantization.test_formats import FORMATS, MAX_NEW_TOKENS, PROMPTS, clear_prompts
+from .test_quantized import OPTIONS
+
+IN_FEATURES, OUT_FEATURES, TOKENS = 96, 24, 7
+
+
+def w8a8_layer(kind: InputQuantization) -> QuantizedLinear:
+    """A W8A8 layer (int8 codes for int8 inputs, FP8 for fp8) with a bias."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=generator)
+    quantize = ckpt.int8_per_channel if kind == "int8" else ckpt.fp8_per_channel
+    tensors, _ = quantize("layer", weight)
+    layer = QuantizedLinear.w8(tensors["weight"], tensors["weight_scale"].float(), None,
+                               torch.randn(OUT_FEATURES, generator=generator))
+    layer.input_quantization = kind
+    return layer
+
+
+def inputs() -> torch.Tensor:
+    """Tokens whose largest |x| lies in different columns (so in different ranks' shares),
+    one of them all zeros (the epsilon scale)."""
+    x = torch.randn(TOKENS, IN_FEATURES, generator=torch.Generator().manual_seed(6))
+    for token in range(TOKENS - 1):
+        x[token, (token * 17) % IN_FEATURES] = 6.0 + token
+    x[-1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_max_over_shares_gives_the_whole_rows_codes(kind, size):
+    x = inputs()
+    share = IN_FEATURES // size
+    columns = [x[:, rank * share:(rank + 1) * share] for rank in range(size)]
+    whole_max = torch.stack([part.abs().amax(dim=-1, keepdim=True) for part in columns]).amax(dim=0)
+    scales = scales_from_absmax(whole_max, kind)
+    assert torch.equal(scales, token_scales(x, kind))
+    quantized = torch.cat([fake_quantize_with_scales(part, scales, kind) for part in columns], dim=-1)
+    assert torch.equal(quantized, fake_quantize_inputs(x, kind))
+    # A share's own scale would give other codes: the whole row's scale is needed.
+    assert not torch.equal(fake_quantize_inputs(columns[0], kind), quantized[:, :share])
+
+
+def _rank_checks(rank: int, size: int, store_path: str, kind: InputQuantization) -> None:
+    store = dist.FileStore(store_path, size)  # pyright: ignore[reportPrivateImportUsage] - public, not in __all__
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    try:
+        layer, x = w8a8_layer(kind), inputs()
+        with torch.no_grad():
+            layer.use_reference = True
+            expected = layer(x)
+            layer.use_reference = False
+            part = split_quantized(layer, "o_proj", None, RankGroup(rank, size, lambda: "test ranks"))
+            assert isinstance(part, RowParallelQuantized) and part.input_quantization == kind
+            share = IN_FEATURES // size
+            columns = slice(rank * share, (rank + 1) * share)
+            codes = part.quantize_share(x[:, columns])
+            assert torch.equal(codes, fake_quantize_inputs(x, kind)[:, columns])
+            out = part(x[:, columns])
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_row_shares_quantize_with_the_whole_rows_scale_over_gloo(kind, size, tmp_path):
+    """Over a real gloo group: each rank's quantized columns are the whole layer's, and
+    the summed output is the whole layer's W8A8 product (float32 sums in another order)."""
+    mp.spawn(_rank_checks, args=(size, str(tmp_path / "store"), kind), nprocs=size,  # pyright: ignore[reportPrivateImportUsage]
+             join=True)
+
+
+def test_compressed_int8_w8a8_llama_on_two_ranks(tmp_path: Path):
+    """2 ranks and 1 give transformers' own tokens for the checkpoint (prompts without
+    near-ties); o_proj and down_proj run as row shares quantizing their inputs."""
+    arch, config, quantize, _ = FORMATS["compressed_int8_w8a8_channel"]
+    float_dir = build_tiny_model(tmp_path / "float", arch)
+    ckpt.write_quantized(float_dir, tmp_path / "w8a8", config, quantize)
+    reference = ckpt.transformers_own_model(tmp_path / "w8a8")
+    prompts = clear_prompts(reference, PROMPTS)
+    assert len(prompts) >= 3
+    expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) > 1
+    for size in (1, 2):
+        llm = LLM(str(tmp_path / "w8a8"), tensor_parallel_size=size, **OPTIONS)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0), use_tqdm=False)
+            assert [list(output.outputs[0].token_ids) for output in outputs] == expected, size
+            if size == 2:
+                shares = [module for module in ckpt.engine_model(llm).modules()
+                          if isinstance(module, RowParallelQuantized)]
+                assert shares and {share.input_quantization for share in shares} == {"int8"}
+        finally:
+            llm.close()
+
