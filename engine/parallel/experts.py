@@ -13,7 +13,8 @@ and zero on the others, so the sum adds it once. A quantized experts' rank keeps
   interleaves gate and up rows, so rows [2 * start, 2 * end); per-expert W8/W4: the
   share's rows of the gate half and of the up half);
 - down: the input columns of its share, with the scale columns of their blocks or
-  groups (MXFP4: whole 32-element blocks);
+  groups (MXFP4: whole 32-element blocks); W8A8 experts' down quantizes each expert's
+  input with the whole row's per-token scale (RowShareExperts);
 - gate_up's bias rows of its share; down's bias on rank 0 only (added once to the sum).
 
 The intermediate size is dealt out in whole units, a unit being the least common
@@ -38,6 +39,7 @@ import math
 import torch
 from torch import nn
 
+from ..quantization.activations import InputQuantization, fake_quantize_with_scales, scales_from_absmax
 from ..quantization.experts import LinearsPerExpert, QuantizedExperts, stack_w8
 from ..quantization.linear import QuantizedLinear
 from ..quantization.mxfp4 import MXFP4_BLOCK, Mxfp4ExpertWeights
@@ -182,7 +184,7 @@ def split_quantized_experts(module: QuantizedExperts, name: str, group: RankGrou
         unit = share_unit(_linears(gate_up), _linears(down))
         start, end = expert_share(down.in_features, unit, group, name)
         new_gate_up = _column_linears(gate_up, f"{name}.gate_up", start, end)
-        new_down = _row_linears(down, f"{name}.down", start, end)
+        new_down = _row_linears(down, f"{name}.down", start, end, group)
         gate_up_bias = None if module.gate_up_bias is None else _gate_up_rows(module.gate_up_bias, start, end)
     else:
         raise ShardingError(f"{name}: quantized experts holding {type(gate_up).__name__} and {type(down).__name__} "
@@ -262,19 +264,46 @@ def _column_linears(projection: LinearsPerExpert, name: str, start: int, end: in
     return stack_w8(parts)
 
 
-def _row_linears(projection: LinearsPerExpert, name: str, start: int, end: int) -> LinearsPerExpert:
-    """down's input columns [start, end) of every expert's linears."""
+def _row_linears(projection: LinearsPerExpert, name: str, start: int, end: int,
+                 group: RankGroup) -> LinearsPerExpert:
+    """down's input columns [start, end) of every expert's linears (W8A8 ones as a
+    RowShareExperts, quantizing their inputs with the whole row's scale)."""
     parts: dict[str, list[QuantizedLinear]] = {}
     for part_name, linears in _parts(projection).items():
         split = []
         for expert, linear in enumerate(linears):
             label = f"{name}.{expert}.{part_name}"
-            if linear.input_quantization != "none":
-                raise ShardingError(f"{label}: its inputs are quantized per token ({linear.input_quantization}, a "
-                                    "W8A8 checkpoint) with a scale from the whole row, which a rank's share of the "
-                                    "input columns does not see; the experts are not split over these ranks")
             if linear.bias is not None:
                 raise ShardingError(f"{label}: a biased expert projection split by its input is not split over ranks")
             split.append(row_quantized(linear, label, start, end))
         parts[part_name] = split
-    return stack_w8(parts)
+    stacked = stack_w8(parts)
+    return RowShareExperts(stacked, group) if stacked.parts_quantize_inputs() else stacked
+
+
+class RowShareExperts(LinearsPerExpert):
+    """down's share of W8A8 experts (inputs quantized per token, int8 or fp8): each
+    expert's input row is quantized with one scale from the whole row's max|x|, the max
+    over ranks of each rank's max over its columns, as a dense row share does
+    (quantized.py's RowParallelQuantized); its linears multiply the codes as given.
+    Every rank routes every token alike, so the ranks gather each expert's maxima in
+    the same order."""
+
+    def __init__(self, projection: LinearsPerExpert, group: RankGroup) -> None:
+        parts = _parts(projection)
+        super().__init__(parts)
+        self.stacked_weight, self.stacked_scale = projection.stacked_weight, projection.stacked_scale
+        self.stacked_block = projection.stacked_block
+        self.input_quantization: InputQuantization = next(iter(parts.values()))[0].input_quantization
+        for linear in _linears(self):
+            linear.input_quantization, linear.activations = "none", "none"
+        self.group = group
+
+    def parts_quantize_inputs(self) -> bool:
+        return True
+
+    def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K / size], this rank's columns of expert ``expert``'s input.
+        amax = self.group.all_gather(x.abs().amax(dim=-1, keepdim=True).double())  # [T, size], exact
+        scales = scales_from_absmax(amax.amax(dim=-1, keepdim=True).to(x.dtype), self.input_quantization)
+        return super().matmul(expert, fake_quantize_with_scales(x, scales, self.input_quantization))
