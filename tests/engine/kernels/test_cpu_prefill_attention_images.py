@@ -4,9 +4,6 @@ steps' key limits (the kernel against its reference: test_cpu_prefill_attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import transformers
 from PIL import Image
@@ -16,6 +13,7 @@ from shardline.engine.kernels import cpu_prefill_attention
 from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
 
 from ..cpu.paths_taken import taken_unless_forced_off
+from ..multimodal.references import greedy_reference
 
 MAX_TOKENS = 6
 PROMPTS = ["hi <start_of_image> x", "<start_of_image> and <start_of_image> compare them"]
@@ -25,23 +23,6 @@ def noise_images(count: int, seed: int) -> list[Image.Image]:
     generator = torch.Generator().manual_seed(seed)
     return [Image.fromarray(torch.randint(0, 256, (30, 40, 3), generator=generator, dtype=torch.uint8).numpy())
             for _ in range(count)]
-
-
-def transformers_greedy(model_dir: str) -> Callable[..., list[int]]:
-    """transformers' greedy tokens for a prompt and its images (``causal``: without the
-    token types that make image rows attend both ways)."""
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def generate(text: str, pictures: list[Image.Image], causal: bool = False) -> list[int]:
-        inputs = processor(text=text, images=pictures, return_tensors="pt")
-        if causal:
-            inputs.pop("token_type_ids")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
-
-    return generate
 
 
 @taken_unless_forced_off("prefill_kernel")
@@ -63,7 +44,7 @@ def test_image_rows_attend_both_ways_through_the_kernel(tmp_path, monkeypatch):
     outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": pictures}} for text, pictures in cases],
                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert any(limits_seen), "no image step reached the prefill kernel"
-    reference = transformers_greedy(model_dir)
+    reference = greedy_reference(model_dir, transformers.AutoProcessor.from_pretrained(model_dir), MAX_TOKENS)
     for (text, pictures), output in zip(cases, outputs):
         expected = reference(text, pictures)
         assert list(output.outputs[0].token_ids) == expected, text

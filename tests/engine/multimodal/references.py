@@ -15,13 +15,16 @@ from shardline import LLM, SamplingParams
 Reference = Callable[[str, list[Image.Image]], list[int]]
 
 
-def greedy_reference(model_dir: str, processor: Any, max_tokens: int) -> Reference:
+def greedy_reference(model_dir: str, processor: Any, max_tokens: int) -> Callable[..., list[int]]:
     """Greedy tokens of transformers' own generate (float32), one prompt at a time,
-    with ``processor`` preparing its inputs."""
+    with ``processor`` preparing its inputs (``causal``: without the token types that
+    make Gemma 3's image rows attend both ways)."""
     model: Any = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def generate(text: str, pictures: list[Image.Image]) -> list[int]:
+    def generate(text: str, pictures: list[Image.Image], causal: bool = False) -> list[int]:
         inputs = processor(text=text, images=pictures, return_tensors="pt")
+        if causal:
+            inputs.pop("token_type_ids")
         with torch.no_grad():
             output = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         return output[0, inputs["input_ids"].shape[1]:].tolist()

@@ -19,6 +19,7 @@ from shardline.engine.core.scheduler import PromptTooLongError
 from shardline.engine.model.tiny_vlm_gemma3 import build_tiny_gemma3
 
 from .conftest import images
+from .references import greedy_reference
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -34,20 +35,9 @@ def gemma3_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(gemma3_dir):
-    """transformers' greedy tokens, float32, one prompt at a time (``causal``: without
-    the token types that make image rows attend both ways)."""
-    processor = transformers.AutoProcessor.from_pretrained(gemma3_dir)
-    model: Any = transformers.AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
-
-    def generate(text: str, pictures: list[Image.Image], causal: bool = False) -> list[int]:
-        inputs = processor(text=text, images=pictures, return_tensors="pt")
-        if causal:
-            inputs.pop("token_type_ids")
-        with torch.no_grad():
-            output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
-
-    return generate
+    """transformers' greedy tokens, float32, one prompt at a time (``causal=True``:
+    without the token types that make image rows attend both ways)."""
+    return greedy_reference(gemma3_dir, transformers.AutoProcessor.from_pretrained(gemma3_dir), MAX_TOKENS)
 
 
 def _prompts(pictures: list[Image.Image]) -> list[tuple[str, list[Image.Image]]]:
