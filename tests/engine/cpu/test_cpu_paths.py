@@ -241,7 +241,7 @@ def test_bfloat16_packs_float32_copies_where_onednns_bfloat16_measures_slower(tm
     CPU measures it) and packs copies where they fit, bfloat16 elsewhere."""
     monkeypatch.delenv("SHARDLINE_CPU_PATHS", raising=False)
     monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
-    real_speedup = cpu_paths._linear_speedup
+    real_speedup = cpu_paths.linear_speedup
     packing_ratio = {"value": 0.37}  # as oneDNN limited to AVX512_CORE measures it on this host
 
     def speedup(dtype, packed_dtype, shape, rows_hint, alternative=None):
@@ -251,7 +251,7 @@ def test_bfloat16_packs_float32_copies_where_onednns_bfloat16_measures_slower(tm
             return 1 / packing_ratio["value"]
         return real_speedup(dtype, packed_dtype, shape, rows_hint)
 
-    monkeypatch.setattr(cpu_paths, "_linear_speedup", speedup)
+    monkeypatch.setattr(cpu_paths, "linear_speedup", speedup)
     shape = dataclasses.replace(SHAPE, linear_weights=1 << 20)
     paths = choose_cpu_paths(torch.bfloat16, shape, rows_hint=64)
     assert paths.packed_linears and paths.packed_dtype == torch.float32
