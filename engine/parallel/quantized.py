@@ -139,8 +139,10 @@ class RowParallelQuantized(nn.Module):
     A W8A8 layer (``input_quantization`` int8 or fp8) quantizes each token's whole input
     row with one scale from the row's max|x|: each rank takes the max of its columns,
     the max over ranks is the whole row's, so every rank quantizes its columns with the
-    whole layer's scale into the whole layer's codes for them; the inner share then
-    multiplies those dequantized inputs (its own input quantization off)."""
+    whole layer's scale into the whole layer's codes for them. That runs as a forward
+    pre-hook of the inner share (its own input quantization off), so whatever wraps the
+    inner share (a LoRA layer, whose adapter takes x unquantized) sees it as the whole
+    layer's quantized linear."""
 
     bias: torch.Tensor | None
 
@@ -148,6 +150,8 @@ class RowParallelQuantized(nn.Module):
         super().__init__()
         self.input_quantization: InputQuantization = linear.input_quantization
         linear.input_quantization, linear.activations = "none", "none"
+        if self.input_quantization != "none":
+            linear.register_forward_pre_hook(self._quantize_input)
         self.linear = linear
         self.register_buffer("bias", bias)
         self.group = group
@@ -155,10 +159,11 @@ class RowParallelQuantized(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features / size], this rank's share of the input features.
-        if self.input_quantization != "none":
-            x = self.quantize_share(x)
         out = self.group.all_reduce(self.linear(x))
         return out if self.bias is None else out + self.bias
+
+    def _quantize_input(self, _: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (self.quantize_share(args[0]), *args[1:])
 
     def quantize_share(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's columns of x [..., K / size] quantized per token with the whole

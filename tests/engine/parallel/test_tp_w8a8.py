@@ -16,9 +16,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from shardline import LLM, SamplingParams
+from shardline.engine.lora.layers import BatchedLoRALinear, LoRATokenGroups
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.experts import RowShareExperts, split_quantized_experts
 from shardline.engine.parallel.group import RankGroup
+from shardline.engine.parallel.layers import row_share
 from shardline.engine.parallel.quantized import RowParallelQuantized, split_quantized
 from shardline.engine.quantization.activations import (
     InputQuantization,
@@ -98,9 +100,31 @@ def _rank_checks(rank: int, size: int, store_path: str, kind: InputQuantization)
             codes = part.quantize_share(x[:, columns])
             assert torch.equal(codes, fake_quantize_inputs(x, kind)[:, columns])
             out = part(x[:, columns])
+            # The inner share quantizes its own input (a wrapper of it passes x unquantized).
+            assert part.bias is not None
+            inner = part.group.all_reduce(part.linear(x[:, columns])) + part.bias
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inner, expected, rtol=1e-5, atol=1e-5)
+        _check_lora_on_share(layer, x, expected, RankGroup(rank, size, lambda: "test ranks"))
     finally:
         dist.destroy_process_group()
+
+
+def _check_lora_on_share(layer: QuantizedLinear, x: torch.Tensor, expected: torch.Tensor, group: RankGroup) -> None:
+    """A LoRA layer around the row share's inner linear: its base quantizes the input with
+    the whole row's scale, its adapter reads the input unquantized (as on one rank)."""
+    part = row_share(layer, "o_proj", group)
+    assert isinstance(part, RowParallelQuantized)
+    groups = LoRATokenGroups(num_tokens=TOKENS, groups=[(0, None)])
+    wrapped = BatchedLoRALinear(part.linear, 1, 4, groups, torch.device("cpu"), torch.float32)
+    part.register_module("linear", wrapped)
+    generator = torch.Generator().manual_seed(11)
+    lora_a, lora_b = torch.randn(4, IN_FEATURES, generator=generator), torch.randn(OUT_FEATURES, 4, generator=generator)
+    wrapped.set_slot(0, lora_a, lora_b)
+    share = IN_FEATURES // group.size
+    with torch.no_grad():
+        out = part(x[:, group.rank * share:(group.rank + 1) * share])
+    torch.testing.assert_close(out, expected + (x @ lora_a.T) @ lora_b.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.slow
