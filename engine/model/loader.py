@@ -204,6 +204,7 @@ def _from_pretrained(config: EngineConfig, auto_class: type, dtype: torch.dtype,
             config.model,
             dtype=dtype,
             attn_implementation=implementation,
+            **experts_implementation(dtype),
             use_safetensors=config.use_safetensors,
             output_loading_info=True,
             **_hub_kwargs(config),
@@ -216,6 +217,14 @@ def _from_pretrained(config: EngineConfig, auto_class: type, dtype: torch.dtype,
     # on the CPU, where the surgery's sharding step splits it and moves only its share to ``device``.
     return model.to(resolve_device(config.device) if config.tensor_parallel_size == 1
                     else torch.device("cpu")).eval()
+
+
+def experts_implementation(dtype: torch.dtype) -> dict[str, str]:
+    """The keyword that runs a float64 model's experts eagerly: transformers' default
+    grouped experts call torch's grouped_mm, which takes no float64 (a float64 MoE
+    model would fail at its first forward). Eager experts are what its float64
+    reference runs too."""
+    return {"experts_implementation": "eager"} if dtype == torch.float64 else {}
 
 
 def _refuse_missing_weights(model_name: str, class_name: str, loading_info: dict[str, Any]) -> None:

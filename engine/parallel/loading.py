@@ -41,6 +41,7 @@ import transformers
 from torch import nn
 
 from ..config import EngineConfig
+from ..model.loader import experts_implementation
 from ..quantization.checkpoint import CheckpointTensors, QuantizedCheckpointError
 from ..quantization.load import checkpoint_directory, checkpoint_renaming
 from ..recurrent.base import registered_module_classes
@@ -213,7 +214,8 @@ class SliceReader:
             tensors = CheckpointTensors(checkpoint_directory(config.model, config.revision))
             with torch.device("cpu"), init_empty_weights(include_buffers=False):
                 model = auto_class.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
-                                               trust_remote_code=config.trust_remote_code)
+                                               trust_remote_code=config.trust_remote_code,
+                                               **experts_implementation(dtype))
             model.tie_weights()  # tied parameters are read through the one the checkpoint stores
             tensors.rename(checkpoint_renaming(model))
             split = set(slice_plan(model, RankGroup(0, config.tensor_parallel_size, lambda: "")))

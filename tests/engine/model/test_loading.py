@@ -10,6 +10,8 @@ from shardline import LLM, SamplingParams
 from shardline.engine.errors import ModelLoadError
 from shardline.engine.model.tiny import build_tiny_model
 
+from ..hf_reference import engine_greedy, hf_greedy, random_prompts
+
 
 @pytest.fixture(scope="module")
 def bin_only_model(tmp_path_factory):
@@ -98,3 +100,14 @@ def test_a_checkpoint_lacking_a_weight_is_refused_not_initialised_at_random(tmp_
     message = r"down_proj\.weight.*initialise them at random" if change == "drop" else "cannot load model weights"
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(model_dir), dtype="float32")
+
+
+def test_a_float64_moe_model_runs_its_experts_eagerly(tmp_path):
+    """transformers' default grouped experts take no float64; the engine loads a float64
+    MoE model with eager experts, which give its float64 reference's tokens."""
+    model_dir = str(build_tiny_model(tmp_path, "qwen3_moe"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").eval()
+    prompts = random_prompts(3, (4, 12), 512, seed=3)
+    expected = [hf_greedy(reference, prompt, 6) for prompt in prompts]
+    assert engine_greedy(LLM(model_dir, dtype="float64"), prompts, 6) == expected
