@@ -141,6 +141,16 @@ def conv_cache_layer(ctx: AttentionContext, layer_idx: int) -> int:
     return len(ctx.kv_caches) // 2 + layer_idx
 
 
+def head_layout(original: nn.Module) -> tuple[int, int, int, float, int, int | None]:
+    """An Inkling or Inkling2 attention's (heads, key/value heads, head size, scale,
+    relative-bias extent, sliding window or None), read from the original module."""
+    window = getattr(original, "sliding_window", None)
+    return (layer_attribute(original, "num_heads", int), layer_attribute(original, "num_key_value_heads", int),
+            layer_attribute(original, "head_dim", int), layer_scale(original, "scaling"),
+            layer_attribute(original, "rel_extent", int),
+            None if window is None else int(layer_scale(original, "sliding_window")))
+
+
 class InklingAttention(_Replacement):
     """Replaces one InklingAttention module (see the module docstring)."""
 
@@ -149,15 +159,10 @@ class InklingAttention(_Replacement):
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_idx, scope)
         self._signature = inspect.signature(original.forward)
-        self.num_heads = layer_attribute(original, "num_heads", int)
-        self.num_kv_heads = layer_attribute(original, "num_key_value_heads", int)
-        self.head_dim = layer_attribute(original, "head_dim", int)
-        self.scale = layer_scale(original, "scaling")
-        self.rel_extent = layer_attribute(original, "rel_extent", int)
-        window = getattr(original, "sliding_window", None)
-        self.sliding_window = None if window is None else int(layer_scale(original, "sliding_window"))
+        (self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.rel_extent,
+         self.sliding_window) = head_layout(original)
         config = layer_attribute(original, "config", transformers.PretrainedConfig)
-        floor = config.log_scaling_n_floor if window is None else None
+        floor = config.log_scaling_n_floor if self.sliding_window is None else None
         self.log_scaling = None if floor is None else (float(floor), float(config.log_scaling_alpha))
 
     def forward(self, *args, **kwargs):

@@ -42,8 +42,8 @@ from torch import nn
 
 from ...attention.context import AttentionContext
 from ...attention.latent_window import window_start
-from .base import StepScope, _Replacement, layer_attribute, layer_scale
-from .inkling import PagedShortConv, _slots, layer_context
+from .base import StepScope, _Replacement, layer_attribute
+from .inkling import PagedShortConv, _slots, head_layout, layer_context
 
 INKLING2_TYPES = ("inkling2_text", "inkling2_loop_text")
 
@@ -136,13 +136,8 @@ class Inkling2Attention(_Replacement):
     def __init__(self, original: nn.Module, layer_idx: int, scope: StepScope) -> None:
         super().__init__(original, layer_attribute(original, "layer_idx", int), scope)
         self._signature = inspect.signature(original.forward)
-        self.num_heads = layer_attribute(original, "num_heads", int)
-        self.num_kv_heads = layer_attribute(original, "num_key_value_heads", int)
-        self.head_dim = layer_attribute(original, "head_dim", int)
-        self.scale = layer_scale(original, "scaling")
-        self.rel_extent = layer_attribute(original, "rel_extent", int)
-        window = getattr(original, "sliding_window", None)
-        self.sliding_window = None if window is None else int(layer_scale(original, "sliding_window"))
+        (self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.rel_extent,
+         self.sliding_window) = head_layout(original)
 
     def forward(self, *args, **kwargs):
         ctx = self._scope.ctx
