@@ -43,6 +43,11 @@
 #define MR(NV) ((NV) == 4 ? 2 : 4)
 #endif
 #define MAX_MR 8
+/* Every loop over a tile's rows or vectors is unrolled whole, so its accumulators are
+ * registers: left to its own limits the compiler keeps a 6 x 4 tile's in memory, each
+ * multiply-add a load and a store of the stack. */
+#define PRAGMA(text) _Pragma(#text)
+#define UNROLL PRAGMA(GCC unroll 8)
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN_WORK (1 << 18)
 /* How many k (pairs of k for bfloat16) ahead of the multiply-adds each of a tile's
@@ -73,15 +78,15 @@ static inline __attribute__((always_inline)) void start_tile(vf acc[MAX_MR][MAX_
     float lanes[MAX_NV * VL] = {0};
     if (bias)
         for (int j = 0; j < nv * VL && n0 + j < N; j++) lanes[j] = bias[n0 + j];
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < nv; v++) memcpy(&acc[r][v], lanes + v * VL, sizeof(vf));
+    UNROLL for (int r = 0; r < rows; r++)
+        UNROLL for (int v = 0; v < nv; v++) memcpy(&acc[r][v], lanes + v * VL, sizeof(vf));
 }
 
 /* A row's NV VL sums into out at column n0 (fewer past N), float32 or rounded to bfloat16. */
 static inline __attribute__((always_inline)) void store_row(const vf acc[MAX_NV], int nv, void *out, int64_t n0,
                                                             int64_t N, int bf16) {
     if (n0 + nv * VL <= N) {
-        for (int v = 0; v < nv; v++) storev(out, n0 + v * VL, acc[v], bf16);
+        UNROLL for (int v = 0; v < nv; v++) storev(out, n0 + v * VL, acc[v], bf16);
         return;
     }
     float lanes[MAX_NV * VL];
@@ -100,12 +105,12 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
                                                            int64_t bn, int64_t K, int rows, int nv,
                                                            vf acc[MAX_MR][MAX_NV]) {
     for (int64_t k = 0; k < K; k++) {
-        for (int v = 0; v < nv; v++) __builtin_prefetch(w + (k + PREFETCH_K) * bn + v * VL);
+        UNROLL for (int v = 0; v < nv; v++) __builtin_prefetch(w + (k + PREFETCH_K) * bn + v * VL);
         vf wv[MAX_NV];
-        for (int v = 0; v < nv; v++) memcpy(&wv[v], w + k * bn + v * VL, sizeof(vf));
-        for (int r = 0; r < rows; r++) {
+        UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], w + k * bn + v * VL, sizeof(vf));
+        UNROLL for (int r = 0; r < rows; r++) {
             const vf xr = broadcast(x + r * x_stride + k);
-            for (int v = 0; v < nv; v++) acc[r][v] += xr * wv[v];
+            UNROLL for (int v = 0; v < nv; v++) acc[r][v] += xr * wv[v];
         }
     }
 }
@@ -116,27 +121,27 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint16_t *x, i
                                                             const vu32 wv[MAX_NV], int rows, int nv, int64_t k,
                                                             int last_odd, vf acc[MAX_MR][MAX_NV]) {
 #if DOT_BF16
-    for (int r = 0; r < rows; r++) {
+    UNROLL for (int r = 0; r < rows; r++) {
         uint32_t pair;
         if (last_odd)
             pair = x[r * x_stride + k];
         else
             memcpy(&pair, x + r * x_stride + k, sizeof pair);
         const vf xr = (vf)((vu32){0} + pair);
-        for (int v = 0; v < nv; v++) acc[r][v] = dot_bf16(acc[r][v], xr, (vf)wv[v]);
+        UNROLL for (int v = 0; v < nv; v++) acc[r][v] = dot_bf16(acc[r][v], xr, (vf)wv[v]);
     }
 #else
     vf even[MAX_NV], odd[MAX_NV];
-    for (int v = 0; v < nv; v++) {
+    UNROLL for (int v = 0; v < nv; v++) {
         even[v] = (vf)(wv[v] << 16);
         odd[v] = (vf)(wv[v] & 0xffff0000u);
     }
-    for (int r = 0; r < rows; r++) {
+    UNROLL for (int r = 0; r < rows; r++) {
         const vf x0 = splat(bf16_to_f32(x[r * x_stride + k]));
-        for (int v = 0; v < nv; v++) acc[r][v] += x0 * even[v];
+        UNROLL for (int v = 0; v < nv; v++) acc[r][v] += x0 * even[v];
         if (!last_odd) {
             const vf x1 = splat(bf16_to_f32(x[r * x_stride + k + 1]));
-            for (int v = 0; v < nv; v++) acc[r][v] += x1 * odd[v];
+            UNROLL for (int v = 0; v < nv; v++) acc[r][v] += x1 * odd[v];
         }
     }
 #endif
@@ -152,8 +157,8 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     for (int64_t p = 0; p <= pairs; p++) {
         if (p == pairs && K % 2 == 0) break;
         const uint16_t *row = w + p * 2 * bn;
-        for (int v = 0; v < nv; v++) __builtin_prefetch(row + PREFETCH_K * 2 * bn + v * 2 * VL);
-        for (int v = 0; v < nv; v++) memcpy(&wv[v], row + v * 2 * VL, sizeof(vu32));
+        UNROLL for (int v = 0; v < nv; v++) __builtin_prefetch(row + PREFETCH_K * 2 * bn + v * 2 * VL);
+        UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], row + v * 2 * VL, sizeof(vu32));
         pair_bf16(x, x_stride, wv, rows, nv, 2 * p, p == pairs, acc);
     }
 }
@@ -170,7 +175,7 @@ static inline __attribute__((always_inline)) void run_tile(const void *x, int64_
     else
         tile_f32((const float *)x + m0 * x_stride, x_stride, w, bn, K, rows, nv, acc);
     const int64_t element = bf16 ? 2 : 4;
-    for (int r = 0; r < rows; r++)
+    UNROLL for (int r = 0; r < rows; r++)
         store_row(acc[r], nv, (char *)out + (m0 + r) * out_stride * element, n0, N, bf16);
 }
 
