@@ -11,8 +11,10 @@ Invariants:
   the caller declared for this call (``declare``), with the same arguments as the
   cached call: the image processor is a function of the image's pixels and its
   arguments, so the answer equals what it would compute.
-- Every answer is a deep copy: a processor that changes the tensors it is handed
-  never changes what the cache holds.
+- Every answer of a call is a deep copy: a processor that changes the tensors it is
+  handed never changes what the cache holds. ``shared`` answers hand out the cache's
+  own tensors, uncopied, to a caller that only reads them (the engine's splice path,
+  whose tensors go to the encoder's batch by concatenation).
 - The cache holds at most ``capacity_bytes`` of tensors (least recently used leave
   first); ``capacity_bytes`` 0 caches nothing.
 """
@@ -50,6 +52,15 @@ class PixelCache:
         self._hashes = dict(hashes)
 
     def __call__(self, images: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._answer(images, args, kwargs, copies=True)
+
+    def shared(self, images: Any, *args: Any, **kwargs: Any) -> Any:
+        """As a call, but the answer's tensors are the cache's own (neither a hit nor a
+        stored miss is copied): for a caller that never changes them. Saves a copy of
+        every image's pixels where most images are seen once."""
+        return self._answer(images, args, kwargs, copies=False)
+
+    def _answer(self, images: Any, args: tuple, kwargs: dict[str, Any], copies: bool) -> Any:
         self.last_call = (args, dict(kwargs)) if _nesting(images) == "[i]" else None
         key = self._key(images, args, kwargs)
         if key is None or self.capacity_bytes <= 0:
@@ -58,11 +69,11 @@ class PixelCache:
         if cached is not None:
             self.entries.move_to_end(key)
             self.num_hits += 1
-            return copy.deepcopy(cached[0])
+            return copy.deepcopy(cached[0]) if copies else cached[0]
         output = self.image_processor(images, *args, **kwargs)
         size = sum(_nbytes(value) for value in _leaves(output))
         if size <= self.capacity_bytes:
-            self.entries[key] = (copy.deepcopy(output), size)
+            self.entries[key] = (copy.deepcopy(output) if copies else output, size)
             self.num_bytes += size
             while self.num_bytes > self.capacity_bytes:
                 _, (_, dropped) = self.entries.popitem(last=False)

@@ -288,12 +288,13 @@ class MultimodalProcessor:
         unused = set(getattr(self.processor, "unused_input_names", None) or ())
         with self.lock:
             cache = self.processor.image_processor
-            if isinstance(cache, PixelCache):
-                cache.declare({id(image): name})
-            try:
+            if not isinstance(cache, PixelCache):
                 outputs = cache([image], *known.args, **known.kwargs)
-            finally:
-                if isinstance(cache, PixelCache):
+            else:
+                cache.declare({id(image): name})
+                try:  # the pixels go to the encoder's batch by concatenation, unchanged: no copy
+                    outputs = cache.shared([image], *known.args, **known.kwargs)
+                finally:
                     cache.declare({})
         return list(known.token_ids), {key: value for key, value in outputs.items() if key not in unused}
 

@@ -42,6 +42,21 @@ def test_a_declared_image_is_processed_once(image_processor):
     assert torch.equal(other, image_processor([second], return_tensors="pt")["pixel_values"])
 
 
+def test_shared_answers_equal_the_processor_and_are_cached_once(image_processor):
+    first, second = images(2, size=(50, 40))
+    cache = PixelCache(image_processor, 1 << 30)
+    cache.declare({id(first): "a", id(second): "b"})
+    expected = image_processor([first], return_tensors="pt")["pixel_values"]
+    answers = [cache.shared([first], return_tensors="pt")["pixel_values"] for _ in range(2)]
+    assert cache.num_hits == 1 and len(cache.entries) == 1 and cache.num_bytes == expected.numel() * 4
+    assert all(torch.equal(answer, expected) for answer in answers)
+    # A call after shared answers still gets the processor's values, in a copy of its own.
+    copied = cache([first], return_tensors="pt")["pixel_values"]
+    assert torch.equal(copied, expected) and copied.data_ptr() != answers[0].data_ptr()
+    assert torch.equal(cache.shared([second], return_tensors="pt")["pixel_values"],
+                       image_processor([second], return_tensors="pt")["pixel_values"])
+
+
 def test_undeclared_and_several_images_pass_through(image_processor):
     first, second = images(2)
     cache = PixelCache(image_processor, 1 << 30)
