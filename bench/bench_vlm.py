@@ -25,7 +25,8 @@ save.
 
 ``--profile N``: instead, the captions of N images on each side under cProfile with
 per-thread CPU time (torch on one thread): CPU ms per image of the whole process, of
-the calling thread and of the others (shardline's image preprocessing pool), and the
+the calling thread and of the others (shardline's image preprocessing pool), shardline's
+split by stage (image encoder, text linears, attention, scheduler, the rest), and the
 calling thread's functions with the most self time, to see where each side spends it.
 
     python bench/bench_vlm.py [--num-images 200] [--output-len 32] [--batch-size 16] [--repeat 1]
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import pstats
 import random
 import tempfile
@@ -49,9 +51,14 @@ import transformers
 from PIL import Image
 
 from shardline import LLM, SamplingParams
+from shardline.engine.core.scheduler import Scheduler
 from shardline.engine.cpu.capability import host_cpu
+from shardline.engine.cpu.linear import packed_matmul
+from shardline.engine.kernels.cpu_attention import decode_attention
+from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
 from shardline.engine.llm_engine import LLMEngine
 from shardline.engine.model.tiny_vlm import build_tiny_llava
+from shardline.engine.multimodal.encoder_cache import EncoderCache
 from shardline.engine.multimodal.fast_pixels import FastPixels
 from shardline.engine.multimodal.pixel_cache import PixelCache
 
@@ -174,11 +181,48 @@ def profile(model_dir: str, images: list[Image.Image], args: argparse.Namespace)
         print(f"{side}: {process_ms:.1f} CPU ms per image: calling thread {thread_ms:.1f}, other threads "
               f"{process_ms - thread_ms:.1f}; most self time (ms per image):", flush=True)
         stats: Any = pstats.Stats(profiler)
+        if side == "shardline":
+            print_stages(stats.stats, llm, len(rows), thread_ms, process_ms)
         entries = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:12]
         for (filename, line, name), (_, _, self_time, cumulative, _) in entries:
             where = f"{filename.rsplit('/', 2)[-1]}:{line}" if line else "built-in"
             print(f"  {self_time * 1000 / len(rows):7.2f}  (cumulative {cumulative * 1000 / len(rows):7.2f})  "
                   f"{name} [{where}]", flush=True)
+
+
+def shardline_stages(llm: LLM) -> dict[str, Callable]:
+    """The functions whose cumulative time makes up shardline's split, by stage: the
+    image encoder (its vision tower and projector inside it), the embedding step around
+    it, the text model's packed linears and attention kernels, the scheduler."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine) and engine.runner.encoder_cache is not None, "a vision-language engine"
+    model: Any = engine.runner.encoder_cache.model.model
+    return {"image encoder": EncoderCache._encode,
+            "  vision tower": type(model.vision_tower).forward,
+            "  projector": type(model.multi_modal_projector).forward,
+            "step embeddings": EncoderCache.step_embeddings,
+            "text linears (packed)": packed_matmul,
+            "prefill attention": prefill_attention,
+            "decode attention": decode_attention,
+            "scheduler": Scheduler.schedule}
+
+
+def print_stages(stats: dict, llm: LLM, count: int, thread_ms: float, process_ms: float) -> None:
+    """CPU ms per image of each stage of shardline_stages (cumulative on the calling
+    thread), the rest of that thread, and the other threads (image preparation)."""
+    cumulative = {key: entry[3] for key, entry in stats.items()}
+    totals = {}
+    for stage, function in shardline_stages(llm).items():
+        code = inspect.unwrap(function).__code__
+        totals[stage] = cumulative.get((code.co_filename, code.co_firstlineno, code.co_name), 0.0) * 1000 / count
+    totals["step embeddings"] -= totals["image encoder"]  # the scatter and the token embeddings alone
+    disjoint = sum(value for stage, value in totals.items() if not stage.startswith(" "))
+    print("  split (CPU ms per image):", flush=True)
+    for stage, value in totals.items():
+        print(f"    {stage:<28} {value:7.2f}", flush=True)
+    print(f"    {'rest of the calling thread':<28} {thread_ms - disjoint:7.2f}  (norms, rotary, sampling, "
+          f"Python per step)\n    {'other threads':<28} {process_ms - thread_ms:7.2f}  (image preparation)",
+          flush=True)
 
 
 def main() -> None:
