@@ -15,13 +15,14 @@
  * the launcher keeps the float32 kernel. Layouts: as cpu_quant.c's, x bfloat16 only;
  * W4 groups a multiple of 32 (the launcher checks).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
 #define PARALLEL_MIN_WORK (1 << 18)
@@ -263,6 +264,8 @@ static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, 
     for (int m = 0; m < DMT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
 }
 
+#include "cpu_quant_digits.h"  /* w8_digits_linear, w4_digits_linear (AVX512_VNNI) */
+
 int quant_bf16_dot(void) { return 1; }
 
 void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
@@ -272,6 +275,9 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (!fp8 && w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+                                 num_threads))
+        return;
     const int64_t blocks = (N + DR - 1) / DR;
     const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
     if (blocked && rows > DMT_BLOCKED) {
@@ -324,6 +330,8 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
 void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
                     const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                     int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (w4_digits_linear(x, x_stride, rows, packed, scales, zeros, group, bias, out, out_stride, N, K, num_threads))
+        return;
     const int64_t groups = K / group, blocks = (N + DR - 1) / DR;
     group_sums(x, x_stride, rows, group, K, x_sums);
     const __m512i table = w4_table(0.0f);

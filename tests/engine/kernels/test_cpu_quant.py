@@ -210,5 +210,5 @@ def test_bf16_dot_product_kernel_builds_where_the_cpu_has_it(kernel_target):
     """bfloat16 decode shapes take cpu_quant_bf16.c where the build has AVX512_BF16 (the
     tests above then check it); the narrower targets keep the float32 kernel."""
     flags = set(cpu_signature().decode().split())
-    expected = kernel_target == "native" and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
+    expected = kernel_target == "native" and {"avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi"} <= flags
     assert (cpu_quant._bf16_dot_library() is not None) == expected
