@@ -34,7 +34,9 @@
 #if defined(__AVX512VNNI__)
 
 #define DIGITS 3
-#define DIGIT_ROWS 2       /* rows of x per tile: DR x DIGIT_ROWS x DIGITS accumulators, in registers */
+#define DW 4               /* weight rows per W8 tile */
+#define DW4 2              /* weight rows per W4 tile (each holds two vectors of codes) */
+#define DIGIT_ROWS 2       /* rows of x per tile: DW x DIGIT_ROWS x DIGITS accumulators, in registers */
 #define DIGIT_MAX_K (1 << 20)
 
 /* x's rows as digit planes, and what the tiles add back per block or group. */
@@ -141,6 +143,11 @@ static int digits_prepare(const uint16_t *x, int64_t x_stride, int64_t rows, int
     return 1;
 }
 
+/* acc += the products of u's unsigned bytes and s's signed ones, 4 to a 32-bit lane. In
+ * assembly so the accumulator stays in its register: GCC copies it in and out around
+ * the intrinsic's instruction, which doubled the loop's instructions. */
+#define DPBUSD(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "vm"(s))
+
 /* The float32 sum of a lane's digit planes: d0 + 256 d1 + 65536 d2 (by value: an
  * array argument would keep the accumulators in memory through the loops). */
 static inline __m512 combine_planes(__m512i d0, __m512i d1, __m512i d2) {
@@ -156,71 +163,79 @@ static inline void digit_planes(const x_digits *xd, int64_t m0, int mt, int64_t 
         for (int p = 0; p < DIGITS; p++) planes[m][p] = xd->digits + ((m0 + m) * DIGITS + p) * xd->Kp + k0;
 }
 
+/* One chunk of 64 columns of the W8 tile: the DW rows' codes (LOAD, of w[r] + k) made
+ * unsigned, times every digit plane of the tile's rows of x. */
+#define W8_CHUNK(LOAD) do {                                                           \
+        __m512i wv[DW];                                                               \
+        for (int r = 0; r < DW; r++) wv[r] = _mm512_xor_si512(LOAD, flip);            \
+        for (int m = 0; m < mt; m++)                                                  \
+            for (int p = 0; p < DIGITS; p++) {                                        \
+                const __m512i xv = _mm512_loadu_si512(planes[m][p] + k);              \
+                for (int r = 0; r < DW; r++) DPBUSD(acc[r][m][p], wv[r], xv);         \
+            }                                                                         \
+    } while (0)
+
 /* result[r][m] = sum_k w8(n_r, k) * x[m0 + m][k] / unit[m0 + m] for int8 codes; scale
  * blocks of xd->block columns (one block: the whole row, its scale applied at the end). */
 static inline __attribute__((always_inline)) void w8_digit_tile(
-    const x_digits *xd, int64_t m0, const uint8_t *const w[DR], const float *const scale_rows[DR], int64_t K,
-    const int mt, float result[DR][DMT]) {
-    __m512 sums[DR][DIGIT_ROWS];
-    for (int r = 0; r < DR; r++)
+    const x_digits *xd, int64_t m0, const uint8_t *const w[DW], const float *const scale_rows[DW], int64_t K,
+    const int mt, float result[DW][DMT]) {
+    __m512 sums[DW][DIGIT_ROWS];
+    for (int r = 0; r < DW; r++)
         for (int m = 0; m < mt; m++) sums[r][m] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const uint8_t *next = w[0] + DR * K;
+    const uint8_t *next = w[0] + DW * K;
     for (int64_t b = 0; b < xd->blocks; b++) {
         const int64_t k0 = b * xd->block, k1 = min64(K, k0 + xd->block);
-        __m512i acc[DR][DIGIT_ROWS][DIGITS];
+        __m512i acc[DW][DIGIT_ROWS][DIGITS];
         for (int m = 0; m < mt; m++)
             for (int p = 0; p < DIGITS; p++) {
                 const __m512i start = _mm512_loadu_si512(xd->lanes + (((m0 + m) * xd->blocks + b) * DIGITS + p) * 16);
-                for (int r = 0; r < DR; r++) acc[r][m][p] = start;
+                for (int r = 0; r < DW; r++) acc[r][m][p] = start;
             }
         const int8_t *planes[DIGIT_ROWS][DIGITS];
         digit_planes(xd, m0, mt, 0, planes);
-        for (int64_t k = k0; k < k1; k += 64) {
-            __builtin_prefetch(next + DR * k);
-            __builtin_prefetch(next + DR * k + 64);
-            const __mmask64 mask = k + 64 <= k1 ? ~0ull : (1ull << (k1 - k)) - 1;
-            __m512i wv[DR];
-            for (int r = 0; r < DR; r++) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[r] + k), flip);
-            for (int m = 0; m < mt; m++)
-                for (int p = 0; p < DIGITS; p++) {
-                    const __m512i xv = _mm512_loadu_si512(planes[m][p] + k);
-                    for (int r = 0; r < DR; r++) acc[r][m][p] = _mm512_dpbusd_epi32(acc[r][m][p], wv[r], xv);
-                }
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) {  /* whole chunks: plain loads (a masked one costs a second uop) */
+            for (int r = 0; r < DW; r++) __builtin_prefetch(next + DW * k + 64 * r);
+            W8_CHUNK(_mm512_loadu_si512(w[r] + k));
         }
-        for (int r = 0; r < DR; r++)
+        if (k < k1) {
+            const __mmask64 mask = (1ull << (k1 - k)) - 1;  /* no read past the row's end */
+            W8_CHUNK(_mm512_maskz_loadu_epi8(mask, w[r] + k));
+        }
+        for (int r = 0; r < DW; r++)
             for (int m = 0; m < mt; m++)
                 sums[r][m] = xd->blocks == 1 ? COMBINE(acc[r][m])
                                              : _mm512_fmadd_ps(COMBINE(acc[r][m]),
                                                                _mm512_set1_ps(scale_rows[r][b]), sums[r][m]);
     }
-    for (int r = 0; r < DR; r++)
+    for (int r = 0; r < DW; r++)
         for (int m = 0; m < mt; m++)
             result[r][m] = _mm512_reduce_add_ps(sums[r][m]) * (xd->blocks == 1 ? scale_rows[r][0] : 1.0f);
 }
 
 /* result[r][m] = sum_k w4(n_r, k) * x[m0 + m][k] / unit[m0 + m]; groups of xd->block. */
 static inline __attribute__((always_inline)) void w4_digit_tile(
-    const x_digits *xd, int64_t m0, const uint8_t *const w[DR], const float *const scale_rows[DR],
-    const float *const zero_rows[DR], int64_t K, const int mt, float result[DR][DMT]) {
-    __m512 sums[DR][DIGIT_ROWS];
-    double shift[DR][DIGIT_ROWS];  /* sum over groups of zero * scale * the group's sum of q */
-    for (int r = 0; r < DR; r++)
+    const x_digits *xd, int64_t m0, const uint8_t *const w[DW4], const float *const scale_rows[DW4],
+    const float *const zero_rows[DW4], int64_t K, const int mt, float result[DW4][DMT]) {
+    __m512 sums[DW4][DIGIT_ROWS];
+    double shift[DW4][DIGIT_ROWS];  /* sum over groups of zero * scale * the group's sum of q */
+    for (int r = 0; r < DW4; r++)
         for (int m = 0; m < mt; m++) sums[r][m] = _mm512_setzero_ps(), shift[r][m] = 0.0;
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const uint8_t *next = w[0] + DR * (K / 2);
+    const uint8_t *next = w[0] + DW4 * (K / 2);
     for (int64_t g = 0; g < xd->blocks; g++) {
-        __m512i acc[DR][DIGIT_ROWS][DIGITS];
-        for (int r = 0; r < DR; r++)
+        __m512i acc[DW4][DIGIT_ROWS][DIGITS];
+        for (int r = 0; r < DW4; r++)
             for (int m = 0; m < mt; m++)
                 for (int p = 0; p < DIGITS; p++) acc[r][m][p] = _mm512_setzero_si512();
         const int8_t *planes[DIGIT_ROWS][DIGITS];
         digit_planes(xd, m0, mt, 0, planes);
         for (int64_t k = g * xd->block; k < (g + 1) * xd->block; k += 128) {
-            __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 128 per step */
-            __builtin_prefetch(next + k + 64);
-            __m512i low[DR], high[DR];
-            for (int r = 0; r < DR; r++) {
+            for (int r = 0; r < DW4; r++) __builtin_prefetch(next + DW4 * (k / 2) + 64 * r);
+            __m512i low[DW4], high[DW4];
+            for (int r = 0; r < DW4; r++) {
                 const __m512i bytes = _mm512_loadu_si512(w[r] + k / 2);
                 low[r] = _mm512_and_si512(bytes, nibble);
                 high[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
@@ -229,11 +244,13 @@ static inline __attribute__((always_inline)) void w4_digit_tile(
                 for (int p = 0; p < DIGITS; p++) {
                     const int8_t *plane = planes[m][p] + k;
                     const __m512i even = _mm512_loadu_si512(plane), odd = _mm512_loadu_si512(plane + 64);
-                    for (int r = 0; r < DR; r++)
-                        acc[r][m][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][m][p], low[r], even), high[r], odd);
+                    for (int r = 0; r < DW4; r++) {
+                        DPBUSD(acc[r][m][p], low[r], even);
+                        DPBUSD(acc[r][m][p], high[r], odd);
+                    }
                 }
         }
-        for (int r = 0; r < DR; r++) {
+        for (int r = 0; r < DW4; r++) {
             const float s = scale_rows[r][g], zs = (zero_rows[r] ? zero_rows[r][g] : 8.0f) * s;
             for (int m = 0; m < mt; m++) {
                 sums[r][m] = _mm512_fmadd_ps(COMBINE(acc[r][m]), _mm512_set1_ps(s), sums[r][m]);
@@ -241,16 +258,18 @@ static inline __attribute__((always_inline)) void w4_digit_tile(
             }
         }
     }
-    for (int r = 0; r < DR; r++)
+    for (int r = 0; r < DW4; r++)
         for (int m = 0; m < mt; m++) result[r][m] = (float)(_mm512_reduce_add_ps(sums[r][m]) - shift[r][m]);
 }
 
-/* The result tile times each row of x's unit (cpu_quant_digits.h), then stored. */
-static inline void store_digit_tile(float result[DR][DMT], const double *unit, int64_t n0, int64_t m0, int mt,
-                                    int64_t N, const float *bias, uint16_t *out, int64_t out_stride) {
-    for (int r = 0; r < DR; r++)
-        for (int m = 0; m < mt; m++) result[r][m] *= (float)unit[m0 + m];
-    store_tile(result, n0, m0, mt, N, bias, out, out_stride);
+/* The result tile times each row of x's unit, plus the bias, rounded to bfloat16. */
+static inline void store_digit_tile(float result[DW][DMT], int tile_rows, const double *unit, int64_t n0,
+                                    int64_t m0, int mt, int64_t N, const float *bias, uint16_t *out,
+                                    int64_t out_stride) {
+    for (int r = 0; r < tile_rows && n0 + r < N; r++)
+        for (int m = 0; m < mt; m++)
+            out[(m0 + m) * out_stride + n0 + r] =
+                f32_to_bf16(result[r][m] * (float)unit[m0 + m] + (bias ? bias[n0 + r] : 0.0f));
 }
 
 /* int8 weights through cpu_quant_digits.h's tiles; 0 (nothing written) where they do
@@ -266,21 +285,21 @@ static int w8_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
         return 0;
     }
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
-    for (int64_t b = 0; b < (N + DR - 1) / DR; b++) {
-        const uint8_t *w[DR];
-        const float *scale_rows[DR];
-        for (int r = 0; r < DR; r++) {
-            const int64_t n = min64(b * DR + r, N - 1);  /* rows past N repeat the last; not stored */
+    for (int64_t b = 0; b < (N + DW - 1) / DW; b++) {
+        const uint8_t *w[DW];
+        const float *scale_rows[DW];
+        for (int r = 0; r < DW; r++) {
+            const int64_t n = min64(b * DW + r, N - 1);  /* rows past N repeat the last; not stored */
             w[r] = weight + n * K;
             scale_rows[r] = scale + n / bn * scale_cols;
         }
         for (int64_t m0 = 0; m0 < rows; m0 += DIGIT_ROWS) {
-            float result[DR][DMT];
+            float result[DW][DMT];
             const int count = (int)min64(rows - m0, DIGIT_ROWS);
 #define W8_DIGITS(ROWS) w8_digit_tile(&xd, m0, w, scale_rows, K, ROWS, result)
             if (count == 1) W8_DIGITS(1);
             else W8_DIGITS(2);
-            store_digit_tile(result, xd.unit, b * DR, m0, count, N, bias, out, out_stride);
+            store_digit_tile(result, DW, xd.unit, b * DW, m0, count, N, bias, out, out_stride);
         }
     }
     free(xd.digits);
@@ -300,22 +319,22 @@ static int w4_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
     }
     const int64_t groups = K / group;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
-    for (int64_t b = 0; b < (N + DR - 1) / DR; b++) {
-        const uint8_t *w[DR];
-        const float *scale_rows[DR], *zero_rows[DR];
-        for (int r = 0; r < DR; r++) {
-            const int64_t n = min64(b * DR + r, N - 1);
+    for (int64_t b = 0; b < (N + DW4 - 1) / DW4; b++) {
+        const uint8_t *w[DW4];
+        const float *scale_rows[DW4], *zero_rows[DW4];
+        for (int r = 0; r < DW4; r++) {
+            const int64_t n = min64(b * DW4 + r, N - 1);
             w[r] = packed + n * (K / 2);
             scale_rows[r] = scales + n * groups;
             zero_rows[r] = zeros ? zeros + n * groups : NULL;
         }
         for (int64_t m0 = 0; m0 < rows; m0 += DIGIT_ROWS) {
-            float result[DR][DMT];
+            float result[DW][DMT];
             const int count = (int)min64(rows - m0, DIGIT_ROWS);
 #define W4_DIGITS(ROWS) w4_digit_tile(&xd, m0, w, scale_rows, zero_rows, K, ROWS, result)
             if (count == 1) W4_DIGITS(1);
             else W4_DIGITS(2);
-            store_digit_tile(result, xd.unit, b * DR, m0, count, N, bias, out, out_stride);
+            store_digit_tile(result, DW4, xd.unit, b * DW4, m0, count, N, bias, out, out_stride);
         }
     }
     free(xd.digits);
