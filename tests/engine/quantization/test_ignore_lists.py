@@ -67,7 +67,9 @@ def test_modules_a_pattern_ignores_run_float_through_the_engine(tmp_path, fmt) -
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
                            SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert [list(output.outputs[0].token_ids) for output in outputs] == expected
-    # The engine wraps each decoder layer (``.layer.``); the ignored attention stays nn.Linear.
-    quantized = {name.replace(".layer.", ".") for name, module in ckpt.engine_model(llm).named_modules()
-                 if isinstance(module, QuantizedLinear)}
+    # The engine wraps each decoder layer (``.layer.``) and a stacked MLP (``.mlp.mlp.``, its
+    # gate and up views of one stacked ``gate_up``); the ignored attention stays nn.Linear.
+    quantized = {name.replace(".layer.", ".").replace(".mlp.mlp.", ".mlp.")
+                 for name, module in ckpt.engine_model(llm).named_modules()
+                 if isinstance(module, QuantizedLinear) and not name.endswith(".gate_up")}
     assert quantized == set(dequantized)
