@@ -35,10 +35,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import transformers
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..config import EngineConfig
 from ..model.loader import experts_implementation
@@ -46,6 +48,7 @@ from ..quantization.checkpoint import CheckpointTensors, QuantizedCheckpointErro
 from ..quantization.load import checkpoint_directory, checkpoint_renaming
 from ..recurrent.base import registered_module_classes
 from .experts import float_expert_cuts, splits_unnamed
+from .fused import FUSED, as_linear, fused_layout, fused_rows, sliced_as_linear
 from .group import RankGroup, ShardingError
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
 from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
@@ -67,6 +70,7 @@ class Cut:
     dim: int
     ranges: tuple[tuple[int, int], ...]
     rows: int | None = None
+    transposed: bool = False  # a Conv1D's weight, stored [in, out], read as its linear's [out, in]
 
 
 def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
@@ -82,13 +86,22 @@ def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
         split = EXPERTS if splits_unnamed(module) else split_of(name, rules)
         if split is None or f"{name}.".startswith(mixers):
             continue
-        if type(module) is nn.Linear and split in (COLUMN, PACKED_COLUMN):
-            rows = column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1)
-            cut = Cut(0, tuple(_ranges(rows, module.out_features)))
-            plan.update({f"{name}.weight": cut, **({f"{name}.bias": cut} if module.bias is not None else {})})
-        elif type(module) is nn.Linear and split == ROW and module.in_features % group.size == 0:
-            share = module.in_features // group.size
-            plan[f"{name}.weight"] = Cut(1, ((group.rank * share, (group.rank + 1) * share),))
+        # shapes only: a Conv1D's as its linear's
+        linear = cast(nn.Linear, as_linear(module)) if sliced_as_linear(module) else None
+        transposed = isinstance(module, Conv1D)  # stored [in, out]: the cut's dims swapped, the slice transposed
+        if linear is not None and split in (COLUMN, PACKED_COLUMN, FUSED):
+            rows = fused_rows(fused_layout(model.get_submodule(name.rpartition(".")[0]), name, config), name,
+                              group.rank, group.size) if split == FUSED else \
+                column_rows(linear, name, group, heads, 2 if split == PACKED_COLUMN else 1)
+            ranges = tuple(_ranges(rows, linear.out_features))
+            cut = Cut(1 if transposed else 0, ranges, transposed=transposed)
+            plan[f"{name}.weight"] = cut
+            if linear.bias is not None:
+                plan[f"{name}.bias"] = Cut(0, ranges)
+        elif linear is not None and split == ROW and linear.in_features % group.size == 0:
+            share = linear.in_features // group.size
+            plan[f"{name}.weight"] = Cut(0 if transposed else 1, ((group.rank * share, (group.rank + 1) * share),),
+                                         transposed=transposed)
         elif split == EXPERTS:
             plan.update(_expert_cuts(module, name, group))
     plan.update(_vocabulary_cuts(model, group))
@@ -159,7 +172,7 @@ class RankCheckpoint:
             part = _read_experts(self.tensors, name.rsplit(".", 1)[-1], source, cut)
         if cut is not None and cut.rows is not None and part.shape[0] < cut.rows:  # the LM head's padding rows
             part = torch.cat([part, part.new_zeros((cut.rows - part.shape[0], *part.shape[1:]))])
-        return part
+        return part.t().contiguous() if cut is not None and cut.transposed else part
 
 
 def _read_cut(tensors: CheckpointTensors, name: str, cut: Cut | None, dim_offset: int = 0) -> torch.Tensor:

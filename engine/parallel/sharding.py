@@ -44,6 +44,7 @@ from ..quantization.linear import QuantizedLinear
 from ..surgery import replace
 from .attention_norms import span_head_norms
 from .experts import split_float_experts, split_quantized_experts, splits_unnamed
+from .fused import FUSED, FUSED_ATTENTION, as_linear, fused_layout, fused_rules, fused_share, set_fused_sizes
 from .group import RankGroup, ShardingError
 from .grouped_output import GROUPED, GROUPED_OUTPUT, set_local_groups, split_grouped_linear
 from .layers import GatheredLMHead, VocabParallelEmbedding, column_share, row_share
@@ -68,7 +69,6 @@ KEY_VALUE = ("k_proj", "v_proj")
 # every model (an MLP's or a mixer's output is called so too): row-split only beside
 # q_proj, k_proj and v_proj (OPT, GPT-Neo, XGLM, BioGPT, LFM2, ModernBERT-decoder).
 ATTENTION_OUTPUT = ("out_proj", "Wo")
-FUSED_ATTENTION = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +156,8 @@ def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
         pattern = re.escape(key).replace(r"\*", r"\d+")
         rules.append((re.compile(rf"(?:^|\.){pattern}$"), PLAN_STYLES[style]))
     resolved = by_name(split_input_rules(model, rules))  # ahead of the plan's patterns, which they resolve
-    return [*resolved, *rules, *by_name(attention_rules(model))]
+    fused = by_name(fused_rules(model, recurrent_mixer_names(model) + encoder_prefixes(model)))  # by heads: first
+    return [*fused, *resolved, *rules, *by_name(attention_rules(model))]
 
 
 def by_name(named: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
@@ -268,24 +269,29 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
     replaced = len(shard_recurrent_mixers(model, group))
     mixers = recurrent_mixer_names(model)  # split by their own rules above, or run whole: no name rule applies
     mixers += encoder_prefixes(model)  # a vision-language model's encoders: whole on every rank (vlm.py)
-    attention, splits = set(), {}
+    attention, splits, fused = set(), {}, {}
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if f"{name}.".startswith(mixers):
             continue
-        if leaf in FUSED_ATTENTION:
-            raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
-                                "is not split over ranks")
         # Quantized experts, and gpt-oss's float ones, split whether or not a rule names them (its plan does not).
         split = EXPERTS if splits_unnamed(module) else split_of(name, rules)
+        if leaf in FUSED_ATTENTION and split != FUSED:
+            raise ShardingError(f"{name}: a fused query-key-value projection ({type(module).__name__}) "
+                                "is not split over ranks")
         if split is None or split == WHOLE or split == EMBEDDING:
             continue
-        new = split_module(module, name, split, group, heads_at(name, heads, per_layer))
+        if split == FUSED:  # by its attention's heads, in its layout (fused.py)
+            fused[name.rpartition(".")[0]] = layout = fused_layout(model.get_submodule(name.rpartition(".")[0]),
+                                                                   name, config)
+            new = fused_share(module, name, layout, group)
+        else:
+            new = split_module(module, name, split, group, heads_at(name, heads, per_layer))
         if new is not None:
             replace(model, name, new)
             replaced += 1
-            splits[name] = split
-            if leaf in ATTENTION_COLUMN:
+            splits[name] = COLUMN if split == FUSED else split
+            if leaf in ATTENTION_COLUMN or split == FUSED:
                 attention.add(name.rsplit(".", 1)[0])
     check_pairs(splits)
     replaced += split_vocabulary(model, group)
@@ -293,6 +299,8 @@ def shard_model(model: nn.Module, group: RankGroup, num_attention_layers: int) -
         set_local_heads(model.get_submodule(name), heads_at(name, heads, per_layer), group)
         replaced += span_norms(model.get_submodule(name), name, heads_at(name, heads, per_layer), group)
         set_local_groups(model.get_submodule(name))
+        if name in fused:
+            set_fused_sizes(model.get_submodule(name), fused[name], group)
     if len(attention) < num_attention_layers:
         raise ShardingError(f"{type(model).__name__}: {len(attention)} of its {num_attention_layers} attention "
                             "layers have projections the tensor-parallel rules split (q/k/v_proj, q_b_proj, "
@@ -326,6 +334,7 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
         if isinstance(module, QuantizedExperts):
             return split_quantized_experts(module, name, group)
         return split_float_experts(module, name, group)
+    module = as_linear(module)  # a Conv1D (GPT-2's) as the linear of its product
     if not isinstance(module, (nn.Linear, QuantizedLinear)):  # a quantized one splits with its scales
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or not any(True for _ in module.parameters()):
             return None

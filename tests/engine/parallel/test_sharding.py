@@ -136,11 +136,11 @@ def test_layers_with_their_own_head_counts_split_each_its_own():
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmoe", "olmo_hybrid", "glm", "qwen4_exp_text", "deepseek_v4",
-                                        "dots3_note_text"])
+                                        "dots3_note_text", "phi3", "gpt_neox", "gpt2", "falcon", "gpt_bigcode"])
 def test_the_verdict_accepts_what_ranks_split(model_type):
     """The pre-flight verdict (the sharding step on the meta model) lets 2 ranks run
     them: each has a 2-rank test of its tokens (test_tp_split_input.py,
-    test_tp_sparse_models.py)."""
+    test_tp_sparse_models.py, test_tp_fused.py)."""
     tensor_parallel_verdict(tiny_config(model_type, 512, **tiny_overrides(model_type)), 2, quantization=None,
                             task="generate")
 
@@ -148,7 +148,9 @@ def test_the_verdict_accepts_what_ranks_split(model_type):
 @pytest.mark.parametrize(("model_type", "reason"), [
     ("inkling_text", "inkling_text's tensor-parallel plan splits 'layers.*.mlp.shared_experts' as 'all_reduce'"),
     ("zaya", "model.layers.0.self_attn: o_proj split row-wise, but the projection feeding it"),
-    ("phi3", "model.layers.0.self_attn.qkv_proj: a fused query-key-value projection"),
+    ("bloom", "transformer.h.0.self_attention.query_key_value: BloomAttention with ALiBi"),
+    ("codegen", "transformer.h.0.attn.qkv_proj: a fused query-key-value projection of CodeGenAttention, whose "
+                "layout of heads"),
 ])
 def test_the_verdict_refuses_what_ranks_do_not_split(model_type, reason):
     with pytest.raises(ShardingError) as error:

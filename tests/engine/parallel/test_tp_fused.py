@@ -1,0 +1,105 @@
+"""Fused query-key-value projections split by heads over 2 gloo ranks give one rank's
+(and transformers') greedy tokens: phi3 ([q | k | v] rows with grouped key-value
+heads, its fused gate_up_proj), GPT-NeoX (rows per head), GPT-2 (a Conv1D c_attn,
+weights stored transposed), falcon's three layouts and GPT-BigCode's multi-query one;
+and the rows each rank keeps, per layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from shardline import LLM
+from shardline.engine.model.tiny import build_tiny_model
+from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
+from shardline.engine.parallel.layers import RowParallelLinear
+
+from ..hf_reference import hf_greedy, random_prompts
+from .test_tensor_parallel import MAX_TOKENS, OPTIONS, generate
+
+
+def rows(kind: str, heads: int, kv: int, rank: int, size: int) -> list[int]:
+    """The rows kept, in heads of size 1 (a row per head)."""
+    return fused_rows(FusedLayout(kind, heads, kv, 1), "qkv", rank, size).tolist()
+
+
+def test_each_rank_keeps_its_heads_rows_per_layout():
+    # [q0..q3 | k0 k1 | v0 v1]: rank 1 keeps q2 q3, k1, v1
+    assert rows(BLOCKS, 4, 2, 1, 2) == [2, 3, 5, 7]
+    # one key-value head (multi-query) replicated: rank 1 keeps q2 q3 and the k and v
+    assert rows(BLOCKS, 4, 1, 1, 2) == [2, 3, 4, 5]
+    # [h0: q k v | h1: q k v | ...]: rank 1 keeps heads 2 and 3, whole
+    assert rows(PER_HEAD, 4, 4, 1, 2) == list(range(6, 12))
+    # [g0: q0 q1 k v | g1: q2 q3 k v]: rank 1 keeps group 1
+    assert rows(GROUPED, 4, 2, 1, 2) == [4, 5, 6, 7]
+    # one group over 2 ranks: rank 1 keeps q2 q3 and the group's k and v
+    assert rows(GROUPED, 4, 1, 1, 2) == [2, 3, 4, 5]
+    # 8 heads in 2 groups over 4 ranks: rank 3 keeps q6 q7 of group 1 and its k and v
+    assert rows(GROUPED, 8, 2, 3, 4) == [8, 9, 10, 11]
+
+
+def two_ranks_agree(tmp_path, arch: str, **overrides) -> None:
+    """2 ranks give 1 rank's greedy tokens and transformers' (float32) on three prompts,
+    one cut into chunks: the fused projections are split (a row-split output beside)."""
+    model_dir = str(build_tiny_model(tmp_path, arch, **overrides))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    prompts = random_prompts(3, (4, 24), reference.config.get_text_config().vocab_size, seed=3)
+    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) > 1  # the tokens depend on the prompt
+    for size in (1, 2):
+        llm = LLM(model_dir, tensor_parallel_size=size, **OPTIONS)
+        try:
+            assert generate(llm, prompts) == expected, f"{size} rank(s)"
+            engine: Any = llm.llm_engine
+            if size == 2:
+                assert RowParallelLinear in {type(module) for module in engine.runner.model.modules()}
+        finally:
+            llm.close()
+
+
+def test_phi3_on_two_ranks(tmp_path):
+    """qkv_proj [q | k | v] with 4 query and 2 key-value heads; gate_up_proj [gate | up]."""
+    two_ranks_agree(tmp_path, "phi3", num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_gpt_neox_on_two_ranks(tmp_path):
+    two_ranks_agree(tmp_path, "gpt_neox")
+
+
+def test_gpt2_on_two_ranks(tmp_path):
+    """GPT-2's Conv1D c_attn, c_proj, c_fc: each rank's rows read as a linear's."""
+    two_ranks_agree(tmp_path, "gpt2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(multi_query=True, new_decoder_architecture=False),  # [q heads | k | v]
+    dict(multi_query=False, new_decoder_architecture=False),  # [h: q, k, v]
+    dict(new_decoder_architecture=True, num_kv_heads=2),  # [g: q heads, k, v]
+    dict(new_decoder_architecture=True, num_kv_heads=1),  # one group over both ranks
+], ids=["multi_query", "per_head", "grouped", "one_group"])
+def test_falcon_layouts_on_two_ranks(tmp_path, overrides):
+    two_ranks_agree(tmp_path, "falcon", **overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "persimmon", "openai-gpt", "gpt_neox_japanese"])
+def test_other_fused_models_on_two_ranks(tmp_path, arch):
+    two_ranks_agree(tmp_path, arch)
+
+
+def test_a_conv1d_share_is_the_linear_of_its_product():
+    from transformers.pytorch_utils import Conv1D
+
+    from shardline.engine.parallel.fused import as_linear
+
+    conv = Conv1D(6, 4)
+    nn.init.normal_(conv.weight)
+    nn.init.normal_(conv.bias)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(as_linear(conv)(x), conv(x))
