@@ -6,7 +6,8 @@ The split follows the model's tensor-parallel plan where transformers gives one
 "embedding_rowwise", "rowwise_split_input" resolved by what feeds it, and the styles
 that keep a module whole), and shape rules where
 it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise, o/down
-row-wise, and an attention's out_proj or Wo row-wise where q/k/v_proj sit beside it.
+row-wise, and an attention's out_proj or Wo row-wise where q/k/v_proj sit beside it; a
+fused query-key-value projection by heads in its attention's layout (fused.py).
 The input embedding is split along the vocabulary and the LM head along its output,
 the logits gathered. Experts are tensor-parallel: every rank routes every token
 and computes each expert over its share of the intermediate size, the experts' output
@@ -21,7 +22,7 @@ Invariants:
 - Every attention layer's query heads split evenly over the ranks; key-value heads
   split evenly, or (fewer of them than ranks, the ranks a multiple of them) each rank
   holds the one its query heads read. The cache spec's heads per rank say the same.
-- Only nn.Linear, QuantizedLinear (with its scales, engine/parallel/quantized.py),
+- Only nn.Linear, Conv1D (as its linear), QuantizedLinear (with its scales, quantized.py),
   nn.Embedding and the expert modules of transformers' standard layout are split;
   anything else a rule names is refused at load, naming it.
 - Column-split projections have a row-split one beside them (same parent module) and

@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch import nn
 
-from shardline import LLM
+from shardline import LLM, LoRARequest
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
 from shardline.engine.parallel.layers import RowParallelLinear
@@ -103,3 +103,26 @@ def test_a_conv1d_share_is_the_linear_of_its_product():
     nn.init.normal_(conv.bias)
     x = torch.randn(3, 4)
     torch.testing.assert_close(as_linear(conv)(x), conv(x))
+
+
+@pytest.mark.slow
+def test_a_lora_adapter_on_phi3_fused_projections_on_two_ranks(tmp_path):
+    """An adapter on phi3's qkv_proj, gate_up_proj, o_proj and down_proj: B keeps the
+    rank's fused rows (its query and key-value heads', its gate and up rows), A the row
+    shares' columns; 2 ranks give transformers' tokens with the adapter merged (peft)."""
+    from ..lora.test_lora import make_adapter, merged_model
+    from .test_tp_lora import LORA_OPTIONS
+    from .test_tp_lora import generate as generate_with_loras
+
+    model_dir = str(build_tiny_model(tmp_path / "model", "phi3", num_attention_heads=4, num_key_value_heads=2))
+    path = make_adapter(model_dir, tmp_path / "lora", seed=1, r=8, lora_alpha=16,
+                        target_modules=["qkv_proj", "gate_up_proj", "o_proj", "down_proj"])
+    reference = merged_model(model_dir, path)
+    prompts = random_prompts(3, (4, 24), 512, seed=3)
+    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    request = LoRARequest("fused", 1, path)
+    llm = LLM(model_dir, tensor_parallel_size=2, **LORA_OPTIONS)
+    try:
+        assert generate_with_loras(llm, prompts, [request] * len(prompts)) == expected
+    finally:
+        llm.close()
