@@ -4,11 +4,17 @@
  * once, every weight vector multiplied by each row's x element broadcast (no
  * horizontal sums). A tile covers NV vectors of a block's outputs (NV = 4 where a
  * block holds 4 VL outputs, on AVX-512 at any row count: each k's weights are one
- * contiguous stream of whole cache lines, which the first row tile reads from memory
- * while it multiplies as many rows as the registers hold; with 16 registers at up to
- * 2 rows; else 2, the block split in sub-blocks of NV VL outputs).
- * The threads split the output blocks; a block's weights stay in the cache while the
- * row tiles after the first read them.
+ * contiguous stream of whole cache lines; with 16 registers at up to 2 rows; else 2,
+ * the block split in sub-blocks of NV VL outputs).
+ *
+ * Each block is walked in chunks of its k (CHUNK_BYTES of weights), and every row
+ * tile of a group of rows runs over a chunk before any runs over the next: the first
+ * tile reads the chunk from L2 and the others from L1, their sums waiting between
+ * chunks in a buffer. While the tiles run, each fetches its share of the next chunk
+ * (the next block's first after the last), so the weights stream from memory all
+ * the time the arithmetic runs instead of only while a block's first tile does: at
+ * 8-64 rows a step's linears are bound by both, and the time is the larger of the
+ * two, not their sum. The threads split the output blocks.
  *
  *   small_linear_f32:  float32 x, weight and output.
  *   small_linear_bf16: bfloat16 x, weight and output; products summed in float32
@@ -40,7 +46,7 @@
 #if VL == 16
 #define MR(NV) ((NV) == 4 ? 6 : 8)
 #else
-#define MR(NV) ((NV) == 4 ? 2 : 4)
+#define MR(NV) ((NV) == 4 ? 2 : 6)
 #endif
 #define MAX_MR 8
 /* Every loop over a tile's rows or vectors is unrolled whole, so its accumulators are
@@ -50,15 +56,42 @@
 #define UNROLL PRAGMA(GCC unroll 8)
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN_WORK (1 << 18)
-/* How many k (pairs of k for bfloat16) ahead of the multiply-adds each of a tile's
- * weight vectors is prefetched: far enough to cover a read from memory. */
-#define PREFETCH_K 16
+/* A block is walked in chunks of about this many bytes of weights (whole k, or pairs
+ * of k for bfloat16), every row tile of a group over one chunk before the next: the
+ * group's first tile reads the chunk from memory or L2, the others from L1. */
+#define CHUNK_BYTES 16384
+/* Rows of a group: GROUP_TILES tiles, whose sums between chunks wait in a buffer of
+ * GROUP_TILES MAX_MR rows by MAX_BN outputs (the launcher asserts BN <= MAX_BN). */
+#define GROUP_TILES 8
+#define MAX_BN 128
+/* Prefetched lines go to L2 (hint 2) or L1 (3). */
+#define PREFETCH_HINT 2
 
 typedef uint32_t vu32 __attribute__((vector_size(4 * VL)));
 
 int small_linear_vector(void) { return VL; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* One call's operands (see the layouts above). A step is one k of float32 or one pair
+ * of k of bfloat16: BN 32-bit lanes of a block, bn 4 bytes, either way. */
+typedef struct {
+    const void *x;
+    int64_t x_stride, M;
+    const char *packed;
+    int64_t bn, block_bytes, blocks;
+    const float *bias;
+    void *out;
+    int64_t out_stride, N, K, steps;
+} call_t;
+
+/* A tile's share of the next chunk's weights, fetched while the tile multiplies this
+ * chunk's: the weights stream from memory while every tile runs, not only the first.
+ * Lines of 64 bytes from ``lines``, ``per_step`` of them at each step, ``count`` in all. */
+typedef struct {
+    const char *lines;
+    int64_t per_step, count;
+} ahead_t;
 
 /* x in every lane, loaded straight into a vector register (splat's add of zero, which
  * keeps -0.0 apart, is not needed where x only multiplies). */
@@ -99,27 +132,25 @@ static inline __attribute__((always_inline)) void store_row(const vf acc[MAX_NV]
     }
 }
 
-/* ROWS rows by NV vectors (constants in each instance), float32: w points at the
- * sub-block's first k, the next k bn elements on. */
-static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t x_stride, const float *w,
-                                                           int64_t bn, int64_t K, int rows, int nv,
-                                                           vf acc[MAX_MR][MAX_NV]) {
-    for (int64_t k = 0; k < K; k++) {
-        UNROLL for (int v = 0; v < nv; v++) __builtin_prefetch(w + (k + PREFETCH_K) * bn + v * VL);
-        vf wv[MAX_NV];
-        UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], w + k * bn + v * VL, sizeof(vf));
-        UNROLL for (int r = 0; r < rows; r++) {
-            const vf xr = broadcast(x + r * x_stride + k);
-            UNROLL for (int v = 0; v < nv; v++) acc[r][v] += xr * wv[v];
-        }
+/* One step (one k) of float32: the step's NV weight vectors times each row's x[k]. */
+static inline __attribute__((always_inline)) void step_f32(const float *x, int64_t x_stride, const char *w,
+                                                           int rows, int nv, int64_t k, vf acc[MAX_MR][MAX_NV]) {
+    vf wv[MAX_NV];
+    UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], w + v * sizeof(vf), sizeof(vf));
+    UNROLL for (int r = 0; r < rows; r++) {
+        const vf xr = broadcast(x + r * x_stride + k);
+        UNROLL for (int v = 0; v < nv; v++) acc[r][v] += xr * wv[v];
     }
 }
 
-/* One pair of k: the weights' pairs (their two bfloat16 in each 32-bit lane) times
- * each row's pair (its second element zero where last_odd: x's is not read). */
-static inline __attribute__((always_inline)) void pair_bf16(const uint16_t *x, int64_t x_stride,
-                                                            const vu32 wv[MAX_NV], int rows, int nv, int64_t k,
-                                                            int last_odd, vf acc[MAX_MR][MAX_NV]) {
+/* One step (pair of k) of bfloat16: the weights' pairs (their two bfloat16 in each
+ * 32-bit lane) times each row's pair (its second element zero where last_odd: x's is
+ * not read). */
+static inline __attribute__((always_inline)) void step_bf16(const uint16_t *x, int64_t x_stride, const char *w,
+                                                            int rows, int nv, int64_t k, int last_odd,
+                                                            vf acc[MAX_MR][MAX_NV]) {
+    vu32 wv[MAX_NV];
+    UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], w + v * sizeof(vu32), sizeof(vu32));
 #if DOT_BF16
     UNROLL for (int r = 0; r < rows; r++) {
         uint32_t pair;
@@ -147,88 +178,151 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint16_t *x, i
 #endif
 }
 
-/* ROWS rows by NV vectors, bfloat16: w points at the sub-block's first pair, the next
- * pair 2 bn elements on. */
-static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w,
-                                                            int64_t bn, int64_t K, int rows, int nv,
+/* Steps p0 .. p1 of ROWS rows (from row m0) by NV vectors, PER of the next chunk's
+ * lines prefetched at each (constants in each instance); w points at the
+ * sub-block's step p0, the next step bn 4 bytes on. */
+static inline __attribute__((always_inline)) void steps_per(const call_t *call, int64_t m0, int rows, int nv,
+                                                            const char *w, int64_t p0, int64_t p1,
+                                                            const char *lines, int per, int bf16,
                                                             vf acc[MAX_MR][MAX_NV]) {
-    const int64_t pairs = K / 2;
-    vu32 wv[MAX_NV];
-    for (int64_t p = 0; p <= pairs; p++) {
-        if (p == pairs && K % 2 == 0) break;
-        const uint16_t *row = w + p * 2 * bn;
-        UNROLL for (int v = 0; v < nv; v++) __builtin_prefetch(row + PREFETCH_K * 2 * bn + v * 2 * VL);
-        UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], row + v * 2 * VL, sizeof(vu32));
-        pair_bf16(x, x_stride, wv, rows, nv, 2 * p, p == pairs, acc);
+    const int64_t step_bytes = call->bn * 4;
+    if (bf16) {
+        const uint16_t *x = (const uint16_t *)call->x + m0 * call->x_stride;
+        const int64_t whole = min64(p1, call->K / 2);  /* pairs with both k in x */
+        for (int64_t p = p0; p < whole; p++) {
+            UNROLL for (int j = 0; j < per; j++) __builtin_prefetch(lines + 64 * ((p - p0) * per + j), 0, PREFETCH_HINT);
+            step_bf16(x, call->x_stride, w + (p - p0) * step_bytes, rows, nv, 2 * p, 0, acc);
+        }
+        if (whole < p1)  /* the last, odd k */
+            step_bf16(x, call->x_stride, w + (whole - p0) * step_bytes, rows, nv, 2 * whole, 1, acc);
+    } else {
+        const float *x = (const float *)call->x + m0 * call->x_stride;
+        for (int64_t p = p0; p < p1; p++) {
+            UNROLL for (int j = 0; j < per; j++) __builtin_prefetch(lines + 64 * ((p - p0) * per + j), 0, PREFETCH_HINT);
+            step_f32(x, call->x_stride, w + (p - p0) * step_bytes, rows, nv, p, acc);
+        }
     }
 }
 
-/* Outputs n0 .. n0 + NV VL for rows m0 .. m0 + rows of x; w: the sub-block's weights. */
-static inline __attribute__((always_inline)) void run_tile(const void *x, int64_t x_stride, int64_t m0, int rows,
-                                                           int nv, const void *w, int64_t bn, const float *bias,
-                                                           void *out, int64_t out_stride, int64_t n0, int64_t N,
-                                                           int64_t K, int bf16) {
-    vf acc[MAX_MR][MAX_NV];
-    start_tile(acc, rows, nv, bias, n0, N);
-    if (bf16)
-        tile_bf16((const uint16_t *)x + m0 * x_stride, x_stride, w, bn, K, rows, nv, acc);
-    else
-        tile_f32((const float *)x + m0 * x_stride, x_stride, w, bn, K, rows, nv, acc);
-    const int64_t element = bf16 ? 2 : 4;
-    UNROLL for (int r = 0; r < rows; r++)
-        store_row(acc[r], nv, (char *)out + (m0 + r) * out_stride * element, n0, N, bf16);
+/* Steps p0 .. p1 with the tile's share of the next chunk prefetched, per_step lines
+ * (1 or 4) at every step from the start of its share, or none where ``count`` is 0.
+ * A share is so rounded up: past it lie the next tile's lines (fetched twice) or
+ * lines further on, which no fetch can fault on. Two rates, not one per share: each
+ * is an instance of every tile, and the build's time grows with them. */
+static inline __attribute__((always_inline)) void tile_steps(const call_t *call, int64_t m0, int rows, int nv,
+                                                             const char *w, int64_t p0, int64_t p1, ahead_t ahead,
+                                                             int bf16, vf acc[MAX_MR][MAX_NV]) {
+    switch (ahead.count > 0 ? (int)ahead.per_step : 0) {
+#define PER(N) case N: steps_per(call, m0, rows, nv, w, p0, p1, ahead.lines, N, bf16, acc); break;
+        PER(0) PER(1) PER(4)
+#undef PER
+    }
 }
 
-/* Every row tile of one sub-block of NV vectors. */
-static inline __attribute__((always_inline)) void run_sub_block(const void *x, int64_t x_stride, int64_t M, int nv,
-                                                                const void *w, int64_t bn, const float *bias,
-                                                                void *out, int64_t out_stride, int64_t n0, int64_t N,
-                                                                int64_t K, int bf16) {
+/* One tile over one chunk: sums start from the bias at the first chunk and from
+ * ``partial`` (this tile's rows, from the group's first) after it, and go to out at
+ * the last chunk and to ``partial`` before it. */
+static inline __attribute__((always_inline)) void run_tile(const call_t *call, int64_t m0, int rows, int nv,
+                                                           const char *w, int64_t n0, int64_t p0, int64_t p1,
+                                                           ahead_t ahead, float (*partial)[MAX_BN], int64_t s,
+                                                           int bf16) {
+    vf acc[MAX_MR][MAX_NV];
+    if (p0 == 0)
+        start_tile(acc, rows, nv, call->bias, n0, call->N);
+    else
+        UNROLL for (int r = 0; r < rows; r++)
+            UNROLL for (int v = 0; v < nv; v++) memcpy(&acc[r][v], partial[r] + s + v * VL, sizeof(vf));
+    tile_steps(call, m0, rows, nv, w, p0, p1, ahead, bf16, acc);
+    const int64_t element = bf16 ? 2 : 4;
+    if (p1 == call->steps)
+        UNROLL for (int r = 0; r < rows; r++)
+            store_row(acc[r], nv, (char *)call->out + (m0 + r) * call->out_stride * element, n0, call->N, bf16);
+    else
+        UNROLL for (int r = 0; r < rows; r++)
+            UNROLL for (int v = 0; v < nv; v++) memcpy(partial[r] + s + v * VL, &acc[r][v], sizeof(vf));
+}
+
+/* Every row tile of rows g0 .. g0 + rows of sub-block s of block b over steps
+ * p0 .. p1; ``next``: the next chunk's lines, shared out over the chunk's tiles
+ * (``tiles`` in all, this sub-block's from ``first``). */
+static inline __attribute__((always_inline)) void run_sub_block(const call_t *call, int64_t b, int64_t s, int nv,
+                                                                int64_t g0, int64_t rows, int64_t p0, int64_t p1,
+                                                                ahead_t next, int64_t first, int64_t tiles,
+                                                                float (*partial)[MAX_BN], int bf16) {
     const int mr = MR(nv);
-    for (int64_t m0 = 0; m0 < M; m0 += mr) {
+    const char *w = call->packed + b * call->block_bytes + p0 * call->bn * 4 + s * 4;
+    const int64_t share = (next.count + tiles - 1) / tiles;
+    for (int64_t t = 0; t * mr < rows; t++) {
+        const int64_t done = min64((first + t) * share, next.count);
+        const ahead_t ahead = {next.lines + 64 * done, share > p1 - p0 ? 4 : 1, min64(share, next.count - done)};
         /* One instance per row count, so each keeps its accumulators in registers. */
-        switch ((int)min64(M - m0, mr)) {
-#define TILE(ROWS) case ROWS: run_tile(x, x_stride, m0, ROWS, nv, w, bn, bias, out, out_stride, n0, N, K, bf16); break;
+        switch ((int)min64(rows - t * mr, mr)) {
+#define TILE(ROWS) case ROWS: run_tile(call, g0 + t * mr, ROWS, nv, w, b * call->bn + s, p0, p1, ahead, \
+                                       partial + t * mr, s, bf16); break;
             TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
 #undef TILE
         }
     }
 }
 
-static inline __attribute__((always_inline)) void small_linear(const void *x, int64_t x_stride, int64_t M,
-                                                               const void *packed, int64_t bn, int64_t block_stride,
-                                                               const float *bias, void *out, int64_t out_stride,
-                                                               int64_t N, int64_t K, int bf16, int num_threads) {
-    const int64_t blocks = (N + bn - 1) / bn;
+/* Rows g0 .. g0 + rows (at most GROUP_TILES tiles) of block b, chunk by chunk. */
+static inline __attribute__((always_inline)) void run_group(const call_t *call, int64_t b, int nv, int64_t g0,
+                                                            int64_t rows, int bf16) {
+    float partial[GROUP_TILES * MAX_MR][MAX_BN] __attribute__((aligned(64)));
+    const int64_t chunk = CHUNK_BYTES / (call->bn * 4) > 0 ? CHUNK_BYTES / (call->bn * 4) : 1;
+    const int64_t bn = min64(call->bn, call->N - b * call->bn), mr = MR(nv);
+    const int64_t tiles = (bn + nv * VL - 1) / (nv * VL) * ((rows + mr - 1) / mr);
+    const char *end = call->packed + call->blocks * call->block_bytes, *block = call->packed + b * call->block_bytes;
+    const int last_group = g0 + rows == call->M;
+    for (int64_t p0 = 0; p0 < call->steps; p0 += chunk) {
+        const int64_t p1 = min64(p0 + chunk, call->steps);
+        /* The next chunk of this block, else (after the last group's last chunk) the next block's first. */
+        const char *lines = p1 < call->steps ? block + p1 * call->bn * 4 : block + call->block_bytes;
+        const int64_t bytes = p1 < call->steps || last_group ? min64(chunk * call->bn * 4, end - lines) : 0;
+        const ahead_t next = {lines, 0, bytes > 0 ? bytes / 64 : 0};
+        for (int64_t s = 0; s < bn; s += nv * VL) {
+            const int64_t first = s / (nv * VL) * ((rows + mr - 1) / mr);
+            if (nv == 4)
+                run_sub_block(call, b, s, 4, g0, rows, p0, p1, next, first, tiles, partial, bf16);
+            else
+                run_sub_block(call, b, s, 2, g0, rows, p0, p1, next, first, tiles, partial, bf16);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void small_linear(const call_t *call, int bf16, int num_threads) {
     /* With AVX-512's 32 registers a tile reads whole rows of a block's k at once,
      * MR(4) rows of them; with 16 registers, up to MR(4) rows (bound by reading the
      * weights) read 4 vectors of each k, more the taller tiles of 2. */
-    const int nv = bn % (4 * VL) == 0 && (VL == 16 || M <= MR(4)) ? 4 : 2;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (M * N * K >= PARALLEL_MIN_WORK)")
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t s = 0; s < bn && b * bn + s < N; s += nv * VL) {
-            /* bfloat16 blocks hold pairs: sub-block s starts 2 s elements into each pair row. */
-            const int64_t offset = b * block_stride + (bf16 ? 2 * s : s);
-            const void *w = bf16 ? (const void *)((const uint16_t *)packed + offset)
-                                 : (const void *)((const float *)packed + offset);
-            if (nv == 4)
-                run_sub_block(x, x_stride, M, 4, w, bn, bias, out, out_stride, b * bn + s, N, K, bf16);
-            else
-                run_sub_block(x, x_stride, M, 2, w, bn, bias, out, out_stride, b * bn + s, N, K, bf16);
-        }
-    }
+    const int nv = call->bn % (4 * VL) == 0 && (VL == 16 || call->M <= MR(4)) ? 4 : 2;
+    const int64_t group_rows = GROUP_TILES * MR(nv), M = call->M;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (M * call->N * call->K >= PARALLEL_MIN_WORK)")
+    for (int64_t b = 0; b < call->blocks; b++)
+        for (int64_t g0 = 0; g0 < M; g0 += group_rows)
+            run_group(call, b, nv, g0, min64(group_rows, M - g0), bf16);
+}
+
+/* The call's operands, with BN and the block's stride (elements) as the launcher passes them. */
+static inline call_t make_call(const void *x, int64_t x_stride, int64_t M, const void *packed, int64_t bn,
+                               int64_t block_stride, const float *bias, void *out, int64_t out_stride, int64_t N,
+                               int64_t K, int bf16) {
+    const int64_t element = bf16 ? 2 : 4;
+    return (call_t){x, x_stride, M, (const char *)packed, bn, block_stride * element, (N + bn - 1) / bn, bias, out,
+                    out_stride, N, K, bf16 ? (K + 1) / 2 : K};
 }
 
 void small_linear_f32(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t bn,
                       int64_t block_stride, const float *bias, float *out, int64_t out_stride, int64_t N, int64_t K,
                       int num_threads) {
-    small_linear(x, x_stride, M, packed, bn, block_stride, bias, out, out_stride, N, K, 0, num_threads);
+    const call_t call = make_call(x, x_stride, M, packed, bn, block_stride, bias, out, out_stride, N, K, 0);
+    small_linear(&call, 0, num_threads);
 }
 
 void small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed, int64_t bn,
                        int64_t block_stride, const float *bias, uint16_t *out, int64_t out_stride, int64_t N,
                        int64_t K, int num_threads) {
-    small_linear(x, x_stride, M, packed, bn, block_stride, bias, out, out_stride, N, K, 1, num_threads);
+    const call_t call = make_call(x, x_stride, M, packed, bn, block_stride, bias, out, out_stride, N, K, 1);
+    small_linear(&call, 1, num_threads);
 }
 
 /* Whether this build multiplies bfloat16 pairs with AVX512_BF16's instruction. */

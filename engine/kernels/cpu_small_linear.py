@@ -17,6 +17,7 @@ oneDNN alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ SOURCE = Path(__file__).with_name("cpu_small_linear.c")
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _N]
+# The widest block the kernel reads (MAX_BN in cpu_small_linear.c).
+MAX_BLOCK = 128
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -51,7 +54,12 @@ def _library() -> ctypes.CDLL:
 
 def vector_width() -> int:
     """float32 lanes per vector in this build; a block's outputs are a multiple of twice it."""
-    return int(_library().small_linear_vector())
+    return _vector_width(_library())
+
+
+@functools.cache
+def _vector_width(library: ctypes.CDLL) -> int:
+    return int(library.small_linear_vector())
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,13 @@ class SmallLinearWeight:
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
 
-    def data_ptr(self) -> int:
+    @functools.cached_property
+    def address(self) -> int:
+        """Where the storage's memory starts (read once: the packed tensor never moves)."""
         return torch.ops.mkldnn.data_ptr(self.storage) if self.storage.is_mkldnn else self.storage.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self.address
 
 
 def pack_small_linear(weight: torch.Tensor, block: int | None = None, padded_k: int | None = None
@@ -84,7 +97,7 @@ def pack_small_linear(weight: torch.Tensor, block: int | None = None, padded_k: 
         weight.shape, weight.device, weight.dtype)
     out_features, in_features = weight.shape
     width = block or 2 * vector_width()
-    assert width % (2 * vector_width()) == 0, (width, vector_width())
+    assert width % (2 * vector_width()) == 0 and width <= MAX_BLOCK, (width, vector_width())
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     columns = padded_k or -(-in_features // pair) * pair
     assert columns >= in_features and columns % pair == 0, (columns, in_features)
@@ -125,20 +138,23 @@ def onednn_view(packed: torch.Tensor, weight: torch.Tensor) -> SmallLinearWeight
 
 def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] times the packed weight (+ bias [N]): [..., N] in x's dtype, which is the weight's."""
+    # A decode step calls this for every linear: the library is looked up once a call.
+    library = _library()
     assert x.dtype == weight.dtype and x.device.type == "cpu", (x.dtype, weight.dtype, x.device)
     assert x.shape[-1] == weight.in_features, (x.shape, weight.in_features)
     assert weight.storage.is_mkldnn or weight.storage.is_contiguous()
-    assert weight.block % (2 * vector_width()) == 0, (weight.block, vector_width())
+    assert weight.block % (2 * _vector_width(library)) == 0 and weight.block <= MAX_BLOCK, weight.block
     rows = x.numel() // weight.in_features
     flat = x.reshape(rows, weight.in_features)
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     out = torch.empty(rows, weight.out_features, dtype=x.dtype)
     if bias is not None:
-        bias = bias.detach().to(torch.float32).contiguous()
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.detach().to(torch.float32).contiguous()
         assert bias.shape == (weight.out_features,), (bias.shape, weight.out_features)
-    function = getattr(_library(), f"small_linear_{_SUFFIXES[x.dtype]}")
-    function(flat.data_ptr(), flat.stride(0), rows, weight.data_ptr(), weight.block, weight.block_stride,
+    function = library.small_linear_f32 if x.dtype == torch.float32 else library.small_linear_bf16
+    function(flat.data_ptr(), flat.stride(0), rows, weight.address, weight.block, weight.block_stride,
              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), weight.out_features,
              weight.in_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.out_features)
