@@ -18,7 +18,7 @@ from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
 from shardline.engine.parallel.layers import RowParallelLinear
 
-from ..hf_reference import hf_greedy, random_prompts
+from ..hf_reference import hf_greedy, load_hf_model, random_prompts
 from .test_tensor_parallel import MAX_TOKENS, OPTIONS, generate
 
 
@@ -120,6 +120,8 @@ def test_a_lora_adapter_on_phi3_fused_projections_on_two_ranks(tmp_path):
     reference = merged_model(model_dir, path)
     prompts = random_prompts(3, (4, 24), 512, seed=3)
     expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    base = load_hf_model(model_dir)
+    assert expected != [hf_greedy(base, prompt, MAX_TOKENS) for prompt in prompts]  # the adapter changes tokens
     request = LoRARequest("fused", 1, path)
     llm = LLM(model_dir, tensor_parallel_size=2, **LORA_OPTIONS)
     try:
