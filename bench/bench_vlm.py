@@ -193,7 +193,8 @@ def profile(model_dir: str, images: list[Image.Image], args: argparse.Namespace)
 def shardline_stages(llm: LLM) -> dict[str, Callable]:
     """The functions whose cumulative time makes up shardline's split, by stage: the
     image encoder (its vision tower and projector inside it), the embedding step around
-    it, the text model's packed linears and attention kernels, the scheduler."""
+    it, the text model (its attention kernels inside it), the scheduler; and, across
+    both models, the packed linears (the engine packs the vision tower's too)."""
     engine = llm.llm_engine
     assert isinstance(engine, LLMEngine) and engine.runner.encoder_cache is not None, "a vision-language engine"
     model: Any = engine.runner.encoder_cache.model.model
@@ -201,10 +202,11 @@ def shardline_stages(llm: LLM) -> dict[str, Callable]:
             "  vision tower": type(model.vision_tower).forward,
             "  projector": type(model.multi_modal_projector).forward,
             "step embeddings": EncoderCache.step_embeddings,
-            "text linears (packed)": packed_matmul,
-            "prefill attention": prefill_attention,
-            "decode attention": decode_attention,
-            "scheduler": Scheduler.schedule}
+            "text model": type(model.language_model).forward,
+            "  prefill attention": prefill_attention,
+            "  decode attention": decode_attention,
+            "scheduler": Scheduler.schedule,
+            "(packed linears, both models)": packed_matmul}
 
 
 def print_stages(stats: dict, llm: LLM, count: int, thread_ms: float, process_ms: float) -> None:
@@ -216,12 +218,12 @@ def print_stages(stats: dict, llm: LLM, count: int, thread_ms: float, process_ms
         code = inspect.unwrap(function).__code__
         totals[stage] = cumulative.get((code.co_filename, code.co_firstlineno, code.co_name), 0.0) * 1000 / count
     totals["step embeddings"] -= totals["image encoder"]  # the scatter and the token embeddings alone
-    disjoint = sum(value for stage, value in totals.items() if not stage.startswith(" "))
+    disjoint = sum(value for stage, value in totals.items() if stage[0] not in " (")
     print("  split (CPU ms per image):", flush=True)
     for stage, value in totals.items():
-        print(f"    {stage:<28} {value:7.2f}", flush=True)
-    print(f"    {'rest of the calling thread':<28} {thread_ms - disjoint:7.2f}  (norms, rotary, sampling, "
-          f"Python per step)\n    {'other threads':<28} {process_ms - thread_ms:7.2f}  (image preparation)",
+        print(f"    {stage:<30} {value:7.2f}", flush=True)
+    print(f"    {'rest of the calling thread':<30} {thread_ms - disjoint:7.2f}  (lm head, sampling, outputs, "
+          f"Python per step)\n    {'other threads':<30} {process_ms - thread_ms:7.2f}  (image preparation)",
           flush=True)
 
 
