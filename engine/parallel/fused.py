@@ -46,6 +46,13 @@ FUSED_ATTENTION = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "qkv")
 FUSED_OUTPUT = ("o_proj", "dense", "c_proj", "out_proj", "Wo")
 # Dense MLPs of the decoders with a fused attention: (the projection up, the one down).
 MLP_PAIRS = (("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"), ("fc_in", "fc_out"), ("fc1", "fc2"))
+# Dense MLPs whose fused gate_up_proj is [gate | up] before a down_proj, named by no plan:
+# gate_up_proj split packed (each rank its gate rows and the matching up rows), and the
+# last linear of each low-rank adapter added to its output (Zamba2's shared block) too.
+FUSED_MLPS = ("Zamba2MLP",)
+# A packed column split of an adapter's output feeding a packed projection's sum: its
+# row-split partner is the MLP's down_proj, outside its own parent module.
+PACKED_ADAPTER = "packed_colwise_adapter"
 # Sizes an attention's forward reads, by its class, beyond the head counts every
 # attention has set (sharding.set_head_counts): the attribute and which rank size it is.
 LOCAL_SIZES = {
@@ -169,8 +176,8 @@ def sliced_as_linear(module: nn.Module) -> bool:
 def fused_rules(model: nn.Module, skip: tuple[str, ...]) -> dict[str, str]:
     """Splits, by module name, of the attentions with a fused projection (outside
     ``skip``'s prefixes: recurrent mixers, encoders): the fused projection FUSED, its
-    output projection row-wise; and where any attention is fused, the dense MLPs of
-    ``MLP_PAIRS`` column- then row-wise."""
+    output projection row-wise; the ``FUSED_MLPS``' projections; and where any
+    attention is fused, the dense MLPs of ``MLP_PAIRS`` column- then row-wise."""
     named: dict[str, str] = {}
     for name, module in model.named_modules():
         if f"{name}.".startswith(skip):
@@ -183,7 +190,13 @@ def fused_rules(model: nn.Module, skip: tuple[str, ...]) -> dict[str, str]:
             output = next((leaf for leaf in FUSED_OUTPUT if leaf in children and leaf != fused), None)
             if output is not None:
                 named[prefix + output] = "rowwise"
-    if not named:
+    for name, module in model.named_modules():
+        if type(module).__name__ in FUSED_MLPS and not f"{name}.".startswith(skip):
+            named.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise"})
+            adapters = getattr(module, "gate_up_proj_adapter_list", None) or []
+            named.update({f"{name}.gate_up_proj_adapter_list.{index}.{len(adapter) - 1}": PACKED_ADAPTER
+                          for index, adapter in enumerate(adapters) if isinstance(adapter, nn.Sequential)})
+    if not any(split == FUSED for split in named.values()):
         return named
     for name, module in model.named_modules():
         children = dict(module.named_children())

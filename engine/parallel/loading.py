@@ -52,7 +52,7 @@ from .fused import FUSED, as_linear, fused_layout, fused_rows, sliced_as_linear
 from .group import RankGroup, ShardingError
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
 from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
-from .sharding import COLUMN, EXPERTS, PACKED_COLUMN, ROW, column_rows, model_heads, plan_rules, split_of
+from .sharding import COLUMN, EXPERTS, PACKED, ROW, column_rows, model_heads, plan_rules, split_of
 from .vlm import encoder_prefixes
 
 logger = logging.getLogger(__name__)
@@ -89,10 +89,10 @@ def slice_plan(model: nn.Module, group: RankGroup) -> dict[str, Cut]:
         # shapes only: a Conv1D's as its linear's
         linear = cast(nn.Linear, as_linear(module)) if sliced_as_linear(module) else None
         transposed = isinstance(module, Conv1D)  # stored [in, out]: the cut's dims swapped, the slice transposed
-        if linear is not None and split in (COLUMN, PACKED_COLUMN, FUSED):
+        if linear is not None and split in (COLUMN, *PACKED, FUSED):
             rows = fused_rows(fused_layout(model.get_submodule(name.rpartition(".")[0]), name, config), name,
                               group.rank, group.size) if split == FUSED else \
-                column_rows(linear, name, group, heads, 2 if split == PACKED_COLUMN else 1)
+                column_rows(linear, name, group, heads, 2 if split in PACKED else 1)
             ranges = tuple(_ranges(rows, linear.out_features))
             cut = Cut(1 if transposed else 0, ranges, transposed=transposed)
             plan[f"{name}.weight"] = cut

@@ -45,7 +45,16 @@ from ..quantization.linear import QuantizedLinear
 from ..surgery import replace
 from .attention_norms import span_head_norms
 from .experts import split_float_experts, split_quantized_experts, splits_unnamed
-from .fused import FUSED, FUSED_ATTENTION, as_linear, fused_layout, fused_rules, fused_share, set_fused_sizes
+from .fused import (
+    FUSED,
+    FUSED_ATTENTION,
+    PACKED_ADAPTER,
+    as_linear,
+    fused_layout,
+    fused_rules,
+    fused_share,
+    set_fused_sizes,
+)
 from .group import RankGroup, ShardingError
 from .grouped_output import GROUPED, GROUPED_OUTPUT, set_local_groups, split_grouped_linear
 from .layers import GatheredLMHead, VocabParallelEmbedding, column_share, row_share
@@ -54,6 +63,7 @@ from .vlm import encoder_prefixes
 
 COLUMN, ROW, PACKED_COLUMN, EXPERTS, EMBEDDING, WHOLE = "colwise", "rowwise", "packed_colwise", "experts", \
     "embedding", "whole"
+PACKED = (PACKED_COLUMN, PACKED_ADAPTER)  # [gate | up] rows (an adapter's too: fused.py)
 # transformers' plan styles, as the splits they ask for.
 SPLIT_INPUT = "split_input"
 PLAN_STYLES = {
@@ -345,7 +355,7 @@ def split_module(module: nn.Module, name: str, split: str, group: RankGroup, hea
         return split_grouped_linear(module, name, group)
     if split == ROW:
         return row_share(module, name, group)
-    return column_share(module, name, column_rows(module, name, group, heads, 2 if split == PACKED_COLUMN else 1),
+    return column_share(module, name, column_rows(module, name, group, heads, 2 if split in PACKED else 1),
                         group)
 
 

@@ -104,10 +104,9 @@ def test_a_plan_style_not_run_is_refused():
 
 
 @pytest.mark.parametrize(("arch", "overrides", "reason"), [
-    # its shared block's MLP: a fused gate_up_proj no rule splits feeds down_proj
-    ("zamba2", dict(n_mamba_heads=8, mamba_headdim=16, mamba_expand=2, mamba_d_state=8, mamba_ngroups=2, chunk_size=4,
-                    mamba_d_conv=4, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"]),
-     "model.layers.1.shared_transformer.feed_forward: down_proj split row-wise, but the projection feeding it"),
+    # its shared experts' fused input projection, which no rule splits, feeds down_proj
+    ("minimax_m3_vl_text", tiny_overrides("minimax_m3_vl_text"),
+     "model.layers.0.mlp.shared_experts: down_proj split row-wise, but the projection feeding it"),
 ])
 def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, reason):
     """The verdict on the meta model refuses it (no rank starts): the whole projection's
@@ -136,7 +135,8 @@ def test_layers_with_their_own_head_counts_split_each_its_own():
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmoe", "olmo_hybrid", "glm", "qwen4_exp_text", "deepseek_v4",
-                                        "dots3_note_text", "phi3", "gpt_neox", "gpt2", "falcon", "gpt_bigcode"])
+                                        "dots3_note_text", "phi3", "gpt_neox", "gpt2", "falcon", "gpt_bigcode",
+                                        "zamba2"])
 def test_the_verdict_accepts_what_ranks_split(model_type):
     """The pre-flight verdict (the sharding step on the meta model) lets 2 ranks run
     them: each has a 2-rank test of its tokens (test_tp_split_input.py,

@@ -18,6 +18,7 @@ from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
 from shardline.engine.parallel.layers import RowParallelLinear
 
+from ..coverage_configs import tiny_overrides
 from ..hf_reference import hf_greedy, load_hf_model, random_prompts
 from .test_tensor_parallel import MAX_TOKENS, OPTIONS, generate
 
@@ -128,3 +129,10 @@ def test_a_lora_adapter_on_phi3_fused_projections_on_two_ranks(tmp_path):
         assert generate_with_loras(llm, prompts, [request] * len(prompts)) == expected
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_zamba2_shared_block_mlp_on_two_ranks(tmp_path):
+    """Zamba2's shared block: its MLP's fused gate_up_proj [gate | up] and the low-rank
+    adapters added to it keep each rank's gate rows and the matching up rows."""
+    two_ranks_agree(tmp_path, "zamba2", **tiny_overrides("zamba2"))
