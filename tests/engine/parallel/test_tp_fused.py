@@ -16,7 +16,9 @@ from torch import nn
 from shardline import LLM, LoRARequest
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
+from shardline.engine.parallel.group import RankGroup
 from shardline.engine.parallel.layers import RowParallelLinear
+from shardline.engine.quantization.linear import QuantizedLinear
 
 from ..coverage_configs import tiny_overrides
 from ..hf_reference import hf_greedy, load_hf_model, random_prompts
@@ -136,3 +138,38 @@ def test_zamba2_shared_block_mlp_on_two_ranks(tmp_path):
     """Zamba2's shared block: its MLP's fused gate_up_proj [gate | up] and the low-rank
     adapters added to it keep each rank's gate rows and the matching up rows."""
     two_ranks_agree(tmp_path, "zamba2", **tiny_overrides("zamba2"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_channel_with_biases", "gptq_v2"])
+def test_a_quantized_fused_checkpoint_splits_with_its_scales(fmt, tmp_path):
+    """phi3 quantized (per-channel FP8; GPTQ's groups along the input): each rank's
+    qkv_proj and gate_up_proj rows read as slices with their scales dequantize to the
+    rows split from the whole quantized linears."""
+    from shardline.engine.parallel.placement import shard_then_place
+    from shardline.engine.parallel.quantized_slices import quantized_share_plan
+    from shardline.engine.parallel.sharding import shard_model
+    from shardline.engine.quantization.load import put_quantized_linears
+
+    from ..quantization import checkpoints as ckpt
+    from ..quantization.test_formats import FORMATS
+    from .test_tp_loading_quantized import attention_layers, dequantized, loaded
+
+    _, config, quantize, _ = FORMATS[fmt]
+    float_dir = build_tiny_model(tmp_path / "float", "phi3", num_attention_heads=4, num_key_value_heads=2)
+    directory = tmp_path / fmt
+    ckpt.write_quantized(float_dir, directory, config, quantize)
+    for rank in (0, 1):
+        group = RankGroup(rank, 2, lambda: "")
+        whole, weights = loaded(directory)
+        put_quantized_linears(whole, weights)
+        shard_model(whole, group, attention_layers(whole))
+        sliced, weights = loaded(directory)
+        assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(
+            quantized_share_plan(sliced, group, weights))
+        shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
+        # 4 query heads of 16 and 2 key-value heads: a rank's 2 query heads' rows, its key's and its value's
+        assert sliced.get_submodule("model.layers.0.self_attn.qkv_proj").out_features == 2 * 16 + 16 + 16
+        for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+            got, expected = sliced.get_submodule(name), whole.get_submodule(name)
+            assert isinstance(got, QuantizedLinear) and isinstance(expected, QuantizedLinear)
+            assert torch.equal(dequantized(got), dequantized(expected)), name
