@@ -257,13 +257,14 @@ def sweep(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     limits = HostLimits.measure(dtype)
     rows = []
-    for vocab_size in dict.fromkeys(shape.vocab_size for shape in SWEEP_SHAPES):
+    shapes = [SWEEP_SHAPES[index] for index in args.shapes] if args.shapes else list(SWEEP_SHAPES)
+    for vocab_size in dict.fromkeys(shape.vocab_size for shape in shapes):
         with tempfile.TemporaryDirectory(prefix="shardline-bench-") as model_dir:
             build_bench_model(Path(model_dir), vocab_size=vocab_size, max_position_embeddings=4096)
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             llm = LLM(model_dir, dtype=args.dtype)
             llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
-            for shape in (s for s in SWEEP_SHAPES if s.vocab_size == vocab_size):
+            for shape in (s for s in shapes if s.vocab_size == vocab_size):
                 rows.append(sweep_shape(shape, hf_model, llm, args, limits))
             llm.close()
             del llm, hf_model
@@ -316,6 +317,8 @@ def main() -> None:
                         help="one thread, timed by its CPU time (for a machine other work is loading)")
     parser.add_argument("--without", action="append", default=[], metavar="PATH",
                         help="also run an engine with this CPU path turned off (repeatable; default workload)")
+    parser.add_argument("--shapes", type=int, nargs="+", default=[], metavar="INDEX",
+                        help="with --sweep, only these shapes of SWEEP_SHAPES (0-based)")
     parser.add_argument("--sweep", action="store_true",
                         help="run the grid of workload shapes (SWEEP_SHAPES) against transformers' static generate")
     args = parser.parse_args()
