@@ -7,7 +7,10 @@ the kernel streams the quantized weight once, dequantizing in registers, the thr
 splitting the output columns; a decode step reads a quarter (W4) or half (W8) of the
 bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
 cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
-(exactly) by the bfloat16 dot-product instruction; there, up to ``TILE_MAX_ROWS``
+(exactly) by the bfloat16 dot-product instruction: on hosts with AMX-BF16 fp8 and int8
+weights go through AMX tiles (cpu_quant_amx.h), and with AVX512_VNNI int8 and 4-bit
+weights through integer byte products on x in fixed point (cpu_quant_digits.h), each
+as exact as the float32 reference's sums. There, up to ``TILE_MAX_ROWS``
 rows take its register-blocked kernel (cpu_quant_blocked.h), which decodes a panel of
 weight rows once per thread and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
 time is dequantized to x's dtype, straight into oneDNN's blocked weight layout where
@@ -86,6 +89,8 @@ def _declare_bf16(library: ctypes.CDLL) -> None:
     if library.quant_bf16_dot():
         for name, argtypes in _BF16_SIGNATURES.items():
             declare(library, [name], argtypes, None)
+        declare(library, ["quant_amx_ready"], [], ctypes.c_int)
+        declare(library, ["quant_amx_allow"], [_N], None)
 
 
 _BF16_LIBRARY = NativeLibrary(BF16_SOURCE, _declare_bf16, "bfloat16 decode shapes take the float32 kernel")
@@ -95,6 +100,21 @@ def _bf16_dot_library() -> ctypes.CDLL | None:
     """cpu_quant_bf16.c's library where it was built with AVX512_BF16, else None."""
     library = _BF16_LIBRARY.load()
     return library if library is not None and library.quant_bf16_dot() else None
+
+
+def amx_tiles_ready() -> bool:
+    """Whether bfloat16 x's kernels multiply through AMX tiles here (cpu_quant_amx.h:
+    built with AMX-BF16, the tiles granted by the OS and allowed)."""
+    library = _bf16_dot_library()
+    return library is not None and bool(library.quant_amx_ready())
+
+
+def allow_amx_tiles(allowed: bool) -> None:
+    """Let the kernels take AMX tiles where the host has them (the default), or not:
+    the AVX-512 paths then run, as on a host without AMX (tests check both)."""
+    library = _bf16_dot_library()
+    if library is not None:
+        library.quant_amx_allow(int(allowed))
 
 
 def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:

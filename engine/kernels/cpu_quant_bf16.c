@@ -264,6 +264,11 @@ static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, 
     for (int m = 0; m < DMT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
 }
 
+/* cpu_quant_amx.h's decode shapes (included with cpu_quant_blocked.h, below). */
+static int amx_w8_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
+                         const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
+                         uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads);
+
 #include "cpu_quant_digits.h"  /* w8_digits_linear, w4_digits_linear (AVX512_VNNI) */
 
 int quant_bf16_dot(void) { return 1; }
@@ -275,6 +280,9 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+                      num_threads))
+        return;
     if (!fp8 && w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                                  num_threads))
         return;

@@ -164,10 +164,13 @@ static inline __attribute__((always_inline)) void add_tile(__m512 acc[MB][NV], c
         }
 }
 
+#include "cpu_quant_amx.h"  /* amx_chunk_rows: the same products through AMX tiles */
+
 /* The chunk's products for every row of x, MB rows at a time, added into sums [rows, NB]. */
 static void chunk_rows(const uint32_t *panel, int64_t k0, int64_t k1, const uint16_t *x, int64_t x_stride,
                        int64_t rows, const float *scale, const float *zero_scale, const float *x_sums,
                        int64_t sums_stride, float *sums) {
+    if (amx_chunk_rows(panel, k0, k1, x, x_stride, rows, scale, zero_scale, x_sums, sums_stride, sums)) return;
     for (int64_t m0 = 0; m0 < rows; m0 += MB) {
         const uint16_t *x_rows[MB];
         float x_sum[MB];

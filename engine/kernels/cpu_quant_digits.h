@@ -280,7 +280,7 @@ static int w8_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
                             uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     const int64_t block = bk < K ? bk : K;
     x_digits xd = {0};
-    if (K > DIGIT_MAX_K || (block < K && block % 64) || !digits_prepare(x, x_stride, rows, K, block, 0, &xd)) {
+    if (rows > DMT || K > DIGIT_MAX_K || (block < K && block % 64) || !digits_prepare(x, x_stride, rows, K, block, 0, &xd)) {
         free(xd.digits);
         return 0;
     }
@@ -313,7 +313,7 @@ static int w4_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
                             const float *scales, const float *zeros, int64_t group, const float *bias,
                             uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     x_digits xd = {0};
-    if (K > DIGIT_MAX_K || group % 128 || !digits_prepare(x, x_stride, rows, K, group, 1, &xd)) {
+    if (rows > DMT || K > DIGIT_MAX_K || group % 128 || !digits_prepare(x, x_stride, rows, K, group, 1, &xd)) {
         free(xd.digits);
         return 0;
     }
