@@ -16,9 +16,9 @@ Layouts (rows of the projection's output, D the head size):
   ranks its query heads of its group and the group's key and value (replicated).
 
 Conv1D projections (GPT-2's, weights stored [in, out]) split as the nn.Linear of the
-same product. An attention with ALiBi (bloom, mpt and falcon with alibi) is refused:
-its model builds the bias for every head outside the attention, so a rank's share of
-heads would meet the whole model's bias.
+same product. ALiBi (bloom, mpt), which the model builds for every head outside the
+attention, reaches each rank's attention cut to its heads, and its adapter's slopes
+too; falcon with ALiBi is refused (its adapter builds its bias table by head count).
 
 Invariants:
 - ``fused_rows`` and the loader's cut of the checkpoint tensor (engine/parallel/loading.py)
@@ -53,6 +53,9 @@ FUSED_MLPS = ("Zamba2MLP",)
 # A packed column split of an adapter's output feeding a packed projection's sum: its
 # row-split partner is the MLP's down_proj, outside its own parent module.
 PACKED_ADAPTER = "packed_colwise_adapter"
+# ALiBi its model builds for every head and passes to each attention by keyword (its
+# name), and the slopes the attention's adapter keeps (their attribute).
+ALIBI = {"BloomAttention": ("alibi", "alibi_slopes"), "MptAttention": ("position_bias", "_slopes")}
 # Sizes an attention's forward reads, by its class, beyond the head counts every
 # attention has set (sharding.set_head_counts): the attribute and which rank size it is.
 LOCAL_SIZES = {
@@ -83,9 +86,14 @@ def fused_layout(attention: nn.Module, name: str, model_config: object) -> Fused
     module: Any = getattr(attention, "original", attention)  # a transformers attention: its sizes are ints
     kind = type(module).__name__
     config: Any = getattr(module, "config", None) or model_config
-    if kind in ("BloomAttention", "MptAttention", "FalconAttention") and _alibi(module, config):
-        raise ShardingError(f"{name}: {kind} with ALiBi, whose bias the model builds for every head outside the "
-                            "attention; not split over ranks")
+    if kind == "FalconAttention" and config.alibi:
+        raise ShardingError(f"{name}: {kind} with ALiBi, whose bias its adapter builds per head count; not split "
+                            "over ranks")
+    if kind == "BloomAttention":
+        if module.pretraining_tp > 1 and module.slow_but_exact:
+            raise ShardingError(f"{name}: BloomAttention with slow_but_exact slices its own output projection by "
+                                "pretraining_tp; not split over ranks")
+        return FusedLayout(PER_HEAD, module.num_heads, module.num_heads, module.head_dim)
     if kind == "Phi3Attention":
         return FusedLayout(BLOCKS, config.num_attention_heads, config.num_key_value_heads, module.head_dim)
     if kind in ("GPTNeoXAttention", "GPTNeoXJapaneseAttention"):
@@ -111,13 +119,6 @@ def fused_layout(attention: nn.Module, name: str, model_config: object) -> Fused
         return FusedLayout(BLOCKS, module.num_heads, module.num_key_value_heads, module.head_dim)
     raise ShardingError(f"{name}: a fused query-key-value projection of {kind}, whose layout of heads the "
                         "tensor-parallel ranks do not know; not split over ranks")
-
-
-def _alibi(module: nn.Module, config: object) -> bool:
-    if type(module).__name__ == "BloomAttention":
-        return True
-    attn_config = getattr(config, "attn_config", None)
-    return bool(getattr(attn_config, "alibi", False) or getattr(config, "alibi", False))
 
 
 def kv_heads_of(layout: FusedLayout, rank: int, size: int) -> tuple[int, int]:
@@ -227,10 +228,32 @@ def set_fused_sizes(attention: nn.Module, layout: FusedLayout, group: RankGroup)
         for attribute, size in LOCAL_SIZES.get(type(module).__name__, {}).items():
             if isinstance(getattr(target, attribute, None), int):
                 setattr(target, attribute, sizes[size])
+        if type(module).__name__ in ALIBI and target is attention:
+            keep_alibi_heads(attention, ALIBI[type(module).__name__], layout.num_heads, group.rank * local, local)
         if type(module).__name__ == "Phi3Attention":
             view = RankHeadsConfig(getattr(module.config, "whole", module.config),
                                    {"num_attention_heads": local, "num_key_value_heads": local_kv})
             setattr(target, "config", view)  # noqa: B010 - a plain attribute of an nn.Module
+
+
+def keep_alibi_heads(attention: nn.Module, names: tuple[str, str], num_heads: int, start: int, count: int) -> None:
+    """Keep heads ``start`` .. ``start + count`` of ``attention``'s ALiBi: its adapter's
+    slopes, and the bias its model builds for all ``num_heads`` and passes to it
+    (names: the forward's keyword, the adapter's slopes attribute)."""
+    argument, slopes_name = names
+    slopes = getattr(attention, slopes_name, None)
+    if isinstance(slopes, torch.Tensor) and slopes.shape[0] == num_heads:
+        setattr(attention, slopes_name, slopes[start: start + count].clone())
+
+    def rank_heads(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        bias = kwargs.get(argument)
+        if not isinstance(bias, torch.Tensor):
+            return None
+        # bias: [B * H, 1, L] (bloom) or [H, 1, L] (mpt) -> this rank's heads'
+        rows = bias.view(-1, num_heads, *bias.shape[1:])[:, start: start + count]
+        return args, {**kwargs, argument: rows.reshape(-1, *bias.shape[1:])}
+
+    attention.register_forward_pre_hook(rank_heads, with_kwargs=True)
 
 
 class RankHeadsConfig:

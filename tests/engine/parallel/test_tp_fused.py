@@ -1,8 +1,9 @@
 """Fused query-key-value projections split by heads over 2 gloo ranks give one rank's
 (and transformers') greedy tokens: phi3 ([q | k | v] rows with grouped key-value
 heads, its fused gate_up_proj), GPT-NeoX (rows per head), GPT-2 (a Conv1D c_attn,
-weights stored transposed), falcon's three layouts and GPT-BigCode's multi-query one;
-and the rows each rank keeps, per layout."""
+weights stored transposed), BLOOM (ALiBi cut to each rank's heads), falcon's three
+layouts, GPT-BigCode's multi-query one, MPT, Zamba2's shared MLP; a LoRA adapter and
+quantized checkpoints on fused projections; and the rows each rank keeps, per layout."""
 
 from __future__ import annotations
 
@@ -80,6 +81,13 @@ def test_gpt2_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_bloom_with_alibi_on_two_ranks(tmp_path):
+    """BLOOM: rows per head, and the ALiBi its model builds for every head cut to each
+    rank's heads (its adapter's slopes too)."""
+    two_ranks_agree(tmp_path, "bloom")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     dict(multi_query=True, new_decoder_architecture=False),  # [q heads | k | v]
     dict(multi_query=False, new_decoder_architecture=False),  # [h: q, k, v]
@@ -91,7 +99,7 @@ def test_falcon_layouts_on_two_ranks(tmp_path, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt_bigcode", "persimmon", "openai-gpt", "gpt_neox_japanese"])
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "persimmon", "openai-gpt", "gpt_neox_japanese", "mpt"])
 def test_other_fused_models_on_two_ranks(tmp_path, arch):
     two_ranks_agree(tmp_path, arch)
 

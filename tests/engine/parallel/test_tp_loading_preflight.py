@@ -17,8 +17,8 @@ from shardline.tasks.preflight import check_model
 
 @pytest.mark.parametrize(("arch", "overrides", "reason"), [
     ("llama", {"intermediate_size": 63}, "gate_proj: 63 output features do not split over 2 ranks"),
-    # a fused query-key-value projection beside ALiBi the model builds for every head, found by the split
-    ("bloom", {}, "query_key_value: BloomAttention with ALiBi"),
+    # falcon's fused query-key-value projection beside the ALiBi table its adapter builds, found by the split
+    ("falcon", {"alibi": True}, "query_key_value: FalconAttention with ALiBi"),
 ])
 def test_preflight_refuses_what_the_split_would(arch, overrides, reason, tmp_path, make_job):
     model_dir = str(build_tiny_model(tmp_path / "model", arch, **overrides))
