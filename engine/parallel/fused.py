@@ -48,8 +48,9 @@ FUSED_OUTPUT = ("o_proj", "dense", "c_proj", "out_proj", "Wo")
 MLP_PAIRS = (("dense_h_to_4h", "dense_4h_to_h"), ("c_fc", "c_proj"), ("fc_in", "fc_out"), ("fc1", "fc2"))
 # Dense MLPs whose fused gate_up_proj is [gate | up] before a down_proj, named by no plan:
 # gate_up_proj split packed (each rank its gate rows and the matching up rows), and the
-# last linear of each low-rank adapter added to its output (Zamba2's shared block) too.
-FUSED_MLPS = ("Zamba2MLP",)
+# last linear of each low-rank adapter added to its output (Zamba2's shared block) too;
+# MiniMax-M3's shared experts.
+FUSED_MLPS = ("Zamba2MLP", "MiniMaxM3VLDenseMLP")
 # A packed column split of an adapter's output feeding a packed projection's sum: its
 # row-split partner is the MLP's down_proj, outside its own parent module.
 PACKED_ADAPTER = "packed_colwise_adapter"

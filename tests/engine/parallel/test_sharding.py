@@ -104,9 +104,8 @@ def test_a_plan_style_not_run_is_refused():
 
 
 @pytest.mark.parametrize(("arch", "overrides", "reason"), [
-    # its shared experts' fused input projection, which no rule splits, feeds down_proj
-    ("minimax_m3_vl_text", tiny_overrides("minimax_m3_vl_text"),
-     "model.layers.0.mlp.shared_experts: down_proj split row-wise, but the projection feeding it"),
+    # its compressed convolutional attention (a mixer run whole) feeds o_proj, which the rules split
+    ("zaya", tiny_overrides("zaya"), "model.layers.0.self_attn: o_proj split row-wise, but the projection feeding it"),
 ])
 def test_a_projection_left_whole_beside_split_ones_is_refused(arch, overrides, reason):
     """The verdict on the meta model refuses it (no rank starts): the whole projection's

@@ -142,10 +142,12 @@ def test_a_lora_adapter_on_phi3_fused_projections_on_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_zamba2_shared_block_mlp_on_two_ranks(tmp_path):
-    """Zamba2's shared block: its MLP's fused gate_up_proj [gate | up] and the low-rank
-    adapters added to it keep each rank's gate rows and the matching up rows."""
-    two_ranks_agree(tmp_path, "zamba2", **tiny_overrides("zamba2"))
+@pytest.mark.parametrize("arch", ["zamba2", "minimax_m3_vl_text"])
+def test_fused_gate_up_mlps_on_two_ranks(tmp_path, arch):
+    """Zamba2's shared block (its MLP's fused gate_up_proj [gate | up] and the low-rank
+    adapters added to it) and MiniMax-M3's shared experts keep each rank's gate rows and
+    the matching up rows."""
+    two_ranks_agree(tmp_path, arch, **tiny_overrides(arch))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel_with_biases", "gptq_v2"])
