@@ -244,6 +244,112 @@ static int amx_w8_linear(const uint16_t *x, int64_t x_stride, int64_t rows, cons
     return 1;
 }
 
+/* ---- 4-bit weights: 64 packed bytes (128 columns) a row, two nibbles a byte ----
+ * The low nibbles (even columns) and the high ones (odd columns) each give two A tiles
+ * as fp8_codes64 orders 64 codes; x's B tiles follow (amx_w4_pairs). The codes are
+ * bfloat16(code - 8) without zeros, bfloat16(code) with them (the zero enters as
+ * zero * scale * the group's sum of x, as in w4_tile). */
+
+/* The bfloat16 bytes of the 16 codes (less offset) as vpermb tables. */
+static void w4_byte_tables(float offset, __m512i *high, __m512i *low) {
+    uint8_t high_bytes[64], low_bytes[64];
+    for (int i = 0; i < 64; i++) {
+        const float value = (float)(i & 15) - offset;
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        high_bytes[i] = (uint8_t)(bits >> 24), low_bytes[i] = (uint8_t)(bits >> 16);
+    }
+    *high = _mm512_loadu_si512(high_bytes), *low = _mm512_loadu_si512(low_bytes);
+}
+
+/* x's rows as B tiles for 128-column steps: four a step (low nibbles' two orders, then
+ * the high nibbles'), 16 pairs x rows each. */
+static void amx_w4_pairs(const uint16_t *x, int64_t x_stride, int rows, int64_t K, uint16_t *pairs) {
+    for (int64_t c = 0; c < K; c += 128)
+        for (int t = 0; t < 4; t++) {
+            uint16_t *tile = pairs + (c / 128 * 4 + t) * 32 * rows;
+            for (int l = 0; l < 32; l++) {
+                const int64_t column = c + 2 * (16 * (l / 8) + 8 * (t & 1) + l % 8) + t / 2;
+                for (int m = 0; m < rows; m++) tile[(l / 2) * 2 * rows + 2 * m + l % 2] = x[m * x_stride + column];
+            }
+        }
+}
+
+/* One 128-column step of 16 weight rows: the four A tiles' codes, then their products. */
+static inline void amx_w4_step(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int64_t c, __m512i high,
+                               __m512i low, const uint16_t *x_tiles, int rows, uint16_t codes[4][16 * 32]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *row = packed + min64(n0 + r, N - 1) * (K / 2) + c / 2;
+        __builtin_prefetch(row + 16 * (K / 2));
+        const __m512i bytes = _mm512_loadu_si512(row);
+        const __m512i halves[2] = {_mm512_and_si512(bytes, nibble),
+                                   _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)};
+        for (int h = 0; h < 2; h++) {
+            const __m512i hi = _mm512_permutexvar_epi8(halves[h], high), lo = _mm512_permutexvar_epi8(halves[h], low);
+            _mm512_store_si512(codes[2 * h] + 32 * r, _mm512_unpacklo_epi8(lo, hi));
+            _mm512_store_si512(codes[2 * h + 1] + 32 * r, _mm512_unpackhi_epi8(lo, hi));
+        }
+    }
+    const int64_t x_bytes = 4 * rows;
+    _tile_loadd(1, codes[0], 64);
+    _tile_loadd(2, codes[1], 64);
+    _tile_loadd(3, x_tiles, x_bytes);
+    _tile_loadd(4, x_tiles + 32 * rows, x_bytes);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_loadd(1, codes[2], 64);
+    _tile_loadd(2, codes[3], 64);
+    _tile_loadd(3, x_tiles + 64 * rows, x_bytes);
+    _tile_loadd(4, x_tiles + 96 * rows, x_bytes);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+}
+
+/* The decode shapes of a 4-bit weight through the tiles; 0 (nothing written) where
+ * they do not take the call (no AMX, groups not whole 128 columns). x_sums: [rows,
+ * K / group] scratch for the zero term. */
+static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
+                         const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
+                         int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (rows > 16 || group % 128 || !amx_ready()) return 0;
+    uint16_t *pairs = aligned_alloc(64, (size_t)(K * rows) * sizeof(uint16_t) + 64);
+    if (!pairs) return 0;
+    amx_w4_pairs(x, x_stride, (int)rows, K, pairs);
+    if (zeros) group_sums(x, x_stride, rows, group, K, x_sums);
+    __m512i high, low;
+    w4_byte_tables(zeros ? 0.0f : 8.0f, &high, &low);
+    const int64_t groups = K / group;
+    _Pragma("omp parallel num_threads(num_threads) if (rows * N * K >= PARALLEL_MIN_WORK)")
+    {
+        amx_configure_decode((int)rows);
+        uint16_t codes[4][16 * 32] __attribute__((aligned(64)));
+        float block[16][16] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            float sums[16][16] = {{0}};
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_zero(0);
+                for (int64_t c = g * group; c < (g + 1) * group; c += 128)
+                    amx_w4_step(packed, n0, N, K, c, high, low, pairs + c / 128 * 128 * rows, (int)rows, codes);
+                _tile_stored(0, block, 64);
+                for (int r = 0; r < 16; r++) {
+                    const int64_t n = min64(n0 + r, N - 1);
+                    const float s = scales[n * groups + g], zs = zeros ? zeros[n * groups + g] * s : 0.0f;
+                    for (int64_t m = 0; m < rows; m++)
+                        sums[r][m] += block[r][m] * s - (zeros ? zs * x_sums[m * groups + g] : 0.0f);
+                }
+            }
+            for (int r = 0; r < 16 && n0 + r < N; r++)
+                for (int64_t m = 0; m < rows; m++)
+                    out[m * out_stride + n0 + r] = f32_to_bf16(sums[r][m] + (bias ? bias[n0 + r] : 0.0f));
+        }
+        _tile_release();
+    }
+    free(pairs);
+    return 1;
+}
+
 #else
 
 static int amx_allowed = 0;
@@ -254,6 +360,14 @@ static int amx_chunk_rows(const uint32_t *panel, int64_t k0, int64_t k1, const u
                           int64_t sums_stride, float *sums) {
     (void)panel, (void)k0, (void)k1, (void)x, (void)x_stride, (void)rows, (void)scale, (void)zero_scale;
     (void)x_sums, (void)sums_stride, (void)sums;
+    return 0;
+}
+
+static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
+                         const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
+                         int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    (void)x, (void)x_stride, (void)rows, (void)x_sums, (void)packed, (void)scales, (void)zeros, (void)group;
+    (void)bias, (void)out, (void)out_stride, (void)N, (void)K, (void)num_threads;
     return 0;
 }
 

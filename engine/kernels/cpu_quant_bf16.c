@@ -264,10 +264,20 @@ static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, 
     for (int m = 0; m < DMT; m++) x_rows[m] = x + min64(m0 + m, rows - 1) * x_stride;
 }
 
-/* cpu_quant_amx.h's decode shapes (included with cpu_quant_blocked.h, below). */
+/* cpu_quant_amx.h's decode shapes (included with cpu_quant_blocked.h, below), taken
+ * from these rows of x: with fewer, a decode shape reads the weight faster through
+ * the byte-product tiles (int8, 4-bit) or the fp8 table path (one row), whose cost
+ * grows with the rows where the tiles' decoding does not (bench_quant.py's kernel
+ * mode on an AMX host). */
+#define AMX_FP8_MIN_ROWS 2
+#define AMX_INT8_MIN_ROWS 5
+#define AMX_W4_MIN_ROWS 3
 static int amx_w8_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                          const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                          uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads);
+static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
+                         const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
+                         int64_t out_stride, int64_t N, int64_t K, int num_threads);
 
 #include "cpu_quant_digits.h"  /* w8_digits_linear, w4_digits_linear (AVX512_VNNI) */
 
@@ -280,7 +290,8 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    if (amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+    if (rows >= (fp8 ? AMX_FP8_MIN_ROWS : AMX_INT8_MIN_ROWS) &&
+        amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                       num_threads))
         return;
     if (!fp8 && w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
@@ -338,7 +349,9 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
 void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
                     const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                     int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    if (w4_digits_linear(x, x_stride, rows, packed, scales, zeros, group, bias, out, out_stride, N, K, num_threads))
+    if ((rows >= AMX_W4_MIN_ROWS && amx_w4_linear(x, x_stride, rows, x_sums, packed, scales, zeros, group, bias, out,
+                                                  out_stride, N, K, num_threads)) ||
+        w4_digits_linear(x, x_stride, rows, packed, scales, zeros, group, bias, out, out_stride, N, K, num_threads))
         return;
     const int64_t groups = K / group, blocks = (N + DR - 1) / DR;
     group_sums(x, x_stride, rows, group, K, x_sums);

@@ -255,6 +255,9 @@ static void blocked_rows(const quant_weight *weight, const uint16_t *x, int64_t 
 void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                      const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                      uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+                      num_threads))
+        return;  /* up to 16 rows: the weight rows as AMX tiles, no panel transposed */
     const quant_weight w = {weight, fp8, scale, NULL, scale_cols, bn, min64(bk, K)};
     blocked_rows(&w, x, x_stride, rows, NULL, bias, out, out_stride, N, K, num_threads);
 }
@@ -263,6 +266,9 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
 void w4_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
                      const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                      int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    if (amx_w4_linear(x, x_stride, rows, x_sums, packed, scales, zeros, group, bias, out, out_stride, N, K,
+                      num_threads))
+        return;
     if (zeros) group_sums(x, x_stride, rows, group, K, x_sums);
     const quant_weight w = {packed, 2, scales, zeros, K / group, 1, group};
     blocked_rows(&w, x, x_stride, rows, zeros ? x_sums : NULL, bias, out, out_stride, N, K, num_threads);

@@ -1,5 +1,5 @@
-"""The AMX decode tiles of the bfloat16 quantized kernel (cpu_quant_amx.h: fp8 and
-int8 weight rows decoded by byte tables into A tiles, x's rows as B tiles) and its
+"""The AMX decode tiles of the bfloat16 quantized kernel (cpu_quant_amx.h: fp8, int8
+and 4-bit weight rows decoded by byte tables into A tiles, x's rows as B tiles) and its
 AMX chunk products of the register-blocked kernel, against the float64 product of x
 and the dequantized weight, where the host grants the tiles; each also with the tiles
 disallowed, where the AVX-512 paths run the same shapes."""
@@ -11,9 +11,10 @@ from shardline.engine.kernels.cpu_quant import (
     allow_amx_tiles,
     amx_tiles_ready,
     cpu_quant_available,
+    cpu_w4_linear,
     cpu_w8_linear,
 )
-from shardline.engine.kernels.quant_reference import dequantize_w8
+from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8
 
 pytestmark = pytest.mark.skipif(not cpu_quant_available(torch.bfloat16) or not amx_tiles_ready(),
                                 reason="no AMX tiles for the quantized kernels on this host")
@@ -71,3 +72,21 @@ def test_nan_fp8_codes_give_nan():
     weight[3, 70] = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
     out = cpu_w8_linear(torch.ones(4, 128).bfloat16(), weight, torch.ones(16, 1))
     assert bool(out[:, 3].isnan().all()) and not bool(out[:, :3].isnan().any())
+
+
+@pytest.mark.usefixtures("amx")
+@pytest.mark.parametrize("group_size,in_features", [(128, 384), (256, 512), (64, 320)])
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])
+def test_w4_decode_rows(group_size, in_features, with_zeros):
+    """1-16 rows, 21 output rows; groups of 64 are not whole 128-column steps (the
+    AVX-512 tiles take them)."""
+    packed = torch.randint(0, 256, (21, in_features // 2), dtype=torch.uint8, generator=generator(3))
+    groups = (21, in_features // group_size)
+    scales = torch.rand(groups, generator=generator(4)) * 0.05 + 0.005
+    zeros = torch.randint(0, 16, groups, generator=generator(5)).float() if with_zeros else None
+    bias = torch.randn(21, generator=generator(6)).bfloat16()
+    dense = dequantize_w4(packed, scales, zeros, group_size)
+    for rows in range(1, 17):
+        x = torch.randn(rows, in_features, generator=generator(20 + rows)).bfloat16()
+        with_bias = bias if rows % 2 else None
+        assert_product(cpu_w4_linear(x, packed, scales, zeros, group_size, with_bias), x, dense, with_bias)
