@@ -7,7 +7,8 @@ The config's refusals (``check_tensor_parallel``: heads; an unknown
 quantization) come first; then the sharding step itself runs on
 the meta-device model with the engine's attention adapters, as the first and last
 rank would run it at load, so a projection it does not split (a fused query-key-value
-projection, a size that does not divide, an expert layout it does not know) is refused
+projection of a layout it does not know, a size that does not divide, an expert layout
+it does not know) is refused
 with the load's own line. What only a quantized checkpoint's tensors show (a share
 cutting a quantization block or group) is refused when the ranks load.
 """
