@@ -8,9 +8,10 @@ Layouts (rows of the projection's output, D the head size):
   layout, DBRX's ``Wqkv``): a rank keeps its query heads' rows of the first block and
   its key-value heads' rows of the other two, so its share is the same layout over
   fewer heads.
-- PER_HEAD: [h0: q, k, v | h1: q, k, v | ...] (GPT-NeoX, Persimmon, falcon's original
-  layout, GPT-NeoX-Japanese, GPT-BigCode without multi-query): a rank keeps its heads'
-  contiguous rows.
+- PER_HEAD: [h0: q, k, v | h1: q, k, v | ...] (GPT-NeoX, Persimmon, BLOOM, falcon's
+  original layout, GPT-NeoX-Japanese, GPT-BigCode without multi-query; CodeGen's blocks
+  of [q | v | k] over consecutive heads, a rank keeping whole blocks): a rank keeps its
+  heads' contiguous rows.
 - GROUPED: [g0: q heads of the group, k, v | g1: ...] (falcon's new decoder
   architecture): a rank keeps its groups, or where key-value heads are fewer than
   ranks its query heads of its group and the group's key and value (replicated).
@@ -66,6 +67,7 @@ LOCAL_SIZES = {
     "FalconAttention": {"num_kv_heads": "kv_heads", "_num_kv_heads": "kv_heads"},
     "MptAttention": {"n_heads": "heads"},
     "DbrxAttention": {"hidden_size": "q_width"},
+    "CodeGenAttention": {"mp_num": "blocks"},
 }
 
 
@@ -78,6 +80,7 @@ class FusedLayout:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    blocks: int = 1  # CodeGen's model-parallel blocks of [q | v | k] heads, whole on each rank
 
 
 def fused_layout(attention: nn.Module, name: str, model_config: object) -> FusedLayout:
@@ -118,6 +121,9 @@ def fused_layout(attention: nn.Module, name: str, model_config: object) -> Fused
         return FusedLayout(BLOCKS, module.n_heads, module.n_heads, module.head_dim)
     if kind == "DbrxAttention":
         return FusedLayout(BLOCKS, module.num_heads, module.num_key_value_heads, module.head_dim)
+    if kind == "CodeGenAttention":  # blocks of [q | v | k] over consecutive heads: a rank keeps whole blocks
+        return FusedLayout(PER_HEAD, module.num_attention_heads, module.num_attention_heads, module.head_dim,
+                           blocks=module.mp_num)
     raise ShardingError(f"{name}: a fused query-key-value projection of {kind}, whose layout of heads the "
                         "tensor-parallel ranks do not know; not split over ranks")
 
@@ -137,6 +143,9 @@ def fused_rows(layout: FusedLayout, name: str, rank: int, size: int) -> torch.Te
     heads, kv, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
     if heads % size or (kv % size and size % kv):
         raise ShardingError(f"{name}: {heads} query and {kv} key-value heads do not split over {size} ranks")
+    if layout.blocks > 1 and layout.blocks % size:
+        raise ShardingError(f"{name}: its {layout.blocks} model-parallel blocks of heads do not split over {size} "
+                            "ranks")
     local, (first_kv, local_kv) = heads // size, kv_heads_of(layout, rank, size)
     first = rank * local
 
@@ -224,7 +233,7 @@ def set_fused_sizes(attention: nn.Module, layout: FusedLayout, group: RankGroup)
     _, local_kv = kv_heads_of(layout, group.rank, group.size)
     local = layout.num_heads // group.size
     sizes = {"heads": local, "kv_heads": local_kv, "q_width": local * layout.head_dim,
-             "kv_width": local_kv * layout.head_dim}
+             "kv_width": local_kv * layout.head_dim, "blocks": max(1, layout.blocks // group.size)}
     for target in dict.fromkeys((attention, module)):
         for attribute, size in LOCAL_SIZES.get(type(module).__name__, {}).items():
             if isinstance(getattr(target, attribute, None), int):

@@ -135,7 +135,7 @@ def test_layers_with_their_own_head_counts_split_each_its_own():
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmoe", "olmo_hybrid", "glm", "qwen4_exp_text", "deepseek_v4",
                                         "dots3_note_text", "phi3", "gpt_neox", "gpt2", "falcon", "gpt_bigcode",
-                                        "zamba2", "bloom", "mpt"])
+                                        "zamba2", "bloom", "mpt", "codegen"])
 def test_the_verdict_accepts_what_ranks_split(model_type):
     """The pre-flight verdict (the sharding step on the meta model) lets 2 ranks run
     them: each has a 2-rank test of its tokens (test_tp_split_input.py,
@@ -147,8 +147,6 @@ def test_the_verdict_accepts_what_ranks_split(model_type):
 @pytest.mark.parametrize(("model_type", "reason"), [
     ("inkling_text", "inkling_text's tensor-parallel plan splits 'layers.*.mlp.shared_experts' as 'all_reduce'"),
     ("zaya", "model.layers.0.self_attn: o_proj split row-wise, but the projection feeding it"),
-    ("codegen", "transformer.h.0.attn.qkv_proj: a fused query-key-value projection of CodeGenAttention, whose "
-                "layout of heads"),
 ])
 def test_the_verdict_refuses_what_ranks_do_not_split(model_type, reason):
     with pytest.raises(ShardingError) as error:

@@ -17,7 +17,7 @@ from torch import nn
 from shardline import LLM, LoRARequest
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.parallel.fused import BLOCKS, GROUPED, PER_HEAD, FusedLayout, fused_rows
-from shardline.engine.parallel.group import RankGroup
+from shardline.engine.parallel.group import RankGroup, ShardingError
 from shardline.engine.parallel.layers import RowParallelLinear
 from shardline.engine.quantization.linear import QuantizedLinear
 
@@ -44,6 +44,9 @@ def test_each_rank_keeps_its_heads_rows_per_layout():
     assert rows(GROUPED, 4, 1, 1, 2) == [2, 3, 4, 5]
     # 8 heads in 2 groups over 4 ranks: rank 3 keeps q6 q7 of group 1 and its k and v
     assert rows(GROUPED, 8, 2, 3, 4) == [8, 9, 10, 11]
+    # CodeGen's 4 blocks of heads: whole blocks per rank, so 8 ranks are refused
+    with pytest.raises(ShardingError, match="qkv: its 4 model-parallel blocks of heads do not split over 8 ranks"):
+        fused_rows(FusedLayout(PER_HEAD, 8, 8, 1, blocks=4), "qkv", 0, 8)
 
 
 def two_ranks_agree(tmp_path, arch: str, **overrides) -> None:
@@ -99,9 +102,12 @@ def test_falcon_layouts_on_two_ranks(tmp_path, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt_bigcode", "persimmon", "openai-gpt", "gpt_neox_japanese", "mpt"])
-def test_other_fused_models_on_two_ranks(tmp_path, arch):
-    two_ranks_agree(tmp_path, arch)
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("gpt_bigcode", {}), ("persimmon", {}), ("openai-gpt", {}), ("gpt_neox_japanese", {}), ("mpt", {}),
+    ("codegen", dict(rotary_dim=8)),  # its 4 blocks of [q | v | k] heads: 2 whole blocks per rank
+], ids=["gpt_bigcode", "persimmon", "openai-gpt", "gpt_neox_japanese", "mpt", "codegen"])
+def test_other_fused_models_on_two_ranks(tmp_path, arch, overrides):
+    two_ranks_agree(tmp_path, arch, **overrides)
 
 
 def test_a_conv1d_share_is_the_linear_of_its_product():

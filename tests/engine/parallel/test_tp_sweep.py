@@ -13,7 +13,8 @@ from .tp_sweep import tp_sweep, tp_verdict
 # Type -> the outcome its verdict gives (each split type has a 2-rank test of its tokens).
 REPRESENTATIVE = {
     "llama": "split", "qwen3_moe": "split", "phi3": "split", "gpt_neox": "split", "gpt2": "split",
-    "falcon": "split", "gpt_bigcode": "split", "bloom": "split", "mpt": "split", "codegen": "refused",
+    "falcon": "split", "gpt_bigcode": "split", "bloom": "split", "mpt": "split", "codegen": "split",
+    "inkling_text": "refused",
 }
 
 
