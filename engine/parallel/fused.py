@@ -59,7 +59,7 @@ PACKED_ADAPTER = "packed_colwise_adapter"
 # name), and the slopes the attention's adapter keeps (their attribute).
 ALIBI = {"BloomAttention": ("alibi", "alibi_slopes"), "MptAttention": ("position_bias", "_slopes")}
 # Sizes an attention's forward reads, by its class, beyond the head counts every
-# attention has set (sharding.set_head_counts): the attribute and which rank size it is.
+# attention has set (heads.set_head_counts): the attribute and which rank size it is.
 LOCAL_SIZES = {
     "GPT2Attention": {"split_size": "q_width"},
     "Attention": {"split_size": "q_width", "_split_size": "q_width", "n_head": "heads"},  # openai-gpt

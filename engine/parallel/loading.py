@@ -50,9 +50,10 @@ from ..recurrent.base import registered_module_classes
 from .experts import float_expert_cuts, splits_unnamed
 from .fused import FUSED, as_linear, fused_layout, fused_rows, sliced_as_linear
 from .group import RankGroup, ShardingError
+from .heads import model_heads
 from .layers import ReducedOutput, RowParallelLinear, vocab_share
 from .recurrent import GATED_DELTA_NET, MAMBA, MAMBA2
-from .sharding import COLUMN, EXPERTS, PACKED, ROW, column_rows, model_heads, plan_rules, split_of
+from .sharding import COLUMN, EXPERTS, PACKED, ROW, column_rows, plan_rules, split_of
 from .vlm import encoder_prefixes
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from ..model.kv_cache_spec import KVCacheSpec
 from ..model.support import auto_class_for
 from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
-from .sharding import layer_heads, model_heads, shard_model
+from .heads import layer_heads, model_heads
+from .sharding import shard_model
 
 logger = logging.getLogger(__name__)
 
