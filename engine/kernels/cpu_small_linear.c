@@ -184,8 +184,14 @@ static inline __attribute__((always_inline)) void step_bf16(const uint16_t *x, i
 static inline __attribute__((always_inline)) void steps_per(const call_t *call, int64_t m0, int rows, int nv,
                                                             const char *w, int64_t p0, int64_t p1,
                                                             const char *lines, int per, int bf16,
-                                                            vf acc[MAX_MR][MAX_NV]) {
+                                                            vf sums[MAX_MR][MAX_NV]) {
     const int64_t step_bytes = call->bn * 4;
+    /* The loop's own copy of the sums: on the caller's array (its address taken for
+     * the buffer between chunks) GCC stores the 2-vector tiles' sums to the stack at
+     * every step of the AVX2 builds. */
+    vf acc[MAX_MR][MAX_NV];
+    UNROLL for (int r = 0; r < rows; r++)
+        UNROLL for (int v = 0; v < nv; v++) acc[r][v] = sums[r][v];
     if (bf16) {
         const uint16_t *x = (const uint16_t *)call->x + m0 * call->x_stride;
         const int64_t whole = min64(p1, call->K / 2);  /* pairs with both k in x */
@@ -202,6 +208,8 @@ static inline __attribute__((always_inline)) void steps_per(const call_t *call, 
             step_f32(x, call->x_stride, w + (p - p0) * step_bytes, rows, nv, p, acc);
         }
     }
+    UNROLL for (int r = 0; r < rows; r++)
+        UNROLL for (int v = 0; v < nv; v++) sums[r][v] = acc[r][v];
 }
 
 /* Steps p0 .. p1 with the tile's share of the next chunk prefetched, per_step lines

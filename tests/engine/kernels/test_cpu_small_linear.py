@@ -50,7 +50,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_row_count_and_odd_shapes_match_the_reference(target, dtype):
-    """Blocks of two and four vectors of outputs (4 x 16 is oneDNN's on AVX-512), k
+    """Blocks of two, four and eight vectors of outputs (4 x 16 is oneDNN's on AVX-512), k
     padded or not and over several chunks, rows 1-16, past a tile and past a group
     of tiles, odd sizes, bias or none."""
     generator = torch.Generator().manual_seed(0)
@@ -59,7 +59,7 @@ def test_every_row_count_and_odd_shapes_match_the_reference(target, dtype):
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype)
         for packed in (pack_small_linear(weight), pack_small_linear(weight, 2 * width, in_features + 7 + (
-                in_features + 7) % 2)):
+                in_features + 7) % 2), pack_small_linear(weight, 4 * width)):
             for rows in (*range(1, 17), 33, 97):
                 # x's rows are a slice of wider rows holding NaN past in_features: a read past K shows.
                 wide = torch.full((rows, in_features + 3), float("nan"), dtype=dtype)
