@@ -32,6 +32,7 @@ import itertools
 import time
 
 import torch
+from common import best_cpu_seconds
 
 from shardline.engine.kernels import (
     paged_attention,
@@ -123,15 +124,6 @@ def engine_order_tables(prompts: list[int], lengths: list[int], block_size: int)
                 block_tables[seq, index] = next_block
                 next_block += 1
     return block_tables
-
-
-def best_cpu_seconds(run, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.thread_time()
-        run()
-        best = min(best, time.thread_time() - start)
-    return best
 
 
 def bench_cpu(repeat: int) -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import LLAMA_BENCH_CONFIG
+from common import LLAMA_BENCH_CONFIG, best_cpu_seconds
 from roofline import memory_bandwidth
 
 from shardline.engine.cpu.linear import packed_matmul
@@ -55,16 +55,6 @@ def fma_peak(repeat: int) -> float:
     return best
 
 
-def best_cpu_seconds(run, repeat: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.thread_time()
-        run()
-        best = min(best, time.thread_time() - start)
-    return best
-
-
 def shapes(vocabs: list[int]) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of bench_engine's model's linears."""
     hidden, intermediate = LLAMA_BENCH_CONFIG["hidden_size"], LLAMA_BENCH_CONFIG["intermediate_size"]
@@ -86,8 +76,10 @@ def bench_shape(name: str, out_features: int, in_features: int, args: argparse.N
         x = torch.randn(rows, in_features)
         torch.testing.assert_close(small_linear(x, views[0], None), small_linear_reference(x, weight, None),
                                    rtol=1e-4, atol=1e-4)
-        onednn = best_cpu_seconds(lambda x=x: [packed_matmul(x, copy, None) for copy in packed], args.repeat) / copies
-        kernel = best_cpu_seconds(lambda x=x: [small_linear(x, copy, None) for copy in views], args.repeat) / copies
+        onednn = best_cpu_seconds(lambda x=x: [packed_matmul(x, copy, None) for copy in packed], args.repeat,
+                                  warm_up=True) / copies
+        kernel = best_cpu_seconds(lambda x=x: [small_linear(x, copy, None) for copy in views], args.repeat,
+                                  warm_up=True) / copies
         flops = 2 * rows * out_features * in_features
         limit = max(weight.nbytes / bandwidth, flops / peak)
         print(f"{name:<12} {out_features:>6}x{in_features:<5} {rows:>4}  oneDNN {flops / onednn / 1e9:6.1f} "

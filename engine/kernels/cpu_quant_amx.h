@@ -39,8 +39,8 @@ static int amx_ready(void) {
     return ready;
 }
 
-/* Tiles 0-3: the NV sums (rows x 16 float32); 4: x (rows x 32 bfloat16); 5, 6: panel. */
-static void amx_configure(int rows) {
+/* Loads a palette-1 tile configuration: tile t has rows[t] rows of bytes[t] bytes. */
+static void amx_load_config(int tiles, const uint8_t *rows, const uint16_t *bytes) {
     struct __attribute__((packed)) {
         uint8_t palette, start;
         uint8_t reserved[14];
@@ -49,11 +49,18 @@ static void amx_configure(int rows) {
     } config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        config.bytes[t] = 64;
-        config.rows[t] = (uint8_t)(t < 5 ? rows : 16);
+    for (int t = 0; t < tiles; t++) {
+        config.rows[t] = rows[t];
+        config.bytes[t] = bytes[t];
     }
     _tile_loadconfig(&config);
+}
+
+/* Tiles 0-3: the NV sums (rows x 16 float32); 4: x (rows x 32 bfloat16); 5, 6: panel. */
+static void amx_configure(int rows) {
+    const uint8_t r = (uint8_t)rows, tile_rows[7] = {r, r, r, r, r, 16, 16};
+    const uint16_t tile_bytes[7] = {64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(7, tile_rows, tile_bytes);
 }
 
 /* out[m][n] (NB a row) = sum over the chunk's columns of x[m][k] * panel code (k, n),
@@ -124,21 +131,9 @@ static int amx_chunk_rows(const uint32_t *panel, int64_t k0, int64_t k1, const u
 
 /* int8 codes as fp8_codes64 decodes fp8: tables of |code|'s bfloat16 bytes, the sign
  * or-ed in, -128 (whose magnitude the 7-bit lookup cannot index) by a mask. */
-static fp8_tables int8_byte_tables(void) {
-    uint8_t high[128], low[128];
-    for (int code = 0; code < 128; code++) {
-        const float value = (float)code;
-        uint32_t bits;
-        memcpy(&bits, &value, sizeof bits);
-        high[code] = (uint8_t)(bits >> 24), low[code] = (uint8_t)(bits >> 16);
-    }
-    fp8_tables tables;
-    for (int half = 0; half < 2; half++) {
-        tables.high[half] = _mm512_loadu_si512(high + 64 * half);
-        tables.low[half] = _mm512_loadu_si512(low + 64 * half);
-    }
-    return tables;
-}
+static float int8_magnitude(int code) { return (float)code; }
+
+static fp8_tables int8_byte_tables(void) { return byte_tables(int8_magnitude); }
 
 static inline void int8_codes64(const uint8_t *p, const fp8_tables *tables, __m512i *first, __m512i *second) {
     const __m512i code = _mm512_loadu_si512(p), magnitude = _mm512_abs_epi8(code);
@@ -166,19 +161,9 @@ static void amx_x_pairs(const uint16_t *x, int64_t x_stride, int rows, int64_t K
 
 /* Tiles 0: sums (16 weight rows x rows float32), 1, 2: codes (16 x 32 bfloat16), 3, 4: x. */
 static void amx_configure_decode(int rows) {
-    struct __attribute__((packed)) {
-        uint8_t palette, start;
-        uint8_t reserved[14];
-        uint16_t bytes[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        config.rows[t] = 16;
-        config.bytes[t] = (uint16_t)(t == 1 || t == 2 ? 64 : 4 * rows);
-    }
-    _tile_loadconfig(&config);
+    const uint16_t b = (uint16_t)(4 * rows), tile_bytes[5] = {b, 64, 64, b, b};
+    const uint8_t tile_rows[5] = {16, 16, 16, 16, 16};
+    amx_load_config(5, tile_rows, tile_bytes);
 }
 
 /* Output columns n0 .. n0 + 15 for every row of x. */

@@ -77,10 +77,11 @@ static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loa
  * 16 L + 0..7 of each 128-bit lane L, *second 16 L + 8..15 (x_unpack_order's order). */
 typedef struct { __m512i high[2], low[2]; } fp8_tables;
 
-static fp8_tables fp8_byte_tables(void) {
+/* The tables of the bfloat16 bytes of magnitude(code) for the 128 7-bit codes. */
+static fp8_tables byte_tables(float (*magnitude)(int code)) {
     uint8_t high[128], low[128];
     for (int code = 0; code < 128; code++) {
-        const float value = w8_scalar((uint8_t)code, 1);
+        const float value = magnitude(code);
         uint32_t bits;
         memcpy(&bits, &value, sizeof bits);
         high[code] = (uint8_t)(bits >> 24), low[code] = (uint8_t)(bits >> 16);
@@ -92,6 +93,10 @@ static fp8_tables fp8_byte_tables(void) {
     }
     return tables;
 }
+
+static float fp8_magnitude(int code) { return w8_scalar((uint8_t)code, 1); }
+
+static fp8_tables fp8_byte_tables(void) { return byte_tables(fp8_magnitude); }
 
 static inline void fp8_codes64(const uint8_t *p, const fp8_tables *tables, __m512bh *first, __m512bh *second) {
     const __m512i code = _mm512_loadu_si512(p);  /* permutex2var reads 7 index bits: the magnitude */

@@ -163,12 +163,10 @@ def test_a_quantized_fused_checkpoint_splits_with_its_scales(fmt, tmp_path):
     rows split from the whole quantized linears."""
     from shardline.engine.parallel.placement import shard_then_place
     from shardline.engine.parallel.quantized_slices import quantized_share_plan
-    from shardline.engine.parallel.sharding import shard_model
-    from shardline.engine.quantization.load import put_quantized_linears
 
     from ..quantization import checkpoints as ckpt
     from ..quantization.test_formats import FORMATS
-    from .test_tp_loading_quantized import attention_layers, dequantized, loaded
+    from .test_tp_loading_quantized import attention_layers, dequantized, loaded, whole_split
 
     _, config, quantize, _ = FORMATS[fmt]
     float_dir = build_tiny_model(tmp_path / "float", "phi3", num_attention_heads=4, num_key_value_heads=2)
@@ -176,9 +174,7 @@ def test_a_quantized_fused_checkpoint_splits_with_its_scales(fmt, tmp_path):
     ckpt.write_quantized(float_dir, directory, config, quantize)
     for rank in (0, 1):
         group = RankGroup(rank, 2, lambda: "")
-        whole, weights = loaded(directory)
-        put_quantized_linears(whole, weights)
-        shard_model(whole, group, attention_layers(whole))
+        whole = whole_split(directory, group)
         sliced, weights = loaded(directory)
         assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(
             quantized_share_plan(sliced, group, weights))

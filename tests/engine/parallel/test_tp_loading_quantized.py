@@ -60,6 +60,15 @@ def attention_layers(model: nn.Module) -> int:
     return sum(1 for layer in KVCacheSpec.from_hf_config(config, torch.float32).layers if layer.num_kv_heads)
 
 
+def whole_split(directory: Path, group: RankGroup) -> nn.Module:
+    """The whole checkpoint loaded with its quantized linears placed, then split for
+    ``group``'s rank: what the slice-read shares are compared against."""
+    whole, weights = loaded(directory)
+    put_quantized_linears(whole, weights)
+    shard_model(whole, group, attention_layers(whole))
+    return whole
+
+
 def dequantized(layer: QuantizedLinear) -> torch.Tensor:
     """A share's float32 weight in input-column order (act-order undone)."""
     weight = layer.dequantized_rows(0, layer.out_features)
@@ -83,9 +92,7 @@ def test_slice_read_shares_equal_the_whole_linears_split(name, tmp_path):
     ckpt.write_quantized(float_dir, directory, config, quantize)
     for rank in (0, 1):
         group = RankGroup(rank, 2, lambda: "")
-        whole, weights = loaded(directory)
-        put_quantized_linears(whole, weights)
-        shard_model(whole, group, attention_layers(whole))
+        whole = whole_split(directory, group)
         sliced, weights = loaded(directory)
         assert len(quantized_share_plan(sliced, group, weights)) == SLICED[name]
         shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
@@ -170,9 +177,7 @@ def test_per_expert_shares_read_as_slices_equal_the_whole_experts_split(fmt, tmp
     ckpt.write_quantized(float_dir, directory, quantization_config, quantize)
     for rank in (0, 1):
         group = RankGroup(rank, 2, lambda: "")
-        whole, weights = loaded(directory)
-        put_quantized_linears(whole, weights)
-        shard_model(whole, group, attention_layers(whole))
+        whole = whole_split(directory, group)
         sliced, weights = loaded(directory, read_experts=False)
         shard_then_place(sliced, group, attention_layers(sliced), torch.device("cpu"), quantized=weights)
         shares = [module.inner for module in sliced.modules() if isinstance(module, ReducedOutput)]
