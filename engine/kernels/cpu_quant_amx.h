@@ -159,6 +159,15 @@ static void amx_x_pairs(const uint16_t *x, int64_t x_stride, int rows, int64_t K
         }
 }
 
+/* out[m][n0 + r] = sums[r][m] + bias, in bfloat16, for the tile's output columns
+ * below N (a decode tile: 16 weight rows x `rows` rows of x). */
+static void store_tile_sums(float sums[16][16], int64_t rows, int64_t n0, int64_t N, const float *bias,
+                            uint16_t *out, int64_t out_stride) {
+    for (int r = 0; r < 16 && n0 + r < N; r++)
+        for (int64_t m = 0; m < rows; m++)
+            out[m * out_stride + n0 + r] = f32_to_bf16(sums[r][m] + (bias ? bias[n0 + r] : 0.0f));
+}
+
 /* Tiles 0: sums (16 weight rows x rows float32), 1, 2: codes (16 x 32 bfloat16), 3, 4: x. */
 static void amx_configure_decode(int rows) {
     const uint16_t b = (uint16_t)(4 * rows), tile_bytes[5] = {b, 64, 64, b, b};
@@ -219,9 +228,7 @@ static int amx_w8_linear(const uint16_t *x, int64_t x_stride, int64_t rows, cons
         for (int64_t n0 = 0; n0 < N; n0 += 16) {
             float sums[16][16];
             amx_w8_tile(weight, fp8, &tables, scale, scale_cols, bn, bk, pairs, (int)rows, n0, N, K, sums);
-            for (int r = 0; r < 16 && n0 + r < N; r++)
-                for (int64_t m = 0; m < rows; m++)
-                    out[m * out_stride + n0 + r] = f32_to_bf16(sums[r][m] + (bias ? bias[n0 + r] : 0.0f));
+            store_tile_sums(sums, rows, n0, N, bias, out, out_stride);
         }
         _tile_release();
     }
@@ -325,9 +332,7 @@ static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, floa
                         sums[r][m] += block[r][m] * s - (zeros ? zs * x_sums[m * groups + g] : 0.0f);
                 }
             }
-            for (int r = 0; r < 16 && n0 + r < N; r++)
-                for (int64_t m = 0; m < rows; m++)
-                    out[m * out_stride + n0 + r] = f32_to_bf16(sums[r][m] + (bias ? bias[n0 + r] : 0.0f));
+            store_tile_sums(sums, rows, n0, N, bias, out, out_stride);
         }
         _tile_release();
     }
