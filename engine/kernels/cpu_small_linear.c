@@ -58,8 +58,27 @@
 #define PARALLEL_MIN_WORK (1 << 18)
 /* A block is walked in chunks of about this many bytes of weights (whole k, or pairs
  * of k for bfloat16), every row tile of a group over one chunk before the next: the
- * group's first tile reads the chunk from memory or L2, the others from L1. */
+ * group's first tile reads the chunk from memory or L2, the others from L1. With 16
+ * registers a tile covers a quarter of a 64-output block's k and its sums are moved
+ * in and out of the buffer at every chunk, so past LONG_CHUNK_ROWS rows (bound by the
+ * arithmetic, not by reading the weights) chunks are LONG_CHUNK_BYTES: fewer such
+ * moves per multiply-add. */
 #define CHUNK_BYTES 16384
+#if VL == 16
+#define LONG_CHUNK_BYTES CHUNK_BYTES
+#else
+#define LONG_CHUNK_BYTES 65536
+#endif
+#define LONG_CHUNK_ROWS 8
+/* float32 steps per turn of a tile's loop: with 16 registers, the loop's own counting
+ * and jumping otherwise takes a visible share of the issue slots between the 12
+ * multiply-adds of a 6 x 2 tile. */
+#if VL == 16
+#define STEP_UNROLL 1
+#else
+#define STEP_UNROLL 4
+#endif
+#define UNROLL_BY(N) PRAGMA(GCC unroll N)
 /* Rows of a group: GROUP_TILES tiles, whose sums between chunks wait in a buffer of
  * GROUP_TILES MAX_MR rows by MAX_BN outputs (the launcher asserts BN <= MAX_BN). */
 #define GROUP_TILES 8
@@ -132,13 +151,15 @@ static inline __attribute__((always_inline)) void store_row(const vf acc[MAX_NV]
     }
 }
 
-/* One step (one k) of float32: the step's NV weight vectors times each row's x[k]. */
-static inline __attribute__((always_inline)) void step_f32(const float *x, int64_t x_stride, const char *w,
+/* One step (one k) of float32: the step's NV weight vectors times each row's x[k]
+ * (rows[r] points at row r of x: one register per row, indexed by k, so a step
+ * computes no row addresses). */
+static inline __attribute__((always_inline)) void step_f32(const float *const rows_x[MAX_MR], const char *w,
                                                            int rows, int nv, int64_t k, vf acc[MAX_MR][MAX_NV]) {
     vf wv[MAX_NV];
     UNROLL for (int v = 0; v < nv; v++) memcpy(&wv[v], w + v * sizeof(vf), sizeof(vf));
     UNROLL for (int r = 0; r < rows; r++) {
-        const vf xr = broadcast(x + r * x_stride + k);
+        const vf xr = broadcast(rows_x[r] + k);
         UNROLL for (int v = 0; v < nv; v++) acc[r][v] += xr * wv[v];
     }
 }
@@ -202,10 +223,11 @@ static inline __attribute__((always_inline)) void steps_per(const call_t *call, 
         if (whole < p1)  /* the last, odd k */
             step_bf16(x, call->x_stride, w + (whole - p0) * step_bytes, rows, nv, 2 * whole, 1, acc);
     } else {
-        const float *x = (const float *)call->x + m0 * call->x_stride;
-        for (int64_t p = p0; p < p1; p++) {
+        const float *rows_x[MAX_MR];
+        UNROLL for (int r = 0; r < rows; r++) rows_x[r] = (const float *)call->x + (m0 + r) * call->x_stride;
+        UNROLL_BY(STEP_UNROLL) for (int64_t p = p0; p < p1; p++) {
             UNROLL for (int j = 0; j < per; j++) __builtin_prefetch(lines + 64 * ((p - p0) * per + j), 0, PREFETCH_HINT);
-            step_f32(x, call->x_stride, w + (p - p0) * step_bytes, rows, nv, p, acc);
+            step_f32(rows_x, w + (p - p0) * step_bytes, rows, nv, p, acc);
         }
     }
     UNROLL for (int r = 0; r < rows; r++)
@@ -277,7 +299,8 @@ static inline __attribute__((always_inline)) void run_sub_block(const call_t *ca
 static inline __attribute__((always_inline)) void run_group(const call_t *call, int64_t b, int nv, int64_t g0,
                                                             int64_t rows, int bf16) {
     float partial[GROUP_TILES * MAX_MR][MAX_BN] __attribute__((aligned(64)));
-    const int64_t chunk = CHUNK_BYTES / (call->bn * 4) > 0 ? CHUNK_BYTES / (call->bn * 4) : 1;
+    const int64_t chunk_bytes = call->M > LONG_CHUNK_ROWS ? LONG_CHUNK_BYTES : CHUNK_BYTES;
+    const int64_t chunk = chunk_bytes / (call->bn * 4) > 0 ? chunk_bytes / (call->bn * 4) : 1;
     const int64_t bn = min64(call->bn, call->N - b * call->bn), mr = MR(nv);
     const int64_t tiles = (bn + nv * VL - 1) / (nv * VL) * ((rows + mr - 1) / mr);
     const char *end = call->packed + call->blocks * call->block_bytes, *block = call->packed + b * call->block_bytes;
