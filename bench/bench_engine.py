@@ -11,7 +11,7 @@ matmul peak; bench/roofline.py).
 
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
-    python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1]
+    python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1] [--shapes 0 3] [--skip-hf] [--profile]
     python bench/bench_engine.py --skip-hf --without small_linear_kernel [--cpu-time]
 
 ``--without PATH`` also runs, interleaved in the same process, an engine loaded with
@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import transformers
@@ -158,19 +159,50 @@ def run_shardline(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     return elapsed
 
 
-def run_rounds(runners: dict[str, Callable[[], float]], repeat: int,
-               profile_last: bool) -> tuple[dict[str, list[float]], StepProfile | None]:
+def run_rounds(runners: dict[str, Callable[[], float]], repeat: int, profile_last: bool,
+               installed: StepProfile | None = None) -> tuple[dict[str, list[float]], StepProfile | None]:
     """Every side's seconds per round, interleaved (a slow phase of the machine hits
-    every side), and with ``profile_last`` the last shardline run's profile."""
+    every side), and with ``profile_last`` the last shardline run's profile (into
+    ``installed``, its figures cleared first, where one is already installed: its
+    wrappers stay on the engine's classes)."""
     results: dict[str, list[float]] = {name: [] for name in runners}
     profile = None
     for round_index in range(repeat):
         for name, run in runners.items():
             if name == "shardline" and profile_last and round_index == repeat - 1:
-                profile = StepProfile(clock)  # the last round's shardline run only
+                # The last round's shardline run only.
+                profile = installed or StepProfile(clock)
+                profile.seconds.clear()
             with torch.inference_mode():
                 results[name].append(run())
     return results, profile
+
+
+def time_lm_head(llm: LLM, profile: StepProfile) -> StepProfile:
+    """``profile`` also timing ``llm``'s LM head (the model's output linear) as "lm head":
+    part of the forward's linears, at the rows each step samples."""
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine), "one process's engine (no tensor or data parallelism here)"
+    model = engine.model
+    assert isinstance(model, transformers.PreTrainedModel), "a transformers model"
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module), "a causal LM has an output linear"
+    forward = cast(Callable[[torch.Tensor], torch.Tensor], head.forward)
+
+    def timed(x: torch.Tensor) -> torch.Tensor:
+        start = clock()
+        try:
+            return forward(x)
+        finally:
+            profile.seconds["lm head"] = profile.seconds.get("lm head", 0.0) + clock() - start
+
+    head.forward = timed
+    return profile
+
+
+def print_profile(profile: StepProfile, total: float) -> None:
+    print("shardline profile (last run):\n" + profile.report(total))
+    print(f"  {'of which the LM head':30s} {profile.seconds.get('lm head', 0.0):7.2f} s", flush=True)
 
 
 def print_runs(results: dict[str, list[float]], output_tokens: int) -> None:
@@ -213,7 +245,8 @@ def default_run(args: argparse.Namespace) -> None:
         other.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
         runners[f"shardline without {path}"] = lambda other=other: run_shardline(other, prompts, args.output_len)
     limits_before = HostLimits.measure(dtype)
-    results, profile = run_rounds(runners, args.repeat, args.profile)
+    installed = time_lm_head(llm, StepProfile(clock)) if args.profile else None
+    results, profile = run_rounds(runners, args.repeat, args.profile, installed)
 
     print(f"host: {host_cpu().describe()}")
     engine = llm.llm_engine
@@ -236,7 +269,7 @@ def default_run(args: argparse.Namespace) -> None:
           f"{output_tokens / bound.seconds:.1f} the roofline allows ({100 * bound.seconds / ours:.1f}%; "
           f"bound {bound.seconds:.2f} s: {bound.describe()})")
     if profile is not None:
-        print("shardline profile (last run):\n" + profile.report(results["shardline"][-1]))
+        print_profile(profile, results["shardline"][-1])
 
 
 def engine_without(model_dir: str, dtype: str, path: str) -> LLM:
@@ -257,6 +290,7 @@ def sweep(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     limits = HostLimits.measure(dtype)
     rows = []
+    profile: StepProfile | None = None
     shapes = [SWEEP_SHAPES[index] for index in args.shapes] if args.shapes else list(SWEEP_SHAPES)
     for vocab_size in dict.fromkeys(shape.vocab_size for shape in shapes):
         with tempfile.TemporaryDirectory(prefix="shardline-bench-") as model_dir:
@@ -265,7 +299,9 @@ def sweep(args: argparse.Namespace) -> None:
             llm = LLM(model_dir, dtype=args.dtype)
             llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
             for shape in (s for s in shapes if s.vocab_size == vocab_size):
-                rows.append(sweep_shape(shape, hf_model, llm, args, limits))
+                if args.profile:  # installed once: its wrappers stay for the later shapes
+                    profile = time_lm_head(llm, profile or StepProfile(clock))
+                rows.append(sweep_shape(shape, hf_model, llm, args, profile))
             llm.close()
             del llm, hf_model
             gc.collect()
@@ -277,24 +313,32 @@ def sweep(args: argparse.Namespace) -> None:
     for shape, hf_seconds, ours, bound in rows:
         tokens = shape.num_prompts * shape.output_len
         bound_seconds = bound(limits).seconds
-        print(f"{shape.describe():52s} {tokens / hf_seconds:12.1f} {tokens / ours:10.1f} {hf_seconds / ours:5.2f}x "
+        theirs = (f"{tokens / hf_seconds:12.1f}", f"{hf_seconds / ours:5.2f}x") if hf_seconds else (f"{'-':>12s}",
+                                                                                                     f"{'-':>6s}")
+        print(f"{shape.describe():52s} {theirs[0]} {tokens / ours:10.1f} {theirs[1]} "
               f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}%")
     print("(output tok/s; roofline: the tok/s the host's roofline allows; share: achieved over allowed)")
 
 
-def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, limits: HostLimits):
-    """One shape's best transformers and shardline seconds and its roofline (of the
-    host limits, measured again at the end)."""
+def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, installed: StepProfile | None):
+    """One shape's best transformers (None with --skip-hf) and shardline seconds and its
+    roofline (of the host limits, measured again at the end); with --profile, the
+    shardline run's split printed (into ``installed``, the sweep's one profile)."""
     prompts = random_prompts(shape.num_prompts, shape.min_len, shape.max_len, shape.vocab_size)
-    runners = {"transformers static generate": lambda: run_hf_static(hf_model, prompts, shape.output_len,
-                                                                     args.hf_batch_size),
-               "shardline": lambda: run_shardline(llm, prompts, shape.output_len)}
-    results, _ = run_rounds(runners, args.repeat, profile_last=False)
+    runners: dict[str, Callable[[], float]] = {}
+    if not args.skip_hf:
+        runners["transformers static generate"] = lambda: run_hf_static(hf_model, prompts, shape.output_len,
+                                                                        args.hf_batch_size)
+    runners["shardline"] = lambda: run_shardline(llm, prompts, shape.output_len)
+    results, profile = run_rounds(runners, args.repeat, args.profile, installed)
     print(f"{shape.describe()}:", flush=True)
     print_runs(results, shape.num_prompts * shape.output_len)
+    if profile is not None:
+        print_profile(profile, results["shardline"][-1])
     model_shape = ModelShape.of(hf_model.config, getattr(torch, args.dtype))
     max_num_seqs = llm.engine_config.max_num_seqs
-    return (shape, min(results["transformers static generate"]), min(results["shardline"]),
+    hf_seconds = min(results["transformers static generate"]) if not args.skip_hf else None
+    return (shape, hf_seconds, min(results["shardline"]),
             lambda host: workload_roofline(model_shape, max_num_seqs, prompts, shape.output_len, host))
 
 
