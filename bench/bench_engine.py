@@ -20,7 +20,10 @@ shardline's ratio to it.
 
 ``--sweep`` runs a grid of workload shapes (vocabularies 8k-128k, prompts 32-2048
 tokens, 32-512 output tokens; SWEEP_SHAPES) against transformers' static generate
-and prints, per shape, both sides' tokens/s, the ratio and the roofline share.
+and prints, per shape, both sides' tokens/s, the ratio and the roofline share, and the
+ratio a run at the roofline would reach (transformers' seconds over the roofline's: a
+shape whose ceiling is below a goal cannot meet it on that host, whatever the engine
+does short of cutting arithmetic the roofline counts).
 
 Each side runs ``--repeat`` times, interleaved round by round (transformers, then
 shardline), and the best runs are compared: this machine's speed swings between
@@ -309,15 +312,17 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"host: {host_cpu().describe()}")
     print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each; "
           + limits.describe())
-    print(f"{'shape':52s} {'transformers':>12s} {'shardline':>10s} {'ratio':>6s} {'roofline':>9s} {'share':>6s}")
+    print(f"{'shape':52s} {'transformers':>12s} {'shardline':>10s} {'ratio':>6s} {'roofline':>9s} {'share':>6s} "
+          f"{'ceiling':>7s}")
     for shape, hf_seconds, ours, bound in rows:
         tokens = shape.num_prompts * shape.output_len
         bound_seconds = bound(limits).seconds
-        theirs = (f"{tokens / hf_seconds:12.1f}", f"{hf_seconds / ours:5.2f}x") if hf_seconds else (f"{'-':>12s}",
-                                                                                                     f"{'-':>6s}")
+        theirs = ((f"{tokens / hf_seconds:12.1f}", f"{hf_seconds / ours:5.2f}x", f"{hf_seconds / bound_seconds:6.2f}x")
+                  if hf_seconds else (f"{'-':>12s}", f"{'-':>6s}", f"{'-':>7s}"))
         print(f"{shape.describe():52s} {theirs[0]} {tokens / ours:10.1f} {theirs[1]} "
-              f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}%")
-    print("(output tok/s; roofline: the tok/s the host's roofline allows; share: achieved over allowed)")
+              f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}% {theirs[2]}")
+    print("(output tok/s; roofline: the tok/s the host's roofline allows; share: achieved over allowed; "
+          "ceiling: the ratio a run at the roofline would reach)")
 
 
 def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, installed: StepProfile | None):
