@@ -183,18 +183,22 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
 # its cache's 1024 entries per layer shape), and a continuous batch sees almost every
 # row count between 1 and its token budget: the cache would grow with the run. Rows
 # are padded with zeros to a bucket instead (FEW_ROWS, then its doubles up to SMALL_ROWS,
-# multiples of SMALL_ROWS up to LARGE_ROWS, then multiples of LARGE_ROWS), so each layer
-# shape meets at most a few dozen row counts. A full prefill step is already a multiple
-# of LARGE_ROWS. Few decode rows keep buckets of their own: oneDNN's float32 linear is
-# not bound by reading the weights there, and on an AVX-512 host one decode step's
-# linears ran about 1.6x longer on 16 rows than on 4; 1 and 2 rows ran no faster than 4.
+# multiples of SMALL_ROWS up to LARGE_ROWS), and more than LARGE_ROWS rows run as two
+# calls, their largest multiple of LARGE_ROWS and the rest in its bucket (row_parts), so
+# each layer shape meets at most a few dozen row counts and a step pads fewer than
+# SMALL_ROWS rows. oneDNN's float32 rows do not depend on the other rows of the call
+# (tests/engine/cpu/test_cpu_linear.py checks it where it holds on the host), so the split
+# changes no row's product there. Few decode rows keep buckets of their own: oneDNN's
+# float32 linear is not bound by reading the weights there, and on an AVX-512 host one
+# decode step's linears ran about 1.6x longer on 16 rows than on 4; 1 and 2 rows ran no
+# faster than 4.
 FEW_ROWS = 4
 SMALL_ROWS = 16
 LARGE_ROWS = 256
 
 
 def row_bucket(rows: int) -> int:
-    """The padded row count oneDNN sees for ``rows`` rows."""
+    """The padded row count oneDNN sees for one call of ``rows`` rows (see ``row_parts``)."""
     if rows < SMALL_ROWS:
         bucket = FEW_ROWS
         while bucket < rows:
@@ -202,6 +206,13 @@ def row_bucket(rows: int) -> int:
         return bucket
     step = SMALL_ROWS if rows <= LARGE_ROWS else LARGE_ROWS
     return -(-rows // step) * step
+
+
+def row_parts(rows: int) -> tuple[int, ...]:
+    """The row counts of the calls ``rows`` rows run as, in order: one call, or past
+    LARGE_ROWS the largest multiple of LARGE_ROWS and the rest."""
+    rest = rows % LARGE_ROWS if rows > LARGE_ROWS else 0
+    return (rows - rest, rest) if rest else (rows,)
 
 
 def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -212,19 +223,34 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """x [..., in] times a packed weight (and bias, of the packed weight's dtype):
     [..., out] in x's dtype, computed in the packed weight's."""
     rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    parts = row_parts(rows)
+    if len(parts) == 1:
+        out = _rows_matmul(flat, packed, bias)
+    else:
+        out = torch.cat([_rows_matmul(part, packed, bias) for part in flat.split(parts)])
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def _rows_matmul(flat: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """flat [rows, in] (any dtype) times a packed weight: [rows, out] in the packed weight's dtype."""
+    rows = flat.shape[0]
     if isinstance(packed, KernelPacked):
         if packed.takes(rows):  # no padding
-            return small_linear(x.to(packed.dtype), packed.kernel, bias).to(x.dtype)
+            return small_linear(flat.to(packed.dtype), packed.kernel, bias)
         packed = packed.onednn
-    flat = x.reshape(rows, x.shape[-1])
     bucket = row_bucket(rows)
     if bucket != rows or flat.dtype != packed.dtype:
         padded = flat.new_empty(bucket, flat.shape[1], dtype=packed.dtype)
         padded[:rows] = flat
         padded[rows:].zero_()
         flat = padded
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return onednn_linear(flat, packed, bias)[:rows]
+
+
+def onednn_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear: flat [rows, in] times its packed weight (+ bias), [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
 
 
 class FusedGatedMLP(nn.Module):

@@ -87,6 +87,51 @@ def test_row_counts_fall_into_few_buckets():
     assert [row_bucket(rows) for rows in (1, 4, 5, 8, 9, 16)] == [4, 4, 8, 8, 16, 16]  # few rows, few padded
 
 
+def test_a_step_past_large_rows_pads_fewer_than_small_rows():
+    """Past LARGE_ROWS a step runs its multiple of LARGE_ROWS and the rest as two calls:
+    the row counts oneDNN meets stay few, and a step pads fewer than SMALL_ROWS rows."""
+    from shardline.engine.cpu.linear import LARGE_ROWS, SMALL_ROWS, row_bucket, row_parts
+
+    assert row_parts(600) == (512, 88) and row_parts(512) == (512,) and row_parts(200) == (200,)
+    seen = set()
+    for rows in range(1, 8193):
+        parts = row_parts(rows)
+        assert sum(parts) == rows and all(part > 0 for part in parts)
+        assert all(part % LARGE_ROWS == 0 for part in parts[:-1])
+        padded = sum(row_bucket(part) for part in parts) - rows
+        assert padded < (SMALL_ROWS if rows >= SMALL_ROWS else rows + 4)
+        seen.update(row_bucket(part) for part in parts)
+    assert len(seen) <= 50
+
+
+def test_a_split_step_gives_each_row_the_product_of_one_call(monkeypatch):
+    """A 600-row input reaches oneDNN as 512 rows and 88 padded to 96, not 768; its rows
+    are those of one padded call wherever oneDNN's rows do not depend on the other rows
+    of the call (checked on a probe), and within float32 error of torch's linear anyway."""
+    import shardline.engine.cpu.linear as linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 48, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(600, 48, generator=generator)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 256)
+    one_call = linear.onednn_linear(torch.cat([x, x.new_zeros(168, 48)]), packed, bias)[:600]
+    row_independent = torch.equal(linear.onednn_linear(x[:256].contiguous(), packed, bias), one_call[:256])
+    calls: list[int] = []
+    original = linear.onednn_linear
+
+    def recorded(flat: torch.Tensor, *rest) -> torch.Tensor:
+        calls.append(flat.shape[0])
+        return original(flat, *rest)
+
+    monkeypatch.setattr(linear, "onednn_linear", recorded)
+    with torch.inference_mode():
+        out = linear.packed_matmul(x.view(2, 300, 48), packed, bias)
+    assert calls == [512, 96] and out.shape == (2, 300, 40)
+    torch.testing.assert_close(out.view(600, 40), nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    if row_independent:
+        assert torch.equal(out.view(600, 40), one_call)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inner: int, act: nn.Module) -> None:
         super().__init__()
