@@ -366,6 +366,14 @@ static inline __attribute__((always_inline)) void vector_item(
     }
 }
 
+/* 8-lane builds take the chunked item for head size 64 (cpu_decode_chunked.h). */
+#if VL == 8
+#include "cpu_decode_chunked.h"
+#define CHUNKED_ITEM_64(BF16, ...) ((BF16) ? chunked_item_64_bf16(__VA_ARGS__) : chunked_item_64_f32(__VA_ARGS__))
+#else
+#define CHUNKED_ITEM_64(BF16, ...) ((void)0)
+#endif
+
 /* The vector item for one element type, as its own function (its work arrays in their
  * own stack frame), with the common head sizes as constants. */
 #define DEFINE_VECTOR_ITEM(NAME, BF16)                                                          \
@@ -376,7 +384,11 @@ static __attribute__((noinline)) void NAME(                                     
     int64_t v_row_stride, int64_t head_dim, int64_t head_dim_v, int64_t block_size, float scale, \
     int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk)      \
 {                                                                                               \
-    if (head_dim == head_dim_v && head_dim == 64)                                               \
+    if (VL == 8 && head_dim == head_dim_v && head_dim == 64)                                    \
+        CHUNKED_ITEM_64(BF16, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
+                        out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale,  \
+                        window, softcap, sinks, alibi, chunk);                                  \
+    else if (head_dim == head_dim_v && head_dim == 64)                                          \
         vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
                     num_item_heads, group, num_heads, row_stride, v_row_stride, 64, 64, block_size, \
                     scale, window, softcap, sinks, alibi, chunk, BF16);                         \

@@ -2,6 +2,7 @@
 
 import dataclasses
 import shutil
+from typing import TypedDict
 
 import pytest
 import torch
@@ -17,8 +18,14 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 each_target = pytest.mark.usefixtures("kernel_target")
 
 # bfloat16 is read into float32 and rounded once on the way out: one bfloat16 step.
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12),
-             torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+class Tolerance(TypedDict):
+    atol: float
+    rtol: float
+
+
+TOLERANCE: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=2e-5, rtol=2e-5), torch.float64: Tolerance(atol=1e-12, rtol=1e-12),
+    torch.bfloat16: Tolerance(atol=1e-2, rtol=1e-2)}
 
 
 def run_kernel(batch, requests: list[int], scale: float, sliding_window=None, softcap=None, **features):
@@ -182,3 +189,34 @@ def test_bfloat16_engine_decodes_with_the_kernel(tiny_llama_dir, monkeypatch):
     torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     assert not calls and native == torch_path
+
+
+
+def check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads):
+    context_lens = [0, 7, 130, 600, 1500]
+    batch = make_paged_batch(context_lens, [1] * len(context_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=64, block_size=block_size, dtype=dtype)
+    requests = list(range(len(context_lens)))
+    for window, features in ((None, {}), (300, {}), (None, {**feature_options("all", num_heads), "chunk_size": 700})):
+        out = run_kernel(batch, requests, 0.125, window, **features)
+        torch.testing.assert_close(out, reference(batch, 0.125, window, **features), **TOLERANCE[dtype])
+
+
+@each_target
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 1), (6, 2)])
+def test_contexts_past_one_chunk(num_heads, num_kv_heads):
+    """Head size 64, which 8-lane builds attend in chunks of 8192 scores over an item's
+    query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32): contexts of
+    several chunks, a window and attention chunks that start inside one, sinks and
+    ALiBi carried across them, odd query heads per KV head."""
+    check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads)
+
+
+@pytest.mark.slow
+@each_target
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 2), (6, 2), (32, 1)])
+def test_contexts_past_one_chunk_every_block_size(dtype, block_size, num_heads, num_kv_heads):
+    """test_contexts_past_one_chunk in bfloat16 too and at every block size."""
+    check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads)

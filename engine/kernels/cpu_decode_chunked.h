@@ -1,0 +1,233 @@
+/* The chunked item of the decode attention (cpu_decode_attention.c), for float32 and
+ * bfloat16 caches whose key and value head sizes are equal multiples of VL; the
+ * kernel takes it on 8-lane builds (AVX2 and narrower) for head size 64, where the
+ * vector item's per-block softmax and value passes cost more than its reads.
+ *
+ * Where the vector item runs the online softmax per cache block (a max, an exp of
+ * the correction and the accumulators rescaled every block_size keys, and the value
+ * rows summed block by block), this one takes the context a chunk of up to
+ * CHUNK_SCORES / (query rows) keys at a time, in two passes: every key's scores
+ * first, then one softmax step over the chunk (its max, exp, sum; the accumulators
+ * rescaled once), then the values. Contexts shorter than a chunk are a plain
+ * softmax. The keys' and values' rows are read in place through the block table
+ * (any block size), each once per pass:
+ * - scores: VL consecutive keys at a time for one query row (their row addresses
+ *   looked up once for all heads), summed by sum_each as in the vector item; lanes
+ *   before the window's first key or past the last one read the nearest key inside
+ *   (never a row the request does not own) and are masked to -inf;
+ * - values: TILE keys at a time (a tile is small enough to stay in L1 between the
+ *   passes over its columns), COLS vectors of columns for two query rows of a KV
+ *   head at a time with their accumulators in registers over the tile.
+ * Each pass prefetches the rows it will read next into L2 while it computes: scores
+ * PREFETCH_KEYS keys ahead, values the next tile's same columns.
+ * Invariant: every row read is one of the request's positions first .. seq_len - 1. */
+
+#ifndef SHARDLINE_CPU_DECODE_CHUNKED_H
+#define SHARDLINE_CPU_DECODE_CHUNKED_H
+
+#define CHUNK_SCORES 8192  /* floats of scores per item (32 KiB): keys per chunk x query rows */
+#define MAX_CHUNK_KEYS 1024
+#define TILE 16
+#define PREFETCH_KEYS 8
+/* rows past a chunk's last key looked up for the prefetches */
+#define ROWS_PAST (2 * TILE > PREFETCH_KEYS + VL ? 2 * TILE : PREFETCH_KEYS + VL)
+
+/* Scores of the VL keys whose head rows start at rows[0 .. VL - 1] (element offsets)
+ * for one scaled query row. */
+static inline __attribute__((always_inline)) vf chunk_key_scores(
+    const float *query, const void *k_cache, const int64_t *rows, const int64_t D, const int bf16,
+    const int64_t *prefetch_rows)
+{
+    vf a[VL];
+    for (int j = 0; j < VL; j++) a[j] = splat(0.0f);
+    for (int64_t d = 0; d < D; d += VL) {
+        vf qd;
+        memcpy(&qd, query + d, sizeof qd);
+        /* prefetch_rows (or NULL): one row's head per step, the first VL steps */
+        if (prefetch_rows && d / VL < VL)
+            prefetch_lines((const char *)k_cache + prefetch_rows[d / VL] * (bf16 ? 2 : 4), D * (bf16 ? 2 : 4));
+        for (int j = 0; j < VL; j++) a[j] += qd * loadv(k_cache, rows[j] + d, bf16);
+    }
+    return sum_each(a);
+}
+
+/* acc[b][0 .. cols - 1] += sum over keys j < num_keys of p[b][j] * the value row at
+ * rows[j] (element offset of these columns), for `pairs` (1 or 2) query rows. */
+static inline __attribute__((always_inline)) void chunk_add_values(
+    vf *acc0, vf *acc1, const float *p0, const float *p1, const void *v_cache, const int64_t *rows,
+    int64_t num_keys, const int pairs, const int cols, const int bf16, const char *prefetch, const int64_t *next_rows,
+    int64_t element)
+{
+    vf a[2][COLS];
+    for (int d = 0; d < cols; d++) {
+        a[0][d] = acc0[d];
+        if (pairs == 2) a[1][d] = acc1[d];
+    }
+    for (int64_t j = 0; j < num_keys; j++) {
+        vf v[COLS];
+        if (prefetch) prefetch_lines(prefetch + next_rows[j] * element, cols * VL * element);
+        for (int d = 0; d < cols; d++) v[d] = loadv(v_cache, rows[j] + VL * d, bf16);
+        const float q0 = p0[j];
+        for (int d = 0; d < cols; d++) a[0][d] += q0 * v[d];
+        if (pairs == 2) {
+            const float q1 = p1[j];
+            for (int d = 0; d < cols; d++) a[1][d] += q1 * v[d];
+        }
+    }
+    for (int d = 0; d < cols; d++) {
+        acc0[d] = a[0][d];
+        if (pairs == 2) acc1[d] = a[1][d];
+    }
+}
+
+/* rows[j] for j < count: the element offset of key start + j's row (its item's first
+ * head at `head`), the key clamped to [first, seq_len). One division per chunk. */
+static inline void chunk_rows(int64_t *rows, int64_t count, int64_t start, int64_t first, int64_t seq_len,
+                              const int32_t *table, int64_t block_size, int64_t row_stride, int64_t head)
+{
+    const int64_t lo = first > start ? first - start : 0;
+    const int64_t hi = seq_len - start < count ? seq_len - start : count;
+    int64_t block = (start + lo) / block_size, offset = (start + lo) % block_size;
+    for (int64_t j = lo; j < hi; j++) {
+        rows[j] = ((int64_t)table[block] * block_size + offset) * row_stride + head;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+    for (int64_t j = 0; j < lo; j++) rows[j] = rows[lo];
+    for (int64_t j = hi; j < count; j++) rows[j] = rows[hi - 1];
+}
+
+static inline __attribute__((always_inline)) void chunked_item(
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
+    const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0, int64_t num_item_heads,
+    int64_t group, int64_t num_heads, int64_t row_stride, const int64_t D, int64_t block_size, float scale,
+    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk, const int bf16)
+{
+    /* Rows i = 0 .. n-1 are the item's query heads h0 * group + i; row i reads KV head h0 + i / group. */
+    const int64_t n = num_item_heads * group, DV = D / VL, query_pos = seq_len - 1;
+    const int64_t element = bf16 ? 2 : 4;
+    int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    if (chunk > 0 && query_pos - query_pos % chunk > first) first = query_pos - query_pos % chunk;
+    /* Keys per chunk: a multiple of TILE (itself one of VL), at least 128 (n <= 64) */
+    const int64_t chunk_keys = (CHUNK_SCORES / n < MAX_CHUNK_KEYS ? CHUNK_SCORES / n : MAX_CHUNK_KEYS) / TILE * TILE;
+    float qs[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    vf acc[MAX_ITEM_HEADS][MAX_HEAD_DIM / VL];
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    float p[CHUNK_SCORES] __attribute__((aligned(64)));  /* p[i * chunk_keys + key - start] */
+    int64_t rows[MAX_CHUNK_KEYS + VL + ROWS_PAST];  /* row offsets */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t qh = query_row * q_stride_t + (h0 * group + i) * q_stride_h;
+        for (int64_t d = 0; d < D; d++) qs[i][d] = load1(q, qh + d, bf16) * scale;
+        for (int64_t d = 0; d < DV; d++) acc[i][d] = splat(0.0f);
+        m[i] = sinks ? (float)sinks[h0 * group + i] : -INFINITY;
+        l[i] = sinks ? 1.0f : 0.0f;
+    }
+    const int pairs = group % 2 == 0 ? 2 : 1;
+    for (int64_t start = first - first % VL; start < seq_len; start += chunk_keys) {
+        const int64_t end = start + chunk_keys < seq_len ? start + chunk_keys : seq_len;
+        const int64_t span = end - start, padded = (span + VL - 1) / VL * VL;
+        /* Each key's row (element offset of its item's first head), clamped to [first, seq_len),
+         * and ROWS_PAST more past the chunk (clamped too) for the prefetches. */
+        chunk_rows(rows, padded + ROWS_PAST, start, first, seq_len, table, block_size, row_stride, h0 * D);
+        for (int64_t j0 = 0; j0 < padded; j0 += VL) {
+            for (int64_t kv = 0; kv < num_item_heads; kv++) {
+                int64_t key_rows[VL], fetch_rows[VL];
+                for (int r = 0; r < VL; r++) {
+                    key_rows[r] = rows[j0 + r] + kv * D;
+                    fetch_rows[r] = rows[j0 + PREFETCH_KEYS + r] + kv * D;
+                }
+                for (int64_t i = kv * group; i < (kv + 1) * group; i++) {
+                    /* the head's first query row prefetches the next keys' rows */
+                    const vf s = chunk_key_scores(qs[i], k_cache, key_rows, D, bf16, i == kv * group ? fetch_rows : NULL);
+                    memcpy(&p[i * chunk_keys + j0], &s, sizeof s);
+                }
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            float *pi = p + i * chunk_keys;
+            const float slope = alibi ? (float)alibi[h0 * group + i] : 0.0f;
+            vf block_max = splat(-INFINITY);
+            for (int64_t j0 = 0; j0 < padded; j0 += VL) {
+                const vf key = (vf)LANE_INDICES + (float)(start + j0);
+                vf s;
+                memcpy(&s, pi + j0, sizeof s);
+                if (alibi) s += slope * (key - (float)query_pos);
+                if (softcap > 0) s = softcap * vtanh(s * (1.0f / softcap));
+                s = blend((key < (float)first) | (key > (float)query_pos), splat(-INFINITY), s);
+                memcpy(pi + j0, &s, sizeof s);
+                block_max = vmax(block_max, s);
+            }
+            const float new_max = hmax(block_max) > m[i] ? hmax(block_max) : m[i];
+            const float correction = exp_f32(m[i] - new_max);
+            vf sum = splat(0.0f);
+            for (int64_t j0 = 0; j0 < padded; j0 += VL) {
+                vf s;
+                memcpy(&s, pi + j0, sizeof s);
+                s = vexp(s - new_max);  /* masked keys: exactly 0 */
+                memcpy(pi + j0, &s, sizeof s);
+                sum += s;
+            }
+            l[i] = l[i] * correction + hsum(sum);
+            m[i] = new_max;
+            if (correction != 1.0f)
+                for (int64_t d = 0; d < DV; d++) acc[i][d] *= correction;
+        }
+        /* The values of keys lo .. span - 1 of the chunk (those before `first` are masked). */
+        const int64_t lo = first > start ? first - start : 0;
+        for (int64_t t0 = lo; t0 < span; t0 += TILE) {
+            const int64_t num_keys = span - t0 < TILE ? span - t0 : TILE;
+            const int64_t has_next = t0 + TILE < span;
+            for (int64_t kv = 0; kv < num_item_heads; kv++) {
+                int64_t value_rows[TILE], next_rows[TILE];
+                for (int64_t j = 0; j < TILE; j++) {
+                    value_rows[j] = rows[t0 + j] + kv * D;
+                    next_rows[j] = rows[t0 + TILE + j] + kv * D;
+                }
+                for (int64_t i = kv * group; i < (kv + 1) * group; i += pairs)
+                    for (int64_t c = 0; c < DV; c += DV % COLS == 0 ? COLS : 1) {
+                        int64_t column_rows[TILE];
+                        for (int64_t j = 0; j < TILE; j++) column_rows[j] = value_rows[j] + VL * c;
+                        const char *fetch = has_next && i == kv * group ? (const char *)v_cache + VL * c * element : NULL;
+                        const float *p0 = p + i * chunk_keys + t0, *p1 = p0 + chunk_keys;
+                        if (DV % COLS == 0 && pairs == 2)
+                            chunk_add_values(&acc[i][c], &acc[i + 1][c], p0, p1, v_cache, column_rows, num_keys, 2,
+                                             COLS, bf16, fetch, next_rows, element);
+                        else if (DV % COLS == 0)
+                            chunk_add_values(&acc[i][c], NULL, p0, NULL, v_cache, column_rows, num_keys, 1, COLS,
+                                             bf16, fetch, next_rows, element);
+                        else
+                            for (int64_t b = 0; b < pairs; b++)
+                                chunk_add_values(&acc[i + b][c], NULL, p0 + b * chunk_keys, NULL, v_cache,
+                                                 column_rows, num_keys, 1, 1, bf16, b == 0 ? fetch : NULL,
+                                                 next_rows, element);
+                    }
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t o = (query_row * num_heads + h0 * group + i) * D;
+        const float inverse = l[i] > 0 ? 1.0f / l[i] : 0.0f;
+        for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, acc[i][d] * inverse, bf16);
+    }
+}
+
+/* The chunked item for one element type and head size 64 (keys and values), as its own
+ * function: its work arrays in their own stack frame. */
+#define DEFINE_CHUNKED_ITEM(NAME, BF16)                                                         \
+static __attribute__((noinline)) void NAME(                                                     \
+    const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache, \
+    const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0,             \
+    int64_t num_item_heads, int64_t group, int64_t num_heads, int64_t row_stride, int64_t block_size, \
+    float scale, int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk) \
+{                                                                                               \
+    chunked_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
+                 num_item_heads, group, num_heads, row_stride, 64, block_size, scale, window, softcap, \
+                 sinks, alibi, chunk, BF16);                                                    \
+}
+
+DEFINE_CHUNKED_ITEM(chunked_item_64_f32, 0)
+DEFINE_CHUNKED_ITEM(chunked_item_64_bf16, 1)
+
+#endif
