@@ -20,7 +20,8 @@ requests in turn, as bench_engine's run lays them out), and its 64 prompts prefi
 fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
 loaded machine compare; build targets by SHARDLINE_CPU_TARGET (e.g. x86-64-v3 for an
 AVX2 host's code on an AVX-512 one). Prints ms per layer with GB/s of KV read
-(decode) and GFLOP/s (prefill).
+(decode, with its share of the host's one-thread read bandwidth, bench/roofline.py's
+memory_bandwidth) and GFLOP/s (prefill).
 
 Each kernel is checked against its reference first.
 """
@@ -139,7 +140,11 @@ def bench_cpu(repeat: int) -> None:
     head_dim, block_size, layers = LLAMA_BENCH_CONFIG["hidden_size"] // heads, 16, 8
     prompts = [len(p) for p in random_prompts(64, 32, 512, LLAMA_BENCH_CONFIG["vocab_size"])]
     scale = head_dim ** -0.5
-    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}")
+    from roofline import memory_bandwidth
+
+    bandwidth = memory_bandwidth(time.thread_time, 256 << 20)["read"]  # one thread, as the kernels are timed
+    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
 
     lengths = [n + 64 for n in prompts]  # halfway through 128 output tokens
     block_tables, caches = cpu_batch(lengths, heads, kv_heads, head_dim, block_size, layers)
@@ -158,7 +163,8 @@ def bench_cpu(repeat: int) -> None:
             decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale) for k, v in caches],
             repeat) / layers
         print(f"{f'decode 64 x {sum(lengths) // 64} ctx, {order}':<34} {seconds * 1e3:8.2f} ms/layer "
-              f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV")
+              f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV ({100 * kv_bytes / seconds / bandwidth:3.0f}% of the read "
+              "bandwidth)")
 
     block_tables, [(k_cache, v_cache)] = cpu_batch(prompts, heads, kv_heads, head_dim, block_size, 1)
     query = torch.randn(sum(prompts), heads, head_dim)
