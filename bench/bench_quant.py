@@ -6,7 +6,8 @@ Two modes:
 together, down_proj) in as many copies as the model has layers, each call on the
 next copy (so the weights come from memory, as a decode step reads them), x of
 M = 1, 8, 16, 32, 64, 512 rows (``--rows``) in bfloat16: the engine's bfloat16
-linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it) against the
+linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it: a float32
+copy where oneDNN has no bfloat16 on the host) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
 blocks and int4 groups of 128, and where the host has AVX512_VNNI the W8A8 int8 kernel
 (kernels/cpu_quant_int8.py: x quantized per token, integer products). Prints
@@ -48,7 +49,7 @@ from common import build_bench_model, random_prompts, run_clock
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
-from shardline.engine.cpu.linear import PackedLinear
+from shardline.engine.cpu.linear import PackedLinear, onednn_linear_available
 from shardline.engine.kernels.cpu_quant import cpu_w4_linear, cpu_w8_linear
 from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available, cpu_w8a8_linear
 from shardline.engine.llm_engine import LLMEngine
@@ -68,10 +69,14 @@ def best_ms(call: Callable[[], object], repeats: int = 5) -> float:
 
 
 def kernel_calls(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
-    """The bf16 linear as the engine runs it and each quantized kernel, on x."""
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weights["bf16"], x.shape[0])
+    """The bf16 linear as the engine runs it (oneDNN on a packed copy: bfloat16, or
+    float32 where oneDNN has no bfloat16 here, x widened and the output rounded back)
+    and each quantized kernel, on x."""
+    packed_dtype = torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weights["bf16"].to(packed_dtype), x.shape[0])
     calls: dict[str, Callable[[], object]] = {
-        "bf16": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+        "bf16": lambda: torch.ops.mkldnn._linear_pointwise(x.to(packed_dtype), onednn, None, "none", [],
+                                                           "").to(x.dtype),
         "int8": lambda: cpu_w8_linear(x, weights["int8"], weights["channel"]),
         "fp8": lambda: cpu_w8_linear(x, weights["fp8"], weights["channel"]),
         "fp8 128x128": lambda: cpu_w8_linear(x, weights["fp8"], weights["blocks"], (128, 128)),

@@ -5,7 +5,9 @@
  *       output columns; each streams its weight rows once, R rows at a time, and
  *       dequantizes VL weights at a time in registers (codes -> float32, times the
  *       scale, less the zero point for W4), multiplying MT rows of x at once
- *       (bfloat16 x on AVX512_BF16 builds: cpu_quant_bf16.c's instead).
+ *       (bfloat16 x on AVX512_BF16 builds: cpu_quant_bf16.c's instead). AVX2 builds
+ *       take one weight row and W8 codes 2 VL a step (W8_PAIRS): with 16 vector
+ *       registers, more rows' sums spill to the stack.
  *   w8_dequantize / w4_dequantize: rows n0 .. n1 of the weight dequantized into a
  *       panel (float32, bfloat16 or float16), which the launcher multiplies with the
  *       prefill shapes' many rows of x through torch's matmul, panel by panel.
@@ -35,13 +37,13 @@
 #include <immintrin.h>
 #endif
 
-/* Weight rows and x rows one tile multiplies together. */
-#define R 4
+/* Weight rows and x rows one tile multiplies together (AVX2: see the top comment). */
 #if VL == 16
-#define MT 4
+#define R 4
 #else
-#define MT 2
+#define R 1
 #endif
+#define MT 4
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN_WORK (1 << 18)
 
@@ -111,6 +113,32 @@ static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8) {
     if (fp8) return fp8_codes(weight + k);
     return __builtin_convertvector(widen_bytes(weight + k, 1), vf);
 }
+
+#if VL == 8 && defined(__AVX2__) && defined(__F16C__)
+/* The AVX2 decode tiles take 2 VL codes a step (W8_PAIRS): fp8 codes are widened to
+ * float16 for 16 at a time, and their factor 2^8 is left to the scale. */
+#define W8_PAIRS 1
+/* Weight rows ahead of the tile's that each step prefetches. */
+#define AHEAD 4
+/* 2 VL codes at p as float32 in two vectors (low: the first VL): int8 codes as they
+ * are, fp8 codes times 2^-8 (fp8_codes without its last multiply; the NaN codes made
+ * float16 NaNs by setting every bit, since 1.875 times a scale is no NaN). */
+static inline void w8_code_pair(const uint8_t *p, int fp8, vf *low, vf *high) {
+    if (!fp8) {
+        *low = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *high = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+        return;
+    }
+    const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    const __m256i nan_bits = _mm256_set1_epi16(0x3f80);  /* exponent and mantissa all ones */
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(shifted, nan_bits), nan_bits);
+    const __m256i half = _mm256_or_si256(_mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80)), nan);
+    *low = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    *high = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+}
+#else
+#define W8_PAIRS 0
+#endif
 
 static inline float load_x(const void *x, int64_t index, int kind) {
 #ifdef __FLT16_MAX__
@@ -183,20 +211,49 @@ static inline __attribute__((always_inline)) void w8_tile(
     float tail[R][MT];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = 0.0f;
+#if W8_PAIRS
+    vf acc_high[R][MT];  /* the pairs' second halves: twice the chains of sums in flight */
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc_high[r][m] = splat(0.0f);
+#endif
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = min64(K, k0 + bk);
         float s[R];
         for (int r = 0; r < R; r++) s[r] = scale_rows[r][kb];
         int64_t k = k0;
+#if W8_PAIRS
+        /* fp8 pairs come times 2^-8: the scale times 2^8 restores them exactly (one
+         * rounding of code times scale, as w8_codes' product), where that stays finite. */
+        int scaled = 1;
+        float pair_scale[R];
+        for (int r = 0; r < R; r++) {
+            pair_scale[r] = fp8 ? s[r] * 256.0f : s[r];
+            scaled &= __builtin_isfinite(pair_scale[r]);
+        }
+        for (; scaled && k + 2 * VL <= k1; k += 2 * VL) {  /* else the loop below, exact */
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(w[r] + k + AHEAD * K);
+                vf low, high;
+                w8_code_pair(w[r] + k, fp8, &low, &high);
+                low *= pair_scale[r], high *= pair_scale[r];
+#pragma GCC unroll 4
+                for (int m = 0; m < mt; m++) {
+                    acc[r][m] += low * loadv(x[m], k, 0);
+                    acc_high[r][m] += high * loadv(x[m], k + VL, 0);
+                }
+            }
+        }
+#endif
         for (; k + VL <= k1; k += VL) {
-            vf xv[MT];
-            for (int m = 0; m < mt; m++) memcpy(&xv[m], x[m] + k, sizeof(vf));
             for (int r = 0; r < R; r++) {
                 /* The next tile's rows follow these R in memory: a row is too short a
                  * stream (K bytes) for the hardware prefetcher to run ahead of. */
                 __builtin_prefetch(w[r] + k + R * K);
                 const vf wv = w8_codes(w[r], k, fp8) * s[r];
-                for (int m = 0; m < mt; m++) acc[r][m] += wv * xv[m];
+                /* x read where it is used: copied to an array first, GCC stages the
+                 * copy through the stack in halves and each full-width read stalls. */
+#pragma GCC unroll 4
+                for (int m = 0; m < mt; m++) acc[r][m] += wv * loadv(x[m], k, 0);
             }
         }
         for (; k < k1; k++)
@@ -205,6 +262,10 @@ static inline __attribute__((always_inline)) void w8_tile(
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
             }
     }
+#if W8_PAIRS
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] += acc_high[r][m];
+#endif
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
 }
@@ -222,17 +283,13 @@ static inline __attribute__((always_inline)) void w4_tile(
         float s[R], z[R];
         for (int r = 0; r < R; r++) s[r] = scale_rows[r][g], z[r] = zero_rows[r] ? zero_rows[r][g] : 8.0f;
         for (int64_t c = g0; c < g0 + vector_end; c += 2 * VL) {
-            vf even[MT], odd[MT];
-            for (int m = 0; m < mt; m++) {
-                memcpy(&even[m], x[m] + c, sizeof(vf));
-                memcpy(&odd[m], x[m] + c + VL, sizeof(vf));
-            }
             for (int r = 0; r < R; r++) {
                 __builtin_prefetch(w[r] + (c + R * K) / 2);
                 const vi codes = widen_bytes(w[r] + c / 2, 0);
                 const vf low = (__builtin_convertvector(codes & 15, vf) - z[r]) * s[r];
                 const vf high = (__builtin_convertvector(codes >> 4, vf) - z[r]) * s[r];
-                for (int m = 0; m < mt; m++) acc[r][m] += low * even[m] + high * odd[m];
+#pragma GCC unroll 4
+                for (int m = 0; m < mt; m++) acc[r][m] += low * loadv(x[m], c, 0) + high * loadv(x[m], c + VL, 0);
             }
         }
         for (int64_t k = g0 + vector_end; k < g0 + group; k++)

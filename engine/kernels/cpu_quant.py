@@ -13,7 +13,8 @@ weights through integer byte products on x in fixed point (cpu_quant_digits.h), 
 as exact as the float32 reference's sums. There, up to ``TILE_MAX_ROWS``
 rows take its register-blocked kernel (cpu_quant_blocked.h), which decodes a panel of
 weight rows once per thread and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
-time is dequantized to x's dtype, straight into oneDNN's blocked weight layout where
+time is dequantized to x's dtype (float32 where oneDNN has no matmul of x's 16-bit
+dtype: ``panel_dtype``), straight into oneDNN's blocked weight layout where
 cpu_quant_panel.py finds it (from ``PACKED_MIN_ROWS`` rows of float32 and bfloat16 x on
 AVX-512 builds) and multiplied
 by oneDNN's packed linear, else into a plain scratch multiplied by torch's matmul, so
@@ -29,6 +30,7 @@ x's dtype. Without a C compiler the library does not build and
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,15 +179,33 @@ def _packed_panel_rows(row_bytes: int) -> int:
     return max(64, rows // 64 * 64)
 
 
+@functools.cache
+def panel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype prefill panels are dequantized to for x of ``dtype``: x's own, but
+    float32 for a 16-bit x where oneDNN has no matmul of that dtype on this CPU (no
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT): torch's 16-bit matmul is then several times
+    slower than its float32 one, and a float32 panel keeps the weight unrounded."""
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+    if supported is None or (torch.backends.mkldnn.is_available() and supported()):
+        return dtype
+    return torch.float32
+
+
 def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                    dequantize: Callable[[int, int, torch.Tensor], None],
                    to_blocked: Callable[[int, PackedPanel], None] | None) -> torch.Tensor:
     """out[:, n0:n1] = x @ panel.T (+ bias) over panels of weight rows, returning out (or
     the one packed panel's product where it covers the weight); x: [M, K]. Where
-    oneDNN packs x's dtype in a layout cpu_quant_panel.py fills, ``to_blocked(n0,
-    panel)`` (None: the weight's scales do not suit it) dequantizes each panel straight
-    into a packed weight that oneDNN multiplies; else ``dequantize(n0, n1, panel)``
-    fills a plain scratch of x's dtype for torch's matmul."""
+    oneDNN packs the panel's dtype (``panel_dtype``) in a layout cpu_quant_panel.py
+    fills, ``to_blocked(n0, panel)`` (None: the weight's scales do not suit it)
+    dequantizes each panel straight into a packed weight that oneDNN multiplies; else
+    ``dequantize(n0, n1, panel)`` fills a plain scratch for torch's matmul. A float32
+    panel for a 16-bit x multiplies x widened and rounds the product once."""
+    if panel_dtype(x.dtype) != x.dtype:
+        wide = torch.empty(out.shape, dtype=torch.float32)
+        return _panel_product(x.float(), wide, None if bias is None else bias.float(), dequantize,
+                              to_blocked).to(x.dtype)
     in_features, out_features = x.shape[1], out.shape[1]
     packs = to_blocked is not None and x.shape[0] >= PACKED_MIN_ROWS and packed_panels_available(x.dtype)
     row_bytes = in_features * x.element_size()
@@ -239,7 +259,7 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
             library.w8_dequantize(weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols,
-                                  n0, n1, in_features, panel.data_ptr(), kind, threads)
+                                  n0, n1, in_features, panel.data_ptr(), _KINDS[panel.dtype], threads)
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
             panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads)
@@ -282,7 +302,7 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
     else:
         def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
             library.w4_dequantize(packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, n0, n1,
-                                  in_features, panel.data_ptr(), kind, threads)
+                                  in_features, panel.data_ptr(), _KINDS[panel.dtype], threads)
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
             panel.fill_w4(packed, scales, zeros, group_size, n0, threads)
@@ -291,18 +311,21 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
 
 
 class DecodeCall:
-    """One linear's call of the bfloat16 decode kernel (cpu_quant_bf16.c) with the
-    weight's layout checked and its arguments bound once (``w8_decode_call`` /
-    ``w4_decode_call``): a call checks x and passes it and a fresh output, so a decode
-    step's many small products do not each pay the launcher's checks. ``source``: the
-    layer's tensors it was bound to (``binds`` tells whether they still are the
-    layer's); ``held``: the float32 bias copy its pointers also address."""
+    """One linear's call of a decode kernel for bfloat16 x with the weight's layout
+    checked and its arguments bound once (``w8_decode_call`` / ``w4_decode_call``): a
+    call checks x and passes it and a fresh output, so a decode step's many small
+    products do not each pay the launcher's checks. The kernel is cpu_quant_bf16.c's
+    where that library has its dot products, else cpu_quant.c's (``widens``: x is
+    widened to float32 into a scratch the call passes). ``source``: the layer's tensors
+    it was bound to (``binds`` tells whether they still are the layer's); ``held``: the
+    float32 bias copy its pointers also address."""
 
     def __init__(self, kernel: Callable[..., None], weight_args: tuple[int | None, ...],
                  source: tuple[torch.Tensor | None, ...], held: torch.Tensor | None, out_features: int,
-                 in_features: int, w4_groups: int) -> None:
+                 in_features: int, w4_groups: int, widens: bool = False) -> None:
         self.kernel, self.weight_args, self.source, self.held = kernel, weight_args, source, held
         self.out_features, self.in_features, self.w4_groups = out_features, in_features, w4_groups
+        self.widens = widens
 
     def binds(self, source: tuple[torch.Tensor | None, ...]) -> bool:
         """Whether this call was bound to exactly these tensors (by identity)."""
@@ -318,21 +341,32 @@ class DecodeCall:
         assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape, x.stride())
         assert 0 < rows <= DECODE_MAX_ROWS and x.shape[1] == self.in_features, (tuple(x.shape), self.in_features)
         out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
-        head: tuple[int, ...] = (x.data_ptr(), x.stride(0), rows)
-        sums = torch.empty(rows, self.w4_groups, dtype=torch.float32) if self.w4_groups else None
-        if sums is not None:  # the kernel's scratch of x's sums per group, held through the call
-            head += (sums.data_ptr(),)
+        scratch: torch.Tensor | None = None  # held through the call
+        if self.widens:  # cpu_quant.c's: x's kind, then its float32 copy
+            scratch = torch.empty(rows, self.in_features, dtype=torch.float32)
+            head: tuple[int, ...] = (x.data_ptr(), x.stride(0), _KINDS[torch.bfloat16], scratch.data_ptr(), rows)
+        else:
+            head = (x.data_ptr(), x.stride(0), rows)
+        if self.w4_groups:  # the kernel's scratch of x's sums per group
+            scratch = torch.empty(rows, self.w4_groups, dtype=torch.float32)
+            head += (scratch.data_ptr(),)
         self.kernel(*head, *self.weight_args, out.data_ptr(), self.out_features, self.out_features,
                     self.in_features, torch.get_num_threads())
         return out
 
 
+def _widening_library() -> ctypes.CDLL | None:
+    """cpu_quant.c's library where cpu_quant_bf16.c has no dot products here and it
+    takes bfloat16 x (its decode kernels then run bfloat16 decode shapes), else None."""
+    return _LIBRARY.load() if _bf16_dot_library() is None and cpu_quant_available(torch.bfloat16) else None
+
+
 def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                    bias: torch.Tensor | None) -> DecodeCall | None:
     """``cpu_w8_linear``'s decode shapes for bfloat16 x bound to this weight, or None
-    where this build has no bfloat16 dot-product kernel."""
-    library = _bf16_dot_library()
-    if library is None:
+    where neither library built."""
+    library, widening = _bf16_dot_library(), _widening_library()
+    if library is None and widening is None:
         return None
     out_features, in_features = weight.shape
     assert weight.dtype in W8_DTYPES and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
@@ -341,17 +375,25 @@ def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     bias32 = _float32_vector(bias, out_features, "bias")
     args = (weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
             -(-in_features // block_cols), block_rows, block_cols, _pointer(bias32))
-    return DecodeCall(library.w8_linear_bf16, args, (weight, scale, bias), bias32, out_features, in_features, 0)
+    if library is not None:
+        kernel = library.w8_linear_bf16
+    else:
+        assert widening is not None
+        kernel = widening.w8_linear
+    return DecodeCall(kernel, args, (weight, scale, bias), bias32, out_features, in_features, 0,
+                      widens=library is None)
 
 
 def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                    bias: torch.Tensor | None) -> DecodeCall | None:
     """``cpu_w4_linear``'s decode shapes for bfloat16 x bound to this weight (no
-    act-order permutation: the caller applies it), or None where this build has no
-    bfloat16 dot-product kernel or the groups are not whole vectors of 32."""
-    library = _bf16_dot_library()
+    act-order permutation: the caller applies it), or None where the layout is not
+    taken: cpu_quant_bf16.c's dot products take groups of whole vectors of 32 only."""
+    library, widening = _bf16_dot_library(), _widening_library()
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
-    if library is None or group_size % 32 or not w4_layout_supported(in_features, group_size):
+    if not w4_layout_supported(in_features, group_size) or (library is None and widening is None):
+        return None
+    if library is not None and group_size % 32:
         return None
     assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.device.type == "cpu", packed.dtype
     groups = in_features // group_size
@@ -360,5 +402,9 @@ def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         assert tuple(table.shape) == (out_features, groups), f"W4 scales/zeros {tuple(table.shape)}"
     bias32 = _float32_vector(bias, out_features, "bias")
     args = (packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32))
+    if library is None:
+        assert widening is not None
+        return DecodeCall(widening.w4_linear, args, (packed, scales, zeros, bias), bias32, out_features,
+                          in_features, 0, widens=True)
     return DecodeCall(library.w4_linear_bf16, args, (packed, scales, zeros, bias), bias32, out_features,
                       in_features, groups)

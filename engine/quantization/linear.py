@@ -152,15 +152,16 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    if x.device.type == "cuda":
+        return cuda_kernel_matmul(layer, x)
+    if layer.input_quantization != "none":
+        if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
+            assert layer.weight is not None and layer.scale is not None
+            return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
+        x = fake_quantize_inputs(x, layer.input_quantization)
     call = decode_call(layer, x)
     if call is not None:
         return call(x)
-    if x.device.type == "cuda":
-        return cuda_kernel_matmul(layer, x)
-    if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
-        assert layer.weight is not None and layer.scale is not None
-        return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
-    x = fake_quantize_inputs(x, layer.input_quantization)
     if x.device.type == "cpu" and layer.cpu_kernels and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
         return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
@@ -207,10 +208,11 @@ def cpu_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
     """The layer's bfloat16 decode-kernel call where it runs x (a CPU decode shape of
-    bfloat16 rows, weight-only, the C kernels chosen): bound on first use and again
-    whenever the layer's tensors were replaced; None where it does not run x."""
+    bfloat16 rows, already quantized as the layer's input_quantization says, the C
+    kernels chosen): bound on first use and again whenever the layer's tensors were
+    replaced; None where it does not run x."""
     if not (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS and x.is_cpu and x.stride(-1) == 1
-            and layer.cpu_kernels and layer.input_quantization == "none"):
+            and layer.cpu_kernels):
         return None
     buffers = layer._buffers  # read directly: a decode step asks this for every linear
     names = ("weight", "scale", "bias") if layer.layout == "w8" else ("packed", "scales", "zeros", "bias")

@@ -171,6 +171,20 @@ def test_a_nan_fp8_weight_gives_nan(dtype, rows):
     assert blocks.isnan().tolist() == [[False, True, True, True]] * rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_an_fp8_scale_near_the_float32_limit_stays_exact(dtype, rows):
+    """A scale whose multiple by 2^8 overflows float32 (the AVX2 decode tiles fold fp8's
+    factor 2^8 into the scale where it stays finite) still gives code times scale."""
+    codes = torch.randn(8, 48, generator=generator(1)).to(torch.float8_e4m3fn)
+    scale = torch.full((8, 1), 2.0**121)
+    scale[0] = 0.25  # a row whose scale folds, beside ones whose scales do not
+    expected = dequantize_w8(codes, scale)
+    assert expected.isfinite().all()
+    out = cpu_w8_linear(torch.eye(48, dtype=dtype)[:rows], codes, scale)
+    assert torch.equal(out, expected.t()[:rows].to(dtype))
+
+
 def test_float16_activations():
     if not cpu_quant_available(torch.float16):
         pytest.skip("this compiler has no _Float16")
