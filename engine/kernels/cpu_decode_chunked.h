@@ -32,6 +32,20 @@
 /* rows past a chunk's last key looked up for the prefetches */
 #define ROWS_PAST (2 * TILE > PREFETCH_KEYS + VL ? 2 * TILE : PREFETCH_KEYS + VL)
 
+/* Bfloat16 caches are read 2 VL elements at a time, as one float32 vector of their
+ * even elements and one of their odd ones (each bfloat16 the high half of a 32-bit
+ * lane: two integer operations, where widening VL elements at a time takes a
+ * widening load and a shift per vector). Queries and accumulators hold their head
+ * dimension in that order (within each run of 2 VL: evens, then odds); the output
+ * puts it back. The item's head size (64) is a multiple of COLS vectors, so every
+ * value pass reads whole runs. */
+static inline __attribute__((always_inline)) void load_bf16_pairs(const void *base, int64_t index, vf *even, vf *odd) {
+    vi pairs;
+    memcpy(&pairs, (const uint16_t *)base + index, sizeof pairs);
+    *even = (vf)(pairs << 16);
+    *odd = (vf)(pairs & ((vi){0} + (int32_t)0xffff0000u));
+}
+
 /* Scores of the VL keys whose head rows start at rows[0 .. VL - 1] (element offsets)
  * for one scaled query row. */
 static inline __attribute__((always_inline)) vf chunk_key_scores(
@@ -46,6 +60,16 @@ static inline __attribute__((always_inline)) vf chunk_key_scores(
         /* prefetch_rows (or NULL): one row's head per step, the first VL steps */
         if (prefetch_rows && d / VL < VL)
             prefetch_lines((const char *)k_cache + prefetch_rows[d / VL] * (bf16 ? 2 : 4), D * (bf16 ? 2 : 4));
+        if (bf16) {  /* qd: the even elements of d .. d + 2 VL - 1; the odd ones next */
+            vf qo, even, odd;
+            memcpy(&qo, query + d + VL, sizeof qo);
+            for (int j = 0; j < VL; j++) {
+                load_bf16_pairs(k_cache, rows[j] + d, &even, &odd);
+                a[j] += qd * even + qo * odd;
+            }
+            d += VL;
+            continue;
+        }
         for (int j = 0; j < VL; j++) a[j] += qd * loadv(k_cache, rows[j] + d, bf16);
     }
     return sum_each(a);
@@ -66,7 +90,10 @@ static inline __attribute__((always_inline)) void chunk_add_values(
     for (int64_t j = 0; j < num_keys; j++) {
         vf v[COLS];
         if (prefetch) prefetch_lines(prefetch + next_rows[j] * element, cols * VL * element);
-        for (int d = 0; d < cols; d++) v[d] = loadv(v_cache, rows[j] + VL * d, bf16);
+        if (bf16 && cols % 2 == 0)
+            for (int d = 0; d < cols; d += 2) load_bf16_pairs(v_cache, rows[j] + VL * d, &v[d], &v[d + 1]);
+        else
+            for (int d = 0; d < cols; d++) v[d] = loadv(v_cache, rows[j] + VL * d, bf16);
         const float q0 = p0[j];
         for (int d = 0; d < cols; d++) a[0][d] += q0 * v[d];
         if (pairs == 2) {
@@ -119,7 +146,8 @@ static inline __attribute__((always_inline)) void chunked_item(
     int64_t rows[MAX_CHUNK_KEYS + VL + ROWS_PAST];  /* row offsets */
     for (int64_t i = 0; i < n; i++) {
         const int64_t qh = query_row * q_stride_t + (h0 * group + i) * q_stride_h;
-        for (int64_t d = 0; d < D; d++) qs[i][d] = load1(q, qh + d, bf16) * scale;
+        for (int64_t d = 0; d < D; d++)  /* bfloat16: evens then odds of each 2 VL (load_bf16_pairs) */
+            qs[i][bf16 ? d - d % (2 * VL) + d % 2 * VL + d % (2 * VL) / 2 : d] = load1(q, qh + d, bf16) * scale;
         for (int64_t d = 0; d < DV; d++) acc[i][d] = splat(0.0f);
         m[i] = sinks ? (float)sinks[h0 * group + i] : -INFINITY;
         l[i] = sinks ? 1.0f : 0.0f;
@@ -209,7 +237,11 @@ static inline __attribute__((always_inline)) void chunked_item(
     for (int64_t i = 0; i < n; i++) {
         const int64_t o = (query_row * num_heads + h0 * group + i) * D;
         const float inverse = l[i] > 0 ? 1.0f / l[i] : 0.0f;
-        for (int64_t d = 0; d < DV; d++) storev(out, o + VL * d, acc[i][d] * inverse, bf16);
+        for (int64_t d = 0; d < DV; d += 2) {
+            const vf even = acc[i][d] * inverse, odd = acc[i][d + 1] * inverse;
+            storev(out, o + VL * d, bf16 ? SHUFFLE2(even, odd, ZIP_LOW) : even, bf16);
+            storev(out, o + VL * (d + 1), bf16 ? SHUFFLE2(even, odd, ZIP_HIGH) : odd, bf16);
+        }
     }
 }
 
