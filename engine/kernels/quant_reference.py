@@ -9,7 +9,10 @@ checkpoint formats are converted to these at load, engine/quantization/):
   ``scale``: [1, 1] (per tensor), [N, 1] (per output channel) or [ceil(N/bn),
   ceil(K/bk)] for blocks of ``block`` = (bn, bk) (the last block of a row or column
   may be partial). w[n, k] = weight[n, k] * scale[n // bn, k // bk] (bn = N, bk = K
-  per tensor; bn = 1, bk = K per channel).
+  per tensor; bn = 1, bk = K per channel). An asymmetric int8 weight (compressed-tensors
+  ``symmetric: false``) adds a float32 ``zero`` of the scale's per-tensor or
+  per-channel shape holding integer zero points: w[n, k] = (weight[n, k] - zero[n])
+  * scale[n], the difference exact in float32, rounded once by the product.
 - W4: ``packed`` [N, K // 2] uint8, column 2j in the low nibble of byte j and
   column 2j + 1 in the high nibble, each an unsigned 0..15; float32 ``scales`` and
   ``zeros`` [N, K // group_size] (``zeros`` None: symmetric, zero point 8).
@@ -48,11 +51,16 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int],
     return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
 
 
-def dequantize_w8(weight: torch.Tensor, scale: torch.Tensor,
-                  block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The float32 [N, K] weight of a W8 layout (see the module docstring)."""
+def dequantize_w8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+                  zero: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 [N, K] weight of a W8 layout (see the module docstring); ``zero``
+    (asymmetric int8, no blocks) is subtracted from the codes before the scale."""
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, (weight.dtype, weight.shape)
-    return weight.float() * expand_block_scale(scale, (weight.shape[0], weight.shape[1]), block)
+    codes = weight.float()
+    if zero is not None:
+        assert block is None and weight.dtype == torch.int8, (block, weight.dtype)
+        codes = codes - zero.float().expand(weight.shape[0], 1)
+    return codes * expand_block_scale(scale, (weight.shape[0], weight.shape[1]), block)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

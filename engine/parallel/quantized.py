@@ -13,7 +13,8 @@ layout, so every kernel runs it as it runs the whole layer:
   block boundary); the partial products summed over ranks, then the bias added once.
   An act-order layer stores its columns by group; its share of stored groups must
   read exactly the rank's input columns, else the groups mix the ranks' inputs and
-  the split is refused. A W8A8 layer's row share quantizes its columns of each token's
+  the split is refused. An asymmetric int8 layer's zero points go with their output
+  rows as its per-channel scale does. A W8A8 layer's row share quantizes its columns of each token's
   input with the whole row's scale (the max over ranks of each rank's max|x|).
 
 Invariants:
@@ -85,7 +86,10 @@ def column_quantized(layer: QuantizedLinear, name: str, ranges: list[tuple[int, 
             scale = torch.cat([layer.scale[start // block_rows: -(-end // block_rows)] for start, end in ranges])
         elif scale.shape[0] > 1:  # per output channel
             scale = scale[index.to(device)]
-        part = QuantizedLinear.w8(layer.weight[index.to(device)], scale, layer.block, bias, layer.input_perm)
+        zero = layer.zero
+        if zero is not None and zero.shape[0] > 1:
+            zero = zero[index.to(device)]
+        part = QuantizedLinear.w8(layer.weight[index.to(device)], scale, layer.block, bias, layer.input_perm, zero)
     return _like(part, layer)
 
 
@@ -120,7 +124,7 @@ def row_quantized(layer: QuantizedLinear, name: str, start: int, end: int) -> Qu
             block_cols = layer.block[1]
             _check_boundary(name, "input columns", block_cols, start, end, layer.in_features)
             scale = layer.scale[:, start // block_cols: -(-end // block_cols)]
-        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, layer.block, None, perm)
+        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, layer.block, None, perm, layer.zero)
     return _like(part, layer)
 
 

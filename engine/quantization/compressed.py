@@ -2,10 +2,11 @@
 their config read by the compressed-tensors package, mapped to a QuantScheme.
 
 Read: FP8 W8A8 ("float-quantized": fp8 weight, per-tensor, per-channel or block
-``weight_scale``), INT8 W8A8 ("int-quantized": symmetric int8 weight, per-tensor or
-per-channel scale) and W4A16 ("pack-quantized": 4-bit ints eight to an int32 in
-``weight_packed``, group or channel ``weight_scale``, ``weight_zero_point`` when
-asymmetric, ``weight_g_idx`` with group act-order). Refused with one line: NVFP4 and
+``weight_scale``), INT8 ("int-quantized": int8 weight, per-tensor or per-channel scale,
+and ``weight_zero_point`` when asymmetric; W8A8 or weight-only) and W4A16
+("pack-quantized": 4-bit ints eight to an int32 in ``weight_packed``, group or
+channel ``weight_scale``, ``weight_zero_point`` when asymmetric, ``weight_g_idx``
+with group act-order). Refused with one line: NVFP4 and
 the MX formats, 2:4 sparsity, several schemes in one checkpoint, other bit widths.
 """
 
@@ -91,11 +92,9 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
                            block=(int(block[0]), int(block[1])) if block else None, activations=act,
                            input_quantization=inputs, ignore=ignore)
     if kind == "int" and bits == 8 and strategy in ("tensor", "channel"):
-        if not weights.symmetric:
-            raise UnsupportedModelError(f"{described}: asymmetric int8 weights are not run by shardline "
-                                        "(its int8 layout has no zero point); vLLM runs them")
         return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
-                           activations=act, input_quantization=inputs, ignore=ignore)
+                           symmetric=bool(weights.symmetric), activations=act, input_quantization=inputs,
+                           ignore=ignore)
     if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
         group_size = int(weights.group_size) if strategy == "group" else None
         if group_size is not None and (group_size <= 0 or group_size % 2):

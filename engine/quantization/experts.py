@@ -93,11 +93,12 @@ def stack_w8(parts: dict[str, list[QuantizedLinear]]) -> LinearsPerExpert:
     per-tensor scale repeated over its rows) or [E, N / bn, K / bk] per block), as
     engine/kernels/quant_moe_w8.py's grouped kernel reads them, each expert's
     QuantizedLinear a view into them; ``parts`` kept apart where that cannot be (W4,
-    biases, act-order column permutations, blocks that differ or do not divide a part's rows)."""
+    biases, act-order column permutations, blocks that differ or do not divide a part's
+    rows, asymmetric int8 zero points, which the grouped kernel does not read)."""
     linears = [linear for part in parts.values() for linear in part]
     block = linears[0].block
     if any(linear.layout != "w8" or linear.bias is not None or linear.input_perm is not None or linear.block != block
-           for linear in linears) or (
+           or linear.zero is not None for linear in linears) or (
             block is not None and any(part[0].out_features % block[0] for part in parts.values())):
         return LinearsPerExpert(parts)
     weight = torch.cat([torch.stack([_buffer(linear.weight) for linear in part]) for part in parts.values()], dim=1)

@@ -4,7 +4,9 @@ engine's W8 or W4 layout (engine/kernels/quant_reference.py) as a QuantizedLinea
 On-disk layouts read (each tensor named ``<module>.<name>``):
 - "w8" (quant_method fp8; compressed-tensors float- and int-quantized): ``weight``
   [N, K] float8_e4m3fn or int8, ``weight_scale_inv`` or ``weight_scale`` per tensor,
-  per output channel or per block; both are multiplied (w = q * scale).
+  per output channel or per block; both are multiplied (w = q * scale). Asymmetric
+  int8 (compressed-tensors ``symmetric: false``) adds ``weight_zero_point`` int8 of the
+  scale's shape (per tensor or output channel): w = (q - zero_point) * scale.
 - "packed" (compressed-tensors pack-quantized int4): ``weight_packed`` int32
   [N, K / 8], eight signed 4-bit values offset by 8, low bits first; ``weight_scale``
   [N, K / g]; ``weight_zero_point`` int32 [N / 8, K / g] packed along the output
@@ -83,7 +85,19 @@ def _read_w8(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape
     assert scale_name is not None
     scale = _scale(tensors, scale_name, "the weight's scale")
     scale, block = _w8_scale(scale, scale_name, scheme, shape)
-    return QuantizedLinear.w8(tensors.get(weight_name), scale, block, bias)
+    zero = None if scheme.symmetric else _w8_zero_point(tensors, f"{module}.weight_zero_point", scale)
+    return QuantizedLinear.w8(tensors.get(weight_name), scale, block, bias, zero=zero)
+
+
+def _w8_zero_point(tensors: CheckpointTensors, name: str, scale: torch.Tensor) -> torch.Tensor:
+    """An asymmetric int8 weight's zero points (int8, one per tensor or output channel,
+    as its scale) as float32 of the scale's shape."""
+    dtype = tensors.dtype(name, "the asymmetric weight's zero points")
+    _check(dtype == torch.int8, name, f"zero points stored as {dtype}, asymmetric int8 stores int8")
+    zero = tensors.get(name)
+    _check(zero.numel() == scale.numel(), name,
+           f"shape {list(zero.shape)} where the weight's scale has {scale.numel()} values (one zero point each)")
+    return zero.float().reshape(scale.shape)
 
 
 def _w8_scale(scale: torch.Tensor, name: str, scheme: QuantScheme,

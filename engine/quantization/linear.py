@@ -15,6 +15,9 @@ Invariants:
   CPU kernels' prefill panels round the dequantized weight to a 16-bit x's dtype once;
   the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
+- An asymmetric int8 W8 layer (``zero`` set: integer zero points per tensor or output
+  channel, float32) runs on the torch tile path on every device: the C and Triton W8
+  kernels take no zero point, so ``zero`` keeps such a layer from them.
 - ``input_quantization`` other than "none" (a compressed-tensors W8A8 checkpoint): every
   path, the reference included, multiplies x as the checkpoint's own forward quantizes
   it per token (engine/quantization/activations.py); the int8 one runs as integer
@@ -58,6 +61,7 @@ class QuantizedLinear(nn.Module):
 
     weight: torch.Tensor | None
     scale: torch.Tensor | None
+    zero: torch.Tensor | None
     packed: torch.Tensor | None
     scales: torch.Tensor | None
     zeros: torch.Tensor | None
@@ -80,18 +84,24 @@ class QuantizedLinear(nn.Module):
         self.int8_kernel = True
         # The bfloat16 decode kernel's call bound to this layer's tensors (decode_call).
         self.bound_decode: DecodeCall | None = None
-        for name in ("weight", "scale", "packed", "scales", "zeros", "input_perm"):
+        for name in ("weight", "scale", "zero", "packed", "scales", "zeros", "input_perm"):
             self.register_buffer(name, None)
         self.register_buffer("bias", bias)
 
     @classmethod
     def w8(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-           bias: torch.Tensor | None = None, input_perm: torch.Tensor | None = None) -> QuantizedLinear:
+           bias: torch.Tensor | None = None, input_perm: torch.Tensor | None = None,
+           zero: torch.Tensor | None = None) -> QuantizedLinear:
         """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per
-        block; ``input_perm`` for act-order columns stored by group (8-bit GPTQ)."""
+        block; ``input_perm`` for act-order columns stored by group (8-bit GPTQ);
+        ``zero`` the zero points of an asymmetric int8 weight, shaped as its scale
+        ([1, 1] or [N, 1]; no blocks)."""
         rows, cols = weight.shape
+        assert zero is None or (block is None and weight.dtype == torch.int8
+                                and zero.shape == scale.shape), (block, weight.dtype, zero.shape, scale.shape)
         layer = cls(cols, rows, "w8", bias)
         layer.weight, layer.scale, layer.block = weight.contiguous(), scale.float().contiguous(), block
+        layer.zero = None if zero is None else zero.float().contiguous()
         layer.input_perm = input_perm
         return layer
 
@@ -118,18 +128,22 @@ class QuantizedLinear(nn.Module):
         """The float32 weight rows [start, end) ([end - start, K], in stored column order)."""
         if self.layout == "w8":
             assert self.weight is not None and self.scale is not None
-            return dequantize_w8(self.weight[start:end], self._scale_rows(start, end), self.block)
+            zero = None if self.zero is None else self._scale_rows(start, end, self.zero)
+            return dequantize_w8(self.weight[start:end], self._scale_rows(start, end), self.block, zero)
         assert self.packed is not None and self.scales is not None
         zeros = None if self.zeros is None else self.zeros[start:end]
         return dequantize_w4(self.packed[start:end], self.scales[start:end], zeros, self.group_size)
 
-    def _scale_rows(self, start: int, end: int) -> torch.Tensor:
-        assert self.scale is not None
+    def _scale_rows(self, start: int, end: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``scale`` (the layer's scale by default, or its zero points, of
+        the same shape) for output rows [start, end)."""
+        scale = self.scale if scale is None else scale
+        assert scale is not None
         if self.block is not None:
             rows = self.block[0]
             assert start % rows == 0, (start, rows)
-            return self.scale[start // rows:-(-end // rows)]
-        return self.scale if self.scale.shape[0] == 1 else self.scale[start:end]
+            return scale[start // rows:-(-end // rows)]
+        return scale if scale.shape[0] == 1 else scale[start:end]
 
     def tile_rows(self) -> int:
         """Output rows the torch path dequantizes at once: a multiple of the block's rows."""
@@ -152,6 +166,8 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
+    if layer.zero is not None:  # asymmetric int8: no kernel takes zero points
+        return torch_quantized_matmul(layer, fake_quantize_inputs(x, layer.input_quantization))
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
     if layer.input_quantization != "none":

@@ -29,6 +29,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..surgery import replace, submodule
 from .checkpoint import CheckpointTensors, QuantizedCheckpointError
 from .experts import experts_modules, replace_quantized_experts
@@ -80,6 +81,10 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
     rank reads its slices of them after the split)."""
     from accelerate import init_empty_weights
 
+    if defer is not None and scheme.layout == "w8" and not scheme.symmetric:
+        # A rank's slice reader (engine/parallel/quantized_slices.py) cuts no zero point.
+        raise UnsupportedModelError(f"{scheme.description} asymmetric weights (weight_zero_point) are not split over "
+                                    "tensor-parallel ranks by shardline; run them with tensor_parallel_size 1")
     config = copy.deepcopy(hf_config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")

@@ -21,7 +21,7 @@ Invariants:
 - Parts stack only where they agree (``stack_refusal``): layout, input width, stored
   dtype, input scheme, act-order permutation, bias present or not, W8 block shape (each
   part but the last a whole number of block rows; per-tensor and per-channel scales mix,
-  blocks do not mix with them), W4 group size and zero points present or not. Others
+  blocks do not mix with them), W8 and W4 zero points present or not, W4 group size. Others
   stay separate calls.
 - Stacking runs in the CPU step (engine/surgery.py's PREPARATION_ORDER), after a
   tensor-parallel rank's shares were cut, so it stacks the shares.
@@ -74,6 +74,7 @@ def stack_refusal(parts: Sequence[object]) -> str | None:
         "bias present": lambda layer: layer.bias is None or layer.bias.dtype,
         "W4 group size and zero points": lambda layer: (layer.group_size, layer.zeros is None),
         "W8 block": lambda layer: layer.block,
+        "W8 zero points present": lambda layer: layer.zero is None,
     }
     for what, key in agree.items():
         if len({key(layer) for layer in layers}) > 1:
@@ -87,12 +88,14 @@ def stack_refusal(parts: Sequence[object]) -> str | None:
     return None
 
 
-def _row_scale(layer: QuantizedLinear) -> torch.Tensor:
-    """A W8 layer's scale with a row per output row ([N, 1]; blocks as they are)."""
-    assert layer.scale is not None
-    if layer.block is None and layer.scale.numel() == 1:
-        return layer.scale.reshape(1, 1).expand(layer.out_features, 1)
-    return layer.scale
+def _row_scale(layer: QuantizedLinear, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A W8 layer's scale (or ``scale``: its zero points, of the same shape) with a row
+    per output row ([N, 1]; blocks as they are)."""
+    scale = layer.scale if scale is None else scale
+    assert scale is not None
+    if layer.block is None and scale.numel() == 1:
+        return scale.reshape(1, 1).expand(layer.out_features, 1)
+    return scale
 
 
 def stack_quantized(parts: Sequence[QuantizedLinear]) -> QuantizedLinear:
@@ -103,9 +106,10 @@ def stack_quantized(parts: Sequence[QuantizedLinear]) -> QuantizedLinear:
     first = parts[0]
     bias = None if first.bias is None else torch.cat([part.bias for part in parts if part.bias is not None])
     if first.layout == "w8":
+        zero = None if first.zero is None else torch.cat([_row_scale(part, part.zero) for part in parts])
         stacked = QuantizedLinear.w8(torch.cat([_stored(part) for part in parts]),
                                      torch.cat([_row_scale(part) for part in parts]), first.block, bias,
-                                     first.input_perm)
+                                     first.input_perm, zero)
     else:
         zeros = None if first.zeros is None else torch.cat([part.zeros for part in parts if part.zeros is not None])
         stacked = QuantizedLinear.w4(torch.cat([_stored(part) for part in parts]),
@@ -130,6 +134,7 @@ def _point_parts_at(stacked: QuantizedLinear, parts: Sequence[QuantizedLinear]) 
             part.weight = stacked.weight[start:end]
             block_rows = 1 if stacked.block is None else stacked.block[0]
             part.scale = stacked.scale[start // block_rows:-(-end // block_rows)]
+            part.zero = None if stacked.zero is None else stacked.zero[start:end]
         else:
             assert stacked.packed is not None and stacked.scales is not None
             part.packed, part.scales = stacked.packed[start:end], stacked.scales[start:end]

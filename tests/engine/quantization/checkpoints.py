@@ -120,6 +120,25 @@ def int8_per_channel(name: str, weight: torch.Tensor) -> Written:
     return {"weight": codes, "weight_scale": scale}, codes.float() * scale
 
 
+def int8_asymmetric(per_channel: bool) -> Callable[[str, torch.Tensor], Written]:
+    """compressed-tensors' asymmetric int8 (``symmetric: false``): codes -128..127 with
+    an int8 ``weight_zero_point`` per output channel (or per tensor) beside the scale;
+    w = (q - zero_point) * scale."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        low = weight.amin(dim=1, keepdim=True) if per_channel else weight.min().reshape(1, 1)
+        high = weight.amax(dim=1, keepdim=True) if per_channel else weight.max().reshape(1, 1)
+        # The range doubled above the largest weight: zero points far from 0 (about -64).
+        scale = 2.0 * (high - low) / 255.0
+        zero = (-128.0 - low / scale).round().clamp(-128, 127)
+        codes = ((weight / scale).round() + zero).clamp(-128, 127)
+        assert float((zero != 0).float().mean()) > 0.9
+        stored = (-1, 1) if per_channel else (1,)  # compressed-tensors' shapes: [N, 1] or [1]
+        tensors = {"weight": codes.to(torch.int8), "weight_scale": scale.reshape(stored),
+                   "weight_zero_point": zero.to(torch.int8).reshape(stored)}
+        return tensors, (codes - zero) * scale
+    return quantize
+
+
 def int4_groups(weight: torch.Tensor, group_size: int, symmetric: bool,
                 column_group: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [N, K] 0..15, float16 scales [N, G], zero points [N, G] 0..15) of ``weight``,

@@ -15,6 +15,8 @@ from . import checkpoints as ckpt
 
 MODULE = "model.layers.1.self_attn.q_proj"
 FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+INT8_ASYMMETRIC = ckpt.compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
+                                                            "strategy": "channel"})
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
 
 
@@ -62,6 +64,15 @@ BROKEN = {
                                                   "strategy": "group", "group_size": 32}),
         _broken(ckpt.pack_quantized(32, True), _set("weight_scale", lambda scale: scale[:, :1])),
         [f"{MODULE}.weight_scale", "shape [64, 1]", "[64, 2]"]),
+    "missing_zero_point": (INT8_ASYMMETRIC, _broken(ckpt.int8_asymmetric(True), _drop("weight_zero_point")),
+                           [f"{MODULE}.weight_zero_point", "has no tensor"]),
+    "zero_point_wrong_dtype": (INT8_ASYMMETRIC,
+                               _broken(ckpt.int8_asymmetric(True),
+                                       _set("weight_zero_point", lambda zero: zero.to(torch.int32))),
+                               [f"{MODULE}.weight_zero_point", "stored as torch.int32", "int8"]),
+    "zero_point_wrong_shape": (INT8_ASYMMETRIC,
+                               _broken(ckpt.int8_asymmetric(True), _set("weight_zero_point", lambda zero: zero[:1])),
+                               [f"{MODULE}.weight_zero_point", "shape [1, 1]", "64 values"]),
 }
 
 

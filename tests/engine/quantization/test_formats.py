@@ -55,6 +55,15 @@ FORMATS = {
             "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
             {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
         ckpt.int8_per_channel, torch.int8),
+    "compressed_int8_asymmetric_channel": (
+        "qwen2", ckpt.compressed_config(
+            "int-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
+        ckpt.int8_asymmetric(per_channel=True), torch.int8),
+    "compressed_int8_asymmetric_tensor_w8a8": (
+        "llama", ckpt.compressed_config(
+            "int-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"},
+            {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
+        ckpt.int8_asymmetric(per_channel=False), torch.int8),
     "compressed_w4a16_symmetric": (
         "qwen3", ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": True}),
         ckpt.pack_quantized(32, True), torch.uint8),

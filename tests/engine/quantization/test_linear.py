@@ -26,6 +26,15 @@ def _w8(rows: int, cols: int, block: tuple[int, int] | None, per_channel: bool, 
     return QuantizedLinear.w8(weight, scale, block, torch.randn(rows, generator=generator))
 
 
+def _w8_asymmetric(rows: int, cols: int, per_channel: bool, generator: torch.Generator) -> QuantizedLinear:
+    """Asymmetric int8: codes over the whole int8 range, integer zero points far from 0."""
+    weight = torch.randint(-128, 128, (rows, cols), generator=generator).to(torch.int8)
+    shape = (rows if per_channel else 1, 1)
+    zero = torch.randint(-120, 120, shape, generator=generator).float()
+    scale = torch.rand(*shape, generator=generator) / 50 + 1e-3
+    return QuantizedLinear.w8(weight, scale, None, torch.randn(rows, generator=generator), zero=zero)
+
+
 CASES = {
     "w8_int8_per_tensor": lambda g: _w8(40, 24, None, False, torch.int8, g),
     "w8_fp8_per_channel": lambda g: _w8(40, 24, None, True, torch.float8_e4m3fn, g),
@@ -33,6 +42,8 @@ CASES = {
     "w4_zeros_act_order": lambda g: QuantizedLinear.w4(
         pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 4, generator=g) + 0.01,
         torch.randint(0, 16, (36, 4), generator=g).float(), 16, torch.randperm(64, generator=g)),
+    "w8_int8_asymmetric_channel": lambda g: _w8_asymmetric(40, 67, True, g),
+    "w8_int8_asymmetric_tensor": lambda g: _w8_asymmetric(40, 24, False, g),
     "w4_symmetric": lambda g: QuantizedLinear.w4(
         pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 2, generator=g) + 0.01, None, 32),
 }
@@ -41,7 +52,7 @@ CASES = {
 def _reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.layout == "w8":
         assert layer.weight is not None and layer.scale is not None
-        weight = dequantize_w8(layer.weight, layer.scale, layer.block)
+        weight = dequantize_w8(layer.weight, layer.scale, layer.block, layer.zero)
     else:
         assert layer.packed is not None and layer.scales is not None
         weight = dequantize_w4(layer.packed, layer.scales, layer.zeros, layer.group_size)
@@ -97,3 +108,20 @@ def test_bound_decode_call_follows_the_layers_tensors(name):
     check(layer)
     check(copied)
     assert first is None or layer.bound_decode is not first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
+    """(code - zero point) * scale per element, against the product written out here
+    (not through dequantize_w8), for 1..16 rows and an odd input width; such a layer
+    binds no decode kernel (the C kernels take no zero point)."""
+    generator = torch.Generator().manual_seed(7)
+    layer = _w8_asymmetric(48, 67, True, generator)
+    assert layer.weight is not None and layer.scale is not None and layer.zero is not None and layer.bias is not None
+    weight = (layer.weight.float() - layer.zero) * layer.scale
+    assert not torch.equal(weight, layer.weight.float() * layer.scale)  # the zero points matter
+    for rows in range(1, 17):
+        x = torch.randn(rows, 67, generator=generator).to(dtype)
+        expected = ((x.float() @ weight.t()) + layer.bias).to(dtype)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-4)
+    assert layer.bound_decode is None

@@ -29,13 +29,14 @@ Part = Callable[[int, torch.Generator], QuantizedLinear]
 
 
 def _w8(dtype: torch.dtype, scale_kind: str, block: tuple[int, int] | None = None,
-        input_quantization: str = "none") -> Part:
+        input_quantization: str = "none", zero: bool = False) -> Part:
     def build(rows: int, generator: torch.Generator) -> QuantizedLinear:
         weight = (torch.randn(rows, IN_FEATURES, generator=generator) * 40).clamp(-127, 127).to(dtype)
         shapes = {"tensor": (1, 1), "channel": (rows, 1),
                   "blocks": (-(-rows // block[0]), -(-IN_FEATURES // block[1])) if block else (0, 0)}
         scale = torch.rand(*shapes[scale_kind], generator=generator) / 50 + 1e-3
-        layer = QuantizedLinear.w8(weight, scale, block, torch.randn(rows, generator=generator))
+        zeros = torch.randint(-100, 100, scale.shape, generator=generator).float() if zero else None
+        layer = QuantizedLinear.w8(weight, scale, block, torch.randn(rows, generator=generator), zero=zeros)
         layer.input_quantization = "int8" if input_quantization == "int8" else "none"
         return layer
     return build
@@ -59,6 +60,8 @@ CASES: dict[str, Part] = {
     "fp8_blocks": _w8(torch.float8_e4m3fn, "blocks", (16, 32)),
     "int8_gptq_8bit_groups": _w8(torch.int8, "blocks", (1, 32)),
     "w8a8_int8": _w8(torch.int8, "channel", input_quantization="int8"),
+    "int8_asymmetric_tensor": _w8(torch.int8, "tensor", zero=True),
+    "int8_asymmetric_channel_w8a8": _w8(torch.int8, "channel", input_quantization="int8", zero=True),
     "int4_symmetric": _w4(32, zeros=False),
     "int4_zeros": _w4(64, zeros=True),
     "int4_act_order_same_perm": _w4(32, zeros=True, perm_seed=5),
@@ -87,7 +90,7 @@ def test_a_stacked_group_gives_each_parts_output(name, dtype):
         expected = [part(x) for part in separate]
         outputs = stacked(x).split(list(SIZES), dim=-1)
         for output, own, alone in zip(outputs, expected, [part(x) for part in parts], strict=True):
-            if rows <= 64:  # each column computed alone: bit for bit
+            if rows <= 64 and stacked.zero is None:  # each column computed alone: bit for bit
                 assert torch.equal(output, own), (rows, (output.float() - own.float()).abs().max())
             else:
                 torch.testing.assert_close(output, own, rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-4)
@@ -111,10 +114,11 @@ def test_the_torch_path_of_a_stacked_group_matches_the_parts(name):
 def test_parts_become_views_of_the_stacked_tensors(name):
     """No second copy: each part's codes, scales, zero points and bias sit in the stacked
     tensors' storage, and the stacked tensors hold no more than the parts did (but a
-    float32 scale per row where a per-tensor scale became per channel)."""
+    float32 scale, and zero point, per row where a per-tensor one became per channel)."""
     parts = _parts(CASES[name], seed=2)
     before = sum(tensor.nbytes for part in parts for tensor in part.buffers())
-    per_tensor = sum(part.out_features for part in parts if part.scale is not None and part.scale.numel() == 1)
+    per_tensor = sum(part.out_features * (1 if part.zero is None else 2)  # a per-tensor zero point likewise
+                     for part in parts if part.scale is not None and part.scale.numel() == 1)
     stacked = stack_quantized(parts)
     assert sum(tensor.nbytes for tensor in stacked.buffers()) <= before + 4 * per_tensor
     owners = {tensor.untyped_storage().data_ptr() for tensor in stacked.buffers()}
@@ -127,6 +131,7 @@ MIXED: dict[str, tuple[Part, Part]] = {
     "blocks and channels": (_w8(torch.int8, "blocks", (16, 32)), _w8(torch.int8, "channel")),
     "two block shapes": (_w8(torch.int8, "blocks", (16, 32)), _w8(torch.int8, "blocks", (16, 64))),
     "W8A8 and weight-only": (_w8(torch.int8, "channel", input_quantization="int8"), _w8(torch.int8, "channel")),
+    "W8 zero points and none": (_w8(torch.int8, "channel", zero=True), _w8(torch.int8, "channel")),
     "W8 and W4": (_w8(torch.int8, "channel"), _w4(32, zeros=False)),
     "two group sizes": (_w4(32, zeros=False), _w4(64, zeros=False)),
     "zero points and none": (_w4(32, zeros=True), _w4(32, zeros=False)),
