@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 
 from shardline.engine.config import EngineConfig
+from shardline.engine.errors import UnsupportedModelError
 from shardline.engine.model.kv_cache_spec import KVCacheSpec
 from shardline.engine.model.loader import load_causal_lm
 from shardline.engine.model.tiny import build_tiny_model
@@ -249,3 +250,31 @@ def test_experts_a_slice_would_cut_are_read_whole_and_refused(tmp_path):
     assert experts.down.in_features == 96  # read whole
     with pytest.raises(ShardingError, match=r"experts\.down\.0\.down_proj: its act-order \(g_idx\) groups mix"):
         split_quantized_experts(experts, "experts", group)
+
+
+def test_asymmetric_int8_shares_carry_their_zero_points_and_ranks_refuse_to_read_them(tmp_path):
+    """An asymmetric int8 checkpoint's linears split with their zero points: the two
+    ranks' column shares stacked, and row shares side by side, dequantize to the whole
+    linear. A tensor-parallel rank's loader (whose slice reader cuts no zero point)
+    refuses the checkpoint with one line."""
+    arch, config, quantize, _ = FORMATS["compressed_int8_asymmetric_channel"]
+    directory = tmp_path / "asymmetric"
+    ckpt.write_quantized(build_tiny_model(tmp_path / "float", arch), directory, config, quantize)
+    whole, weights = loaded(directory)
+    put_quantized_linears(whole, weights)
+    wanted = {name: dequantized(layer) for name, layer in quantized_parts(whole).items()
+              if isinstance(layer, QuantizedLinear)}
+    assert len(wanted) == 14 and all(layer.zero is not None for _, layer in quantized_parts(whole).items()
+                                     if isinstance(layer, QuantizedLinear))
+    shares = [whole_split(directory, RankGroup(rank, 2, lambda: "")) for rank in (0, 1)]
+    for name, weight in wanted.items():
+        parts = [quantized_parts(shard)[name] for shard in shares]
+        if isinstance(parts[0], RowParallelQuantized):
+            inner = [part.linear for part in parts if isinstance(part, RowParallelQuantized)]
+            assert torch.equal(torch.cat([dequantized(layer) for layer in inner], dim=1), weight), name
+        else:
+            columns = [part for part in parts if isinstance(part, QuantizedLinear)]
+            assert torch.equal(torch.cat([dequantized(layer) for layer in columns], dim=0), weight), name
+    with pytest.raises(UnsupportedModelError, match="not split over tensor-parallel ranks") as error:
+        load_causal_lm(EngineConfig(model=str(directory), dtype="float32", tensor_parallel_size=2), SliceReader())
+    assert "\n" not in str(error.value)
