@@ -53,6 +53,10 @@ FORMATS = {
     "gptq_int8_act_order": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "sym": True,
                              "checkpoint_format": "gptq"}, ckpt.gptq_8bit(32, act_order=True), torch.int8,
                             (False, True)),
+    # Zero points: the grouped W8 kernel reads none, so each expert's linears stay apart.
+    "compressed_int8_asymmetric": (ckpt.compressed_config("int-quantized", {
+        "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
+        ckpt.int8_asymmetric(per_channel=True), torch.int8, (False, False)),
 }
 
 
