@@ -19,6 +19,9 @@ float32 product up to summation order:
 FP8 weights are read as FP8 on GPUs of capability 8.9+; elsewhere as bytes decoded from
 their bits (e4m3_bits_to_float), since Triton takes FP8 tensors only on GPUs with FP8
 support and W8A16 serves older ones too.
+An asymmetric int8 weight's zero points (per tensor or output channel, with its scale)
+are subtracted from the codes before the dot: code - zero lies in [-255, 255], exact in
+every dot dtype.
 W4 tiles are never unpacked in registers: the low nibbles (even columns) and the high
 nibbles (odd columns) each meet the matching columns of x in their own dot.
 """
@@ -77,10 +80,29 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def w8_zero_product(x_rows, row_valid, w_cols, zero_rows, scale_rows, col_valid, k_start, k_end, K,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """w8_product for an asymmetric int8 weight (a scale per row): (code - zero) in
+        each K tile's dot, the scale applied to the float32 sum once."""
+        zero = tl.load(zero_rows, mask=col_valid, other=0.0)  # [BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_valid = ks < K
+            x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            mask = k_valid[:, None] & col_valid[None, :]
+            w = tl.load(w_cols + ks[:, None], mask=mask, other=0)  # [BK, BN]
+            w = tl.where(mask, w.to(tl.float32) - zero[None, :], 0.0)
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+        return acc * tl.load(scale_rows, mask=col_valid, other=0.0)[None, :]
+
+    @triton.jit
     def _w8_linear_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
-        stride_xm, stride_wn, stride_sn, stride_sk, stride_om, scale_block_n, scale_block_k, k_per_split, stride_split,
-        SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K,
+        stride_xm, stride_wn, stride_sn, stride_sk, stride_zn, stride_om, scale_block_n, scale_block_k, k_per_split,
+        stride_split,
+        SCALE_MODE: tl.constexpr, WEIGHT_FP8: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
@@ -88,11 +110,17 @@ if triton is not None:
         rows, cols = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         row_valid, col_valid = rows < M, cols < N
         k_start, k_end, out_ptr = split_k_range(K, k_per_split, out_ptr, stride_split)
-        acc = w8_product(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_valid,
-                         w_ptr + cols.to(tl.int64)[None, :] * stride_wn,
-                         scale_ptr + (cols // scale_block_n) * stride_sn, col_valid, k_start, k_end, K,
-                         stride_sk, scale_block_k, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_MODE, WEIGHT_FP8,
-                         DOT_DTYPE, INPUT_PRECISION)
+        if HAS_ZERO:  # asymmetric int8: scale and zero point per tensor or row
+            acc = w8_zero_product(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_valid,
+                                  w_ptr + cols.to(tl.int64)[None, :] * stride_wn, zero_ptr + cols * stride_zn,
+                                  scale_ptr + cols * stride_sn, col_valid, k_start, k_end, K,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, INPUT_PRECISION)
+        else:
+            acc = w8_product(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_valid,
+                             w_ptr + cols.to(tl.int64)[None, :] * stride_wn,
+                             scale_ptr + (cols // scale_block_n) * stride_sn, col_valid, k_start, k_end, K,
+                             stride_sk, scale_block_k, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_MODE, WEIGHT_FP8,
+                             DOT_DTYPE, INPUT_PRECISION)
         store_output_tile(acc, rows, cols, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
     @triton.jit
@@ -213,10 +241,11 @@ def w8_scale_mode(stride_sk: int, block_k: int, in_features: int) -> tuple[int, 
 
 def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int] | None, bias: torch.Tensor | None, *,
-                     split_k: int | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize_w8(weight, scale, block).T + bias, as
+                     split_k: int | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_w8(weight, scale, block, zero).T + bias, as
     quant_reference.quantized_linear_reference; returns [..., N] in x's dtype.
-    ``split_k``: K ranges summed after the kernel (None: chosen for the device)."""
+    ``split_k``: K ranges summed after the kernel (None: chosen for the device).
+    ``zero``: an asymmetric int8 weight's zero points, float32 of the scale's shape."""
     # x: [..., K] float16/bfloat16/float32; weight: [N, K] fp8 e4m3 or int8; scale: float32
     require_triton()
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, f"weight {weight.dtype} {tuple(weight.shape)}"
@@ -226,6 +255,10 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     stride_sn, stride_sk, block_n, block_k = _w8_scale_layout(weight, scale, block)
     _check_bias(bias, out_features, x.device)
     assert weight.device == scale.device == x.device, f"devices {weight.device}, {scale.device}, {x.device}"
+    if zero is not None:
+        assert block is None and weight.dtype == torch.int8, f"zero points with block {block}, weight {weight.dtype}"
+        assert zero.dtype == torch.float32 and zero.shape == scale.shape and zero.device == x.device, (
+            f"zero {zero.dtype} {tuple(zero.shape)} on {zero.device}, scale {tuple(scale.shape)}")
     num_rows = rows.shape[0]
     if num_rows == 0:
         return x.new_empty((*x.shape[:-1], out_features))
@@ -235,10 +268,12 @@ def triton_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     stride_om, stride_split = output_strides(out)
     weight, weight_fp8 = weight_operand(weight)
     launcher(_w8_linear_kernel, plan.grid(num_rows, out_features))(
-        rows, weight, scale, bias if bias is not None else scale, out,
+        rows, weight, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
         num_rows, out_features, in_features, rows.stride(0), weight.stride(0), stride_sn, stride_sk,
-        stride_om, block_n, block_k, plan.k_per_split, stride_split,
-        SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_BIAS=bias is not None and plan.split_k == 1,
+        0 if zero is None or zero.shape[0] == 1 else zero.stride(0), stride_om, block_n, block_k, plan.k_per_split,
+        stride_split,
+        SCALE_MODE=mode, WEIGHT_FP8=weight_fp8, HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None and plan.split_k == 1,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k_tile, GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3,

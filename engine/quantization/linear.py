@@ -16,8 +16,8 @@ Invariants:
   the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
 - An asymmetric int8 W8 layer (``zero`` set: integer zero points per tensor or output
-  channel, float32) runs on the torch tile path on every device: the C and Triton W8
-  kernels take no zero point, so ``zero`` keeps such a layer from them.
+  channel, float32) runs the Triton W8 kernel on CUDA and the torch tile path on CPU:
+  the C kernels take no zero point, so ``zero`` keeps such a layer from them.
 - ``input_quantization`` other than "none" (a compressed-tensors W8A8 checkpoint): every
   path, the reference included, multiplies x as the checkpoint's own forward quantizes
   it per token (engine/quantization/activations.py); the int8 one runs as integer
@@ -166,7 +166,7 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
-    if layer.zero is not None:  # asymmetric int8: no kernel takes zero points
+    if layer.zero is not None and x.device.type != "cuda":  # asymmetric int8: no C kernel takes zero points
         return torch_quantized_matmul(layer, fake_quantize_inputs(x, layer.input_quantization))
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
@@ -201,7 +201,7 @@ def cuda_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
                 and fp8_w8a8_supported(x.device)):
             return fp8_w8a8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
         x = fake_quantize_inputs(x, layer.input_quantization)
-        return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+        return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=layer.zero)
     assert layer.packed is not None and layer.scales is not None
     x = fake_quantize_inputs(x, layer.input_quantization)
     return triton_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)

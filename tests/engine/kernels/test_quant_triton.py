@@ -84,6 +84,37 @@ def test_w8_linear_matches_reference(scale_kind, block, weight_dtype, dtype):
         assert_close(triton_w8_linear(x, weight, scale, block, bias), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_kind", ["tensor", "channel"])
+def test_asymmetric_int8_linear_matches_reference(scale_kind, dtype):
+    """Zero points far from 0 over the whole int8 range, 1 to 16 rows and 37, odd K."""
+    from shardline.engine.kernels.quant_linear import triton_w8_linear
+
+    weight, scale = make_w8(136, 199, torch.int8, scale_kind)
+    generator = torch.Generator().manual_seed(5)
+    zero = torch.randint(-120, 121, tuple(scale.shape), generator=generator).float().to(DEVICE)
+    bias = torch.randn(136).to(DEVICE)
+    expected_weight = dequantize_w8(weight, scale, None, zero)
+    assert not torch.equal(expected_weight, dequantize_w8(weight, scale, None))
+    for num_rows in (*range(1, 17), 37):
+        x = activations(num_rows, 199, dtype)
+        expected = quantized_linear_reference(x, expected_weight, bias)
+        assert_close(triton_w8_linear(x, weight, scale, None, bias, zero=zero), expected, slack=2.0)
+        assert_close(triton_w8_linear(x, weight, scale, None, bias, zero=zero, split_k=2), expected, slack=2.0)
+
+
+def test_the_cuda_dispatch_hands_an_asymmetric_layer_its_zero_points():
+    """QuantizedLinear's CUDA path (called here directly) runs the Triton kernel with the
+    layer's zero points: it computes what the layer's torch path computes."""
+    from shardline.engine.quantization.linear import QuantizedLinear, cuda_kernel_matmul, torch_quantized_matmul
+
+    weight, scale = make_w8(72, 99, torch.int8, "channel")
+    zero = torch.randint(-120, 121, tuple(scale.shape), generator=torch.Generator().manual_seed(6)).float()
+    layer = QuantizedLinear.w8(weight, scale, None, torch.randn(72).to(DEVICE), zero=zero.to(DEVICE))
+    x = activations(3, 99, torch.float32)
+    assert_close(cuda_kernel_matmul(layer, x), torch_quantized_matmul(layer, x))
+
+
 def test_w8_linear_keeps_leading_dims_and_strided_rows():
     from shardline.engine.kernels.quant_linear import triton_w8_linear
 
