@@ -28,6 +28,7 @@ from shardline.engine.parallel.placement import shard_then_place
 from shardline.engine.parallel.quantized import RowParallelQuantized
 from shardline.engine.parallel.quantized_slices import put_expert_shares, quantized_share_plan
 from shardline.engine.parallel.sharding import shard_model
+from shardline.engine.parallel.verdict import check_tensor_parallel
 from shardline.engine.quantization.experts import QuantizedExperts
 from shardline.engine.quantization.linear import QuantizedLinear
 from shardline.engine.quantization.load import QuantizedWeights, load_quantized_model, put_quantized_linears
@@ -278,3 +279,9 @@ def test_asymmetric_int8_shares_carry_their_zero_points_and_ranks_refuse_to_read
     with pytest.raises(UnsupportedModelError, match="not split over tensor-parallel ranks") as error:
         load_causal_lm(EngineConfig(model=str(directory), dtype="float32", tensor_parallel_size=2), SliceReader())
     assert "\n" not in str(error.value)
+    # The pre-flight verdict refuses it from the config alone, with the load's line.
+    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    with pytest.raises(UnsupportedModelError, match="not split over tensor-parallel ranks") as verdict:
+        check_tensor_parallel(hf_config, 2, quantization=None, task="generate")
+    assert str(verdict.value) == str(error.value)
+    check_tensor_parallel(hf_config, 1, quantization=None, task="generate")
