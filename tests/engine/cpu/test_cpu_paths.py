@@ -129,7 +129,8 @@ def test_races_are_measured_once_cached_and_decide(tmp_path, monkeypatch):
     assert len(json.loads(cache.read_text())) == 2 * raced
 
 
-def test_float64_takes_no_packed_or_fused_path():
+def test_float64_takes_no_packed_or_fused_path(monkeypatch):
+    monkeypatch.delenv("SHARDLINE_CPU_PATHS", raising=False)  # the capability's reason, not an override's
     paths = choose_cpu_paths(torch.float64, SHAPE, rows_hint=64)
     assert not paths.packed_linears and not paths.fused_kernels and not paths.prefill_kernel
     assert dict(paths.reasons)["packed_linears"] == "oneDNN has no float64 matmul"

@@ -10,6 +10,7 @@ import torch
 from shardline.engine.kernels import paged_attention_reference
 from shardline.engine.kernels.cpu_attention import decode_attention, decode_kernel_available
 
+from ..cpu.paths_taken import taken_unless_forced_off
 from .conftest import feature_options, make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -169,6 +170,7 @@ def test_many_heads_per_item_and_odd_head_counts(num_heads, num_kv_heads, num_re
     torch.testing.assert_close(out, reference(batch, 0.25), **TOLERANCE[torch.float64])
 
 
+@taken_unless_forced_off("decode_kernel")
 def test_bfloat16_engine_decodes_with_the_kernel(tiny_llama_dir, monkeypatch):
     """dtype bfloat16 on CPU: decode steps go through the native kernel (not the torch
     gather path), and greedy tokens agree with the torch path's on this model."""
