@@ -3,8 +3,8 @@
  *
  *   w8_linear / w4_linear: the decode shapes (few rows of x). The threads split the
  *       output columns; each streams its weight rows once, R rows at a time, and
- *       dequantizes VL weights at a time in registers (codes -> float32, times the
- *       scale, less the zero point for W4), multiplying MT rows of x at once
+ *       dequantizes VL weights at a time in registers (codes, less the zero point
+ *       for W4 and asymmetric int8 W8, -> float32, times the scale), multiplying MT rows of x at once
  *       (bfloat16 x on AVX512_BF16 builds: cpu_quant_bf16.c's instead). AVX2 builds
  *       take one weight row and W8 codes 2 VL a step (W8_PAIRS): with 16 vector
  *       registers, more rows' sums spill to the stack.
@@ -23,6 +23,9 @@
  *   weight:  [N, K] int8 (kind 0) or float8_e4m3fn (kind 1) bytes, contiguous
  *   scale:   float32 [ceil(N / bn), scale_cols] contiguous, scale_cols = ceil(K / bk):
  *            w[n, k] = weight[n, k] * scale[n / bn, k / bk]
+ *   zero:    int8 of scale's shape or NULL (asymmetric int8 weights' zero points):
+ *            w[n, k] = (weight[n, k] - zero[n / bn, k / bk]) * scale[n / bn, k / bk],
+ *            the difference taken in integers (exact) before the convert to float32
  *   packed:  [N, K / 2] uint8 contiguous, column 2j in byte j's low nibble
  *   scales, zeros: float32 [N, K / G] contiguous (zeros NULL: 8); K % G == 0, G even
  *   bias:    float32 [N] or NULL
@@ -81,8 +84,9 @@ static inline vf fp8_to_f32_v(vi code) {
     return (vf)(bits | ((code & 0x80) << 24));
 }
 
-static inline float w8_code(const uint8_t *weight, int64_t k, int fp8) {
-    return fp8 ? fp8_to_f32(weight[k]) : (float)(int8_t)weight[k];
+/* A W8 code as float32; zero: the int8 code's zero point (0 for fp8 and symmetric int8). */
+static inline float w8_code(const uint8_t *weight, int64_t k, int fp8, int32_t zero) {
+    return fp8 ? fp8_to_f32(weight[k]) : (float)((int32_t)(int8_t)weight[k] - zero);
 }
 
 #if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__))
@@ -109,9 +113,9 @@ static inline vf fp8_codes(const uint8_t *p) {
 static inline vf fp8_codes(const uint8_t *p) { return fp8_to_f32_v(widen_bytes(p, 0)); }
 #endif
 
-static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8) {
+static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8, int32_t zero) {
     if (fp8) return fp8_codes(weight + k);
-    return __builtin_convertvector(widen_bytes(weight + k, 1), vf);
+    return __builtin_convertvector(widen_bytes(weight + k, 1) - zero, vf);
 }
 
 #if VL == 8 && defined(__AVX2__) && defined(__F16C__)
@@ -123,10 +127,12 @@ static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8) {
 /* 2 VL codes at p as float32 in two vectors (low: the first VL): int8 codes as they
  * are, fp8 codes times 2^-8 (fp8_codes without its last multiply; the NaN codes made
  * float16 NaNs by setting every bit, since 1.875 times a scale is no NaN). */
-static inline void w8_code_pair(const uint8_t *p, int fp8, vf *low, vf *high) {
-    if (!fp8) {
-        *low = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-        *high = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+static inline void w8_code_pair(const uint8_t *p, int fp8, int32_t zero, vf *low, vf *high) {
+    if (!fp8) {  /* int8 codes less their zero point, in integers */
+        const __m256i z = _mm256_set1_epi32(zero);
+        *low = (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), z));
+        *high = (vf)_mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), z));
         return;
     }
     const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
@@ -203,10 +209,13 @@ static void prepare_x(const void *x, int64_t x_stride, int kind, float *xf, int6
 
 /* ---- Decode tiles: R weight rows times MT rows of x ---- */
 
-/* result[r][m] = sum_k w8(n_r, k) * x[m][k]. scale_rows[r]: row n_r / bn of scale. */
+/* result[r][m] = sum_k w8(n_r, k) * x[m][k]. scale_rows[r], zero_rows[r]: row n_r / bn of
+ * scale and zero, the latter read only where ``asym`` (a constant in each instance: the
+ * symmetric ones subtract a constant 0, which the compiler drops). */
 static inline __attribute__((always_inline)) void w8_tile(
-    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R], int64_t K,
-    int64_t bk, int fp8, const int mt, float result[R][MT]) {
+    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R],
+    const int8_t *const zero_rows[R], int64_t K, int64_t bk, int fp8, const int asym, const int mt,
+    float result[R][MT]) {
     vf acc[R][MT];
     float tail[R][MT];
     for (int r = 0; r < R; r++)
@@ -219,7 +228,8 @@ static inline __attribute__((always_inline)) void w8_tile(
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = min64(K, k0 + bk);
         float s[R];
-        for (int r = 0; r < R; r++) s[r] = scale_rows[r][kb];
+        int32_t z[R];
+        for (int r = 0; r < R; r++) s[r] = scale_rows[r][kb], z[r] = asym ? zero_rows[r][kb] : 0;
         int64_t k = k0;
 #if W8_PAIRS
         /* fp8 pairs come times 2^-8: the scale times 2^8 restores them exactly (one
@@ -234,7 +244,7 @@ static inline __attribute__((always_inline)) void w8_tile(
             for (int r = 0; r < R; r++) {
                 __builtin_prefetch(w[r] + k + AHEAD * K);
                 vf low, high;
-                w8_code_pair(w[r] + k, fp8, &low, &high);
+                w8_code_pair(w[r] + k, fp8, z[r], &low, &high);
                 low *= pair_scale[r], high *= pair_scale[r];
 #pragma GCC unroll 4
                 for (int m = 0; m < mt; m++) {
@@ -249,7 +259,7 @@ static inline __attribute__((always_inline)) void w8_tile(
                 /* The next tile's rows follow these R in memory: a row is too short a
                  * stream (K bytes) for the hardware prefetcher to run ahead of. */
                 __builtin_prefetch(w[r] + k + R * K);
-                const vf wv = w8_codes(w[r], k, fp8) * s[r];
+                const vf wv = w8_codes(w[r], k, fp8, z[r]) * s[r];
                 /* x read where it is used: copied to an array first, GCC stages the
                  * copy through the stack in halves and each full-width read stalls. */
 #pragma GCC unroll 4
@@ -258,7 +268,7 @@ static inline __attribute__((always_inline)) void w8_tile(
         }
         for (; k < k1; k++)
             for (int r = 0; r < R; r++) {
-                const float wv = w8_code(w[r], k, fp8) * s[r];
+                const float wv = w8_code(w[r], k, fp8, z[r]) * s[r];
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
             }
     }
@@ -316,35 +326,43 @@ static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64
 }
 
 static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight, int fp8, const float *scale,
-                           int64_t scale_cols, int64_t bn, int64_t bk, const float *bias, void *out,
-                           int64_t out_stride, int kind, int64_t N, int64_t K, int num_threads) {
+                           const int8_t *zero, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
+                           void *out, int64_t out_stride, int kind, int64_t N, int64_t K, int num_threads) {
+    /* The codes' kind, one tile instance each: int8, fp8, int8 less zero points. */
+    const int codes = fp8 ? 1 : zero ? 2 : 0;
     const int64_t blocks = (N + R - 1) / R;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * R;
         const uint8_t *w[R];
         const float *scale_rows[R];
+        const int8_t *zero_rows[R];
         for (int r = 0; r < R; r++) {
             const int64_t n = min64(n0 + r, N - 1);
             w[r] = weight + n * K;
             scale_rows[r] = scale + n / bn * scale_cols;
+            zero_rows[r] = zero ? zero + n / bn * scale_cols : NULL;
         }
         for (int64_t m0 = 0; m0 < rows; m0 += MT) {
             const float *x_rows[MT];
             float result[R][MT];
             tile_rows(xf, m0, rows, K, x_rows);
-            /* One instance per (format, rows of x): each keeps its accumulators in registers. */
-#define W8_TILE(FP8, ROWS) w8_tile(x_rows, w, scale_rows, K, bk, FP8, ROWS, result)
-            switch ((int)min64(rows - m0, MT) * 2 + fp8) {
-            case 2: W8_TILE(0, 1); break;
-            case 3: W8_TILE(1, 1); break;
-            case 4: W8_TILE(0, 2); break;
-            case 5: W8_TILE(1, 2); break;
+            /* One instance per (codes, rows of x): each keeps its accumulators in registers. */
+#define W8_TILE(FP8, ASYM, ROWS) w8_tile(x_rows, w, scale_rows, zero_rows, K, bk, FP8, ASYM, ROWS, result)
+            switch ((int)min64(rows - m0, MT) * 3 + codes) {
+            case 3: W8_TILE(0, 0, 1); break;
+            case 4: W8_TILE(1, 0, 1); break;
+            case 5: W8_TILE(0, 1, 1); break;
+            case 6: W8_TILE(0, 0, 2); break;
+            case 7: W8_TILE(1, 0, 2); break;
+            case 8: W8_TILE(0, 1, 2); break;
 #if MT == 4
-            case 6: W8_TILE(0, 3); break;
-            case 7: W8_TILE(1, 3); break;
-            case 8: W8_TILE(0, 4); break;
-            case 9: W8_TILE(1, 4); break;
+            case 9: W8_TILE(0, 0, 3); break;
+            case 10: W8_TILE(1, 0, 3); break;
+            case 11: W8_TILE(0, 1, 3); break;
+            case 12: W8_TILE(0, 0, 4); break;
+            case 13: W8_TILE(1, 0, 4); break;
+            case 14: W8_TILE(0, 1, 4); break;
 #endif
             }
 #undef W8_TILE
@@ -354,10 +372,10 @@ static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight,
 }
 
 void w8_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t rows, const uint8_t *weight,
-               int fp8, const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
-               void *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+               int fp8, const float *scale, const int8_t *zero, int64_t scale_cols, int64_t bn, int64_t bk,
+               const float *bias, void *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     prepare_x(x, x_stride, kind, xf, rows, K, 0);
-    w8_linear_rows(xf, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, kind, N, K,
+    w8_linear_rows(xf, rows, weight, fp8, scale, zero, scale_cols, bn, bk, bias, out, out_stride, kind, N, K,
                    num_threads);
 }
 
@@ -398,24 +416,31 @@ void w4_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t row
 
 /* ---- Panels for the prefill shapes ---- */
 
-static inline void w8_dequantize_row(const uint8_t *w, const float *scale_row, int64_t K, int64_t bk, int fp8,
-                                     void *panel, int64_t base, int kind) {
+/* zero_row: the row's zero points, read only where ``asym`` (see w8_tile). */
+static inline __attribute__((always_inline)) void w8_dequantize_row(
+    const uint8_t *w, const float *scale_row, const int8_t *zero_row, int64_t K, int64_t bk, int fp8,
+    const int asym, void *panel, int64_t base, int kind) {
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = min64(K, k0 + bk);
         const float s = scale_row[kb];
+        const int32_t z = asym ? zero_row[kb] : 0;
         int64_t k = k0;
-        for (; k + VL <= k1; k += VL) store_panel(panel, base + k, w8_codes(w, k, fp8) * s, kind);
-        for (; k < k1; k++) store_out(panel, base + k, w8_code(w, k, fp8) * s, kind);
+        for (; k + VL <= k1; k += VL) store_panel(panel, base + k, w8_codes(w, k, fp8, z) * s, kind);
+        for (; k < k1; k++) store_out(panel, base + k, w8_code(w, k, fp8, z) * s, kind);
     }
 }
 
-void w8_dequantize(const uint8_t *weight, int fp8, const float *scale, int64_t scale_cols, int64_t bn,
-                   int64_t bk, int64_t n0, int64_t n1, int64_t K, void *panel, int kind, int num_threads) {
+void w8_dequantize(const uint8_t *weight, int fp8, const float *scale, const int8_t *zero, int64_t scale_cols,
+                   int64_t bn, int64_t bk, int64_t n0, int64_t n1, int64_t K, void *panel, int kind,
+                   int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t n = n0; n < n1; n++) {
         const float *scale_row = scale + n / bn * scale_cols;
-        if (fp8) w8_dequantize_row(weight + n * K, scale_row, K, bk, 1, panel, (n - n0) * K, kind);
-        else w8_dequantize_row(weight + n * K, scale_row, K, bk, 0, panel, (n - n0) * K, kind);
+        const uint8_t *w = weight + n * K;
+        if (fp8) w8_dequantize_row(w, scale_row, NULL, K, bk, 1, 0, panel, (n - n0) * K, kind);
+        else if (zero)
+            w8_dequantize_row(w, scale_row, zero + n / bn * scale_cols, K, bk, 0, 1, panel, (n - n0) * K, kind);
+        else w8_dequantize_row(w, scale_row, NULL, K, bk, 0, 0, panel, (n - n0) * K, kind);
     }
 }
 

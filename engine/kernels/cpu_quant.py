@@ -64,9 +64,9 @@ PACKED_MIN_ROWS = 256
 
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "w8_linear": [_P, _I, _N, _P, _I, _P, _N, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
+    "w8_linear": [_P, _I, _N, _P, _I, _P, _N, _P, _P, _I, _I, _I, _P, _P, _I, _I, _I, _N],
     "w4_linear": [_P, _I, _N, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _N],
-    "w8_dequantize": [_P, _N, _P, _I, _I, _I, _I, _I, _I, _P, _N, _N],
+    "w8_dequantize": [_P, _N, _P, _P, _I, _I, _I, _I, _I, _I, _P, _N, _N],
     "w4_dequantize": [_P, _P, _P, _I, _I, _I, _I, _P, _N, _N],
 }
 
@@ -169,6 +169,19 @@ def _float32_vector(values: torch.Tensor | None, size: int, name: str) -> torch.
     return values.detach().to(torch.float32).contiguous()
 
 
+def zero_points(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor | None:
+    """An asymmetric int8 weight's zero points as the C kernels read them: int8 of the
+    scale's shape, contiguous (``zero`` may hold them as float32 integers, as
+    QuantizedLinear does); None for a symmetric weight."""
+    if zero is None:
+        return None
+    assert weight.dtype == torch.int8, f"zero points on a {weight.dtype} weight"
+    assert zero.shape == scale.shape, f"zero points {tuple(zero.shape)}, the scale is {tuple(scale.shape)}"
+    codes = zero.detach().to(torch.int8).contiguous()
+    assert torch.equal(codes.to(zero.dtype), zero), "zero points are integers in int8's range"
+    return codes
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -232,20 +245,25 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
 
 
 def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                  block: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                  block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+                  zero: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) -> [..., N] of x's dtype; w: ``weight`` [N, K] int8 or
-    float8_e4m3fn times ``scale`` float32 ([1, 1], [N, 1], or per ``block``)."""
+    float8_e4m3fn times ``scale`` float32 ([1, 1], [N, 1], or per ``block``), less
+    ``zero`` first (an asymmetric int8 weight's zero points, of the scale's shape;
+    see ``zero_points``). cpu_quant_bf16.c's kernels take no zero points: an
+    asymmetric weight's bfloat16 x is widened by cpu_quant.c's in every build."""
     out_features, in_features = weight.shape
     assert weight.dtype in W8_DTYPES and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
     assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
     block_rows, block_cols = w8_blocks(weight, scale, block)
     scale_cols = -(-in_features // block_cols)
+    zero8 = zero_points(weight, scale, zero)
     x2 = _rows(x, in_features)
     bias32 = _float32_vector(bias, out_features, "bias")
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype)
     fp8, kind, threads = int(weight.dtype == torch.float8_e4m3fn), _KINDS[x.dtype], torch.get_num_threads()
     library = _library()
-    dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 else None
+    dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 and zero8 is None else None
     if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
         kernel = dot_library.w8_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w8_blocked_bf16
         kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(), scale_cols,
@@ -254,16 +272,18 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     elif x2.shape[0] <= DECODE_MAX_ROWS:
         scratch = torch.empty(x2.shape, dtype=torch.float32)
         library.w8_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], weight.data_ptr(),
-                          fp8, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32),
-                          out.data_ptr(), out.stride(0), out_features, in_features, threads)
+                          fp8, scale.data_ptr(), _pointer(zero8), scale_cols, block_rows, block_cols,
+                          _pointer(bias32), out.data_ptr(), out.stride(0), out_features, in_features, threads)
     else:
         def dequantize(n0: int, n1: int, panel: torch.Tensor) -> None:
-            library.w8_dequantize(weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols,
-                                  n0, n1, in_features, panel.data_ptr(), _KINDS[panel.dtype], threads)
+            library.w8_dequantize(weight.data_ptr(), fp8, scale.data_ptr(), _pointer(zero8), scale_cols,
+                                  block_rows, block_cols, n0, n1, in_features, panel.data_ptr(),
+                                  _KINDS[panel.dtype], threads)
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
             panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads)
-        out = _panel_product(x2, out, bias, dequantize, to_blocked if whole_runs(block_cols, in_features) else None)
+        packs = zero8 is None and whole_runs(block_cols, in_features)  # the packed fill takes no zero points
+        out = _panel_product(x2, out, bias, dequantize, to_blocked if packs else None)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -318,10 +338,10 @@ class DecodeCall:
     where that library has its dot products, else cpu_quant.c's (``widens``: x is
     widened to float32 into a scratch the call passes). ``source``: the layer's tensors
     it was bound to (``binds`` tells whether they still are the layer's); ``held``: the
-    float32 bias copy its pointers also address."""
+    tensors made for it (the float32 bias, int8 zero points) its pointers also address."""
 
     def __init__(self, kernel: Callable[..., None], weight_args: tuple[int | None, ...],
-                 source: tuple[torch.Tensor | None, ...], held: torch.Tensor | None, out_features: int,
+                 source: tuple[torch.Tensor | None, ...], held: tuple[torch.Tensor | None, ...], out_features: int,
                  in_features: int, w4_groups: int, widens: bool = False) -> None:
         self.kernel, self.weight_args, self.source, self.held = kernel, weight_args, source, held
         self.out_features, self.in_features, self.w4_groups = out_features, in_features, w4_groups
@@ -362,10 +382,13 @@ def _widening_library() -> ctypes.CDLL | None:
 
 
 def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   bias: torch.Tensor | None) -> DecodeCall | None:
-    """``cpu_w8_linear``'s decode shapes for bfloat16 x bound to this weight, or None
-    where neither library built."""
-    library, widening = _bf16_dot_library(), _widening_library()
+                   bias: torch.Tensor | None, zero: torch.Tensor | None = None) -> DecodeCall | None:
+    """``cpu_w8_linear``'s decode shapes for bfloat16 x bound to this weight (``zero``:
+    an asymmetric int8 weight's zero points, which only cpu_quant.c's kernel takes), or
+    None where no library that takes it built."""
+    library = _bf16_dot_library() if zero is None else None
+    widening = _widening_library() if zero is None else (
+        _LIBRARY.load() if cpu_quant_available(torch.bfloat16) else None)
     if library is None and widening is None:
         return None
     out_features, in_features = weight.shape
@@ -373,15 +396,17 @@ def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
     block_rows, block_cols = w8_blocks(weight, scale, block)
     bias32 = _float32_vector(bias, out_features, "bias")
-    args = (weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
-            -(-in_features // block_cols), block_rows, block_cols, _pointer(bias32))
+    zero8 = zero_points(weight, scale, zero)
+    fp8, scale_cols = int(weight.dtype == torch.float8_e4m3fn), -(-in_features // block_cols)
     if library is not None:
-        kernel = library.w8_linear_bf16
-    else:
-        assert widening is not None
-        kernel = widening.w8_linear
-    return DecodeCall(kernel, args, (weight, scale, bias), bias32, out_features, in_features, 0,
-                      widens=library is None)
+        args = (weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32))
+        return DecodeCall(library.w8_linear_bf16, args, (weight, scale, zero, bias), (bias32,), out_features,
+                          in_features, 0)
+    assert widening is not None
+    args = (weight.data_ptr(), fp8, scale.data_ptr(), _pointer(zero8), scale_cols, block_rows, block_cols,
+            _pointer(bias32))
+    return DecodeCall(widening.w8_linear, args, (weight, scale, zero, bias), (bias32, zero8), out_features,
+                      in_features, 0, widens=True)
 
 
 def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
@@ -404,7 +429,7 @@ def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     args = (packed.data_ptr(), scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32))
     if library is None:
         assert widening is not None
-        return DecodeCall(widening.w4_linear, args, (packed, scales, zeros, bias), bias32, out_features,
+        return DecodeCall(widening.w4_linear, args, (packed, scales, zeros, bias), (bias32,), out_features,
                           in_features, 0, widens=True)
-    return DecodeCall(library.w4_linear_bf16, args, (packed, scales, zeros, bias), bias32, out_features,
+    return DecodeCall(library.w4_linear_bf16, args, (packed, scales, zeros, bias), (bias32,), out_features,
                       in_features, groups)

@@ -16,8 +16,9 @@ Invariants:
   the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
 - An asymmetric int8 W8 layer (``zero`` set: integer zero points per tensor or output
-  channel, float32) runs the Triton W8 kernel on CUDA and the torch tile path on CPU:
-  the C kernels take no zero point, so ``zero`` keeps such a layer from them.
+  channel, float32) runs every path but the ones that take no zero point: cpu_quant.c's
+  kernels take them (bfloat16 x widened by them even where cpu_quant_bf16.c's dot
+  products would run), the W8A8 integer kernel does not (x is fake-quantized instead).
 - ``input_quantization`` other than "none" (a compressed-tensors W8A8 checkpoint): every
   path, the reference included, multiplies x as the checkpoint's own forward quantizes
   it per token (engine/quantization/activations.py); the int8 one runs as integer
@@ -166,8 +167,6 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
-    if layer.zero is not None and x.device.type != "cuda":  # asymmetric int8: no C kernel takes zero points
-        return torch_quantized_matmul(layer, fake_quantize_inputs(x, layer.input_quantization))
     if x.device.type == "cuda":
         return cuda_kernel_matmul(layer, x)
     if layer.input_quantization != "none":
@@ -185,9 +184,10 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def int8_kernel_takes(layer: QuantizedLinear, x: torch.Tensor) -> bool:
     """Whether the W8A8 int8 kernel (integer products, AVX512_VNNI) runs this layer on x:
-    int8 inputs and weights with a per-tensor or per-channel scale, x float32 or bfloat16."""
+    int8 inputs and symmetric int8 weights with a per-tensor or per-channel scale, x
+    float32 or bfloat16."""
     return (layer.input_quantization == "int8" and layer.layout == "w8" and layer.block is None
-            and layer.weight is not None and layer.weight.dtype == torch.int8
+            and layer.zero is None and layer.weight is not None and layer.weight.dtype == torch.int8
             and layer.in_features <= MAX_IN_FEATURES and cpu_w8a8_available(x.dtype))
 
 
@@ -217,7 +217,7 @@ def cpu_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     registers; the prefill shapes multiply panels of it dequantized to x's dtype."""
     if layer.layout == "w8":
         assert layer.weight is not None and layer.scale is not None
-        return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
+        return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=layer.zero)
     assert layer.packed is not None and layer.scales is not None
     return cpu_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
@@ -231,13 +231,13 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
             and layer.cpu_kernels):
         return None
     buffers = layer._buffers  # read directly: a decode step asks this for every linear
-    names = ("weight", "scale", "bias") if layer.layout == "w8" else ("packed", "scales", "zeros", "bias")
+    names = ("weight", "scale", "zero", "bias") if layer.layout == "w8" else ("packed", "scales", "zeros", "bias")
     source = tuple(buffers[name] for name in names)
     call = layer.bound_decode
     if call is None or not call.binds(source):
         if layer.layout == "w8":
             assert layer.weight is not None and layer.scale is not None
-            call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias)
+            call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias, layer.zero)
         else:
             assert layer.packed is not None and layer.scales is not None
             call = w4_decode_call(layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)

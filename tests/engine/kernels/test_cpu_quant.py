@@ -94,6 +94,82 @@ def test_w8_linear(dtype, weight_dtype, scale_kind, out_features, in_features):
         assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows)
 
 
+# Each decode tile remainder past two tiles, a register-blocked and a prefill row count.
+ASYMMETRIC_ROWS = [*range(1, 17), 37, 300]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_kind", ["tensor", "channel"])
+@pytest.mark.parametrize("out_features,in_features", [(37, 203), (64, 128)])
+def test_w8_linear_asymmetric_int8(dtype, zero_kind, out_features, in_features):
+    """int8 codes less zero points (every int8 value) times the scale: the decode tiles
+    (AVX2's pairs of vectors, a single vector and a tail at K = 203) and the prefill panels."""
+    weight = w8_weight(torch.int8, out_features, in_features)
+    shape = (1, 1) if zero_kind == "tensor" else (out_features, 1)
+    scale = torch.rand(shape, generator=generator(2)) * 0.01 + 0.001
+    zero = torch.randint(-128, 128, shape, generator=generator(3)).float()
+    if zero_kind == "channel":
+        zero[:2] = torch.tensor([[-128.0], [127.0]])  # code - zero spans [-255, 255]
+    bias = torch.randn(out_features, generator=generator(4))
+    dense = dequantize_w8(weight, scale, None, zero)
+    for rows in ASYMMETRIC_ROWS:
+        x = torch.randn(rows, in_features, generator=generator(rows)).to(dtype)
+        with_bias = bias.to(dtype) if rows % 2 else None
+        out = cpu_w8_linear(x, weight, scale, None, with_bias, zero=zero)
+        assert_matches(out, quantized_linear_reference(x, dense, with_bias), rows, many_rows=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features", [16, 4])
+def test_every_int8_code_less_its_zero_point_decodes_exactly(dtype, out_features):
+    """One-hot rows of x pick single weights: (code - zero) * scale for all 256 codes and
+    zero points at both ends of int8, exactly, on every path."""
+    codes = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    in_features = 256 // out_features
+    codes = codes[torch.randperm(256, generator=generator(5))].reshape(out_features, in_features)
+    scale = torch.rand(out_features, 1, generator=generator(1)) + 0.5
+    zero = torch.randint(-128, 128, (out_features, 1), generator=generator(2)).float()
+    zero[0], zero[-1] = -128.0, 127.0
+    expected = dequantize_w8(codes, scale, None, zero)
+    for rows in (list(range(in_features)), list(range(0, in_features, 9))[:8], [7]):
+        out = cpu_w8_linear(torch.eye(in_features, dtype=dtype)[rows], codes, scale, zero=zero)
+        assert torch.equal(out, expected.t()[rows].to(dtype))
+
+
+def test_asymmetric_bfloat16_takes_the_widening_kernel(monkeypatch):
+    """cpu_quant_bf16.c's dot products take no zero points: an asymmetric weight's
+    bfloat16 x never reaches them (as on an AVX512_BF16 host, where they are built)."""
+    class NoZeroPoints:
+        def __getattr__(self, name):
+            raise AssertionError(f"the dot-product library's {name} was called with zero points")
+
+    monkeypatch.setattr(cpu_quant, "_bf16_dot_library", lambda: NoZeroPoints())
+    weight, scale = w8_weight(torch.int8, 24, 40), torch.rand(24, 1, generator=generator(2)) * 0.01
+    zero = torch.randint(-128, 128, (24, 1), generator=generator(3)).float()
+    dense = dequantize_w8(weight, scale, None, zero)
+    for rows in (1, 8, 40):
+        x = torch.randn(rows, 40, generator=generator(rows)).bfloat16()
+        out = cpu_w8_linear(x, weight, scale, zero=zero)
+        assert_matches(out, quantized_linear_reference(x, dense), rows, many_rows=0)
+    call = cpu_quant.w8_decode_call(weight, scale, None, None, zero)
+    assert call is not None and call.widens
+    x = torch.randn(3, 40, generator=generator(9)).bfloat16()
+    assert_matches(call(x), quantized_linear_reference(x, dense), 3, many_rows=0)
+
+
+def test_zero_points_must_be_int8_integers_of_the_scales_shape():
+    weight, scale = w8_weight(torch.int8, 8, 32), torch.ones(8, 1)
+    x = torch.randn(2, 32)
+    with pytest.raises(AssertionError, match="zero points"):
+        cpu_w8_linear(x, weight, scale, zero=torch.zeros(1, 1))
+    with pytest.raises(AssertionError, match="integers"):
+        cpu_w8_linear(x, weight, scale, zero=torch.full((8, 1), 0.5))
+    with pytest.raises(AssertionError, match="integers"):
+        cpu_w8_linear(x, weight, scale, zero=torch.full((8, 1), 200.0))
+    with pytest.raises(AssertionError, match="zero points on"):
+        cpu_w8_linear(x, weight.view(torch.float8_e4m3fn), scale, zero=torch.zeros(8, 1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128, 18])  # 18: no whole vector run in a group
 @pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])

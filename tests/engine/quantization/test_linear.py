@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardline.engine.kernels.cpu_quant import cpu_quant_available
 from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 from shardline.engine.quantization import linear as quantized
 from shardline.engine.quantization.formats import pack_int4
@@ -79,7 +80,8 @@ def test_dequantized_reference_is_scoped():
     assert not any(module.use_reference for module in model if isinstance(module, QuantizedLinear))
 
 
-@pytest.mark.parametrize("name", ["w8_fp8_per_channel", "w8_fp8_partial_blocks", "w4_symmetric"])
+@pytest.mark.parametrize("name", ["w8_fp8_per_channel", "w8_fp8_partial_blocks", "w4_symmetric",
+                                  "w8_int8_asymmetric_channel"])
 def test_bound_decode_call_follows_the_layers_tensors(name):
     """bfloat16 decode rows take the call bound to the layer's tensors (where the build
     has the bfloat16 kernel): it gives the reference, is bound again when a tensor is
@@ -99,6 +101,8 @@ def test_bound_decode_call_follows_the_layers_tensors(name):
     if layer.layout == "w8":
         assert layer.weight is not None
         layer.weight = (-layer.weight.float()).to(layer.weight.dtype)  # a new tensor
+        if layer.zero is not None:
+            layer.zero = layer.zero + 1  # new zero points: the bound int8 copy is stale
         assert copied.weight is not None
         copied.weight.zero_()
     else:
@@ -113,8 +117,8 @@ def test_bound_decode_call_follows_the_layers_tensors(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
     """(code - zero point) * scale per element, against the product written out here
-    (not through dequantize_w8), for 1..16 rows and an odd input width; such a layer
-    binds no decode kernel (the C kernels take no zero point)."""
+    (not through dequantize_w8), for 1..16 rows and an odd input width; bfloat16 decode
+    rows bind cpu_quant.c's kernel with the zero points where it builds."""
     generator = torch.Generator().manual_seed(7)
     layer = _w8_asymmetric(48, 67, True, generator)
     assert layer.weight is not None and layer.scale is not None and layer.zero is not None and layer.bias is not None
@@ -124,4 +128,5 @@ def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
         x = torch.randn(rows, 67, generator=generator).to(dtype)
         expected = ((x.float() @ weight.t()) + layer.bias).to(dtype)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-4)
-    assert layer.bound_decode is None
+    if dtype == torch.bfloat16 and cpu_quant_available(torch.bfloat16):
+        assert layer.bound_decode is not None and layer.bound_decode.widens
