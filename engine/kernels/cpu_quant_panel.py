@@ -41,6 +41,8 @@ SOURCE = Path(__file__).with_name("cpu_quant_panel.c")
 MAX_PANELS = 16
 # The dtypes oneDNN packs, each with its elements per 4-byte unit of the layout.
 _UNIT_ELEMENTS = {torch.float32: 1, torch.bfloat16: 2}
+# Each dtype's bit in ``panel_vector_tiles()``: the dtypes a build fills in vector tiles.
+_VECTOR_TILE_BITS = {torch.float32: 1, torch.bfloat16: 2}
 # Rows of x padded with zeros to a multiple of this (of 4 x this past 4 x this rows):
 # oneDNN builds a kernel per distinct row count, and prefill steps see many counts.
 ROW_STEP = 64
@@ -48,7 +50,7 @@ ROW_STEP = 64
 
 def _declare(library: ctypes.CDLL) -> None:
     p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    declare(library, ["w8_to_blocked"], [p, n, p, i, i, i, i, i, i, n, i, i, p, n], None)
+    declare(library, ["w8_to_blocked"], [p, n, p, p, i, i, i, i, i, i, n, i, i, p, n], None)
     declare(library, ["w4_to_blocked"], [p, p, p, i, i, i, i, n, i, i, p, n], None)
     declare(library, ["panel_vector_tiles"], [], n)
 
@@ -69,14 +71,15 @@ class BlockedLayout:
 
 def packed_panels_available(dtype: torch.dtype) -> bool:
     """Whether prefill panels take this path for x of ``dtype``: oneDNN packs the dtype
-    and cpu_quant_panel.c built with its vector tiles (AVX-512; element by element, the
-    plain panels and torch's matmul are faster)."""
+    and cpu_quant_panel.c built with vector tiles of it (float32: AVX2 and AVX-512;
+    bfloat16: AVX-512; element by element, the plain panels and torch's matmul are
+    faster)."""
     if dtype not in _UNIT_ELEMENTS or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     library = _LIBRARY.load()
-    return library is not None and bool(library.panel_vector_tiles())
+    return library is not None and bool(library.panel_vector_tiles() & _VECTOR_TILE_BITS[dtype])
 
 
 def whole_runs(span: int, cols: int) -> bool:
@@ -153,15 +156,23 @@ class PackedPanel:
         self._units = _buffer(self.packed, torch.int32)
 
     def fill_w8(self, weight: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int], n0: int,
-                threads: int) -> None:
+                threads: int, zero: torch.Tensor | None = None) -> None:
         """Rows n0 .. n0 + rows of a W8 weight (cpu_quant.cpu_w8_linear's layout, scale
-        blocks of ``blocks`` = (rows, columns)) dequantized into the packed buffer."""
+        blocks of ``blocks`` = (rows, columns)) dequantized into the packed buffer;
+        ``zero``: an int8 weight's zero points, int8, one per row ([N] or [N, 1]) or one
+        for all (w = (code - zero) * scale, the difference taken in integers), None for
+        none."""
         assert weight.shape[1] == self.cols and n0 + self.rows <= weight.shape[0], (tuple(weight.shape), n0)
+        if zero is not None:
+            assert weight.dtype == torch.int8, f"zero points are for int8 weights, not {weight.dtype}"
+            assert zero.dtype == torch.int8 and zero.numel() in (1, weight.shape[0]), (zero.dtype, tuple(zero.shape))
+            zero = zero.reshape(-1).expand(weight.shape[0]).contiguous()
         library = _LIBRARY.load()
         assert library is not None
         block_rows, block_cols = blocks
         library.w8_to_blocked(weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
-                              scale.shape[1], block_rows, block_cols, n0, n0 + self.rows, self.cols,
+                              None if zero is None else zero.data_ptr(), scale.shape[1], block_rows, block_cols,
+                              n0, n0 + self.rows, self.cols,
                               int(self.dtype == torch.bfloat16), self.layout.block_rows, self.layout.padded_units,
                               self._units.data_ptr(), threads)
 
