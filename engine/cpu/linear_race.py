@@ -42,7 +42,9 @@ RACED_WEIGHT_BYTES = 64 << 20
 # The raced copies hold at most this many bytes: past a few times the last-level
 # cache, each copy is read from memory as a step reads a large model's weights.
 RACED_BYTES = 128 << 20
-RACE_ROUNDS = 3
+# Rounds of each race, each side's best compared: a loaded machine slows either side
+# at random, and with few rounds the row counts a shape takes moved between processes.
+RACE_ROUNDS = 5
 
 
 def small_linear_capability(dtype: torch.dtype) -> tuple[bool, str]:
@@ -77,7 +79,8 @@ def small_kernel_choice(rows_hint: int, forced: bool, step_bytes: int = 0) -> Sm
                 weights = raced()
                 return 0.0 if weights is None else weights.speedup(rows)
 
-            return measured("small_linear", (str(dtype), out_features, in_features, rows_hint, rows, copies), measure)
+            key = (str(dtype), out_features, in_features, rows_hint, rows, copies, RACE_ROUNDS)
+            return measured("small_linear", key, measure)
 
         return rows_taken(speedup_at)
 

@@ -52,7 +52,14 @@ from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears
 from .linear_race import linear_weight_bytes, small_kernel_choice, small_linear_capability
 from .measurement import host_key as _host_key  # noqa: F401 - cleared by the tests with the others
 from .measurement import measured as _measured
-from .path_races import linear_speedup, prefill_speedup, quant_int8_capability, quant_int8_speedup, quant_speedup
+from .path_races import (
+    confirmed,
+    linear_speedup,
+    prefill_speedup,
+    quant_int8_capability,
+    quant_int8_speedup,
+    quant_speedup,
+)
 from .recurrent_core import take_native_core
 
 logger = logging.getLogger(__name__)
@@ -115,7 +122,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
     packed_dtype, copies_why = _packed_dtype(host, dtype, shape, rows_hint, settings.get("packed_linears"))
     checks = {
         "packed_linears": (packed_linears_capability(host, dtype, shape),
-                           lambda: linear_speedup(dtype, packed_dtype or dtype, shape, rows_hint), "torch's matmul"),
+                           lambda: confirmed(lambda: linear_speedup(dtype, packed_dtype or dtype, shape, rows_hint),
+                                             1 / MARGIN), "torch's matmul"),
         "fused_kernels": (fused_kernels_capability(dtype), None, ""),
         "decode_kernel": (decode_kernel_capability(dtype, shape), None, ""),
         "prefill_kernel": (prefill_kernel_capability(dtype, shape), lambda: prefill_speedup(dtype, shape), "SDPA"),
@@ -138,7 +146,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         elif setting is True or measure is None:
             taken, why = True, why if setting is None else f"turned on by SHARDLINE_CPU_PATHS{how}"
         else:
-            speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint, "layer") if name == "packed_linears"
+            speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint, "layer at step rows")
+                                if name == "packed_linears"
                                 else (dtype, shape, rows_hint), measure)
             taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
         if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
@@ -183,7 +192,7 @@ def _packed_dtype(host: HostCpu, dtype: torch.dtype, shape: ModelShape, rows_hin
     copies, free = shape.linear_weights * torch.float32.itemsize, capability.available_memory()
     if (free is not None and copies * COPY_HEADROOM > free) or not onednn_linear_available(torch.float32):
         return None, ""
-    speedup = _measured("bfloat16_packing", (shape, rows_hint),
+    speedup = _measured("bfloat16_packing", (shape, rows_hint, "step rows"),
                         lambda: linear_speedup(dtype, dtype, shape, rows_hint, alternative=torch.float32))
     if speedup >= 1 / MARGIN:
         return None, ""
