@@ -1,6 +1,7 @@
 """A tensor-parallel rank reads only its share of a quantized checkpoint's linears.
 
-Each split linear's stored tensors (weight and scales, packed codes, zero points) are
+Each split linear's stored tensors (weight and scales, packed codes, zero points,
+asymmetric int8's zero points with their scale) are
 read through safetensors' ``get_slice`` as the part holding the rank's output rows (a
 column split) or input columns (a row split), and handed to the checkpoint format's own
 reader (engine/quantization/formats.py) with the share's shape: the reader checks and
@@ -66,6 +67,8 @@ QUANTIZED_AXES: dict[str, dict[str, tuple[int | None, int | str, int | None, int
                "weight_zero_point": (0, 8, 1, "group"), "weight_g_idx": (None, 1, 0, 1)},
 }
 ACT_ORDER = ("g_idx", "weight_g_idx")
+# An asymmetric int8 W8 weight's zero points: the scale's shape, cut as the scale is.
+ZERO_POINT = "weight_zero_point"
 
 
 class SlicedTensors(CheckpointTensors):
@@ -127,12 +130,14 @@ def share_cuts(tensors: CheckpointTensors, module: str, scheme: QuantScheme, sha
         numel = 1
         for size in tensors.shape(f"{module}.{scale}"):
             numel *= size
-        if scheme.strategy == "block" and scheme.block is not None:
+        if scheme.strategy in ("block", "group") and scheme.block is not None:  # int8 groups: blocks [1, g]
             axes[scale] = (0, scheme.block[0], 1, scheme.block[1])
         elif numel == rows and numel > 1:
             axes[scale] = (0, 1, None, 1)
         elif numel != 1:
             return None
+        if not scheme.symmetric and scale in axes:  # asymmetric int8: zero points cut as their scale
+            axes[ZERO_POINT] = axes[scale]
     sizes = {"word": 32 // (8 if scheme.weights == "int8" else 4), "group": scheme.group_size or cols}
     cuts: dict[str, Cut] = {}
     for leaf, (out_axis, out_unit, in_axis, in_unit) in axes.items():

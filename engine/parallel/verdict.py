@@ -24,7 +24,7 @@ from ..attention.context import register as register_attention
 from ..model.adapters import adapt_attention, has_adapter
 from ..model.kv_cache_spec import KVCacheSpec
 from ..model.support import auto_class_for
-from ..quantization.methods import check_rank_split, resolve_scheme
+from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
 from .heads import layer_heads, model_heads
 from .sharding import shard_model
@@ -61,10 +61,7 @@ def check_tensor_parallel(hf_config: transformers.PretrainedConfig, size: int, *
     belong to (engine/lora/layers.py, quantized.py, experts.py)."""
     model_type = hf_config.get_text_config().model_type
     prefix = f"tensor_parallel_size={size}"
-    if size > 1:
-        check_rank_split(resolve_scheme(hf_config, quantization))
-    else:
-        resolve_scheme(hf_config, quantization)
+    resolve_scheme(hf_config, quantization)
     heads = model_heads(hf_config)
     for layer in dict.fromkeys(layer_heads(hf_config) or ([heads] if heads is not None else [])):
         if layer.num_heads % size:

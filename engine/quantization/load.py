@@ -33,7 +33,6 @@ from ..surgery import replace, submodule
 from .checkpoint import CheckpointTensors, QuantizedCheckpointError
 from .experts import experts_modules, replace_quantized_experts
 from .formats import read_quantized_linear, stored_quantized
-from .methods import check_rank_split
 from .online import quantize_linear
 from .scheme import QuantScheme
 
@@ -81,8 +80,6 @@ def load_quantized_model(auto_class: type, hf_config: transformers.PretrainedCon
     rank reads its slices of them after the split)."""
     from accelerate import init_empty_weights
 
-    if defer is not None:  # a rank's slice reader (engine/parallel/quantized_slices.py)
-        check_rank_split(scheme)
     config = copy.deepcopy(hf_config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")

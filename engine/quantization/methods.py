@@ -82,14 +82,6 @@ def resolve_scheme(hf_config: Any, quantization: str | None) -> QuantScheme | No
     return scheme
 
 
-def check_rank_split(scheme: QuantScheme | None) -> None:
-    """Refuse (UnsupportedModelError, one line) a scheme whose tensors a
-    tensor-parallel rank's slice reader does not cut: asymmetric int8's zero points."""
-    if scheme is not None and scheme.layout == "w8" and not scheme.symmetric:
-        raise UnsupportedModelError(f"{scheme.description} asymmetric weights (weight_zero_point) are not split over "
-                                    "tensor-parallel ranks by shardline; run them with tensor_parallel_size 1")
-
-
 def quantization_refusal(hf_config: Any, quantization: str | None = None) -> str | None:
     """Why the engine cannot load this checkpoint's quantization (one line), or None."""
     try:
