@@ -11,15 +11,17 @@
  * rescaled once), then the values. Contexts shorter than a chunk are a plain
  * softmax. The keys' and values' rows are read in place through the block table
  * (any block size), each once per pass:
- * - scores: VL consecutive keys at a time for one query row (their row addresses
- *   looked up once for all heads), summed by sum_each as in the vector item; lanes
+ * - scores: VL consecutive keys at a time, their rows read one after another (each
+ *   row's heads in memory order, all query rows of a head on the head's part), the
+ *   VL partial sums of each query row then summed by sum_each as in the vector item; lanes
  *   before the window's first key or past the last one read the nearest key inside
  *   (never a row the request does not own) and are masked to -inf;
  * - values: TILE keys at a time (a tile is small enough to stay in L1 between the
  *   passes over its columns), COLS vectors of columns for two query rows of a KV
  *   head at a time with their accumulators in registers over the tile.
- * Each pass prefetches the rows it will read next into L2 while it computes: scores
- * PREFETCH_KEYS keys ahead, values the next tile's same columns.
+ * The scores read their rows sequentially, which the hardware prefetchers follow
+ * (software prefetches there did not help); the values prefetch the next tile's
+ * same columns into L2 while they compute.
  * Invariant: every row read is one of the request's positions first .. seq_len - 1. */
 
 #ifndef SHARDLINE_CPU_DECODE_CHUNKED_H
@@ -28,9 +30,8 @@
 #define CHUNK_SCORES 8192  /* floats of scores per item (32 KiB): keys per chunk x query rows */
 #define MAX_CHUNK_KEYS 1024
 #define TILE 16
-#define PREFETCH_KEYS 8
-/* rows past a chunk's last key looked up for the prefetches */
-#define ROWS_PAST (2 * TILE > PREFETCH_KEYS + VL ? 2 * TILE : PREFETCH_KEYS + VL)
+/* rows past a chunk's last key looked up for the value prefetches */
+#define ROWS_PAST (2 * TILE)
 
 /* Bfloat16 caches are read 2 VL elements at a time, as one float32 vector of their
  * even elements and one of their odd ones (each bfloat16 the high half of a 32-bit
@@ -46,33 +47,27 @@ static inline __attribute__((always_inline)) void load_bf16_pairs(const void *ba
     *odd = (vf)(pairs & ((vi){0} + (int32_t)0xffff0000u));
 }
 
-/* Scores of the VL keys whose head rows start at rows[0 .. VL - 1] (element offsets)
- * for one scaled query row. */
-static inline __attribute__((always_inline)) vf chunk_key_scores(
-    const float *query, const void *k_cache, const int64_t *rows, const int64_t D, const int bf16,
-    const int64_t *prefetch_rows)
+/* One scaled query row's products with the key head at element offset `row`, summed
+ * over the head dimension a vector at a time (lane l: the sum over d = l mod VL;
+ * sum_each finishes the dot products of VL keys at once). */
+static inline __attribute__((always_inline)) vf key_dot(const float *query, const void *k_cache, int64_t row,
+                                                        const int64_t D, const int bf16)
 {
-    vf a[VL];
-    for (int j = 0; j < VL; j++) a[j] = splat(0.0f);
+    vf a = splat(0.0f);
     for (int64_t d = 0; d < D; d += VL) {
         vf qd;
         memcpy(&qd, query + d, sizeof qd);
-        /* prefetch_rows (or NULL): one row's head per step, the first VL steps */
-        if (prefetch_rows && d / VL < VL)
-            prefetch_lines((const char *)k_cache + prefetch_rows[d / VL] * (bf16 ? 2 : 4), D * (bf16 ? 2 : 4));
         if (bf16) {  /* qd: the even elements of d .. d + 2 VL - 1; the odd ones next */
             vf qo, even, odd;
             memcpy(&qo, query + d + VL, sizeof qo);
-            for (int j = 0; j < VL; j++) {
-                load_bf16_pairs(k_cache, rows[j] + d, &even, &odd);
-                a[j] += qd * even + qo * odd;
-            }
+            load_bf16_pairs(k_cache, row + d, &even, &odd);
+            a += qd * even + qo * odd;
             d += VL;
             continue;
         }
-        for (int j = 0; j < VL; j++) a[j] += qd * loadv(k_cache, rows[j] + d, bf16);
+        a += qd * loadv(k_cache, row + d, bf16);
     }
-    return sum_each(a);
+    return a;
 }
 
 /* acc[b][0 .. cols - 1] += sum over keys j < num_keys of p[b][j] * the value row at
@@ -144,6 +139,7 @@ static inline __attribute__((always_inline)) void chunked_item(
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
     float p[CHUNK_SCORES] __attribute__((aligned(64)));  /* p[i * chunk_keys + key - start] */
     int64_t rows[MAX_CHUNK_KEYS + VL + ROWS_PAST];  /* row offsets */
+    vf partial[MAX_ITEM_HEADS][VL];  /* partial[i][r]: query row i's products with key j0 + r, summed over VL lanes */
     for (int64_t i = 0; i < n; i++) {
         const int64_t qh = query_row * q_stride_t + (h0 * group + i) * q_stride_h;
         for (int64_t d = 0; d < D; d++)  /* bfloat16: evens then odds of each 2 VL (load_bf16_pairs) */
@@ -160,17 +156,16 @@ static inline __attribute__((always_inline)) void chunked_item(
          * and ROWS_PAST more past the chunk (clamped too) for the prefetches. */
         chunk_rows(rows, padded + ROWS_PAST, start, first, seq_len, table, block_size, row_stride, h0 * D);
         for (int64_t j0 = 0; j0 < padded; j0 += VL) {
-            for (int64_t kv = 0; kv < num_item_heads; kv++) {
-                int64_t key_rows[VL], fetch_rows[VL];
-                for (int r = 0; r < VL; r++) {
-                    key_rows[r] = rows[j0 + r] + kv * D;
-                    fetch_rows[r] = rows[j0 + PREFETCH_KEYS + r] + kv * D;
-                }
-                for (int64_t i = kv * group; i < (kv + 1) * group; i++) {
-                    /* the head's first query row prefetches the next keys' rows */
-                    const vf s = chunk_key_scores(qs[i], k_cache, key_rows, D, bf16, i == kv * group ? fetch_rows : NULL);
-                    memcpy(&p[i * chunk_keys + j0], &s, sizeof s);
-                }
+            /* The VL keys' rows one after another, each row's heads in memory order: a
+             * sequential read the hardware prefetchers follow, where reading each head's
+             * part of the VL rows in turn is a strided walk they do not. */
+            for (int r = 0; r < VL; r++)
+                for (int64_t kv = 0; kv < num_item_heads; kv++)
+                    for (int64_t i = kv * group; i < (kv + 1) * group; i++)
+                        partial[i][r] = key_dot(qs[i], k_cache, rows[j0 + r] + kv * D, D, bf16);
+            for (int64_t i = 0; i < n; i++) {
+                const vf s = sum_each(partial[i]);
+                memcpy(&p[i * chunk_keys + j0], &s, sizeof s);
             }
         }
         for (int64_t i = 0; i < n; i++) {
