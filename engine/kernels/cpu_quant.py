@@ -214,11 +214,9 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     fills, ``to_blocked(n0, panel)`` (None: the weight's scales do not suit it)
     dequantizes each panel straight into a packed weight that oneDNN multiplies; else
     ``dequantize(n0, n1, panel)`` fills a plain scratch for torch's matmul. A float32
-    panel for a 16-bit x multiplies x widened and rounds the product once."""
-    if panel_dtype(x.dtype) != x.dtype:
-        wide = torch.empty(out.shape, dtype=torch.float32)
-        return _panel_product(x.float(), wide, None if bias is None else bias.float(), dequantize,
-                              to_blocked).to(x.dtype)
+    panel for a 16-bit x multiplies x widened and rounds each panel's product once, as
+    it is copied into out (no float32 copy of the whole output)."""
+    x = x.to(panel_dtype(x.dtype))
     in_features, out_features = x.shape[1], out.shape[1]
     packs = to_blocked is not None and x.shape[0] >= PACKED_MIN_ROWS and packed_panels_available(x.dtype)
     row_bytes = in_features * x.element_size()
@@ -233,7 +231,7 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
             to_blocked(n0, packed)
             product = packed.matmul(x, panel_bias)
             if n1 - n0 == out_features:
-                return product
+                return product.to(out.dtype)
             out[:, n0:n1] = product
             continue
         if scratch is None:

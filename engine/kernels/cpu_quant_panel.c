@@ -32,6 +32,8 @@
 #include "cpu_common.h"
 
 #define TILE 16
+/* At most this many tiles of rows are dequantized side by side (see to_blocked). */
+#define GROUP_TILES 4
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -354,13 +356,21 @@ static void to_blocked(const quantized_rows *q, int64_t n0, int64_t n1, int64_t 
     const int64_t rows = n1 - n0, units = K / per_unit, tiles = (rows + TILE - 1) / TILE;
     const int vectors = (VECTOR_TILES & (bf16 ? TILES_BFLOAT16 : TILES_FLOAT32)) && runs_within_scales(q, K, per_unit)
                         && block_rows % TILE == 0;
+    /* The tiles of a block's rows (up to GROUP_TILES) go unit by unit together, so the
+     * panel is written in runs of whole blocks' units, in order. */
+    const int64_t group = block_rows % TILE == 0 && block_rows / TILE <= GROUP_TILES ? block_rows / TILE : 1;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t r0 = t * TILE, r1 = min64(rows, r0 + TILE);
-        tile_rows found;
-        find_rows(q, n0 + r0, r1 - r0, K, &found);
+    for (int64_t g = 0; g < tiles; g += group) {
+        tile_rows found[GROUP_TILES];
+        const int64_t count = min64(group, tiles - g);
+        for (int64_t t = 0; t < count; t++)
+            find_rows(q, n0 + (g + t) * TILE, min64(rows, (g + t + 1) * TILE) - (g + t) * TILE, K, &found[t]);
         for (int64_t u0 = 0; u0 < units; u0 += TILE)
-            dequantize_tile(q, &found, r0, r1, u0, min64(units, u0 + TILE), &panel, vectors);
+            for (int64_t t = 0; t < count; t++) {
+                const int64_t r0 = (g + t) * TILE;
+                dequantize_tile(q, &found[t], r0, min64(rows, r0 + TILE), u0, min64(units, u0 + TILE), &panel,
+                                vectors);
+            }
     }
 }
 
