@@ -16,7 +16,8 @@ weight rows once per thread and multiplies it by every row of x. Above it (prefi
 time is dequantized to x's dtype (float32 where oneDNN has no matmul of x's 16-bit
 dtype: ``panel_dtype``), straight into oneDNN's blocked weight layout where
 cpu_quant_panel.py finds it (from ``PACKED_MIN_ROWS`` rows: float32 panels on AVX2 and
-AVX-512 builds, bfloat16 ones on AVX-512) and multiplied by oneDNN's packed linear, else into a plain scratch multiplied by torch's matmul, so
+AVX-512 builds, bfloat16 ones on AVX-512) and multiplied by oneDNN's packed linear,
+else into a plain scratch multiplied by torch's matmul, so
 the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
 the decode path and float32 activations keep the float32 weight.
