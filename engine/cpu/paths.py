@@ -10,9 +10,10 @@ against their torch tile path, the W8A8 int8 kernel against the weight-only kern
 the small-batch linear kernel against oneDNN per weight shape and row count, as the
 linears are packed (cpu/linear_race.py).
 Each measurement is cached per host, library configuration and shape in the cache
-directory, so a host pays it once (a few hundred milliseconds at most; the small-batch
-kernel's, which reads as many weight bytes as a step, about a second per weight shape
-of a model past the cache). Native decode
+directory, so a host pays it once (a few hundred milliseconds for most; the packed
+linears', which run a prefill step's rows, a few seconds, and more where a result below
+the margin is measured again; the small-batch kernel's, which reads as many weight
+bytes as a step, a few seconds per weight shape of a model past the cache). Native decode
 attention needs no race: it reads each context row once where the torch path gathers
 the paged blocks into a padded copy first.
 
