@@ -279,8 +279,9 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                   _KINDS[panel.dtype], threads)
 
         def to_blocked(n0: int, panel: PackedPanel) -> None:
-            panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads)
-        packs = zero8 is None and whole_runs(block_cols, in_features)  # the packed fill takes no zero points
+            panel.fill_w8(weight, scale, (block_rows, block_cols), n0, threads, zero=zero8)
+        # The packed fill takes zero points per tensor or row, not per block.
+        packs = whole_runs(block_cols, in_features) and (zero8 is None or block is None)
         out = _panel_product(x2, out, bias, dequantize, to_blocked if packs else None)
     return out.view(*x.shape[:-1], out_features)
 

@@ -3,7 +3,8 @@ their config read by the compressed-tensors package, mapped to a QuantScheme.
 
 Read: FP8 W8A8 ("float-quantized": fp8 weight, per-tensor, per-channel or block
 ``weight_scale``), INT8 ("int-quantized": int8 weight, per-tensor or per-channel scale,
-and ``weight_zero_point`` when asymmetric; W8A8 or weight-only) and W4A16
+and ``weight_zero_point`` when asymmetric, or symmetric group scales [N, K / g];
+W8A8 or weight-only) and W4A16
 ("pack-quantized": 4-bit ints eight to an int32 in ``weight_packed``, group or
 channel ``weight_scale``, ``weight_zero_point`` when asymmetric, ``weight_g_idx``
 with group act-order). Refused with one line: NVFP4 and
@@ -95,6 +96,17 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
         return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy=strategy,  # type: ignore[arg-type]
                            symmetric=bool(weights.symmetric), activations=act, input_quantization=inputs,
                            ignore=ignore)
+    if kind == "int" and bits == 8 and strategy == "group":
+        # Group scales [N, K / group_size]: W8 blocks of one row by a group.
+        group_size = int(weights.group_size or 0)
+        if group_size <= 0:
+            raise UnsupportedModelError(f"{described}: group_size {weights.group_size!r} is not a positive integer")
+        if not weights.symmetric:
+            raise UnsupportedModelError(f"{described}: asymmetric int8 with group zero points is not run by shardline "
+                                        "(it runs symmetric int8 groups, and zero points per tensor or channel); vLLM runs them")
+        return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy="group",
+                           block=(1, group_size), group_size=group_size, activations=act,
+                           input_quantization=inputs, ignore=ignore)
     if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
         group_size = int(weights.group_size) if strategy == "group" else None
         if group_size is not None and (group_size <= 0 or group_size % 2):
@@ -103,7 +115,8 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
                            group_size=group_size, symmetric=bool(weights.symmetric),
                            act_order=weights.actorder is not None, input_quantization=inputs, ignore=ignore)
     raise UnsupportedModelError(f"{described} are not run by shardline (it runs fp8 and int8 per tensor or "
-                                "channel, fp8 blocks, and pack-quantized int4 by group or channel); vLLM runs others")
+                                "channel, symmetric int8 by group, fp8 blocks, and pack-quantized int4 by group or "
+                                "channel); vLLM runs others")
 
 
 def _input_quantization(activations: Any, described: str) -> InputQuantization:

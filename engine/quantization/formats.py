@@ -4,7 +4,8 @@ engine's W8 or W4 layout (engine/kernels/quant_reference.py) as a QuantizedLinea
 On-disk layouts read (each tensor named ``<module>.<name>``):
 - "w8" (quant_method fp8; compressed-tensors float- and int-quantized): ``weight``
   [N, K] float8_e4m3fn or int8, ``weight_scale_inv`` or ``weight_scale`` per tensor,
-  per output channel or per block; both are multiplied (w = q * scale). Asymmetric
+  per output channel or per block (compressed-tensors int8 groups: [N, K / g], blocks of
+  one row by g); both are multiplied (w = q * scale). Asymmetric
   int8 (compressed-tensors ``symmetric: false``) adds ``weight_zero_point`` int8 of the
   scale's shape (per tensor or output channel): w = (q - zero_point) * scale.
 - "packed" (compressed-tensors pack-quantized int4): ``weight_packed`` int32
@@ -104,6 +105,14 @@ def _w8_scale(scale: torch.Tensor, name: str, scheme: QuantScheme,
               shape: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """A W8 scale reshaped to its layout ([1, 1], [N, 1] or per block) and the block."""
     rows, cols = shape
+    if scheme.strategy == "group":
+        assert scheme.group_size is not None
+        groups = cols // scheme.group_size
+        _check(cols % scheme.group_size == 0, name, f"group_size {scheme.group_size} does not divide the weight's "
+               f"{cols} input columns {list(shape)}")
+        _check(tuple(scale.shape) == (rows, groups), name, f"shape {list(scale.shape)} where groups of "
+               f"{scheme.group_size} over the weight {list(shape)} need [{rows}, {groups}]")
+        return scale, scheme.block
     if scheme.strategy == "block":
         assert scheme.block is not None
         block_rows, block_cols = scheme.block

@@ -8,9 +8,10 @@ import shutil
 import pytest
 import torch
 
-from shardline.engine.kernels import cpu_quant
+from shardline.engine.kernels import cpu_quant, cpu_quant_panel
 from shardline.engine.kernels.cpu_quant import (
     DECODE_MAX_ROWS,
+    PACKED_MIN_ROWS,
     TILE_MAX_ROWS,
     cpu_quant_available,
     cpu_w4_linear,
@@ -71,6 +72,8 @@ W8_SCALES = {  # name: (scale shape from (N, K), block)
     # blocks of an odd width: the register-blocked kernel's pairs of columns start
     # odd and end in a lone column
     "block_16x25": (lambda n, k: (-(-n // 16), -(-k // 25)), (16, 25)),
+    # compressed-tensors int8 group scales [N, K / g]: blocks of one row by a group
+    "group_40": (lambda n, k: (n, -(-k // 40)), (1, 40)),
 }
 
 
@@ -155,6 +158,30 @@ def test_asymmetric_bfloat16_takes_the_widening_kernel(monkeypatch):
     assert call is not None and call.widens
     x = torch.randn(3, 40, generator=generator(9)).bfloat16()
     assert_matches(call(x), quantized_linear_reference(x, dense), 3, many_rows=0)
+
+
+@pytest.mark.parametrize("zero_kind", ["tensor", "channel"])
+def test_asymmetric_prefill_fills_packed_panels_with_its_zero_points(zero_kind, monkeypatch):
+    """Where oneDNN's packed panels are taken (float32 x, PACKED_MIN_ROWS rows or more),
+    an asymmetric weight's panels are filled with its zero points (PackedPanel.fill_w8)."""
+    if not cpu_quant_panel.packed_panels_available(torch.float32):
+        pytest.skip("packed panels are not taken for float32 x on this build")
+    filled = []
+    fill = cpu_quant_panel.PackedPanel.fill_w8
+
+    def spied(self, *args, zero=None, **kwargs):
+        filled.append(zero)
+        return fill(self, *args, zero=zero, **kwargs)
+
+    monkeypatch.setattr(cpu_quant_panel.PackedPanel, "fill_w8", spied)
+    weight = w8_weight(torch.int8, 96, 256)
+    shape = (1, 1) if zero_kind == "tensor" else (96, 1)
+    scale = torch.rand(shape, generator=generator(2)) * 0.01
+    zero = torch.randint(-128, 128, shape, generator=generator(3)).float()
+    x = torch.randn(PACKED_MIN_ROWS + 44, 256, generator=generator(4))
+    out = cpu_w8_linear(x, weight, scale, zero=zero)
+    assert filled and all(value is not None and torch.equal(value.float(), zero) for value in filled)
+    assert_matches(out, quantized_linear_reference(x, dequantize_w8(weight, scale, None, zero)), x.shape[0])
 
 
 def test_zero_points_must_be_int8_integers_of_the_scales_shape():

@@ -65,13 +65,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, slack: float = 1.
 
 W8_CASES = [
     ("tensor", None), ("channel", None), ((128, 128), (128, 128)), ((16, 32), (16, 32)), ((24, 40), (24, 40)),
+    ((1, 40), (1, 40)),  # compressed-tensors int8 groups: blocks of one row
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("scale_kind, block", W8_CASES, ids=["tensor", "channel", "block128", "block16x32",
-                                                               "block24x40_per_element"])
+                                                               "block24x40_per_element", "group40"])
 def test_w8_linear_matches_reference(scale_kind, block, weight_dtype, dtype):
     from shardline.engine.kernels.quant_linear import triton_w8_linear
 

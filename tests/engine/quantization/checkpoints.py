@@ -139,6 +139,29 @@ def int8_asymmetric(per_channel: bool) -> Callable[[str, torch.Tensor], Written]
     return quantize
 
 
+def int8_groups(group_size: int) -> Callable[[str, torch.Tensor], Written]:
+    """compressed-tensors' int8 with group scales (``strategy: "group"``): symmetric codes
+    -127..127, ``weight_scale`` [N, K / group_size]."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        rows, cols = weight.shape
+        groups = weight.reshape(rows, cols // group_size, group_size)
+        scale = groups.abs().amax(dim=-1) / 127.0  # [N, K / g]
+        expanded = scale.repeat_interleave(group_size, dim=1)
+        codes = (weight / expanded).round().clamp(-127, 127)
+        return {"weight": codes.to(torch.int8), "weight_scale": scale}, codes * expanded
+    return quantize
+
+
+def int8_groups_config(group_size: int, symmetric: bool = True) -> dict[str, Any]:
+    """The quantization_config of an int8 checkpoint with group scales, its group's
+    ``format`` "int-quantized" written out as llm-compressor writes it (without it,
+    compressed-tensors infers pack-quantized for weight-only int8)."""
+    config = compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": symmetric,
+                                                 "strategy": "group", "group_size": group_size})
+    config["config_groups"]["group_0"]["format"] = "int-quantized"
+    return config
+
+
 def int4_groups(weight: torch.Tensor, group_size: int, symmetric: bool,
                 column_group: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [N, K] 0..15, float16 scales [N, G], zero points [N, G] 0..15) of ``weight``,

@@ -56,6 +56,11 @@ BROKEN = {
     "weight_wrong_dtype": ({"quant_method": "fp8"}, _broken(ckpt.fp8_per_tensor(),
                                                             _set("weight", lambda weight: weight.to(torch.int8))),
                            [f"{MODULE}.weight", "stored as torch.int8", "float8_e4m3fn"]),
+    "int8_group_size_not_dividing": (ckpt.int8_groups_config(48), ckpt.int8_groups(16),
+                                     ["weight_scale", "group_size 48 does not divide the weight's 64 input columns"]),
+    "int8_group_scale_wrong_shape": (ckpt.int8_groups_config(32),
+                                     _broken(ckpt.int8_groups(32), _set("weight_scale", lambda scale: scale[:, :1])),
+                                     [f"{MODULE}.weight_scale", "shape [64, 1]", "need [64, 2]"]),
     "qweight_wrong_shape": (GPTQ, _broken(ckpt.gptq(32, True), _set("qweight", lambda qweight: qweight[:-1])),
                             [f"{MODULE}.qweight", "shape [7, 64]", "[8, 64]"]),
     "missing_qzeros": (GPTQ, _broken(ckpt.gptq(32, True), _drop("qzeros")), [f"{MODULE}.qzeros", "has no tensor"]),
@@ -86,6 +91,14 @@ def test_broken_checkpoint_names_tensor_and_problem(name, float_dir, tmp_path):
     assert "\n" not in message
     for part in named:
         assert part in message, (part, message)
+
+
+def test_asymmetric_int8_groups_are_refused_at_load(float_dir, tmp_path):
+    config = ckpt.int8_groups_config(32, symmetric=False)
+    ckpt.write_quantized(float_dir, tmp_path / "groups", config, ckpt.int8_groups(32))
+    with pytest.raises(UnsupportedModelError, match="asymmetric int8 with group zero points is not run") as error:
+        LLM(str(tmp_path / "groups"), dtype="float32", device="cpu")
+    assert "\n" not in str(error.value)
 
 
 def test_unknown_quant_method_is_refused_at_load(float_dir, tmp_path):

@@ -64,6 +64,7 @@ FORMATS = {
             "int-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"},
             {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
         ckpt.int8_asymmetric(per_channel=False), torch.int8),
+    "compressed_int8_groups": ("llama", ckpt.int8_groups_config(32), ckpt.int8_groups(32), torch.int8),
     "compressed_w4a16_symmetric": (
         "qwen3", ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": True}),
         ckpt.pack_quantized(32, True), torch.uint8),

@@ -40,6 +40,7 @@ CASES = {
     "w8_int8_per_tensor": lambda g: _w8(40, 24, None, False, torch.int8, g),
     "w8_fp8_per_channel": lambda g: _w8(40, 24, None, True, torch.float8_e4m3fn, g),
     "w8_fp8_partial_blocks": lambda g: _w8(70, 52, (16, 32), False, torch.float8_e4m3fn, g),
+    "w8_int8_groups": lambda g: _w8(40, 64, (1, 16), False, torch.int8, g),  # compressed-tensors groups
     "w4_zeros_act_order": lambda g: QuantizedLinear.w4(
         pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 4, generator=g) + 0.01,
         torch.randint(0, 16, (36, 4), generator=g).float(), 16, torch.randperm(64, generator=g)),
