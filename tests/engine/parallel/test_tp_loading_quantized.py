@@ -44,6 +44,7 @@ SLICED = {
     "fp8_per_tensor_static": 14, "fp8_blocks_scale_inv": 14, "compressed_w4a16_symmetric": 14, "gptq_v2": 14,
     "gptq_8bit": 14, "awq_gemm_with_biases": 14, "fp8_channel_with_biases": 14,
     "compressed_int8_asymmetric_channel": 14, "compressed_int8_asymmetric_tensor_w8a8": 14,
+    "compressed_int8_groups": 14,
 }
 
 
