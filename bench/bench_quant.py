@@ -18,13 +18,17 @@ decoder's linears dominate memory, served in bfloat16 from its float checkpoint,
 online FP8 and int8 (``quantization="fp8" | "int8"``), from a GPTQ int4 checkpoint
 (groups of 128) and from a compressed-tensors W8A8 int8 checkpoint (per-channel
 weights, inputs quantized per token), both written in their on-disk layouts by the
-quantized-checkpoint tests' builder. For each: the resident weight bytes (every tensor the engine's model holds,
-oneDNN's packed copies included), decode-heavy throughput (a few short prompts, many
+quantized-checkpoint tests' builder; ``--variants`` picks the formats run beside
+bfloat16, among them "int8 asymmetric" (compressed-tensors ``symmetric: false``:
+per-channel scales and int8 zero points, weight-only), not run by default. For each:
+the resident weight bytes (every tensor the engine's model holds, oneDNN's packed
+copies included), decode-heavy throughput (a few short prompts, many
 output tokens) and prefill throughput (long prompts, one output token), with ratios to
 bfloat16. Runs are interleaved round by round and the best of each compared.
 
     python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
                                 [--cpu-time] [--seqs 1,4,16,32,64] [--kv-cache-mib 512]
+                                [--variants "int8,int8 asymmetric"]
 
 ``--seqs`` sweeps the decode workload over that many sequences decoding at once
 (prompts of 8-24 tokens, ``--output-len`` tokens each) and prints each format's decode
@@ -56,6 +60,9 @@ from shardline.engine.llm_engine import LLMEngine
 
 clock: Callable[[], float] = time.perf_counter
 ROWS = (1, 4, 8, 16, 32, 64, 512)
+# Model mode's formats run beside bf16 by default, and every one --variants may name.
+VARIANTS = ("fp8", "int8", "int4 (GPTQ g128)", "w8a8 int8")
+ALL_VARIANTS = (*VARIANTS, "int8 asymmetric")
 
 
 def best_ms(call: Callable[[], object], repeats: int = 5) -> float:
@@ -148,6 +155,19 @@ def write_w8a8_checkpoint(float_dir: str) -> str:
     return out_dir
 
 
+def write_int8_asymmetric_checkpoint(float_dir: str) -> str:
+    """A compressed-tensors asymmetric int8 copy of ``float_dir``'s decoder linears
+    (``symmetric: false``: per-channel scales and int8 zero points, weight-only)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.engine.quantization import checkpoints
+
+    out_dir = tempfile.mkdtemp(prefix="shardline-bench-int8-asym-")
+    config = checkpoints.compressed_config(
+        "int-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"})
+    checkpoints.write_quantized(float_dir, out_dir, config, checkpoints.int8_asymmetric(per_channel=True))
+    return out_dir
+
+
 def weight_bytes(llm: LLM) -> tuple[int, int]:
     """Bytes of every tensor the engine's model holds (each storage once), and of
     oneDNN's packed copies of its linears (opaque tensors: element count times size)."""
@@ -184,9 +204,16 @@ def model_mode(args: argparse.Namespace) -> None:
                      num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
                      vocab_size=args.vocab)
     float_dir = build_bench_model(**overrides)
-    int4_dir = write_int4_checkpoint(float_dir, 128)
-    variants = {"bf16": (float_dir, None), "fp8": (float_dir, "fp8"), "int8": (float_dir, "int8"),
-                "int4 (GPTQ g128)": (int4_dir, None), "w8a8 int8": (write_w8a8_checkpoint(float_dir), None)}
+    checkpoints = {"int4 (GPTQ g128)": lambda: write_int4_checkpoint(float_dir, 128),
+                   "w8a8 int8": lambda: write_w8a8_checkpoint(float_dir),
+                   "int8 asymmetric": lambda: write_int8_asymmetric_checkpoint(float_dir)}
+    online = {"bf16": None, "fp8": "fp8", "int8": "int8"}
+    names = ["bf16", *(name for name in args.variants.split(",") if name != "bf16")]
+    unknown = [name for name in names if name not in online and name not in checkpoints]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: choose from {[*online, *checkpoints]}")
+    variants = {name: (float_dir, online[name]) if name in online else (checkpoints[name](), None)
+                for name in names}
     engines, memory = {}, {}
     for name, (directory, quantization) in variants.items():
         llm = LLM(directory, dtype="bfloat16", quantization=quantization,
@@ -257,6 +284,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     parser.add_argument("--seqs", default="", help="comma-separated counts of sequences decoding at once to sweep")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="kernel mode: comma-separated rows of x")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="model mode: comma-separated formats beside bf16 (" + ", ".join(ALL_VARIANTS) + ")")
     args = parser.parse_args()
     global clock
     clock = run_clock(args.cpu_time)
