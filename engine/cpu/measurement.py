@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -19,24 +20,51 @@ from ..kernels import native
 logger = logging.getLogger(__name__)
 
 
+# Measurements kept in the cache file; past this the oldest go (measured again if
+# asked for). Each new kernel build or library version adds a host's set anew.
+MAX_ENTRIES = 2048
+
+
+def _read(path: Path) -> dict:
+    """The cache file's measurements; parsed again only when its bytes change (an
+    engine's load asks for a few hundred, and the file is rewritten by other
+    processes and by tests)."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return {}
+    if _PARSED.get(path, (None,))[0] != raw:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = {}
+        _PARSED[path] = (raw, parsed if isinstance(parsed, dict) else {})
+    return _PARSED[path][1]
+
+
+_PARSED: dict[Path, tuple[bytes, dict]] = {}
+
+
 def measured(kind: str, key: tuple, measure: Callable[[], float]) -> float:
     """``measure()`` (how many times faster the default path is than its
     alternative), cached per host, library configuration and ``key``."""
     path = native.cache_dir().parent / "cpu_paths.json"
     entry = hashlib.sha256(repr((kind, key, host_key())).encode()).hexdigest()[:24]
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = _read(path)
     if isinstance(cached.get(entry), float):
         return cached[entry]
     speedup = measure()
+    cached = dict(_read(path))  # another process may have added measurements meanwhile
     cached[entry] = speedup
+    for stale in list(cached)[:max(0, len(cached) - MAX_ENTRIES)]:  # the oldest first
+        del cached[stale]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(cached, indent=0))
+        text = json.dumps(cached, indent=0)
+        scratch.write_text(text)
         os.replace(scratch, path)
+        _PARSED[path] = (text.encode(), cached)
     except OSError as error:  # a read-only cache directory: measured again next time
         logger.debug("could not cache a CPU path measurement in %s: %s", path, error)
     return speedup
