@@ -102,8 +102,9 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
         if group_size <= 0:
             raise UnsupportedModelError(f"{described}: group_size {weights.group_size!r} is not a positive integer")
         if not weights.symmetric:
-            raise UnsupportedModelError(f"{described}: asymmetric int8 with group zero points is not run by shardline "
-                                        "(it runs symmetric int8 groups, and zero points per tensor or channel); vLLM runs them")
+            raise UnsupportedModelError(f"{described}: asymmetric int8 with group zero points is not run by "
+                                        "shardline (it runs symmetric int8 groups, and zero points per tensor or "
+                                        "channel); vLLM runs them")
         return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy="group",
                            block=(1, group_size), group_size=group_size, activations=act,
                            input_quantization=inputs, ignore=ignore)
