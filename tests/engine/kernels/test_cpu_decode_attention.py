@@ -151,8 +151,13 @@ def test_engine_without_a_compiler_uses_the_torch_path(tmp_path, tiny_llama_dir)
         "print(cpu_attention.load_library() is None, out[0].outputs[0].token_ids)\n"
     )
     runs = {}
-    for name, compiler in (("none", "/nonexistent/cc"), ("cc", os.environ.get("CC", "cc"))):
-        env = {**os.environ, "CC": compiler, "SHARDLINE_CACHE_DIR": str(tmp_path / name)}
+    # Without a compiler, an empty cache (nothing built to load); with one, the suite's
+    # cache, whose kernels the other tests have built already.
+    for name, compiler, cache in (("none", "/nonexistent/cc", str(tmp_path / "none")),
+                                  ("cc", os.environ.get("CC", "cc"), os.environ.get("SHARDLINE_CACHE_DIR"))):
+        env = {**os.environ, "CC": compiler}
+        env.pop("SHARDLINE_CACHE_DIR", None)
+        env.update({"SHARDLINE_CACHE_DIR": cache} if cache else {})
         result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
         runs[name] = result.stdout.strip().splitlines()[-1]
     assert runs["none"].startswith("True ") and runs["cc"].startswith("False ")
