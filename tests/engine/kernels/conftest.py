@@ -11,6 +11,7 @@ fix is to set the variable in a conftest nearer the root, or in the environment.
 
 import os
 import sys
+from pathlib import Path
 
 import torch  # noqa: E402  (importing torch does not import triton)
 
@@ -127,17 +128,39 @@ FEATURE_DTYPES = [("sinks", torch.float32), ("alibi", torch.float32), ("chunked"
                   ("all", torch.float32), ("all", torch.bfloat16)]
 
 
+def _instruction_macros(compiler: str, target: str) -> frozenset[str]:
+    """The compiler's predefined macros for ``-march=target`` among those the C
+    kernels' sources name (their instruction set branches)."""
+    import re
+    import subprocess
+
+    from shardline.engine.kernels import native
+
+    named = set()
+    for source in Path(native.__file__).parent.glob("*.[ch]"):
+        named.update(re.findall(r"\b(__[A-Z0-9_]+__)\b", source.read_text()))
+    result = subprocess.run([compiler, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull],
+                            capture_output=True, text=True)
+    return frozenset(named.intersection(re.findall(r"^#define (\w+)", result.stdout, flags=re.MULTILINE)))
+
+
 def _kernel_targets() -> list[str]:
     """The host's own target, and narrower ones this compiler builds for the host's
-    architecture: AVX2 (x86-64-v3) and the SSE2 baseline on x86, plain ARMv8 on ARM."""
+    architecture: AVX2 (x86-64-v3) and the SSE2 baseline on x86, plain ARMv8 on ARM. A
+    narrower target whose instruction macros equal the host's own (x86-64-v3 on an
+    AVX2-only host) compiles the same code paths and is left out."""
     import platform
 
     from shardline.engine.kernels import native
 
     narrower = {"x86_64": ["x86-64-v3", "x86-64"], "aarch64": ["armv8-a"]}.get(platform.machine(), [])
     compiler = native._compiler()
+    if compiler is None:
+        return ["native"]
+    own = _instruction_macros(compiler, "native")
     return ["native"] + [target for target in narrower
-                         if compiler is not None and native.compiler_vector_isa(compiler, target) != "scalar"]
+                         if native.compiler_vector_isa(compiler, target) != "scalar"
+                         and _instruction_macros(compiler, target) != own]
 
 
 @pytest.fixture(params=_kernel_targets())

@@ -18,15 +18,20 @@ from shardline.engine.kernels.cpu_small_linear import (
     vector_width,
 )
 
+from .conftest import _instruction_macros
+
 
 def _targets() -> list[str]:
-    """native, and the narrower x86 targets this compiler builds and this CPU runs."""
+    """native, and the narrower x86 targets this compiler builds and this CPU runs
+    (those whose code paths differ from native's: conftest's _instruction_macros)."""
     compiler = native._compiler()
     if compiler is None or platform.machine() != "x86_64":
         return ["native"]
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     narrower = (["x86-64-v4"] if " avx512f" in flags else []) + ["x86-64-v3", "x86-64"]
-    return ["native"] + [target for target in narrower if native.compiler_vector_isa(compiler, target) != "scalar"]
+    own = _instruction_macros(compiler, "native")  # a target building the host's own code paths is left out
+    return ["native"] + [target for target in narrower if native.compiler_vector_isa(compiler, target) != "scalar"
+                         and _instruction_macros(compiler, target) != own]
 
 
 pytestmark = pytest.mark.skipif(not small_linear_available(torch.float32), reason="needs a C compiler")
