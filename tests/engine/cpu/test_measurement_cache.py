@@ -37,3 +37,24 @@ def test_the_file_keeps_the_newest_measurements(tmp_path, monkeypatch):
     calls = []
     assert measurement.measured("kind", (0,), lambda: calls.append(1) or 7.0) == 7.0  # dropped: measured again
     assert calls == [1]
+
+
+
+def test_a_process_waits_for_another_measuring_and_reads_its_result(tmp_path, monkeypatch):
+    """Workers loading one model together (a Ray node's) race each shape once between them."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("SHARDLINE_CACHE_DIR", str(tmp_path))
+    calls, results = [], []
+    with open(tmp_path / "cpu_paths.lock", "w") as other_process:  # another open file: another holder
+        fcntl.flock(other_process, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: results.append(
+            measurement.measured("kind", ("a",), lambda: calls.append(1) or 9.0)))
+        waiter.start()
+        waiter.join(timeout=0.3)
+        assert waiter.is_alive() and not calls  # waiting, not measuring beside the other
+        (tmp_path / "cpu_paths.json").write_text(json.dumps({measurement.entry_name("kind", ("a",)): 2.5}))
+    waiter.join(timeout=10)
+    assert results == [2.5] and not calls  # the other process's measurement, read after the wait
+    assert measurement.measured("kind", ("b",), lambda: 4.0) == 4.0  # the lock was given up
