@@ -10,9 +10,10 @@ checkpoint formats are converted to these at load, engine/quantization/):
   ceil(K/bk)] for blocks of ``block`` = (bn, bk) (the last block of a row or column
   may be partial). w[n, k] = weight[n, k] * scale[n // bn, k // bk] (bn = N, bk = K
   per tensor; bn = 1, bk = K per channel). An asymmetric int8 weight (compressed-tensors
-  ``symmetric: false``) adds a float32 ``zero`` of the scale's per-tensor or
-  per-channel shape holding integer zero points: w[n, k] = (weight[n, k] - zero[n])
-  * scale[n], the difference exact in float32, rounded once by the product.
+  ``symmetric: false``) adds an int8 ``zero`` of the scale's shape (per tensor, channel
+  or block: int8 groups are blocks of one row) holding its zero points:
+  w[n, k] = (weight[n, k] - zero[n // bn, k // bk]) * scale[n // bn, k // bk], the
+  difference exact in float32, rounded once by the product.
 - W4: ``packed`` [N, K // 2] uint8, column 2j in the low nibble of byte j and
   column 2j + 1 in the high nibble, each an unsigned 0..15; float32 ``scales`` and
   ``zeros`` [N, K // group_size] (``zeros`` None: symmetric, zero point 8).
@@ -54,13 +55,14 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int],
 def dequantize_w8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                   zero: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 [N, K] weight of a W8 layout (see the module docstring); ``zero``
-    (asymmetric int8, no blocks) is subtracted from the codes before the scale."""
+    (asymmetric int8, the scale's shape) is subtracted from the codes before the scale."""
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, (weight.dtype, weight.shape)
+    shape = (weight.shape[0], weight.shape[1])
     codes = weight.float()
     if zero is not None:
-        assert block is None and weight.dtype == torch.int8, (block, weight.dtype)
-        codes = codes - zero.float().expand(weight.shape[0], 1)
-    return codes * expand_block_scale(scale, (weight.shape[0], weight.shape[1]), block)
+        assert weight.dtype == torch.int8 and zero.shape == scale.shape, (weight.dtype, zero.shape, scale.shape)
+        codes = codes - expand_block_scale(zero, shape, block)
+    return codes * expand_block_scale(scale, shape, block)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

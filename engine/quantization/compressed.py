@@ -2,13 +2,13 @@
 their config read by the compressed-tensors package, mapped to a QuantScheme.
 
 Read: FP8 W8A8 ("float-quantized": fp8 weight, per-tensor, per-channel or block
-``weight_scale``), INT8 ("int-quantized": int8 weight, per-tensor or per-channel scale,
-and ``weight_zero_point`` when asymmetric, or symmetric group scales [N, K / g];
-W8A8 or weight-only) and W4A16
-("pack-quantized": 4-bit ints eight to an int32 in ``weight_packed``, group or
-channel ``weight_scale``, ``weight_zero_point`` when asymmetric, ``weight_g_idx``
-with group act-order). Refused with one line: NVFP4 and
-the MX formats, 2:4 sparsity, several schemes in one checkpoint, other bit widths.
+``weight_scale``), INT8 ("int-quantized": int8 weight, per-tensor, per-channel or group
+scale [N, K / g], and ``weight_zero_point`` of the scale's shape when asymmetric; W8A8
+or weight-only) and W4A16 / W8A16 ("pack-quantized": 4-bit ints eight, or 8-bit ints
+four, to an int32 in ``weight_packed``, group or channel ``weight_scale``,
+``weight_zero_point`` packed the same way along the output channels when asymmetric,
+``weight_g_idx`` with group act-order). Refused with one line: NVFP4 and the MX
+formats, 2:4 sparsity, several schemes in one checkpoint, other bit widths.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
     described = f"compressed-tensors {kind}{bits} weights ({fmt}, strategy {strategy!r})"
     act = "none" if activations is None else ("dynamic" if activations.dynamic else "static")
     inputs = _input_quantization(activations, described)
+    if kind == "int" and fmt == "pack-quantized":
+        scheme = _packed_scheme(weights, bits, strategy, described)
+        return dataclasses.replace(scheme, activations=act if bits == 8 else "none", input_quantization=inputs,
+                                   ignore=ignore)
     if kind == "float" and bits == 8 and strategy in ("tensor", "channel", "block"):
         block = tuple(weights.block_structure) if strategy == "block" else None
         if strategy == "block" and (block is None or len(block) != 2):
@@ -97,27 +101,42 @@ def _weight_scheme(weights: Any, activations: Any, fmt: str, ignore: tuple[str, 
                            symmetric=bool(weights.symmetric), activations=act, input_quantization=inputs,
                            ignore=ignore)
     if kind == "int" and bits == 8 and strategy == "group":
-        # Group scales [N, K / group_size]: W8 blocks of one row by a group.
-        group_size = int(weights.group_size or 0)
-        if group_size <= 0:
-            raise UnsupportedModelError(f"{described}: group_size {weights.group_size!r} is not a positive integer")
-        if not weights.symmetric:
-            raise UnsupportedModelError(f"{described}: asymmetric int8 with group zero points is not run by "
-                                        "shardline (it runs symmetric int8 groups, and zero points per tensor or "
-                                        "channel); vLLM runs them")
+        # Group scales (and zero points) [N, K / group_size]: W8 blocks of one row by a group.
+        group_size = _group_size(weights, described)
         return QuantScheme(method="compressed-tensors", weights="int8", layout="w8", strategy="group",
-                           block=(1, group_size), group_size=group_size, activations=act,
-                           input_quantization=inputs, ignore=ignore)
-    if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
-        group_size = int(weights.group_size) if strategy == "group" else None
-        if group_size is not None and (group_size <= 0 or group_size % 2):
+                           block=(1, group_size), group_size=group_size, symmetric=bool(weights.symmetric),
+                           activations=act, input_quantization=inputs, ignore=ignore)
+    raise UnsupportedModelError(f"{described} are not run by shardline (it runs fp8 and int8 per tensor or "
+                                "channel, int8 by group, fp8 blocks, and pack-quantized int4 and int8 by group or "
+                                "channel); vLLM runs others")
+
+
+def _packed_scheme(weights: Any, bits: int, strategy: str, described: str) -> QuantScheme:
+    """pack-quantized: 4-bit codes become the W4 layout, 8-bit ones W8 int8 (per channel,
+    or blocks of one row by a group), either with its zero points when asymmetric."""
+    if bits not in (4, 8):
+        raise UnsupportedModelError(f"{described}: num_bits {bits} is not run by shardline (it unpacks 4- and "
+                                    "8-bit pack-quantized codes); vLLM runs others")
+    if strategy not in ("group", "channel"):
+        raise UnsupportedModelError(f"{described} are not run by shardline (it runs pack-quantized weights by "
+                                    "group or channel); vLLM runs others")
+    group_size = _group_size(weights, described) if strategy == "group" else None
+    symmetric, act_order = bool(weights.symmetric), weights.actorder is not None
+    if bits == 4:
+        if group_size is not None and group_size % 2:
             raise UnsupportedModelError(f"{described}: group_size {group_size} is not an even positive integer")
         return QuantScheme(method="compressed-tensors", weights="int4", layout="packed", strategy="group",
-                           group_size=group_size, symmetric=bool(weights.symmetric),
-                           act_order=weights.actorder is not None, input_quantization=inputs, ignore=ignore)
-    raise UnsupportedModelError(f"{described} are not run by shardline (it runs fp8 and int8 per tensor or "
-                                "channel, symmetric int8 by group, fp8 blocks, and pack-quantized int4 by group or "
-                                "channel); vLLM runs others")
+                           group_size=group_size, symmetric=symmetric, act_order=act_order)
+    return QuantScheme(method="compressed-tensors", weights="int8", layout="packed", strategy=strategy,  # type: ignore[arg-type]
+                       block=None if group_size is None else (1, group_size), group_size=group_size,
+                       symmetric=symmetric, act_order=act_order)
+
+
+def _group_size(weights: Any, described: str) -> int:
+    group_size = int(weights.group_size or 0)
+    if group_size <= 0:
+        raise UnsupportedModelError(f"{described}: group_size {weights.group_size!r} is not a positive integer")
+    return group_size
 
 
 def _input_quantization(activations: Any, described: str) -> InputQuantization:

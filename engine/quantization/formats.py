@@ -7,11 +7,14 @@ On-disk layouts read (each tensor named ``<module>.<name>``):
   per output channel or per block (compressed-tensors int8 groups: [N, K / g], blocks of
   one row by g); both are multiplied (w = q * scale). Asymmetric
   int8 (compressed-tensors ``symmetric: false``) adds ``weight_zero_point`` int8 of the
-  scale's shape (per tensor or output channel): w = (q - zero_point) * scale.
-- "packed" (compressed-tensors pack-quantized int4): ``weight_packed`` int32
-  [N, K / 8], eight signed 4-bit values offset by 8, low bits first; ``weight_scale``
-  [N, K / g]; ``weight_zero_point`` int32 [N / 8, K / g] packed along the output
-  channels when asymmetric; ``weight_g_idx`` [K] with group act-order.
+  scale's shape (per tensor, output channel or group): w = (q - zero_point) * scale.
+- "packed" (compressed-tensors pack-quantized): ``weight_packed`` int32 [N, K / 8],
+  eight signed 4-bit values offset by 8, low bits first (8-bit: [N, K / 4], four
+  values offset by 128); ``weight_scale`` [N, K / g] (per channel: [N, 1]);
+  ``weight_zero_point`` int32 [N / 8, K / g] (8-bit: [N / 4, K / g]) packed the same
+  way along the output channels when asymmetric; ``weight_g_idx`` [K] with group
+  act-order; ``weight_shape`` [N, K]. 4-bit becomes W4, 8-bit W8 int8 (blocks of one
+  row by a group, zero points of the scale's shape).
 - "gptq": ``qweight`` int32 [K / 8, N] packed along the input columns, ``qzeros``
   int32 [K / g, N / 8] along the output channels (stored one less than the zero point
   in checkpoint_format "gptq", v1), ``scales`` [K / g, N], ``g_idx`` [K]; 8-bit GPTQ
@@ -45,7 +48,9 @@ def stored_quantized(tensors: CheckpointTensors, module: str, scheme: QuantSchem
         return (weight in tensors and tensors.dtype(weight) in W8_DTYPES) or any(
             f"{module}.{name}" in tensors for name in scheme.scale_names)
     marker = QUANTIZED_MARKERS.get(scheme.layout)
-    return marker is not None and f"{module}.{marker}" in tensors
+    # A packed linear's scale marks it too, so one whose codes are missing is named.
+    return marker is not None and (f"{module}.{marker}" in tensors
+                                   or (scheme.layout == "packed" and f"{module}.weight_scale" in tensors))
 
 
 def read_quantized_linear(tensors: CheckpointTensors, module: str, scheme: QuantScheme,
@@ -91,14 +96,14 @@ def _read_w8(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape
 
 
 def _w8_zero_point(tensors: CheckpointTensors, name: str, scale: torch.Tensor) -> torch.Tensor:
-    """An asymmetric int8 weight's zero points (int8, one per tensor or output channel,
-    as its scale) as float32 of the scale's shape."""
+    """An asymmetric int8 weight's zero points (int8, one per tensor, output channel or
+    group, as its scale) in the scale's shape."""
     dtype = tensors.dtype(name, "the asymmetric weight's zero points")
     _check(dtype == torch.int8, name, f"zero points stored as {dtype}, asymmetric int8 stores int8")
     zero = tensors.get(name)
     _check(zero.numel() == scale.numel(), name,
            f"shape {list(zero.shape)} where the weight's scale has {scale.numel()} values (one zero point each)")
-    return zero.float().reshape(scale.shape)
+    return zero.reshape(scale.shape)
 
 
 def _w8_scale(scale: torch.Tensor, name: str, scheme: QuantScheme,
@@ -188,27 +193,48 @@ def _w4_linear(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
 def _read_packed(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
                  bias: torch.Tensor | None) -> QuantizedLinear:
     rows, cols = shape
+    bits = 8 if scheme.weights == "int8" else 4
+    per_word = 32 // bits
     packed_name, scale_name = f"{module}.weight_packed", f"{module}.weight_scale"
-    _check(tensors.dtype(packed_name) == torch.int32, packed_name, f"stored as {tensors.dtype(packed_name)}, "
-           "pack-quantized stores int32")
-    stored = tensors.shape(packed_name)
-    _check(stored == (rows, -(-cols // 8)), packed_name,
-           f"shape {list(stored)} where the model's linear [{rows}, {cols}] packs to [{rows}, {-(-cols // 8)}]")
+    packed = _packed_tensor(tensors, packed_name, (rows, -(-cols // per_word)), bits)
     group_size = _group_size(scheme, cols, scale_name)
     scales = _scale(tensors, scale_name, "the weight's group scales")
     _check(tuple(scales.shape) == (rows, cols // group_size), scale_name,
            f"shape {list(scales.shape)} where groups of {group_size} need [{rows}, {cols // group_size}]")
-    codes = _unpack_int32(tensors.get(packed_name), dim=1)[:, :cols]
+    codes = _unpack_int32(packed, dim=1, bits=bits)[:, :cols]
     zeros = None
     if not scheme.symmetric:
         zero_name = f"{module}.weight_zero_point"
-        zeros = _unpack_int32(tensors.get(zero_name, "the asymmetric weight's zero points"), dim=0)[:rows]
-        _check(tuple(zeros.shape) == tuple(scales.shape), zero_name, f"unpacks to {list(zeros.shape)}, "
-               f"the scales are {list(scales.shape)}")
-        zeros = zeros.float()
+        words = _packed_tensor(tensors, zero_name, (-(-rows // per_word), scales.shape[1]), bits,
+                               "the asymmetric weight's zero points")
+        zeros = _unpack_int32(words, dim=0, bits=bits)[:rows]
     g_idx_name = f"{module}.weight_g_idx"
     g_idx = tensors.get(g_idx_name) if g_idx_name in tensors else None
-    return _w4_linear(codes, scales, zeros, group_size, g_idx, g_idx_name, bias)
+    if bits == 4:
+        return _w4_linear(codes, scales, None if zeros is None else zeros.float(), group_size, g_idx, g_idx_name,
+                          bias)
+    # 8-bit codes and zero points are stored offset by 128: as int8, W8 per channel or by group.
+    perm = None if g_idx is None else _act_order(g_idx, group_size, g_idx_name)
+    if perm is not None:
+        codes = codes[:, perm]
+    zero = None if zeros is None else _signed_bytes(zeros)
+    return QuantizedLinear.w8(_signed_bytes(codes), scales, scheme.block, bias, perm, zero=zero)
+
+
+def _signed_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes stored offset by 128 as the int8 values they stand for."""
+    return (codes.to(torch.int16) - 128).to(torch.int8)
+
+
+def check_weight_shape(tensors: CheckpointTensors, module: str, shape: tuple[int, int]) -> None:
+    """A pack-quantized linear's ``weight_shape`` (where stored) names the model's [N, K]
+    (a packed width only bounds K); read before any tensor-parallel cut."""
+    name = f"{module}.weight_shape"
+    if name not in tensors:
+        return
+    stored = tensors.get(name)
+    _check(not stored.is_floating_point() and stored.numel() == 2 and stored.flatten().tolist() == list(shape), name,
+           f"holds {stored.flatten().tolist()} where the model's linear is {list(shape)}")
 
 
 def _read_gptq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shape: tuple[int, int],
@@ -254,9 +280,10 @@ def _read_awq(tensors: CheckpointTensors, module: str, scheme: QuantScheme, shap
     return _w4_linear(codes, scales.t(), zeros, group_size, None, "", bias)
 
 
-def _packed_tensor(tensors: CheckpointTensors, name: str, shape: tuple[int, int], bits: int = 4) -> torch.Tensor:
+def _packed_tensor(tensors: CheckpointTensors, name: str, shape: tuple[int, int], bits: int = 4,
+                   what: str = "") -> torch.Tensor:
     """An int32 tensor of packed ``bits``-bit codes, checked for its dtype and shape."""
-    dtype = tensors.dtype(name, f"packed {bits}-bit codes")
+    dtype = tensors.dtype(name, what or f"packed {bits}-bit codes")
     _check(dtype == torch.int32, name, f"stored as {dtype}, expected int32 words of {32 // bits} {bits}-bit codes")
     stored = tensors.shape(name)
     _check(stored == shape, name, f"shape {list(stored)} where the model's linear needs {list(shape)}")

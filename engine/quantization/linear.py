@@ -15,10 +15,12 @@ Invariants:
   CPU kernels' prefill panels round the dequantized weight to a 16-bit x's dtype once;
   the load check runs the model once with ``use_reference`` set to compare against it.
 - An act-order ``input_perm`` reorders x's columns before any kernel runs.
-- An asymmetric int8 W8 layer (``zero`` set: integer zero points per tensor or output
-  channel, float32) runs every path but the ones that take no zero point: cpu_quant.c's
-  kernels take them (bfloat16 x widened by them even where cpu_quant_bf16.c's dot
-  products would run), the W8A8 integer kernel does not (x is fake-quantized instead).
+- An asymmetric int8 W8 layer (``zero`` set: int8 zero points of the scale's shape, per
+  tensor, output channel or block) runs every path but the ones that take no zero
+  point: cpu_quant.c's kernels take them (bfloat16 x widened by them even where
+  cpu_quant_bf16.c's dot products would run), the W8A8 integer kernel does not (x is
+  fake-quantized instead), nor does the Triton W8 kernel take them per block (such a
+  layer runs the torch tile path on CUDA).
 - ``input_quantization`` other than "none" (a compressed-tensors W8A8 checkpoint): every
   path, the reference included, multiplies x as the checkpoint's own forward quantizes
   it per token (engine/quantization/activations.py); the int8 one runs as integer
@@ -48,7 +50,7 @@ from ..kernels.cpu_quant_int8 import MAX_IN_FEATURES, cpu_w8a8_available, cpu_w8
 from ..kernels.fp8_w8a8 import fp8_w8a8_linear, fp8_w8a8_supported
 from ..kernels.quant_linear import triton_w4_linear, triton_w8_linear
 from ..kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
-from .activations import InputQuantization, fake_quantize_inputs
+from .activations import InputQuantization, fake_quantize_inputs, fake_quantize_inputs_cpu
 
 # Float32 elements of dequantized weight the torch path holds at once (a tile of rows).
 TILE_ELEMENTS = 1 << 20
@@ -96,13 +98,13 @@ class QuantizedLinear(nn.Module):
         """A W8 linear: ``weight`` [N, K] fp8/int8, ``scale`` float32 [1, 1], [N, 1] or per
         block; ``input_perm`` for act-order columns stored by group (8-bit GPTQ);
         ``zero`` the zero points of an asymmetric int8 weight, shaped as its scale
-        ([1, 1] or [N, 1]; no blocks)."""
+        (integers in int8's range, held as int8 as the C kernels read them)."""
         rows, cols = weight.shape
-        assert zero is None or (block is None and weight.dtype == torch.int8
-                                and zero.shape == scale.shape), (block, weight.dtype, zero.shape, scale.shape)
+        assert zero is None or (weight.dtype == torch.int8 and zero.shape == scale.shape), (
+            weight.dtype, None if zero is None else zero.shape, scale.shape)
         layer = cls(cols, rows, "w8", bias)
         layer.weight, layer.scale, layer.block = weight.contiguous(), scale.float().contiguous(), block
-        layer.zero = None if zero is None else zero.float().contiguous()
+        layer.zero = None if zero is None else _int8_zero_points(zero)
         layer.input_perm = input_perm
         return layer
 
@@ -173,7 +175,8 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
             assert layer.weight is not None and layer.scale is not None
             return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
-        x = fake_quantize_inputs(x, layer.input_quantization)
+        quantize = fake_quantize_inputs_cpu if layer.cpu_kernels else fake_quantize_inputs
+        x = quantize(x, layer.input_quantization)
     call = decode_call(layer, x)
     if call is not None:
         return call(x)
@@ -201,7 +204,10 @@ def cuda_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
                 and fp8_w8a8_supported(x.device)):
             return fp8_w8a8_linear(x, layer.weight, layer.scale, layer.block, layer.bias)
         x = fake_quantize_inputs(x, layer.input_quantization)
-        return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=layer.zero)
+        if layer.zero is not None and layer.block is not None:  # the Triton W8 kernel's zero points: per row
+            return torch_quantized_matmul(layer, x)
+        zero = None if layer.zero is None else layer.zero.float()
+        return triton_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=zero)
     assert layer.packed is not None and layer.scales is not None
     x = fake_quantize_inputs(x, layer.input_quantization)
     return triton_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
@@ -257,6 +263,13 @@ def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Ten
     if layer.bias is not None:
         out += layer.bias.float()
     return out.to(x.dtype)
+
+
+def _int8_zero_points(zero: torch.Tensor) -> torch.Tensor:
+    """Zero points (int8, or integers in int8's range of another dtype) as int8, contiguous."""
+    codes = zero.detach().to(torch.int8).contiguous()
+    assert zero.dtype == torch.int8 or torch.equal(codes.to(zero.dtype), zero), "zero points are int8 integers"
+    return codes
 
 
 def quantized_linears(model: nn.Module) -> Iterator[tuple[str, QuantizedLinear]]:

@@ -32,7 +32,7 @@ from torch import nn
 from ..surgery import replace, submodule
 from .checkpoint import CheckpointTensors, QuantizedCheckpointError
 from .experts import experts_modules, replace_quantized_experts
-from .formats import read_quantized_linear, stored_quantized
+from .formats import check_weight_shape, read_quantized_linear, stored_quantized
 from .online import quantize_linear
 from .scheme import QuantScheme
 
@@ -141,7 +141,8 @@ def _as_loaded(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantized_linear_names(model: nn.Module, tensors: CheckpointTensors, scheme: QuantScheme) -> list[str]:
     """The model's linears the checkpoint stores quantized in ``scheme`` (online: every
     linear but the output embeddings and the ignored ones). A linear the checkpoint's
-    ignore list names but stores quantized is refused."""
+    ignore list names but stores quantized is refused, as is a packed linear whose
+    ``weight_shape`` is not the model's."""
     output = getattr(model, "get_output_embeddings", lambda: None)()
     names = []
     for name, module in model.named_modules():
@@ -156,6 +157,8 @@ def quantized_linear_names(model: nn.Module, tensors: CheckpointTensors, scheme:
                 raise QuantizedCheckpointError(
                     f"{name}: stored quantized, but the quantization_config lists it among the modules left "
                     f"unquantized ({', '.join(scheme.ignore)})")
+            if scheme.layout == "packed":
+                check_weight_shape(tensors, name, (module.out_features, module.in_features))
             names.append(name)
     return names
 

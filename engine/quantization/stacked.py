@@ -134,7 +134,7 @@ def _point_parts_at(stacked: QuantizedLinear, parts: Sequence[QuantizedLinear]) 
             part.weight = stacked.weight[start:end]
             block_rows = 1 if stacked.block is None else stacked.block[0]
             part.scale = stacked.scale[start // block_rows:-(-end // block_rows)]
-            part.zero = None if stacked.zero is None else stacked.zero[start:end]
+            part.zero = None if stacked.zero is None else stacked.zero[start // block_rows:-(-end // block_rows)]
         else:
             assert stacked.packed is not None and stacked.scales is not None
             part.packed, part.scales = stacked.packed[start:end], stacked.scales[start:end]

@@ -152,6 +152,64 @@ def int8_groups(group_size: int) -> Callable[[str, torch.Tensor], Written]:
     return quantize
 
 
+def int8_codes(weight: torch.Tensor, group_size: int | None,
+               symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(int8 codes [N, K], float32 scales [N, G], int8 zero points [N, G] or None when
+    symmetric, the dequantized weight) of ``weight`` by groups of ``group_size`` input
+    columns (None: one per output channel). Asymmetric: the range doubled above each
+    group's largest weight, so zero points lie far from 0 (about -64)."""
+    rows, cols = weight.shape
+    group_size = group_size or cols
+    groups = weight.reshape(rows, cols // group_size, group_size)
+    if symmetric:
+        scale, zero = groups.abs().amax(dim=-1) / 127.0, torch.zeros(rows, cols // group_size)
+    else:
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = 2.0 * (high - low) / 255.0
+        zero = (-128.0 - low / scale).round().clamp(-128, 127)
+        assert float((zero != 0).float().mean()) > 0.9
+    expanded_scale, expanded_zero = (table.repeat_interleave(group_size, dim=1) for table in (scale, zero))
+    codes = ((weight / expanded_scale).round() + expanded_zero).clamp(-128 if not symmetric else -127, 127)
+    dequantized = (codes - expanded_zero) * expanded_scale
+    return codes.to(torch.int8), scale, None if symmetric else zero.to(torch.int8), dequantized
+
+
+def int8_groups_asymmetric(group_size: int) -> Callable[[str, torch.Tensor], Written]:
+    """compressed-tensors' asymmetric int8 by group (int-quantized): ``weight`` int8,
+    ``weight_scale`` and int8 ``weight_zero_point`` [N, K / group_size]."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        codes, scale, zero, dequantized = int8_codes(weight, group_size, symmetric=False)
+        assert zero is not None
+        return {"weight": codes, "weight_scale": scale, "weight_zero_point": zero}, dequantized
+    return quantize
+
+
+def pack_quantized_int8(group_size: int | None, symmetric: bool) -> Callable[[str, torch.Tensor], Written]:
+    """compressed-tensors' pack-quantized with num_bits 8 (llm-compressor's W8A16):
+    int8 codes four to an int32 (packed by the compressed-tensors package), scales per
+    channel [N, 1] or group [N, K / g], zero points packed along the output channels."""
+    def quantize(name: str, weight: torch.Tensor) -> Written:
+        rows, cols = weight.shape
+        codes, scale, zero, dequantized = int8_codes(weight, group_size, symmetric)
+        tensors = {"weight_packed": pack_to_int32(codes, 8), "weight_scale": scale,
+                   "weight_shape": torch.tensor([rows, cols])}
+        if zero is not None:
+            tensors["weight_zero_point"] = pack_to_int32(zero, 8, packed_dim=0)
+        return tensors, dequantized
+    return quantize
+
+
+def pack_quantized_int8_config(group_size: int | None, symmetric: bool) -> dict[str, Any]:
+    """The quantization_config of an 8-bit pack-quantized checkpoint (weight-only)."""
+    weights: dict[str, Any] = {"num_bits": 8, "type": "int", "symmetric": symmetric,
+                               "strategy": "group" if group_size else "channel"}
+    if group_size:
+        weights["group_size"] = group_size
+    config = compressed_config("pack-quantized", weights)
+    config["config_groups"]["group_0"]["format"] = "pack-quantized"
+    return config
+
+
 def int8_groups_config(group_size: int, symmetric: bool = True) -> dict[str, Any]:
     """The quantization_config of an int8 checkpoint with group scales, its group's
     ``format`` "int-quantized" written out as llm-compressor writes it (without it,

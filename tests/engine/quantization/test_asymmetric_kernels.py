@@ -1,6 +1,7 @@
-"""Asymmetric int8 checkpoints (compressed-tensors ``symmetric: false``) on the CPU C
-kernels: greedy tokens equal transformers', and every quantized linear's product goes
-through cpu_quant.c with its zero points, never the torch tile path."""
+"""Asymmetric int8 checkpoints (compressed-tensors ``symmetric: false``: zero points per
+tensor, channel or group, int-quantized or 8-bit pack-quantized) on the CPU C kernels:
+greedy tokens equal transformers', and every quantized linear's product goes through
+cpu_quant.c with its zero points, never the torch tile path."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.skipif(not cpu_quant_available(), reason="the quantized
 
 
 @taken_unless_forced_off("quant_kernels")
-@pytest.mark.parametrize("name", ["compressed_int8_asymmetric_channel",
-                                  pytest.param("compressed_int8_asymmetric_tensor_w8a8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["compressed_int8_asymmetric_channel", "compressed_w8a16_asymmetric_groups",
+                                  pytest.param("compressed_int8_asymmetric_tensor_w8a8", marks=pytest.mark.slow),
+                                  pytest.param("compressed_int8_asymmetric_groups", marks=pytest.mark.slow)])
 def test_asymmetric_int8_runs_the_c_kernels(name, float_dirs, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "quant_kernels=on")
     calls = {"kernel": 0}

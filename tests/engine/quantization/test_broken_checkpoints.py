@@ -17,6 +17,7 @@ MODULE = "model.layers.1.self_attn.q_proj"
 FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
 INT8_ASYMMETRIC = ckpt.compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
                                                             "strategy": "channel"})
+W8A16 = ckpt.pack_quantized_int8_config(32, symmetric=False)
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
 
 
@@ -69,6 +70,18 @@ BROKEN = {
                                                   "strategy": "group", "group_size": 32}),
         _broken(ckpt.pack_quantized(32, True), _set("weight_scale", lambda scale: scale[:, :1])),
         [f"{MODULE}.weight_scale", "shape [64, 1]", "[64, 2]"]),
+    # 8-bit pack-quantized (W8A16), asymmetric by groups of 32
+    "missing_weight_packed": (W8A16, _broken(ckpt.pack_quantized_int8(32, False), _drop("weight_packed")),
+                              [f"{MODULE}.weight_packed", "has no tensor"]),
+    "weight_shape_wrong": (W8A16, _broken(ckpt.pack_quantized_int8(32, False),
+                                          _set("weight_shape", lambda shape: shape // torch.tensor([1, 2]))),
+                           [f"{MODULE}.weight_shape", "holds [64, 32] where the model's linear is [64, 64]"]),
+    "weight_packed_not_int32": (W8A16, _broken(ckpt.pack_quantized_int8(32, False),
+                                               _set("weight_packed", lambda packed: packed.to(torch.int64))),
+                                [f"{MODULE}.weight_packed", "stored as torch.int64", "int32 words of 4 8-bit codes"]),
+    "packed_zero_point_unpacked": (W8A16, _broken(ckpt.pack_quantized_int8(32, False),
+                                                  _set("weight_zero_point", lambda zero: zero.repeat(4, 1))),
+                                   [f"{MODULE}.weight_zero_point", "shape [64, 2]", "needs [16, 2]"]),
     "missing_zero_point": (INT8_ASYMMETRIC, _broken(ckpt.int8_asymmetric(True), _drop("weight_zero_point")),
                            [f"{MODULE}.weight_zero_point", "has no tensor"]),
     "zero_point_wrong_dtype": (INT8_ASYMMETRIC,
@@ -91,14 +104,6 @@ def test_broken_checkpoint_names_tensor_and_problem(name, float_dir, tmp_path):
     assert "\n" not in message
     for part in named:
         assert part in message, (part, message)
-
-
-def test_asymmetric_int8_groups_are_refused_at_load(float_dir, tmp_path):
-    config = ckpt.int8_groups_config(32, symmetric=False)
-    ckpt.write_quantized(float_dir, tmp_path / "groups", config, ckpt.int8_groups(32))
-    with pytest.raises(UnsupportedModelError, match="asymmetric int8 with group zero points is not run") as error:
-        LLM(str(tmp_path / "groups"), dtype="float32", device="cpu")
-    assert "\n" not in str(error.value)
 
 
 def test_unknown_quant_method_is_refused_at_load(float_dir, tmp_path):

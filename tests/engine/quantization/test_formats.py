@@ -65,6 +65,13 @@ FORMATS = {
             {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
         ckpt.int8_asymmetric(per_channel=False), torch.int8),
     "compressed_int8_groups": ("llama", ckpt.int8_groups_config(32), ckpt.int8_groups(32), torch.int8),
+    "compressed_int8_asymmetric_groups": ("llama", ckpt.int8_groups_config(32, symmetric=False),
+                                          ckpt.int8_groups_asymmetric(32), torch.int8),
+    # pack-quantized num_bits 8: llm-compressor's W8A16 preset (symmetric, per channel), and by groups
+    "compressed_w8a16_channel": ("qwen3", ckpt.pack_quantized_int8_config(None, True),
+                                 ckpt.pack_quantized_int8(None, True), torch.int8),
+    "compressed_w8a16_asymmetric_groups": ("qwen2", ckpt.pack_quantized_int8_config(32, False),
+                                           ckpt.pack_quantized_int8(32, False), torch.int8),
     "compressed_w4a16_symmetric": (
         "qwen3", ckpt.compressed_config("pack-quantized", {**_INT4_GROUPS, "symmetric": True}),
         ckpt.pack_quantized(32, True), torch.uint8),
@@ -149,7 +156,13 @@ def clear_prompts(reference: transformers.PreTrainedModel, prompts: list[list[in
     return kept
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+# Formats whose fast representative runs elsewhere: test_asymmetric_kernels.py runs
+# compressed_w8a16_asymmetric_groups (the same in-memory layers) on the C kernels.
+SLOW_FORMATS = ("compressed_int8_asymmetric_groups", "compressed_w8a16_asymmetric_groups")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FORMATS else name
+                                  for name in sorted(FORMATS)])
 def test_format_matches_dequantized_transformers(name, float_dirs, tmp_path):
     """W8A8 checkpoints against transformers' own load of them (compressed-tensors
     quantizes each linear's input per token, and the engine does the same), over the

@@ -36,9 +36,11 @@ REFUSED = {
     "gptq_8_bits_asymmetric": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False},
                                "asymmetric 8-bit gptq"),
     "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
-    "int8_asymmetric_groups": (compressed_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
+    "pack_quantized_3_bits": (compressed_config("pack-quantized", {"num_bits": 3, "type": "int", "symmetric": True,
                                                                    "strategy": "group", "group_size": 32}),
-                               "strategy 'group'"),
+                              "num_bits 3"),
+    "pack_quantized_int8_per_tensor": (compressed_config("pack-quantized", {**_INT8_CHANNEL, "strategy": "tensor"}),
+                                       "pack-quantized, strategy 'tensor'"),
     "fp8_e5m2": ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
     # input activations quantized other than per token, dynamically and symmetrically
     "int8_static_inputs": (compressed_config("int-quantized", _INT8_CHANNEL, {**_INT8_TOKEN, "strategy": "tensor",
