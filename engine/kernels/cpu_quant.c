@@ -15,7 +15,8 @@
  * Everything multiplies and accumulates in float32 and rounds to the output dtype
  * once. x is first converted to float32 (and, for W4, each group's columns reordered
  * in runs of 2 VL: the even columns, then the odd ones, as a packed byte's low and
- * high nibbles hold them) into a scratch the launcher allocates.
+ * high nibbles hold them) into a scratch the launcher allocates: [M, K] float32 for
+ * W8, [M, K + K / G] for W4 (each row's sums of x per group follow the copy).
  *
  * Layouts (asserted by the launcher, kernels/cpu_quant.py):
  *   x:       [M, K] rows of K contiguous elements, x_stride apart; float32 (kind 0),
@@ -39,6 +40,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+/* w8_linear's fp8 argument: 0 int8 codes, 1 fp8 codes, FP8_FINITE fp8 codes none of
+ * which is NaN (0x7f, 0xff), which the AVX2 tiles then decode without the NaN test. */
+#define FP8_FINITE 2
 
 /* Weight rows and x rows one tile multiplies together (AVX2: see the top comment). */
 #if VL == 16
@@ -126,7 +131,8 @@ static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8, int32_t zer
 #define AHEAD 4
 /* 2 VL codes at p as float32 in two vectors (low: the first VL): int8 codes as they
  * are, fp8 codes times 2^-8 (fp8_codes without its last multiply; the NaN codes made
- * float16 NaNs by setting every bit, since 1.875 times a scale is no NaN). */
+ * float16 NaNs by setting every bit, since 1.875 times a scale is no NaN, except for
+ * fp8 == FP8_FINITE: a weight the launcher found free of NaN codes). */
 static inline void w8_code_pair(const uint8_t *p, int fp8, int32_t zero, vf *low, vf *high) {
     if (!fp8) {  /* int8 codes less their zero point, in integers */
         const __m256i z = _mm256_set1_epi32(zero);
@@ -136,6 +142,12 @@ static inline void w8_code_pair(const uint8_t *p, int fp8, int32_t zero, vf *low
         return;
     }
     const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    if (fp8 == FP8_FINITE) {
+        const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80));
+        *low = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
+        *high = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+        return;
+    }
     const __m256i nan_bits = _mm256_set1_epi16(0x3f80);  /* exponent and mantissa all ones */
     const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(shifted, nan_bits), nan_bits);
     const __m256i half = _mm256_or_si256(_mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80)), nan);
@@ -220,11 +232,6 @@ static inline __attribute__((always_inline)) void w8_tile(
     float tail[R][MT];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = 0.0f;
-#if W8_PAIRS
-    vf acc_high[R][MT];  /* the pairs' second halves: twice the chains of sums in flight */
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) acc_high[r][m] = splat(0.0f);
-#endif
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = min64(K, k0 + bk);
         float s[R];
@@ -240,18 +247,27 @@ static inline __attribute__((always_inline)) void w8_tile(
             pair_scale[r] = fp8 ? s[r] * 256.0f : s[r];
             scaled &= __builtin_isfinite(pair_scale[r]);
         }
-        for (; scaled && k + 2 * VL <= k1; k += 2 * VL) {  /* else the loop below, exact */
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(w[r] + k + AHEAD * K);
-                vf low, high;
-                w8_code_pair(w[r] + k, fp8, z[r], &low, &high);
-                low *= pair_scale[r], high *= pair_scale[r];
+        if (scaled && k + 2 * VL <= k1) {  /* else the loop below, exact */
+            /* The block's codes times x, summed unscaled, then times the scale once: one
+             * multiply per block instead of one per VL codes (the FMA ports' spare slots
+             * are what the AVX2 tiles run short of). */
+            vf block_low[R][MT], block_high[R][MT];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mt; m++) block_low[r][m] = block_high[r][m] = splat(0.0f);
+            for (; k + 2 * VL <= k1; k += 2 * VL) {
+                for (int r = 0; r < R; r++) {
+                    __builtin_prefetch(w[r] + k + AHEAD * K);
+                    vf low, high;
+                    w8_code_pair(w[r] + k, fp8, z[r], &low, &high);
 #pragma GCC unroll 4
-                for (int m = 0; m < mt; m++) {
-                    acc[r][m] += low * loadv(x[m], k, 0);
-                    acc_high[r][m] += high * loadv(x[m], k + VL, 0);
+                    for (int m = 0; m < mt; m++) {
+                        block_low[r][m] += low * loadv(x[m], k, 0);
+                        block_high[r][m] += high * loadv(x[m], k + VL, 0);
+                    }
                 }
             }
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mt; m++) acc[r][m] += (block_low[r][m] + block_high[r][m]) * pair_scale[r];
         }
 #endif
         for (; k + VL <= k1; k += VL) {
@@ -272,18 +288,74 @@ static inline __attribute__((always_inline)) void w8_tile(
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
             }
     }
-#if W8_PAIRS
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) acc[r][m] += acc_high[r][m];
-#endif
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
 }
 
+#if VL == 8
+/* The 8-lane builds' W4 tile (AVX2, and SSE in register pairs): each group's codes
+ * times x are summed as they are (0 .. 15, converted exactly), then times the scale
+ * once per group, and the zero point enters as zero * scale * (the group's sum of x)
+ * (group_sums), so a step of 2 VL codes costs two converts besides its multiply-adds
+ * instead of two subtractions and two multiplies more; the low and high nibbles'
+ * products go to sums of their own (twice the chains in flight). Equal to the
+ * per-code dequantization up to float32 rounding. */
+#define W4_FOLD 1
+/* Weight rows ahead of the tile's that each step prefetches. */
+#define AHEAD_W4 1
+static inline __attribute__((always_inline)) void w4_tile(
+    const float *const x[MT], const float *const group_sums[MT], const uint8_t *const w[R],
+    const float *const scale_rows[R], const float *const zero_rows[R], int64_t K, int64_t group, const int mt,
+    float result[R][MT]) {
+    vf acc[R][MT];
+    float tail[R][MT], shift[R][MT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = shift[r][m] = 0.0f;
+    const int64_t vector_end = group / (2 * VL) * 2 * VL;
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        float s[R], z[R];
+        for (int r = 0; r < R; r++) s[r] = scale_rows[r][g], z[r] = zero_rows[r] ? zero_rows[r][g] : 8.0f;
+        if (vector_end) {
+            vf low_sum[R][MT], high_sum[R][MT];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mt; m++) low_sum[r][m] = high_sum[r][m] = splat(0.0f);
+            for (int64_t c = g0; c < g0 + vector_end; c += 2 * VL) {
+                for (int r = 0; r < R; r++) {
+                    __builtin_prefetch(w[r] + (c + AHEAD_W4 * K) / 2);
+                    const vi codes = widen_bytes(w[r] + c / 2, 0);
+                    const vf low = __builtin_convertvector(codes & 15, vf);
+                    const vf high = __builtin_convertvector(codes >> 4, vf);
+#pragma GCC unroll 4
+                    for (int m = 0; m < mt; m++) {
+                        low_sum[r][m] += low * loadv(x[m], c, 0);
+                        high_sum[r][m] += high * loadv(x[m], c + VL, 0);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < mt; m++) {
+                    acc[r][m] += (low_sum[r][m] + high_sum[r][m]) * s[r];
+                    shift[r][m] += z[r] * s[r] * group_sums[m][g];
+                }
+        }
+        for (int64_t k = g0 + vector_end; k < g0 + group; k++)
+            for (int r = 0; r < R; r++) {
+                const uint8_t byte = w[r][k / 2];
+                const float wv = ((float)((k & 1) ? byte >> 4 : byte & 15) - z[r]) * s[r];
+                for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = (hsum(acc[r][m]) - shift[r][m]) + tail[r][m];
+}
+#else
+#define W4_FOLD 0
 /* result[r][m] = sum_k w4(n_r, k) * x[m][k], x reordered by prepare_x. */
 static inline __attribute__((always_inline)) void w4_tile(
-    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R],
-    const float *const zero_rows[R], int64_t K, int64_t group, const int mt, float result[R][MT]) {
+    const float *const x[MT], const float *const group_sums[MT], const uint8_t *const w[R],
+    const float *const scale_rows[R], const float *const zero_rows[R], int64_t K, int64_t group, const int mt,
+    float result[R][MT]) {
+    (void)group_sums;
     vf acc[R][MT];
     float tail[R][MT];
     for (int r = 0; r < R; r++)
@@ -312,6 +384,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     for (int r = 0; r < R; r++)
         for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
 }
+#endif
 
 /* Rows past N (or past M) repeat the last valid one; their results are not stored. */
 static inline void tile_rows(const float *xf, int64_t m0, int64_t rows, int64_t K, const float *x_rows[MT]) {
@@ -328,8 +401,9 @@ static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64
 static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight, int fp8, const float *scale,
                            const int8_t *zero, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                            void *out, int64_t out_stride, int kind, int64_t N, int64_t K, int num_threads) {
-    /* The codes' kind, one tile instance each: int8, fp8, int8 less zero points. */
-    const int codes = fp8 ? 1 : zero ? 2 : 0;
+    /* The codes' kind, one tile instance each: int8, fp8, int8 less zero points, fp8
+     * without NaN codes. */
+    const int codes = fp8 == FP8_FINITE ? 3 : fp8 ? 1 : zero ? 2 : 0;
     const int64_t blocks = (N + R - 1) / R;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
@@ -349,20 +423,24 @@ static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight,
             tile_rows(xf, m0, rows, K, x_rows);
             /* One instance per (codes, rows of x): each keeps its accumulators in registers. */
 #define W8_TILE(FP8, ASYM, ROWS) w8_tile(x_rows, w, scale_rows, zero_rows, K, bk, FP8, ASYM, ROWS, result)
-            switch ((int)min64(rows - m0, MT) * 3 + codes) {
-            case 3: W8_TILE(0, 0, 1); break;
-            case 4: W8_TILE(1, 0, 1); break;
-            case 5: W8_TILE(0, 1, 1); break;
-            case 6: W8_TILE(0, 0, 2); break;
-            case 7: W8_TILE(1, 0, 2); break;
-            case 8: W8_TILE(0, 1, 2); break;
+            switch ((int)min64(rows - m0, MT) * 4 + codes) {
+            case 4: W8_TILE(0, 0, 1); break;
+            case 5: W8_TILE(1, 0, 1); break;
+            case 6: W8_TILE(0, 1, 1); break;
+            case 7: W8_TILE(FP8_FINITE, 0, 1); break;
+            case 8: W8_TILE(0, 0, 2); break;
+            case 9: W8_TILE(1, 0, 2); break;
+            case 10: W8_TILE(0, 1, 2); break;
+            case 11: W8_TILE(FP8_FINITE, 0, 2); break;
 #if MT == 4
-            case 9: W8_TILE(0, 0, 3); break;
-            case 10: W8_TILE(1, 0, 3); break;
-            case 11: W8_TILE(0, 1, 3); break;
-            case 12: W8_TILE(0, 0, 4); break;
-            case 13: W8_TILE(1, 0, 4); break;
-            case 14: W8_TILE(0, 1, 4); break;
+            case 12: W8_TILE(0, 0, 3); break;
+            case 13: W8_TILE(1, 0, 3); break;
+            case 14: W8_TILE(0, 1, 3); break;
+            case 15: W8_TILE(FP8_FINITE, 0, 3); break;
+            case 16: W8_TILE(0, 0, 4); break;
+            case 17: W8_TILE(1, 0, 4); break;
+            case 18: W8_TILE(0, 1, 4); break;
+            case 19: W8_TILE(FP8_FINITE, 0, 4); break;
 #endif
             }
 #undef W8_TILE
@@ -384,6 +462,16 @@ void w4_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t row
                int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     prepare_x(x, x_stride, kind, xf, rows, K, group);
     const int64_t groups = K / group, blocks = (N + R - 1) / R;
+    /* W4_FOLD: each row's sum of x over each group's whole runs of 2 VL columns, in the
+     * scratch past x's float32 copy. */
+    float *sums = W4_FOLD ? xf + rows * K : NULL;
+    for (int64_t m = 0; sums && m < rows; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *start = xf + m * K + g * group;
+            vf total = splat(0.0f);
+            for (int64_t c = 0; c < group / (2 * VL) * 2 * VL; c += VL) total += loadv(start, c, 0);
+            sums[m * groups + g] = hsum(total);
+        }
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * R;
@@ -398,8 +486,10 @@ void w4_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t row
         for (int64_t m0 = 0; m0 < rows; m0 += MT) {
             const float *x_rows[MT];
             float result[R][MT];
+            const float *sum_rows[MT];
             tile_rows(xf, m0, rows, K, x_rows);
-#define W4_TILE(ROWS) w4_tile(x_rows, w, scale_rows, zero_rows, K, group, ROWS, result)
+            for (int m = 0; m < MT; m++) sum_rows[m] = sums ? sums + min64(m0 + m, rows - 1) * groups : NULL;
+#define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, ROWS, result)
             switch ((int)min64(rows - m0, MT)) {
             case 1: W4_TILE(1); break;
             case 2: W4_TILE(2); break;

@@ -51,6 +51,8 @@ DECODE_MAX_ROWS = 8
 # instead of the prefill panels (measured faster up to here in bench_quant.py's kernel
 # mode, slower at 512 rows, where oneDNN's packed panels win).
 TILE_MAX_ROWS = 256
+# cpu_quant.c's fp8 argument for float8_e4m3fn codes none of which is NaN.
+FP8_FINITE = 2
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 # Where oneDNN multiplies panels packed in its blocked layout (kernels/cpu_quant_panel.py):
@@ -314,7 +316,7 @@ def cpu_w4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, z
                _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(), out.stride(0), out_features,
                in_features, threads)
     elif x2.shape[0] <= DECODE_MAX_ROWS:
-        scratch = torch.empty(x2.shape, dtype=torch.float32)
+        scratch = torch.empty(x2.shape[0], in_features + in_features // group_size, dtype=torch.float32)
         library.w4_linear(x2.data_ptr(), x2.stride(0), kind, scratch.data_ptr(), x2.shape[0], packed.data_ptr(),
                           scales.data_ptr(), _pointer(zeros), group_size, _pointer(bias32), out.data_ptr(),
                           out.stride(0), out_features, in_features, threads)
@@ -361,17 +363,25 @@ class DecodeCall:
         assert 0 < rows <= DECODE_MAX_ROWS and x.shape[1] == self.in_features, (tuple(x.shape), self.in_features)
         out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
         scratch: torch.Tensor | None = None  # held through the call
-        if self.widens:  # cpu_quant.c's: x's kind, then its float32 copy
-            scratch = torch.empty(rows, self.in_features, dtype=torch.float32)
+        if self.widens:  # cpu_quant.c's: x's kind, then its float32 copy (and W4: x's sums per group)
+            scratch = torch.empty(rows, self.in_features + self.w4_groups, dtype=torch.float32)
             head: tuple[int, ...] = (x.data_ptr(), x.stride(0), _KINDS[torch.bfloat16], scratch.data_ptr(), rows)
         else:
             head = (x.data_ptr(), x.stride(0), rows)
-        if self.w4_groups:  # the kernel's scratch of x's sums per group
-            scratch = torch.empty(rows, self.w4_groups, dtype=torch.float32)
-            head += (scratch.data_ptr(),)
+            if self.w4_groups:  # the kernel's scratch of x's sums per group
+                scratch = torch.empty(rows, self.w4_groups, dtype=torch.float32)
+                head += (scratch.data_ptr(),)
         self.kernel(*head, *self.weight_args, out.data_ptr(), self.out_features, self.out_features,
                     self.in_features, torch.get_num_threads())
         return out
+
+
+def fp8_nan_codes(weight: torch.Tensor) -> bool:
+    """Whether a float8_e4m3fn weight holds a NaN code (0x7f or 0xff): a decode call bound
+    to one without tells cpu_quant.c's kernel so (FP8_FINITE), which then decodes its
+    codes without the NaN test. Read once per binding: the bound tensors are not
+    written in place."""
+    return bool(((weight.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
 def _widening_library() -> ctypes.CDLL | None:
@@ -402,6 +412,8 @@ def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
         return DecodeCall(library.w8_linear_bf16, args, (weight, scale, zero, bias), (bias32,), out_features,
                           in_features, 0)
     assert widening is not None
+    if fp8 and not fp8_nan_codes(weight):
+        fp8 = FP8_FINITE
     args = (weight.data_ptr(), fp8, scale.data_ptr(), _pointer(zero8), scale_cols, block_rows, block_cols,
             _pointer(bias32))
     return DecodeCall(widening.w8_linear, args, (weight, scale, zero, bias), (bias32, zero8), out_features,
@@ -429,6 +441,6 @@ def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     if library is None:
         assert widening is not None
         return DecodeCall(widening.w4_linear, args, (packed, scales, zeros, bias), (bias32,), out_features,
-                          in_features, 0, widens=True)
+                          in_features, groups, widens=True)
     return DecodeCall(library.w4_linear_bf16, args, (packed, scales, zeros, bias), (bias32,), out_features,
                       in_features, groups)

@@ -18,7 +18,10 @@
  * once: the float32 product of the dequantized x and w up to the order of the sums.
  *
  * Built for every target; without AVX512_VNNI (and AVX512BW/VL) quant_int8_vnni() is 0
- * and the launcher takes the weight-only kernels over x dequantized from its codes.
+ * and the launcher takes the weight-only kernels over x dequantized from its codes,
+ * which int8_fake_quantize_rows (every target) computes in one pass per row: the
+ * codes of step 1 times the row's scale, rounded to x's dtype, as the checkpoint's own
+ * forward (activations.py's fake_quantize_inputs) gives them, bit for bit.
  * x and out: float32 (kind 0) or bfloat16 (kind 1), rows contiguous.
  */
 #include <stdint.h>
@@ -26,6 +29,64 @@
 #include <string.h>
 
 #include "cpu_common.h"
+
+/* ---- Fake quantization (every target) ---- */
+
+/* v rounded to x's dtype (bf16: to bfloat16 and back, NaN kept; float32: as it is). */
+static inline vf to_dtype(vf v, int bf16) { return bf16 ? round_bf16_v(v) : v; }
+static inline float to_dtype1(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* The code of x / scale (already rounded to x's dtype): clamped to [-128, 127] and
+ * rounded half to even by the float32 magic number 1.5 * 2^23 (exact for |v| <= 2^22);
+ * NaN stays NaN. */
+static inline vf int8_code_v(vf v) {
+    v = blend(v < -128.0f, splat(-128.0f), blend(v > 127.0f, splat(127.0f), v));
+    return (v + 12582912.0f) - 12582912.0f;
+}
+static inline float int8_code1(float v) {
+    v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
+    return (v + 12582912.0f) - 12582912.0f;
+}
+
+/* One row of K elements fake-quantized into out (x's dtype): scale = max|x| / 127.5 in
+ * x's dtype (its epsilon where 0; NaN where any element is NaN, as torch's amax),
+ * code = int8_code(x / scale in x's dtype), out = code * scale in x's dtype. */
+static void fake_quantize_row(const void *row, int64_t K, int bf16, void *out) {
+    vf amax = splat(0.0f);
+    vi nan = (vi){0};
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        const vf v = loadv(row, k, bf16);
+        nan |= v != v;
+        amax = vmax(amax, blend(v < 0.0f, -v, v));
+    }
+    float largest = hmax(amax);
+    int any_nan = 0;
+    for (int lane = 0; lane < VL; lane++) any_nan |= nan[lane] != 0;
+    for (; k < K; k++) {
+        const float v = load1(row, k, bf16), magnitude = v < 0.0f ? -v : v;
+        any_nan |= v != v;
+        largest = magnitude > largest ? magnitude : largest;
+    }
+    float scale = any_nan ? __builtin_nanf("") : to_dtype1(largest / 127.5f, bf16);
+    if (scale == 0.0f) scale = bf16 ? 0.0078125f : 1.1920928955078125e-7f;  /* torch.finfo(dtype).eps */
+    for (k = 0; k + VL <= K; k += VL)
+        storev(out, k, to_dtype(int8_code_v(to_dtype(loadv(row, k, bf16) / scale, bf16)) * scale, bf16), bf16);
+    for (; k < K; k++) {
+        const float value = to_dtype1(int8_code1(to_dtype1(load1(row, k, bf16) / scale, bf16)) * scale, bf16);
+        if (bf16) ((uint16_t *)out)[k] = f32_to_bf16(value);
+        else ((float *)out)[k] = value;
+    }
+}
+
+/* x [rows, K] (rows x_stride elements apart) fake-quantized per row into out [rows, K]
+ * contiguous, x's dtype (kind). */
+void int8_fake_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, void *out) {
+    const size_t item = kind ? 2 : 4;
+    for (int64_t m = 0; m < rows; m++)
+        fake_quantize_row((const char *)x + (size_t)m * (size_t)x_stride * item, K, kind,
+                          (char *)out + (size_t)m * (size_t)K * item);
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>

@@ -7,7 +7,9 @@ weight) up to the order of the float32 sums.
 
 ``cpu_w8a8_available(dtype)`` says where it runs: the library built with AVX512_VNNI
 (and AVX512BW/VL), x float32 or bfloat16. Elsewhere the callers dequantize x's codes
-and take the weight-only kernels (cpu_quant.py), which compute the same product.
+(``cpu_int8_fake_quantize``, one C pass per row on any target, equal to the torch
+reference bit for bit) and take the weight-only kernels (cpu_quant.py), which compute
+the same product.
 AMX-INT8 is not used (no host at hand to test it).
 """
 
@@ -30,6 +32,7 @@ _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, ["quant_int8_vnni"], [], ctypes.c_int)
+    declare(library, ["int8_fake_quantize_rows"], [_P, _I, _I, _I, _N, _P], None)
     if library.quant_int8_vnni():
         declare(library, ["int8_quantize_rows"], [_P, _I, _I, _I, _N, _P, _P, _P, _N], None)
         declare(library, ["w8a8_int8_linear"], [_P, _P, _P, _I, _P, _P, _N, _P, _P, _I, _I, _I, _N, _N], None)
@@ -46,6 +49,25 @@ def _vnni_library() -> ctypes.CDLL | None:
 def cpu_w8a8_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the int8 x int8 kernel runs here for activations of ``dtype``."""
     return dtype in _KINDS and _vnni_library() is not None
+
+
+def cpu_int8_fake_quantize_available(dtype: torch.dtype) -> bool:
+    """Whether ``cpu_int8_fake_quantize`` runs here for x of ``dtype`` (the library
+    built, on any target; x float32 or bfloat16)."""
+    return dtype in _KINDS and _LIBRARY.load() is not None
+
+
+def cpu_int8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows of contiguous elements) quantized per token to int8 codes and
+    multiplied back, in x's dtype: activations.py's ``fake_quantize_inputs(x, "int8")``
+    bit for bit, in one pass per row (see cpu_quant_int8.c)."""
+    library = _LIBRARY.load()
+    assert library is not None and x.dtype in _KINDS, "call cpu_int8_fake_quantize_available first"
+    assert x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1, (x.device, x.shape, x.stride())
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library.int8_fake_quantize_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], _KINDS[x.dtype],
+                                    out.data_ptr())
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

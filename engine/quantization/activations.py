@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ..kernels.cpu_quant_int8 import cpu_int8_fake_quantize, cpu_int8_fake_quantize_available
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 
 InputQuantization = Literal["none", "int8", "fp8"]
@@ -53,6 +54,17 @@ def fake_quantize_inputs(x: torch.Tensor, kind: InputQuantization) -> torch.Tens
     if kind == "none":
         return x
     return fake_quantize_with_scales(x, token_scales(x, kind), kind)
+
+
+def fake_quantize_inputs_cpu(x: torch.Tensor, kind: InputQuantization) -> torch.Tensor:
+    """``fake_quantize_inputs`` of x [M, K], bit for bit, by one C pass per row
+    (kernels/cpu_quant_int8.py) where it takes x (int8 codes, a CPU x of float32 or
+    bfloat16 with contiguous rows): a decode step's torch ops would cost more than its
+    quantized linear's product."""
+    if (kind == "int8" and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+            and cpu_int8_fake_quantize_available(x.dtype)):
+        return cpu_int8_fake_quantize(x)
+    return fake_quantize_inputs(x, kind)
 
 
 def fake_quantize_with_scales(x: torch.Tensor, scales: torch.Tensor, kind: InputQuantization) -> torch.Tensor:

@@ -274,6 +274,30 @@ def test_a_nan_fp8_weight_gives_nan(dtype, rows):
     assert blocks.isnan().tolist() == [[False, True, True, True]] * rows
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_code"])
+def test_an_fp8_decode_call_knows_whether_its_weight_holds_a_nan_code(nan):
+    """A bfloat16 decode call bound to an fp8 weight without NaN codes tells cpu_quant.c's
+    kernel (FP8_FINITE), which decodes without the NaN test: every other code times its
+    scale, exactly; bound to a weight with a NaN code it keeps the test: that row's outputs NaN."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[[0x7F, 0xFF]] = 0
+    codes = codes.reshape(4, 64)
+    if nan:
+        codes[2, 37] = 0xFF
+    weight = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand(4, 1, generator=generator(1)) + 0.5
+    call = cpu_quant.w8_decode_call(weight, scale, None, None)
+    assert call is not None
+    assert (call.weight_args[1] == cpu_quant.FP8_FINITE) == (call.widens and not nan)
+    expected = dequantize_w8(weight, scale).t().to(torch.bfloat16)
+    for rows in (list(range(0, 64, 9)), [7], [37, 5]):  # tiles of 4 rows and fewer
+        out = call(torch.eye(64, dtype=torch.bfloat16)[rows])
+        if nan:
+            assert out[:, 2].isnan().all()  # NaN times 0 is NaN: the whole row's outputs
+            out[:, 2] = 0
+        assert torch.equal(out, expected[rows].index_fill(1, torch.tensor([2] if nan else [], dtype=torch.int64), 0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_an_fp8_scale_near_the_float32_limit_stays_exact(dtype, rows):

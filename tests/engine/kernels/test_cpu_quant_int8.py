@@ -76,6 +76,28 @@ def test_w8a8_linear_matches_reference(dtype, shape, per_channel):
         assert_close_to_reference(cpu_w8a8_linear(x, weight, scale), w8a8_reference(x, weight, scale, None))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [256, 203, 5])  # whole vectors, a scalar tail, only a tail
+def test_fake_quantized_inputs_equal_the_reference_bit_for_bit(dtype, cols):
+    """The C pass (every target) gives fake_quantize_inputs' values exactly: tokens of
+    every magnitude, a zero token (the dtype's epsilon), each code end, ties at the
+    half steps; a NaN or infinite element makes its whole token NaN, as in torch."""
+    x, generator = _inputs(dtype, 8, cols)
+    x[2] *= torch.logspace(-30, 30, cols).to(dtype)
+    x[3] = (torch.arange(cols) - cols // 2).to(dtype) * 0.5  # halves: x / scale lands on ties
+    x[4, -1] = float("nan")
+    x[5, 0] = float("inf")
+    x[6] = 1e-38  # subnormal scale in bfloat16 / float32 arithmetic
+    assert cpu_quant_int8.cpu_int8_fake_quantize_available(dtype)
+    out = cpu_quant_int8.cpu_int8_fake_quantize(x)
+    expected = fake_quantize_inputs(x, "int8")
+    assert out.dtype == dtype and torch.equal(out.isnan(), expected.isnan())
+    assert out[4:6].isnan().all()
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+    strided = torch.cat([x, x], dim=1)[:, :cols]  # rows a stride apart
+    assert torch.equal(cpu_quant_int8.cpu_int8_fake_quantize(strided).nan_to_num(), expected.nan_to_num())
+
+
 def test_the_reference_differs_from_weight_only():
     """Quantizing x moves the product by more than float rounding: the tests above see it."""
     x, generator = _inputs(torch.float32, 8, 256)
