@@ -36,6 +36,16 @@ def _w8_asymmetric(rows: int, cols: int, per_channel: bool, generator: torch.Gen
     return QuantizedLinear.w8(weight, scale, None, torch.randn(rows, generator=generator), zero=zero)
 
 
+def _w8_asymmetric_groups(rows: int, cols: int, group: int, generator: torch.Generator) -> QuantizedLinear:
+    """Asymmetric int8 by groups (blocks of one row by a group, the last one partial):
+    int8 zero points of the scale's shape."""
+    weight = torch.randint(-128, 128, (rows, cols), generator=generator).to(torch.int8)
+    shape = (rows, -(-cols // group))
+    zero = torch.randint(-128, 128, shape, generator=generator).to(torch.int8)
+    scale = torch.rand(*shape, generator=generator) / 50 + 1e-3
+    return QuantizedLinear.w8(weight, scale, (1, group), torch.randn(rows, generator=generator), zero=zero)
+
+
 CASES = {
     "w8_int8_per_tensor": lambda g: _w8(40, 24, None, False, torch.int8, g),
     "w8_fp8_per_channel": lambda g: _w8(40, 24, None, True, torch.float8_e4m3fn, g),
@@ -46,6 +56,7 @@ CASES = {
         torch.randint(0, 16, (36, 4), generator=g).float(), 16, torch.randperm(64, generator=g)),
     "w8_int8_asymmetric_channel": lambda g: _w8_asymmetric(40, 67, True, g),
     "w8_int8_asymmetric_tensor": lambda g: _w8_asymmetric(40, 24, False, g),
+    "w8_int8_asymmetric_groups": lambda g: _w8_asymmetric_groups(40, 67, 16, g),
     "w4_symmetric": lambda g: QuantizedLinear.w4(
         pack_int4(torch.randint(0, 16, (36, 64), generator=g)), torch.rand(36, 2, generator=g) + 0.01, None, 32),
 }
@@ -82,7 +93,7 @@ def test_dequantized_reference_is_scoped():
 
 
 @pytest.mark.parametrize("name", ["w8_fp8_per_channel", "w8_fp8_partial_blocks", "w4_symmetric",
-                                  "w8_int8_asymmetric_channel"])
+                                  "w8_int8_asymmetric_channel", "w8_int8_asymmetric_groups"])
 def test_bound_decode_call_follows_the_layers_tensors(name):
     """bfloat16 decode rows take the call bound to the layer's tensors (where the build
     has the bfloat16 kernel): it gives the reference, is bound again when a tensor is
@@ -131,3 +142,22 @@ def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
         torch.testing.assert_close(layer(x), expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-4)
     if dtype == torch.bfloat16 and cpu_quant_available(torch.bfloat16):
         assert layer.bound_decode is not None and layer.bound_decode.widens
+
+
+def test_zero_points_are_held_as_int8():
+    """Zero points given as float32 integers are held as int8, as the C kernels read them
+    (not converted on each call)."""
+    layer = CASES["w8_int8_asymmetric_channel"](torch.Generator().manual_seed(8))
+    assert layer.zero is not None and layer.zero.dtype == torch.int8 and layer.zero.is_contiguous()
+
+
+def test_group_zero_points_take_the_tile_path_on_cuda(monkeypatch):
+    """The Triton W8 kernel takes zero points per row only: QuantizedLinear's CUDA path
+    (called here directly) runs a layer with group zero points through the tile path."""
+    def refused(*args, **kwargs):
+        raise AssertionError("group zero points handed to the Triton W8 kernel")
+
+    monkeypatch.setattr(quantized, "triton_w8_linear", refused)
+    layer = CASES["w8_int8_asymmetric_groups"](torch.Generator().manual_seed(9))
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(10))
+    torch.testing.assert_close(quantized.cuda_kernel_matmul(layer, x), _reference(layer, x), rtol=1e-5, atol=1e-4)
