@@ -62,6 +62,7 @@ CASES: dict[str, Part] = {
     "w8a8_int8": _w8(torch.int8, "channel", input_quantization="int8"),
     "int8_asymmetric_tensor": _w8(torch.int8, "tensor", zero=True),
     "int8_asymmetric_channel_w8a8": _w8(torch.int8, "channel", input_quantization="int8", zero=True),
+    "int8_asymmetric_groups": _w8(torch.int8, "blocks", (1, 32), zero=True),
     "int4_symmetric": _w4(32, zeros=False),
     "int4_zeros": _w4(64, zeros=True),
     "int4_act_order_same_perm": _w4(32, zeros=True, perm_seed=5),
