@@ -57,7 +57,15 @@ FORMATS = {
     "compressed_int8_asymmetric": (ckpt.compressed_config("int-quantized", {
         "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}),
         ckpt.int8_asymmetric(per_channel=True), torch.int8, (False, False)),
+    # 8-bit pack-quantized (W8A16): per channel, stacked for the grouped W8 kernel; by
+    # groups with zero points, each expert's linears apart.
+    "compressed_w8a16_channel": (ckpt.pack_quantized_int8_config(None, True), ckpt.pack_quantized_int8(None, True),
+                                 torch.int8, (True, True)),
+    "compressed_w8a16_asymmetric_groups": (ckpt.pack_quantized_int8_config(32, False),
+                                           ckpt.pack_quantized_int8(32, False), torch.int8, (False, False)),
 }
+# Their experts are read by the same reader as test_formats.py's linears of the format.
+SLOW_FORMATS = ("compressed_w8a16_channel", "compressed_w8a16_asymmetric_groups")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +92,8 @@ def _experts(llm: LLM) -> list[QuantizedExperts]:
     return [module for module in model.modules() if isinstance(module, QuantizedExperts)]
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", [pytest.param(fmt, marks=pytest.mark.slow) if fmt in SLOW_FORMATS else fmt
+                                 for fmt in FORMATS])
 def test_greedy_tokens_match_transformers_with_experts_kept_quantized(float_dir, tmp_path, fmt) -> None:
     quantization_config, quantize, stored_dtype, stacked_over_experts = FORMATS[fmt]
     out_dir = tmp_path / fmt
