@@ -224,7 +224,8 @@ def test_ignored_modules_stay_float(float_dirs, tmp_path):
                    if name.replace(".layer.", ".") == kept)
 
 
-@pytest.mark.parametrize("name", ["fp8_blocks_scale_inv", "gptq_v1_desc_act", "compressed_int8_w8a8_channel"])
+@pytest.mark.parametrize("name", ["fp8_blocks_scale_inv", "gptq_v1_desc_act", "compressed_int8_w8a8_channel",
+                                  pytest.param("compressed_w8a16_asymmetric_groups", marks=pytest.mark.slow)])
 def test_bfloat16_serving_passes_the_load_check(name, float_dirs, tmp_path):
     """Served in bfloat16 (the CPU kernels' bfloat16 paths), a quantized model passes the
     load check against its dequantized reference and stays quantized."""
