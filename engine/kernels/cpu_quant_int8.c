@@ -17,11 +17,15 @@
  * out[m, n] = float(dot) * x_scale[m] * w_scale[n] (+ bias[n]), rounded to x's dtype
  * once: the float32 product of the dequantized x and w up to the order of the sums.
  *
- * Built for every target; without AVX512_VNNI (and AVX512BW/VL) quant_int8_vnni() is 0
- * and the launcher takes the weight-only kernels over x dequantized from its codes,
- * which int8_fake_quantize_rows (every target) computes in one pass per row: the
- * codes of step 1 times the row's scale, rounded to x's dtype, as the checkpoint's own
- * forward (activations.py's fake_quantize_inputs) gives them, bit for bit.
+ *    AVX2 builds without VNNI take vpmaddwd instead (int16 products summed in pairs
+ *    into int32 lanes; see the AVX2 section below), for the decode shapes' few rows.
+ *
+ * Built for every target. quant_int8_kernel() says which step 2 this build has: 2
+ * AVX512_VNNI (with AVX512BW/VL), 1 AVX2, 0 none; without one the launcher takes the
+ * weight-only kernels over x dequantized from its codes, which int8_fake_quantize_rows
+ * (every target) computes in one pass per row: the codes of step 1 times the row's
+ * scale, rounded to x's dtype, as the checkpoint's own forward (activations.py's
+ * fake_quantize_inputs) gives them, bit for bit.
  * x and out: float32 (kind 0) or bfloat16 (kind 1), rows contiguous.
  */
 #include <stdint.h>
@@ -51,7 +55,7 @@ static inline float int8_code1(float v) {
 /* One row of K elements fake-quantized into out (x's dtype): scale = max|x| / 127.5 in
  * x's dtype (its epsilon where 0; NaN where any element is NaN, as torch's amax),
  * code = int8_code(x / scale in x's dtype), out = code * scale in x's dtype. */
-static void fake_quantize_row(const void *row, int64_t K, int bf16, void *out) {
+static float row_scale(const void *row, int64_t K, int bf16) {
     vf amax = splat(0.0f);
     vi nan = (vi){0};
     int64_t k = 0;
@@ -68,9 +72,14 @@ static void fake_quantize_row(const void *row, int64_t K, int bf16, void *out) {
         any_nan |= v != v;
         largest = magnitude > largest ? magnitude : largest;
     }
-    float scale = any_nan ? __builtin_nanf("") : to_dtype1(largest / 127.5f, bf16);
-    if (scale == 0.0f) scale = bf16 ? 0.0078125f : 1.1920928955078125e-7f;  /* torch.finfo(dtype).eps */
-    for (k = 0; k + VL <= K; k += VL)
+    const float scale = any_nan ? __builtin_nanf("") : to_dtype1(largest / 127.5f, bf16);
+    return scale == 0.0f ? (bf16 ? 0.0078125f : 1.1920928955078125e-7f) : scale;  /* torch.finfo(dtype).eps */
+}
+
+static void fake_quantize_row(const void *row, int64_t K, int bf16, void *out) {
+    const float scale = row_scale(row, K, bf16);
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL)
         storev(out, k, to_dtype(int8_code_v(to_dtype(loadv(row, k, bf16) / scale, bf16)) * scale, bf16), bf16);
     for (; k < K; k++) {
         const float value = to_dtype1(int8_code1(to_dtype1(load1(row, k, bf16) / scale, bf16)) * scale, bf16);
@@ -278,7 +287,8 @@ static void weight_tile(const w8a8_problem *p, int64_t n0, int8_t *zero_tile) {
 
 void w8a8_int8_linear(const int8_t *codes, const float *x_scales, const int32_t *code_sums, int64_t M,
                       const int8_t *weight, const float *w_scales, int per_channel, const float *bias, void *out,
-                      int64_t out_stride, int64_t N, int64_t K, int kind, int threads) {
+                      int64_t out_stride, int64_t N, int64_t K, int kind, int threads, int16_t *scratch) {
+    (void)scratch;  /* the AVX2 kernel's; this one reads x's int8 codes as they are */
     const w8a8_problem problem = {codes, x_scales, code_sums, weight, w_scales, per_channel, bias, out,
                                   out_stride, M, N, K, kind};
     const int64_t tiles = (N + NT - 1) / NT;
@@ -295,5 +305,124 @@ void w8a8_int8_linear(const int8_t *codes, const float *x_scales, const int32_t 
 #else
 
 int quant_int8_vnni(void) { return 0; }
+
+/* One row of x quantized as step 1 says (codes[K], its scale and code sum), on any
+ * target: row_scale and int8_code as fake_quantize_row; a NaN code (a row with a NaN
+ * or infinite element, whose scale makes every output NaN anyway) is stored as 0. */
+static void quantize_row(const void *row, int64_t K, int bf16, int8_t *codes, float *scale, int32_t *code_sum) {
+    const float s = row_scale(row, K, bf16);
+    vi sums = (vi){0};
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf code = int8_code_v(to_dtype(loadv(row, k, bf16) / s, bf16));
+        const vi q = __builtin_convertvector(blend(code != code, splat(0.0f), code), vi);
+        sums += q;
+        for (int lane = 0; lane < VL; lane++) codes[k + lane] = (int8_t)q[lane];
+    }
+    int32_t sum = 0;
+    for (int lane = 0; lane < VL; lane++) sum += sums[lane];
+    for (; k < K; k++) {
+        const float code = int8_code1(to_dtype1(load1(row, k, bf16) / s, bf16));
+        codes[k] = code == code ? (int8_t)code : 0;
+        sum += codes[k];
+    }
+    *scale = s;
+    *code_sum = sum;
+}
+
+void int8_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, int8_t *codes,
+                        float *scales, int32_t *code_sums, int threads) {
+    const size_t item = kind ? 2 : 4;
+    (void)threads;
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row((const char *)x + (size_t)m * (size_t)x_stride * item, K, kind, codes + m * K, scales + m,
+                     code_sums + m);
+}
+
+#endif
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)) && defined(__AVX2__)
+#include <immintrin.h>
+
+/* Step 2 on AVX2: x's codes widened to int16 once per call (into the launcher's scratch
+ * of Kp = K rounded up to 16 per row, zero past K), each weight row's codes sign-extended to int16 as
+ * they stream, and vpmaddwd's exact int32 sums of pairs of products (|sum| < 2^31 while
+ * K < 65536: each pair's sum is at most 2^15). A weight row is multiplied by blocks of
+ * up to AVX2_ROWS rows of x, which stay in the cache across the weight rows: the
+ * launcher sends at most W8A8_AVX2_MAX_ROWS rows here (more take the weight-only
+ * kernels' prefill panels, which reuse each weight row across many rows of x). */
+#define AVX2_ROWS 4
+#define PARALLEL_MIN_WORK (1 << 16)
+
+int quant_int8_kernel(void) { return 1; }
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* dots[m] = sum_k w[k] * x[m][k] over mt rows of x (int16, Kp apart). The next weight
+ * row follows this one in memory: prefetched as it goes (a row is too short a stream
+ * for the hardware prefetcher to run ahead of). */
+static inline __attribute__((always_inline)) void row_dots(const int8_t *w, const int16_t *x, int64_t Kp, int64_t K,
+                                                           const int mt, int32_t dots[AVX2_ROWS]) {
+    __m256i acc[AVX2_ROWS];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __builtin_prefetch(w + K + k);
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+#pragma GCC unroll 4
+        for (int m = 0; m < mt; m++)
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + m * Kp + k))));
+    }
+    for (int m = 0; m < mt; m++) dots[m] = hsum_epi32(acc[m]);
+    for (; k < K; k++)
+        for (int m = 0; m < mt; m++) dots[m] += (int32_t)w[k] * x[m * Kp + k];
+}
+
+void w8a8_int8_linear(const int8_t *codes, const float *x_scales, const int32_t *code_sums, int64_t M,
+                      const int8_t *weight, const float *w_scales, int per_channel, const float *bias, void *out,
+                      int64_t out_stride, int64_t N, int64_t K, int kind, int threads, int16_t *x) {
+    (void)code_sums;
+    const int64_t Kp = (K + 15) / 16 * 16;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++) x[m * Kp + k] = codes[m * K + k];
+        for (int64_t k = K; k < Kp; k++) x[m * Kp + k] = 0;
+    }
+#pragma omp parallel for num_threads(threads) if (M * N * K >= PARALLEL_MIN_WORK * 16) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *w = weight + n * K;
+        const float w_scale = w_scales[per_channel ? n : 0], b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += AVX2_ROWS) {
+            int32_t dots[AVX2_ROWS] = {0};
+            const int16_t *xr = x + m0 * Kp;
+            switch ((int)(M - m0 < AVX2_ROWS ? M - m0 : AVX2_ROWS)) {
+            case 1: row_dots(w, xr, Kp, K, 1, dots); break;
+            case 2: row_dots(w, xr, Kp, K, 2, dots); break;
+            case 3: row_dots(w, xr, Kp, K, 3, dots); break;
+            default: row_dots(w, xr, Kp, K, 4, dots); break;
+            }
+            for (int m = 0; m < AVX2_ROWS && m0 + m < M; m++) {
+                /* in the order of the file comment's formula, as the VNNI kernel's store_block */
+                float value = (float)dots[m] * x_scales[m0 + m] * w_scale;
+                if (bias) value += b;
+                const int64_t at = (m0 + m) * out_stride + n;
+                if (kind) ((uint16_t *)out)[at] = f32_to_bf16(value);
+                else ((float *)out)[at] = value;
+            }
+        }
+    }
+}
+
+#elif !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+
+int quant_int8_kernel(void) { return 0; }
+
+#else
+
+int quant_int8_kernel(void) { return 2; }
 
 #endif

@@ -1,12 +1,13 @@
 """Launcher of the W8A8 int8 linear for the CPU path (cpu_quant_int8.c): x quantized per
 token to int8 as compressed-tensors' dynamic symmetric token scheme does it, times int8
 weight codes with a per-tensor or per-output-channel scale, by integer dot products
-(AVX512_VNNI). What it computes is engine/quantization/activations.py's
-``w8a8_reference`` (x fake-quantized, then the float32 product of the dequantized
-weight) up to the order of the float32 sums.
+(AVX512_VNNI, or AVX2's vpmaddwd up to ``W8A8_AVX2_MAX_ROWS`` rows of x). What it
+computes is engine/quantization/activations.py's ``w8a8_reference`` (x fake-quantized,
+then the float32 product of the dequantized weight) up to the order of the float32
+sums, except that x's codes times its scale are not rounded to a 16-bit x's dtype.
 
 ``cpu_w8a8_available(dtype)`` says where it runs: the library built with AVX512_VNNI
-(and AVX512BW/VL), x float32 or bfloat16. Elsewhere the callers dequantize x's codes
+(and AVX512BW/VL) or AVX2, x float32 or bfloat16. Elsewhere the callers dequantize x's codes
 (``cpu_int8_fake_quantize``, one C pass per row on any target, equal to the torch
 reference bit for bit) and take the weight-only kernels (cpu_quant.py), which compute
 the same product.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_quant import cpu_w8_linear
 from .native import NativeLibrary, declare
 
 SOURCE = Path(__file__).with_name("cpu_quant_int8.c")
@@ -31,14 +33,18 @@ _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    declare(library, ["quant_int8_vnni"], [], ctypes.c_int)
+    declare(library, ["quant_int8_vnni", "quant_int8_kernel"], [], ctypes.c_int)
     declare(library, ["int8_fake_quantize_rows"], [_P, _I, _I, _I, _N, _P], None)
-    if library.quant_int8_vnni():
-        declare(library, ["int8_quantize_rows"], [_P, _I, _I, _I, _N, _P, _P, _P, _N], None)
-        declare(library, ["w8a8_int8_linear"], [_P, _P, _P, _I, _P, _P, _N, _P, _P, _I, _I, _I, _N, _N], None)
+    declare(library, ["int8_quantize_rows"], [_P, _I, _I, _I, _N, _P, _P, _P, _N], None)
+    if library.quant_int8_kernel():
+        declare(library, ["w8a8_int8_linear"], [_P, _P, _P, _I, _P, _P, _N, _P, _P, _I, _I, _I, _N, _N, _P], None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "W8A8 int8 linears take the weight-only kernels")
+# The AVX2 integer kernel (quant_int8_kernel() == 1) takes at most this many rows of x:
+# it multiplies each weight row by every row of x, so more rows take the weight-only
+# kernels' prefill panels on x's fake-quantized values instead.
+W8A8_AVX2_MAX_ROWS = 16
 
 
 def _vnni_library() -> ctypes.CDLL | None:
@@ -46,9 +52,15 @@ def _vnni_library() -> ctypes.CDLL | None:
     return library if library is not None and library.quant_int8_vnni() else None
 
 
+def _kernel_library() -> ctypes.CDLL | None:
+    """The library where it has an integer kernel (AVX512_VNNI or AVX2), else None."""
+    library = _LIBRARY.load()
+    return library if library is not None and library.quant_int8_kernel() else None
+
+
 def cpu_w8a8_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the int8 x int8 kernel runs here for activations of ``dtype``."""
-    return dtype in _KINDS and _vnni_library() is not None
+    return dtype in _KINDS and _kernel_library() is not None
 
 
 def cpu_int8_fake_quantize_available(dtype: torch.dtype) -> bool:
@@ -80,8 +92,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def cpu_int8_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] quantized per row by the C kernel: (codes int8 [M, K], scales float32
     [M], code sums int32 [M])."""
-    library = _vnni_library()
-    assert library is not None, "call cpu_w8a8_available first"
+    library = _LIBRARY.load()
+    assert library is not None, "the library did not build"
     x2 = _rows(x)
     rows, cols = x2.shape
     codes = torch.empty(rows, cols, dtype=torch.int8)
@@ -105,12 +117,19 @@ def cpu_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         assert bias.shape == (out_features,), tuple(bias.shape)
         bias32 = bias.detach().to(torch.float32).contiguous()
+    library = _kernel_library()
+    assert library is not None, "call cpu_w8a8_available first"
+    rows = x.reshape(-1, in_features).shape[0]
+    scratch: torch.Tensor | None = None
+    if library.quant_int8_kernel() == 1:  # AVX2: x's codes widened to int16 rows of whole vectors of 16
+        if rows > W8A8_AVX2_MAX_ROWS:
+            fake = cpu_int8_fake_quantize(_rows(x))
+            return cpu_w8_linear(fake, weight, scale, bias=bias).view(*x.shape[:-1], out_features)
+        scratch = torch.empty(rows, -(-in_features // 16) * 16, dtype=torch.int16)
     codes, scales, sums = cpu_int8_token_codes(x)
     out = torch.empty(codes.shape[0], out_features, dtype=x.dtype)
-    library = _vnni_library()
-    assert library is not None
     library.w8a8_int8_linear(codes.data_ptr(), scales.data_ptr(), sums.data_ptr(), codes.shape[0], weight.data_ptr(),
                              scale.data_ptr(), int(scale.numel() > 1), None if bias32 is None else bias32.data_ptr(),
                              out.data_ptr(), out.stride(0), out_features, in_features, _KINDS[x.dtype],
-                             torch.get_num_threads())
+                             torch.get_num_threads(), None if scratch is None else scratch.data_ptr())
     return out.view(*x.shape[:-1], out_features)

@@ -46,9 +46,8 @@ def assert_close_to_reference(out, expected):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_codes_are_compressed_tensors_codes(dtype):
-    """The kernel's per-token codes and scales are exactly the reference's (x's dtype)."""
-    if not cpu_w8a8_available(dtype):
-        pytest.skip("no AVX512_VNNI build for this target")
+    """The kernel's per-token codes and scales are exactly the reference's (x's dtype),
+    on every target (AVX512_VNNI's quantization and the plain one)."""
     x, _ = _inputs(dtype, 9, 300)
     codes, scales, sums = cpu_int8_token_codes(x)
     expected_codes, expected_scales = int8_token_codes(x)
@@ -111,7 +110,7 @@ def test_the_reference_differs_from_weight_only():
 
 def test_launcher_checks_its_layout():
     if not cpu_w8a8_available(torch.float32):
-        pytest.skip("no AVX512_VNNI build for this target")
+        pytest.skip("no integer W8A8 kernel (AVX512_VNNI or AVX2) in this target's build")
     x = torch.randn(2, 32)
     with pytest.raises(AssertionError):
         cpu_w8a8_linear(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1))
@@ -123,8 +122,30 @@ def test_launcher_checks_its_layout():
 
 
 def test_vnni_kernel_builds_where_the_cpu_has_it(kernel_target):
-    """The integer kernel builds for the host's own target where it has AVX512_VNNI; the
-    narrower targets take the weight-only kernels (checked above through the dispatch)."""
+    """The integer kernel builds for the host's own target where it has AVX512_VNNI, and
+    its AVX2 one where the target has AVX2 but not VNNI (x86-64-v3); plain x86-64 takes
+    the weight-only kernels (checked above through the dispatch)."""
     flags = set(cpu_signature().decode().split())
-    expected = kernel_target == "native" and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
-    assert (cpu_quant_int8._vnni_library() is not None) == expected
+    vnni = kernel_target == "native" and {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    assert (cpu_quant_int8._vnni_library() is not None) == vnni
+    avx2 = not vnni and (kernel_target == "x86-64-v3" or (kernel_target == "native" and "avx2" in flags))
+    assert cpu_quant_int8._LIBRARY.load().quant_int8_kernel() == (2 if vnni else 1 if avx2 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx2_kernel_takes_the_decode_rows(dtype, monkeypatch):
+    """On an AVX2 build the integer kernel runs up to W8A8_AVX2_MAX_ROWS rows of x (its
+    result differs from the weight-only kernels' on the same codes only in rounding) and
+    more rows take the weight-only kernels on x fake-quantized."""
+    library = cpu_quant_int8._LIBRARY.load()
+    if library is None or library.quant_int8_kernel() != 1:
+        pytest.skip("this target's build has no AVX2 W8A8 kernel")
+    calls = []
+    monkeypatch.setattr(cpu_quant_int8, "cpu_w8_linear", lambda *args, **kwargs: calls.append(args) or
+                        quantized_matmul(QuantizedLinear.w8(args[1], args[2], None, kwargs.get("bias")), args[0]))
+    for rows in (1, cpu_quant_int8.W8A8_AVX2_MAX_ROWS, cpu_quant_int8.W8A8_AVX2_MAX_ROWS + 1):
+        x, generator = _inputs(dtype, rows, 200)
+        weight = torch.randint(-128, 128, (24, 200), dtype=torch.int8, generator=generator)
+        scale = torch.rand(24, 1, generator=generator) * 1e-2
+        assert_close_to_reference(cpu_w8a8_linear(x, weight, scale), w8a8_reference(x, weight, scale, None))
+        assert len(calls) == (rows > cpu_quant_int8.W8A8_AVX2_MAX_ROWS)
