@@ -36,9 +36,9 @@ def test_static_decode_path_matches_packed_path(tmp_path, arch, monkeypatch):
     # Five requests: padded to 8 rows; different lengths finish at different steps,
     # so later steps pad more rows; n=2 forks share blocks.
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, (20, 70), 512, seed=5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True, logprobs=1)
               for i in range(5)]
-    params[1] = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    params[1] = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=4, ignore_eos=True)
     results = {}
     for static in (False, True):
         llm = LLM(model_dir, dtype="float32", max_num_seqs=6, enforce_eager=not static, attention_backend="triton",
@@ -89,7 +89,7 @@ def test_static_decode_path_reads_pending_tokens_under_async_scheduling(tmp_path
         len(packed.pending_positions)) or run(self, out, packed, *args))
     model_dir = str(build_tiny_model(tmp_path / "llama", "llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, (10, 40), 512, seed=6)]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True) for i in range(4)]
     results = {}
     for static in (False, True):
         llm = LLM(model_dir, dtype="float32", max_num_seqs=4, enforce_eager=not static, attention_backend="triton",
