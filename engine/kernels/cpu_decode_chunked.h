@@ -16,22 +16,26 @@
  *   VL partial sums of each query row then summed by sum_each as in the vector item; lanes
  *   before the window's first key or past the last one read the nearest key inside
  *   (never a row the request does not own) and are masked to -inf;
- * - values: TILE keys at a time (a tile is small enough to stay in L1 between the
- *   passes over its columns), COLS vectors of columns for two query rows of a KV
- *   head at a time with their accumulators in registers over the tile.
- * The scores read their rows sequentially, which the hardware prefetchers follow
- * (software prefetches there did not help); the values prefetch the next tile's
- * same columns into L2 while they compute.
- * Invariant: every row read is one of the request's positions first .. seq_len - 1. */
+ * - values: one key's row at a time, in memory order as the scores read theirs, each
+ *   KV head's part added to the accumulators of its query rows (COLS vectors of
+ *   columns for two query rows at a time; the accumulators stay in L1 between keys).
+ *   Each accumulator element sums its keys in key order, as a pass over the columns
+ *   of a tile of keys would: the same products in the same order.
+ * Both passes fetch the row PREFETCH_ROWS keys ahead into L1 as they reach a row:
+ * the hardware prefetchers alone leave the loads waiting at every block, where the
+ * next row lies anywhere in memory, and the arithmetic between the loads keeps fewer
+ * of them in flight than a plain read of the rows has.
+ * Invariant: every row read or prefetched is one of the request's positions
+ * first .. seq_len - 1. */
 
 #ifndef SHARDLINE_CPU_DECODE_CHUNKED_H
 #define SHARDLINE_CPU_DECODE_CHUNKED_H
 
 #define CHUNK_SCORES 8192  /* floats of scores per item (32 KiB): keys per chunk x query rows */
 #define MAX_CHUNK_KEYS 1024
-#define TILE 16
-/* rows past a chunk's last key looked up for the value prefetches */
-#define ROWS_PAST (2 * TILE)
+/* keys ahead whose rows the passes prefetch; rows past a chunk's last key are looked up for them */
+#define PREFETCH_ROWS 8
+#define ROWS_PAST PREFETCH_ROWS
 
 /* Bfloat16 caches are read 2 VL elements at a time, as one float32 vector of their
  * even elements and one of their odd ones (each bfloat16 the high half of a 32-bit
@@ -70,36 +74,25 @@ static inline __attribute__((always_inline)) vf key_dot(const float *query, cons
     return a;
 }
 
-/* acc[b][0 .. cols - 1] += sum over keys j < num_keys of p[b][j] * the value row at
- * rows[j] (element offset of these columns), for `pairs` (1 or 2) query rows. */
-static inline __attribute__((always_inline)) void chunk_add_values(
-    vf *acc0, vf *acc1, const float *p0, const float *p1, const void *v_cache, const int64_t *rows,
-    int64_t num_keys, const int pairs, const int cols, const int bf16, const char *prefetch, const int64_t *next_rows,
-    int64_t element)
+/* Prefetch into L1 the bytes [0, size) from start, a 64-byte line at a time. */
+static inline __attribute__((always_inline)) void prefetch_lines_l1(const char *start, const int64_t size) {
+    for (int64_t byte = 0; byte < size; byte += 64) __builtin_prefetch(start + byte, 0, 3);
+}
+
+/* acc0[0 .. COLS - 1] += q0 times the COLS vectors of the value row at element offset
+ * `row`, and acc1's += q1 times them where pairs == 2. */
+static inline __attribute__((always_inline)) void add_value_columns(vf *acc0, vf *acc1, float q0, float q1,
+                                                                    const void *v_cache, int64_t row,
+                                                                    const int pairs, const int bf16)
 {
-    vf a[2][COLS];
-    for (int d = 0; d < cols; d++) {
-        a[0][d] = acc0[d];
-        if (pairs == 2) a[1][d] = acc1[d];
-    }
-    for (int64_t j = 0; j < num_keys; j++) {
-        vf v[COLS];
-        if (prefetch) prefetch_lines(prefetch + next_rows[j] * element, cols * VL * element);
-        if (bf16 && cols % 2 == 0)
-            for (int d = 0; d < cols; d += 2) load_bf16_pairs(v_cache, rows[j] + VL * d, &v[d], &v[d + 1]);
-        else
-            for (int d = 0; d < cols; d++) v[d] = loadv(v_cache, rows[j] + VL * d, bf16);
-        const float q0 = p0[j];
-        for (int d = 0; d < cols; d++) a[0][d] += q0 * v[d];
-        if (pairs == 2) {
-            const float q1 = p1[j];
-            for (int d = 0; d < cols; d++) a[1][d] += q1 * v[d];
-        }
-    }
-    for (int d = 0; d < cols; d++) {
-        acc0[d] = a[0][d];
-        if (pairs == 2) acc1[d] = a[1][d];
-    }
+    vf v[COLS];
+    if (bf16)
+        for (int d = 0; d < COLS; d += 2) load_bf16_pairs(v_cache, row + VL * d, &v[d], &v[d + 1]);
+    else
+        for (int d = 0; d < COLS; d++) v[d] = loadv(v_cache, row + VL * d, 0);
+    for (int d = 0; d < COLS; d++) acc0[d] += q0 * v[d];
+    if (pairs == 2)
+        for (int d = 0; d < COLS; d++) acc1[d] += q1 * v[d];
 }
 
 /* rows[j] for j < count: the element offset of key start + j's row (its item's first
@@ -132,8 +125,9 @@ static inline __attribute__((always_inline)) void chunked_item(
     const int64_t element = bf16 ? 2 : 4;
     int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
     if (chunk > 0 && query_pos - query_pos % chunk > first) first = query_pos - query_pos % chunk;
-    /* Keys per chunk: a multiple of TILE (itself one of VL), at least 128 (n <= 64) */
-    const int64_t chunk_keys = (CHUNK_SCORES / n < MAX_CHUNK_KEYS ? CHUNK_SCORES / n : MAX_CHUNK_KEYS) / TILE * TILE;
+    /* Keys per chunk: a multiple of VL, at least 128 (n <= 64) */
+    const int64_t chunk_keys = (CHUNK_SCORES / n < MAX_CHUNK_KEYS ? CHUNK_SCORES / n : MAX_CHUNK_KEYS) / VL * VL;
+    const int64_t run_bytes = num_item_heads * D * element;  /* the item's part of a key or value row */
     float qs[MAX_ITEM_HEADS][MAX_HEAD_DIM] __attribute__((aligned(64)));
     vf acc[MAX_ITEM_HEADS][MAX_HEAD_DIM / VL];
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
@@ -159,10 +153,12 @@ static inline __attribute__((always_inline)) void chunked_item(
             /* The VL keys' rows one after another, each row's heads in memory order: a
              * sequential read the hardware prefetchers follow, where reading each head's
              * part of the VL rows in turn is a strided walk they do not. */
-            for (int r = 0; r < VL; r++)
+            for (int r = 0; r < VL; r++) {
+                prefetch_lines_l1((const char *)k_cache + rows[j0 + r + PREFETCH_ROWS] * element, run_bytes);
                 for (int64_t kv = 0; kv < num_item_heads; kv++)
                     for (int64_t i = kv * group; i < (kv + 1) * group; i++)
                         partial[i][r] = key_dot(qs[i], k_cache, rows[j0 + r] + kv * D, D, bf16);
+            }
             for (int64_t i = 0; i < n; i++) {
                 const vf s = sum_each(partial[i]);
                 memcpy(&p[i * chunk_keys + j0], &s, sizeof s);
@@ -197,36 +193,18 @@ static inline __attribute__((always_inline)) void chunked_item(
             if (correction != 1.0f)
                 for (int64_t d = 0; d < DV; d++) acc[i][d] *= correction;
         }
-        /* The values of keys lo .. span - 1 of the chunk (those before `first` are masked). */
+        /* The values of keys lo .. span - 1 of the chunk (those before `first` are masked),
+         * one row after another, each row's heads in memory order. */
         const int64_t lo = first > start ? first - start : 0;
-        for (int64_t t0 = lo; t0 < span; t0 += TILE) {
-            const int64_t num_keys = span - t0 < TILE ? span - t0 : TILE;
-            const int64_t has_next = t0 + TILE < span;
-            for (int64_t kv = 0; kv < num_item_heads; kv++) {
-                int64_t value_rows[TILE], next_rows[TILE];
-                for (int64_t j = 0; j < TILE; j++) {
-                    value_rows[j] = rows[t0 + j] + kv * D;
-                    next_rows[j] = rows[t0 + TILE + j] + kv * D;
+        for (int64_t j = lo; j < span; j++) {
+            prefetch_lines_l1((const char *)v_cache + rows[j + PREFETCH_ROWS] * element, run_bytes);
+            for (int64_t kv = 0; kv < num_item_heads; kv++)
+                for (int64_t i = kv * group; i < (kv + 1) * group; i += pairs) {
+                    const float q0 = p[i * chunk_keys + j], q1 = pairs == 2 ? p[(i + 1) * chunk_keys + j] : 0.0f;
+                    for (int64_t c = 0; c < DV; c += COLS)
+                        add_value_columns(&acc[i][c], pairs == 2 ? &acc[i + 1][c] : NULL, q0, q1, v_cache,
+                                          rows[j] + kv * D + VL * c, pairs, bf16);
                 }
-                for (int64_t i = kv * group; i < (kv + 1) * group; i += pairs)
-                    for (int64_t c = 0; c < DV; c += DV % COLS == 0 ? COLS : 1) {
-                        int64_t column_rows[TILE];
-                        for (int64_t j = 0; j < TILE; j++) column_rows[j] = value_rows[j] + VL * c;
-                        const char *fetch = has_next && i == kv * group ? (const char *)v_cache + VL * c * element : NULL;
-                        const float *p0 = p + i * chunk_keys + t0, *p1 = p0 + chunk_keys;
-                        if (DV % COLS == 0 && pairs == 2)
-                            chunk_add_values(&acc[i][c], &acc[i + 1][c], p0, p1, v_cache, column_rows, num_keys, 2,
-                                             COLS, bf16, fetch, next_rows, element);
-                        else if (DV % COLS == 0)
-                            chunk_add_values(&acc[i][c], NULL, p0, NULL, v_cache, column_rows, num_keys, 1, COLS,
-                                             bf16, fetch, next_rows, element);
-                        else
-                            for (int64_t b = 0; b < pairs; b++)
-                                chunk_add_values(&acc[i + b][c], NULL, p0 + b * chunk_keys, NULL, v_cache,
-                                                 column_rows, num_keys, 1, 1, bf16, b == 0 ? fetch : NULL,
-                                                 next_rows, element);
-                    }
-            }
         }
     }
     for (int64_t i = 0; i < n; i++) {
@@ -239,6 +217,8 @@ static inline __attribute__((always_inline)) void chunked_item(
         }
     }
 }
+
+_Static_assert(64 / VL % COLS == 0, "the value pass adds whole runs of COLS vectors of a head of 64");
 
 /* The chunked item for one element type and head size 64 (keys and values), as its own
  * function: its work arrays in their own stack frame. */
