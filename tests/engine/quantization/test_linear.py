@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardline.engine.kernels.cpu_quant import cpu_quant_available
+from shardline.engine.kernels.cpu_quant import DECODE_MAX_ROWS, cpu_quant_available
 from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 from shardline.engine.quantization import linear as quantized
 from shardline.engine.quantization.formats import pack_int4
@@ -130,7 +130,9 @@ def test_bound_decode_call_follows_the_layers_tensors(name):
 def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
     """(code - zero point) * scale per element, against the product written out here
     (not through dequantize_w8), for 1..16 rows and an odd input width; bfloat16 decode
-    rows bind cpu_quant.c's kernel with the zero points where it builds."""
+    rows bind cpu_quant.c's kernel with the zero points where it builds. Past the decode
+    rows a bfloat16 x multiplies prefill panels, which may round the dequantized weight to
+    bfloat16 (where oneDNN multiplies bfloat16): a relative 2^-9 per weight."""
     generator = torch.Generator().manual_seed(7)
     layer = _w8_asymmetric(48, 67, True, generator)
     assert layer.weight is not None and layer.scale is not None and layer.zero is not None and layer.bias is not None
@@ -139,7 +141,13 @@ def test_asymmetric_int8_subtracts_its_zero_points_on_every_row_count(dtype):
     for rows in range(1, 17):
         x = torch.randn(rows, 67, generator=generator).to(dtype)
         expected = ((x.float() @ weight.t()) + layer.bias).to(dtype)
-        torch.testing.assert_close(layer(x), expected, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-4)
+        if dtype == torch.float32:
+            rtol, atol = 1e-5, 1e-4
+        elif rows <= DECODE_MAX_ROWS:
+            rtol, atol = 8e-3, 1e-4
+        else:
+            rtol, atol = 2e-2, 1e-2 * expected.float().abs().max().item()
+        torch.testing.assert_close(layer(x), expected, rtol=rtol, atol=atol)
     if dtype == torch.bfloat16 and cpu_quant_available(torch.bfloat16):
         assert layer.bound_decode is not None and layer.bound_decode.widens
 
