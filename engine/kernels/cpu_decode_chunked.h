@@ -1,7 +1,7 @@
 /* The chunked item of the decode attention (cpu_decode_attention.c), for float32 and
  * bfloat16 caches whose key and value head sizes are equal multiples of VL; the
- * kernel takes it on 8-lane builds (AVX2 and narrower) for head size 64, where the
- * vector item's per-block softmax and value passes cost more than its reads.
+ * kernel takes it for head size 64 (bfloat16: on 8-lane builds, AVX2 and narrower),
+ * where the vector item's per-block softmax and value passes cost more than its reads.
  *
  * Where the vector item runs the online softmax per cache block (a max, an exp of
  * the correction and the accumulators rescaled every block_size keys, and the value

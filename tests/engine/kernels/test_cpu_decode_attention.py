@@ -212,8 +212,9 @@ def check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads):
 @each_target
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 1), (6, 2)])
 def test_contexts_past_one_chunk(num_heads, num_kv_heads):
-    """Head size 64, which 8-lane builds attend in chunks of 8192 scores over an item's
-    query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32): contexts of
+    """Head size 64, which the kernel attends in chunks of 8192 scores over an item's
+    query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32; float32 on
+    every build, bfloat16 on 8-lane ones): contexts of
     several chunks, a window and attention chunks that start inside one, sinks and
     ALiBi carried across them, odd query heads per KV head."""
     check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads)
