@@ -16,7 +16,6 @@ from airflow.sdk.exceptions import AirflowFailException
 from shardline.tasks.errors import PipelineError
 from shardline.tasks.job import BatchJob
 from shardline.tasks.progress_report import DEFAULT_INTERVAL_SECONDS
-from shardline.tasks.shard_job import task_may_retry
 
 from .connection import get_storage_options
 from .shard_batch import ShardBatch, job_fields, make_job, shard_from_xcom
@@ -83,6 +82,8 @@ class ShardInferenceOperator(BaseOperator):
         self._batch: ShardBatch | None = None
 
     def execute(self, context: Context) -> dict[str, Any] | list[dict[str, Any]]:
+        from shardline.tasks.shard_job import task_may_retry  # the engine's modules: at run time only
+
         job = make_job(self.job, get_storage_options(self.storage_conn_id))
         rendered = self.shards  # one shard or a list of them
         one = isinstance(rendered, Mapping)

@@ -21,15 +21,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardline.tasks.engine_cache import EngineHost
 from shardline.tasks.job import BatchJob
 from shardline.tasks.manifest import ShardManifest
 from shardline.tasks.progress import JobProgress
 from shardline.tasks.progress_report import DEFAULT_INTERVAL_SECONDS, log_sink
-from shardline.tasks.shard_job import ShardPipeline
 from shardline.tasks.storage import Shard
+
+if TYPE_CHECKING:
+    from shardline.tasks.shard_job import ShardPipeline
 
 
 class CredentialsInDagError(ValueError):
@@ -83,8 +84,13 @@ class ShardBatch:
     their rows share one continuous batch; ``abort`` (any thread) stops them."""
 
     def __init__(self, job: BatchJob, engine_service: bool = True) -> None:
+        # The engine's modules (torch, transformers) load when a task runs, not when the
+        # scheduler parses a DAG file that names the operator.
+        from shardline.tasks.engine_cache import EngineHost
+        from shardline.tasks.shard_job import ShardPipeline
+
         self.job = job
-        self._pipeline = ShardPipeline(job, EngineHost.SERVICE if engine_service else EngineHost.THREAD)
+        self._pipeline: ShardPipeline = ShardPipeline(job, EngineHost.SERVICE if engine_service else EngineHost.THREAD)
 
     def run(self, shards: list[Shard], log: logging.Logger | logging.LoggerAdapter[Any] | None = None,
             progress_interval: float = DEFAULT_INTERVAL_SECONDS) -> list[ShardManifest]:

@@ -15,7 +15,6 @@ from typing import Any
 from airflow.sdk import get_current_context, task
 
 from shardline.tasks import storage
-from shardline.tasks.outcomes import summary_from_manifests
 from shardline.tasks.usage import write_batch_object
 
 from .connection import get_storage_options
@@ -26,6 +25,8 @@ from .shard_batch import make_job
 def batch_usage(job: Mapping[str, Any], storage_conn_id: str | None = None) -> dict[str, Any]:
     """The job's totals (``totals``: shards done and failed, rows, errors, prompt, completion
     and cached prompt tokens) and its batch object (``batch``, also in ``<output>/_batch.json``)."""
+    from shardline.tasks.outcomes import summary_from_manifests  # transformers: at run time only
+
     batch_job = make_job(job, get_storage_options(storage_conn_id))
     shards = storage.list_shards(batch_job.input, batch_job.storage(), batch_job.input_format.value,
                                  exclude=batch_job.output)
