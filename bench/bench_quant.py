@@ -9,7 +9,7 @@ M = 1, 8, 16, 32, 64, 512 rows (``--rows``) in bfloat16: the engine's bfloat16
 linear (oneDNN on a weight packed once, as engine/cpu/linear.py runs it: a float32
 copy where oneDNN has no bfloat16 on the host) against the
 CPU quantized kernels (kernels/cpu_quant.py) on int8 and fp8 per-channel, fp8 128x128
-blocks and int4 groups of 128, and where the host has AVX512_VNNI the W8A8 int8 kernel
+blocks and int4 groups of 128, and where the host has AVX512_VNNI or AVX2 the W8A8 int8 kernel
 (kernels/cpu_quant_int8.py: x quantized per token, integer products). Prints
 milliseconds per call and bf16 / quantized.
 

@@ -337,7 +337,8 @@ class DecodeCall:
     call checks x and passes it and a fresh output, so a decode step's many small
     products do not each pay the launcher's checks. The kernel is cpu_quant_bf16.c's
     where that library has its dot products, else cpu_quant.c's (``widens``: x is
-    widened to float32 into a scratch the call passes). ``source``: the layer's tensors
+    widened to float32 into a scratch the call passes; ``w4_groups``: a W4 weight's groups
+    per row, for the kernels' scratch of x's sums per group). ``source``: the layer's tensors
     it was bound to (``binds`` tells whether they still are the layer's); ``held``: the
     tensors made for it (the float32 bias, int8 zero points) its pointers also address."""
 

@@ -88,10 +88,15 @@ static void fake_quantize_row(const void *row, int64_t K, int bf16, void *out) {
     }
 }
 
+/* Below this many elements of x the row passes run on one thread. */
+#define ROWS_PARALLEL_MIN (1 << 16)
+
 /* x [rows, K] (rows x_stride elements apart) fake-quantized per row into out [rows, K]
  * contiguous, x's dtype (kind). */
-void int8_fake_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, void *out) {
+void int8_fake_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, void *out,
+                             int threads) {
     const size_t item = kind ? 2 : 4;
+#pragma omp parallel for num_threads(threads) if (rows * K >= ROWS_PARALLEL_MIN) schedule(static)
     for (int64_t m = 0; m < rows; m++)
         fake_quantize_row((const char *)x + (size_t)m * (size_t)x_stride * item, K, kind,
                           (char *)out + (size_t)m * (size_t)K * item);
@@ -333,7 +338,7 @@ static void quantize_row(const void *row, int64_t K, int bf16, int8_t *codes, fl
 void int8_quantize_rows(const void *x, int64_t x_stride, int64_t rows, int64_t K, int kind, int8_t *codes,
                         float *scales, int32_t *code_sums, int threads) {
     const size_t item = kind ? 2 : 4;
-    (void)threads;
+#pragma omp parallel for num_threads(threads) if (rows * K >= ROWS_PARALLEL_MIN) schedule(static)
     for (int64_t m = 0; m < rows; m++)
         quantize_row((const char *)x + (size_t)m * (size_t)x_stride * item, K, kind, codes + m * K, scales + m,
                      code_sums + m);

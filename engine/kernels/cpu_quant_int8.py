@@ -34,7 +34,7 @@ _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, ["quant_int8_vnni", "quant_int8_kernel"], [], ctypes.c_int)
-    declare(library, ["int8_fake_quantize_rows"], [_P, _I, _I, _I, _N, _P], None)
+    declare(library, ["int8_fake_quantize_rows"], [_P, _I, _I, _I, _N, _P, _N], None)
     declare(library, ["int8_quantize_rows"], [_P, _I, _I, _I, _N, _P, _P, _P, _N], None)
     if library.quant_int8_kernel():
         declare(library, ["w8a8_int8_linear"], [_P, _P, _P, _I, _P, _P, _N, _P, _P, _I, _I, _I, _N, _N, _P], None)
@@ -78,7 +78,7 @@ def cpu_int8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     assert x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1, (x.device, x.shape, x.stride())
     out = torch.empty(x.shape, dtype=x.dtype)
     library.int8_fake_quantize_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], _KINDS[x.dtype],
-                                    out.data_ptr())
+                                    out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -119,17 +119,26 @@ def cpu_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         bias32 = bias.detach().to(torch.float32).contiguous()
     library = _kernel_library()
     assert library is not None, "call cpu_w8a8_available first"
-    rows = x.reshape(-1, in_features).shape[0]
+    rows = x.numel() // in_features
     scratch: torch.Tensor | None = None
     if library.quant_int8_kernel() == 1:  # AVX2: x's codes widened to int16 rows of whole vectors of 16
         if rows > W8A8_AVX2_MAX_ROWS:
             fake = cpu_int8_fake_quantize(_rows(x))
             return cpu_w8_linear(fake, weight, scale, bias=bias).view(*x.shape[:-1], out_features)
         scratch = torch.empty(rows, -(-in_features // 16) * 16, dtype=torch.int16)
-    codes, scales, sums = cpu_int8_token_codes(x)
-    out = torch.empty(codes.shape[0], out_features, dtype=x.dtype)
-    library.w8a8_int8_linear(codes.data_ptr(), scales.data_ptr(), sums.data_ptr(), codes.shape[0], weight.data_ptr(),
-                             scale.data_ptr(), int(scale.numel() > 1), None if bias32 is None else bias32.data_ptr(),
-                             out.data_ptr(), out.stride(0), out_features, in_features, _KINDS[x.dtype],
-                             torch.get_num_threads(), None if scratch is None else scratch.data_ptr())
+    x2 = _rows(x)
+    threads = torch.get_num_threads()
+    # One scratch for a call's quantized x: codes [rows, K] int8, then scales float32 and
+    # code sums int32 [rows] each (64-byte aligned parts, as the kernels' loads like).
+    codes_bytes = -(-rows * in_features // 64) * 64
+    quantized = torch.empty(codes_bytes + 2 * (-(-rows * 4 // 64) * 64), dtype=torch.uint8)
+    codes = quantized.data_ptr()
+    scales, sums = codes + codes_bytes, codes + codes_bytes + (quantized.numel() - codes_bytes) // 2
+    library.int8_quantize_rows(x2.data_ptr(), x2.stride(0), rows, in_features, _KINDS[x.dtype], codes, scales, sums,
+                               threads)
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    library.w8a8_int8_linear(codes, scales, sums, rows, weight.data_ptr(), scale.data_ptr(), int(scale.numel() > 1),
+                             None if bias32 is None else bias32.data_ptr(), out.data_ptr(), out.stride(0),
+                             out_features, in_features, _KINDS[x.dtype], threads,
+                             None if scratch is None else scratch.data_ptr())
     return out.view(*x.shape[:-1], out_features)
