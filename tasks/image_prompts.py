@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shardline.engine.llm_engine import LLMEngine
-
 from .executor import RowRequest
 
 if TYPE_CHECKING:
@@ -45,6 +43,10 @@ def prepare_image_rows(llm: LLM, rows: list[RowRequest], request_prefix: str) ->
     """Each image row's prompt (by position in ``rows``), through the model's processor when
     it takes images; a row that cannot be used keeps its ValueError, raised when it is added
     (an error row). Runs on the caller's thread: the processor is only read."""
+    # Here, not at the top: the engine's modules (torch, transformers) load in the engine's
+    # process only, never in a process that only hands shards to an engine service.
+    from shardline.engine.llm_engine import LLMEngine
+
     engine = llm.llm_engine
     prepared: dict[int, Prepared] = {}
     for position, row in enumerate(rows):
