@@ -366,12 +366,13 @@ static inline __attribute__((always_inline)) void vector_item(
     }
 }
 
-/* Head size 64 takes the chunked item (cpu_decode_chunked.h): float32 on every build,
- * bfloat16 on 8-lane ones (16-lane builds read bfloat16 as fast through the vector
- * item, whose scores use the dot-product instruction where the target has it). */
+/* Head sizes 64 and 128 take the chunked item (cpu_decode_chunked.h): float32 on every
+ * build, bfloat16 on 8-lane ones (16-lane builds read bfloat16 as fast through the
+ * vector item, whose scores use the dot-product instruction where the target has it). */
 #include "cpu_decode_chunked.h"
-#define CHUNKED_ITEM_64(BF16, ...) ((BF16) ? chunked_item_64_bf16(__VA_ARGS__) : chunked_item_64_f32(__VA_ARGS__))
-#define TAKES_CHUNKED_64(BF16) (!(BF16) || VL == 8)
+#define CHUNKED_ITEM(BF16, SIZE, ...) \
+    ((BF16) ? chunked_item_##SIZE##_bf16(__VA_ARGS__) : chunked_item_##SIZE##_f32(__VA_ARGS__))
+#define TAKES_CHUNKED(BF16) (!(BF16) || VL == 8)
 
 /* The vector item for one element type, as its own function (its work arrays in their
  * own stack frame), with the common head sizes as constants. */
@@ -383,10 +384,16 @@ static __attribute__((noinline)) void NAME(                                     
     int64_t v_row_stride, int64_t head_dim, int64_t head_dim_v, int64_t block_size, float scale, \
     int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk)      \
 {                                                                                               \
-    if (TAKES_CHUNKED_64(BF16) && head_dim == head_dim_v && head_dim == 64)                     \
-        CHUNKED_ITEM_64(BF16, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
-                        out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale,  \
-                        window, softcap, sinks, alibi, chunk);                                  \
+    if (TAKES_CHUNKED(BF16) && head_dim == head_dim_v && (head_dim == 64 || head_dim == 128)) {      \
+        if (head_dim == 64)                                                                     \
+            CHUNKED_ITEM(BF16, 64, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
+                         out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale, \
+                         window, softcap, sinks, alibi, chunk);                                 \
+        else                                                                                    \
+            CHUNKED_ITEM(BF16, 128, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
+                         out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale, \
+                         window, softcap, sinks, alibi, chunk);                                 \
+    }                                                                                           \
     else if (head_dim == head_dim_v && head_dim == 64)                                          \
         vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
                     num_item_heads, group, num_heads, row_stride, v_row_stride, 64, 64, block_size, \

@@ -1,6 +1,6 @@
 /* The chunked item of the decode attention (cpu_decode_attention.c), for float32 and
  * bfloat16 caches whose key and value head sizes are equal multiples of VL; the
- * kernel takes it for head size 64 (bfloat16: on 8-lane builds, AVX2 and narrower),
+ * kernel takes it for head sizes 64 and 128 (bfloat16: on 8-lane builds, AVX2 and narrower),
  * where the vector item's per-block softmax and value passes cost more than its reads.
  *
  * Where the vector item runs the online softmax per cache block (a max, an exp of
@@ -42,7 +42,7 @@
  * lane: two integer operations, where widening VL elements at a time takes a
  * widening load and a shift per vector). Queries and accumulators hold their head
  * dimension in that order (within each run of 2 VL: evens, then odds); the output
- * puts it back. The item's head size (64) is a multiple of COLS vectors, so every
+ * puts it back. The item's head sizes (64, 128) are multiples of COLS vectors, so every
  * value pass reads whole runs. */
 static inline __attribute__((always_inline)) void load_bf16_pairs(const void *base, int64_t index, vf *even, vf *odd) {
     vi pairs;
@@ -218,11 +218,11 @@ static inline __attribute__((always_inline)) void chunked_item(
     }
 }
 
-_Static_assert(64 / VL % COLS == 0, "the value pass adds whole runs of COLS vectors of a head of 64");
+_Static_assert(64 / VL % COLS == 0, "the value pass adds whole runs of COLS vectors of a head of 64 or 128");
 
-/* The chunked item for one element type and head size 64 (keys and values), as its own
+/* The chunked item for one element type and head size (keys and values), as its own
  * function: its work arrays in their own stack frame. */
-#define DEFINE_CHUNKED_ITEM(NAME, BF16)                                                         \
+#define DEFINE_CHUNKED_ITEM(NAME, BF16, HEAD_DIM)                                                         \
 static __attribute__((noinline)) void NAME(                                                     \
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache, \
     const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0,             \
@@ -230,11 +230,13 @@ static __attribute__((noinline)) void NAME(                                     
     float scale, int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk) \
 {                                                                                               \
     chunked_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
-                 num_item_heads, group, num_heads, row_stride, 64, block_size, scale, window, softcap, \
+                 num_item_heads, group, num_heads, row_stride, HEAD_DIM, block_size, scale, window, softcap, \
                  sinks, alibi, chunk, BF16);                                                    \
 }
 
-DEFINE_CHUNKED_ITEM(chunked_item_64_f32, 0)
-DEFINE_CHUNKED_ITEM(chunked_item_64_bf16, 1)
+DEFINE_CHUNKED_ITEM(chunked_item_64_f32, 0, 64)
+DEFINE_CHUNKED_ITEM(chunked_item_64_bf16, 1, 64)
+DEFINE_CHUNKED_ITEM(chunked_item_128_f32, 0, 128)
+DEFINE_CHUNKED_ITEM(chunked_item_128_bf16, 1, 128)
 
 #endif

@@ -199,10 +199,10 @@ def test_bfloat16_engine_decodes_with_the_kernel(tiny_llama_dir, monkeypatch):
 
 
 
-def check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads):
+def check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads, head_dim=64):
     context_lens = [0, 7, 130, 600, 1500]
     batch = make_paged_batch(context_lens, [1] * len(context_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             head_dim=64, block_size=block_size, dtype=dtype)
+                             head_dim=head_dim, block_size=block_size, dtype=dtype)
     requests = list(range(len(context_lens)))
     for window, features in ((None, {}), (300, {}), (None, {**feature_options("all", num_heads), "chunk_size": 700})):
         out = run_kernel(batch, requests, 0.125, window, **features)
@@ -210,14 +210,14 @@ def check_contexts_past_one_chunk(dtype, block_size, num_heads, num_kv_heads):
 
 
 @each_target
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 1), (6, 2)])
-def test_contexts_past_one_chunk(num_heads, num_kv_heads):
-    """Head size 64, which the kernel attends in chunks of 8192 scores over an item's
-    query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32; float32 on
-    every build, bfloat16 on 8-lane ones): contexts of
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 1, 64), (6, 2, 128)])
+def test_contexts_past_one_chunk(num_heads, num_kv_heads, head_dim):
+    """Head sizes 64 and 128, which the kernel attends in chunks of 8192 scores over an
+    item's query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32; float32
+    on every build, bfloat16 on 8-lane ones): contexts of
     several chunks, a window and attention chunks that start inside one, sinks and
     ALiBi carried across them, odd query heads per KV head."""
-    check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads)
+    check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.slow
