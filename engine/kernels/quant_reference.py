@@ -55,12 +55,15 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int],
 def dequantize_w8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                   zero: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 [N, K] weight of a W8 layout (see the module docstring); ``zero``
-    (asymmetric int8, the scale's shape) is subtracted from the codes before the scale."""
+    (asymmetric int8: the scale's shape, or one per row [N, 1] under an unblocked scale)
+    is subtracted from the codes before the scale."""
     assert weight.dtype in W8_DTYPES and weight.dim() == 2, (weight.dtype, weight.shape)
     shape = (weight.shape[0], weight.shape[1])
     codes = weight.float()
     if zero is not None:
-        assert weight.dtype == torch.int8 and zero.shape == scale.shape, (weight.dtype, zero.shape, scale.shape)
+        per_row = block is None and tuple(zero.shape) == (shape[0], 1)
+        assert weight.dtype == torch.int8 and (zero.shape == scale.shape or per_row), (
+            weight.dtype, zero.shape, scale.shape)
         codes = codes - expand_block_scale(zero, shape, block)
     return codes * expand_block_scale(scale, shape, block)
 
