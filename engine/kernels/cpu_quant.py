@@ -173,8 +173,9 @@ def _float32_vector(values: torch.Tensor | None, size: int, name: str) -> torch.
 
 def zero_points(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor | None:
     """An asymmetric int8 weight's zero points as the C kernels read them: int8 of the
-    scale's shape, contiguous (``zero`` may hold them as float32 integers, as
-    QuantizedLinear does); None for a symmetric weight."""
+    scale's shape, contiguous; None for a symmetric weight. QuantizedLinear already holds
+    them as int8 from load; integer values of another dtype (a test's, a reference's) are
+    converted."""
     if zero is None:
         return None
     assert weight.dtype == torch.int8, f"zero points on a {weight.dtype} weight"
