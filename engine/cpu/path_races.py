@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_prefill_attention
 from ..kernels.cpu_quant import cpu_w8_linear
-from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear
+from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear, w8a8_kernel_isa
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 from .capability import ModelShape
 from .linear import packed_matmul
@@ -162,9 +162,12 @@ def quant_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
 
 def quant_int8_capability(dtype: torch.dtype) -> tuple[bool, str]:
     """Whether the W8A8 int8 kernel (kernels/cpu_quant_int8.py) runs ``dtype`` here, and why."""
+    isa = w8a8_kernel_isa()
+    if isa is None:
+        return False, "cpu_quant_int8.c has no integer kernel here (neither AVX512_VNNI nor AVX2, or no C compiler)"
     if not cpu_w8a8_available(dtype):
-        return False, "no AVX512_VNNI build of cpu_quant_int8.c for this dtype (float32 and bfloat16 only)"
-    return True, "built with AVX512_VNNI"
+        return False, f"cpu_quant_int8.c's {isa} kernel takes float32 and bfloat16 inputs, not {dtype}"
+    return True, f"cpu_quant_int8.c built with its {isa} kernel"
 
 
 @torch.inference_mode()

@@ -58,6 +58,13 @@ def _kernel_library() -> ctypes.CDLL | None:
     return library if library is not None and library.quant_int8_kernel() else None
 
 
+def w8a8_kernel_isa() -> str | None:
+    """The instruction set of the integer kernel this build has ("AVX512_VNNI", or
+    "AVX2" for its vpmaddwd kernel), None where it has none or the library did not build."""
+    library = _kernel_library()
+    return None if library is None else {2: "AVX512_VNNI", 1: "AVX2"}.get(library.quant_int8_kernel())
+
+
 def cpu_w8a8_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the int8 x int8 kernel runs here for activations of ``dtype``."""
     return dtype in _KINDS and _kernel_library() is not None

@@ -130,6 +130,7 @@ def test_vnni_kernel_builds_where_the_cpu_has_it(kernel_target):
     assert (cpu_quant_int8._vnni_library() is not None) == vnni
     avx2 = not vnni and (kernel_target == "x86-64-v3" or (kernel_target == "native" and "avx2" in flags))
     assert cpu_quant_int8._LIBRARY.load().quant_int8_kernel() == (2 if vnni else 1 if avx2 else 0)
+    assert cpu_quant_int8.w8a8_kernel_isa() == ("AVX512_VNNI" if vnni else "AVX2" if avx2 else None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
