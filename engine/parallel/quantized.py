@@ -13,9 +13,10 @@ layout, so every kernel runs it as it runs the whole layer:
   block boundary); the partial products summed over ranks, then the bias added once.
   An act-order layer stores its columns by group; its share of stored groups must
   read exactly the rank's input columns, else the groups mix the ranks' inputs and
-  the split is refused. An asymmetric int8 layer's zero points go with their output
-  rows as its per-channel scale does. A W8A8 layer's row share quantizes its columns of each token's
-  input with the whole row's scale (the max over ranks of each rank's max|x|).
+  the split is refused. An asymmetric int8 layer's zero points (per tensor, channel or
+  group) are cut as its scale is, by output rows and by groups of input columns. A W8A8
+  layer's row share quantizes its columns of each token's input with the whole row's
+  scale (the max over ranks of each rank's max|x|).
 
 Invariants:
 - A rank's share dequantizes to exactly the rows (or columns) of the whole layer's
@@ -78,19 +79,26 @@ def column_quantized(layer: QuantizedLinear, name: str, ranges: list[tuple[int, 
     else:
         assert layer.weight is not None and layer.scale is not None
         device = layer.weight.device
-        scale = layer.scale
         if layer.block is not None:
-            block_rows = layer.block[0]
             for start, end in ranges:
-                _check_boundary(name, "output rows", block_rows, start, end, layer.out_features)
-            scale = torch.cat([layer.scale[start // block_rows: -(-end // block_rows)] for start, end in ranges])
-        elif scale.shape[0] > 1:  # per output channel
-            scale = scale[index.to(device)]
-        zero = layer.zero
-        if zero is not None and zero.shape[0] > 1:
-            zero = zero[index.to(device)]
+                _check_boundary(name, "output rows", layer.block[0], start, end, layer.out_features)
+        scale = _scale_rows(layer, layer.scale, ranges, index)
+        zero = None if layer.zero is None else _scale_rows(layer, layer.zero, ranges, index)
         part = QuantizedLinear.w8(layer.weight[index.to(device)], scale, layer.block, bias, layer.input_perm, zero)
     return _like(part, layer)
+
+
+def _scale_rows(layer: QuantizedLinear, values: torch.Tensor, ranges: list[tuple[int, int]],
+                index: torch.Tensor) -> torch.Tensor:
+    """The rows of a W8 layer's ``values`` of its scale's shape (the scale, or its zero
+    points) that hold output rows ``ranges`` (``index``): the row blocks they lie in,
+    their own rows per channel, or the one value per tensor."""
+    if layer.block is not None:
+        block_rows = layer.block[0]
+        return torch.cat([values[start // block_rows: -(-end // block_rows)] for start, end in ranges])
+    if values.shape[0] > 1:  # per output channel
+        return values[index.to(values.device)]
+    return values
 
 
 def row_quantized(layer: QuantizedLinear, name: str, start: int, end: int) -> QuantizedLinear:
@@ -119,12 +127,13 @@ def row_quantized(layer: QuantizedLinear, name: str, start: int, end: int) -> Qu
                                   local_group_size, perm)
     else:
         assert layer.weight is not None and layer.scale is not None
-        scale = layer.scale
-        if layer.block is not None:
+        scale, zero = layer.scale, layer.zero
+        if layer.block is not None:  # the scale's (and zero points') columns of the blocks or groups cut
             block_cols = layer.block[1]
             _check_boundary(name, "input columns", block_cols, start, end, layer.in_features)
             scale = layer.scale[:, start // block_cols: -(-end // block_cols)]
-        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, layer.block, None, perm, layer.zero)
+            zero = None if zero is None else zero[:, start // block_cols: -(-end // block_cols)]
+        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, layer.block, None, perm, zero)
     return _like(part, layer)
 
 

@@ -57,14 +57,17 @@ from .quantized import RowParallelQuantized
 
 # (output axis, rows per index, input axis, columns per index) of each stored tensor by
 # on-disk layout; None: the tensor has no such axis (read whole along it). "group" and
-# "block" stand for the scheme's group size and block sides, "word" for codes per int32.
+# "block" stand for the scheme's group size and block sides, "word" for codes per int32
+# (8 of 4 bits, 4 of 8 bits: pack-quantized W8A16 packs its codes along the input and its
+# zero points along the output rows in words of 4). A scale of one group per row (no
+# group size) has no input axis: every row share keeps its one column.
 QUANTIZED_AXES: dict[str, dict[str, tuple[int | None, int | str, int | None, int | str]]] = {
     "w8": {"weight": (0, 1, 1, 1)},
     "gptq": {"qweight": (1, 1, 0, "word"), "qzeros": (1, "word", 0, "group"), "scales": (1, 1, 0, "group"),
              "g_idx": (None, 1, 0, 1)},
     "awq": {"qweight": (1, 8, 0, 1), "qzeros": (1, 8, 0, "group"), "scales": (1, 1, 0, "group")},
-    "packed": {"weight_packed": (0, 1, 1, 8), "weight_scale": (0, 1, 1, "group"),
-               "weight_zero_point": (0, 8, 1, "group"), "weight_g_idx": (None, 1, 0, 1)},
+    "packed": {"weight_packed": (0, 1, 1, "word"), "weight_scale": (0, 1, 1, "group"),
+               "weight_zero_point": (0, "word", 1, "group"), "weight_g_idx": (None, 1, 0, 1)},
 }
 ACT_ORDER = ("g_idx", "weight_g_idx")
 # An asymmetric int8 W8 weight's zero points: the scale's shape, cut as the scale is.
@@ -141,6 +144,8 @@ def share_cuts(tensors: CheckpointTensors, module: str, scheme: QuantScheme, sha
     sizes = {"word": 32 // (8 if scheme.weights == "int8" else 4), "group": scheme.group_size or cols}
     cuts: dict[str, Cut] = {}
     for leaf, (out_axis, out_unit, in_axis, in_unit) in axes.items():
+        if in_unit == "group" and scheme.group_size is None:
+            in_axis = None
         name = f"{module}.{leaf}"
         if name not in tensors:
             continue

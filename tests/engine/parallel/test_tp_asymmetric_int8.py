@@ -1,7 +1,10 @@
 """Asymmetric int8 checkpoints (compressed-tensors ``symmetric: false``) over 2
 tensor-parallel ranks (gloo): each rank reads its share of the weights with their zero
-points (column shares cut by output rows, row shares whole), and 2 ranks give 1 rank's
-and transformers' greedy tokens, on the CPU C kernels with q/k/v and gate/up stacked."""
+points (column shares cut by output rows, row shares by whole groups of input columns),
+and 2 ranks give 1 rank's and transformers' greedy tokens, on the CPU C kernels with
+q/k/v and gate/up stacked. Pack-quantized W8A16 (8-bit codes four to an int32, zero
+points packed along the output rows) with asymmetric groups is the fast case: it covers
+the packed words' and the group zero points' cuts at once."""
 
 from __future__ import annotations
 
@@ -21,11 +24,11 @@ from ..quantization.test_formats import FORMATS, MAX_NEW_TOKENS, PROMPTS, _quant
 from .test_quantized import OPTIONS
 
 
-@pytest.mark.slow  # the fast representatives: test_tp_loading_quantized.py's slice and split checks
-@taken_unless_forced_off("quant_kernels")
-@pytest.mark.parametrize("name", ["compressed_int8_asymmetric_channel", "compressed_int8_asymmetric_tensor_w8a8"])
-def test_asymmetric_int8_on_two_ranks_gives_one_ranks_tokens(name, tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "quant_kernels=on")  # the ranks inherit it
+def ranks_give_the_references_tokens(name: str, sizes: tuple[int, ...], tmp_path: Path) -> None:
+    """Checkpoint ``name`` of FORMATS on each of ``sizes`` ranks gives transformers'
+    greedy tokens (of the dequantized model; its own forward for W8A8), every linear
+    asymmetric on the C kernels; on 2 ranks the row shares keep zero points of their
+    scale's shape and q/k/v and gate/up are stacked."""
     arch, config, quantize, _ = FORMATS[name]
     float_dir = build_tiny_model(tmp_path / "float", arch)
     dequantized = ckpt.write_quantized(float_dir, tmp_path / name, config, quantize)
@@ -37,7 +40,7 @@ def test_asymmetric_int8_on_two_ranks_gives_one_ranks_tokens(name, tmp_path: Pat
         reference, prompts = ckpt.reference_model(float_dir, dequantized), PROMPTS
     expected = [hf_greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
     assert len({tuple(tokens) for tokens in expected}) > 1
-    for size in (1, 2):
+    for size in sizes:
         llm = LLM(str(tmp_path / name), tensor_parallel_size=size, **OPTIONS)
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -47,8 +50,24 @@ def test_asymmetric_int8_on_two_ranks_gives_one_ranks_tokens(name, tmp_path: Pat
             layers = [layer for _, layer in quantized_linears(model)]
             assert layers and all(layer.zero is not None and layer.cpu_kernels for layer in layers)
             if size == 2:
-                rows = [module for module in model.modules() if isinstance(module, RowParallelQuantized)]
-                assert rows and all(row.linear.zero is not None for row in rows)
+                rows = [module.linear for module in model.modules() if isinstance(module, RowParallelQuantized)]
+                assert rows and all(row.zero is not None and row.scale is not None
+                                    and row.zero.shape == row.scale.shape for row in rows)
                 assert any(name.endswith(("stacked_qkv", "gate_up")) for name, _ in quantized_linears(model))
         finally:
             llm.close()
+
+
+@taken_unless_forced_off("quant_kernels")
+def test_packed_8bit_asymmetric_groups_on_two_ranks(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "quant_kernels=on")  # the ranks inherit it
+    ranks_give_the_references_tokens("compressed_w8a16_asymmetric_groups", (2,), tmp_path)
+
+
+@pytest.mark.slow  # the fast representatives: the test above, test_tp_loading_quantized.py's slice and split checks
+@taken_unless_forced_off("quant_kernels")
+@pytest.mark.parametrize("name", ["compressed_int8_asymmetric_channel", "compressed_int8_asymmetric_tensor_w8a8",
+                                  "compressed_int8_asymmetric_groups", "compressed_w8a16_asymmetric_groups"])
+def test_asymmetric_int8_on_two_ranks_gives_one_ranks_tokens(name, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", "quant_kernels=on")  # the ranks inherit it
+    ranks_give_the_references_tokens(name, (1, 2), tmp_path)

@@ -1,6 +1,7 @@
 """A tensor-parallel rank reads only its share of a quantized checkpoint's linears: for
-every on-disk layout (FP8 per tensor, channel and block, compressed-tensors FP8, INT8 and
-W4A16, GPTQ 4- and 8-bit, AWQ), each rank's shares read slice by slice dequantize to the
+every on-disk layout (FP8 per tensor, channel and block, compressed-tensors FP8, INT8
+(asymmetric per channel, tensor and group), W4A16 and W8A16 (packed 8-bit codes, asymmetric
+groups), GPTQ 4- and 8-bit, AWQ), each rank's shares read slice by slice dequantize to the
 shares split from the whole linears, with the same biases; linears a slice would cut (a
 row split over act-order columns, a block wider than a share) are read whole, and the split
 refuses them as without slices. Likewise quantized experts (MXFP4, per-expert FP8 and
@@ -44,7 +45,8 @@ SLICED = {
     "fp8_per_tensor_static": 14, "fp8_blocks_scale_inv": 14, "compressed_w4a16_symmetric": 14, "gptq_v2": 14,
     "gptq_8bit": 14, "awq_gemm_with_biases": 14, "fp8_channel_with_biases": 14,
     "compressed_int8_asymmetric_channel": 14, "compressed_int8_asymmetric_tensor_w8a8": 14,
-    "compressed_int8_groups": 14,
+    "compressed_int8_groups": 14, "compressed_int8_asymmetric_groups": 14, "compressed_w8a16_channel": 14,
+    "compressed_w8a16_asymmetric_groups": 14,
 }
 
 
