@@ -2,7 +2,8 @@
 
 Each C source is compiled once per machine and target with the system's C compiler
 (``CC``, else ``cc``) into a cache directory (``SHARDLINE_CACHE_DIR``, default
-~/.cache/shardline) and called through ctypes, which releases the GIL for the call.
+~/.cache/shardline; one process builds a library while the others wait for it) and
+called through ctypes, which releases the GIL for the call.
 The target is the host's own instruction set (``-march=native``, and the compiler's
 default when it knows no ``native``) unless ``SHARDLINE_CPU_TARGET`` names one (for
 example ``x86-64-v3``: AVX2 and FMA, ``x86-64-v4``: AVX-512), which is how the
@@ -13,6 +14,7 @@ warning; its callers then use their torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,10 +25,18 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
+
+try:
+    import fcntl as _fcntl
+except ImportError:  # not POSIX: builds take no inter-process lock (see _build_lock)
+    _FCNTL: ModuleType | None = None
+else:
+    _FCNTL = _fcntl
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +106,8 @@ def kernel_sources_digest() -> str:
 
 
 def _build(source: Path, compiler: str, target: str) -> Path:
+    """The cached library of ``source`` for ``target``, compiled first where missing;
+    RuntimeError with the compiler's messages where it cannot be."""
     headers = b"".join(path.read_bytes() for path in sorted(COMMON_HEADER.parent.glob("*.h")))
     key_material = (source.read_bytes() + headers + compiler.encode() + target.encode()
                     + " ".join(BUILD_FLAGS).encode() + cpu_signature())
@@ -103,6 +115,35 @@ def _build(source: Path, compiler: str, target: str) -> Path:
     if library_path.exists():
         return library_path
     library_path.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(library_path):
+        if library_path.exists():  # built by another process while this one waited
+            return library_path
+        return _compile(source, compiler, target, library_path)
+
+
+@contextlib.contextmanager
+def _build_lock(library_path: Path) -> Iterator[None]:
+    """Held while this process builds ``library_path``: processes starting at once (a
+    worker pool, parallel tests) wait for the one building it, then find it built,
+    rather than each compiling every kernel. An exclusive flock on a lock file beside
+    the library, released when the build ends or the process dies; the lock files stay
+    (removing one could let a waiter and a newcomer lock different files). Where fcntl
+    is missing, no lock: each builder compiles, and os.replace still keeps the cached
+    file whole."""
+    if _FCNTL is None:
+        yield
+        return
+    with open(library_path.with_name(library_path.name + ".lock"), "a") as handle:
+        _FCNTL.flock(handle.fileno(), _FCNTL.LOCK_EX)
+        try:
+            yield
+        finally:
+            _FCNTL.flock(handle.fileno(), _FCNTL.LOCK_UN)
+
+
+def _compile(source: Path, compiler: str, target: str, library_path: Path) -> Path:
+    """``source`` compiled for ``target`` into ``library_path`` (through a scratch file
+    renamed into place)."""
     errors = []
     # A compiler that knows no -march=native (some ARM ones) builds for its default.
     for flags in ([f"-march={target}"], []) if target == "native" else ([f"-march={target}"],):
