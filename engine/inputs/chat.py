@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from ..multimodal.media import MEDIA_PART_TYPES
+
+if TYPE_CHECKING:  # only the annotations name it: importing this module loads no transformers
+    from transformers import PreTrainedTokenizerBase
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 
