@@ -20,6 +20,7 @@ from torch import nn
 from ..quantization.load import QuantizedWeights
 from .group import RankGroup
 from .loading import RankCheckpoint, read_rank_slices, slice_plan
+from .quantized_bounds import refuse_cut_blocks
 from .quantized_slices import put_expert_shares, put_linear_shares, put_whole_linears, quantized_share_plan
 from .sharding import shard_model
 
@@ -45,7 +46,11 @@ def shard_then_place(model: nn.Module, group: RankGroup, num_attention_layers: i
     experts, left on the meta device by the loader: experts are read as this rank's shares
     before the split, linears split exactly by slices after it
     (engine/parallel/quantized_slices.py), the others whole before it; its float
-    parameters the ranks split are read as ``checkpoint``'s slices."""
+    parameters the ranks split are read as ``checkpoint``'s slices. A quantized linear
+    whose share would cut a scale block or group is refused before any is read
+    (quantized_bounds.py, the pre-flight's line)."""
+    if quantized is not None:
+        refuse_cut_blocks(model, group, quantized.scheme, quantized.linears)
     plan = slice_plan(model, group) if checkpoint is not None else {}
     shares = quantized_share_plan(model, group, quantized) if quantized is not None else {}
     if quantized is not None:

@@ -9,8 +9,10 @@ the meta-device model with the engine's attention adapters, as the first and las
 rank would run it at load, so a projection it does not split (a fused query-key-value
 projection of a layout it does not know, a size that does not divide, an expert layout
 it does not know) is refused
-with the load's own line. What only a quantized checkpoint's tensors show (a share
-cutting a quantization block or group) is refused when the ranks load.
+with the load's own line. A quantized checkpoint's linear whose share would cut a
+scale block or group (the block and group sizes are in its config) is refused with
+the load's line too (quantized_bounds.py); what only its tensors show (act-order
+groups mixing the ranks' columns) is refused when the ranks load.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..model.support import auto_class_for
 from ..quantization.methods import resolve_scheme
 from .group import RankGroup, ShardingError
 from .heads import layer_heads, model_heads
+from .quantized_bounds import configured_linears, refuse_cut_blocks
 from .sharding import shard_model
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int,
     (ShardingError, or UnsupportedModelError for its quantization), one line naming the
     model or module and why; return where the split can be made."""
     check_tensor_parallel(hf_config, size, quantization=quantization, task=task)
+    scheme = resolve_scheme(hf_config, quantization)
     num_attention_layers = sum(1 for layer in KVCacheSpec.from_hf_config(hf_config, torch.float32).layers
                                if layer.num_kv_heads)
     for rank in sorted({0, size - 1}):
@@ -45,7 +49,10 @@ def tensor_parallel_verdict(hf_config: transformers.PretrainedConfig, size: int,
             model = meta_model(hf_config, trust_remote_code, task)
             if task != "embed":  # the pooling engine's packed attention takes the models as they are
                 adapt_attention(model)
-            shard_model(model, RankGroup(rank, size, lambda: ""), num_attention_layers)
+            group = RankGroup(rank, size, lambda: "")
+            if scheme is not None:
+                refuse_cut_blocks(model, group, scheme, configured_linears(model, hf_config, scheme))
+            shard_model(model, group, num_attention_layers)
         except ShardingError:
             raise
         except Exception as error:  # noqa: BLE001 - what only real weights answer: the load decides

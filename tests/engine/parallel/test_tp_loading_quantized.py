@@ -28,7 +28,7 @@ from shardline.engine.parallel.placement import shard_then_place
 from shardline.engine.parallel.quantized import RowParallelQuantized
 from shardline.engine.parallel.quantized_slices import put_expert_shares, quantized_share_plan
 from shardline.engine.parallel.sharding import shard_model
-from shardline.engine.parallel.verdict import check_tensor_parallel
+from shardline.engine.parallel.verdict import check_tensor_parallel, tensor_parallel_verdict
 from shardline.engine.quantization.experts import QuantizedExperts
 from shardline.engine.quantization.linear import QuantizedLinear
 from shardline.engine.quantization.load import QuantizedWeights, load_quantized_model, put_quantized_linears
@@ -281,3 +281,25 @@ def test_asymmetric_int8_shares_carry_their_zero_points(tmp_path):
             assert all(part.zero is not None and part.zero.shape == (part.out_features, 1) for part in columns)
             assert torch.equal(torch.cat([dequantized(layer) for layer in columns], dim=0), weight), name
     check_tensor_parallel(transformers.AutoConfig.from_pretrained(directory), 2, quantization=None, task="generate")
+
+
+@pytest.mark.parametrize("name", ["compressed_int8_asymmetric_groups", "compressed_w8a16_asymmetric_groups"])
+def test_a_share_cutting_a_group_is_refused_in_preflight_and_at_load(name, tmp_path):
+    """An intermediate size of 96 over 2 ranks gives down_proj's row shares 48 input
+    columns, which cut a group of 32: the pre-flight verdict (config only) and the load
+    (before any weight is read) refuse it with one line naming the linear, the format
+    and the share."""
+    arch, config, quantize, _ = FORMATS[name]
+    directory = tmp_path / name
+    ckpt.write_quantized(build_tiny_model(tmp_path / "float", arch, intermediate_size=96), directory, config, quantize)
+    refusal = (r"model\.layers\.0\.mlp\.down_proj: a rank's share \[0, 48\) of its 96 input columns does not fall on "
+               r"the bounds of its scale groups of 32 \(compressed-tensors \(int8\) checkpoint; a share must hold "
+               r"whole ones\); it is not split over 2 ranks$")
+    with pytest.raises(ShardingError, match=refusal):
+        tensor_parallel_verdict(transformers.AutoConfig.from_pretrained(directory), 2, quantization=None,
+                                task="generate")
+    model, weights = loaded(directory)
+    with pytest.raises(ShardingError, match=refusal):
+        shard_then_place(model, RankGroup(0, 2, lambda: ""), attention_layers(model), torch.device("cpu"),
+                         quantized=weights)
+    assert all(parameter.is_meta for key, parameter in model.named_parameters() if "down_proj" in key)
