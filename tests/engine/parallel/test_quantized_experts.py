@@ -38,6 +38,7 @@ FORMATS = {
                    "checkpoint_format": "gptq"}, ckpt.gptq(32, False)),
     "gptq_int8_act_order": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": True, "sym": True,
                              "checkpoint_format": "gptq"}, ckpt.gptq_8bit(32, act_order=True)),
+    "w8a16_asymmetric_groups": (ckpt.pack_quantized_int8_config(32, False), ckpt.pack_quantized_int8(32, False)),
 }
 
 
@@ -106,7 +107,7 @@ def test_mxfp4_shares_sum_to_the_whole_experts(tmp_path):
         split_quantized_experts(experts, "model.layers.0.mlp.experts", RankGroup(0, 4, lambda: ""))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block", "gptq_int4"])
+@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block", "gptq_int4", "w8a16_asymmetric_groups"])
 def test_per_expert_shares_sum_to_the_whole_experts(tmp_path, fmt):
     quantization_config, quantize = FORMATS[fmt]
     float_dir = qwen3_moe(tmp_path / "float", 96)

@@ -170,9 +170,11 @@ def expert_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
             for inner, linear in module.inner.named_modules() if isinstance(linear, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", pytest.param("gptq_int4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fmt", ["fp8_block", pytest.param("gptq_int4", marks=pytest.mark.slow),
+                                 "w8a16_asymmetric_groups"])
 def test_per_expert_shares_read_as_slices_equal_the_whole_experts_split(fmt, tmp_path):
-    """Qwen3-MoE with per-expert FP8 (16x32 blocks) or GPTQ int4 (groups of 32) experts:
+    """Qwen3-MoE with per-expert FP8 (16x32 blocks), GPTQ int4 or W8A16 asymmetric
+    (groups of 32, 8-bit codes and zero points packed four to an int32) experts:
     each rank reads its gate/up rows and down columns with their scales (intermediate 96
     over 2 ranks: 64 and 32 in whole 32-column units), equal to the whole experts' split."""
     quantization_config, quantize = EXPERT_FORMATS[fmt]
