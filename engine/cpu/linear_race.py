@@ -33,6 +33,11 @@ from .measurement import measured, race
 # of one shape alone misses some of what a step's mix of shapes and other work does
 # to the memory traffic, and at 16 rows a 1.05-1.15x race ran slower in the step.
 TAKE_RATIO = 1.15
+# From this many rows both sides are bound by their arithmetic, which a race of one
+# shape measures as a step runs it: a smaller margin holds there (a row count taken
+# at 1.03-1.15x ran faster in the step, not slower).
+ARITHMETIC_TAKE_ROWS = 32
+ARITHMETIC_TAKE_RATIO = 1.03
 # Past the row counts a decode step's few rows bind by reading the weights, arithmetic
 # binds both sides: from the first of these the kernel measures slower at, larger
 # counts stay on oneDNN unraced (racing them costs the most).
@@ -90,11 +95,12 @@ def small_kernel_choice(rows_hint: int, forced: bool, step_bytes: int = 0) -> Sm
 def rows_taken(speedup_at: Callable[[int], float]) -> frozenset[int]:
     """The row counts of KERNEL_ROW_COUNTS the kernel takes, given how many times
     faster than oneDNN it runs each (asked in increasing order, and not past the first
-    of ARITHMETIC_ROWS or more it runs slower at)."""
+    of ARITHMETIC_ROWS or more it runs slower at): those it wins by TAKE_RATIO, or
+    from ARITHMETIC_TAKE_ROWS rows by ARITHMETIC_TAKE_RATIO."""
     taken = set()
     for rows in KERNEL_ROW_COUNTS:
         speedup = speedup_at(rows)
-        if speedup >= TAKE_RATIO:
+        if speedup >= (ARITHMETIC_TAKE_RATIO if rows >= ARITHMETIC_TAKE_ROWS else TAKE_RATIO):
             taken.add(rows)
         elif rows >= ARITHMETIC_ROWS and speedup < 1:
             break

@@ -5,7 +5,7 @@ measured again before torch's matmul replaces the packed path."""
 import pytest
 import torch
 
-from shardline.engine.cpu import path_races
+from shardline.engine.cpu import linear_race, path_races
 from shardline.engine.cpu.capability import ModelShape
 
 SHAPE = ModelShape(hidden_size=32, widest_linear=48, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -58,3 +58,11 @@ def test_a_result_above_the_threshold_is_measured_once():
     speedup, calls = _sequence(1.2, 0.1)
     assert path_races.confirmed(speedup, threshold=0.9) == 1.2
     assert calls == [1.2]
+
+
+def test_the_small_kernel_takes_arithmetic_bound_rows_by_a_smaller_margin():
+    between = (linear_race.ARITHMETIC_TAKE_RATIO + linear_race.TAKE_RATIO) / 2
+    taken = linear_race.rows_taken(lambda rows: between)
+    assert taken == frozenset(rows for rows in linear_race.KERNEL_ROW_COUNTS
+                              if rows >= linear_race.ARITHMETIC_TAKE_ROWS)
+    assert linear_race.rows_taken(lambda rows: linear_race.ARITHMETIC_TAKE_RATIO * 0.99) == frozenset()
