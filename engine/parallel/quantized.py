@@ -10,7 +10,8 @@ layout, so every kernel runs it as it runs the whole layer:
   input, which every rank holds whole, so it stays as it is.
 - Row-wise (input columns): the columns of the rank's share of the input with the
   scale columns of their groups or blocks (a share must start and end on a group or
-  block boundary); the partial products summed over ranks, then the bias added once.
+  block boundary; a W8 layer of one group per row keeps it, as a per-channel scale);
+  the partial products summed over ranks, then the bias added once.
   An act-order layer stores its columns by group; its share of stored groups must
   read exactly the rank's input columns, else the groups mix the ranks' inputs and
   the split is refused. An asymmetric int8 layer's zero points (per tensor, channel or
@@ -127,13 +128,15 @@ def row_quantized(layer: QuantizedLinear, name: str, start: int, end: int) -> Qu
                                   local_group_size, perm)
     else:
         assert layer.weight is not None and layer.scale is not None
-        scale, zero = layer.scale, layer.zero
-        if layer.block is not None:  # the scale's (and zero points') columns of the blocks or groups cut
-            block_cols = layer.block[1]
+        scale, zero, block = layer.scale, layer.zero, layer.block
+        if block is not None and block[0] == 1 and block[1] >= layer.in_features:
+            block = None  # one group per row: the share keeps it, a scale (and zero point) per channel
+        elif block is not None:  # the scale's (and zero points') columns of the blocks or groups cut
+            block_cols = block[1]
             _check_boundary(name, "input columns", block_cols, start, end, layer.in_features)
             scale = layer.scale[:, start // block_cols: -(-end // block_cols)]
             zero = None if zero is None else zero[:, start // block_cols: -(-end // block_cols)]
-        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, layer.block, None, perm, zero)
+        part = QuantizedLinear.w8(layer.weight[:, start:end], scale, block, None, perm, zero)
     return _like(part, layer)
 
 

@@ -5,7 +5,7 @@ rank's share holds whole blocks or groups: the output rows of a column split fal
 the row bounds of FP8 blocks; the input columns of a row split on the column bounds of
 FP8 blocks, int8 groups (compressed-tensors int-quantized and pack-quantized W8A16,
 8-bit GPTQ) and int4 groups (W4A16, GPTQ, AWQ), and int4 codes, two to a byte, on an
-even column (one int4 group over the whole row splits anywhere else). A share may end
+even column (one group over the whole row splits anywhere else). A share may end
 at the weight's end inside a partial last block. Anything else would need a scale for
 part of a block, which no rank has: such a linear is refused, in one line naming the
 linear, the checkpoint's format and the share that cuts a block.
@@ -41,10 +41,14 @@ def share_units(scheme: QuantScheme, in_features: int) -> tuple[int, int, str]:
             return 1, 2, "bytes of 4-bit codes (two to a byte)"
         return 1, group, "scale groups"
     if scheme.block is not None:
-        return scheme.block[0], scheme.block[1], "scale blocks" if scheme.strategy == "block" else "scale groups"
-    if scheme.layout == "gptq" and scheme.weights == "int8":  # blocks of one row by a group (or the whole row)
-        return 1, scheme.group_size or in_features, "scale groups"
-    return 1, 1, ""
+        rows, columns = scheme.block
+    elif scheme.layout == "gptq" and scheme.weights == "int8":  # blocks of one row by a group (or the whole row)
+        rows, columns = 1, scheme.group_size or in_features
+    else:
+        return 1, 1, ""
+    if rows == 1 and columns >= in_features:  # one group per row: a row share keeps it (quantized.py)
+        columns = 1
+    return rows, columns, "scale blocks" if scheme.strategy == "block" else "scale groups"
 
 
 def cut_refusal(name: str, scheme: QuantScheme, dim: int, ranges: Iterable[tuple[int, int]],

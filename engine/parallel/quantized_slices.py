@@ -173,10 +173,11 @@ def in_group_order(g_idx: torch.Tensor, group_size: int) -> bool:
 
 
 def group_offsets(cuts: dict[str, Cut], share: LinearShare, scheme: QuantScheme) -> dict[str, int]:
-    """A row share's ``g_idx`` counts groups from its first column's (in group order)."""
-    if share.columns is None:
+    """A row share's ``g_idx`` counts groups from its first column's (in group order);
+    one group per row (no group size) stays group 0."""
+    if share.columns is None or scheme.group_size is None:
         return {}
-    first_group = share.columns[0] // (scheme.group_size or 1)
+    first_group = share.columns[0] // scheme.group_size
     return {name: first_group for name in cuts if name.rsplit(".", 1)[-1] in ACT_ORDER}
 
 

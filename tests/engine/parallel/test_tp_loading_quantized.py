@@ -37,16 +37,32 @@ from shardline.engine.quantization.mxfp4 import Mxfp4ExpertWeights
 
 from ..quantization import checkpoints as ckpt
 from ..quantization.moe_checkpoints import write_gpt_oss_mxfp4
-from ..quantization.test_formats import FORMATS
+from ..quantization.test_formats import FORMATS as ENGINE_FORMATS
 from .test_quantized_experts import FORMATS as EXPERT_FORMATS
 
+
 # Format: how many of its 14 linears (2 layers x q, k, v, o, gate, up, down) a rank reads as slices.
+def _one_group_per_row(quantize_groups):
+    """A quantizer of groups made one of a group over each weight's whole row."""
+    return lambda name, weight: quantize_groups(weight.shape[1])(name, weight)
+
+
+# test_formats.py's formats, and GPTQ with one group per row (group_size -1), whose row
+# shares keep their one scale (and zero point) per row.
+FORMATS = {**ENGINE_FORMATS, "gptq_8bit_one_group_per_row": (
+    "llama", {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True,
+              "checkpoint_format": "gptq"}, _one_group_per_row(ckpt.gptq_8bit), torch.int8),
+    "gptq_int4_one_group_per_row": (
+    "qwen3", {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": False,
+              "checkpoint_format": "gptq"}, _one_group_per_row(lambda size: ckpt.gptq(size, False)), torch.uint8)}
+
 SLICED = {
     "fp8_per_tensor_static": 14, "fp8_blocks_scale_inv": 14, "compressed_w4a16_symmetric": 14, "gptq_v2": 14,
     "gptq_8bit": 14, "awq_gemm_with_biases": 14, "fp8_channel_with_biases": 14,
     "compressed_int8_asymmetric_channel": 14, "compressed_int8_asymmetric_tensor_w8a8": 14,
     "compressed_int8_groups": 14, "compressed_int8_asymmetric_groups": 14, "compressed_w8a16_channel": 14,
-    "compressed_w8a16_asymmetric_groups": 14,
+    "compressed_w8a16_asymmetric_groups": 14, "gptq_8bit_one_group_per_row": 14,
+    "gptq_int4_one_group_per_row": 14,
 }
 
 
