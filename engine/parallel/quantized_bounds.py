@@ -12,7 +12,7 @@ linear, the checkpoint's format and the share that cuts a block.
 
 The same line comes from the pre-flight verdict (engine/parallel/verdict.py), for the
 linears the checkpoint's config quantizes, and from the load (placement.py), for the
-linears it stores quantized, before any weight is read. What only the tensors show (an
+linears it stores quantized, before any of them is read. What only the tensors show (an
 act-order ``g_idx`` mixing the ranks' columns) is refused by the split itself
 (quantized.py).
 """

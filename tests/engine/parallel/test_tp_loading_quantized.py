@@ -305,7 +305,7 @@ def test_asymmetric_int8_shares_carry_their_zero_points(tmp_path):
 def test_a_share_cutting_a_group_is_refused_in_preflight_and_at_load(name, tmp_path):
     """An intermediate size of 96 over 2 ranks gives down_proj's row shares 48 input
     columns, which cut a group of 32: the pre-flight verdict (config only) and the load
-    (before any weight is read) refuse it with one line naming the linear, the format
+    (before any quantized linear is read) refuse it with one line naming the linear, the format
     and the share."""
     arch, config, quantize, _ = FORMATS[name]
     directory = tmp_path / name
