@@ -2,12 +2,13 @@
  * (the W8 and W4 layouts of kernels/quant_reference.py) and never dequantized whole.
  *
  *   w8_linear / w4_linear: the decode shapes (few rows of x). The threads split the
- *       output columns; each streams its weight rows once, R rows at a time, and
- *       dequantizes VL weights at a time in registers (codes, less the zero point
- *       for W4 and asymmetric int8 W8, -> float32, times the scale), multiplying MT rows of x at once
- *       (bfloat16 x on AVX512_BF16 builds: cpu_quant_bf16.c's instead). AVX2 builds
- *       take one weight row and W8 codes 2 VL a step (W8_PAIRS): with 16 vector
- *       registers, more rows' sums spill to the stack.
+ *       output columns; each streams its weight rows once, R8 (W8) or R (W4) rows at
+ *       a time, and dequantizes VL weights at a time in registers (codes, less the
+ *       zero point for W4 and asymmetric int8 W8, -> float32, times the scale),
+ *       multiplying MT rows of x at once (bfloat16 x on AVX512_BF16 builds:
+ *       cpu_quant_bf16.c's instead). AVX2 builds take W8 codes 2 VL a step (W8_PAIRS)
+ *       for two weight rows, and W4 codes for one: with 16 vector registers, more
+ *       rows' sums spill to the stack.
  *   w8_dequantize / w4_dequantize: rows n0 .. n1 of the weight dequantized into a
  *       panel (float32, bfloat16 or float16), which the launcher multiplies with the
  *       prefill shapes' many rows of x through torch's matmul, panel by panel.
@@ -133,29 +134,39 @@ static inline vf w8_codes(const uint8_t *weight, int64_t k, int fp8, int32_t zer
  * are, fp8 codes times 2^-8 (fp8_codes without its last multiply; the NaN codes made
  * float16 NaNs by setting every bit, since 1.875 times a scale is no NaN, except for
  * fp8 == FP8_FINITE: a weight the launcher found free of NaN codes). */
-static inline void w8_code_pair(const uint8_t *p, int fp8, int32_t zero, vf *low, vf *high) {
+typedef struct { vf low, high; } vf_pair;  /* returned by value: kept in registers */
+static inline vf_pair w8_code_pair(const uint8_t *p, int fp8, int32_t zero) {
+    vf_pair codes;
     if (!fp8) {  /* int8 codes less their zero point, in integers */
         const __m256i z = _mm256_set1_epi32(zero);
-        *low = (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), z));
-        *high = (vf)_mm256_cvtepi32_ps(
+        codes.low = (vf)_mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), z));
+        codes.high = (vf)_mm256_cvtepi32_ps(
             _mm256_sub_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))), z));
-        return;
+        return codes;
     }
     const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
-    if (fp8 == FP8_FINITE) {
-        const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80));
-        *low = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
-        *high = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
-        return;
+    __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80));
+    if (fp8 != FP8_FINITE) {
+        const __m256i nan_bits = _mm256_set1_epi16(0x3f80);  /* exponent and mantissa all ones */
+        half = _mm256_or_si256(half, _mm256_cmpeq_epi16(_mm256_and_si256(shifted, nan_bits), nan_bits));
     }
-    const __m256i nan_bits = _mm256_set1_epi16(0x3f80);  /* exponent and mantissa all ones */
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(shifted, nan_bits), nan_bits);
-    const __m256i half = _mm256_or_si256(_mm256_and_si256(shifted, _mm256_set1_epi16((short)0xbf80)), nan);
-    *low = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
-    *high = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+    codes.low = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    codes.high = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+    return codes;
 }
 #else
 #define W8_PAIRS 0
+#endif
+
+/* Weight rows one W8 tile multiplies together. The AVX2 pair tiles take two: each x
+ * vector loaded then serves two rows' codes (one row's tiles were bound by the loads
+ * of x), and their 8 sums, two multiply-adds a step each, keep the FMA units' 4-cycle
+ * latency covered in 16 vector registers. */
+#if W8_PAIRS
+#define R8 2
+#else
+#define R8 R
 #endif
 
 static inline float load_x(const void *x, int64_t index, int kind) {
@@ -223,27 +234,28 @@ static void prepare_x(const void *x, int64_t x_stride, int kind, float *xf, int6
 
 /* result[r][m] = sum_k w8(n_r, k) * x[m][k]. scale_rows[r], zero_rows[r]: row n_r / bn of
  * scale and zero, the latter read only where ``asym`` (a constant in each instance: the
- * symmetric ones subtract a constant 0, which the compiler drops). */
+ * symmetric ones subtract a constant 0, which the compiler drops). Each block's vector
+ * sums are reduced into float32 totals at its end, so no vector sum stays live across
+ * blocks (registers for the tile's rows). */
 static inline __attribute__((always_inline)) void w8_tile(
-    const float *const x[MT], const uint8_t *const w[R], const float *const scale_rows[R],
-    const int8_t *const zero_rows[R], int64_t K, int64_t bk, int fp8, const int asym, const int mt,
-    float result[R][MT]) {
-    vf acc[R][MT];
-    float tail[R][MT];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) acc[r][m] = splat(0.0f), tail[r][m] = 0.0f;
+    const float *const x[MT], const uint8_t *const w[R8], const float *const scale_rows[R8],
+    const int8_t *const zero_rows[R8], int64_t K, int64_t bk, int fp8, const int asym, const int mt,
+    float result[R8][MT]) {
+    float total[R8][MT];
+    for (int r = 0; r < R8; r++)
+        for (int m = 0; m < mt; m++) total[r][m] = 0.0f;
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = min64(K, k0 + bk);
-        float s[R];
-        int32_t z[R];
-        for (int r = 0; r < R; r++) s[r] = scale_rows[r][kb], z[r] = asym ? zero_rows[r][kb] : 0;
+        float s[R8];
+        int32_t z[R8];
+        for (int r = 0; r < R8; r++) s[r] = scale_rows[r][kb], z[r] = asym ? zero_rows[r][kb] : 0;
         int64_t k = k0;
 #if W8_PAIRS
         /* fp8 pairs come times 2^-8: the scale times 2^8 restores them exactly (one
          * rounding of code times scale, as w8_codes' product), where that stays finite. */
         int scaled = 1;
-        float pair_scale[R];
-        for (int r = 0; r < R; r++) {
+        float pair_scale[R8];
+        for (int r = 0; r < R8; r++) {
             pair_scale[r] = fp8 ? s[r] * 256.0f : s[r];
             scaled &= __builtin_isfinite(pair_scale[r]);
         }
@@ -251,45 +263,63 @@ static inline __attribute__((always_inline)) void w8_tile(
             /* The block's codes times x, summed unscaled, then times the scale once: one
              * multiply per block instead of one per VL codes (the FMA ports' spare slots
              * are what the AVX2 tiles run short of). */
-            vf block_low[R][MT], block_high[R][MT];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < mt; m++) block_low[r][m] = block_high[r][m] = splat(0.0f);
+            /* Up to 2 rows of x, the high halves' products go to sums of their own (each
+             * sum's chain of multiply-adds is what bounds those tiles). */
+            const int split = mt <= 2;
+            vf block[R8][MT], high_block[R8][2];
+            for (int r = 0; r < R8; r++)
+                for (int m = 0; m < mt; m++) {
+                    block[r][m] = splat(0.0f);
+                    if (split) high_block[r][m] = splat(0.0f);
+                }
             for (; k + 2 * VL <= k1; k += 2 * VL) {
-                for (int r = 0; r < R; r++) {
+                vf_pair codes[R8];
+                for (int r = 0; r < R8; r++) {
                     __builtin_prefetch(w[r] + k + AHEAD * K);
-                    vf low, high;
-                    w8_code_pair(w[r] + k, fp8, z[r], &low, &high);
+                    codes[r] = w8_code_pair(w[r] + k, fp8, z[r]);
+                }
 #pragma GCC unroll 4
-                    for (int m = 0; m < mt; m++) {
-                        block_low[r][m] += low * loadv(x[m], k, 0);
-                        block_high[r][m] += high * loadv(x[m], k + VL, 0);
+                for (int m = 0; m < mt; m++) {
+                    const vf x_low = loadv(x[m], k, 0), x_high = loadv(x[m], k + VL, 0);
+                    for (int r = 0; r < R8; r++) {
+                        block[r][m] += codes[r].low * x_low;
+                        if (split) high_block[r][m] += codes[r].high * x_high;
+                        else block[r][m] += codes[r].high * x_high;
                     }
                 }
             }
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < mt; m++) acc[r][m] += (block_low[r][m] + block_high[r][m]) * pair_scale[r];
+            for (int r = 0; r < R8; r++)
+                for (int m = 0; m < mt; m++)
+                    total[r][m] += hsum(split ? block[r][m] + high_block[r][m] : block[r][m]) * pair_scale[r];
         }
 #endif
-        for (; k + VL <= k1; k += VL) {
-            for (int r = 0; r < R; r++) {
-                /* The next tile's rows follow these R in memory: a row is too short a
-                 * stream (K bytes) for the hardware prefetcher to run ahead of. */
-                __builtin_prefetch(w[r] + k + R * K);
-                const vf wv = w8_codes(w[r], k, fp8, z[r]) * s[r];
-                /* x read where it is used: copied to an array first, GCC stages the
-                 * copy through the stack in halves and each full-width read stalls. */
+        if (k + VL <= k1) {
+            vf part[R8][MT];
+            for (int r = 0; r < R8; r++)
+                for (int m = 0; m < mt; m++) part[r][m] = splat(0.0f);
+            for (; k + VL <= k1; k += VL) {
+                for (int r = 0; r < R8; r++) {
+                    /* The next tile's rows follow these R8 in memory: a row is too short a
+                     * stream (K bytes) for the hardware prefetcher to run ahead of. */
+                    __builtin_prefetch(w[r] + k + R8 * K);
+                    const vf wv = w8_codes(w[r], k, fp8, z[r]) * s[r];
+                    /* x read where it is used: copied to an array first, GCC stages the
+                     * copy through the stack in halves and each full-width read stalls. */
 #pragma GCC unroll 4
-                for (int m = 0; m < mt; m++) acc[r][m] += wv * loadv(x[m], k, 0);
+                    for (int m = 0; m < mt; m++) part[r][m] += wv * loadv(x[m], k, 0);
+                }
             }
+            for (int r = 0; r < R8; r++)
+                for (int m = 0; m < mt; m++) total[r][m] += hsum(part[r][m]);
         }
         for (; k < k1; k++)
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < R8; r++) {
                 const float wv = w8_code(w[r], k, fp8, z[r]) * s[r];
-                for (int m = 0; m < mt; m++) tail[r][m] += wv * x[m][k];
+                for (int m = 0; m < mt; m++) total[r][m] += wv * x[m][k];
             }
     }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < mt; m++) result[r][m] = hsum(acc[r][m]) + tail[r][m];
+    for (int r = 0; r < R8; r++)
+        for (int m = 0; m < mt; m++) result[r][m] = total[r][m];
 }
 
 #if VL == 8
@@ -391,9 +421,9 @@ static inline void tile_rows(const float *xf, int64_t m0, int64_t rows, int64_t 
     for (int m = 0; m < MT; m++) x_rows[m] = xf + min64(m0 + m, rows - 1) * K;
 }
 
-static inline void store_tile(float result[R][MT], int64_t n0, int64_t m0, int64_t N, int64_t rows,
-                              const float *bias, void *out, int64_t out_stride, int kind) {
-    for (int r = 0; r < R && n0 + r < N; r++)
+static inline void store_tile(const float result[][MT], int tile_rows, int64_t n0, int64_t m0, int64_t N,
+                              int64_t rows, const float *bias, void *out, int64_t out_stride, int kind) {
+    for (int r = 0; r < tile_rows && n0 + r < N; r++)
         for (int m = 0; m < MT && m0 + m < rows; m++)
             store_out(out, (m0 + m) * out_stride + n0 + r, result[r][m] + (bias ? bias[n0 + r] : 0.0f), kind);
 }
@@ -404,14 +434,14 @@ static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight,
     /* The codes' kind, one tile instance each: int8, fp8, int8 less zero points, fp8
      * without NaN codes. */
     const int codes = fp8 == FP8_FINITE ? 3 : fp8 ? 1 : zero ? 2 : 0;
-    const int64_t blocks = (N + R - 1) / R;
+    const int64_t blocks = (N + R8 - 1) / R8;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * R;
-        const uint8_t *w[R];
-        const float *scale_rows[R];
-        const int8_t *zero_rows[R];
-        for (int r = 0; r < R; r++) {
+        const int64_t n0 = b * R8;
+        const uint8_t *w[R8];
+        const float *scale_rows[R8];
+        const int8_t *zero_rows[R8];
+        for (int r = 0; r < R8; r++) {
             const int64_t n = min64(n0 + r, N - 1);
             w[r] = weight + n * K;
             scale_rows[r] = scale + n / bn * scale_cols;
@@ -419,7 +449,7 @@ static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight,
         }
         for (int64_t m0 = 0; m0 < rows; m0 += MT) {
             const float *x_rows[MT];
-            float result[R][MT];
+            float result[R8][MT];
             tile_rows(xf, m0, rows, K, x_rows);
             /* One instance per (codes, rows of x): each keeps its accumulators in registers. */
 #define W8_TILE(FP8, ASYM, ROWS) w8_tile(x_rows, w, scale_rows, zero_rows, K, bk, FP8, ASYM, ROWS, result)
@@ -444,7 +474,7 @@ static void w8_linear_rows(const float *xf, int64_t rows, const uint8_t *weight,
 #endif
             }
 #undef W8_TILE
-            store_tile(result, n0, m0, N, rows, bias, out, out_stride, kind);
+            store_tile(result, R8, n0, m0, N, rows, bias, out, out_stride, kind);
         }
     }
 }
@@ -499,7 +529,7 @@ void w4_linear(const void *x, int64_t x_stride, int kind, float *xf, int64_t row
 #endif
             }
 #undef W4_TILE
-            store_tile(result, n0, m0, N, rows, bias, out, out_stride, kind);
+            store_tile(result, R, n0, m0, N, rows, bias, out, out_stride, kind);
         }
     }
 }

@@ -8,9 +8,10 @@ splitting the output columns; a decode step reads a quarter (W4) or half (W8) of
 bfloat16 weight's bytes. bfloat16 x on a build with AVX512_BF16 takes
 cpu_quant_bf16.c's kernel instead, which multiplies the codes widened to bfloat16
 (exactly) by the bfloat16 dot-product instruction: on hosts with AMX-BF16 fp8 and int8
-weights go through AMX tiles (cpu_quant_amx.h), and with AVX512_VNNI int8 and 4-bit
-weights through integer byte products on x in fixed point (cpu_quant_digits.h), each
-as exact as the float32 reference's sums. There, up to ``TILE_MAX_ROWS``
+weights go through AMX tiles (cpu_quant_amx.h), and with AVX512_VNNI int8 weights times
+one row of x through integer byte products on x in fixed point (cpu_quant_digits.h),
+each as exact as the float32 reference's sums; 4-bit groups of whole runs of 64
+columns decode a run's codes by two table permutes, x reordered to match. There, up to ``TILE_MAX_ROWS``
 rows take its register-blocked kernel (cpu_quant_blocked.h), which decodes a panel of
 weight rows once per thread and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
 time is dequantized to x's dtype (float32 where oneDNN has no matmul of x's 16-bit

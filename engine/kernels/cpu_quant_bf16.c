@@ -68,7 +68,40 @@ static inline __m512bh w4_codes_bf16(const uint8_t *p, __m512i table) {
     return (__m512bh)_mm512_permutexvar_epi16(pairs, table);
 }
 
+/* A run of 64 columns' 32 packed bytes, each widened to a 16-bit lane (w4_run_bytes),
+ * as two vectors of bfloat16 codes: the low nibbles (w4_run_even: columns 0, 2, .., 62
+ * of the run) and the high ones (w4_run_odd: 1, 3, .., 63). A lane indexes the
+ * 32-entry table (twice 0 .. 15) by its low 5 bits, so the low nibble needs no mask.
+ * (Values, not pointers: GCC keeps arrays whose address is taken on the stack.) */
+static inline __m512i w4_run_bytes(const uint8_t *p) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __m512bh w4_run_even(__m512i bytes, __m512i table) {
+    return (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+}
+static inline __m512bh w4_run_odd(__m512i bytes, __m512i table) {
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+}
+
+/* x row [K] (K whole runs of 64) in w4_run_even / w4_run_odd's order: each run's even
+ * columns, then its odd ones. */
+static void w4_run_order(const uint16_t *x, int64_t K, uint16_t *out) {
+    const __m512i evens = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi16(evens, _mm512_set1_epi16(1));
+    for (int64_t k = 0; k < K; k += 64) {
+        const __m512i low = _mm512_loadu_si512(x + k), high = _mm512_loadu_si512(x + k + 32);
+        _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(low, evens, high));
+        _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(low, odds, high));
+    }
+}
+
 static inline __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loadu_si512(x); }
+
+/* acc += the pairs' products of a and b (vdpbf16ps). In assembly so the accumulator
+ * stays in its register: around the intrinsic GCC moved the operands through the
+ * stack in the 4-bit runs' loop. */
+#define DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 
 /* FP8 codes 64 at a time by table (the decode tiles' fast path): byte lookups of each
  * code's 7-bit magnitude give its bfloat16's high and low bytes (fp8_tables: 128 high
@@ -190,35 +223,55 @@ static inline __attribute__((always_inline)) void w8_tile(
 static inline __attribute__((always_inline)) void w4_tile(
     const uint16_t *const x[DMT], const float *const x_sums[DMT], const uint8_t *const w[DR],
     const float *const scale_rows[DR], const float *const zero_rows[DR], int64_t K, int64_t group,
-    __m512i table, const int mt, float result[DR][DMT]) {
+    __m512i table, const int runs, const int mt, float result[DR][DMT]) {
     __m512 acc[DR][DMT];
-    float shift[DR][DMT];  /* sum over groups of zero * scale * the group's sum of x */
     for (int r = 0; r < DR; r++)
-        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), shift[r][m] = 0.0f;
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
     const uint8_t *next = w[0] + DR * (K / 2);
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
         __m512 part[DR][DMT];
         for (int r = 0; r < DR; r++)
             for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
-        for (int64_t k = g0; k < g0 + group; k += 32) {
-            __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 32 per step */
-            __m512bh wv[DR];
-            for (int r = 0; r < DR; r++) wv[r] = w4_codes_bf16(w[r] + k / 2, table);
-            for (int m = 0; m < mt; m++) {
-                const __m512bh xv = load_x32(x[m] + k);
-                for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
+        if (runs) {  /* 64 codes a step, x in w4_run_order */
+            for (int64_t k = g0; k < g0 + group; k += 64) {
+                __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 64 per step */
+                __m512bh even[DR], odd[DR];
+                for (int r = 0; r < DR; r++) {
+                    const __m512i bytes = w4_run_bytes(w[r] + k / 2);
+                    even[r] = w4_run_even(bytes, table), odd[r] = w4_run_odd(bytes, table);
+                }
+                for (int m = 0; m < mt; m++) {
+                    const __m512bh x_even = load_x32(x[m] + k), x_odd = load_x32(x[m] + k + 32);
+                    for (int r = 0; r < DR; r++) {
+                        DPBF16(part[r][m], even[r], x_even);
+                        DPBF16(part[r][m], odd[r], x_odd);
+                    }
+                }
+            }
+        } else {
+            for (int64_t k = g0; k < g0 + group; k += 32) {
+                __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 32 per step */
+                __m512bh wv[DR];
+                for (int r = 0; r < DR; r++) wv[r] = w4_codes_bf16(w[r] + k / 2, table);
+                for (int m = 0; m < mt; m++) {
+                    const __m512bh xv = load_x32(x[m] + k);
+                    for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
+                }
             }
         }
         for (int r = 0; r < DR; r++) {
-            const float s = scale_rows[r][g], zs = (zero_rows[r] ? zero_rows[r][g] : 8.0f) * s;
-            for (int m = 0; m < mt; m++) {
-                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
-                shift[r][m] += zs * x_sums[m][g];
-            }
+            const __m512 s = _mm512_set1_ps(scale_rows[r][g]);
+            for (int m = 0; m < mt; m++) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
         }
     }
+    /* The zero points' term after the products, so its sums hold no register through them. */
     for (int r = 0; r < DR; r++)
-        for (int m = 0; m < mt; m++) result[r][m] = _mm512_reduce_add_ps(acc[r][m]) - shift[r][m];
+        for (int m = 0; m < mt; m++) {
+            float shift = 0.0f;  /* sum over groups of zero * scale * the group's sum of x */
+            for (int64_t g = 0; g < K / group; g++)
+                shift += (zero_rows[r] ? zero_rows[r][g] : 8.0f) * scale_rows[r][g] * x_sums[m][g];
+            result[r][m] = _mm512_reduce_add_ps(acc[r][m]) - shift;
+        }
 }
 
 static inline void store_tile(float result[DR][DMT], int64_t n0, int64_t m0, int mt, int64_t N,
@@ -271,9 +324,9 @@ static inline void tile_x_rows(const uint16_t *x, int64_t x_stride, int64_t m0, 
 
 /* cpu_quant_amx.h's decode shapes (included with cpu_quant_blocked.h, below), taken
  * from these rows of x: with fewer, a decode shape reads the weight faster through
- * the byte-product tiles (int8, 4-bit) or the fp8 table path (one row), whose cost
- * grows with the rows where the tiles' decoding does not (bench_quant.py's kernel
- * mode on an AMX host). */
+ * the byte-product tiles (int8), the 4-bit runs or the fp8 table path (one row), whose
+ * cost grows with the rows where the tiles' decoding does not (bench_quant.py's
+ * kernel mode on an AMX host). */
 #define AMX_FP8_MIN_ROWS 2
 #define AMX_INT8_MIN_ROWS 5
 #define AMX_W4_MIN_ROWS 3
@@ -284,7 +337,13 @@ static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, floa
                          const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                          int64_t out_stride, int64_t N, int64_t K, int num_threads);
 
-#include "cpu_quant_digits.h"  /* w8_digits_linear, w4_digits_linear (AVX512_VNNI) */
+/* int8 weights take cpu_quant_digits.h's byte products for this many rows of x: from
+ * two rows the bfloat16 tiles' products, sharing one decode of the codes, read the
+ * weight faster than the digits' three products per code and row (bench_quant.py's
+ * kernel mode). */
+#define DIGITS_W8_MAX_ROWS 1
+
+#include "cpu_quant_digits.h"  /* w8_digits_linear (AVX512_VNNI) */
 
 int quant_bf16_dot(void) { return 1; }
 
@@ -299,8 +358,9 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
         amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                       num_threads))
         return;
-    if (!fp8 && w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
-                                 num_threads))
+    if (!fp8 && rows <= DIGITS_W8_MAX_ROWS &&
+        w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
+                         num_threads))
         return;
     const int64_t blocks = (N + DR - 1) / DR;
     const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
@@ -354,13 +414,17 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
 void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_sums, const uint8_t *packed,
                     const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                     int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    if ((rows >= AMX_W4_MIN_ROWS && amx_w4_linear(x, x_stride, rows, x_sums, packed, scales, zeros, group, bias, out,
-                                                  out_stride, N, K, num_threads)) ||
-        w4_digits_linear(x, x_stride, rows, packed, scales, zeros, group, bias, out, out_stride, N, K, num_threads))
+    if (rows >= AMX_W4_MIN_ROWS && amx_w4_linear(x, x_stride, rows, x_sums, packed, scales, zeros, group, bias, out,
+                                                 out_stride, N, K, num_threads))
         return;
     const int64_t groups = K / group, blocks = (N + DR - 1) / DR;
     group_sums(x, x_stride, rows, group, K, x_sums);
     const __m512i table = w4_table(0.0f);
+    /* Groups of whole runs of 64: the codes 64 at a time (w4_run_bytes), x reordered to match. */
+    uint16_t *ordered = group % 64 == 0 ? malloc((size_t)(rows * K) * sizeof(uint16_t)) : NULL;
+    for (int64_t m = 0; ordered && m < rows; m++) w4_run_order(x + m * x_stride, K, ordered + m * K);
+    if (ordered) x = ordered, x_stride = K;
+    const int runs = ordered != NULL;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * DR;
@@ -379,11 +443,14 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
             const int count = (int)min64(rows - m0, DMT_BLOCKED);
             tile_x_rows(x, x_stride, m0, rows, x_rows);
             for (int m = 0; m < DMT; m++) sum_rows[m] = x_sums + min64(m0 + m, rows - 1) * groups;
-#define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, ROWS, result)
-            BY_ROWS(W4_TILE, count);
+#define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, 0, ROWS, result)
+#define W4_RUNS(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, 1, ROWS, result)
+            if (runs) BY_ROWS(W4_RUNS, count);
+            else BY_ROWS(W4_TILE, count);
             store_tile(result, n0, m0, count, N, bias, out, out_stride);
         }
     }
+    free(ordered);
 }
 
 #include "cpu_quant_blocked.h"  /* w8_blocked_bf16, w4_blocked_bf16 */

@@ -1,4 +1,4 @@
-/* The decode tiles of cpu_quant_bf16.c for int8 and 4-bit weights on CPUs with
+/* The decode tile of cpu_quant_bf16.c for int8 weights and one row of x on CPUs with
  * AVX512_VNNI: integer byte products (vpdpbusd, 64 per instruction) instead of the
  * bfloat16 dot product (32), and no widening of the codes at all. Part of
  * cpu_quant_bf16.c (included there; not a library of its own).
@@ -10,23 +10,19 @@
  * bfloat16 holds 8 significant bits); a smaller one is off by at most unit / 2, a
  * 2^-23 share of max|x|, below float32's own rounding of the largest products. The
  * integer sums are exact; each 32-bit lane's plane sums are combined in float32 once
- * per scale block (W8) or group (W4), multiplied by the scale and, at the end, by
- * unit: the result equals the float32 reference up to float32 rounding.
+ * per scale block, multiplied by the scale and, at the end, by unit: the result
+ * equals the float32 reference up to float32 rounding.
  *
- * vpdpbusd multiplies unsigned bytes by signed ones. W4 codes (0 .. 15) are the
- * unsigned side, the digits the signed one; the zero point enters per group as
- * zero * scale * (the group's sum of q) * unit, as in cpu_quant_bf16.c's w4_tile.
- * W8 int8 codes are made unsigned by adding 128 (flipping the top bit), and each lane
- * starts from -128 times its sum of digits over the block (digit_lanes), which the
+ * vpdpbusd multiplies unsigned bytes by signed ones: the digits are the signed side,
+ * and the int8 codes are made unsigned by adding 128 (flipping the top bit), each lane
+ * starting from -128 times its sum of digits over the block (digit_lanes), which the
  * products of the added 128 then cancel exactly.
  *
- * Layouts: digits [rows][DIGITS][Kp], Kp = K rounded up to 64, zero past K. W8 in
- * column order; W4 in runs of 128 columns matching a packed run's 64 bytes: the run's
- * 64 even columns (the low nibbles), then its 64 odd ones (the high nibbles).
- * Taken where every W8 scale block is whole chunks of 64 columns (or the whole row)
- * and every W4 group whole runs of 128, K <= 2^20 (int32 lanes cannot overflow), and
- * every row of x finite with its largest magnitude at least 2^-105 (else the callers
- * keep the bfloat16 dot-product tiles).
+ * Layouts: digits [rows][DIGITS][Kp], Kp = K rounded up to 64, zero past K, in column
+ * order. Taken where every scale block is whole chunks of 64 columns (or the whole
+ * row), K <= 2^20 (int32 lanes cannot overflow), and every row of x finite with its
+ * largest magnitude at least 2^-105 (else the callers keep the bfloat16 dot-product
+ * tiles).
  */
 #ifndef SHARDLINE_CPU_QUANT_DIGITS_H
 #define SHARDLINE_CPU_QUANT_DIGITS_H
@@ -34,16 +30,14 @@
 #if defined(__AVX512VNNI__)
 
 #define DIGITS 3
-#define DW 4               /* weight rows per W8 tile */
-#define DW4 2              /* weight rows per W4 tile (each holds two vectors of codes) */
+#define DW 4               /* weight rows per tile */
 #define DIGIT_ROWS 2       /* rows of x per tile: DW x DIGIT_ROWS x DIGITS accumulators, in registers */
 #define DIGIT_MAX_K (1 << 20)
 
 /* x's rows as digit planes, and what the tiles add back per block or group. */
 typedef struct {
     int8_t *digits;        /* [rows][DIGITS][Kp] */
-    int32_t *lanes;        /* W8: [rows][blocks][DIGITS][16] -128 x each lane's digit sum */
-    int64_t *sums;         /* W4: [rows][blocks] the sum of q over each group */
+    int32_t *lanes;        /* [rows][blocks][DIGITS][16] -128 x each lane's digit sum */
     double unit[DMT];
     int64_t Kp, blocks, block;
 } x_digits;
@@ -79,8 +73,8 @@ static float row_max(const uint16_t *x, int64_t K) {
     return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(max);
 }
 
-/* Row m of x into its digit planes (runs: W4's run order); 0 where the row cannot be. */
-static int digits_row(const uint16_t *x, int64_t K, int runs, int8_t *out, int64_t Kp, double *unit) {
+/* Row m of x into its digit planes; 0 where the row cannot be. */
+static int digits_row(const uint16_t *x, int64_t K, int8_t *out, int64_t Kp, double *unit) {
     const float max = row_max(x, K);
     if (!(max < __builtin_inff())) return 0;
     int e = 0;
@@ -89,64 +83,48 @@ static int digits_row(const uint16_t *x, int64_t K, int runs, int8_t *out, int64
     if (e < -105) return 0;  /* 2^(22 - e) would not be a float */
     *unit = ldexp(1.0, e - 22);
     const __m512 factor = _mm512_set1_ps(ldexpf(1.0f, 22 - e));
-    if (!runs) {
-        for (int64_t k = 0; k < K; k += 16) store_digits(row_q16(x + k, (int)min64(16, K - k), factor), out + k, Kp);
-        return 1;
-    }
-    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    for (int64_t k = 0; k < K; k += 32) {  /* K is whole runs of 128 */
-        const __m512i low = row_q16(x + k, 16, factor), high = row_q16(x + k + 16, 16, factor);
-        const int64_t run = k / 128 * 128, at = (k - run) / 2;
-        store_digits(_mm512_permutex2var_epi32(low, evens, high), out + run + at, Kp);
-        store_digits(_mm512_permutex2var_epi32(low, odds, high), out + run + 64 + at, Kp);
-    }
+    for (int64_t k = 0; k < K; k += 16) store_digits(row_q16(x + k, (int)min64(16, K - k), factor), out + k, Kp);
     return 1;
 }
 
-/* Per row and block: W8 the lanes' -128 x digit sums, W4 the sum of q over the group. */
-static void digit_block_sums(x_digits *xd, int64_t rows, int w4) {
+/* Per row and block: the lanes' -128 x digit sums. */
+static void digit_block_sums(x_digits *xd, int64_t rows) {
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t m = 0; m < rows; m++)
         for (int64_t b = 0; b < xd->blocks; b++) {
             const int64_t k0 = b * xd->block, k1 = min64(xd->Kp, k0 + xd->block);
-            int64_t total = 0;
             for (int p = 0; p < DIGITS; p++) {
                 const int8_t *plane = xd->digits + (m * DIGITS + p) * xd->Kp;
                 __m512i lanes = _mm512_setzero_si512();
                 for (int64_t k = k0; k < k1; k += 64)
                     lanes = _mm512_dpbusd_epi32(lanes, ones, _mm512_loadu_si512(plane + k));
-                if (w4) total += (int64_t)_mm512_reduce_add_epi32(lanes) << (8 * p);
-                else _mm512_storeu_si512(xd->lanes + ((m * xd->blocks + b) * DIGITS + p) * 16,
-                                         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lanes, 7)));
+                _mm512_storeu_si512(xd->lanes + ((m * xd->blocks + b) * DIGITS + p) * 16,
+                                    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(lanes, 7)));
             }
-            if (w4) xd->sums[m * xd->blocks + b] = total;
         }
 }
 
-/* x's digits for a call (block: the W8 scale block's columns or the W4 group); 0 where
- * the tiles do not take it (the caller frees xd->digits either way). */
-static int digits_prepare(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t K, int64_t block, int w4,
+/* x's digits for a call (block: the scale block's columns); 0 where the tiles do not
+ * take it (the caller frees xd->digits either way). */
+static int digits_prepare(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t K, int64_t block,
                           x_digits *xd) {
     xd->Kp = (K + 63) / 64 * 64, xd->block = block, xd->blocks = (K + block - 1) / block;
     const size_t planes = (size_t)(rows * DIGITS * xd->Kp);
-    const size_t extra = w4 ? (size_t)(rows * xd->blocks) * sizeof(int64_t)
-                            : (size_t)(rows * xd->blocks * DIGITS * 16) * sizeof(int32_t);
+    const size_t extra = (size_t)(rows * xd->blocks * DIGITS * 16) * sizeof(int32_t);
     xd->digits = aligned_alloc(64, planes + (extra + 63) / 64 * 64);
     if (!xd->digits) return 0;
     memset(xd->digits, 0, planes);
-    xd->lanes = (int32_t *)(xd->digits + planes), xd->sums = (int64_t *)(xd->digits + planes);
+    xd->lanes = (int32_t *)(xd->digits + planes);
     for (int64_t m = 0; m < rows; m++)
-        if (!digits_row(x + m * x_stride, K, w4, xd->digits + m * DIGITS * xd->Kp, xd->Kp, &xd->unit[m]))
-            return 0;
-    digit_block_sums(xd, rows, w4);
+        if (!digits_row(x + m * x_stride, K, xd->digits + m * DIGITS * xd->Kp, xd->Kp, &xd->unit[m])) return 0;
+    digit_block_sums(xd, rows);
     return 1;
 }
 
 /* acc += the products of u's unsigned bytes and s's signed ones, 4 to a 32-bit lane. In
  * assembly so the accumulator stays in its register: GCC copies it in and out around
  * the intrinsic's instruction, which doubled the loop's instructions. */
-#define DPBUSD(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "vm"(s))
+#define DPBUSD(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
 
 /* The float32 sum of a lane's digit planes: d0 + 256 d1 + 65536 d2 (by value: an
  * array argument would keep the accumulators in memory through the loops). */
@@ -215,53 +193,6 @@ static inline __attribute__((always_inline)) void w8_digit_tile(
             result[r][m] = _mm512_reduce_add_ps(sums[r][m]) * (xd->blocks == 1 ? scale_rows[r][0] : 1.0f);
 }
 
-/* result[r][m] = sum_k w4(n_r, k) * x[m0 + m][k] / unit[m0 + m]; groups of xd->block. */
-static inline __attribute__((always_inline)) void w4_digit_tile(
-    const x_digits *xd, int64_t m0, const uint8_t *const w[DW4], const float *const scale_rows[DW4],
-    const float *const zero_rows[DW4], int64_t K, const int mt, float result[DW4][DMT]) {
-    __m512 sums[DW4][DIGIT_ROWS];
-    double shift[DW4][DIGIT_ROWS];  /* sum over groups of zero * scale * the group's sum of q */
-    for (int r = 0; r < DW4; r++)
-        for (int m = 0; m < mt; m++) sums[r][m] = _mm512_setzero_ps(), shift[r][m] = 0.0;
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const uint8_t *next = w[0] + DW4 * (K / 2);
-    for (int64_t g = 0; g < xd->blocks; g++) {
-        __m512i acc[DW4][DIGIT_ROWS][DIGITS];
-        for (int r = 0; r < DW4; r++)
-            for (int m = 0; m < mt; m++)
-                for (int p = 0; p < DIGITS; p++) acc[r][m][p] = _mm512_setzero_si512();
-        const int8_t *planes[DIGIT_ROWS][DIGITS];
-        digit_planes(xd, m0, mt, 0, planes);
-        for (int64_t k = g * xd->block; k < (g + 1) * xd->block; k += 128) {
-            for (int r = 0; r < DW4; r++) __builtin_prefetch(next + DW4 * (k / 2) + 64 * r);
-            __m512i low[DW4], high[DW4];
-            for (int r = 0; r < DW4; r++) {
-                const __m512i bytes = _mm512_loadu_si512(w[r] + k / 2);
-                low[r] = _mm512_and_si512(bytes, nibble);
-                high[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-            }
-            for (int m = 0; m < mt; m++)
-                for (int p = 0; p < DIGITS; p++) {
-                    const int8_t *plane = planes[m][p] + k;
-                    const __m512i even = _mm512_loadu_si512(plane), odd = _mm512_loadu_si512(plane + 64);
-                    for (int r = 0; r < DW4; r++) {
-                        DPBUSD(acc[r][m][p], low[r], even);
-                        DPBUSD(acc[r][m][p], high[r], odd);
-                    }
-                }
-        }
-        for (int r = 0; r < DW4; r++) {
-            const float s = scale_rows[r][g], zs = (zero_rows[r] ? zero_rows[r][g] : 8.0f) * s;
-            for (int m = 0; m < mt; m++) {
-                sums[r][m] = _mm512_fmadd_ps(COMBINE(acc[r][m]), _mm512_set1_ps(s), sums[r][m]);
-                shift[r][m] += (double)zs * (double)xd->sums[(m0 + m) * xd->blocks + g];
-            }
-        }
-    }
-    for (int r = 0; r < DW4; r++)
-        for (int m = 0; m < mt; m++) result[r][m] = (float)(_mm512_reduce_add_ps(sums[r][m]) - shift[r][m]);
-}
-
 /* The result tile times each row of x's unit, plus the bias, rounded to bfloat16. */
 static inline void store_digit_tile(float result[DW][DMT], int tile_rows, const double *unit, int64_t n0,
                                     int64_t m0, int mt, int64_t N, const float *bias, uint16_t *out,
@@ -280,7 +211,7 @@ static int w8_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
                             uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     const int64_t block = bk < K ? bk : K;
     x_digits xd = {0};
-    if (rows > DMT || K > DIGIT_MAX_K || (block < K && block % 64) || !digits_prepare(x, x_stride, rows, K, block, 0, &xd)) {
+    if (rows > DMT || K > DIGIT_MAX_K || (block < K && block % 64) || !digits_prepare(x, x_stride, rows, K, block, &xd)) {
         free(xd.digits);
         return 0;
     }
@@ -306,57 +237,14 @@ static int w8_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, c
     return 1;
 }
 
-/* 4-bit weights through cpu_quant_digits.h's tiles; 0 (nothing written) where they do
- * not take the call: no AVX512_VNNI, groups not whole runs of 128, a row of x they
- * cannot scale. */
-static int w4_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                            const float *scales, const float *zeros, int64_t group, const float *bias,
-                            uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    x_digits xd = {0};
-    if (rows > DMT || K > DIGIT_MAX_K || group % 128 || !digits_prepare(x, x_stride, rows, K, group, 1, &xd)) {
-        free(xd.digits);
-        return 0;
-    }
-    const int64_t groups = K / group;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
-    for (int64_t b = 0; b < (N + DW4 - 1) / DW4; b++) {
-        const uint8_t *w[DW4];
-        const float *scale_rows[DW4], *zero_rows[DW4];
-        for (int r = 0; r < DW4; r++) {
-            const int64_t n = min64(b * DW4 + r, N - 1);
-            w[r] = packed + n * (K / 2);
-            scale_rows[r] = scales + n * groups;
-            zero_rows[r] = zeros ? zeros + n * groups : NULL;
-        }
-        for (int64_t m0 = 0; m0 < rows; m0 += DIGIT_ROWS) {
-            float result[DW][DMT];
-            const int count = (int)min64(rows - m0, DIGIT_ROWS);
-#define W4_DIGITS(ROWS) w4_digit_tile(&xd, m0, w, scale_rows, zero_rows, K, ROWS, result)
-            if (count == 1) W4_DIGITS(1);
-            else W4_DIGITS(2);
-            store_digit_tile(result, DW4, xd.unit, b * DW4, m0, count, N, bias, out, out_stride);
-        }
-    }
-    free(xd.digits);
-    return 1;
-}
-
 #else
 
-/* Without AVX512_VNNI the callers keep the bfloat16 dot-product tiles. */
+/* Without AVX512_VNNI the caller keeps the bfloat16 dot-product tiles. */
 static int w8_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight,
                             const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                             uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
     (void)x, (void)x_stride, (void)rows, (void)weight, (void)scale, (void)scale_cols, (void)bn, (void)bk;
     (void)bias, (void)out, (void)out_stride, (void)N, (void)K, (void)num_threads;
-    return 0;
-}
-
-static int w4_digits_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                            const float *scales, const float *zeros, int64_t group, const float *bias,
-                            uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
-    (void)x, (void)x_stride, (void)rows, (void)packed, (void)scales, (void)zeros, (void)group, (void)bias;
-    (void)out, (void)out_stride, (void)N, (void)K, (void)num_threads;
     return 0;
 }
 

@@ -1,10 +1,11 @@
-"""The integer decode tiles of the bfloat16 quantized kernel (cpu_quant_digits.h: x
-in fixed point as three signed byte digits, int8 and 4-bit codes multiplied by
-AVX512_VNNI byte products) against the float64 product of x and the dequantized
-weight, on the shapes they take (1-8 rows of bfloat16 x, int8 scale blocks of whole
-64-column chunks, 4-bit groups of whole 128-column runs) and those they leave to the
-bfloat16 dot-product tiles (rows of x they cannot scale), on each build target, with
-the AMX tiles (test_cpu_quant_amx.py) kept out of the way."""
+"""The decode tiles of the bfloat16 quantized kernel against the float64 product of x
+and the dequantized weight on x spanning many binades: the integer tiles
+(cpu_quant_digits.h: x in fixed point as three signed byte digits, int8 codes
+multiplied by AVX512_VNNI byte products) on the shapes they take (one row of bfloat16
+x, scale blocks of whole 64-column chunks) and those they leave to the bfloat16
+dot-product tiles (more rows, rows of x they cannot scale), and the 4-bit tiles (runs
+of 64 codes, groups of 128 and 256), 1-8 rows, on each build target, with the AMX
+tiles (test_cpu_quant_amx.py) kept out of the way."""
 
 import shutil
 
