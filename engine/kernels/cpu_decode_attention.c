@@ -368,11 +368,20 @@ static inline __attribute__((always_inline)) void vector_item(
 
 /* Head sizes 64 and 128 take the chunked item (cpu_decode_chunked.h): float32 on every
  * build, bfloat16 on 8-lane ones (16-lane builds read bfloat16 as fast through the
- * vector item, whose scores use the dot-product instruction where the target has it). */
+ * vector item, whose scores use the dot-product instruction where the target has it).
+ * Both items read a call's rows from memory in a decode step, which reads every
+ * layer's weights between two calls of one layer; where a small call's rows are in
+ * L2 instead (a benchmark repeating one call), the chunked item runs slower than the
+ * vector one on 8-lane builds (its value pass loads and stores its accumulators at
+ * every key), but faster from memory: the item does not change with the call. */
 #include "cpu_decode_chunked.h"
 #define CHUNKED_ITEM(BF16, SIZE, ...) \
     ((BF16) ? chunked_item_##SIZE##_bf16(__VA_ARGS__) : chunked_item_##SIZE##_f32(__VA_ARGS__))
 #define TAKES_CHUNKED(BF16) (!(BF16) || VL == 8)
+/* A call reading at most this many bytes of keys and values counts as `cached` (the
+ * chunked item then makes no L2 prefetches): half of the 2 MiB L2 of current x86
+ * server cores, so its rows can all be there. */
+#define CACHED_CALL_BYTES (1 << 20)
 
 /* The vector item for one element type, as its own function (its work arrays in their
  * own stack frame), with the common head sizes as constants. */
@@ -382,17 +391,18 @@ static __attribute__((noinline)) void NAME(                                     
     const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0,             \
     int64_t num_item_heads, int64_t group, int64_t num_heads, int64_t row_stride,                \
     int64_t v_row_stride, int64_t head_dim, int64_t head_dim_v, int64_t block_size, float scale, \
-    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk)      \
+    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk,      \
+    int cached)                                                                                 \
 {                                                                                               \
-    if (TAKES_CHUNKED(BF16) && head_dim == head_dim_v && (head_dim == 64 || head_dim == 128)) {      \
+    if (TAKES_CHUNKED(BF16) && head_dim == head_dim_v && (head_dim == 64 || head_dim == 128)) { \
         if (head_dim == 64)                                                                     \
             CHUNKED_ITEM(BF16, 64, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
                          out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale, \
-                         window, softcap, sinks, alibi, chunk);                                 \
+                         window, softcap, sinks, alibi, chunk, cached);                         \
         else                                                                                    \
             CHUNKED_ITEM(BF16, 128, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
                          out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale, \
-                         window, softcap, sinks, alibi, chunk);                                 \
+                         window, softcap, sinks, alibi, chunk, cached);                         \
     }                                                                                           \
     else if (head_dim == head_dim_v && head_dim == 64)                                          \
         vector_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
@@ -435,6 +445,9 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
         item_heads = smaller;                                                               \
     }                                                                                       \
     const int64_t items_per_request = num_kv_heads / item_heads;                            \
+    int64_t call_rows = 0;  /* key rows the call reads, at most */                          \
+    for (int64_t r = 0; r < num_requests; r++) call_rows += seq_lens[requests[r]];          \
+    const int cached = call_rows * (row_stride + v_row_stride) * (int64_t)sizeof(T) <= CACHED_CALL_BYTES; \
     const int64_t num_items = num_requests * items_per_request;                             \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")               \
     for (int64_t item = 0; item < num_items; item++) {                                      \
@@ -444,7 +457,8 @@ void NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h,                   
         if (VECTORIZED && head_dim % VL == 0 && head_dim_v % VL == 0) {                     \
             VECTOR(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_lens[b], query_rows[b], \
                    out, h0, item_heads, group, num_heads, row_stride, v_row_stride, head_dim,   \
-                   head_dim_v, block_size, (float)scale, window, (float)softcap, sinks, alibi, chunk); \
+                   head_dim_v, block_size, (float)scale, window, (float)softcap, sinks, alibi, chunk, \
+                   cached);                                                                 \
             continue;                                                                       \
         }                                                                                   \
         /* A constant head size lets the compiler unroll the inner loops. */                \

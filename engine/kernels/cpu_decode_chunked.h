@@ -21,10 +21,13 @@
  *   columns for two query rows at a time; the accumulators stay in L1 between keys).
  *   Each accumulator element sums its keys in key order, as a pass over the columns
  *   of a tile of keys would: the same products in the same order.
- * Both passes fetch the row PREFETCH_ROWS keys ahead into L1 as they reach a row:
- * the hardware prefetchers alone leave the loads waiting at every block, where the
- * next row lies anywhere in memory, and the arithmetic between the loads keeps fewer
- * of them in flight than a plain read of the rows has.
+ * Both passes fetch the row PREFETCH_ROWS keys ahead into L1 and the row L2_ROWS
+ * keys ahead into L2 as they reach a row: the hardware prefetchers alone leave the
+ * loads waiting at every block, where the next row lies anywhere in memory, and the
+ * arithmetic between the loads keeps fewer of them in flight than a plain read of the
+ * rows has; the L2 requests keep more bytes in flight than L1's miss buffers hold.
+ * A call whose rows could all be in L2 (the kernel's `cached`) makes no L2 requests:
+ * where the rows are there, they are instructions for nothing.
  * Invariant: every row read or prefetched is one of the request's positions
  * first .. seq_len - 1. */
 
@@ -35,7 +38,8 @@
 #define MAX_CHUNK_KEYS 1024
 /* keys ahead whose rows the passes prefetch; rows past a chunk's last key are looked up for them */
 #define PREFETCH_ROWS 8
-#define ROWS_PAST PREFETCH_ROWS
+#define L2_ROWS 16
+#define ROWS_PAST L2_ROWS
 
 /* Bfloat16 caches are read 2 VL elements at a time, as one float32 vector of their
  * even elements and one of their odd ones (each bfloat16 the high half of a 32-bit
@@ -74,9 +78,16 @@ static inline __attribute__((always_inline)) vf key_dot(const float *query, cons
     return a;
 }
 
-/* Prefetch into L1 the bytes [0, size) from start, a 64-byte line at a time. */
-static inline __attribute__((always_inline)) void prefetch_lines_l1(const char *start, const int64_t size) {
-    for (int64_t byte = 0; byte < size; byte += 64) __builtin_prefetch(start + byte, 0, 3);
+/* Prefetch into L1 (into L2 with to_l2) the bytes [0, size) from start, a 64-byte
+ * line at a time. */
+static inline __attribute__((always_inline)) void prefetch_run(const char *start, const int64_t size,
+                                                                  const int to_l2) {
+    for (int64_t byte = 0; byte < size; byte += 64) {
+        if (to_l2)
+            __builtin_prefetch(start + byte, 0, 1);
+        else
+            __builtin_prefetch(start + byte, 0, 3);
+    }
 }
 
 /* acc0[0 .. COLS - 1] += q0 times the COLS vectors of the value row at element offset
@@ -118,7 +129,8 @@ static inline __attribute__((always_inline)) void chunked_item(
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache,
     const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0, int64_t num_item_heads,
     int64_t group, int64_t num_heads, int64_t row_stride, const int64_t D, int64_t block_size, float scale,
-    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk, const int bf16)
+    int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk, int cached,
+    const int bf16)
 {
     /* Rows i = 0 .. n-1 are the item's query heads h0 * group + i; row i reads KV head h0 + i / group. */
     const int64_t n = num_item_heads * group, DV = D / VL, query_pos = seq_len - 1;
@@ -154,7 +166,8 @@ static inline __attribute__((always_inline)) void chunked_item(
              * sequential read the hardware prefetchers follow, where reading each head's
              * part of the VL rows in turn is a strided walk they do not. */
             for (int r = 0; r < VL; r++) {
-                prefetch_lines_l1((const char *)k_cache + rows[j0 + r + PREFETCH_ROWS] * element, run_bytes);
+                prefetch_run((const char *)k_cache + rows[j0 + r + PREFETCH_ROWS] * element, run_bytes, 0);
+                if (!cached) prefetch_run((const char *)k_cache + rows[j0 + r + L2_ROWS] * element, run_bytes, 1);
                 for (int64_t kv = 0; kv < num_item_heads; kv++)
                     for (int64_t i = kv * group; i < (kv + 1) * group; i++)
                         partial[i][r] = key_dot(qs[i], k_cache, rows[j0 + r] + kv * D, D, bf16);
@@ -197,7 +210,8 @@ static inline __attribute__((always_inline)) void chunked_item(
          * one row after another, each row's heads in memory order. */
         const int64_t lo = first > start ? first - start : 0;
         for (int64_t j = lo; j < span; j++) {
-            prefetch_lines_l1((const char *)v_cache + rows[j + PREFETCH_ROWS] * element, run_bytes);
+            prefetch_run((const char *)v_cache + rows[j + PREFETCH_ROWS] * element, run_bytes, 0);
+            if (!cached) prefetch_run((const char *)v_cache + rows[j + L2_ROWS] * element, run_bytes, 1);
             for (int64_t kv = 0; kv < num_item_heads; kv++)
                 for (int64_t i = kv * group; i < (kv + 1) * group; i += pairs) {
                     const float q0 = p[i * chunk_keys + j], q1 = pairs == 2 ? p[(i + 1) * chunk_keys + j] : 0.0f;
@@ -227,11 +241,12 @@ static __attribute__((noinline)) void NAME(                                     
     const void *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache, const void *v_cache, \
     const int32_t *table, int64_t seq_len, int64_t query_row, void *out, int64_t h0,             \
     int64_t num_item_heads, int64_t group, int64_t num_heads, int64_t row_stride, int64_t block_size, \
-    float scale, int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk) \
+    float scale, int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk, \
+    int cached)                                                                                 \
 {                                                                                               \
     chunked_item(q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, out, h0, \
                  num_item_heads, group, num_heads, row_stride, HEAD_DIM, block_size, scale, window, softcap, \
-                 sinks, alibi, chunk, BF16);                                                    \
+                 sinks, alibi, chunk, cached, BF16);                                            \
 }
 
 DEFINE_CHUNKED_ITEM(chunked_item_64_f32, 0, 64)

@@ -216,7 +216,8 @@ def test_contexts_past_one_chunk(num_heads, num_kv_heads, head_dim):
     item's query rows (cpu_decode_chunked.h: 1024 keys for 8 rows, 256 for 32; float32
     on every build, bfloat16 on 8-lane ones): contexts of
     several chunks, a window and attention chunks that start inside one, sinks and
-    ALiBi carried across them, odd query heads per KV head."""
+    ALiBi carried across them, odd query heads per KV head; each call reads more than
+    1 MiB of keys and values (CACHED_CALL_BYTES), so its L2 prefetches run."""
     check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads, head_dim)
 
 
