@@ -13,10 +13,15 @@ matmul peak; bench/roofline.py).
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
     python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1] [--shapes 0 3] [--skip-hf] [--profile]
     python bench/bench_engine.py --skip-hf --without small_linear_kernel [--cpu-time]
+    python bench/bench_engine.py --skip-hf --also-dtype bfloat16 [--cpu-time]
 
 ``--without PATH`` also runs, interleaved in the same process, an engine loaded with
 that CPU path turned off (as ``SHARDLINE_CPU_PATHS=PATH=off`` would), and prints
 shardline's ratio to it.
+
+``--also-dtype DTYPE`` also runs, interleaved in the same process, an engine loaded in
+that dtype (bfloat16 beside the default float32: the issue's bfloat16 goal is a
+throughput ratio to shardline's own float32), and prints its ratio to shardline's.
 
 ``--sweep`` runs a grid of workload shapes (vocabularies 8k-128k, prompts 32-2048
 tokens, 32-512 output tokens; SWEEP_SHAPES) against transformers' static generate
@@ -208,16 +213,19 @@ def print_profile(profile: StepProfile, total: float) -> None:
     print(f"  {'of which the LM head':30s} {profile.seconds.get('lm head', 0.0):7.2f} s", flush=True)
 
 
-def print_runs(results: dict[str, list[float]], output_tokens: int) -> None:
+def print_runs(results: dict[str, list[float]], output_tokens: int, over_ours: tuple[str, ...] = ()) -> None:
+    """Every side's runs, and shardline's speedup over each other side (for the sides
+    in ``over_ours``, that side's speedup over shardline instead)."""
     best = {name: min(runs) for name, runs in results.items()}
     for name, runs in results.items():
         print(f"{name:32s} {best[name]:8.2f} s  {output_tokens / best[name]:9.1f} output tok/s   "
               f"runs: {', '.join(f'{seconds:.2f}' for seconds in runs)} s")
-    ours = best["shardline"]
-    for name, seconds in best.items():
-        if name != "shardline":
-            ratios = ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in zip(results[name], results["shardline"]))
-            print(f"shardline / {name}: {seconds / ours:.2f}x (best against best; round by round: {ratios})")
+    for name in best:
+        if name == "shardline":
+            continue
+        slower, faster = (name, "shardline") if name not in over_ours else ("shardline", name)
+        ratios = ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in zip(results[slower], results[faster]))
+        print(f"{faster} / {slower}: {best[slower] / best[faster]:.2f}x (best against best; round by round: {ratios})")
 
 
 def workload_roofline(shape: ModelShape, max_num_seqs: int, prompts: list[list[int]], output_len: int,
@@ -247,6 +255,10 @@ def default_run(args: argparse.Namespace) -> None:
         other = engine_without(model_dir, args.dtype, path)
         other.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
         runners[f"shardline without {path}"] = lambda other=other: run_shardline(other, prompts, args.output_len)
+    for other_dtype in args.also_dtype:
+        other = LLM(model_dir, dtype=other_dtype)
+        other.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        runners[f"shardline {other_dtype}"] = lambda other=other: run_shardline(other, prompts, args.output_len)
     limits_before = HostLimits.measure(dtype)
     installed = time_lm_head(llm, StepProfile(clock)) if args.profile else None
     results, profile = run_rounds(runners, args.repeat, args.profile, installed)
@@ -258,7 +270,7 @@ def default_run(args: argparse.Namespace) -> None:
     print(f"workload: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens "
           f"({prompt_tokens} prompt tokens), {args.output_len} output tokens each, greedy, {args.dtype}, "
           f"{torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each compared")
-    print_runs(results, output_tokens)
+    print_runs(results, output_tokens, over_ours=tuple(f"shardline {other}" for other in args.also_dtype))
     ours = min(results["shardline"])
     flops = 2 * non_embedding_params(hf_model) * (prompt_tokens + output_tokens)
     limits = limits_before.best_with(HostLimits.measure(dtype))
@@ -366,6 +378,9 @@ def main() -> None:
                         help="one thread, timed by its CPU time (for a machine other work is loading)")
     parser.add_argument("--without", action="append", default=[], metavar="PATH",
                         help="also run an engine with this CPU path turned off (repeatable; default workload)")
+    parser.add_argument("--also-dtype", action="append", default=[], choices=["float32", "bfloat16"],
+                        metavar="DTYPE", help="also run an engine in this dtype and print its throughput ratio to "
+                                              "shardline's (repeatable; default workload)")
     parser.add_argument("--shapes", type=int, nargs="+", default=[], metavar="INDEX",
                         help="with --sweep, only these shapes of SWEEP_SHAPES (0-based)")
     parser.add_argument("--sweep", action="store_true",
