@@ -222,14 +222,17 @@ def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a packed weight (and bias, of the packed weight's dtype):
     [..., out] in x's dtype, computed in the packed weight's."""
-    rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1])
-    parts = row_parts(rows)
+    # A decode step calls this for every linear, mostly on 2-D x of the packed dtype:
+    # no reshapes or casts there.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    parts = row_parts(flat.shape[0])
     if len(parts) == 1:
         out = _rows_matmul(flat, packed, bias)
     else:
         out = torch.cat([_rows_matmul(part, packed, bias) for part in flat.split(parts)])
-    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _rows_matmul(flat: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -237,7 +240,7 @@ def _rows_matmul(flat: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
     rows = flat.shape[0]
     if isinstance(packed, KernelPacked):
         if packed.takes(rows):  # no padding
-            return small_linear(flat.to(packed.dtype), packed.kernel, bias)
+            return small_linear(flat if flat.dtype == packed.dtype else flat.to(packed.dtype), packed.kernel, bias)
         packed = packed.onednn
     bucket = row_bucket(rows)
     if bucket != rows or flat.dtype != packed.dtype:

@@ -144,8 +144,8 @@ def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor 
     assert x.shape[-1] == weight.in_features, (x.shape, weight.in_features)
     assert weight.storage.is_mkldnn or weight.storage.is_contiguous()
     assert weight.block % (2 * _vector_width(library)) == 0 and weight.block <= MAX_BLOCK, weight.block
-    rows = x.numel() // weight.in_features
-    flat = x.reshape(rows, weight.in_features)
+    flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
+    rows = flat.shape[0]
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     out = torch.empty(rows, weight.out_features, dtype=x.dtype)
@@ -157,7 +157,7 @@ def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor 
     function(flat.data_ptr(), flat.stride(0), rows, weight.address, weight.block, weight.block_stride,
              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), weight.out_features,
              weight.in_features, torch.get_num_threads())
-    return out.view(*x.shape[:-1], weight.out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
 def small_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
