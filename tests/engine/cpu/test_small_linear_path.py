@@ -65,7 +65,8 @@ def test_turned_on_every_packed_linear_takes_the_kernel_and_tokens_stay(tiny_lla
     from shardline import LLM
 
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "packed_linears=on,small_linear_kernel=on")
-    monkeypatch.setattr(linear_race, "TAKE_RATIO", 0.0)  # every raced row count taken
+    monkeypatch.setattr(linear_race, "TAKE_RATIO", 0.0)  # every raced row count taken,
+    monkeypatch.setattr(linear_race, "ARITHMETIC_TAKE_RATIO", 0.0)  # the larger ones too
     expected = _hf_greedy(tiny_llama_dir, PROMPTS)
     assert expected != _hf_greedy(tiny_llama_dir, [p[1:] + [9] for p in PROMPTS])  # the input matters
     llm = LLM(tiny_llama_dir, dtype="float32")
