@@ -76,8 +76,15 @@ class KernelPacked:
         return self.onednn.dtype
 
     def takes(self, rows: int) -> bool:
-        measured_as = next((count for count in KERNEL_ROW_COUNTS if count >= rows), None)
-        return measured_as in self.kernel_rows
+        return rows in self._rows_taken
+
+    @functools.cached_property
+    def _rows_taken(self) -> frozenset[int]:
+        """Every row count the kernel runs: those measured as (the next of
+        KERNEL_ROW_COUNTS from them) one of ``kernel_rows``; a set, since every linear
+        call asks."""
+        return frozenset(rows for rows in range(KERNEL_ROW_COUNTS[-1] + 1)
+                         if next(count for count in KERNEL_ROW_COUNTS if count >= rows) in self.kernel_rows)
 
 
 # A packed weight: oneDNN's (an opaque tensor), with the kernel's view where it has one.
