@@ -196,8 +196,13 @@ class FusedDecoderLayer(LayerReplacement):
         # q, k and v as one matmul over their weights packed side by side (not LoRA wrappers).
         self.packed_qkv, self.qkv_bias, self.qkv_sizes = None, None, [p.out_features for p in projections]
         self.stacked_qkv: QuantizedLinear | None = None
+        # Read on every call, so looked up once here: whether the attention norms each
+        # head (Qwen3), and the dtype of the weights q, k and v were packed from.
+        self.norms_heads = _norms_heads(attention)
+        self.qkv_dtype: torch.dtype | None = None
         if packable_side_by_side(projections):
             self.packed_qkv, self.qkv_bias = pack_side_by_side(projections, rows_hint)
+            self.qkv_dtype = projections[0].weight.dtype
         else:  # quantized q, k and v as one stacked call where they agree (quantization/stacked.py)
             self.stacked_qkv = stacked_projection(projections)[0]
 
@@ -209,15 +214,16 @@ class FusedDecoderLayer(LayerReplacement):
                 or hidden_states.dtype not in FUSED_DTYPES):
             return self.layer(hidden_states, *args, position_embeddings=position_embeddings,
                               shardline_ctx=shardline_ctx, **kwargs)
-        layer, attention = self.layer, self.layer.self_attn
+        layer = self.layer
+        attention = layer.self_attn
         head_dim = attention.head_dim
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens = x.shape[0]
         if self.is_last and _reads_sampled_rows_only(shardline_ctx, tokens):
             return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
         normed = norm_rows(layer.input_layernorm, x)
-        query, key, value = self._project_qkv(normed)
-        if _norms_heads(attention):  # Qwen3: a norm over each head before the rotation
+        query, key, value = self._project_qkv(attention, normed)
+        if self.norms_heads and _norms_heads(attention):  # Qwen3: a norm over each head before the rotation
             query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
             key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
         cos, sin = position_embeddings
@@ -231,15 +237,16 @@ class FusedDecoderLayer(LayerReplacement):
         normed = add_norm_rows(layer.post_attention_layernorm, residual, x)
         return layer.mlp(normed).add_(residual).view(hidden_states.shape)
 
-    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries [T, H, D], keys and values [T, Hkv, D] of x [T, hidden]: one matmul over
-        the three weights packed side by side when they were (views of its output, rows
-        of D contiguous), or the quantized ones stacked, else the three projections."""
-        attention = self.layer.self_attn
+    def _project_qkv(self, attention: LlamaAttention, x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H, D], keys and values [T, Hkv, D] of x [T, hidden] (``attention``
+        is the layer's): one matmul over the three weights packed side by side when
+        they were (views of its output, rows of D contiguous), or the quantized ones
+        stacked, else the three projections."""
         tokens, head_dim = x.shape[0], attention.head_dim
         if self.stacked_qkv is not None:
             query, key, value = self.stacked_qkv(x).split(self.qkv_sizes, dim=-1)
-        elif self.packed_qkv is None or x.dtype != attention.o_proj.weight.dtype:
+        elif self.packed_qkv is None or x.dtype != self.qkv_dtype:
             query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         else:
             query, key, value = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)
