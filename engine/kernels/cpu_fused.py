@@ -9,6 +9,7 @@ torch ops (engine/cpu/layers.py).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,10 +39,17 @@ def fused_kernels_available(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIXES and _LIBRARY.load() is not None
 
 
-def _function(name: str, dtype: torch.dtype):
+# Each library's functions by (name, dtype): every fused kernel call looks its function up.
+_FUNCTIONS: dict[tuple[ctypes.CDLL, str, torch.dtype], Callable] = {}
+
+
+def _function(name: str, dtype: torch.dtype) -> Callable:
     library = _LIBRARY.load()
-    assert library is not None and dtype in _SUFFIXES, "call fused_kernels_available first"
-    return getattr(library, f"{name}_{_SUFFIXES[dtype]}")
+    function = _FUNCTIONS.get((library, name, dtype)) if library is not None else None
+    if function is None:
+        assert library is not None and dtype in _SUFFIXES, "call fused_kernels_available first"
+        function = _FUNCTIONS[(library, name, dtype)] = getattr(library, f"{name}_{_SUFFIXES[dtype]}")
+    return function
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:

@@ -75,6 +75,12 @@ class SmallLinearWeight:
     out_features: int
     in_features: int
 
+    def __post_init__(self) -> None:
+        # Checked once here rather than on each call (small_linear checks the block
+        # against the vector width of the build it runs).
+        assert self.storage.is_mkldnn or self.storage.is_contiguous()
+        assert self.block <= MAX_BLOCK, self.block
+
     @property
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
@@ -142,8 +148,7 @@ def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor 
     library = _library()
     assert x.dtype == weight.dtype and x.device.type == "cpu", (x.dtype, weight.dtype, x.device)
     assert x.shape[-1] == weight.in_features, (x.shape, weight.in_features)
-    assert weight.storage.is_mkldnn or weight.storage.is_contiguous()
-    assert weight.block % (2 * _vector_width(library)) == 0 and weight.block <= MAX_BLOCK, weight.block
+    assert weight.block % (2 * _vector_width(library)) == 0, weight.block  # layout: SmallLinearWeight
     flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     rows = flat.shape[0]
     if flat.stride(1) != 1:

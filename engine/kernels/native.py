@@ -225,12 +225,14 @@ def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch
     assert out.shape == (*query.shape[:2], head_dim_v), (out.shape, query.shape, head_dim_v)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    for index in (*indices, requests):
+    first, second = indices
+    for index in (first, second, requests):
         assert index.dtype == torch.int64 and index.is_contiguous()
-    sinks = _per_head(sinks, num_heads, "sinks")  # kept alive through the call
-    alibi_slopes = _per_head(alibi_slopes, num_heads, "alibi_slopes")
+    # Kept alive through the call; None (the common case) skips the conversion's call.
+    sinks = None if sinks is None else _per_head(sinks, num_heads, "sinks")
+    alibi_slopes = None if alibi_slopes is None else _per_head(alibi_slopes, num_heads, "alibi_slopes")
     return function(query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                    block_tables.data_ptr(), block_tables.stride(0), *(index.data_ptr() for index in indices),
+                    block_tables.data_ptr(), block_tables.stride(0), first.data_ptr(), second.data_ptr(),
                     requests.data_ptr(), requests.numel(), out.data_ptr(), num_heads, num_kv_heads, head_dim,
                     head_dim_v, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
                     None if sinks is None else sinks.data_ptr(),
