@@ -263,8 +263,10 @@ class NativeLibrary:
     def load(self) -> ctypes.CDLL | None:
         """The library built for the current target, or None when it cannot be built here."""
         target = kernel_target()
-        if target in self._libraries:  # entries are only ever added, so no lock to read one
+        try:  # entries are only ever added, so no lock to read one
             return self._libraries[target]
+        except KeyError:  # once a target
+            pass
         with self._lock:
             if target not in self._libraries:
                 self._libraries[target] = self._build_and_load(target)
