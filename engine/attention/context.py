@@ -195,10 +195,17 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     options = AttentionOptions(scale, sliding_window, softcap, s_aux, alibi_slopes, position_bias=position_bias)
-    backend = shardline_ctx.backend
+    return attend_in_context(shardline_ctx, layer_idx, q, k, v, options).unsqueeze(0), None  # [1, T, H, Dv]
+
+
+def attend_in_context(ctx: AttentionContext, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+    """What ``paged_attention_forward`` runs, for callers that hold the tokens-first
+    layout already (the CPU path's fused decoder layers): the context's backend.
+    query: [T, H, D]; key: [T, Hkv, D]; value: [T, Hkv, Dv]; returns [T, H, Dv]."""
+    backend = ctx.backend
     assert backend is not None, "an AttentionContext built without its backend"
-    out = backend.attend(shardline_ctx, layer_idx, q, k, v, options)
-    return out.unsqueeze(0), None  # [1, T, H, Dv]
+    return backend.attend(ctx, layer_idx, query, key, value, options)
 
 
 def no_mask(*args, **kwargs) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.backends import StepBatch, TorchBackend
-from ..attention.context import AttentionContext, AttentionOptions
+from ..attention.context import AttentionContext, AttentionOptions, attend_in_context, paged_attention_forward
 from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
 from ..quantization.linear import QuantizedLinear
 from ..quantization.stacked import stacked_projection
@@ -192,6 +192,12 @@ class FusedDecoderLayer(LayerReplacement):
         self.sliding_window = LAYER_WINDOWS[type(layer).__name__](layer.self_attn)
         self.is_last = is_last  # the decoder's last layer feeds only its final norm and the LM head
         attention = layer.self_attn
+        # With the engine's own attention function, its backend is called directly (see
+        # _attend), with the options that function would build on each call.
+        self.attends_in_context = (attend is paged_attention_forward and isinstance(attention.layer_idx, int)
+                                   and attention.layer_idx >= 0)
+        scale = attention.scaling if attention.scaling is not None else float(attention.head_dim) ** -0.5
+        self.attention_options = AttentionOptions(scale, sliding_window=self.sliding_window)
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         # q, k and v as one matmul over their weights packed side by side (not LoRA wrappers).
         self.packed_qkv, self.qkv_bias, self.qkv_sizes = None, None, [p.out_features for p in projections]
@@ -228,14 +234,23 @@ class FusedDecoderLayer(LayerReplacement):
             key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
         cos, sin = position_embeddings
         rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
-        attended, _ = self.attend(
-            attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
-            dropout=0.0, scaling=attention.scaling, sliding_window=self.sliding_window,
-            shardline_ctx=shardline_ctx)
+        attended = self._attend(attention, query, key, value, shardline_ctx)
         # The residual stream: x + attention's output, summed into o_proj's fresh output.
         residual = attention.o_proj(attended.reshape(tokens, -1))
         normed = add_norm_rows(layer.post_attention_layernorm, residual, x)
         return layer.mlp(normed).add_(residual).view(hidden_states.shape)
+
+    def _attend(self, attention: LlamaAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        """The attention function's output for queries [T, H, D], keys and values [T, Hkv, D]:
+        [T, H, Dv] (or [1, T, H, Dv]). The engine's own function is skipped for the backend
+        it calls, without the [1, H, T, D] views there and back."""
+        if self.attends_in_context:
+            return attend_in_context(ctx, attention.layer_idx, query, key, value, self.attention_options)
+        attended, _ = self.attend(
+            attention, query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], None,
+            dropout=0.0, scaling=attention.scaling, sliding_window=self.sliding_window, shardline_ctx=ctx)
+        return attended
 
     def _project_qkv(self, attention: LlamaAttention, x: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
