@@ -55,7 +55,7 @@ def _function(name: str, dtype: torch.dtype) -> Callable:
 def _check_rows(*tensors: torch.Tensor) -> None:
     """Each a CPU matrix with contiguous rows (any row stride), one dtype."""
     for tensor in tensors:
-        assert tensor.device.type == "cpu" and tensor.dim() == 2 and tensor.stride(1) == 1, (
+        assert tensor.is_cpu and tensor.dim() == 2 and tensor.stride(1) == 1, (
             tensor.device, tensor.shape, tensor.stride())
         assert tensor.dtype == tensors[0].dtype, (tensor.dtype, tensors[0].dtype)
 
@@ -98,7 +98,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     within a token) by cos, sin [T, D], rotating half: pairs (i, i + D / 2)."""
     tokens, _, head_dim = q.shape
     for x in (q, k) if k is not None else (q,):
-        assert x.device.type == "cpu" and x.dtype == q.dtype and x.shape[0] == tokens and x.shape[2] == head_dim
+        assert x.is_cpu and x.dtype == q.dtype and x.shape[0] == tokens and x.shape[2] == head_dim
         assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
     for table in (cos, sin):
         assert table.is_contiguous() and table.shape == (tokens, head_dim) and table.dtype == q.dtype

@@ -146,7 +146,7 @@ def small_linear(x: torch.Tensor, weight: SmallLinearWeight, bias: torch.Tensor 
     """x [..., K] times the packed weight (+ bias [N]): [..., N] in x's dtype, which is the weight's."""
     # A decode step calls this for every linear: the library is looked up once a call.
     library = _library()
-    assert x.dtype == weight.dtype and x.device.type == "cpu", (x.dtype, weight.dtype, x.device)
+    assert x.dtype == weight.dtype and x.is_cpu, (x.dtype, weight.dtype, x.device)
     assert x.shape[-1] == weight.in_features, (x.shape, weight.in_features)
     assert weight.block % (2 * _vector_width(library)) == 0, weight.block  # layout: SmallLinearWeight
     flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
