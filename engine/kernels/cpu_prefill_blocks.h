@@ -10,6 +10,9 @@
 #include <string.h>
 
 #include "cpu_common.h"
+#if defined(__AVX__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define KB (2 * VL)     /* keys per block, their scores VL accumulators at a time */
 #define CB VL           /* output columns in registers at a time in P.V */
@@ -178,6 +181,15 @@ static inline vf exp_scores(vf x) {
 static inline vf exp_scores(vf x) { return vexp(x); }
 #endif
 
+/* The larger of a and b lane by lane, b where either is NaN: vmax (cpu_common.h) as
+ * the max instruction, which computes exactly that (GCC keeps vmax a compare and a
+ * blend, two dependent steps). */
+#if VL == 16
+static inline vf max_lanes(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#elif defined(__AVX__)
+static inline vf max_lanes(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#endif
+
 /* The block's online-softmax step for row vector r: scores s (masked unless `whole`)
  * become probabilities in w->p; returns the factor the output must be rescaled by. */
 static inline __attribute__((always_inline)) vf block_softmax(
@@ -191,8 +203,17 @@ static inline __attribute__((always_inline)) vf block_softmax(
             if (c->softcap > 0) s[j] = c->softcap * vtanh(s[j] * (1.0f / c->softcap));
             if (!whole) s[j] = blend((key > w->last[r]) | (key < w->first[r]), splat(-INFINITY), s[j]);
         }
+#if VL == 16 || defined(__AVX__)
+    /* The maximum as a tree of pairs (depth log2(KB) instead of a chain of KB steps). */
+    vf pairs[KB / 2];
+    for (int j = 0; j < KB / 2; j++) pairs[j] = max_lanes(s[2 * j], s[2 * j + 1]);
+    for (int width = KB / 4; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) pairs[j] = max_lanes(pairs[j], pairs[j + width]);
+    const vf largest = max_lanes(w->m[r], pairs[0]);
+#else  /* vectors emulated by pairs of SSE registers: the tree's temporaries spill */
     vf largest = w->m[r];
     for (int j = 0; j < KB; j++) largest = vmax(largest, s[j]);
+#endif
     /* Lanes that have seen no key yet (all before their window) keep max -inf: their
      * probabilities are exp(-inf) ~ 0 against a max of 0. */
     const vf shift = blend(largest == -INFINITY, splat(0.0f), largest);
