@@ -18,8 +18,8 @@
  *   P.V:   the output, transposed too (out^T[c] a vector of rows), CB columns at a
  *          time in registers, each key adding p_key (a vector of rows) times value
  *          element c.
- * The block's keys are copied once per item into a contiguous buffer (so a key's
- * element is a fixed offset) and serve every row vector of the tile; the next block's
+ * The block's keys and values are copied once per item into contiguous buffers (so a
+ * key's or value's element is a fixed offset) and serve every row vector of the tile; the next block's
  * key and value rows are prefetched meanwhile. Key blocks past a row vector's last
  * visible key, or before its first (window, chunk), are skipped whole (and the second
  * VL keys of a block its last key does not reach); blocks it sees whole skip the
@@ -136,8 +136,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int64_t kb = lowest - lowest % KB; kb <= highest; kb += KB) {
         const int64_t num_keys = highest - kb + 1 < KB ? highest - kb + 1 : KB;
-        const float *value_rows[KB];
-        load_block(c, w, table, kb, num_keys, h, value_rows, D, Dv, bf16);
+        load_block(c, w, table, kb, num_keys, h, D, Dv, bf16);
         if (kb + KB <= highest)
             prefetch_block(c, table, kb + KB, highest - kb - KB + 1 < KB ? highest - kb - KB + 1 : KB, h, D, Dv, bf16);
         for (int64_t r = 0; r < vectors; r++) {
@@ -148,7 +147,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             vf s[KB];
             block_scores(c, w, r, s, used, D, bf16);
             const vf correction = block_softmax(c, w, r, s, kb, whole, bf16);
-            block_values(w, r, correction, used, value_rows, Dv, bf16);
+            block_values(w, r, correction, used, Dv, bf16);
         }
     }
     store_rows(c, w, first_row, r0, rows, h, Dv, bf16);

@@ -38,7 +38,7 @@ struct scratch {
     int64_t *span; /* [vectors][4] lowest and highest first, lowest and highest last */
     vf *p;        /* [KB] the block's probabilities (pairs of bf16 with dot) */
     float *keys;  /* [KB][D] the block's keys (bf16 as stored with dot) */
-    float *values; /* [KB][Dv] the block's values widened (bf16 without dot); key pairs with dot */
+    float *values; /* [KB][Dv] the block's values (widened from bf16 without dot); key pairs with dot */
 };
 
 /* The first key position a query at `position` sees (its window and its chunk). */
@@ -73,12 +73,13 @@ static inline void block_slots(const struct call *c, const int32_t *table, int64
     }
 }
 
-/* The block's keys into the contiguous buffer; values widened (bf16 without dot) or
- * interleaved by key pairs (dot); `value_rows` gets each key's value row. Keys from
- * `num_keys` on repeat key kb (their probabilities are 0). */
+/* The block's keys and values into the contiguous buffers (widened from bfloat16
+ * without dot; with dot the keys as stored, the values interleaved by key pairs), so
+ * the products read a key's or value's element at a fixed offset from one pointer.
+ * Keys from `num_keys` on repeat key kb (their probabilities are 0). */
 static inline __attribute__((always_inline)) void load_block(
     const struct call *c, const struct scratch *w, const int32_t *table, int64_t kb, int64_t num_keys, int64_t h,
-    const float *value_rows[KB], const int64_t D, const int64_t Dv, const int bf16)
+    const int64_t D, const int64_t Dv, const int bf16)
 {
     const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
     int64_t slots[KB], key_row[KB], value_row[KB];
@@ -104,14 +105,9 @@ static inline __attribute__((always_inline)) void load_block(
             const vf k = loadv(c->k_cache, key_row[j] + d, bf16);
             memcpy(&w->keys[j * D + d], &k, sizeof k);
         }
-        if (bf16) {
-            for (int64_t d = 0; d < Dv; d += VL) {
-                const vf v = loadv(c->v_cache, value_row[j] + d, 1);
-                memcpy(&w->values[j * Dv + d], &v, sizeof v);
-            }
-            value_rows[j] = &w->values[j * Dv];
-        } else {
-            value_rows[j] = (const float *)c->v_cache + value_row[j];
+        for (int64_t d = 0; d < Dv; d += VL) {
+            const vf v = loadv(c->v_cache, value_row[j] + d, bf16);
+            memcpy(&w->values[j * Dv + d], &v, sizeof v);
         }
     }
 }
@@ -235,8 +231,7 @@ static inline __attribute__((always_inline)) vf block_softmax(
 
 /* out^T += P.V for row vector r over the block's first `used` keys, rescaled first. */
 static inline __attribute__((always_inline)) void block_values(
-    const struct scratch *w, int64_t r, vf correction, int64_t used, const float *const value_rows[KB],
-    const int64_t Dv, const int bf16)
+    const struct scratch *w, int64_t r, vf correction, int64_t used, const int64_t Dv, const int bf16)
 {
     const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
     vf *acc = &w->acc[r * Dv];
@@ -255,13 +250,9 @@ static inline __attribute__((always_inline)) void block_values(
         } else
 #endif
         {
-            /* Each key's columns from col on, offset here so the loop below reads
-             * them at constant offsets from one pointer. */
-            const float *columns[KB];
-            for (int j = 0; j < KB; j++) columns[j] = value_rows[j] + col;
             for (int64_t j = 0; j < used; j++) {
                 const vf pj = w->p[j];
-                const float *v = columns[j];
+                const float *v = w->values + j * Dv + col;
                 for (int i = 0; i < CB; i++) a[i] += pj * v[i];
             }
         }
