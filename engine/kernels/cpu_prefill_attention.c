@@ -68,12 +68,15 @@ static inline __attribute__((always_inline)) void load_rows(
 {
     const int dot = DOT_BF16 && bf16;  /* products by the dot-product instruction */
     const int64_t vectors = (rows + VL - 1) / VL;
+    const int64_t lanes_per_row = dot ? D / 2 : D;  /* 32-bit lanes of a row's query in qt */
     for (int64_t i = 0; i < vectors * VL; i++) {
         const int64_t row = i < rows ? i : rows - 1;  /* lanes past the rows repeat the last */
         const int64_t r = i / VL, lane = i % VL, head = h * c->group + row % c->group;
         const int64_t position = context + r0 + row / c->group;
         const int64_t qh = (first_row + r0 + row / c->group) * c->q_stride_t + head * c->q_stride_h;
-        if (dot)  /* pairs of bfloat16 as stored */
+        if (lanes_per_row % VL == 0)
+            ;  /* the queries go in VL rows at a time (below) */
+        else if (dot)  /* pairs of bfloat16 as stored */
             for (int64_t d = 0; d < D / 2; d++)
                 memcpy((uint32_t *)&w->qt[r * D + d] + lane, (const uint32_t *)((const uint16_t *)c->q + qh) + d, 4);
         else
@@ -84,6 +87,26 @@ static inline __attribute__((always_inline)) void load_rows(
         w->slope[r][lane] = c->alibi ? (float)c->alibi[head] : 0.0f;
         w->m[r][lane] = c->sinks ? (float)c->sinks[head] : -INFINITY;
         w->l[r][lane] = c->sinks ? 1.0f : 0.0f;
+    }
+    /* VL rows' queries at a time: VL elements of each row loaded, then transposed. */
+    for (int64_t r = 0; r < vectors && lanes_per_row % VL == 0; r++) {
+        int64_t qh[VL];  /* each lane's query row */
+        for (int lane = 0; lane < VL; lane++) {
+            const int64_t row = r * VL + lane < rows ? r * VL + lane : rows - 1;
+            qh[lane] = (first_row + r0 + row / c->group) * c->q_stride_t
+                + (h * c->group + row % c->group) * c->q_stride_h;
+        }
+        for (int64_t d = 0; d < lanes_per_row; d += VL) {
+            vf x[VL];  /* x[lane]: that lane's row's elements d .. d + VL - 1 (pairs of bfloat16 as stored: dot) */
+            for (int lane = 0; lane < VL; lane++) {
+                if (dot)
+                    memcpy(&x[lane], (const uint32_t *)((const uint16_t *)c->q + qh[lane]) + d, sizeof(vf));
+                else
+                    x[lane] = loadv(c->q, qh[lane] + d, bf16) * c->scale;
+            }
+            transpose(x);
+            for (int i = 0; i < VL; i++) w->qt[r * D + d + i] = x[i];
+        }
     }
     for (int64_t r = 0; r < vectors; r++) {
         int64_t *span = &w->span[4 * r];
