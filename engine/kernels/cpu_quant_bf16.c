@@ -153,15 +153,43 @@ static void x_unpack_order(const uint16_t *x, int64_t K, uint16_t *out) {
     memcpy(out + k0, x + k0, (size_t)(K - k0) * sizeof(uint16_t));
 }
 
+/* The sums of four vectors' lanes, [sum a, sum b, sum c, sum d]: the lanes added
+ * pairwise in one tree across the four, a third of four horizontal reductions' work
+ * (a tile's epilogue, once per DR weight rows). */
+static inline __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps((__m512)_mm512_unpacklo_pd((__m512d)ab, (__m512d)cd),
+                                      (__m512)_mm512_unpackhi_pd((__m512d)ab, (__m512d)cd));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                      (__m256)_mm512_extractf64x4_pd((__m512d)abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* sums[m] = the sum of acc[m]'s lanes, m < count. */
+static inline __attribute__((always_inline)) void lane_sums(const __m512 *acc, int count, float *sums) {
+    int m = 0;
+    for (; m + 4 <= count; m += 4) _mm_storeu_ps(sums + m, sums4(acc[m], acc[m + 1], acc[m + 2], acc[m + 3]));
+    for (; m < count; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* Prefetch the bytes [p, p + bytes) of the next tile's stretch, a cache line at a time. */
+#define PREFETCH_SPAN(p, bytes) do {                                               \
+        for (int line = 0; line < (bytes); line += 64) __builtin_prefetch((p) + line); \
+    } while (0)
+
 /* ---- Few rows of x (up to the launcher's DECODE_MAX_ROWS): DR weight rows a tile ----
  *
- * Each tile decodes DR = 2 adjacent weight rows, VL codes at a time, in registers and
+ * Each tile decodes DR = 4 adjacent weight rows, VL codes at a time, in registers and
  * multiplies them by up to DMT rows of x (DMT_BLOCKED where scales change along K,
  * which needs a second set of accumulators), so up to 8 rows of x share one decode.
- * The two rows are one contiguous stretch of the weight, and each step prefetches the
- * next tile's stretch in order (a short row is too short a stream for the hardware
- * prefetcher, and streams of several rows at once measured slower). */
-#define DR 2
+ * Four rows give 4 rows of x sixteen independent accumulators, enough to cover the
+ * dot product's latency (two rows' eight were not), and halve the tiles' epilogues
+ * (the reductions, the tail, the stores) against two rows. The rows are one
+ * contiguous stretch of the weight, and each step prefetches the next tile's stretch
+ * in order, as many bytes as the step reads (a short row is too short a stream for
+ * the hardware prefetcher, and streams of several rows at once measured slower). */
+#define DR 4
 #define DMT 8
 #define DMT_BLOCKED 4
 
@@ -182,8 +210,7 @@ static inline __attribute__((always_inline)) void w8_tile(
             for (int m = 0; m < mt; m++) part[r][m] = blocked ? _mm512_setzero_ps() : acc[r][m];
         int64_t k = k0;
         for (; tables && k + 64 <= k1; k += 64) {  /* fp8 by table, x in x_unpack_order */
-            __builtin_prefetch(next + DR * k);
-            __builtin_prefetch(next + DR * k + 64);
+            PREFETCH_SPAN(next + DR * k, DR * 64);
             __m512bh first[DR], second[DR];
             for (int r = 0; r < DR; r++) fp8_codes64(w[r] + k, tables, &first[r], &second[r]);
             for (int m = 0; m < mt; m++) {
@@ -195,7 +222,7 @@ static inline __attribute__((always_inline)) void w8_tile(
             }
         }
         for (; k + 32 <= k1; k += 32) {
-            __builtin_prefetch(next + DR * k);
+            PREFETCH_SPAN(next + DR * k, DR * 32);
             __m512bh wv[DR];
             for (int r = 0; r < DR; r++) wv[r] = w8_codes_bf16(w[r] + k, fp8);
             for (int m = 0; m < mt; m++) {
@@ -214,9 +241,11 @@ static inline __attribute__((always_inline)) void w8_tile(
         }
         if (!blocked) break;
     }
-    for (int r = 0; r < DR; r++)
-        for (int m = 0; m < mt; m++)
-            result[r][m] = _mm512_reduce_add_ps(acc[r][m]) * (blocked ? 1.0f : scale_rows[r][0]) + tail[r][m];
+    for (int r = 0; r < DR; r++) {
+        float sums[DMT];
+        lane_sums(acc[r], mt, sums);
+        for (int m = 0; m < mt; m++) result[r][m] = sums[m] * (blocked ? 1.0f : scale_rows[r][0]) + tail[r][m];
+    }
 }
 
 /* result[r][m] = sum_k w4(n_r, k) * x[m][k]; x_sums[m][g]: x's sum over group g. */
@@ -234,7 +263,7 @@ static inline __attribute__((always_inline)) void w4_tile(
             for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
         if (runs) {  /* 64 codes a step, x in w4_run_order */
             for (int64_t k = g0; k < g0 + group; k += 64) {
-                __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 64 per step */
+                PREFETCH_SPAN(next + DR * k / 2, DR * 32);  /* DR rows of K / 2 bytes, 32 a step each */
                 __m512bh even[DR], odd[DR];
                 for (int r = 0; r < DR; r++) {
                     const __m512i bytes = w4_run_bytes(w[r] + k / 2);
@@ -250,7 +279,7 @@ static inline __attribute__((always_inline)) void w4_tile(
             }
         } else {
             for (int64_t k = g0; k < g0 + group; k += 32) {
-                __builtin_prefetch(next + k);  /* DR rows of K / 2 bytes: K bytes, 32 per step */
+                PREFETCH_SPAN(next + DR * k / 2, DR * 16);  /* DR rows of K / 2 bytes, 16 a step each */
                 __m512bh wv[DR];
                 for (int r = 0; r < DR; r++) wv[r] = w4_codes_bf16(w[r] + k / 2, table);
                 for (int m = 0; m < mt; m++) {
@@ -264,13 +293,14 @@ static inline __attribute__((always_inline)) void w4_tile(
             for (int m = 0; m < mt; m++) acc[r][m] = _mm512_fmadd_ps(part[r][m], s, acc[r][m]);
         }
     }
+    for (int r = 0; r < DR; r++) lane_sums(acc[r], mt, result[r]);
     /* The zero points' term after the products, so its sums hold no register through them. */
     for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) {
             float shift = 0.0f;  /* sum over groups of zero * scale * the group's sum of x */
             for (int64_t g = 0; g < K / group; g++)
                 shift += (zero_rows[r] ? zero_rows[r][g] : 8.0f) * scale_rows[r][g] * x_sums[m][g];
-            result[r][m] = _mm512_reduce_add_ps(acc[r][m]) - shift;
+            result[r][m] -= shift;
         }
 }
 
@@ -372,11 +402,13 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
                         num_threads);
         return;
     }
-    /* fp8 by table for one row of x, where every block holds whole 64-column runs (x
-     * reordered to match): with more rows the products, not the decoding, bound the
-     * tile, and the table lookups measured slower than the conversions there. */
+    /* fp8 blocks by table for one row of x, where every block holds whole 64-column
+     * runs (x reordered to match): with more rows the products, not the decoding, bound
+     * the tile, and the table lookups measured slower than the conversions there, as
+     * they did for one row of per-channel scales, whose tiles stream the weight from
+     * memory without the blocks' pauses (bench_quant.py's kernel mode). */
     const fp8_tables table_values = fp8_byte_tables();
-    const fp8_tables *tables = fp8 && rows == 1 && K >= 64 && (!blocked || bk % 64 == 0) ? &table_values : NULL;
+    const fp8_tables *tables = fp8 && rows == 1 && blocked && bk % 64 == 0 ? &table_values : NULL;
     uint16_t *ordered = tables ? malloc((size_t)(rows * K) * sizeof(uint16_t)) : NULL;
     if (tables && !ordered) tables = NULL;
     for (int64_t m = 0; ordered && m < rows; m++) x_unpack_order(x + m * x_stride, K, ordered + m * K);

@@ -241,7 +241,7 @@ def flush_denormal(request):
 @pytest.mark.usefixtures("flush_denormal")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize("out_features", [16, 4])  # 4 rows of 64 codes: the decode tiles' table path
+@pytest.mark.parametrize("out_features", [16, 4])  # 4 rows of 64 codes: whole 64-code steps
 def test_every_w8_code_decodes_exactly(weight_dtype, dtype, out_features):
     """One-hot rows of x pick single weights: every one of the 256 codes (fp8's
     subnormals, zeros of both signs, the largest magnitudes) times its scale, exactly,
@@ -257,6 +257,21 @@ def test_every_w8_code_decodes_exactly(weight_dtype, dtype, out_features):
     for rows in (list(range(in_features)), list(range(0, in_features, 9))[:8], [7]):
         out = cpu_w8_linear(torch.eye(in_features, dtype=dtype)[rows], codes, scale)
         assert torch.equal(out, expected.t()[rows].to(dtype))
+
+
+@pytest.mark.usefixtures("flush_denormal")
+def test_every_fp8_code_decodes_exactly_in_blocks_of_64_columns():
+    """fp8 weights in blocks of whole 64-column runs times one row of bfloat16 x take
+    cpu_quant_bf16.c's table decoding (AVX512_VBMI byte lookups): every code times its
+    block's scale, exactly, each block's scale its own."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[[0x7F, 0xFF]] = 0  # fp8's NaNs
+    weight = codes.reshape(2, 128).view(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, generator=generator(1)) + 0.5
+    expected = dequantize_w8(weight, scale, (1, 64)).t().to(torch.bfloat16)
+    for column in (0, 63, 64, 127, 5, 70):
+        out = cpu_w8_linear(torch.eye(128, dtype=torch.bfloat16)[[column]], weight, scale, (1, 64))
+        assert torch.equal(out, expected[[column]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
