@@ -270,7 +270,11 @@ static inline __attribute__((always_inline)) void w4_tile(
                     even[r] = w4_run_even(bytes, table), odd[r] = w4_run_odd(bytes, table);
                 }
                 for (int m = 0; m < mt; m++) {
-                    const __m512bh x_even = load_x32(x[m] + k), x_odd = load_x32(x[m] + k + 32);
+                    __m512bh x_even = load_x32(x[m] + k), x_odd = load_x32(x[m] + k + 32);
+                    /* In registers once for the DR rows: GCC otherwise reloads them
+                     * for every product, and those loads bound the loop (up to 4 rows
+                     * of x: past them the registers are short and the reloads cheaper). */
+                    if (mt <= 4) __asm__("" : "+v"(x_even), "+v"(x_odd));
                     for (int r = 0; r < DR; r++) {
                         DPBF16(part[r][m], even[r], x_even);
                         DPBF16(part[r][m], odd[r], x_odd);
