@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_attention, cpu_prefill_attention
+from ..kernels.cpu_fused import kv_write, kv_write_takes
 from .context import AttentionOptions, StepBatch
 from .torch_plans import DecodeBatch, PrefillBatch, TorchAttentionPlan, TorchPlans, visible_keys
 
@@ -77,6 +78,9 @@ def write_kv_cache(
     if key.shape[1:] != k_cache.shape[2:] or value.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"keys {tuple(key.shape[1:])} and values {tuple(value.shape[1:])} (heads, head size) "
                          f"do not match the KV cache's {tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}")
+    if kv_write_takes(key, value, k_cache, v_cache, slot_mapping):  # one C call for both, no views
+        kv_write(key, value, k_cache, v_cache, slot_mapping)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 

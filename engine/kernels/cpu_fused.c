@@ -6,6 +6,8 @@
  *   silu_mul:      out = silu(gate) * up, gate and up the halves of each row of gate_up
  *   rotary:        q and k rotated in place by cos and sin ("rotate half": the pairs
  *                  are (i, i + D/2))
+ *   kv_write:      a step's new keys and values copied into their paged cache slots
+ *                  (bytes: any dtype), one call for both caches
  *
  * Each computes in float32 and rounds where transformers' modules round, so bfloat16
  * results match theirs step for step: rms_norm rounds the normalized row before the
@@ -169,3 +171,22 @@ static inline void rotate_head_f32(float *x, const float *cos, const float *sin,
 
 DEFINE_FUSED(f32, float)
 DEFINE_FUSED(bf16, uint16_t)
+
+/* Token t's key row (k_bytes) goes to slot slots[t] of k_cache, its value row (v_bytes)
+ * to the same slot of v_cache; key and value rows are key_stride and value_stride bytes
+ * apart, the caches' slots k_bytes and v_bytes. Every slot is checked against num_slots
+ * before anything is written: returns how many are out of range (0: all written). */
+int64_t kv_write(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                 char *v_cache, int64_t num_slots, const int64_t *slots, int64_t tokens, int64_t k_bytes,
+                 int64_t v_bytes) {
+    int64_t out_of_range = 0;
+    for (int64_t t = 0; t < tokens; t++)
+        out_of_range += slots[t] < 0 || slots[t] >= num_slots;
+    if (out_of_range)
+        return out_of_range;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * k_bytes, key + t * key_stride, (size_t)k_bytes);
+        memcpy(v_cache + slots[t] * v_bytes, value + t * value_stride, (size_t)v_bytes);
+    }
+    return 0;
+}

@@ -30,6 +30,7 @@ _SIGNATURES = {
 def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in _SIGNATURES.items():
         declare(library, [f"{name}_{suffix}" for suffix in _SUFFIXES.values()], argtypes, None)
+    declare(library, ["kv_write"], [_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I], ctypes.c_int64)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "decoder layers keep their torch elementwise ops")
@@ -106,6 +107,43 @@ def rotary_(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     k_args = (k.data_ptr(), k.stride(0), k.shape[1]) if k is not None else (q.data_ptr(), q.stride(0), 0)
     _function("rotary", q.dtype)(q.data_ptr(), q.stride(0), q.shape[1], *k_args,
                                  cos.data_ptr(), sin.data_ptr(), tokens, head_dim, torch.get_num_threads())
+
+
+def kv_write_takes(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> bool:
+    """Whether ``kv_write`` takes these: CPU tensors, keys and values of their cache's
+    dtype and [Hkv, D] shape with each token's row contiguous, contiguous caches,
+    contiguous int64 slots, the library built here."""
+    return (key.is_cpu and key.dtype == k_cache.dtype and value.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.is_cpu and v_cache.is_cpu
+            and key.shape[1:] == k_cache.shape[2:] and value.shape[1:] == v_cache.shape[2:]
+            and k_cache.shape[:2] == v_cache.shape[:2] and key.shape[0] == value.shape[0] == slot_mapping.shape[0]
+            and _rows_contiguous(key) and _rows_contiguous(value)
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.is_cpu
+            and _LIBRARY.load() is not None)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """x [T, H, D]: each token's H x D elements contiguous (tokens any stride apart)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache and v_cache [N, bs, Hkv, D] at flat slot slot_mapping[t] <- key[t] and
+    value[t] ([T, Hkv, D]), as index_copy_ into their [N * bs, Hkv, D] views does (call
+    where ``kv_write_takes``). A slot out of range raises IndexError, nothing written."""
+    library = _LIBRARY.load()
+    assert library is not None, "call kv_write_takes first"
+    tokens, num_slots = key.shape[0], k_cache.shape[0] * k_cache.shape[1]
+    k_size, v_size = key.element_size(), value.element_size()
+    # Contiguous caches: a slot's row is stride(1) elements.
+    out_of_range = library.kv_write(key.data_ptr(), key.stride(0) * k_size, value.data_ptr(),
+                                    value.stride(0) * v_size, k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
+                                    slot_mapping.data_ptr(), tokens, k_cache.stride(1) * k_size,
+                                    v_cache.stride(1) * v_size)
+    if out_of_range:
+        raise IndexError(f"{out_of_range} of {tokens} KV cache slots outside the cache's {num_slots}")
 
 
 # Plain-torch references: transformers' Llama-family formulas.

@@ -156,6 +156,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        # A decoder layer's rows: no reshapes there and back.
+        if self.input_perm is None and x.dim() == 2 and x.shape[1] == self.in_features:
+            return quantized_matmul(self, x)
         rows = x.reshape(-1, self.in_features)
         if self.input_perm is not None:
             rows = rows[:, self.input_perm]
@@ -169,10 +172,10 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.use_reference:
         x = fake_quantize_inputs(x, layer.input_quantization)
         return quantized_linear_reference(x, layer.dequantized_rows(0, layer.out_features), layer.bias)
-    if x.device.type == "cuda":
+    if x.is_cuda:  # Tensor.is_cuda and is_cpu: reading device.type builds a device object each call
         return cuda_kernel_matmul(layer, x)
     if layer.input_quantization != "none":
-        if x.device.type == "cpu" and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
+        if x.is_cpu and layer.cpu_kernels and layer.int8_kernel and int8_kernel_takes(layer, x):
             assert layer.weight is not None and layer.scale is not None
             return cpu_w8a8_linear(x, layer.weight, layer.scale, layer.bias)
         quantize = fake_quantize_inputs_cpu if layer.cpu_kernels else fake_quantize_inputs
@@ -180,7 +183,7 @@ def quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     call = decode_call(layer, x)
     if call is not None:
         return call(x)
-    if x.device.type == "cpu" and layer.cpu_kernels and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
+    if x.is_cpu and layer.cpu_kernels and cpu_quant_available(x.dtype) and cpu_kernel_takes(layer):
         return cpu_kernel_matmul(layer, x)
     return torch_quantized_matmul(layer, x)
 
@@ -237,10 +240,12 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
             and layer.cpu_kernels):
         return None
     buffers = layer._buffers  # read directly: a decode step asks this for every linear
-    names = ("weight", "scale", "zero", "bias") if layer.layout == "w8" else ("packed", "scales", "zeros", "bias")
-    source = tuple(buffers[name] for name in names)
+    if layer.layout == "w8":
+        source = (buffers["weight"], buffers["scale"], buffers["zero"], buffers["bias"])
+    else:
+        source = (buffers["packed"], buffers["scales"], buffers["zeros"], buffers["bias"])
     call = layer.bound_decode
-    if call is None or not call.binds(source):
+    if call is None or not _same_tensors(call.source, source):
         if layer.layout == "w8":
             assert layer.weight is not None and layer.scale is not None
             call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias, layer.zero)
@@ -249,6 +254,13 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
             call = w4_decode_call(layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
         layer.bound_decode = call
     return call
+
+
+def _same_tensors(bound: tuple[torch.Tensor | None, ...], source: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a decode call's bound tensors are exactly these four (by identity;
+    DecodeCall.binds without its generator, on every linear's call)."""
+    return (len(bound) == 4 and bound[0] is source[0] and bound[1] is source[1] and bound[2] is source[2]
+            and bound[3] is source[3])
 
 
 def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:

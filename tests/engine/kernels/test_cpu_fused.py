@@ -8,6 +8,8 @@ import torch
 from shardline.engine.kernels.cpu_fused import (
     add_rms_norm_,
     fused_kernels_available,
+    kv_write,
+    kv_write_takes,
     rms_norm,
     rms_norm_reference,
     rotary_,
@@ -108,3 +110,42 @@ def test_bfloat16_rounding_is_torchs_bit_for_bit():
     add_rms_norm_(residual, rows[1], torch.ones(1000, dtype=torch.bfloat16), 1e-6)
     assert torch.equal(residual.view(torch.int16)[~expected.isnan()], expected.view(torch.int16)[~expected.isnan()])
     assert torch.equal(residual.isnan(), expected.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 4, 21])
+def test_kv_write_is_index_copy(dtype, tokens):
+    """Keys and values (views of one fused q/k/v output, as a decoder layer's) land in
+    their slots exactly as index_copy_ puts them; slots no token names stay NaN."""
+    num_kv_heads, head_dim, value_dim, blocks, block_size = 2, 16, 8, 7, 4
+    qkv = torch.randn(tokens, 3 * num_kv_heads * head_dim, generator=generator()).to(dtype)
+    key = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
+    value = qkv[:, -num_kv_heads * value_dim:].view(tokens, num_kv_heads, value_dim)
+    slots = torch.randperm(blocks * block_size, generator=generator())[:tokens]
+    caches = [torch.full((blocks, block_size, num_kv_heads, dim), float("nan"), dtype=dtype)
+              for dim in (head_dim, value_dim)]
+    expected = [cache.clone() for cache in caches]
+    expected[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    expected[1].view(-1, num_kv_heads, value_dim).index_copy_(0, slots, value)
+    assert kv_write_takes(key, value, *caches, slots)
+    kv_write(key, value, *caches, slots)
+    for actual, reference in zip(caches, expected, strict=True):
+        assert torch.equal(actual.nan_to_num(-7.0), reference.nan_to_num(-7.0))
+
+
+def test_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    rows = torch.ones(2, 1, 8)
+    with pytest.raises(IndexError, match="1 of 2 KV cache slots outside the cache's 8"):
+        kv_write(rows, rows, *caches, torch.tensor([3, 8]))
+    assert not any(cache.any() for cache in caches)
+
+
+def test_kv_write_does_not_take_what_it_cannot_copy_as_rows():
+    caches = [torch.zeros(2, 4, 2, 8) for _ in range(2)]
+    rows, slots = torch.ones(3, 2, 8), torch.tensor([0, 1, 2])
+    assert kv_write_takes(rows, rows, *caches, slots)
+    assert not kv_write_takes(rows.transpose(1, 2).contiguous().transpose(1, 2), rows, *caches, slots)  # heads apart
+    assert not kv_write_takes(rows.double(), rows, *caches, slots)  # another dtype than the cache's
+    assert not kv_write_takes(rows, rows, *caches, slots.int())
+    assert not kv_write_takes(rows, rows, caches[0].transpose(0, 1), caches[1], slots)
