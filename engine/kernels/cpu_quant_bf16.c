@@ -34,7 +34,7 @@ static inline float w8_scalar(uint8_t code, int fp8) {
     return fp8 ? fp8_to_f32(code) : (float)(int8_t)code;
 }
 
-/* 32 W8 codes at p as bfloat16, in order. fp8 by its bits: a normal code's exponent
+/* 32 W8 codes at p as bfloat16, in order (the decode tiles take fp8_codes32 for fp8). fp8 by its bits: a normal code's exponent
  * rebiased (7 -> 127) and mantissa moved up, the 7 subnormals from a table, the NaN
  * codes NaN, the sign bit moved up. */
 static inline __m512bh w8_codes_bf16(const uint8_t *p, int fp8) {
@@ -140,6 +140,23 @@ static inline void fp8_codes64(const uint8_t *p, const fp8_tables *tables, __m51
     *second = (__m512bh)_mm512_unpackhi_epi8(low, high);
 }
 
+/* 32 fp8 codes at p as bfloat16, in order, by the byte tables: each code is copied to
+ * both bytes of its 16-bit lane, the odd (high) bytes look up the bfloat16's high byte
+ * and the even ones then its low byte, each lookup keeping the other bytes, and the
+ * sign bit is or-ed in (the lookups read 7 index bits: the magnitude). */
+static inline __m512bh fp8_codes32(const uint8_t *p, const fp8_tables *tables) {
+    const __m512i pairs = _mm512_set_epi8(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24,
+                                          23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16,
+                                          15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
+                                          7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i code = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)));
+    const __m512i high = _mm512_mask2_permutex2var_epi8(tables->high[0], code, (__mmask64)0xAAAAAAAAAAAAAAAAull,
+                                                        tables->high[1]);
+    const __m512i bits = _mm512_mask2_permutex2var_epi8(tables->low[0], high, (__mmask64)0x5555555555555555ull,
+                                                        tables->low[1]);
+    return (__m512bh)_mm512_ternarylogic_epi32(bits, code, _mm512_set1_epi16((short)0x8000), 0xf8);
+}
+
 /* x row [K] into fp8_codes64's column order, each whole 64 columns: out[64 j + 8 L + i] =
  * x[64 j + 16 L + i], out[64 j + 32 + 8 L + i] = x[64 j + 16 L + 8 + i]; the last K % 64
  * columns as they are. */
@@ -194,10 +211,13 @@ static inline __attribute__((always_inline)) void lane_sums(const __m512 *acc, i
 #define DMT_BLOCKED 4
 
 /* result[r][m] = sum_k w8(n_r, k) * x[m][k]; scale_rows[r]: row n_r / bn of scale;
- * blocked: scales change along K (bk < K), else one scale multiplies the row's sum. */
+ * blocked: scales change along K (bk < K), else one scale multiplies the row's sum.
+ * fp8 codes are decoded by codes_table (fp8_codes32, in order), or 64 at a time in
+ * x_unpack_order's order where tables is given (x reordered to match). */
 static inline __attribute__((always_inline)) void w8_tile(
     const uint16_t *const x[DMT], const uint8_t *const w[DR], const float *const scale_rows[DR], int64_t K,
-    int64_t bk, int fp8, const fp8_tables *tables, const int blocked, const int mt, float result[DR][DMT]) {
+    int64_t bk, int fp8, const fp8_tables *tables, const fp8_tables *codes_table, const int blocked, const int mt,
+    float result[DR][DMT]) {
     __m512 acc[DR][DMT];
     float tail[DR][DMT];
     for (int r = 0; r < DR; r++)
@@ -224,7 +244,7 @@ static inline __attribute__((always_inline)) void w8_tile(
         for (; k + 32 <= k1; k += 32) {
             PREFETCH_SPAN(next + DR * k, DR * 32);
             __m512bh wv[DR];
-            for (int r = 0; r < DR; r++) wv[r] = w8_codes_bf16(w[r] + k, fp8);
+            for (int r = 0; r < DR; r++) wv[r] = fp8 ? fp8_codes32(w[r] + k, codes_table) : w8_codes_bf16(w[r] + k, 0);
             for (int m = 0; m < mt; m++) {
                 const __m512bh xv = load_x32(x[m] + k);
                 for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
@@ -432,10 +452,10 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
             float result[DR][DMT];
             const int count = (int)min64(rows - m0, mt);
             tile_x_rows(x, x_stride, m0, rows, x_rows);
-#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, NULL, 0, ROWS, result)
-#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, tables, 0, ROWS, result)
-#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, NULL, 1, ROWS, result)
-#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, tables, 1, ROWS, result)
+#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, NULL, NULL, 0, ROWS, result)
+#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, tables, &table_values, 0, ROWS, result)
+#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, NULL, NULL, 1, ROWS, result)
+#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, tables, &table_values, 1, ROWS, result)
             if (blocked && fp8) BY_ROWS(FP8_BLOCKED, count);
             else if (blocked) BY_ROWS(INT8_BLOCKED, count);
             else if (fp8) BY_ROWS8(FP8_WHOLE, count);
