@@ -13,11 +13,12 @@ peak measured in the same process (bench/common.py's peak_matmul_flops).
 
 --cpu: the C decode and prefill kernels (engine/kernels/cpu_*.c) on bench_engine's
 heads (8 query heads over 4 KV heads of 64) and prompts: a decode step of its 64
-requests halfway through their outputs, over 8 layers' caches (more than the
-last-level cache holds, as in the engine), with the block tables shuffled and in the
-engine's order (each prompt's blocks in a row, then the decode blocks taken by the
-requests in turn, as bench_engine's run lays them out), and its 64 prompts prefilled
-fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
+requests halfway through their outputs, and one of the sweep's long-outputs shape (16
+prompts of 32-128 tokens halfway through 512 outputs), each over 8 layers' caches
+(more than the last-level cache holds, as in the engine), with the block tables
+shuffled and in the engine's order (each prompt's blocks in a row, then the decode
+blocks taken by the requests in turn, as bench_engine's run lays them out), and its
+64 prompts prefilled fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
 loaded machine compare; build targets by SHARDLINE_CPU_TARGET (e.g. x86-64-v3 for an
 AVX2 host's code on an AVX-512 one). Prints ms per layer with GB/s of KV read
 (decode, with its share of the host's one-thread read bandwidth, bench/roofline.py's
@@ -33,7 +34,7 @@ import itertools
 import time
 
 import torch
-from common import best_cpu_seconds
+from common import LLAMA_BENCH_CONFIG, best_cpu_seconds, random_prompts
 
 from shardline.engine.kernels import (
     paged_attention,
@@ -127,26 +128,15 @@ def engine_order_tables(prompts: list[int], lengths: list[int], block_size: int)
     return block_tables
 
 
-def bench_cpu(repeat: int) -> None:
-    """The C decode and prefill kernels on bench_engine's workload (see the module docstring)."""
-    from common import LLAMA_BENCH_CONFIG, random_prompts
-
-    from shardline.engine.cpu.capability import host_cpu
+def bench_cpu_decode(prompts: list[int], outputs_done: int, bandwidth: float, repeat: int) -> None:
+    """The decode kernel on requests ``outputs_done`` tokens past their ``prompts``, over
+    8 layers' caches, its block tables shuffled and in the engine's order."""
     from shardline.engine.kernels.cpu_attention import decode_attention
-    from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
 
-    torch.set_num_threads(1)
     heads, kv_heads = LLAMA_BENCH_CONFIG["num_attention_heads"], LLAMA_BENCH_CONFIG["num_key_value_heads"]
     head_dim, block_size, layers = LLAMA_BENCH_CONFIG["hidden_size"] // heads, 16, 8
-    prompts = [len(p) for p in random_prompts(64, 32, 512, LLAMA_BENCH_CONFIG["vocab_size"])]
     scale = head_dim ** -0.5
-    from roofline import memory_bandwidth
-
-    bandwidth = memory_bandwidth(time.thread_time, 256 << 20)["read"]  # one thread, as the kernels are timed
-    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
-
-    lengths = [n + 64 for n in prompts]  # halfway through 128 output tokens
+    lengths = [n + outputs_done for n in prompts]
     block_tables, caches = cpu_batch(lengths, heads, kv_heads, head_dim, block_size, layers)
     query = torch.randn(len(lengths), heads, head_dim)
     out = torch.empty_like(query)
@@ -162,11 +152,31 @@ def bench_cpu(repeat: int) -> None:
         seconds = best_cpu_seconds(lambda tables=tables: [
             decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale) for k, v in caches],
             repeat) / layers
-        print(f"{f'decode 64 x {sum(lengths) // 64} ctx, {order}':<34} {seconds * 1e3:8.2f} ms/layer "
-              f"{kv_bytes / seconds / 1e9:7.1f} GB/s of KV ({100 * kv_bytes / seconds / bandwidth:3.0f}% of the read "
-              "bandwidth)")
+        label = f"decode {len(lengths)} x {sum(lengths) // len(lengths)} ctx, {order}"
+        print(f"{label:<34} {seconds * 1e3:8.2f} ms/layer {kv_bytes / seconds / 1e9:7.1f} GB/s of KV "
+              f"({100 * kv_bytes / seconds / bandwidth:3.0f}% of the read bandwidth)")
 
-    block_tables, [(k_cache, v_cache)] = cpu_batch(prompts, heads, kv_heads, head_dim, block_size, 1)
+
+def bench_cpu(repeat: int) -> None:
+    """The C decode and prefill kernels on bench_engine's workloads (see the module docstring)."""
+    from roofline import memory_bandwidth
+
+    from shardline.engine.cpu.capability import host_cpu
+    from shardline.engine.kernels.cpu_prefill_attention import prefill_attention
+
+    torch.set_num_threads(1)
+    heads, kv_heads = LLAMA_BENCH_CONFIG["num_attention_heads"], LLAMA_BENCH_CONFIG["num_key_value_heads"]
+    head_dim = LLAMA_BENCH_CONFIG["hidden_size"] // heads
+    prompts = [len(p) for p in random_prompts(64, 32, 512, LLAMA_BENCH_CONFIG["vocab_size"])]
+    scale = head_dim ** -0.5
+    bandwidth = memory_bandwidth(time.thread_time, 256 << 20)["read"]  # one thread, as the kernels are timed
+    print(f"host: {host_cpu().describe()}; one thread, CPU time, best of {repeat}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    bench_cpu_decode(prompts, 64, bandwidth, repeat)  # the default workload, halfway through 128 outputs
+    long_outputs = [len(p) for p in random_prompts(16, 32, 128, LLAMA_BENCH_CONFIG["vocab_size"])]
+    bench_cpu_decode(long_outputs, 256, bandwidth, repeat)  # the sweep's long outputs, halfway through 512
+
+    block_tables, [(k_cache, v_cache)] = cpu_batch(prompts, heads, kv_heads, head_dim, 16, 1)
     query = torch.randn(sum(prompts), heads, head_dim)
     out = torch.empty_like(query)
     query_start_loc, seq_lens = torch.tensor([0, *itertools.accumulate(prompts)]), torch.tensor(prompts)
