@@ -335,13 +335,24 @@ static inline void store_tile(float result[DR][DMT], int64_t n0, int64_t m0, int
             out[(m0 + m) * out_stride + n0 + r] = f32_to_bf16(result[r][m] + (bias ? bias[n0 + r] : 0.0f));
 }
 
-/* x_sums[m][g]: x row m's sum over W4 group g (float32, in order). */
+/* x_sums[m][g]: x row m's sum over W4 group g (float32): 32 columns a step in two
+ * vectors (the even and the odd columns, each bfloat16 widened by its bits), then the
+ * last group % 32 in order (one scalar chain of adds, each waiting for the last, was a
+ * visible part of a 4-bit decode call). */
 static void group_sums(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t group, int64_t K, float *x_sums) {
     const int64_t groups = K / group;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t k = g * group; k < (g + 1) * group; k++) sum += bf16_to_f32(x[m * x_stride + k]);
+            const uint16_t *column = x + m * x_stride + g * group;
+            __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 32 <= group; k += 32) {
+                const __m512i pairs = _mm512_loadu_si512(column + k);
+                even = _mm512_add_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+                odd = _mm512_add_ps(odd, _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000))));
+            }
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+            for (; k < group; k++) sum += bf16_to_f32(column[k]);
             x_sums[m * groups + g] = sum;
         }
 }
