@@ -20,6 +20,8 @@ kernels/cpu_fused.c instead, one pass each:
   A layer is replaced only if the replacement gives the layer's own output on a probe
   step; anything else (training, float64, no engine attention context) goes to the
   layer's own forward.
+- A decoder whose every layer was replaced becomes a FusedDecoder (cpu/fused_decoder.py):
+  the same parts in the same order without transformers' per-call plumbing.
 - The last of those layers feeds only the final norm and the LM head, which read the
   rows the step samples. On a step that samples fewer rows than it runs (prefill
   chunks), it writes every token's keys and values to the cache but runs queries,
@@ -47,6 +49,7 @@ from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm
 from ..quantization.linear import QuantizedLinear
 from ..quantization.stacked import stacked_projection
 from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
+from .fused_decoder import fuse_decoders
 from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
 from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder, WeightedNorm
 
@@ -345,8 +348,12 @@ def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:
     the layer's own output on a probe step (see the module docstring); returns how
     many were replaced. ``rows_hint`` is the row count oneDNN tunes the packed query,
     key and value weights for (see cpu/linear.py, pack_linears)."""
-    return replace_decoder_layers(model, lambda layer, position, rotary_emb, is_last: _fused_layer(
+    num_layers = replace_decoder_layers(model, lambda layer, position, rotary_emb, is_last: _fused_layer(
         layer, rotary_emb, is_last=is_last, rows_hint=rows_hint))
+    if num_layers:  # a decoder whose every layer is fused runs without transformers' plumbing
+        decoders = fuse_decoders(model, lambda layer: isinstance(layer, FusedDecoderLayer), same_output)
+        logger.info("fused decoder forwards: %d", decoders)
+    return num_layers
 
 
 # replacement(layer, position, rotary_emb, is_last): the layer's replacement, or None.

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from shardline.engine.cpu import layers as cpu_layers
+from shardline.engine.cpu.fused_decoder import FusedDecoder
 from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available
 from shardline.engine.model.tiny import build_tiny_model
@@ -33,6 +34,9 @@ def fused_layers(llm) -> int:
 def unfuse(model: torch.nn.Module) -> None:
     """Back to the original norms and layers, and SiLU by ``act_fn`` (the packed
     linears stay)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedDecoder):
+            replace(model, name, module.original)
     for kind, original in ((FusedDecoderLayer, "layer"), (FusedRMSNorm, "norm")):
         for name, module in list(model.named_modules()):
             if isinstance(module, kind):
@@ -59,6 +63,7 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
     prompts = [[5, 6, 7], list(range(3, 70)), [(7 * i) % 400 + 3 for i in range(200)]]
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=128)
     assert fused_layers(llm) == (2 if arch in FUSED_ARCHS else 0)
+    assert isinstance(llm.llm_engine.model.model, FusedDecoder) == (arch in FUSED_ARCHS)
     first_layer, last_layer = llm.llm_engine.model.model.layers
     first, last = first_layer.self_attn, last_layer.self_attn
     # Where oneDNN packs this dtype, fused layers project q, k and v in one matmul; the
@@ -73,7 +78,7 @@ def test_fused_layers_give_the_modules_greedy_tokens(arch_dir, dtype):
         assert isinstance(last.k_proj, PackedLinear)
     fused = generate(llm, prompts)
     unfuse(llm.llm_engine.model)
-    assert fused_layers(llm) == 0
+    assert fused_layers(llm) == 0 and not isinstance(llm.llm_engine.model.model, FusedDecoder)
     reference = generate(llm, prompts)
     llm.close()
     assert [o.token_ids for o in fused] == [o.token_ids for o in reference]
