@@ -24,6 +24,12 @@ AVX2 host's code on an AVX-512 one). Prints ms per layer with GB/s of KV read
 (decode, with its share of the host's one-thread read bandwidth, bench/roofline.py's
 memory_bandwidth) and GFLOP/s (prefill).
 
+--cpu --baseline REV: the decode (engine order) and prefill shapes of --cpu with the
+kernels' sources at git revision REV beside the working tree's, built for the same
+target and run alternately round by round in one process (best of --repeat each),
+with the working tree's speed over REV's: how a kernel change is judged on a machine
+whose speed swings between runs.
+
 Each kernel is checked against its reference first.
 """
 
@@ -224,12 +230,90 @@ def bench_prefill_sweep(repeat: int) -> None:
     print("(GFLOP/s, and its share of the float32 matmul peak)")
 
 
+def baseline_libraries(revision: str) -> dict[str, object]:
+    """The decode and prefill kernels' libraries built from their sources at git
+    ``revision`` (every C file and header of engine/kernels copied to a scratch
+    directory) with the engine's build flags for the current target, uncached: the
+    engine's library cache keys a source by the working tree's headers."""
+    import ctypes
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from shardline.engine.kernels import cpu_attention, cpu_prefill_attention
+    from shardline.engine.kernels.native import BUILD_FLAGS, PAGED_ATTENTION_ARGTYPES, declare, kernel_target
+
+    kernels = Path(cpu_attention.__file__).parent
+    scratch = Path(tempfile.mkdtemp(prefix="shardline-baseline-"))
+    names = subprocess.run(["git", "ls-tree", "--name-only", revision, "./"], cwd=kernels, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in (n for n in names if n.endswith((".c", ".h"))):
+        source = subprocess.run(["git", "show", f"{revision}:./{name}"], cwd=kernels, check=True,
+                                capture_output=True).stdout
+        (scratch / name).write_bytes(source)
+    libraries = {}
+    for source, function, extra in ((cpu_attention.SOURCE, "decode_attention_f32", []),
+                                    (cpu_prefill_attention.SOURCE, "prefill_attention_f32", [ctypes.c_void_p])):
+        output = scratch / f"{source.stem}.so"
+        subprocess.run([os.environ.get("CC") or "cc", *BUILD_FLAGS, f"-march={kernel_target()}",
+                        str(scratch / source.name), "-o", str(output), "-lm"], check=True, capture_output=True)
+        library = ctypes.CDLL(str(output))
+        declare(library, [function], [*PAGED_ATTENTION_ARGTYPES, *extra], None if not extra else ctypes.c_int)
+        libraries[source.name] = library
+    return libraries
+
+
+def bench_baseline(revision: str, repeat: int) -> None:
+    """The working tree's decode and prefill kernels against ``revision``'s, alternately."""
+    from shardline.engine.kernels import cpu_attention, cpu_prefill_attention
+    from shardline.engine.kernels.native import call_paged_attention
+
+    torch.set_num_threads(1)
+    baseline = baseline_libraries(revision)
+    current = {module.SOURCE.name: module.load_library() for module in (cpu_attention, cpu_prefill_attention)}
+    heads, kv_heads = LLAMA_BENCH_CONFIG["num_attention_heads"], LLAMA_BENCH_CONFIG["num_key_value_heads"]
+    head_dim, vocab = LLAMA_BENCH_CONFIG["hidden_size"] // heads, LLAMA_BENCH_CONFIG["vocab_size"]
+    cases = []  # (label, kernel source, calls: (query, k, v, tables, index arrays, requests, out) each)
+    for prompts, done in (([len(p) for p in random_prompts(64, 32, 512, vocab)], 64),
+                          ([len(p) for p in random_prompts(16, 32, 128, vocab)], 256)):
+        lengths = [n + done for n in prompts]
+        _, caches = cpu_batch(lengths, heads, kv_heads, head_dim, 16, 8)
+        tables, rows = engine_order_tables(prompts, lengths, 16), torch.arange(len(lengths))
+        query = torch.randn(len(lengths), heads, head_dim)
+        calls = [(query, k, v, tables, (torch.tensor(lengths), rows), rows, torch.empty_like(query))
+                 for k, v in caches]
+        cases.append((f"decode {len(lengths)} x {sum(lengths) // len(lengths)} ctx, 8 layers",
+                      cpu_attention.SOURCE.name, "decode_attention_f32", (), calls))
+    prompts = [len(p) for p in random_prompts(64, 32, 512, vocab)]
+    tables, [(k, v)] = cpu_batch(prompts, heads, kv_heads, head_dim, 16, 1)
+    query = torch.randn(sum(prompts), heads, head_dim)
+    starts = torch.tensor([0, *itertools.accumulate(prompts)])
+    cases.append(("prefill 64 prompts fresh", cpu_prefill_attention.SOURCE.name, "prefill_attention_f32", (None,),
+                  [(query, k, v, tables, (starts, torch.tensor(prompts)), torch.arange(64), torch.empty_like(query))]))
+    print(f"one thread, CPU time, best of {repeat} each, alternating; working tree against {revision}")
+    for label, source, function, extra, calls in cases:
+        def run(library, calls=calls, function=function, extra=extra):
+            for query, k, v, tables, indices, requests, out in calls:
+                call_paged_attention(getattr(library, function), query, k, v, tables, indices, requests, out,
+                                     head_dim ** -0.5, None, None, extra=extra)
+        best = {"tree": float("inf"), revision: float("inf")}
+        for round_index in range(repeat):
+            sides = [("tree", current[source]), (revision, baseline[source])]
+            for side, library in sides[::-1] if round_index % 2 else sides:
+                best[side] = min(best[side], best_cpu_seconds(lambda library=library: run(library), 1, True))
+        print(f"{label:<34} {revision} {best[revision] * 1e3:8.2f} ms, tree {best['tree'] * 1e3:8.2f} ms: "
+              f"{best[revision] / best['tree']:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the C kernels on bench_engine's workload")
     parser.add_argument("--repeat", type=int, default=5, help="--cpu: timed runs of each kernel, best taken")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="--cpu: the prefill kernel by rows, head size, query heads per KV head and dtype")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="--cpu: the working tree's kernels against those at git revision REV, alternately")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -237,7 +321,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     if args.cpu:
-        if args.prefill_sweep:
+        if args.baseline:
+            bench_baseline(args.baseline, args.repeat)
+        elif args.prefill_sweep:
             bench_prefill_sweep(args.repeat)
         else:
             bench_cpu(args.repeat)
