@@ -203,10 +203,13 @@ static inline __attribute__((always_inline)) void lane_sums(const __m512 *acc, i
  * Four rows give 4 rows of x sixteen independent accumulators, enough to cover the
  * dot product's latency (two rows' eight were not), and halve the tiles' epilogues
  * (the reductions, the tail, the stores) against two rows. The rows are one
- * contiguous stretch of the weight, and each step prefetches the next tile's stretch
- * in order, as many bytes as the step reads (a short row is too short a stream for
- * the hardware prefetcher, and streams of several rows at once measured slower). */
+ * contiguous stretch of the weight, and each step prefetches the stretch of the tile
+ * PREFETCH_TILES ahead in order, as many bytes as the step reads (a short row is too
+ * short a stream for the hardware prefetcher, and streams of several rows at once
+ * measured slower; one tile ahead, the lines came too late once the tiles' decoding
+ * got faster). */
 #define DR 4
+#define PREFETCH_TILES 2
 #define DMT 8
 #define DMT_BLOCKED 4
 
@@ -222,7 +225,7 @@ static inline __attribute__((always_inline)) void w8_tile(
     float tail[DR][DMT];
     for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), tail[r][m] = 0.0f;
-    const uint8_t *next = w[0] + DR * K;  /* rows past N repeat the last: w[1] - w[0] is K or 0 */
+    const uint8_t *next = w[0] + PREFETCH_TILES * DR * K;  /* past the weight's end: prefetches never fault */
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
         const int64_t k1 = blocked ? min64(K, k0 + bk) : K;
         __m512 part[DR][DMT];
@@ -276,7 +279,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     __m512 acc[DR][DMT];
     for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
-    const uint8_t *next = w[0] + DR * (K / 2);
+    const uint8_t *next = w[0] + PREFETCH_TILES * DR * (K / 2);
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, g++) {
         __m512 part[DR][DMT];
         for (int r = 0; r < DR; r++)
