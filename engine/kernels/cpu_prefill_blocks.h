@@ -16,7 +16,7 @@
 
 #define KB (2 * VL)     /* keys per block, their scores VL accumulators at a time */
 #define CB VL           /* output columns in registers at a time in P.V */
-#define TILE_ROWS 64    /* query rows (tokens x heads of a KV head) an item aims at */
+#define TILE_ROWS 128   /* query rows (tokens x heads of a KV head) an item aims at */
 #define MAX_HEAD_DIM 256
 
 /* What every item of a call shares. */

@@ -140,10 +140,10 @@ def test_image_rows_see_their_whole_image(sliding_window, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2), (16, 2), (32, 1)])
 def test_tiles_and_blocks_of_every_size(num_heads, num_kv_heads, head_dim, dtype):
-    """Prompts of 1 row, rows just past and short of a tile (64 query rows of a KV
+    """Prompts of 1 row, rows just past and short of a tile (128 query rows of a KV
     head) and of a key block (32 keys), chunks continuing a cached prefix; each query
     head group size the tiles split differently."""
-    check([0, 0, 0, 31, 100, 7], [1, 33, 65, 2, 97, 130], num_heads=num_heads, num_kv_heads=num_kv_heads,
+    check([0, 0, 0, 31, 100, 7, 0], [1, 33, 65, 2, 97, 130, 127], num_heads=num_heads, num_kv_heads=num_kv_heads,
           head_dim=head_dim, dtype=dtype)
 
 
