@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -223,14 +223,17 @@ class FusedDecoderLayer(LayerReplacement):
                 or hidden_states.dtype not in FUSED_DTYPES):
             return self.layer(hidden_states, *args, position_embeddings=position_embeddings,
                               shardline_ctx=shardline_ctx, **kwargs)
-        layer = self.layer
-        attention = layer.self_attn
+        # Submodules read from their dicts: through Module.__getattr__ (and this class's)
+        # each costs a few lookups, a dozen times a layer a step.
+        parts = cast(nn.Module, self._modules["layer"])._modules
+        attention_module = cast(nn.Module, parts["self_attn"])
+        attention = cast(LlamaAttention, attention_module)
         head_dim = attention.head_dim
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens = x.shape[0]
         if self.is_last and _reads_sampled_rows_only(shardline_ctx, tokens):
             return _sampled_rows_forward(self, x, position_embeddings, shardline_ctx).view(hidden_states.shape)
-        normed = norm_rows(layer.input_layernorm, x)
+        normed = norm_rows(cast(nn.Module, parts["input_layernorm"]), x)
         query, key, value = self._project_qkv(attention, normed)
         if self.norms_heads and _norms_heads(attention):  # Qwen3: a norm over each head before the rotation
             query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
@@ -239,9 +242,9 @@ class FusedDecoderLayer(LayerReplacement):
         rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
         attended = self._attend(attention, query, key, value, shardline_ctx)
         # The residual stream: x + attention's output, summed into o_proj's fresh output.
-        residual = attention.o_proj(attended.reshape(tokens, -1))
-        normed = add_norm_rows(layer.post_attention_layernorm, residual, x)
-        return layer.mlp(normed).add_(residual).view(hidden_states.shape)
+        residual = cast(nn.Module, attention_module._modules["o_proj"])(attended.reshape(tokens, -1))
+        normed = add_norm_rows(cast(nn.Module, parts["post_attention_layernorm"]), residual, x)
+        return cast(nn.Module, parts["mlp"])(normed).add_(residual).view(hidden_states.shape)
 
     def _attend(self, attention: LlamaAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -262,8 +265,9 @@ class FusedDecoderLayer(LayerReplacement):
         they were (views of its output, rows of D contiguous), or the quantized ones
         stacked, else the three projections."""
         tokens, head_dim = x.shape[0], attention.head_dim
-        if self.stacked_qkv is not None:
-            query, key, value = self.stacked_qkv(x).split(self.qkv_sizes, dim=-1)
+        stacked_qkv = self._modules.get("stacked_qkv")  # a submodule when set (see forward)
+        if stacked_qkv is not None:
+            query, key, value = stacked_qkv(x).split(self.qkv_sizes, dim=-1)
         elif self.packed_qkv is None or x.dtype != self.qkv_dtype:
             query, key, value = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         else:
