@@ -1,4 +1,5 @@
-"""glibc's allocator, set for a CPU engine's step-sized temporaries.
+"""Process memory for a CPU engine: glibc's allocator set for step-sized temporaries,
+and huge pages for the paged KV cache.
 
 Every step of a CPU engine allocates and frees the same few large temporaries: a
 2048-token step's gate and up projections alone are [2048, 3072] float32, 25 MB.
@@ -13,6 +14,10 @@ raises the trim threshold, so freed step temporaries stay in the heap for the ne
 step instead of going back to the kernel. Peak memory is unchanged: what is kept is
 what the next step allocates again. Set SHARDLINE_MALLOC_TUNING=0 to leave the
 allocator alone (for example under jemalloc or tcmalloc, where it does not apply).
+
+``huge_page_zeros`` allocates the KV cache's buffers with the kernel asked for
+transparent huge pages: a decode step reads scattered blocks across all of the cache,
+and with 4 KiB pages most of those reads also miss the TLB.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import logging
 import os
 import platform
 import threading
+from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +86,46 @@ def release_freed_memory() -> bool:
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
     return True
+
+
+MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE_BYTES = 2 << 20
+HUGE_PAGE_MIN_BYTES = 8 << 20  # below this a tensor spans too few huge pages to matter
+
+_madvise: Any = False  # libc's madvise; False: not looked up yet, None: unavailable
+
+
+def _madvise_function() -> Any:
+    global _madvise
+    with _lock:
+        if _madvise is False:
+            _madvise = None
+            if platform.system() == "Linux":
+                try:
+                    function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+                    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                    function.restype = ctypes.c_int
+                    _madvise = function
+                except (OSError, AttributeError):
+                    pass
+        return _madvise or None
+
+
+def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the kernel is asked to back with transparent huge
+    pages (Linux's madvise(MADV_HUGEPAGE) over the tensor's whole 2 MiB pages, before
+    its first touch), for the large buffers a step reads through once, such as the
+    paged KV cache: with 4 KiB pages a decode step's scattered block reads miss the TLB
+    on most pages. The advice only helps; where the kernel refuses it (huge pages
+    "never", no Linux) the tensor is the same zeros in ordinary pages.
+    SHARDLINE_HUGE_PAGES=0 leaves the pages alone."""
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = _madvise_function() if nbytes >= HUGE_PAGE_MIN_BYTES else None
+    if madvise is not None and os.environ.get("SHARDLINE_HUGE_PAGES", "1") != "0":
+        start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (tensor.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if end > start and madvise(start, end - start, MADV_HUGEPAGE) != 0:
+            logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the buffer keeps 4 KiB pages",
+                         ctypes.get_errno())
+    return tensor.zero_()

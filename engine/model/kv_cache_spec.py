@@ -38,6 +38,7 @@ import transformers
 
 from ..core.kv_cache import blocks_needed
 from ..core.window_blocks import CHUNKED, FULL, SLIDING, LayerGroup, WindowedLayout, layer_groups, split_budget
+from ..cpu.memory import huge_page_zeros
 from .adapters.deepseek_v4 import COMPRESSED_MODEL_TYPES, COMPRESSED_TYPES, compressed_row_width
 from .adapters.indexer import index_key_width
 from .adapters.inkling import INKLING_TYPES, inkling_conv_widths, inkling_kv_width
@@ -151,8 +152,11 @@ class KVCacheSpec:
         for index, layer in enumerate(self.layers):
             count = layer_num_blocks[index] if layer_num_blocks is not None else num_blocks
             key_shape, value_shape = layer.block_shapes(count, block_size)
-            caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
-                           torch.zeros(value_shape, dtype=self.dtype, device=device)))
+            if torch.device(device).type == "cpu":  # scattered block reads: huge pages spare the TLB
+                caches.append((huge_page_zeros(key_shape, self.dtype), huge_page_zeros(value_shape, self.dtype)))
+            else:
+                caches.append((torch.zeros(key_shape, dtype=self.dtype, device=device),
+                               torch.zeros(value_shape, dtype=self.dtype, device=device)))
         return caches
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shardline.engine.cpu import memory as cpu_memory
 
@@ -60,3 +61,48 @@ def test_applied_once_per_process(monkeypatch):
     monkeypatch.setattr(cpu_memory, "_apply", lambda: calls.append(1) or True)
     assert cpu_memory.keep_freed_memory() and cpu_memory.keep_freed_memory()
     assert calls == [1]
+
+
+def vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "VmFlags:":
+                return fields[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def huge_pages_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return setting.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_huge_page_zeros_advises_whole_huge_pages(monkeypatch, opt_out):
+    if opt_out:
+        monkeypatch.setenv("SHARDLINE_HUGE_PAGES", "0")
+    else:
+        monkeypatch.delenv("SHARDLINE_HUGE_PAGES", raising=False)
+    tensor = cpu_memory.huge_page_zeros((5, 1 << 20), torch.float32)  # 20 MiB
+    assert tensor.shape == (5, 1 << 20) and tensor.dtype == torch.float32
+    assert not tensor.any()
+    interior = -(-tensor.data_ptr() // cpu_memory.HUGE_PAGE_BYTES) * cpu_memory.HUGE_PAGE_BYTES
+    advised = "hg" in vm_flags_at(interior)
+    if opt_out:
+        assert not advised
+    elif huge_pages_mode() in ("always", "madvise"):
+        assert advised
+
+
+def test_small_buffers_keep_ordinary_pages():
+    tensor = cpu_memory.huge_page_zeros((16, 16), torch.bfloat16)
+    assert tensor.shape == (16, 16) and tensor.dtype == torch.bfloat16 and not tensor.any()
