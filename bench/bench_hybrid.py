@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import bench_engine
 import torch
 import transformers
 from bench_engine import run_hf_static, run_shardline
-from common import LLAMA_BENCH_CONFIG, build_bench_model, random_prompts
+from common import LLAMA_BENCH_CONFIG, build_bench_model, random_prompts, scratch_dir
 
 from shardline import LLM, SamplingParams
 from shardline.engine.model.tiny import build_tokenizer
@@ -47,7 +46,7 @@ HYBRID_BENCH_CONFIG = dict(
 
 def build_hybrid_model(path: Path | None = None) -> str:
     """Write the hybrid benchmark model (random weights) and a tokenizer; return its directory."""
-    path = Path(path or tempfile.mkdtemp(prefix="shardline-bench-hybrid-"))
+    path = Path(path or scratch_dir("shardline-bench-hybrid-"))
     build_tokenizer(path)
     config = dict(HYBRID_BENCH_CONFIG)
     config["layer_types"] = config["layer_types"] * (config["num_hidden_layers"] // 4)

@@ -43,13 +43,12 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import build_bench_model, random_prompts, run_clock
+from common import build_bench_model, random_prompts, run_clock, scratch_dir
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu.capability import host_cpu
@@ -134,7 +133,7 @@ def write_int4_checkpoint(float_dir: str, group_size: int) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine.quantization import checkpoints
 
-    out_dir = tempfile.mkdtemp(prefix="shardline-bench-gptq-")
+    out_dir = scratch_dir("shardline-bench-gptq-")
     config = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": True,
               "checkpoint_format": "gptq"}
     checkpoints.write_quantized(float_dir, out_dir, config, checkpoints.gptq(group_size, True))
@@ -147,7 +146,7 @@ def write_w8a8_checkpoint(float_dir: str) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine.quantization import checkpoints
 
-    out_dir = tempfile.mkdtemp(prefix="shardline-bench-w8a8-")
+    out_dir = scratch_dir("shardline-bench-w8a8-")
     config = checkpoints.compressed_config(
         "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
         {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True})
@@ -161,7 +160,7 @@ def write_int8_asymmetric_checkpoint(float_dir: str) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.engine.quantization import checkpoints
 
-    out_dir = tempfile.mkdtemp(prefix="shardline-bench-int8-asym-")
+    out_dir = scratch_dir("shardline-bench-int8-asym-")
     config = checkpoints.compressed_config(
         "int-quantized", {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"})
     checkpoints.write_quantized(float_dir, out_dir, config, checkpoints.int8_asymmetric(per_channel=True))

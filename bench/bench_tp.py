@@ -37,12 +37,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import transformers
-from common import build_bench_model, random_prompts
+from common import build_bench_model, random_prompts, scratch_dir
 from safetensors.torch import load_file, save_file
 
 from shardline import LLM, SamplingParams
@@ -163,7 +162,7 @@ def engine_memory(model_dir: str) -> None:
 def build_moe_model(layers: int, hidden: int) -> str:
     """A Qwen3-MoE-shaped model (8 experts of intermediate size ``hidden``, 2 per token)
     with random weights, saved as transformers saves it (experts per expert)."""
-    path = tempfile.mkdtemp(prefix="shardline-bench-moe-")
+    path = scratch_dir("shardline-bench-moe-")
     build_tokenizer(path)
     config = transformers.Qwen3MoeConfig(
         vocab_size=16384, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,9 +23,18 @@ LLAMA_BENCH_CONFIG = dict(
 )
 
 
+def scratch_dir(prefix: str) -> str:
+    """A fresh temporary directory removed when the benchmark's process exits (a
+    bench-sized model is hundreds of MB; left behind, repeated runs fill the disk)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def build_bench_model(path: Path | None = None, **overrides) -> str:
-    """Write the benchmark model (random weights) and a tokenizer; return its directory."""
-    path = Path(path or tempfile.mkdtemp(prefix="shardline-bench-"))
+    """Write the benchmark model (random weights) and a tokenizer; return its directory
+    (without ``path``, a scratch directory removed at exit)."""
+    path = Path(path or scratch_dir("shardline-bench-"))
     build_tokenizer(path)
     config = transformers.LlamaConfig(**{**LLAMA_BENCH_CONFIG, **overrides})
     torch.manual_seed(0)
