@@ -92,8 +92,10 @@ def test_huge_page_zeros_advises_whole_huge_pages(monkeypatch, opt_out):
         monkeypatch.setenv("SHARDLINE_HUGE_PAGES", "0")
     else:
         monkeypatch.delenv("SHARDLINE_HUGE_PAGES", raising=False)
-    tensor = cpu_memory.huge_page_zeros((5, 1 << 20), torch.float32)  # 20 MiB
-    assert tensor.shape == (5, 1 << 20) and tensor.dtype == torch.float32
+    # 40 MiB: above glibc's largest mmap threshold, so a fresh mapping, never heap pages
+    # an earlier test's tensor had advised
+    tensor = cpu_memory.huge_page_zeros((10, 1 << 20), torch.float32)
+    assert tensor.shape == (10, 1 << 20) and tensor.dtype == torch.float32
     assert not tensor.any()
     interior = -(-tensor.data_ptr() // cpu_memory.HUGE_PAGE_BYTES) * cpu_memory.HUGE_PAGE_BYTES
     advised = "hg" in vm_flags_at(interior)
