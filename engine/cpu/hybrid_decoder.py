@@ -42,8 +42,9 @@ from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from ..recurrent.state import RecurrentLayer
 from ..surgery import probe_matches, replace
-from .layers import FUSED_DTYPES, LayerReplacement, add_norm_rows, norm_rows, replace_decoder_layers, same_output
+from .layers import LayerReplacement, replace_decoder_layers
 from .linear import PackedLinear, packable_side_by_side, packed_matmul
+from .norms import FUSED_DTYPES, add_norm_rows, norm_rows, same_output
 from .protocols import (
     AttentionFunction,
     GatedAttention,

@@ -47,8 +47,9 @@ from ..recurrent.gated_delta_net import (
 from ..recurrent.state import RecurrentLayer, StepHolder
 from ..surgery import decoder_layers, replace
 from .hybrid_decoder import FusedHybridDecoderLayer, fuse_hybrid_decoder_layers
-from .layers import FUSED_DTYPES, FusedDecoderLayer, FusedRMSNorm, norm_epsilon, same_output
+from .layers import FusedDecoderLayer
 from .linear import FusedGatedMLP, packable_side_by_side, packed_matmul
+from .norms import FUSED_DTYPES, FusedRMSNorm, norm_epsilon, same_output
 
 logger = logging.getLogger(__name__)
 

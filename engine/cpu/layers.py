@@ -3,11 +3,8 @@
 On CPU, the ops between a layer's matmuls cost more than their arithmetic: each torch
 op is a dispatch and a fresh temporary, and transformers' RMSNorm runs seven of them,
 rotary embeddings ten. This module replaces modules by ones that run
-kernels/cpu_fused.c instead, one pass each:
+kernels/cpu_fused.c instead, one pass each (the norms alone: cpu/norms.py):
 
-- ``fuse_rms_norms``: every RMSNorm-like module (a 1-D ``weight`` and an epsilon)
-  whose output the fused kernel reproduces on a probe input becomes a FusedRMSNorm;
-  Gemma-style norms (``1 + weight``) fail the probe and stay as they are.
 - ``fuse_decoder_layers``: decoder layers of the Llama family (Llama, Mistral, Qwen2,
   Qwen3) become FusedDecoderLayers, whose forward calls the layer's own submodules (packed linears,
   norms, LoRA wrappers, the engine's attention) but fuses the residual add into the
@@ -45,20 +42,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions, attend_in_context, paged_attention_forward
-from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rotary_
+from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from ..quantization.linear import QuantizedLinear
 from ..quantization.stacked import stacked_projection
-from ..surgery import called_on, probe_matches, replace, replace_if_reproduces, reproduces
+from ..surgery import probe_matches, replace
 from .fused_decoder import fuse_decoders
 from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
-from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder, WeightedNorm
+from .norms import FUSED_DTYPES, add_norm_rows, norm_rows, same_output
+from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder
 
 if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
     from typing_extensions import TypeIs
 
 logger = logging.getLogger(__name__)
-
-FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 # Decoder-layer classes whose forward is the Llama pattern (pre-norm attention and
 # MLP, residual adds), mapped to where their attention reads its sliding window.
@@ -68,97 +64,6 @@ LAYER_WINDOWS = {
     "Qwen2DecoderLayer": lambda attention: attention.sliding_window,
     "Qwen3DecoderLayer": lambda attention: attention.sliding_window,
 }
-
-
-def same_output(actual: object, expected: object) -> bool:
-    """Whether a replacement's output reproduces the module's (bfloat16 within its rounding)."""
-    return reproduces(actual, expected, bfloat16_tolerance=2e-2)
-
-
-def norm_epsilon(module: object) -> float | None:
-    """A norm's epsilon (``variance_epsilon`` or ``eps``), or None where it has no float one."""
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
-
-
-def fused_norm_epsilon(norm: nn.Module) -> float:
-    """The epsilon of a norm the fused kernel runs (one with a float ``variance_epsilon``
-    or ``eps``, as the fused norms' checks require)."""
-    eps = norm_epsilon(norm)
-    if eps is None:
-        raise TypeError(f"{type(norm).__name__} has no float variance_epsilon or eps for the fused kernel")
-    return eps
-
-
-def _has_weight(module: object) -> TypeIs[WeightedNorm]:
-    return isinstance(getattr(module, "weight", None), torch.Tensor)
-
-
-def _is_rms_norm(module: object) -> TypeIs[WeightedNorm]:
-    weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and norm_epsilon(module) is not None and weight.device.type == "cpu" and weight.dtype in FUSED_DTYPES)
-
-
-class FusedRMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` in one pass of the fused kernel; ``norm``
-    is the original module, whose forward runs with gradients on or another dtype."""
-
-    norm: WeightedNorm  # registered as a submodule; typed by what is read of it
-    eps: float
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        if not _has_weight(norm):
-            raise TypeError(f"{type(norm).__name__} has no weight tensor for the fused kernel")
-        self.norm = norm
-        self.eps = fused_norm_epsilon(norm)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.norm.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., hidden] -> [..., hidden]
-        if x.dtype != self.weight.dtype or torch.is_grad_enabled():
-            return self.norm(x)
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return rms_norm(rows, self.weight, self.eps).view(x.shape)
-
-
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Replace every RMSNorm the fused kernel reproduces by a FusedRMSNorm (see the
-    module docstring); returns how many were replaced."""
-    modules: list[tuple[str, nn.Module]] = list(model.named_modules())
-    targets = [(name, module) for name, module in modules if _is_rms_norm(module)]
-    num_fused = 0
-    for name, norm in targets:
-        if not fused_kernels_available(norm.weight.dtype):
-            break
-        probe = torch.randn(5, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
-        num_fused += replace_if_reproduces(model, name, FusedRMSNorm(norm), called_on(probe.to(norm.weight.dtype)),
-                                           same_output)
-    return num_fused
-
-
-def norm_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for 2-D x, through the kernel when the norm was fused."""
-    if isinstance(module, FusedRMSNorm):
-        return rms_norm(x if x.stride(-1) == 1 else x.contiguous(), module.weight, module.eps)
-    return module(x)
-
-
-def add_norm_rows(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """residual += delta in place (both [T, hidden]); returns module(residual)."""
-    if isinstance(module, FusedRMSNorm) and residual.stride(1) == 1 and delta.stride(1) == 1:
-        return add_rms_norm_(residual, delta, module.weight, module.eps)
-    residual.add_(delta)
-    return module(residual)
 
 
 def _norms_heads(attention: LlamaAttention) -> TypeIs[HeadNormedAttention]:

@@ -9,8 +9,9 @@ import transformers
 
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.fused_decoder import FusedDecoder
-from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm, fuse_decoder_layers, fuse_rms_norms
+from shardline.engine.cpu.layers import FusedDecoderLayer, fuse_decoder_layers
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear, onednn_linear_available
+from shardline.engine.cpu.norms import FusedRMSNorm, fuse_rms_norms
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.surgery import replace
 

@@ -16,8 +16,9 @@ import transformers
 from shardline.engine.cpu import capability as cpu_capability
 from shardline.engine.cpu import paths as cpu_paths
 from shardline.engine.cpu.capability import HostCpu, ModelShape, host_cpu
-from shardline.engine.cpu.layers import FusedDecoderLayer, FusedRMSNorm
+from shardline.engine.cpu.layers import FusedDecoderLayer
 from shardline.engine.cpu.linear import FusedGatedMLP, PackedLinear
+from shardline.engine.cpu.norms import FusedRMSNorm
 from shardline.engine.cpu.paths import PATH_NAMES, choose_cpu_paths, path_settings
 from shardline.engine.kernels import native
 from shardline.engine.kernels.cpu_quant_int8 import cpu_w8a8_available

@@ -8,7 +8,8 @@ import transformers
 
 from shardline.engine.attention.context import paged_attention_forward
 from shardline.engine.cpu.fused_decoder import FusedDecoder, fuse_decoders
-from shardline.engine.cpu.layers import FusedDecoderLayer, same_output
+from shardline.engine.cpu.layers import FusedDecoderLayer
+from shardline.engine.cpu.norms import same_output
 from shardline.engine.model.tiny import build_tiny_model
 
 from .paths_taken import taken_unless_forced_off
