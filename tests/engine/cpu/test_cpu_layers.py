@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-import transformers
 
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.fused_decoder import FusedDecoder
@@ -15,6 +14,7 @@ from shardline.engine.cpu.norms import FusedRMSNorm, fuse_rms_norms
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.surgery import replace
 
+from .fused_models import IDS, llama_with_fused_layers
 from .paths_taken import taken_unless_forced_off
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -169,16 +169,9 @@ def test_a_layer_of_another_formula_stays_unfused(monkeypatch, tmp_path):
 def test_layers_without_the_engine_context_run_their_own_forward(tmp_path):
     """The fused forward serves engine steps only; a plain transformers call (no paged
     cache context) goes to the layer's own forward."""
-    from shardline.engine.attention.context import paged_attention_forward
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(build_tiny_model(tmp_path, "llama")))
-    ids = torch.tensor([[5, 6, 7, 8]])
+    model, expected = llama_with_fused_layers(tmp_path)
     with torch.no_grad():
-        expected = model(ids).logits
-        layers = model.model.layers
-        for position, layer in enumerate(layers):
-            layers[position] = FusedDecoderLayer(layer, paged_attention_forward, is_last=False, rows_hint=16)
-        out = model(ids).logits
+        out = model(IDS).logits
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 

@@ -12,6 +12,7 @@ from shardline.engine.cpu.layers import FusedDecoderLayer
 from shardline.engine.cpu.norms import same_output
 from shardline.engine.model.tiny import build_tiny_model
 
+from .fused_models import IDS, llama_with_fused_layers
 from .paths_taken import taken_unless_forced_off
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -47,13 +48,9 @@ def test_the_engine_takes_it_and_every_path_and_weight_keeps_its_name(tmp_path):
 def test_other_calls_run_the_original_forward_with_parts_replaced_since(tmp_path):
     """A plain transformers call (no engine context) goes to the decoder's own forward,
     which sees a part replaced on the fused decoder afterwards."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(build_tiny_model(tmp_path, "llama"))).eval()
-    ids = torch.tensor([[5, 6, 7, 8]])
+    model, expected = llama_with_fused_layers(tmp_path)
+    ids = IDS
     with torch.no_grad():
-        expected = model(ids).logits
-        layers = model.model.layers
-        for position, layer in enumerate(layers):
-            layers[position] = FusedDecoderLayer(layer, paged_attention_forward, is_last=False, rows_hint=16)
         original = model.model
         assert fuse_decoders(model, is_fused_layer, same_output) == 1
         assert isinstance(model.model, FusedDecoder) and model.model.original is original
