@@ -92,17 +92,26 @@ def test_huge_page_zeros_advises_whole_huge_pages(monkeypatch, opt_out):
         monkeypatch.setenv("SHARDLINE_HUGE_PAGES", "0")
     else:
         monkeypatch.delenv("SHARDLINE_HUGE_PAGES", raising=False)
-    # 40 MiB: above glibc's largest mmap threshold, so a fresh mapping, never heap pages
-    # an earlier test's tensor had advised
+    madvise = cpu_memory._madvise_function()
+    calls: list[tuple[int, int, int]] = []
+
+    def recorded(start: int, length: int, advice: int) -> int:  # the real call, recorded
+        calls.append((start, length, advice))
+        return madvise(start, length, advice)
+
+    monkeypatch.setattr(cpu_memory, "_madvise_function", lambda: recorded)
+    # 40 MiB: above glibc's largest mmap threshold, so a fresh mapping
     tensor = cpu_memory.huge_page_zeros((10, 1 << 20), torch.float32)
     assert tensor.shape == (10, 1 << 20) and tensor.dtype == torch.float32
     assert not tensor.any()
     interior = -(-tensor.data_ptr() // cpu_memory.HUGE_PAGE_BYTES) * cpu_memory.HUGE_PAGE_BYTES
-    advised = "hg" in vm_flags_at(interior)
-    if opt_out:
-        assert not advised
-    elif huge_pages_mode() in ("always", "madvise"):
-        assert advised
+    if opt_out:  # the mapping's own flags can carry advice its addresses had before
+        assert calls == []
+        return
+    end = (tensor.data_ptr() + tensor.nbytes) // cpu_memory.HUGE_PAGE_BYTES * cpu_memory.HUGE_PAGE_BYTES
+    assert calls == [(interior, end - interior, cpu_memory.MADV_HUGEPAGE)]
+    if huge_pages_mode() in ("always", "madvise"):
+        assert "hg" in vm_flags_at(interior)
 
 
 def test_small_buffers_keep_ordinary_pages():
