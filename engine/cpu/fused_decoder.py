@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext
 from ..surgery import Comparison, probe_matches, replace
+from .probe import PROBE_TOKENS, probe_cache, probe_context, probe_positions
 from .protocols import LlamaAttention
 
 logger = logging.getLogger(__name__)
@@ -117,21 +117,15 @@ def _fits(decoder: nn.Module, is_fused_layer: Callable[[nn.Module], bool]) -> bo
 
 
 def _probe_decoder(decoder: nn.Module, layers: nn.ModuleList, dtype: torch.dtype) -> torch.Tensor:
-    """``decoder``'s last hidden state for one fresh 6-token request on throwaway paged caches."""
-    tokens = 6
+    """``decoder``'s last hidden state for the probe request (cpu/probe.py), from seeded
+    random token ids."""
     attentions = [cast(LlamaAttention, layer.get_submodule("layer.self_attn")) for layer in layers]
-    caches = []
-    for attention in attentions:
-        shape = (1, 16, attention.k_proj.out_features // attention.head_dim, attention.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)))
-    num_heads = attentions[0].q_proj.out_features // attentions[0].head_dim
-    ctx = TorchBackend(num_heads).build_context(StepBatch(
-        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
-        seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
-        kv_caches=caches, max_query_len=tokens, max_seq_len=tokens))
+    caches = [probe_cache(attention.k_proj.out_features // attention.head_dim, attention.head_dim, dtype)
+              for attention in attentions]
+    ctx = probe_context(caches, attentions[0].q_proj.out_features // attentions[0].head_dim)
     vocab_size = cast(nn.Embedding, decoder.get_submodule("embed_tokens")).num_embeddings
-    input_ids = torch.randint(3, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    return decoder(input_ids=input_ids, position_ids=torch.arange(3, 3 + tokens)[None], use_cache=False,
+    input_ids = torch.randint(3, vocab_size, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
+    return decoder(input_ids=input_ids, position_ids=probe_positions(), use_cache=False,
                    shardline_ctx=ctx).last_hidden_state
 
 

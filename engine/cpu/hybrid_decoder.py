@@ -37,7 +37,6 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from ..recurrent.state import RecurrentLayer
@@ -45,6 +44,7 @@ from ..surgery import probe_matches, replace
 from .layers import LayerReplacement, replace_decoder_layers
 from .linear import PackedLinear, packable_side_by_side, packed_matmul
 from .norms import FUSED_DTYPES, add_norm_rows, norm_rows, same_output
+from .probe import probe_cache, probe_context, probe_layer
 from .protocols import (
     AttentionFunction,
     GatedAttention,
@@ -287,19 +287,11 @@ def _attends(layer: HybridDecoder) -> TypeIs[GatedAttentionDecoder]:
 
 def _probe_layer(layer: nn.Module, rotary_emb: nn.Module, hidden_size: int, dtype: torch.dtype,
                  layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The layer's output for one fresh 6-token request, on a throwaway paged cache
-    (a recurrent mixer runs from zero state, keeping nothing)."""
-    tokens = 6
-    cache_shape = (1, 16, max(num_kv_heads, 1), head_dim)
-    cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-    ctx = TorchBackend(max(num_heads, 1)).build_context(StepBatch(
-        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
-        seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
-        kv_caches=[cache] * (layer_idx + 1), max_query_len=tokens, max_seq_len=tokens))
-    hidden = torch.randn(1, tokens, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
-    positions = torch.arange(3, 3 + tokens)[None]
-    return layer(hidden, attention_mask=None, position_ids=positions,
-                 position_embeddings=rotary_emb(hidden, positions), shardline_ctx=ctx)
+    """The layer's output for the probe request (cpu/probe.py; a recurrent mixer runs
+    from zero state, keeping nothing)."""
+    cache = probe_cache(max(num_kv_heads, 1), head_dim, dtype)
+    ctx = probe_context([cache] * (layer_idx + 1), max(num_heads, 1))
+    return probe_layer(layer, rotary_emb, hidden_size, dtype, ctx)
 
 
 def fuse_hybrid_decoder_layers(model: nn.Module, rows_hint: int) -> int:

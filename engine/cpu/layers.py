@@ -40,7 +40,6 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention.backends import StepBatch, TorchBackend
 from ..attention.context import AttentionContext, AttentionOptions, attend_in_context, paged_attention_forward
 from ..kernels.cpu_fused import fused_kernels_available, rotary_
 from ..quantization.linear import QuantizedLinear
@@ -49,6 +48,7 @@ from ..surgery import probe_matches, replace
 from .fused_decoder import fuse_decoders
 from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
 from .norms import FUSED_DTYPES, add_norm_rows, norm_rows, same_output
+from .probe import probe_cache, probe_context, probe_layer
 from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder
 
 if TYPE_CHECKING:  # typing.TypeIs is Python 3.13's
@@ -236,20 +236,10 @@ def _has_llama_layout(layer: object) -> TypeIs[LlamaDecoder]:
 def _probe_layer(layer: nn.Module, attention: LlamaAttention, rotary_emb: nn.Module, hidden_size: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """The output of ``layer`` (a decoder layer or its replacement, ``attention`` the
-    original's attention) for one fresh 6-token request, on a throwaway paged cache."""
-    tokens = 6
-    num_kv_heads = attention.k_proj.out_features // attention.head_dim
-    cache_shape = (1, 16, num_kv_heads, attention.head_dim)
-    cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-    num_heads = attention.q_proj.out_features // attention.head_dim
-    ctx = TorchBackend(num_heads).build_context(StepBatch(
-        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens]),
-        seq_lens=torch.tensor([tokens]), block_tables=torch.zeros((1, 1), dtype=torch.int32),
-        kv_caches=[cache] * (attention.layer_idx + 1), max_query_len=tokens, max_seq_len=tokens))
-    hidden = (torch.randn(1, tokens, hidden_size, generator=torch.Generator().manual_seed(0))).to(dtype)
-    positions = torch.arange(3, 3 + tokens)[None]
-    return layer(hidden, attention_mask=None, position_ids=positions,
-                 position_embeddings=rotary_emb(hidden, positions), shardline_ctx=ctx)
+    original's attention) for the probe request (cpu/probe.py)."""
+    cache = probe_cache(attention.k_proj.out_features // attention.head_dim, attention.head_dim, dtype)
+    ctx = probe_context([cache] * (attention.layer_idx + 1), attention.q_proj.out_features // attention.head_dim)
+    return probe_layer(layer, rotary_emb, hidden_size, dtype, ctx)
 
 
 def fuse_decoder_layers(model: nn.Module, rows_hint: int) -> int:

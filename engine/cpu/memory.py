@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -43,6 +44,15 @@ _lock = threading.Lock()
 _applied: bool | None = None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (errno kept for its calls), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (once); returns whether
     they are set. False off glibc, when SHARDLINE_MALLOC_TUNING=0, or if glibc refuses."""
@@ -58,10 +68,8 @@ def _apply() -> bool:
         return False
     if platform.libc_ver()[0] != "glibc":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
@@ -79,9 +87,8 @@ def release_freed_memory() -> bool:
     SHARDLINE_MALLOC_TUNING=0."""
     if os.environ.get("SHARDLINE_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
-    try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
@@ -92,23 +99,15 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGE_BYTES = 2 << 20
 HUGE_PAGE_MIN_BYTES = 8 << 20  # below this a tensor spans too few huge pages to matter
 
-_madvise: Any = False  # libc's madvise; False: not looked up yet, None: unavailable
 
-
+@functools.cache
 def _madvise_function() -> Any:
-    global _madvise
-    with _lock:
-        if _madvise is False:
-            _madvise = None
-            if platform.system() == "Linux":
-                try:
-                    function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-                    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                    function.restype = ctypes.c_int
-                    _madvise = function
-                except (OSError, AttributeError):
-                    pass
-        return _madvise or None
+    """libc's madvise, or None off Linux or where it cannot be loaded."""
+    function = getattr(_libc(), "madvise", None) if platform.system() == "Linux" else None
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        function.restype = ctypes.c_int
+    return function
 
 
 def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

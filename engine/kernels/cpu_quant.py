@@ -352,8 +352,14 @@ class DecodeCall:
         self.widens = widens
 
     def binds(self, source: tuple[torch.Tensor | None, ...]) -> bool:
-        """Whether this call was bound to exactly these tensors (by identity)."""
-        return len(source) == len(self.source) and all(a is b for a, b in zip(source, self.source, strict=True))
+        """Whether this call was bound to exactly these tensors (by identity). Asked on
+        every decode call of every linear: a plain loop, no generator."""
+        if len(source) != len(self.source):
+            return False
+        for given, bound in zip(source, self.source, strict=True):
+            if given is not bound:
+                return False
+        return True
 
     def __getstate__(self) -> dict[str, object]:
         # A copy (deepcopy, pickle) binds nothing: its pointers would address the originals.

@@ -34,9 +34,9 @@ static inline float w8_scalar(uint8_t code, int fp8) {
     return fp8 ? fp8_to_f32(code) : (float)(int8_t)code;
 }
 
-/* 32 W8 codes at p as bfloat16, in order (the decode tiles take fp8_codes32 for fp8). fp8 by its bits: a normal code's exponent
- * rebiased (7 -> 127) and mantissa moved up, the 7 subnormals from a table, the NaN
- * codes NaN, the sign bit moved up. */
+/* 32 W8 codes at p as bfloat16, in order (the decode tiles take fp8_codes32 for fp8).
+ * fp8 by its bits: a normal code's exponent rebiased (7 -> 127) and mantissa moved up,
+ * the 7 subnormals from a table, the NaN codes NaN, the sign bit moved up. */
 static inline __m512bh w8_codes_bf16(const uint8_t *p, int fp8) {
     if (fp8) {
         const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));

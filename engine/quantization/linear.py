@@ -245,7 +245,7 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
     else:
         source = (buffers["packed"], buffers["scales"], buffers["zeros"], buffers["bias"])
     call = layer.bound_decode
-    if call is None or not _same_tensors(call.source, source):
+    if call is None or not call.binds(source):
         if layer.layout == "w8":
             assert layer.weight is not None and layer.scale is not None
             call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias, layer.zero)
@@ -254,13 +254,6 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
             call = w4_decode_call(layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
         layer.bound_decode = call
     return call
-
-
-def _same_tensors(bound: tuple[torch.Tensor | None, ...], source: tuple[torch.Tensor | None, ...]) -> bool:
-    """Whether a decode call's bound tensors are exactly these four (by identity;
-    DecodeCall.binds without its generator, on every linear's call)."""
-    return (len(bound) == 4 and bound[0] is source[0] and bound[1] is source[1] and bound[2] is source[2]
-            and bound[3] is source[3])
 
 
 def torch_quantized_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
