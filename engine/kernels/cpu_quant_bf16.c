@@ -213,13 +213,13 @@ static inline __attribute__((always_inline)) void lane_sums(const __m512 *acc, i
 #define DMT 8
 #define DMT_BLOCKED 4
 
-/* result[r][m] = sum_k w8(n_r, k) * x[m][k]; scale_rows[r]: row n_r / bn of scale;
- * blocked: scales change along K (bk < K), else one scale multiplies the row's sum.
- * fp8 codes are decoded by codes_table (fp8_codes32, in order), or 64 at a time in
+/* result[r][m] = sum_k w8(n_r, k) * x[m][k] with scales along K: scale_rows[r] is row
+ * n_r / bn of scale, whose column kb scales the columns [kb bk, (kb + 1) bk). fp8 codes
+ * are decoded by codes_table (fp8_codes32, in order), or 64 at a time in
  * x_unpack_order's order where tables is given (x reordered to match). */
 static inline __attribute__((always_inline)) void w8_tile(
     const uint16_t *const x[DMT], const uint8_t *const w[DR], const float *const scale_rows[DR], int64_t K,
-    int64_t bk, int fp8, const fp8_tables *tables, const fp8_tables *codes_table, const int blocked, const int mt,
+    int64_t bk, int fp8, const fp8_tables *tables, const fp8_tables *codes_table, const int mt,
     float result[DR][DMT]) {
     __m512 acc[DR][DMT];
     float tail[DR][DMT];
@@ -227,10 +227,10 @@ static inline __attribute__((always_inline)) void w8_tile(
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps(), tail[r][m] = 0.0f;
     const uint8_t *next = w[0] + PREFETCH_TILES * DR * K;  /* past the weight's end: prefetches never fault */
     for (int64_t k0 = 0, kb = 0; k0 < K; k0 += bk, kb++) {
-        const int64_t k1 = blocked ? min64(K, k0 + bk) : K;
+        const int64_t k1 = min64(K, k0 + bk);
         __m512 part[DR][DMT];
         for (int r = 0; r < DR; r++)
-            for (int m = 0; m < mt; m++) part[r][m] = blocked ? _mm512_setzero_ps() : acc[r][m];
+            for (int m = 0; m < mt; m++) part[r][m] = _mm512_setzero_ps();
         int64_t k = k0;
         for (; tables && k + 64 <= k1; k += 64) {  /* fp8 by table, x in x_unpack_order */
             PREFETCH_SPAN(next + DR * k, DR * 64);
@@ -259,15 +259,65 @@ static inline __attribute__((always_inline)) void w8_tile(
                 const float wv = w8_scalar(w[r][j], fp8) * s;
                 for (int m = 0; m < mt; m++) tail[r][m] += wv * bf16_to_f32(x[m][j]);
             }
-            for (int m = 0; m < mt; m++)
-                acc[r][m] = blocked ? _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]) : part[r][m];
+            for (int m = 0; m < mt; m++) acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(s), acc[r][m]);
         }
-        if (!blocked) break;
     }
     for (int r = 0; r < DR; r++) {
         float sums[DMT];
         lane_sums(acc[r], mt, sums);
-        for (int m = 0; m < mt; m++) result[r][m] = sums[m] * (blocked ? 1.0f : scale_rows[r][0]) + tail[r][m];
+        for (int m = 0; m < mt; m++) result[r][m] = sums[m] + tail[r][m];
+    }
+}
+
+/* The 4 float32 lanes of v as bfloat16 bits, f32_to_bf16 lane by lane (round to nearest
+ * even, NaN kept quiet). */
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+static inline uint64_t bf16x4_bits(__m128 v) {
+    const u32x4 bits = (u32x4)v;
+    const u32x4 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const u32x4 nan = (u32x4)((bits & 0x7fffffffu) > 0x7f800000u);
+    const u32x4 half = (nan & ((bits >> 16) | 0x40u)) | (~nan & rounded);
+    return (uint64_t)half[0] | (uint64_t)half[1] << 16 | (uint64_t)half[2] << 32 | (uint64_t)half[3] << 48;
+}
+
+/* w8_tile where one scale multiplies each weight row's sum (no blocks along K, codes in
+ * order), finished in place: out[m][n0 + r] = scales[r] * sum_k w8(n0 + r, k) * x[m][k]
+ * + bias4[r], for the first ``stored`` of the tile's DR rows. The accumulators stay in
+ * registers from the first product to the stores, and each row of x's DR outputs are
+ * rounded and stored together: with w8_tile's blocks along K and its epilogue (each
+ * output scaled, rounded and stored alone) a decode call took a fifth longer. */
+static inline __attribute__((always_inline)) void w8_scaled_tile(
+    const uint16_t *const x[DMT], const uint8_t *const w[DR], int64_t K, int fp8, const fp8_tables *codes_table,
+    const int mt, __m128 scales, __m128 bias4, int stored, uint16_t *out, int64_t out_stride) {
+    __m512 acc[DR][DMT];
+    for (int r = 0; r < DR; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
+    const uint8_t *next = w[0] + PREFETCH_TILES * DR * K;  /* past the weight's end: prefetches never fault */
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        PREFETCH_SPAN(next + DR * k, DR * 32);
+        __m512bh wv[DR];
+        for (int r = 0; r < DR; r++) wv[r] = fp8 ? fp8_codes32(w[r] + k, codes_table) : w8_codes_bf16(w[r] + k, 0);
+        for (int m = 0; m < mt; m++) {
+            const __m512bh xv = load_x32(x[m] + k);
+            for (int r = 0; r < DR; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        __m128 sums = sums4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);  /* [row 0, .., row 3] */
+        if (k < K) {  /* the last K % 32 columns, in order */
+            float tail[DR];
+            for (int r = 0; r < DR; r++) {
+                tail[r] = 0.0f;
+                for (int64_t j = k; j < K; j++) tail[r] += w8_scalar(w[r][j], fp8) * bf16_to_f32(x[m][j]);
+            }
+            sums = _mm_add_ps(sums, _mm_loadu_ps(tail));
+        }
+        const uint64_t bits = bf16x4_bits(_mm_fmadd_ps(sums, scales, bias4));
+        uint16_t *row = out + m * out_stride;
+        if (stored == DR) memcpy(row, &bits, sizeof bits);
+        else
+            for (int r = 0; r < stored; r++) row[r] = (uint16_t)(bits >> (16 * r));
     }
 }
 
@@ -419,6 +469,40 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
                      const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                      uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads);
 
+/* w8_linear_bf16 where one scale covers whole rows (bn rows, every column): the tiles
+ * of w8_scaled_tile, up to DMT rows of x each. */
+static void w8_scaled_linear(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
+                             const fp8_tables *codes_table, const float *scale, int64_t scale_cols, int64_t bn,
+                             const float *bias, uint16_t *out, int64_t out_stride, int64_t N, int64_t K,
+                             int num_threads) {
+    const int64_t blocks = (N + DR - 1) / DR;
+    for (int64_t m0 = 0; m0 < rows; m0 += DMT) {
+        const uint16_t *x_rows[DMT];
+        tile_x_rows(x, x_stride, m0, rows, x_rows);
+        const int count = (int)min64(rows - m0, DMT);
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * N * K >= PARALLEL_MIN_WORK)")
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * DR;
+            const uint8_t *w[DR];
+            float row_scales[DR], row_bias[DR];
+            for (int r = 0; r < DR; r++) {
+                const int64_t n = min64(n0 + r, N - 1);  /* rows past N repeat the last; not stored */
+                w[r] = weight + n * K;
+                row_scales[r] = scale[(bn == 1 ? n : n / bn) * scale_cols];
+                row_bias[r] = bias ? bias[n] : 0.0f;
+            }
+            const __m128 scales = _mm_loadu_ps(row_scales), bias4 = _mm_loadu_ps(row_bias);
+            const int stored = (int)min64(DR, N - n0);
+            uint16_t *tile_out = out + m0 * out_stride + n0;
+#define INT8_SCALED(ROWS) w8_scaled_tile(x_rows, w, K, 0, NULL, ROWS, scales, bias4, stored, tile_out, out_stride)
+#define FP8_SCALED(ROWS) w8_scaled_tile(x_rows, w, K, 1, codes_table, ROWS, scales, bias4, stored, tile_out, \
+                                        out_stride)
+            if (fp8) BY_ROWS8(FP8_SCALED, count);
+            else BY_ROWS8(INT8_SCALED, count);
+        }
+    }
+}
+
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
@@ -430,9 +514,14 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
         w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                          num_threads))
         return;
+    const fp8_tables table_values = fp8_byte_tables();
+    if (bk >= K) {
+        w8_scaled_linear(x, x_stride, rows, weight, fp8, &table_values, scale, scale_cols, bn, bias, out, out_stride,
+                         N, K, num_threads);
+        return;
+    }
     const int64_t blocks = (N + DR - 1) / DR;
-    const int blocked = bk < K, mt = blocked ? DMT_BLOCKED : DMT;
-    if (blocked && rows > DMT_BLOCKED) {
+    if (rows > DMT_BLOCKED) {
         /* Past one tile of rows with blocks along K, these tiles would decode the
          * weight once per DMT_BLOCKED rows: the register-blocked kernel decodes it once
          * (measured faster there in bench_quant.py's kernel mode; W4 groups are not). */
@@ -445,8 +534,7 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
      * the tile, and the table lookups measured slower than the conversions there, as
      * they did for one row of per-channel scales, whose tiles stream the weight from
      * memory without the blocks' pauses (bench_quant.py's kernel mode). */
-    const fp8_tables table_values = fp8_byte_tables();
-    const fp8_tables *tables = fp8 && rows == 1 && blocked && bk % 64 == 0 ? &table_values : NULL;
+    const fp8_tables *tables = fp8 && rows == 1 && bk % 64 == 0 ? &table_values : NULL;
     uint16_t *ordered = tables ? malloc((size_t)(rows * K) * sizeof(uint16_t)) : NULL;
     if (tables && !ordered) tables = NULL;
     for (int64_t m = 0; ordered && m < rows; m++) x_unpack_order(x + m * x_stride, K, ordered + m * K);
@@ -461,19 +549,15 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
             w[r] = weight + n * K;
             scale_rows[r] = scale + n / bn * scale_cols;
         }
-        for (int64_t m0 = 0; m0 < rows; m0 += mt) {
+        for (int64_t m0 = 0; m0 < rows; m0 += DMT_BLOCKED) {
             const uint16_t *x_rows[DMT];
             float result[DR][DMT];
-            const int count = (int)min64(rows - m0, mt);
+            const int count = (int)min64(rows - m0, DMT_BLOCKED);
             tile_x_rows(x, x_stride, m0, rows, x_rows);
-#define INT8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 0, NULL, NULL, 0, ROWS, result)
-#define FP8_WHOLE(ROWS) w8_tile(x_rows, w, scale_rows, K, K, 1, tables, &table_values, 0, ROWS, result)
-#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, NULL, NULL, 1, ROWS, result)
-#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, tables, &table_values, 1, ROWS, result)
-            if (blocked && fp8) BY_ROWS(FP8_BLOCKED, count);
-            else if (blocked) BY_ROWS(INT8_BLOCKED, count);
-            else if (fp8) BY_ROWS8(FP8_WHOLE, count);
-            else BY_ROWS8(INT8_WHOLE, count);
+#define INT8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 0, NULL, NULL, ROWS, result)
+#define FP8_BLOCKED(ROWS) w8_tile(x_rows, w, scale_rows, K, bk, 1, tables, &table_values, ROWS, result)
+            if (fp8) BY_ROWS(FP8_BLOCKED, count);
+            else BY_ROWS(INT8_BLOCKED, count);
             store_tile(result, n0, m0, count, N, bias, out, out_stride);
         }
     }
