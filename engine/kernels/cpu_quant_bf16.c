@@ -283,9 +283,10 @@ static inline uint64_t bf16x4_bits(__m128 v) {
 /* w8_tile where one scale multiplies each weight row's sum (no blocks along K, codes in
  * order), finished in place: out[m][n0 + r] = scales[r] * sum_k w8(n0 + r, k) * x[m][k]
  * + bias4[r], for the first ``stored`` of the tile's DR rows. The accumulators stay in
- * registers from the first product to the stores, and each row of x's DR outputs are
- * rounded and stored together: with w8_tile's blocks along K and its epilogue (each
- * output scaled, rounded and stored alone) a decode call took a fifth longer. */
+ * registers from the first product to the stores, and each row of x's DR outputs is
+ * summed in one tree, scaled, rounded and stored together, so the tile's epilogue
+ * stays small next to its inner loop (w8_tile's, with sums per block along K and each
+ * output finished alone, is a large share of a call at these few rows). */
 static inline __attribute__((always_inline)) void w8_scaled_tile(
     const uint16_t *const x[DMT], const uint8_t *const w[DR], int64_t K, int fp8, const fp8_tables *codes_table,
     const int mt, __m128 scales, __m128 bias4, int stored, uint16_t *out, int64_t out_stride) {
