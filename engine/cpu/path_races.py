@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_prefill_attention
-from ..kernels.cpu_quant import cpu_w8_linear
+from ..kernels.cpu_quant import allow_digit_tiles, cpu_w8_linear, digit_tiles_ready
 from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear, w8a8_kernel_isa
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 from .capability import ModelShape
@@ -187,3 +187,43 @@ def quant_int8_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
 
     return race(lambda: [cpu_w8a8_linear(x, weight, scale) for x in inputs],
                  lambda: [weight_only(x) for x in inputs])
+
+
+# The one-row race's weights: copies of a linear of the model's width filling this many
+# bytes, each then read from memory as a decode step reads its layers' (from the cache
+# the two paths rank otherwise on some hosts).
+DIGITS_RACE_BYTES = 64 << 20
+
+
+def quant_digits_capability(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether int8 weights times one row of ``dtype`` x can take the digit products
+    (kernels/cpu_quant_digits.h) here, and why."""
+    if dtype != torch.bfloat16:
+        return False, "the digit products take bfloat16 x only"
+    if not digit_tiles_ready():
+        return False, "cpu_quant_bf16.c has no digit products here (AVX512_BF16 and AVX512_VNNI)"
+    return True, "built"
+
+
+@torch.inference_mode()
+def quant_digits_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
+    """How many times faster one row of x times per-channel int8 weights of the model's
+    width runs through the digit products than through the bfloat16 dot-product tiles,
+    the weights read from memory (DIGITS_RACE_BYTES of copies). Leaves the digit
+    products allowed, as the kernels start."""
+    generator = torch.Generator().manual_seed(0)
+    rows = min(shape.widest_linear, MEASURED_OUTPUTS)
+    weight = torch.randint(-127, 128, (rows, shape.hidden_size), dtype=torch.int8, generator=generator)
+    weights = [weight.clone() for _ in range(max(1, DIGITS_RACE_BYTES // weight.numel()))]
+    scale = torch.rand(rows, 1, generator=generator) * 1e-2
+    x = torch.randn(1, shape.hidden_size, generator=generator).to(dtype)
+
+    def run(digits: bool) -> None:
+        allow_digit_tiles(digits)
+        for each in weights:
+            cpu_w8_linear(x, each, scale)
+
+    try:
+        return race(lambda: run(True), lambda: run(False))
+    finally:
+        allow_digit_tiles(True)

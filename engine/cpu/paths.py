@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.cpu_quant import allow_digit_tiles
 from ..quantization.stacked import stack_gated_mlps
 from . import capability
 from .capability import (
@@ -58,6 +59,8 @@ from .path_races import (
     confirmed,
     linear_speedup,
     prefill_speedup,
+    quant_digits_capability,
+    quant_digits_speedup,
     quant_int8_capability,
     quant_int8_speedup,
     quant_speedup,
@@ -67,9 +70,13 @@ from .recurrent_core import take_native_core
 logger = logging.getLogger(__name__)
 
 PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel",
-              "quant_kernels", "quant_int8_kernel", "small_linear_kernel")
+              "quant_kernels", "quant_int8_kernel", "quant_digits_kernel", "small_linear_kernel")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
+# Paths that are themselves the alternative: taken only where measured at least MARGIN
+# faster than what they replace. The digit products replace, for one row of x, the
+# bfloat16 tiles every other decode shape of int8 weights takes.
+TAKEN_WHEN_FASTER = ("quant_digits_kernel",)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class CpuPaths:
     # W8A8 int8 linears (inputs quantized per token) through integer products
     # (kernels/cpu_quant_int8.py), else the weight-only kernels on the dequantized codes.
     quant_int8_kernel: bool = False
+    # int8 weights times one row of bfloat16 x through integer byte products on x in fixed
+    # point (kernels/cpu_quant_digits.h), else the bfloat16 dot-product tiles.
+    quant_digits_kernel: bool = False
     # Packed linears whose shape measures faster on the small-batch C kernel
     # (kernels/cpu_small_linear.py) than on oneDNN take it (cpu/linear_race.py).
     small_linear_kernel: bool = False
@@ -134,6 +144,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
                           "the torch tile path"),
         "quant_int8_kernel": (quant_int8_capability(dtype), lambda: quant_int8_speedup(dtype, shape),
                               "the weight-only kernels"),
+        "quant_digits_kernel": (quant_digits_capability(dtype), lambda: quant_digits_speedup(dtype, shape),
+                                "the bfloat16 dot-product tiles"),
         "small_linear_kernel": (small_linear_capability(packed_dtype or dtype), None, ""),
     }
     choices, reasons = {}, []
@@ -151,9 +163,12 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
             speedup = _measured(name, (dtype, packed_dtype, shape, rows_hint, "layer at step rows")
                                 if name == "packed_linears"
                                 else (dtype, shape, rows_hint), measure)
-            taken, why = speedup >= 1 / MARGIN, f"measured {speedup:.2f}x {alternative}{how}"
+            threshold = MARGIN if name in TAKEN_WHEN_FASTER else 1 / MARGIN
+            taken, why = speedup >= threshold, f"measured {speedup:.2f}x {alternative}{how}"
         if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
             taken, why = False, "it runs packed linears, which are not taken"
+        if name == "quant_digits_kernel" and taken and not choices["quant_kernels"]:
+            taken, why = False, "it runs in the quantized linears' C kernels, which are not taken"
         choices[name] = taken
         reasons.append((name, why))
     paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,
@@ -245,6 +260,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     if paths.quant_kernels and paths.dtype is not None:  # quantized gate and up as one stacked call
         mlps += stack_gated_mlps(model, paths.dtype, silu_kernel=paths.fused_kernels)
     quantized = choose_quant_kernels(model, paths.quant_kernels, paths.quant_int8_kernel)
+    if quantized and paths.quant_kernels and paths.dtype == torch.bfloat16:
+        allow_digit_tiles(paths.quant_digits_kernel)  # the kernels' own switch, for the process
     rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites

@@ -94,8 +94,8 @@ def _declare_bf16(library: ctypes.CDLL) -> None:
     if library.quant_bf16_dot():
         for name, argtypes in _BF16_SIGNATURES.items():
             declare(library, [name], argtypes, None)
-        declare(library, ["quant_amx_ready"], [], ctypes.c_int)
-        declare(library, ["quant_amx_allow"], [_N], None)
+        declare(library, ["quant_amx_ready", "quant_digits_ready", "quant_digits_allowed"], [], ctypes.c_int)
+        declare(library, ["quant_amx_allow", "quant_digits_allow"], [_N], None)
 
 
 _BF16_LIBRARY = NativeLibrary(BF16_SOURCE, _declare_bf16, "bfloat16 decode shapes take the float32 kernel")
@@ -120,6 +120,28 @@ def allow_amx_tiles(allowed: bool) -> None:
     library = _bf16_dot_library()
     if library is not None:
         library.quant_amx_allow(int(allowed))
+
+
+def digit_tiles_ready() -> bool:
+    """Whether int8 weights times one row of bfloat16 x can take the integer byte
+    products on x in fixed point here (cpu_quant_digits.h: built with AVX512_VNNI)."""
+    library = _bf16_dot_library()
+    return library is not None and bool(library.quant_digits_ready())
+
+
+def digit_tiles_allowed() -> bool:
+    """Whether the digit products are allowed (``allow_digit_tiles``) where they are built."""
+    library = _bf16_dot_library()
+    return library is not None and bool(library.quant_digits_allowed())
+
+
+def allow_digit_tiles(allowed: bool) -> None:
+    """Let int8 weights times one row of bfloat16 x take the digit products where they
+    are built (the default), or keep them on the bfloat16 dot-product tiles: which is
+    faster depends on the host (the engine races them, cpu/paths.py). For the process."""
+    library = _bf16_dot_library()
+    if library is not None:
+        library.quant_digits_allow(int(allowed))
 
 
 def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:

@@ -456,13 +456,28 @@ static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, floa
                          const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                          int64_t out_stride, int64_t N, int64_t K, int num_threads);
 
-/* int8 weights take cpu_quant_digits.h's byte products for this many rows of x: from
- * two rows the bfloat16 tiles' products, sharing one decode of the codes, read the
- * weight faster than the digits' three products per code and row (bench_quant.py's
- * kernel mode). */
+/* int8 weights take cpu_quant_digits.h's byte products for this many rows of x, where
+ * allowed (quant_digits_allow): from two rows the bfloat16 tiles' products, sharing one
+ * decode of the codes, read the weight faster than the digits' three products per code
+ * and row (bench_quant.py's kernel mode). At one row which is faster depends on the
+ * host: the engine races them (cpu/paths.py's quant_digits_kernel). */
 #define DIGITS_W8_MAX_ROWS 1
 
 #include "cpu_quant_digits.h"  /* w8_digits_linear (AVX512_VNNI) */
+
+static int digits_allowed = 1;  /* quant_digits_allow */
+
+/* Whether int8 weights' one-row decode shapes can take the digit products here. */
+int quant_digits_ready(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void quant_digits_allow(int allowed) { __atomic_store_n(&digits_allowed, allowed, __ATOMIC_RELAXED); }
+int quant_digits_allowed(void) { return __atomic_load_n(&digits_allowed, __ATOMIC_RELAXED); }
 
 int quant_bf16_dot(void) { return 1; }
 
@@ -511,7 +526,7 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
         amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                       num_threads))
         return;
-    if (!fp8 && rows <= DIGITS_W8_MAX_ROWS &&
+    if (!fp8 && rows <= DIGITS_W8_MAX_ROWS && __atomic_load_n(&digits_allowed, __ATOMIC_RELAXED) &&
         w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                          num_threads))
         return;

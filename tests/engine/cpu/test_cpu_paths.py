@@ -89,7 +89,8 @@ def test_unknown_path_setting_names_the_item(monkeypatch):
     monkeypatch.setenv("SHARDLINE_CPU_PATHS", "all=off,decode_kernel=on")
     assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
                                "prefill_kernel": False, "recurrent_kernel": False, "quant_kernels": False,
-                               "quant_int8_kernel": False, "small_linear_kernel": False}
+                               "quant_int8_kernel": False, "quant_digits_kernel": False,
+                               "small_linear_kernel": False}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,
