@@ -213,6 +213,24 @@ static inline __attribute__((always_inline)) void lane_sums(const __m512 *acc, i
 #define DMT 8
 #define DMT_BLOCKED 4
 
+/* acc[r][m] += the products of codes [k0, k1) of weight row r and x row m, 32 codes a
+ * step in order (k1 - k0 a multiple of 32), each step prefetching its share of the tile
+ * PREFETCH_TILES ahead (next: that tile's start); fp8 codes by codes_table
+ * (fp8_codes32). */
+static inline __attribute__((always_inline)) void w8_products(
+    const uint16_t *const x[DMT], const uint8_t *const w[DR], int64_t k0, int64_t k1, const uint8_t *next,
+    int fp8, const fp8_tables *codes_table, const int mt, __m512 acc[DR][DMT]) {
+    for (int64_t k = k0; k < k1; k += 32) {
+        PREFETCH_SPAN(next + DR * k, DR * 32);
+        __m512bh wv[DR];
+        for (int r = 0; r < DR; r++) wv[r] = fp8 ? fp8_codes32(w[r] + k, codes_table) : w8_codes_bf16(w[r] + k, 0);
+        for (int m = 0; m < mt; m++) {
+            const __m512bh xv = load_x32(x[m] + k);
+            for (int r = 0; r < DR; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+        }
+    }
+}
+
 /* result[r][m] = sum_k w8(n_r, k) * x[m][k] with scales along K: scale_rows[r] is row
  * n_r / bn of scale, whose column kb scales the columns [kb bk, (kb + 1) bk). fp8 codes
  * are decoded by codes_table (fp8_codes32, in order), or 64 at a time in
@@ -244,15 +262,9 @@ static inline __attribute__((always_inline)) void w8_tile(
                 }
             }
         }
-        for (; k + 32 <= k1; k += 32) {
-            PREFETCH_SPAN(next + DR * k, DR * 32);
-            __m512bh wv[DR];
-            for (int r = 0; r < DR; r++) wv[r] = fp8 ? fp8_codes32(w[r] + k, codes_table) : w8_codes_bf16(w[r] + k, 0);
-            for (int m = 0; m < mt; m++) {
-                const __m512bh xv = load_x32(x[m] + k);
-                for (int r = 0; r < DR; r++) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
-            }
-        }
+        const int64_t whole = k + (k1 - k) / 32 * 32;
+        w8_products(x, w, k, whole, next, fp8, codes_table, mt, part);
+        k = whole;
         for (int r = 0; r < DR; r++) {
             const float s = scale_rows[r][kb];
             for (int64_t j = k; j < k1; j++) {
@@ -293,17 +305,8 @@ static inline __attribute__((always_inline)) void w8_scaled_tile(
     __m512 acc[DR][DMT];
     for (int r = 0; r < DR; r++)
         for (int m = 0; m < mt; m++) acc[r][m] = _mm512_setzero_ps();
-    const uint8_t *next = w[0] + PREFETCH_TILES * DR * K;  /* past the weight's end: prefetches never fault */
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        PREFETCH_SPAN(next + DR * k, DR * 32);
-        __m512bh wv[DR];
-        for (int r = 0; r < DR; r++) wv[r] = fp8 ? fp8_codes32(w[r] + k, codes_table) : w8_codes_bf16(w[r] + k, 0);
-        for (int m = 0; m < mt; m++) {
-            const __m512bh xv = load_x32(x[m] + k);
-            for (int r = 0; r < DR; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-        }
-    }
+    const int64_t k = K / 32 * 32;
+    w8_products(x, w, 0, k, w[0] + PREFETCH_TILES * DR * K, fp8, codes_table, mt, acc);
     for (int m = 0; m < mt; m++) {
         __m128 sums = sums4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);  /* [row 0, .., row 3] */
         if (k < K) {  /* the last K % 32 columns, in order */
