@@ -82,7 +82,7 @@ def test_the_race_is_cached_and_decides(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("setting", ["off", "on"])
 def test_an_engine_sets_the_choice_in_the_kernels(tiny_llama_dir, monkeypatch, setting):
-    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"quant_digits_kernel={setting}")
+    monkeypatch.setenv("SHARDLINE_CPU_PATHS", f"quant_kernels=on,quant_digits_kernel={setting}")
     allow_digit_tiles(setting == "off")  # the other way round before the load
     llm = LLM(tiny_llama_dir, dtype="bfloat16", quantization="int8")
     try:
