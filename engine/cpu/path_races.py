@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_prefill_attention
-from ..kernels.cpu_quant import allow_digit_tiles, cpu_w8_linear, digit_tiles_ready
+from ..kernels.cpu_quant import cpu_w8_linear, digit_tiles_ready
 from ..kernels.cpu_quant_int8 import cpu_int8_token_codes, cpu_w8a8_available, cpu_w8a8_linear, w8a8_kernel_isa
 from ..kernels.quant_reference import dequantize_w8, quantized_linear_reference
 from .capability import ModelShape
@@ -209,8 +209,7 @@ def quant_digits_capability(dtype: torch.dtype) -> tuple[bool, str]:
 def quant_digits_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
     """How many times faster one row of x times per-channel int8 weights of the model's
     width runs through the digit products than through the bfloat16 dot-product tiles,
-    the weights read from memory (DIGITS_RACE_BYTES of copies). Leaves the digit
-    products allowed, as the kernels start."""
+    the weights read from memory (DIGITS_RACE_BYTES of copies)."""
     generator = torch.Generator().manual_seed(0)
     rows = min(shape.widest_linear, MEASURED_OUTPUTS)
     weight = torch.randint(-127, 128, (rows, shape.hidden_size), dtype=torch.int8, generator=generator)
@@ -219,11 +218,7 @@ def quant_digits_speedup(dtype: torch.dtype, shape: ModelShape) -> float:
     x = torch.randn(1, shape.hidden_size, generator=generator).to(dtype)
 
     def run(digits: bool) -> None:
-        allow_digit_tiles(digits)
         for each in weights:
-            cpu_w8_linear(x, each, scale)
+            cpu_w8_linear(x, each, scale, digits=digits)
 
-    try:
-        return race(lambda: run(True), lambda: run(False))
-    finally:
-        allow_digit_tiles(True)
+    return race(lambda: run(True), lambda: run(False))

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.cpu_quant import allow_digit_tiles
 from ..quantization.stacked import stack_gated_mlps
 from . import capability
 from .capability import (
@@ -259,9 +258,7 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
         take_latent_decode_kernel(model)
     if paths.quant_kernels and paths.dtype is not None:  # quantized gate and up as one stacked call
         mlps += stack_gated_mlps(model, paths.dtype, silu_kernel=paths.fused_kernels)
-    quantized = choose_quant_kernels(model, paths.quant_kernels, paths.quant_int8_kernel)
-    if quantized and paths.quant_kernels and paths.dtype == torch.bfloat16:
-        allow_digit_tiles(paths.quant_digits_kernel)  # the kernels' own switch, for the process
+    quantized = choose_quant_kernels(model, paths.quant_kernels, paths.quant_int8_kernel, paths.quant_digits_kernel)
     rewrites = CpuRewrites(packed, mlps, norms + hybrid.norms, layers + hybrid.layers, others, quantized)
     logger.info("CPU modules replaced: %s", rewrites)
     return rewrites
@@ -277,15 +274,19 @@ def take_latent_decode_kernel(model: torch.nn.Module) -> int:
     return len(modules)
 
 
-def choose_quant_kernels(model: torch.nn.Module, take: bool, int8_kernel: bool = False) -> int:
+def choose_quant_kernels(model: torch.nn.Module, take: bool, int8_kernel: bool = False,
+                         digit_tiles: bool = False) -> int:
     """Set every quantized module's CPU path (its boolean ``cpu_kernels``: the C kernels,
-    else torch's dequantized tiles, engine/quantization/; and where it has one, its
-    boolean ``int8_kernel``: W8A8 int8 through integer products); returns how many there are."""
+    else torch's dequantized tiles, engine/quantization/; and where it has them, its
+    booleans ``int8_kernel``: W8A8 int8 through integer products, and ``digit_tiles``:
+    one row of bfloat16 x times int8 codes through the digit products); returns how many
+    there are."""
     modules = [module for module in model.modules() if isinstance(getattr(module, "cpu_kernels", None), bool)]
     for module in modules:
         setattr(module, "cpu_kernels", take)  # noqa: B010 - a plain attribute, not a submodule
-        if isinstance(getattr(module, "int8_kernel", None), bool):
-            setattr(module, "int8_kernel", int8_kernel)  # noqa: B010
+        for name, value in (("int8_kernel", int8_kernel), ("digit_tiles", digit_tiles)):
+            if isinstance(getattr(module, name, None), bool):
+                setattr(module, name, value)
     return len(modules)
 
 

@@ -54,6 +54,9 @@ DECODE_MAX_ROWS = 8
 TILE_MAX_ROWS = 256
 # cpu_quant.c's fp8 argument for float8_e4m3fn codes none of which is NaN.
 FP8_FINITE = 2
+# Added to cpu_quant_bf16.c's decode fp8 argument: one row of x times int8 codes stays on
+# the bfloat16 tiles instead of the digit products (cpu/paths.py's quant_digits_kernel).
+W8_NO_DIGITS = 4
 # A prefill panel's size: the dequantized rows stay in the cache while the matmul reads them.
 PANEL_BYTES = 2 << 20
 # Where oneDNN multiplies panels packed in its blocked layout (kernels/cpu_quant_panel.py):
@@ -94,8 +97,8 @@ def _declare_bf16(library: ctypes.CDLL) -> None:
     if library.quant_bf16_dot():
         for name, argtypes in _BF16_SIGNATURES.items():
             declare(library, [name], argtypes, None)
-        declare(library, ["quant_amx_ready", "quant_digits_ready", "quant_digits_allowed"], [], ctypes.c_int)
-        declare(library, ["quant_amx_allow", "quant_digits_allow"], [_N], None)
+        declare(library, ["quant_amx_ready", "quant_digits_ready"], [], ctypes.c_int)
+        declare(library, ["quant_amx_allow"], [_N], None)
 
 
 _BF16_LIBRARY = NativeLibrary(BF16_SOURCE, _declare_bf16, "bfloat16 decode shapes take the float32 kernel")
@@ -127,21 +130,6 @@ def digit_tiles_ready() -> bool:
     products on x in fixed point here (cpu_quant_digits.h: built with AVX512_VNNI)."""
     library = _bf16_dot_library()
     return library is not None and bool(library.quant_digits_ready())
-
-
-def digit_tiles_allowed() -> bool:
-    """Whether the digit products are allowed (``allow_digit_tiles``) where they are built."""
-    library = _bf16_dot_library()
-    return library is not None and bool(library.quant_digits_allowed())
-
-
-def allow_digit_tiles(allowed: bool) -> None:
-    """Let int8 weights times one row of bfloat16 x take the digit products where they
-    are built (the default), or keep them on the bfloat16 dot-product tiles: which is
-    faster depends on the host (the engine races them, cpu/paths.py). For the process."""
-    library = _bf16_dot_library()
-    if library is not None:
-        library.quant_digits_allow(int(allowed))
 
 
 def cpu_quant_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -270,12 +258,14 @@ def _panel_product(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
 
 def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
-                  zero: torch.Tensor | None = None) -> torch.Tensor:
+                  zero: torch.Tensor | None = None, digits: bool = True) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) -> [..., N] of x's dtype; w: ``weight`` [N, K] int8 or
     float8_e4m3fn times ``scale`` float32 ([1, 1], [N, 1], or per ``block``), less
     ``zero`` first (an asymmetric int8 weight's zero points, of the scale's shape;
     see ``zero_points``). cpu_quant_bf16.c's kernels take no zero points: an
-    asymmetric weight's bfloat16 x is widened by cpu_quant.c's in every build."""
+    asymmetric weight's bfloat16 x is widened by cpu_quant.c's in every build.
+    ``digits``: one row of bfloat16 x times int8 codes may take the digit products
+    (``digit_tiles_ready``), else the bfloat16 tiles."""
     out_features, in_features = weight.shape
     assert weight.dtype in W8_DTYPES and weight.is_contiguous() and weight.device.type == "cpu", weight.dtype
     assert scale.dtype == torch.float32 and scale.is_contiguous(), (scale.dtype, scale.stride())
@@ -289,8 +279,10 @@ def cpu_w8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     library = _library()
     dot_library = _bf16_dot_library() if x.dtype == torch.bfloat16 and zero8 is None else None
     if x2.shape[0] <= TILE_MAX_ROWS and dot_library is not None:
-        kernel = dot_library.w8_linear_bf16 if x2.shape[0] <= DECODE_MAX_ROWS else dot_library.w8_blocked_bf16
-        kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), fp8, scale.data_ptr(), scale_cols,
+        decode = x2.shape[0] <= DECODE_MAX_ROWS
+        kernel = dot_library.w8_linear_bf16 if decode else dot_library.w8_blocked_bf16
+        codes = fp8 | (W8_NO_DIGITS if decode and not digits else 0)
+        kernel(x2.data_ptr(), x2.stride(0), x2.shape[0], weight.data_ptr(), codes, scale.data_ptr(), scale_cols,
                block_rows, block_cols, _pointer(bias32), out.data_ptr(), out.stride(0), out_features, in_features,
                threads)
     elif x2.shape[0] <= DECODE_MAX_ROWS:
@@ -363,17 +355,18 @@ class DecodeCall:
     where that library has its dot products, else cpu_quant.c's (``widens``: x is
     widened to float32 into a scratch the call passes; ``w4_groups``: a W4 weight's groups
     per row, for the kernels' scratch of x's sums per group). ``source``: the layer's tensors
-    it was bound to (``binds`` tells whether they still are the layer's); ``held``: the
-    tensors made for it (the float32 bias, int8 zero points) its pointers also address."""
+    (and a W8 call's digits flag) it was bound to (``binds`` tells whether they still are
+    the layer's); ``held``: the tensors made for it (the float32 bias, int8 zero points)
+    its pointers also address."""
 
     def __init__(self, kernel: Callable[..., None], weight_args: tuple[int | None, ...],
-                 source: tuple[torch.Tensor | None, ...], held: tuple[torch.Tensor | None, ...], out_features: int,
-                 in_features: int, w4_groups: int, widens: bool = False) -> None:
+                 source: tuple[torch.Tensor | bool | None, ...], held: tuple[torch.Tensor | None, ...],
+                 out_features: int, in_features: int, w4_groups: int, widens: bool = False) -> None:
         self.kernel, self.weight_args, self.source, self.held = kernel, weight_args, source, held
         self.out_features, self.in_features, self.w4_groups = out_features, in_features, w4_groups
         self.widens = widens
 
-    def binds(self, source: tuple[torch.Tensor | None, ...]) -> bool:
+    def binds(self, source: tuple[torch.Tensor | bool | None, ...]) -> bool:
         """Whether this call was bound to exactly these tensors (by identity). Asked on
         every decode call of every linear: a plain loop, no generator."""
         if len(source) != len(self.source):
@@ -422,10 +415,11 @@ def _widening_library() -> ctypes.CDLL | None:
 
 
 def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   bias: torch.Tensor | None, zero: torch.Tensor | None = None) -> DecodeCall | None:
+                   bias: torch.Tensor | None, zero: torch.Tensor | None = None,
+                   digits: bool = True) -> DecodeCall | None:
     """``cpu_w8_linear``'s decode shapes for bfloat16 x bound to this weight (``zero``:
-    an asymmetric int8 weight's zero points, which only cpu_quant.c's kernel takes), or
-    None where no library that takes it built."""
+    an asymmetric int8 weight's zero points, which only cpu_quant.c's kernel takes;
+    ``digits`` as there), or None where no library that takes it built."""
     library = _bf16_dot_library() if zero is None else None
     widening = _widening_library() if zero is None else (
         _LIBRARY.load() if cpu_quant_available(torch.bfloat16) else None)
@@ -439,16 +433,17 @@ def w8_decode_call(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     zero8 = zero_points(weight, scale, zero)
     fp8, scale_cols = int(weight.dtype == torch.float8_e4m3fn), -(-in_features // block_cols)
     if library is not None:
-        args = (weight.data_ptr(), fp8, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32))
-        return DecodeCall(library.w8_linear_bf16, args, (weight, scale, zero, bias), (bias32,), out_features,
-                          in_features, 0)
+        codes = fp8 | (0 if digits else W8_NO_DIGITS)
+        args = (weight.data_ptr(), codes, scale.data_ptr(), scale_cols, block_rows, block_cols, _pointer(bias32))
+        return DecodeCall(library.w8_linear_bf16, args, (weight, scale, zero, bias, digits), (bias32,),
+                          out_features, in_features, 0)
     assert widening is not None
     if fp8 and not fp8_nan_codes(weight):
         fp8 = FP8_FINITE
     args = (weight.data_ptr(), fp8, scale.data_ptr(), _pointer(zero8), scale_cols, block_rows, block_cols,
             _pointer(bias32))
-    return DecodeCall(widening.w8_linear, args, (weight, scale, zero, bias), (bias32, zero8), out_features,
-                      in_features, 0, widens=True)
+    return DecodeCall(widening.w8_linear, args, (weight, scale, zero, bias, digits), (bias32, zero8),
+                      out_features, in_features, 0, widens=True)
 
 
 def w4_decode_call(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,

@@ -459,16 +459,16 @@ static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, floa
                          const float *scales, const float *zeros, int64_t group, const float *bias, uint16_t *out,
                          int64_t out_stride, int64_t N, int64_t K, int num_threads);
 
-/* int8 weights take cpu_quant_digits.h's byte products for this many rows of x, where
- * allowed (quant_digits_allow): from two rows the bfloat16 tiles' products, sharing one
- * decode of the codes, read the weight faster than the digits' three products per code
- * and row (bench_quant.py's kernel mode). At one row which is faster depends on the
- * host: the engine races them (cpu/paths.py's quant_digits_kernel). */
+/* int8 weights take cpu_quant_digits.h's byte products for this many rows of x, unless
+ * the call's fp8 argument carries W8_NO_DIGITS: from two rows the bfloat16 tiles'
+ * products, sharing one decode of the codes, read the weight faster than the digits'
+ * three products per code and row (bench_quant.py's kernel mode). At one row which is
+ * faster depends on the host: the engine races them (cpu/paths.py's quant_digits_kernel)
+ * and each layer passes its choice. */
 #define DIGITS_W8_MAX_ROWS 1
+#define W8_NO_DIGITS 4
 
 #include "cpu_quant_digits.h"  /* w8_digits_linear (AVX512_VNNI) */
-
-static int digits_allowed = 1;  /* quant_digits_allow */
 
 /* Whether int8 weights' one-row decode shapes can take the digit products here. */
 int quant_digits_ready(void) {
@@ -478,9 +478,6 @@ int quant_digits_ready(void) {
     return 0;
 #endif
 }
-
-void quant_digits_allow(int allowed) { __atomic_store_n(&digits_allowed, allowed, __ATOMIC_RELAXED); }
-int quant_digits_allowed(void) { return __atomic_load_n(&digits_allowed, __ATOMIC_RELAXED); }
 
 int quant_bf16_dot(void) { return 1; }
 
@@ -522,14 +519,18 @@ static void w8_scaled_linear(const uint16_t *x, int64_t x_stride, int64_t rows, 
     }
 }
 
+/* fp8: 1 for float8_e4m3fn codes, 0 for int8, plus W8_NO_DIGITS to keep one row of x
+ * times int8 codes on the bfloat16 tiles. */
 void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *weight, int fp8,
                     const float *scale, int64_t scale_cols, int64_t bn, int64_t bk, const float *bias,
                     uint16_t *out, int64_t out_stride, int64_t N, int64_t K, int num_threads) {
+    const int digits = !(fp8 & W8_NO_DIGITS);
+    fp8 &= 1;
     if (rows >= (fp8 ? AMX_FP8_MIN_ROWS : AMX_INT8_MIN_ROWS) &&
         amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                       num_threads))
         return;
-    if (!fp8 && rows <= DIGITS_W8_MAX_ROWS && __atomic_load_n(&digits_allowed, __ATOMIC_RELAXED) &&
+    if (!fp8 && digits && rows <= DIGITS_W8_MAX_ROWS &&
         w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                          num_threads))
         return;

@@ -144,6 +144,7 @@ def _like(part: QuantizedLinear, layer: QuantizedLinear) -> QuantizedLinear:
     """``part`` with ``layer``'s kernel settings and input quantization."""
     part.activations, part.cpu_kernels = layer.activations, layer.cpu_kernels
     part.input_quantization, part.int8_kernel = layer.input_quantization, layer.int8_kernel
+    part.digit_tiles = layer.digit_tiles
     part.use_reference = layer.use_reference
     return part
 

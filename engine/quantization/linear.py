@@ -85,6 +85,9 @@ class QuantizedLinear(nn.Module):
         self.cpu_kernels = True
         # With them, W8A8 int8 through integer products (paths.py's quant_int8_kernel).
         self.int8_kernel = True
+        # And one row of bfloat16 x times int8 codes through the digit products where they
+        # build (paths.py's quant_digits_kernel), else the bfloat16 tiles.
+        self.digit_tiles = True
         # The bfloat16 decode kernel's call bound to this layer's tensors (decode_call).
         self.bound_decode: DecodeCall | None = None
         for name in ("weight", "scale", "zero", "packed", "scales", "zeros", "input_perm"):
@@ -226,7 +229,8 @@ def cpu_kernel_matmul(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     registers; the prefill shapes multiply panels of it dequantized to x's dtype."""
     if layer.layout == "w8":
         assert layer.weight is not None and layer.scale is not None
-        return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=layer.zero)
+        return cpu_w8_linear(x, layer.weight, layer.scale, layer.block, layer.bias, zero=layer.zero,
+                             digits=layer.digit_tiles)
     assert layer.packed is not None and layer.scales is not None
     return cpu_w4_linear(x, layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
@@ -240,15 +244,15 @@ def decode_call(layer: QuantizedLinear, x: torch.Tensor) -> DecodeCall | None:
             and layer.cpu_kernels):
         return None
     buffers = layer._buffers  # read directly: a decode step asks this for every linear
-    if layer.layout == "w8":
-        source = (buffers["weight"], buffers["scale"], buffers["zero"], buffers["bias"])
+    if layer.layout == "w8":  # the flag by identity too: True and False are single objects
+        source = (buffers["weight"], buffers["scale"], buffers["zero"], buffers["bias"], layer.digit_tiles)
     else:
         source = (buffers["packed"], buffers["scales"], buffers["zeros"], buffers["bias"])
     call = layer.bound_decode
     if call is None or not call.binds(source):
         if layer.layout == "w8":
             assert layer.weight is not None and layer.scale is not None
-            call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias, layer.zero)
+            call = w8_decode_call(layer.weight, layer.scale, layer.block, layer.bias, layer.zero, layer.digit_tiles)
         else:
             assert layer.packed is not None and layer.scales is not None
             call = w4_decode_call(layer.packed, layer.scales, layer.zeros, layer.group_size, layer.bias)

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from shardline.engine.kernels.cpu_quant import allow_amx_tiles, allow_digit_tiles, cpu_w4_linear, cpu_w8_linear
+from shardline.engine.kernels.cpu_quant import allow_amx_tiles, cpu_w4_linear, cpu_w8_linear
 from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -22,10 +22,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
 
 @pytest.fixture(autouse=True)
 def _without_amx():
-    """The AMX tiles kept out of the way, the digit products allowed (an engine loaded
-    earlier in the process may have raced them off)."""
     allow_amx_tiles(False)
-    allow_digit_tiles(True)
     yield
     allow_amx_tiles(True)
 
