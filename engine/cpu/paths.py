@@ -76,6 +76,9 @@ MARGIN = 1.1
 # faster than what they replace. The digit products replace, for one row of x, the
 # bfloat16 tiles every other decode shape of int8 weights takes.
 TAKEN_WHEN_FASTER = ("quant_digits_kernel",)
+# Paths that run inside another: not taken where that one is not, and why.
+RUNS_IN = {"small_linear_kernel": ("packed_linears", "it runs packed linears, which are not taken"),
+           "quant_digits_kernel": ("quant_kernels", "it runs in the quantized linears' C kernels, which are not taken")}
 
 
 @dataclass(frozen=True)
@@ -164,10 +167,9 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
                                 else (dtype, shape, rows_hint), measure)
             threshold = MARGIN if name in TAKEN_WHEN_FASTER else 1 / MARGIN
             taken, why = speedup >= threshold, f"measured {speedup:.2f}x {alternative}{how}"
-        if name == "small_linear_kernel" and taken and not choices["packed_linears"]:
-            taken, why = False, "it runs packed linears, which are not taken"
-        if name == "quant_digits_kernel" and taken and not choices["quant_kernels"]:
-            taken, why = False, "it runs in the quantized linears' C kernels, which are not taken"
+        outer, outer_off = RUNS_IN.get(name, (None, ""))
+        if taken and outer is not None and not choices[outer]:
+            taken, why = False, outer_off
         choices[name] = taken
         reasons.append((name, why))
     paths = CpuPaths(dtype, **choices, packed_dtype=packed_dtype if choices["packed_linears"] else None,

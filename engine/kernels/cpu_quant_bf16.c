@@ -281,15 +281,10 @@ static inline __attribute__((always_inline)) void w8_tile(
     }
 }
 
-/* The 4 float32 lanes of v as bfloat16 bits, f32_to_bf16 lane by lane (round to nearest
- * even, NaN kept quiet). */
-typedef uint32_t u32x4 __attribute__((vector_size(16)));
+/* The 4 float32 lanes of v as bfloat16 bits, lane 0 lowest (cpu_common.h's bf16_bits_v). */
 static inline uint64_t bf16x4_bits(__m128 v) {
-    const u32x4 bits = (u32x4)v;
-    const u32x4 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const u32x4 nan = (u32x4)((bits & 0x7fffffffu) > 0x7f800000u);
-    const u32x4 half = (nan & ((bits >> 16) | 0x40u)) | (~nan & rounded);
-    return (uint64_t)half[0] | (uint64_t)half[1] << 16 | (uint64_t)half[2] << 32 | (uint64_t)half[3] << 48;
+    const vu bits = bf16_bits_v((vf)_mm512_zextps128_ps512(v)) >> 16;
+    return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(_mm512_cvtepi32_epi16((__m512i)bits)));
 }
 
 /* w8_tile where one scale multiplies each weight row's sum (no blocks along K, codes in
@@ -534,7 +529,8 @@ void w8_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const uin
         w8_digits_linear(x, x_stride, rows, weight, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                          num_threads))
         return;
-    const fp8_tables table_values = fp8_byte_tables();
+    fp8_tables table_values;  /* read by fp8 codes only */
+    if (fp8) table_values = fp8_byte_tables();
     if (bk >= K) {
         w8_scaled_linear(x, x_stride, rows, weight, fp8, &table_values, scale, scale_cols, bn, bias, out, out_stride,
                          N, K, num_threads);
