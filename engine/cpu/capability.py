@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..kernels import cpu_attention, cpu_fused, cpu_prefill_attention, cpu_quant, cpu_recurrent, native
+from ..kernels import cpu_attention, cpu_fused, cpu_prefill_attention, cpu_quant, cpu_recurrent, native, programs
 from .linear import onednn_linear_available
 
 
@@ -180,6 +180,16 @@ def fused_kernels_capability(dtype: torch.dtype) -> tuple[bool, str]:
         return False, "float32 and bfloat16 only"
     if not cpu_fused.fused_kernels_available(dtype):
         return False, f"{cpu_fused.SOURCE.name} could not be built (see its warning)"
+    return True, "built"
+
+
+def decode_programs_capability(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether decode steps of fused layers can be replayed from recorded kernel calls
+    here (cpu/decode_programs.py), and why."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False, "float32 and bfloat16 only"
+    if not programs.executor_available():
+        return False, "the program executor could not be built (see its warning)"
     return True, "built"
 
 

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..attention.context import AttentionContext
 from ..surgery import Comparison, probe_matches, replace
+from .decode_programs import DecodePrograms
 from .probe import PROBE_TOKENS, probe_cache, probe_context, probe_positions
 from .protocols import LlamaAttention
 
@@ -56,6 +57,7 @@ class FusedDecoder(nn.Module):
             self.add_module(name, decoder.get_submodule(name))
         self.__dict__["original"] = decoder  # not a submodule: the parts above are its own
         self.num_layers = len(self.layers)
+        self.programs: DecodePrograms | None = None  # see record_decode_steps
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -91,12 +93,24 @@ class FusedDecoder(nn.Module):
                                           use_cache=use_cache, shardline_ctx=shardline_ctx, **kwargs)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        layers = self.layers
-        assert len(layers) == self.num_layers, "the decoder's layers changed after it was fused"
-        for layer in layers:  # the keywords transformers' loop passes
+        assert len(self.layers) == self.num_layers, "the decoder's layers changed after it was fused"
+        run_layers = partial(self._run_layers, position_ids=position_ids, use_cache=use_cache, ctx=shardline_ctx)
+        programs = self.programs
+        out = None if programs is None else programs.forward(hidden, position_embeddings, run_layers, shardline_ctx)
+        if out is None:
+            out = run_layers(hidden, position_embeddings)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(out), cache=None)
+
+    def _run_layers(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                    position_ids: torch.Tensor, use_cache: bool | None, ctx: AttentionContext) -> torch.Tensor:
+        for layer in self.layers:  # the keywords transformers' loop passes
             hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings,
-                           position_ids=position_ids, cache=None, use_cache=use_cache, shardline_ctx=shardline_ctx)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=None)
+                           position_ids=position_ids, cache=None, use_cache=use_cache, shardline_ctx=ctx)
+        return hidden
+
+    def record_decode_steps(self) -> None:
+        """Replay this decoder's decode steps from recorded kernel calls (cpu/decode_programs.py)."""
+        self.programs = DecodePrograms(self.layers)
 
     def _original_forward(self, **kwargs: Any) -> BaseModelOutputWithPast:
         original = self.__dict__["original"]
@@ -150,3 +164,12 @@ def fuse_decoders(model: nn.Module, is_fused_layer: Callable[[nn.Module], bool],
         replace(model, name, fused)
         replaced += 1
     return replaced
+
+
+def record_decode_steps(model: nn.Module) -> int:
+    """Replay the decode steps of every FusedDecoder in ``model`` from recorded kernel
+    calls (cpu/decode_programs.py); returns how many decoders."""
+    decoders = [module for module in model.modules() if isinstance(module, FusedDecoder)]
+    for decoder in decoders:
+        decoder.record_decode_steps()
+    return len(decoders)

@@ -41,13 +41,13 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.context import AttentionContext, AttentionOptions, attend_in_context, paged_attention_forward
-from ..kernels.cpu_fused import fused_kernels_available, rotary_
+from ..kernels.cpu_fused import add_, fused_kernels_available, rotary_
 from ..quantization.linear import QuantizedLinear
 from ..quantization.stacked import stacked_projection
 from ..surgery import probe_matches, replace
 from .fused_decoder import fuse_decoders
 from .linear import PackedLinear, PackedWeight, pack_side_by_side, packable_side_by_side, packed_matmul
-from .norms import FUSED_DTYPES, add_norm_rows, norm_rows, same_output
+from .norms import FUSED_DTYPES, add_norm_rows, norm_heads, norm_rows, same_output
 from .probe import probe_cache, probe_context, probe_layer
 from .protocols import AttentionFunction, HeadNormedAttention, LlamaAttention, LlamaDecoder
 
@@ -141,15 +141,15 @@ class FusedDecoderLayer(LayerReplacement):
         normed = norm_rows(cast(nn.Module, parts["input_layernorm"]), x)
         query, key, value = self._project_qkv(attention, normed)
         if self.norms_heads and _norms_heads(attention):  # Qwen3: a norm over each head before the rotation
-            query = norm_rows(attention.q_norm, query.reshape(-1, head_dim)).view(tokens, -1, head_dim)
-            key = norm_rows(attention.k_norm, key.reshape(-1, head_dim)).view(tokens, -1, head_dim)
+            query = norm_heads(attention.q_norm, query).view(tokens, -1, head_dim)
+            key = norm_heads(attention.k_norm, key).view(tokens, -1, head_dim)
         cos, sin = position_embeddings
         rotary_(query, key, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
         attended = self._attend(attention, query, key, value, shardline_ctx)
         # The residual stream: x + attention's output, summed into o_proj's fresh output.
         residual = cast(nn.Module, attention_module._modules["o_proj"])(attended.reshape(tokens, -1))
         normed = add_norm_rows(cast(nn.Module, parts["post_attention_layernorm"]), residual, x)
-        return cast(nn.Module, parts["mlp"])(normed).add_(residual).view(hidden_states.shape)
+        return _add_residual(cast(nn.Module, parts["mlp"])(normed), residual).view(hidden_states.shape)
 
     def _attend(self, attention: LlamaAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
@@ -178,6 +178,14 @@ class FusedDecoderLayer(LayerReplacement):
         else:
             query, key, value = packed_matmul(x, self.packed_qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1)
         return query.view(tokens, -1, head_dim), key.view(tokens, -1, head_dim), value.view(tokens, -1, head_dim)
+
+
+def _add_residual(out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """out += residual (both [T, hidden]), through the fused kernel where it takes them
+    (one C call, which a recorded decode step replays; cpu/decode_programs.py)."""
+    if out.dim() == 2 and out.stride(1) == 1 and residual.stride(1) == 1 and out.dtype == residual.dtype:
+        return add_(out, residual)
+    return out.add_(residual)
 
 
 def _reads_sampled_rows_only(ctx: AttentionContext, tokens: int) -> bool:
@@ -222,7 +230,7 @@ def _sampled_rows_forward(self: FusedDecoderLayer, x: torch.Tensor,
     residual = attention.o_proj(attended.view(rows.numel(), -1))
     normed = add_norm_rows(layer.post_attention_layernorm, residual, x.index_select(0, rows))
     out = x.new_zeros(x.shape)
-    return out.index_copy_(0, rows, layer.mlp(normed).add_(residual))
+    return out.index_copy_(0, rows, _add_residual(layer.mlp(normed), residual))
 
 
 def _has_llama_layout(layer: object) -> TypeIs[LlamaDecoder]:

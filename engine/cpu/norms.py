@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm
+from ..kernels.cpu_fused import add_rms_norm_, fused_kernels_available, rms_norm, rms_norm_heads
 from ..surgery import called_on, replace_if_reproduces, reproduces
 from .protocols import WeightedNorm
 
@@ -105,6 +105,14 @@ def norm_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, FusedRMSNorm):
         return rms_norm(x if x.stride(-1) == 1 else x.contiguous(), module.weight, module.eps)
     return module(x)
+
+
+def norm_heads(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module over each head of x [T, H, D] (each token's heads contiguous): [T * H, D],
+    through the kernel without copying the heads together first when the norm was fused."""
+    if isinstance(module, FusedRMSNorm) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return rms_norm_heads(x, module.weight, module.eps)
+    return norm_rows(module, x.reshape(-1, x.shape[2]))
 
 
 def add_norm_rows(module: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from .capability import (
     HostCpu,
     ModelShape,
     decode_kernel_capability,
+    decode_programs_capability,
     fused_kernels_capability,
     host_cpu,
     packed_copy_dtype,
@@ -47,6 +48,7 @@ from .capability import (
     quant_kernels_capability,
     recurrent_kernel_capability,
 )
+from .fused_decoder import record_decode_steps
 from .hybrid_layers import optimize_hybrid_layers
 from .layers import fuse_decoder_layers
 from .linear import fuse_gated_mlps, onednn_linear_available, pack_linears
@@ -69,7 +71,7 @@ from .recurrent_core import take_native_core
 logger = logging.getLogger(__name__)
 
 PATH_NAMES = ("packed_linears", "fused_kernels", "decode_kernel", "prefill_kernel", "recurrent_kernel",
-              "quant_kernels", "quant_int8_kernel", "quant_digits_kernel", "small_linear_kernel")
+              "quant_kernels", "quant_int8_kernel", "quant_digits_kernel", "small_linear_kernel", "decode_programs")
 # A measured alternative replaces the default path only when at least this much faster.
 MARGIN = 1.1
 # Paths that are themselves the alternative: taken only where measured at least MARGIN
@@ -78,7 +80,8 @@ MARGIN = 1.1
 TAKEN_WHEN_FASTER = ("quant_digits_kernel",)
 # Paths that run inside another: not taken where that one is not, and why.
 RUNS_IN = {"small_linear_kernel": ("packed_linears", "it runs packed linears, which are not taken"),
-           "quant_digits_kernel": ("quant_kernels", "it runs in the quantized linears' C kernels, which are not taken")}
+           "quant_digits_kernel": ("quant_kernels", "it runs in the quantized linears' C kernels, which are not taken"),
+           "decode_programs": ("fused_kernels", "it replays the fused decoder layers' kernels, which are not taken")}
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class CpuPaths:
     # Packed linears whose shape measures faster on the small-batch C kernel
     # (kernels/cpu_small_linear.py) than on oneDNN take it (cpu/linear_race.py).
     small_linear_kernel: bool = False
+    # Decode steps of fused Llama-family decoders replayed from their recorded kernel
+    # calls, one C call between attention calls (cpu/decode_programs.py).
+    decode_programs: bool = False
     reasons: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -149,6 +155,7 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         "quant_digits_kernel": (quant_digits_capability(dtype), lambda: quant_digits_speedup(dtype, shape),
                                 "the bfloat16 dot-product tiles"),
         "small_linear_kernel": (small_linear_capability(packed_dtype or dtype), None, ""),
+        "decode_programs": (decode_programs_capability(dtype), None, ""),
     }
     choices, reasons = {}, []
     for name, ((capable, why), measure, alternative) in checks.items():
@@ -251,6 +258,8 @@ def optimize_for_cpu(model: torch.nn.Module, paths: CpuPaths, rows_hint: int) ->
     if paths.fused_kernels:
         norms = fuse_rms_norms(model)
         layers = fuse_decoder_layers(model, rows_hint)
+        if paths.decode_programs:
+            record_decode_steps(model)
     # Hybrid models' own norms, projections and layers (hybrid_layers.py; none for other models).
     hybrid = optimize_hybrid_layers(model, paths.fused_kernels, rows_hint)
     others = hybrid.others

@@ -134,6 +134,14 @@ static inline void rotate_head_f32(float *x, const float *cos, const float *sin,
             rms_row_##SUFFIX(x + r * x_stride, weight, out + r * out_stride, cols, (float)eps); \
     }                                                                                           \
                                                                                                 \
+    void rms_norm_heads_##SUFFIX(const T *x, int64_t token_stride, int64_t heads, const T *weight, T *out, \
+                                 int64_t tokens, int64_t head_dim, double eps, int num_threads) {     \
+        _Pragma("omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < tokens * heads; r++)                                            \
+            rms_row_##SUFFIX(x + (r / heads) * token_stride + (r % heads) * head_dim, weight,  \
+                             out + r * head_dim, head_dim, (float)eps);                         \
+    }                                                                                           \
+                                                                                                \
     void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *delta, int64_t delta_stride,    \
                                const T *weight, T *out, int64_t out_stride, int64_t rows,       \
                                int64_t cols, double eps, int num_threads) {                     \
@@ -144,6 +152,13 @@ static inline void rotate_head_f32(float *x, const float *cos, const float *sin,
             add_row_##SUFFIX(xr, dr, cols);                                                     \
             rms_row_##SUFFIX(xr, weight, out + r * out_stride, cols, (float)eps);               \
         }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    void add_rows_##SUFFIX(T *x, int64_t x_stride, const T *delta, int64_t delta_stride,         \
+                           int64_t rows, int64_t cols, int num_threads) {                       \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            add_row_##SUFFIX(x + r * x_stride, delta + r * delta_stride, cols);                 \
     }                                                                                           \
                                                                                                 \
     void silu_mul_##SUFFIX(const T *gate_up, int64_t stride, T *out, int64_t out_stride,        \

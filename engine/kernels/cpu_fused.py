@@ -21,7 +21,9 @@ _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _D, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
 _SIGNATURES = {
     "rms_norm": [_P, _I, _P, _P, _I, _I, _I, _D, _N],
+    "rms_norm_heads": [_P, _I, _I, _P, _P, _I, _I, _D, _N],
     "add_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _D, _N],
+    "add_rows": [_P, _I, _P, _I, _I, _I, _N],
     "silu_mul": [_P, _I, _P, _I, _I, _I, _N],
     "rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _N],
 }
@@ -71,6 +73,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H, D], each token's heads contiguous (tokens any stride apart, as q's or
+    k's heads are in a q/k/v projection's output) -> new [T * H, D]: rms_norm of each
+    head's row, without first copying x's heads together."""
+    tokens, heads, head_dim = x.shape
+    assert x.is_cpu and x.stride(2) == 1 and x.stride(1) == head_dim, (x.shape, x.stride())
+    assert weight.is_contiguous() and weight.shape == (head_dim,) and weight.dtype == x.dtype
+    out = torch.empty((tokens * heads, head_dim), dtype=x.dtype)
+    _function("rms_norm_heads", x.dtype)(x.data_ptr(), x.stride(0), heads, weight.data_ptr(), out.data_ptr(), tokens,
+                                         head_dim, eps, torch.get_num_threads())
+    return out
+
+
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place; returns rms_norm(x) as a new tensor. x, delta: [rows, cols]."""
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -81,6 +96,15 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
                                        weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
                                        eps, torch.get_num_threads())
     return out
+
+
+def add_(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """x += delta in place (x, delta: [rows, cols]), as torch's add_ rounds; returns x."""
+    _check_rows(x, delta)
+    assert delta.shape == x.shape, (delta.shape, x.shape)
+    _function("add_rows", x.dtype)(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0), x.shape[0],
+                                   x.shape[1], torch.get_num_threads())
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -240,6 +241,10 @@ def call_paged_attention(function: Callable, query: torch.Tensor, k_cache: torch
                     torch.get_num_threads(), *extra)
 
 
+# Every function ``declare`` set up: what kernels/programs.py's recorder watches.
+DECLARED: list[Any] = []
+
+
 def declare(library: ctypes.CDLL, names: Iterable[str], argtypes: list | None, restype: object) -> None:
     """Set the ctypes signature of each function ``names`` of ``library``."""
     for name in names:
@@ -247,6 +252,7 @@ def declare(library: ctypes.CDLL, names: Iterable[str], argtypes: list | None, r
         if argtypes is not None:
             function.argtypes = argtypes
         function.restype = restype
+        DECLARED.append(function)
 
 
 class NativeLibrary:

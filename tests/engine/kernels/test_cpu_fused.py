@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from shardline.engine.kernels.cpu_fused import (
+    add_,
     add_rms_norm_,
     fused_kernels_available,
     kv_write,
     kv_write_takes,
     rms_norm,
+    rms_norm_heads,
     rms_norm_reference,
     rotary_,
     rotary_reference,
@@ -51,6 +53,17 @@ def test_rms_norm_reads_strided_rows(dtype):
     x = wide[:, 16:80]
     weight = torch.rand(64, generator=generator()).to(dtype)
     torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rms_norm_heads_is_rms_norm_of_the_heads_gathered(dtype, tokens):
+    """The heads of q in a q/k/v projection's output (tokens a wider row apart): the same
+    results, bit for bit, as the norm of the rows copied together."""
+    qkv = (torch.randn(tokens, 4 * 64 + 2 * 2 * 64, generator=generator()) * 3).to(dtype)
+    query = qkv[:, : 4 * 64].view(tokens, 4, 64)
+    weight = torch.randn(64, generator=generator()).to(dtype)
+    assert torch.equal(rms_norm_heads(query, weight, 1e-6), rms_norm(query.reshape(-1, 64), weight, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,6 +123,19 @@ def test_bfloat16_rounding_is_torchs_bit_for_bit():
     add_rms_norm_(residual, rows[1], torch.ones(1000, dtype=torch.bfloat16), 1e-6)
     assert torch.equal(residual.view(torch.int16)[~expected.isnan()], expected.view(torch.int16)[~expected.isnan()])
     assert torch.equal(residual.isnan(), expected.isnan())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_is_torchs_add_bit_for_bit(dtype, rows):
+    """x += delta in place over rows a stride apart (the residual add of the fused
+    layers), rounded as torch's add_ rounds: equal bit for bit."""
+    wide = (torch.randn(rows, 1100, generator=generator()) * 50).to(dtype)
+    x, delta = wide[:, :1000], (torch.randn(rows, 1000, generator=generator()) * 3).to(dtype)
+    expected = x + delta
+    assert add_(x, delta) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(wide[:, 1000:], (torch.randn(rows, 1100, generator=generator()) * 50).to(dtype)[:, 1000:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,0 +1,279 @@
+"""Decode steps of a fused Llama-family decoder replayed from recorded kernel calls.
+
+On a decode step the CPU path's decoder layers (cpu/layers.py) run the same C kernels
+in the same order every time: norm, the q/k/v projection, rotation, attention, o_proj,
+norm, the MLP's linears and activation, the residual add. For a few rows each kernel
+is quick, and launching it from Python (module calls, checks, ctypes' argument
+conversion) costs as much again. ``DecodePrograms`` records, once per row count, the
+kernel calls of one such step (kernels/programs.py) and replays them on later steps
+in one C call per stretch between attention calls; attention itself runs as always,
+from Python, since its work depends on each step's context lengths and block tables.
+
+How a step of T rows becomes a program:
+- Its first WARM_STEPS steps run as usual (any lazy set-up happens there).
+- The next one runs as usual with a recorder on and its inputs in buffers the program
+  keeps: the hidden states entering the first layer and the rotary tables. Every
+  kernel call is noted; every tensor the layers allocate is kept (a replay writes the
+  same addresses); the attention calls cut the record into stretches, and their
+  outputs are kept as the next stretch's input. A torch operation that computes
+  (anything but allocating or viewing) between attention calls, a kernel call that
+  returns a status or an adapter-wrapped layer (LoRA) leaves the size unrecorded.
+- The record is then checked: every kept tensor is overwritten with NaN (or -1) and
+  the stretches replayed over the step's own attention outputs; the queries, keys,
+  values and the last layer's output must come out bit for bit as the step computed
+  them, else the size keeps running as usual (a kernel call the recorder missed would
+  leave NaN behind).
+- Later steps of T rows copy their hidden states and rotary tables into the buffers,
+  replay the stretches around their attention calls (each output copied into the
+  kept one) and give the last layer's output.
+A program is dropped when any of the layers' parameters or buffers moves (new
+storage) or the layers are replaced; the number of programs and the memory they keep
+are bounded (MAX_PROGRAMS, MAX_HELD_BYTES).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..attention.context import AttentionContext
+from ..kernels.programs import CallProgram, CallRecorder
+from ..lora.layers import BatchedLoRALinear
+
+logger = logging.getLogger(__name__)
+
+# Steps of at most this many rows are recorded (past it a step's kernels outweigh their launches).
+MAX_ROWS = 64
+# Steps of a row count that run as usual before one is recorded.
+WARM_STEPS = 2
+MAX_PROGRAMS = 16
+# Bytes of tensors all of one decoder's programs may keep.
+MAX_HELD_BYTES = 256 << 20
+
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                          torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
+_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+class _Guard(TorchDispatchMode):
+    """Keeps every tensor allocated while it is active and not paused, and notes the
+    first torch operation that is neither an allocation nor a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[torch.Tensor] = []
+        self.computed: str | None = None
+        self.paused = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            if func in _ALLOCATIONS:
+                self.held.append(out)
+            elif not ((func.is_view or func in _VIEWS) and _aliases(out, args[0])) and self.computed is None:
+                self.computed = str(func)  # reshape, for one, copies where it cannot view
+        return out
+
+
+def _aliases(out: Any, source: Any) -> bool:
+    """Whether every tensor of ``out`` views ``source``'s storage."""
+    if not isinstance(source, torch.Tensor):
+        return False
+    pointer = source.untyped_storage().data_ptr()
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return all(isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() == pointer
+               for tensor in outs)
+
+
+@dataclass
+class _Cut:
+    """One attention call in a record: the layer's attention function and arguments,
+    and the output the next stretch reads."""
+
+    attend: Callable[..., torch.Tensor]
+    attention: nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attended: torch.Tensor | None = None
+
+
+@dataclass
+class _Program:
+    calls: CallProgram
+    bounds: list[int]  # stretch i is calls[bounds[i]:bounds[i + 1]]
+    cuts: list[_Cut]
+    hidden: torch.Tensor  # [1, T, width]: the step's hidden states entering the first layer
+    cos: torch.Tensor
+    sin: torch.Tensor
+    out: torch.Tensor  # the last layer's output
+    kept: list[torch.Tensor]
+    held_bytes: int
+
+
+class DecodePrograms:
+    """The recorded decode steps of one decoder's fused layers (see the module
+    docstring), by row count, dtype and thread count."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+        self.replays = 0  # steps replayed (the tests read it)
+        self._programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self._refused: dict[tuple, str] = {}
+        self._weights: list[torch.Tensor] = []
+        self._pointers: list[int] = []
+        self._layer_ids: list[int] = []
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy (deepcopy, pickle) records its own: the addresses here are this one's.
+        return {"layers": self.layers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["layers"])
+
+    def forward(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                run_layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor],
+                ctx: AttentionContext) -> torch.Tensor | None:
+        """The last layer's output for a step of hidden [1, T, width], replayed or recorded
+        where the step qualifies, else None (the caller runs the layers). ``run_layers``
+        runs every layer as usual."""
+        rows = hidden.shape[1]
+        if (rows > MAX_ROWS or hidden.dim() != 3 or hidden.shape[0] != 1 or ctx.max_query_len != 1
+                or (ctx.sampled_rows is not None and ctx.sampled_rows.numel() != rows)):
+            return None
+        key = (rows, hidden.dtype, torch.get_num_threads())
+        program = self._programs.get(key)
+        if program is not None:
+            if self._moved():
+                self.clear()
+                return None
+            return self._replay(program, hidden, position_embeddings, ctx)
+        if key in self._refused:
+            return None
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen <= WARM_STEPS:
+            return None
+        return self._record(key, hidden, position_embeddings, run_layers)
+
+    def clear(self) -> None:
+        """Drop every program (the layers' weights moved or were replaced)."""
+        self._programs.clear()
+        self._seen.clear()
+        self._refused.clear()
+        self._weights, self._pointers, self._layer_ids = [], [], []
+
+    def _moved(self) -> bool:
+        return ([id(layer) for layer in self.layers] != self._layer_ids
+                or any(tensor.data_ptr() != pointer for tensor, pointer in zip(self._weights, self._pointers,
+                                                                                strict=True)))
+
+    def _replay(self, program: _Program, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> torch.Tensor:
+        program.hidden.copy_(hidden)
+        program.cos.copy_(position_embeddings[0])
+        program.sin.copy_(position_embeddings[1])
+        calls, bounds = program.calls, program.bounds
+        calls.run(bounds[0], bounds[1])
+        for index, cut in enumerate(program.cuts):
+            attended = cut.attend(cut.attention, cut.query, cut.key, cut.value, ctx)
+            assert cut.attended is not None
+            cut.attended.copy_(attended)
+            calls.run(bounds[index + 1], bounds[index + 2])
+        self.replays += 1
+        return program.out
+
+    def _refuse(self, key: tuple, why: str) -> None:
+        self._refused[key] = why
+        logger.info("decode steps of %d rows are not replayed: %s", key[0], why)
+
+    def _record(self, key: tuple, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                run_layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+                ) -> torch.Tensor:
+        """Run the step with a recorder on (its output is the step's own), and keep the
+        program where it replays exactly."""
+        if any(isinstance(module, BatchedLoRALinear) for module in self.layers.modules()):
+            self._refuse(key, "adapter-wrapped layers change their work per step")
+            return run_layers(hidden, position_embeddings)
+        inputs = hidden.clone(), position_embeddings[0].clone(), position_embeddings[1].clone()
+        recorder, guard, cuts = CallRecorder(), _Guard(), []
+        with recorder, guard, self._cut_at_attention(recorder, guard, cuts):
+            out = run_layers(inputs[0], (inputs[1], inputs[2]))
+        result = out.clone()
+        why = recorder.error or (guard.computed and f"the layers compute {guard.computed} in torch")
+        if not why and len(cuts) != len(self.layers):
+            why = f"{len(cuts)} attention calls for {len(self.layers)} layers"
+        held_bytes = sum(tensor.untyped_storage().nbytes() for tensor in guard.held)
+        if not why and held_bytes + self._held_bytes() > MAX_HELD_BYTES:
+            why = f"its buffers ({held_bytes >> 20} MiB) would pass the programs' bound"
+        calls = None if why else CallProgram.build(recorder.calls)
+        if calls is None:
+            self._refuse(key, why or "the program executor cannot be built here")
+            return result
+        bounds = [0, *(cut_at for cut_at, _ in cuts), len(recorder.calls)]
+        program = _Program(calls, bounds, [cut for _, cut in cuts], *inputs, out, guard.held, held_bytes)
+        if not _replays_exactly(program, result):
+            self._refuse(key, "a replay did not give the step's own outputs")
+            return result
+        if not self._programs:
+            self._track_weights()
+        self._programs[key] = program
+        while len(self._programs) > MAX_PROGRAMS:
+            self._programs.popitem(last=False)
+        return result
+
+    def _held_bytes(self) -> int:
+        return sum(program.held_bytes for program in self._programs.values())
+
+    def _track_weights(self) -> None:
+        self._layer_ids = [id(layer) for layer in self.layers]
+        self._weights = [*self.layers.parameters(), *self.layers.buffers()]
+        self._pointers = [tensor.data_ptr() for tensor in self._weights]
+
+    @contextmanager
+    def _cut_at_attention(self, recorder: CallRecorder, guard: _Guard, cuts: list[tuple[int, _Cut]]
+                          ) -> Iterator[None]:
+        """Each layer's attention call (its ``_attend``) cuts the record: it runs
+        unrecorded, and its arguments and output are noted."""
+        def cutting(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            def attend_cut(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           ctx: AttentionContext) -> torch.Tensor:
+                cut = _Cut(attend, attention, query, key, value)
+                cuts.append((len(recorder.calls), cut))
+                recorder.paused = guard.paused = True
+                try:
+                    cut.attended = attend(attention, query, key, value, ctx)
+                finally:
+                    recorder.paused = guard.paused = False
+                return cut.attended
+            return attend_cut
+
+        for layer in self.layers:
+            layer.__dict__["_attend"] = cutting(layer._attend)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.__dict__.pop("_attend", None)
+
+
+def _replays_exactly(program: _Program, result: torch.Tensor) -> bool:
+    """Whether replaying the stretches, every kept tensor first overwritten, gives the
+    recorded step's queries, keys, values and output (see the module docstring)."""
+    expected = [(cut.query.clone(), cut.key.clone(), cut.value.clone()) for cut in program.cuts]
+    for tensor in program.kept:
+        tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
+    calls, bounds = program.calls, program.bounds
+    for index in range(len(bounds) - 1):
+        calls.run(bounds[index], bounds[index + 1])
+    return torch.equal(program.out, result) and all(
+        torch.equal(cut.query, query) and torch.equal(cut.key, key) and torch.equal(cut.value, value)
+        for cut, (query, key, value) in zip(program.cuts, expected, strict=True))

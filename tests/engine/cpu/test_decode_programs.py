@@ -1,0 +1,200 @@
+"""Decode steps replayed from recorded kernel calls (engine/cpu/decode_programs.py,
+engine/kernels/programs.py)."""
+
+import shutil
+import threading
+
+import pytest
+import torch
+import transformers
+
+from shardline import LLM, SamplingParams
+from shardline.engine.cpu import layers as cpu_layers
+from shardline.engine.cpu.fused_decoder import FusedDecoder
+from shardline.engine.kernels import programs
+from shardline.engine.kernels.cpu_fused import add_, kv_write, rms_norm
+from shardline.engine.kernels.programs import CallProgram, CallRecorder, executor_source_for, signature_codes
+from shardline.engine.model.tiny import build_tiny_model
+
+from .paths_taken import taken_unless_forced_off
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine keeps its torch ops")
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46], [70, 71]]
+MAX_TOKENS = [20, 14, 10, 6]  # requests finish apart: 4 or more steps each of 4, 3, 2 and 1 rows
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=count, temperature=0.0, ignore_eos=True) for count in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def decoder_of(llm: LLM) -> FusedDecoder:
+    decoder = llm.llm_engine.model.model
+    assert isinstance(decoder, FusedDecoder)
+    return decoder
+
+
+def eager_tokens(model_dir: str, monkeypatch: pytest.MonkeyPatch, **options) -> list[list[int]]:
+    with monkeypatch.context() as patch:
+        patch.setenv("SHARDLINE_CPU_PATHS", "decode_programs=off")
+        llm = LLM(model_dir, **options)
+        assert decoder_of(llm).programs is None
+        tokens = generate(llm)
+        llm.close()
+    return tokens
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+@pytest.mark.parametrize("arch, options", [
+    ("llama", dict(dtype="float32")),
+    ("qwen3", dict(dtype="bfloat16")),
+    ("llama", dict(dtype="bfloat16", quantization="int8")),
+], ids=["llama-float32", "qwen3-bfloat16", "llama-bfloat16-int8"])
+def test_decode_steps_replay_and_give_the_eager_paths_tokens(tmp_path, monkeypatch, arch, options):
+    model_dir = str(build_tiny_model(tmp_path, arch))
+    expected = eager_tokens(model_dir, monkeypatch, **options)
+    llm = LLM(model_dir, **options)
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    replays, refused = programs_.replays, dict(programs_._refused)
+    sizes = sorted(key[0] for key in programs_._programs)
+    llm.close()
+    assert tokens == expected
+    assert not refused
+    assert sizes == [1, 2, 3, 4] and replays >= 7
+    if options["dtype"] == "float32":  # and the model's own greedy tokens
+        reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        for prompt, count, got in zip(PROMPTS, MAX_TOKENS, tokens, strict=True):
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=count, min_new_tokens=count,
+                                      do_sample=False)[0, len(prompt):].tolist()
+            assert got == want
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_a_kernel_call_the_recorder_misses_leaves_the_size_unrecorded(tmp_path, monkeypatch):
+    """The residual add's kernel hidden from the recorder: the check replays over NaN
+    buffers, finds the output differs, and every size keeps running as usual."""
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    monkeypatch.setattr(programs, "DECLARED",
+                        [function for function in programs.DECLARED if not function.__name__.startswith("add_rows")])
+    llm = LLM(model_dir, dtype="float32")
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    llm.close()
+    assert tokens == expected
+    assert programs_.replays == 0 and not programs_._programs
+    assert set(programs_._refused.values()) == {"a replay did not give the step's own outputs"}
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_torch_compute_between_attention_calls_leaves_the_size_unrecorded(tmp_path, monkeypatch):
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    monkeypatch.setattr(cpu_layers, "_add_residual", lambda out, residual: out.add_(residual))
+    llm = LLM(model_dir, dtype="float32")
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    llm.close()
+    assert tokens == expected
+    assert programs_.replays == 0
+    assert set(programs_._refused.values()) == {"the layers compute aten.add_.Tensor in torch"}
+
+
+def doubled_norm_tokens(llm: LLM) -> list[list[int]]:
+    """Tokens after the first layer's second norm weight is doubled into new storage
+    (where a kept program would still read the old)."""
+    generate(llm)
+    norm = decoder_of(llm).layers[0].get_submodule("layer.post_attention_layernorm")
+    with torch.no_grad():
+        norm.weight.data = norm.weight.data * 2
+    return generate(llm)
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_weights_in_new_storage_drop_the_programs(tmp_path, monkeypatch):
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    with monkeypatch.context() as patch:
+        patch.setenv("SHARDLINE_CPU_PATHS", "decode_programs=off")
+        eager = LLM(model_dir, dtype="float32")
+        expected = doubled_norm_tokens(eager)
+        eager.close()
+    llm = LLM(model_dir, dtype="float32")
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    tokens = doubled_norm_tokens(llm)
+    kept = list(programs_._programs)
+    llm.close()
+    assert tokens == expected
+    assert tokens != generate_fresh(model_dir)
+    assert len(kept) == 4  # recorded again over the new storage
+
+
+def generate_fresh(model_dir: str) -> list[list[int]]:
+    llm = LLM(model_dir, dtype="float32")
+    tokens = generate(llm)
+    llm.close()
+    return tokens
+
+
+# --------------------------------------------------------------- the recorder itself
+
+
+def test_a_recorded_program_replays_its_calls_in_order():
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    delta = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(2))
+    with CallRecorder() as recorder:
+        add_(x, delta)
+        normed = rms_norm(x, weight, 1e-6)
+    assert recorder.error is None
+    assert [call.name for call in recorder.calls] == ["add_rows_f32", "rms_norm_f32"]
+    assert recorder.calls[1].reals == (1e-6,)
+    program = CallProgram.build(recorder.calls)
+    assert program is not None
+    first, second = x.clone(), normed.clone()
+    normed.zero_()
+    program.run(1, 2)  # the norm alone, over x as it is
+    assert torch.equal(normed, second)
+    program.run(0, 2)  # x += delta again, then the norm of that
+    assert torch.equal(x, first + delta)
+    assert torch.equal(normed, rms_norm(first + delta, weight, 1e-6))
+
+
+def test_a_kernel_that_returns_a_status_cannot_be_replayed():
+    key = torch.randn(2, 1, 4)
+    k_cache = torch.zeros(2, 4, 1, 4)
+    v_cache = torch.zeros(2, 4, 1, 4)
+    with CallRecorder() as recorder:
+        kv_write(key, key, k_cache, v_cache, torch.tensor([0, 5]))
+    assert not recorder.calls
+    assert recorder.error == "kernel kv_write returns a value, which a replay would not check"
+
+
+def test_calls_of_other_threads_are_not_recorded():
+    x, delta = torch.zeros(1, 16), torch.ones(1, 16)
+    with CallRecorder() as recorder:
+        worker = threading.Thread(target=add_, args=(x, delta))
+        worker.start()
+        worker.join()
+    assert torch.equal(x, delta) and not recorder.calls and recorder.error is None
+
+
+def test_the_executor_calls_each_function_through_its_own_prototype():
+    import ctypes
+
+    codes = signature_codes([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double,
+                             ctypes.POINTER(ctypes.c_float), ctypes.c_uint8])
+    assert codes == "pqifdpB"
+    source = executor_source_for([codes])
+    assert ("((void (*)(void *, int64_t, int32_t, float, double, void *, uint8_t))function)"
+            "((void *)(uintptr_t)i[0], (int64_t)i[1], (int32_t)i[2], (float)r[0], (double)r[1], "
+            "(void *)(uintptr_t)i[3], (uint8_t)i[4]); break;") in source
+    with pytest.raises(TypeError, match="c_char_p"):
+        signature_codes([ctypes.c_char_p])
