@@ -90,7 +90,7 @@ def test_unknown_path_setting_names_the_item(monkeypatch):
     assert path_settings() == {"packed_linears": False, "fused_kernels": False, "decode_kernel": True,
                                "prefill_kernel": False, "recurrent_kernel": False, "quant_kernels": False,
                                "quant_int8_kernel": False, "quant_digits_kernel": False,
-                               "small_linear_kernel": False}
+                               "small_linear_kernel": False, "decode_programs": False}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available() or shutil.which("cc") is None,
