@@ -12,6 +12,7 @@ matmul peak; bench/roofline.py).
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
     python bench/bench_engine.py --sweep [--cpu-time] [--repeat 1] [--shapes 0 3] [--skip-hf] [--profile]
+                                 [--without PATH]
     python bench/bench_engine.py --skip-hf --without small_linear_kernel [--cpu-time]
     python bench/bench_engine.py --skip-hf --also-dtype bfloat16 [--cpu-time]
 
@@ -312,13 +313,16 @@ def sweep(args: argparse.Namespace) -> None:
             build_bench_model(Path(model_dir), vocab_size=vocab_size, max_position_embeddings=4096)
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             llm = LLM(model_dir, dtype=args.dtype)
-            llm.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
+            others = {path: engine_without(model_dir, args.dtype, path) for path in args.without}
+            for engine in (llm, *others.values()):
+                engine.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
             for shape in (s for s in shapes if s.vocab_size == vocab_size):
                 if args.profile:  # installed once: its wrappers stay for the later shapes
                     profile = time_lm_head(llm, profile or StepProfile(clock))
-                rows.append(sweep_shape(shape, hf_model, llm, args, profile))
-            llm.close()
-            del llm, hf_model
+                rows.append(sweep_shape(shape, hf_model, llm, args, profile, others))
+            for engine in (llm, *others.values()):
+                engine.close()
+            del llm, hf_model, others
             gc.collect()
     limits = limits.best_with(HostLimits.measure(dtype))
     print(f"host: {host_cpu().describe()}")
@@ -337,16 +341,21 @@ def sweep(args: argparse.Namespace) -> None:
           "ceiling: the ratio a run at the roofline would reach)")
 
 
-def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, installed: StepProfile | None):
+def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, installed: StepProfile | None,
+                others: dict[str, LLM]):
     """One shape's best transformers (None with --skip-hf) and shardline seconds and its
     roofline (of the host limits, measured again at the end); with --profile, the
-    shardline run's split printed (into ``installed``, the sweep's one profile)."""
+    shardline run's split printed (into ``installed``, the sweep's one profile).
+    ``others``: engines loaded with a CPU path off (--without), run interleaved and
+    compared in the shape's printout."""
     prompts = random_prompts(shape.num_prompts, shape.min_len, shape.max_len, shape.vocab_size)
     runners: dict[str, Callable[[], float]] = {}
     if not args.skip_hf:
         runners["transformers static generate"] = lambda: run_hf_static(hf_model, prompts, shape.output_len,
                                                                         args.hf_batch_size)
     runners["shardline"] = lambda: run_shardline(llm, prompts, shape.output_len)
+    for path, other in others.items():
+        runners[f"shardline without {path}"] = lambda other=other: run_shardline(other, prompts, shape.output_len)
     results, profile = run_rounds(runners, args.repeat, args.profile, installed)
     print(f"{shape.describe()}:", flush=True)
     print_runs(results, shape.num_prompts * shape.output_len)

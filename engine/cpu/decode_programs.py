@@ -26,8 +26,8 @@ How a step of T rows becomes a program:
 - Later steps of T rows copy their hidden states and rotary tables into the buffers,
   replay the stretches around their attention calls (each output copied into the
   kept one) and give the last layer's output.
-A program is dropped when any of the layers' parameters or buffers moves (new
-storage) or the layers are replaced; the number of programs and the memory they keep
+Every program is dropped when any of the layers' modules, parameters or buffers is
+replaced or holds new storage (its old storage is kept until then); the number of programs and the memory they keep
 are bounded (MAX_PROGRAMS, MAX_HELD_BYTES).
 """
 
@@ -42,6 +42,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..attention.context import AttentionContext
@@ -57,6 +62,21 @@ WARM_STEPS = 2
 MAX_PROGRAMS = 16
 # Bytes of tensors all of one decoder's programs may keep.
 MAX_HELD_BYTES = 256 << 20
+
+# Parameters, buffers and submodules registered on any module (torch's global
+# registration hooks): where this moves, a decoder's programs look their layers over
+# again (a replaced module or parameter is one the programs do not read).
+_registrations = 0
+
+
+def _registered(*_: object) -> None:
+    global _registrations
+    _registrations += 1
+
+
+for _register in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
+                  register_module_module_registration_hook):
+    _register(_registered)
 
 _ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                           torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
@@ -129,9 +149,10 @@ class DecodePrograms:
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._refused: dict[tuple, str] = {}
-        self._weights: list[torch.Tensor] = []
-        self._pointers: list[int] = []
-        self._layer_ids: list[int] = []
+        self._weights: list[torch.Tensor] = []  # the layers' parameters and buffers, held
+        self._pointers: list[int] = []  # their data when the programs were recorded
+        self._parts: tuple[int, ...] = ()  # the ids of the layers' modules, parameters and buffers
+        self._registrations = -1
 
     def __getstate__(self) -> dict[str, object]:
         # A copy (deepcopy, pickle) records its own: the addresses here are this one's.
@@ -169,12 +190,22 @@ class DecodePrograms:
         self._programs.clear()
         self._seen.clear()
         self._refused.clear()
-        self._weights, self._pointers, self._layer_ids = [], [], []
+        self._weights, self._pointers, self._parts, self._registrations = [], [], (), -1
 
     def _moved(self) -> bool:
-        return ([id(layer) for layer in self.layers] != self._layer_ids
-                or any(tensor.data_ptr() != pointer for tensor, pointer in zip(self._weights, self._pointers,
-                                                                                strict=True)))
+        """Whether any of the layers' modules, parameters or buffers was replaced, or
+        holds new storage, since the programs were recorded."""
+        if self._registrations != _registrations:
+            if self._layer_parts() != self._parts:
+                return True
+            self._registrations = _registrations
+        for tensor, pointer in zip(self._weights, self._pointers):
+            if tensor.data_ptr() != pointer:
+                return True
+        return False
+
+    def _layer_parts(self) -> tuple[int, ...]:
+        return tuple(map(id, (*self.layers.modules(), *self.layers.parameters(), *self.layers.buffers())))
 
     def _replay(self, program: _Program, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
@@ -234,9 +265,9 @@ class DecodePrograms:
         return sum(program.held_bytes for program in self._programs.values())
 
     def _track_weights(self) -> None:
-        self._layer_ids = [id(layer) for layer in self.layers]
         self._weights = [*self.layers.parameters(), *self.layers.buffers()]
         self._pointers = [tensor.data_ptr() for tensor in self._weights]
+        self._parts, self._registrations = self._layer_parts(), _registrations
 
     @contextmanager
     def _cut_at_attention(self, recorder: CallRecorder, guard: _Guard, cuts: list[tuple[int, _Cut]]

@@ -107,28 +107,34 @@ def test_torch_compute_between_attention_calls_leaves_the_size_unrecorded(tmp_pa
     assert set(programs_._refused.values()) == {"the layers compute aten.add_.Tensor in torch"}
 
 
-def doubled_norm_tokens(llm: LLM) -> list[list[int]]:
+def doubled_norm_tokens(llm: LLM, how: str) -> list[list[int]]:
     """Tokens after the first layer's second norm weight is doubled into new storage
-    (where a kept program would still read the old)."""
+    (``how``: "storage", the parameter's data replaced; "parameter", a new parameter
+    in its place), where a kept program would still read the old."""
     generate(llm)
     norm = decoder_of(llm).layers[0].get_submodule("layer.post_attention_layernorm")
+    norm = getattr(norm, "norm", norm)  # the fused norm's own (cpu/norms.py)
     with torch.no_grad():
-        norm.weight.data = norm.weight.data * 2
+        if how == "storage":
+            norm.weight.data = norm.weight.data * 2
+        else:
+            norm.weight = torch.nn.Parameter(norm.weight * 2, requires_grad=False)
     return generate(llm)
 
 
 @taken_unless_forced_off("fused_kernels", "decode_programs")
-def test_weights_in_new_storage_drop_the_programs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["storage", "parameter"])
+def test_weights_replaced_drop_the_programs(tmp_path, monkeypatch, how):
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     with monkeypatch.context() as patch:
         patch.setenv("SHARDLINE_CPU_PATHS", "decode_programs=off")
         eager = LLM(model_dir, dtype="float32")
-        expected = doubled_norm_tokens(eager)
+        expected = doubled_norm_tokens(eager, how)
         eager.close()
     llm = LLM(model_dir, dtype="float32")
     programs_ = decoder_of(llm).programs
     assert programs_ is not None
-    tokens = doubled_norm_tokens(llm)
+    tokens = doubled_norm_tokens(llm, how)
     kept = list(programs_._programs)
     llm.close()
     assert tokens == expected
