@@ -16,8 +16,15 @@ How a step of T rows becomes a program:
   kernel call is noted; every tensor the layers allocate is kept (a replay writes the
   same addresses); the attention calls cut the record into stretches, and their
   outputs are kept as the next stretch's input. A torch operation that computes
-  (anything but allocating or viewing) between attention calls, a kernel call that
-  returns a status or an adapter-wrapped layer (LoRA) leaves the size unrecorded.
+  between them (oneDNN's linear, where it won the race for a shape) is kept as a step
+  of its stretch, run again with the same tensors and its fresh outputs copied into
+  the recorded ones. One whose result Python reads (a number, a condition), a kernel
+  call that returns a status or an adapter-wrapped layer (LoRA, whose work changes
+  per step) leaves the size unrecorded.
+- What a replay can repeat is only what the layers read from these: the hidden
+  states, the rotary tables, the attention outputs and their own weights. The fused
+  layers read nothing else of a step (its positions reach them as the rotary tables;
+  everything else of the step, attention's own).
 - The record is then checked: every kept tensor is overwritten with NaN (or -1) and
   the stretches replayed over the step's own attention outputs; the queries, keys,
   values and the last layer's output must come out bit for bit as the step computed
@@ -27,8 +34,9 @@ How a step of T rows becomes a program:
   replay the stretches around their attention calls (each output copied into the
   kept one) and give the last layer's output.
 Every program is dropped when any of the layers' modules, parameters or buffers is
-replaced or holds new storage (its old storage is kept until then); the number of programs and the memory they keep
-are bounded (MAX_PROGRAMS, MAX_HELD_BYTES).
+replaced or holds new storage (its old storage is kept until then). The number of
+programs and the memory they keep are bounded (MAX_PROGRAMS, MAX_HELD_BYTES; the least
+recently replayed goes first).
 """
 
 from __future__ import annotations
@@ -59,8 +67,9 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 64
 # Steps of a row count that run as usual before one is recorded.
 WARM_STEPS = 2
+# Programs one decoder keeps, and the bytes of tensors they may keep together: past
+# either, the least recently replayed is dropped (and recorded again if its size returns).
 MAX_PROGRAMS = 16
-# Bytes of tensors all of one decoder's programs may keep.
 MAX_HELD_BYTES = 256 << 20
 
 # Parameters, buffers and submodules registered on any module (torch's global
@@ -83,34 +92,92 @@ _ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.emp
 _VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
-class _Guard(TorchDispatchMode):
-    """Keeps every tensor allocated while it is active and not paused, and notes the
-    first torch operation that is neither an allocation nor a view."""
+@dataclass
+class _TorchStep:
+    """A torch operation between the kernel calls of a record: run again with the same
+    arguments (the same tensors), its fresh outputs copied into the ones it gave then,
+    which later calls read. ``stretch`` and ``position``: the stretch it ran in and how
+    many kernel calls the record held before it."""
 
-    def __init__(self) -> None:
+    stretch: int
+    position: int
+    func: Any
+    args: tuple
+    kwargs: dict
+    fresh: list[tuple[int, torch.Tensor]]  # (index in the outputs, the recorded output)
+
+    def replay(self) -> None:
+        out = self.func(*self.args, **self.kwargs)
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        for index, recorded in self.fresh:
+            recorded.copy_(outs[index])
+
+
+class _Guard(TorchDispatchMode):
+    """Keeps every tensor allocated while it is active and not paused, and every other
+    torch operation as a step to replay (its fresh outputs kept); notes the first
+    operation a replay cannot repeat (one that gives anything but tensors, such as a
+    number Python goes on to read)."""
+
+    def __init__(self, recorder: CallRecorder) -> None:
         super().__init__()
+        self.recorder = recorder
         self.held: list[torch.Tensor] = []
-        self.computed: str | None = None
+        self.steps: list[_TorchStep] = []
+        self.stretch = 0  # attention calls so far
+        self.refused: str | None = None
         self.paused = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if not self.paused:
-            if func in _ALLOCATIONS:
-                self.held.append(out)
-            elif not ((func.is_view or func in _VIEWS) and _aliases(out, args[0])) and self.computed is None:
-                self.computed = str(func)  # reshape, for one, copies where it cannot view
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        if func in _ALLOCATIONS:
+            self.held.append(out)
+        elif not ((func.is_view or func in _VIEWS) and _aliases(out, args[0])):  # reshape copies where it must
+            outs = out if isinstance(out, (list, tuple)) else (out,)
+            if not outs or not all(isinstance(tensor, torch.Tensor) for tensor in outs):
+                self.refused = self.refused or f"the layers compute {func} in torch, which Python reads"
+                return out
+            inputs = {_storage(tensor) for tensor in _tensors((args, kwargs))}
+            fresh = [(index, tensor) for index, tensor in enumerate(outs) if _storage(tensor) not in inputs]
+            if any(_storage(tensor) is None for _, tensor in fresh):
+                self.refused = self.refused or f"the layers compute {func} in torch into an opaque tensor"
+                return out
+            self.held.extend(tensor for _, tensor in fresh)
+            self.steps.append(_TorchStep(self.stretch, len(self.recorder.calls), func, args, kwargs, fresh))
         return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors(item)]
+    return []
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage; None for a tensor without one (oneDNN's
+    opaque packed weights)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _aliases(out: Any, source: Any) -> bool:
     """Whether every tensor of ``out`` views ``source``'s storage."""
     if not isinstance(source, torch.Tensor):
         return False
-    pointer = source.untyped_storage().data_ptr()
+    pointer = _storage(source)
     outs = out if isinstance(out, (list, tuple)) else (out,)
-    return all(isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() == pointer
-               for tensor in outs)
+    return pointer is not None and all(isinstance(tensor, torch.Tensor) and _storage(tensor) == pointer
+                                       for tensor in outs)
 
 
 @dataclass
@@ -126,10 +193,14 @@ class _Cut:
     attended: torch.Tensor | None = None
 
 
+# One item of a stretch: a range [start, stop) of the recorded kernel calls, or a torch step.
+_Item = tuple[int, int] | _TorchStep
+
+
 @dataclass
 class _Program:
     calls: CallProgram
-    bounds: list[int]  # stretch i is calls[bounds[i]:bounds[i + 1]]
+    stretches: list[list[_Item]]  # stretch i runs before cut i (the last one after the last cut)
     cuts: list[_Cut]
     hidden: torch.Tensor  # [1, T, width]: the step's hidden states entering the first layer
     cos: torch.Tensor
@@ -177,6 +248,7 @@ class DecodePrograms:
             if self._moved():
                 self.clear()
                 return None
+            self._programs.move_to_end(key)
             return self._replay(program, hidden, position_embeddings, ctx)
         if key in self._refused:
             return None
@@ -212,13 +284,13 @@ class DecodePrograms:
         program.hidden.copy_(hidden)
         program.cos.copy_(position_embeddings[0])
         program.sin.copy_(position_embeddings[1])
-        calls, bounds = program.calls, program.bounds
-        calls.run(bounds[0], bounds[1])
+        stretches = program.stretches
+        _run_stretch(program.calls, stretches[0])
         for index, cut in enumerate(program.cuts):
             attended = cut.attend(cut.attention, cut.query, cut.key, cut.value, ctx)
             assert cut.attended is not None
             cut.attended.copy_(attended)
-            calls.run(bounds[index + 1], bounds[index + 2])
+            _run_stretch(program.calls, stretches[index + 1])
         self.replays += 1
         return program.out
 
@@ -235,30 +307,36 @@ class DecodePrograms:
             self._refuse(key, "adapter-wrapped layers change their work per step")
             return run_layers(hidden, position_embeddings)
         inputs = hidden.clone(), position_embeddings[0].clone(), position_embeddings[1].clone()
-        recorder, guard, cuts = CallRecorder(), _Guard(), []
+        recorder, cuts = CallRecorder(), []
+        guard = _Guard(recorder)
         with recorder, guard, self._cut_at_attention(recorder, guard, cuts):
             out = run_layers(inputs[0], (inputs[1], inputs[2]))
         result = out.clone()
-        why = recorder.error or (guard.computed and f"the layers compute {guard.computed} in torch")
+        why = recorder.error or guard.refused
         if not why and len(cuts) != len(self.layers):
             why = f"{len(cuts)} attention calls for {len(self.layers)} layers"
         held_bytes = sum(tensor.untyped_storage().nbytes() for tensor in guard.held)
-        if not why and held_bytes + self._held_bytes() > MAX_HELD_BYTES:
-            why = f"its buffers ({held_bytes >> 20} MiB) would pass the programs' bound"
+        if not why and held_bytes > MAX_HELD_BYTES:
+            why = f"its buffers ({held_bytes >> 20} MiB) would pass the programs' bound ({MAX_HELD_BYTES >> 20} MiB)"
         calls = None if why else CallProgram.build(recorder.calls)
         if calls is None:
             self._refuse(key, why or "the program executor cannot be built here")
             return result
         bounds = [0, *(cut_at for cut_at, _ in cuts), len(recorder.calls)]
-        program = _Program(calls, bounds, [cut for _, cut in cuts], *inputs, out, guard.held, held_bytes)
+        stretches = [_stretch(bounds[index], bounds[index + 1], [step for step in guard.steps if step.stretch == index])
+                     for index in range(len(bounds) - 1)]
+        program = _Program(calls, stretches, [cut for _, cut in cuts], *inputs, out, guard.held, held_bytes)
         if not _replays_exactly(program, result):
             self._refuse(key, "a replay did not give the step's own outputs")
             return result
         if not self._programs:
             self._track_weights()
+        # The least recently replayed go first where this one would pass either bound.
+        while self._programs and (len(self._programs) >= MAX_PROGRAMS
+                                  or self._held_bytes() + held_bytes > MAX_HELD_BYTES):
+            dropped, _ = self._programs.popitem(last=False)
+            self._seen.pop(dropped, None)
         self._programs[key] = program
-        while len(self._programs) > MAX_PROGRAMS:
-            self._programs.popitem(last=False)
         return result
 
     def _held_bytes(self) -> int:
@@ -284,6 +362,7 @@ class DecodePrograms:
                     cut.attended = attend(attention, query, key, value, ctx)
                 finally:
                     recorder.paused = guard.paused = False
+                guard.stretch += 1
                 return cut.attended
             return attend_cut
 
@@ -296,15 +375,36 @@ class DecodePrograms:
                 layer.__dict__.pop("_attend", None)
 
 
+def _stretch(start: int, stop: int, steps: list[_TorchStep]) -> list[_Item]:
+    """The items of one stretch: its kernel calls [start, stop) with its torch steps
+    where they ran among them."""
+    items: list[_Item] = []
+    for step in steps:
+        if step.position > start:
+            items.append((start, step.position))
+            start = step.position
+        items.append(step)
+    if stop > start:
+        items.append((start, stop))
+    return items
+
+
+def _run_stretch(calls: CallProgram, items: list[_Item]) -> None:
+    for item in items:
+        if isinstance(item, tuple):
+            calls.run(*item)
+        else:
+            item.replay()
+
+
 def _replays_exactly(program: _Program, result: torch.Tensor) -> bool:
     """Whether replaying the stretches, every kept tensor first overwritten, gives the
     recorded step's queries, keys, values and output (see the module docstring)."""
     expected = [(cut.query.clone(), cut.key.clone(), cut.value.clone()) for cut in program.cuts]
     for tensor in program.kept:
         tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
-    calls, bounds = program.calls, program.bounds
-    for index in range(len(bounds) - 1):
-        calls.run(bounds[index], bounds[index + 1])
+    for items in program.stretches:
+        _run_stretch(program.calls, items)
     return torch.equal(program.out, result) and all(
         torch.equal(cut.query, query) and torch.equal(cut.key, key) and torch.equal(cut.value, value)
         for cut, (query, key, value) in zip(program.cuts, expected, strict=True))

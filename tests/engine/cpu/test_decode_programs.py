@@ -93,7 +93,9 @@ def test_a_kernel_call_the_recorder_misses_leaves_the_size_unrecorded(tmp_path, 
 
 
 @taken_unless_forced_off("fused_kernels", "decode_programs")
-def test_torch_compute_between_attention_calls_leaves_the_size_unrecorded(tmp_path, monkeypatch):
+def test_torch_operations_between_attention_calls_are_replayed_too(tmp_path, monkeypatch):
+    """The residual add through torch's add_ (as a path without its kernel would run it):
+    the operation is replayed in its place among the kernel calls."""
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
     monkeypatch.setattr(cpu_layers, "_add_residual", lambda out, residual: out.add_(residual))
@@ -101,10 +103,32 @@ def test_torch_compute_between_attention_calls_leaves_the_size_unrecorded(tmp_pa
     tokens = generate(llm)
     programs_ = decoder_of(llm).programs
     assert programs_ is not None
+    program = programs_._programs[(1, torch.float32, torch.get_num_threads())]
+    steps = [str(item.func) for items in program.stretches for item in items if not isinstance(item, tuple)]
     llm.close()
     assert tokens == expected
-    assert programs_.replays == 0
-    assert set(programs_._refused.values()) == {"the layers compute aten.add_.Tensor in torch"}
+    assert programs_.replays >= 7 and not programs_._refused
+    assert steps == ["aten.add_.Tensor"] * len(program.cuts)
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_a_torch_result_python_reads_leaves_the_size_unrecorded(tmp_path, monkeypatch):
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+
+    def add_unless_nan(out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return out if bool(residual.isnan().any()) else out.add_(residual)
+
+    monkeypatch.setattr(cpu_layers, "_add_residual", add_unless_nan)
+    llm = LLM(model_dir, dtype="float32")
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    llm.close()
+    assert tokens == expected
+    assert programs_.replays == 0 and not programs_._programs
+    assert {why.split(" in torch")[0] for why in programs_._refused.values()} == {
+        "the layers compute aten.is_nonzero.default"}
 
 
 def doubled_norm_tokens(llm: LLM, how: str) -> list[list[int]]:
@@ -204,3 +228,29 @@ def test_the_executor_calls_each_function_through_its_own_prototype():
             "(void *)(uintptr_t)i[3], (uint8_t)i[4]); break;") in source
     with pytest.raises(TypeError, match="c_char_p"):
         signature_codes([ctypes.c_char_p])
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+@pytest.mark.parametrize("bound", ["count", "bytes"])
+def test_past_either_bound_the_least_recently_replayed_program_goes(tmp_path, monkeypatch, bound):
+    from shardline.engine.cpu import decode_programs
+
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    llm = LLM(model_dir, dtype="float32")
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    generate(llm)  # every size recorded: what one program keeps, measured
+    one = max(program.held_bytes for program in programs_._programs.values())
+    programs_.clear()
+    if bound == "count":
+        monkeypatch.setattr(decode_programs, "MAX_PROGRAMS", 2)
+    else:
+        monkeypatch.setattr(decode_programs, "MAX_HELD_BYTES", one + one // 8)  # the largest, and a little
+    replays = programs_.replays
+    tokens = generate(llm)
+    kept = sorted(key[0] for key in programs_._programs)
+    llm.close()
+    assert tokens == expected
+    assert kept == [1, 2]  # the last two sizes of the batch as it drains
+    assert programs_.replays > replays and not programs_._refused
