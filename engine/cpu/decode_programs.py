@@ -44,9 +44,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,11 +54,11 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..attention.context import AttentionContext
-from ..kernels.programs import CallProgram, CallRecorder
+from ..kernels.programs import CallProgram, CallRecorder, RecorderBusy
 from ..lora.layers import BatchedLoRALinear
+from .decode_record import Cut, Program, RecordGuard, replays_exactly, run_stretch, stretch_items
 
 logger = logging.getLogger(__name__)
 
@@ -72,142 +71,28 @@ WARM_STEPS = 2
 MAX_PROGRAMS = 16
 MAX_HELD_BYTES = 256 << 20
 
-# Parameters, buffers and submodules registered on any module (torch's global
-# registration hooks): where this moves, a decoder's programs look their layers over
-# again (a replaced module or parameter is one the programs do not read).
-_registrations = 0
 
+class _Registrations:
+    """How many parameters, buffers and submodules have been registered on any module
+    since the first program was recorded in this process, counted by torch's global
+    registration hooks (installed then, once; they only count). Where the count moves,
+    a decoder's programs look their layers over again: a replaced module or parameter
+    is one the programs do not read."""
 
-def _registered(*_: object) -> None:
-    global _registrations
-    _registrations += 1
+    count = 0
+    _watching = False
 
+    @classmethod
+    def watch(cls) -> None:
+        if not cls._watching:
+            cls._watching = True
+            for register in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
+                             register_module_module_registration_hook):
+                register(cls._registered)
 
-for _register in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
-                  register_module_module_registration_hook):
-    _register(_registered)
-
-_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                          torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
-_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
-
-
-@dataclass
-class _TorchStep:
-    """A torch operation between the kernel calls of a record: run again with the same
-    arguments (the same tensors), its fresh outputs copied into the ones it gave then,
-    which later calls read. ``stretch`` and ``position``: the stretch it ran in and how
-    many kernel calls the record held before it."""
-
-    stretch: int
-    position: int
-    func: Any
-    args: tuple
-    kwargs: dict
-    fresh: list[tuple[int, torch.Tensor]]  # (index in the outputs, the recorded output)
-
-    def replay(self) -> None:
-        out = self.func(*self.args, **self.kwargs)
-        outs = out if isinstance(out, (list, tuple)) else (out,)
-        for index, recorded in self.fresh:
-            recorded.copy_(outs[index])
-
-
-class _Guard(TorchDispatchMode):
-    """Keeps every tensor allocated while it is active and not paused, and every other
-    torch operation as a step to replay (its fresh outputs kept); notes the first
-    operation a replay cannot repeat (one that gives anything but tensors, such as a
-    number Python goes on to read)."""
-
-    def __init__(self, recorder: CallRecorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-        self.held: list[torch.Tensor] = []
-        self.steps: list[_TorchStep] = []
-        self.stretch = 0  # attention calls so far
-        self.refused: str | None = None
-        self.paused = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.paused:
-            return out
-        if func in _ALLOCATIONS:
-            self.held.append(out)
-        elif not ((func.is_view or func in _VIEWS) and _aliases(out, args[0])):  # reshape copies where it must
-            outs = out if isinstance(out, (list, tuple)) else (out,)
-            if not outs or not all(isinstance(tensor, torch.Tensor) for tensor in outs):
-                self.refused = self.refused or f"the layers compute {func} in torch, which Python reads"
-                return out
-            inputs = {_storage(tensor) for tensor in _tensors((args, kwargs))}
-            fresh = [(index, tensor) for index, tensor in enumerate(outs) if _storage(tensor) not in inputs]
-            if any(_storage(tensor) is None for _, tensor in fresh):
-                self.refused = self.refused or f"the layers compute {func} in torch into an opaque tensor"
-                return out
-            self.held.extend(tensor for _, tensor in fresh)
-            self.steps.append(_TorchStep(self.stretch, len(self.recorder.calls), func, args, kwargs, fresh))
-        return out
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a nest of tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    if isinstance(value, dict):
-        return [tensor for item in value.values() for tensor in _tensors(item)]
-    return []
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s storage; None for a tensor without one (oneDNN's
-    opaque packed weights)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _aliases(out: Any, source: Any) -> bool:
-    """Whether every tensor of ``out`` views ``source``'s storage."""
-    if not isinstance(source, torch.Tensor):
-        return False
-    pointer = _storage(source)
-    outs = out if isinstance(out, (list, tuple)) else (out,)
-    return pointer is not None and all(isinstance(tensor, torch.Tensor) and _storage(tensor) == pointer
-                                       for tensor in outs)
-
-
-@dataclass
-class _Cut:
-    """One attention call in a record: the layer's attention function and arguments,
-    and the output the next stretch reads."""
-
-    attend: Callable[..., torch.Tensor]
-    attention: nn.Module
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    attended: torch.Tensor | None = None
-
-
-# One item of a stretch: a range [start, stop) of the recorded kernel calls, or a torch step.
-_Item = tuple[int, int] | _TorchStep
-
-
-@dataclass
-class _Program:
-    calls: CallProgram
-    stretches: list[list[_Item]]  # stretch i runs before cut i (the last one after the last cut)
-    cuts: list[_Cut]
-    hidden: torch.Tensor  # [1, T, width]: the step's hidden states entering the first layer
-    cos: torch.Tensor
-    sin: torch.Tensor
-    out: torch.Tensor  # the last layer's output
-    kept: list[torch.Tensor]
-    held_bytes: int
+    @classmethod
+    def _registered(cls, *_: object) -> None:
+        cls.count += 1
 
 
 class DecodePrograms:
@@ -217,7 +102,7 @@ class DecodePrograms:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
         self.replays = 0  # steps replayed (the tests read it)
-        self._programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self._programs: OrderedDict[tuple, Program] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._refused: dict[tuple, str] = {}
         self._weights: list[torch.Tensor] = []  # the layers' parameters and buffers, held
@@ -267,10 +152,10 @@ class DecodePrograms:
     def _moved(self) -> bool:
         """Whether any of the layers' modules, parameters or buffers was replaced, or
         holds new storage, since the programs were recorded."""
-        if self._registrations != _registrations:
+        if self._registrations != _Registrations.count:
             if self._layer_parts() != self._parts:
                 return True
-            self._registrations = _registrations
+            self._registrations = _Registrations.count
         for tensor, pointer in zip(self._weights, self._pointers):
             if tensor.data_ptr() != pointer:
                 return True
@@ -279,18 +164,18 @@ class DecodePrograms:
     def _layer_parts(self) -> tuple[int, ...]:
         return tuple(map(id, (*self.layers.modules(), *self.layers.parameters(), *self.layers.buffers())))
 
-    def _replay(self, program: _Program, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    def _replay(self, program: Program, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
         program.hidden.copy_(hidden)
         program.cos.copy_(position_embeddings[0])
         program.sin.copy_(position_embeddings[1])
         stretches = program.stretches
-        _run_stretch(program.calls, stretches[0])
+        run_stretch(program.calls, stretches[0])
         for index, cut in enumerate(program.cuts):
             attended = cut.attend(cut.attention, cut.query, cut.key, cut.value, ctx)
             assert cut.attended is not None
             cut.attended.copy_(attended)
-            _run_stretch(program.calls, stretches[index + 1])
+            run_stretch(program.calls, stretches[index + 1])
         self.replays += 1
         return program.out
 
@@ -308,8 +193,14 @@ class DecodePrograms:
             return run_layers(hidden, position_embeddings)
         inputs = hidden.clone(), position_embeddings[0].clone(), position_embeddings[1].clone()
         recorder, cuts = CallRecorder(), []
-        guard = _Guard(recorder)
-        with recorder, guard, self._cut_at_attention(recorder, guard, cuts):
+        guard = RecordGuard(recorder)
+        recording = ExitStack()
+        try:
+            recording.enter_context(recorder)
+        except RecorderBusy:  # another engine's thread is recording: this step runs as usual
+            self._seen[key] -= 1
+            return run_layers(hidden, position_embeddings)
+        with recording, guard, self._cut_at_attention(recorder, guard, cuts):
             out = run_layers(inputs[0], (inputs[1], inputs[2]))
         result = out.clone()
         why = recorder.error or guard.refused
@@ -323,10 +214,11 @@ class DecodePrograms:
             self._refuse(key, why or "the program executor cannot be built here")
             return result
         bounds = [0, *(cut_at for cut_at, _ in cuts), len(recorder.calls)]
-        stretches = [_stretch(bounds[index], bounds[index + 1], [step for step in guard.steps if step.stretch == index])
+        stretches = [stretch_items(bounds[index], bounds[index + 1],
+                                   [step for step in guard.steps if step.stretch == index])
                      for index in range(len(bounds) - 1)]
-        program = _Program(calls, stretches, [cut for _, cut in cuts], *inputs, out, guard.held, held_bytes)
-        if not _replays_exactly(program, result):
+        program = Program(calls, stretches, [cut for _, cut in cuts], *inputs, out, guard.held, held_bytes)
+        if not replays_exactly(program, result):
             self._refuse(key, "a replay did not give the step's own outputs")
             return result
         if not self._programs:
@@ -345,17 +237,18 @@ class DecodePrograms:
     def _track_weights(self) -> None:
         self._weights = [*self.layers.parameters(), *self.layers.buffers()]
         self._pointers = [tensor.data_ptr() for tensor in self._weights]
-        self._parts, self._registrations = self._layer_parts(), _registrations
+        _Registrations.watch()
+        self._parts, self._registrations = self._layer_parts(), _Registrations.count
 
     @contextmanager
-    def _cut_at_attention(self, recorder: CallRecorder, guard: _Guard, cuts: list[tuple[int, _Cut]]
+    def _cut_at_attention(self, recorder: CallRecorder, guard: RecordGuard, cuts: list[tuple[int, Cut]]
                           ) -> Iterator[None]:
         """Each layer's attention call (its ``_attend``) cuts the record: it runs
         unrecorded, and its arguments and output are noted."""
         def cutting(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             def attend_cut(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            ctx: AttentionContext) -> torch.Tensor:
-                cut = _Cut(attend, attention, query, key, value)
+                cut = Cut(attend, attention, query, key, value)
                 cuts.append((len(recorder.calls), cut))
                 recorder.paused = guard.paused = True
                 try:
@@ -367,44 +260,9 @@ class DecodePrograms:
             return attend_cut
 
         for layer in self.layers:
-            layer.__dict__["_attend"] = cutting(layer._attend)
+            layer.__dict__["_attend"] = cutting(cast(Callable[..., torch.Tensor], layer._attend))
         try:
             yield
         finally:
             for layer in self.layers:
                 layer.__dict__.pop("_attend", None)
-
-
-def _stretch(start: int, stop: int, steps: list[_TorchStep]) -> list[_Item]:
-    """The items of one stretch: its kernel calls [start, stop) with its torch steps
-    where they ran among them."""
-    items: list[_Item] = []
-    for step in steps:
-        if step.position > start:
-            items.append((start, step.position))
-            start = step.position
-        items.append(step)
-    if stop > start:
-        items.append((start, stop))
-    return items
-
-
-def _run_stretch(calls: CallProgram, items: list[_Item]) -> None:
-    for item in items:
-        if isinstance(item, tuple):
-            calls.run(*item)
-        else:
-            item.replay()
-
-
-def _replays_exactly(program: _Program, result: torch.Tensor) -> bool:
-    """Whether replaying the stretches, every kept tensor first overwritten, gives the
-    recorded step's queries, keys, values and output (see the module docstring)."""
-    expected = [(cut.query.clone(), cut.key.clone(), cut.value.clone()) for cut in program.cuts]
-    for tensor in program.kept:
-        tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
-    for items in program.stretches:
-        _run_stretch(program.calls, items)
-    return torch.equal(program.out, result) and all(
-        torch.equal(cut.query, query) and torch.equal(cut.key, key) and torch.equal(cut.value, value)
-        for cut, (query, key, value) in zip(program.cuts, expected, strict=True))

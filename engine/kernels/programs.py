@@ -92,14 +92,19 @@ def _record(function: Any, arguments: tuple) -> RecordedCall:
     return RecordedCall(address, function.__name__, codes, tuple(ints), tuple(reals))
 
 
+class RecorderBusy(RuntimeError):
+    """Another thread is recording: the kernels' hooks serve one recording at a time."""
+
+
 class CallRecorder:
     """While active (a context manager), every call of a declared kernel function made
     by the thread that entered it is appended to ``calls`` after it ran, unless
     ``paused`` (other threads' calls are not this recording's). ``error`` says why the
     recording cannot be replayed (a call that returns a status, an argument a replay
-    cannot pass), else None. Recorders do not nest."""
+    cannot pass), else None. One records at a time in a process: entering while another
+    is active raises RecorderBusy (the caller runs without recording)."""
 
-    active: CallRecorder | None = None
+    _lock = threading.Lock()  # held by the active recorder
 
     def __init__(self) -> None:
         self.calls: list[RecordedCall] = []
@@ -109,8 +114,8 @@ class CallRecorder:
         self._thread = threading.get_ident()
 
     def __enter__(self) -> CallRecorder:
-        assert CallRecorder.active is None, "kernel call recorders do not nest"
-        CallRecorder.active = self
+        if not CallRecorder._lock.acquire(blocking=False):
+            raise RecorderBusy("another thread is recording kernel calls")
         self._thread = threading.get_ident()
         for function in {id(function): function for function in DECLARED}.values():
             function.errcheck = self._seen
@@ -121,7 +126,7 @@ class CallRecorder:
         for function in self._hooked:
             del function.errcheck
         self._hooked.clear()
-        CallRecorder.active = None
+        CallRecorder._lock.release()
 
     def _seen(self, result: object, function: Any, arguments: tuple) -> object:
         """ctypes' errcheck hook: called after each call of a hooked function."""

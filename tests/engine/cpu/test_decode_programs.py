@@ -216,6 +216,33 @@ def test_calls_of_other_threads_are_not_recorded():
     assert torch.equal(x, delta) and not recorder.calls and recorder.error is None
 
 
+def test_one_recorder_at_a_time():
+    from shardline.engine.kernels.programs import RecorderBusy
+
+    with CallRecorder():
+        with pytest.raises(RecorderBusy):
+            CallRecorder().__enter__()
+    with CallRecorder() as recorder:  # free again once the first one ends
+        add_(torch.zeros(1, 16), torch.ones(1, 16))
+    assert [call.name for call in recorder.calls] == ["add_rows_f32"]
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_a_step_while_another_thread_records_runs_as_usual(tmp_path, monkeypatch):
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    llm = LLM(model_dir, dtype="float32")
+    with CallRecorder():  # as another engine's recording would hold it
+        tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    nothing_recorded = not programs_._programs and not programs_._refused
+    assert generate(llm) == expected  # and recorded once the recorder is free
+    replays = programs_.replays
+    llm.close()
+    assert tokens == expected and nothing_recorded and replays > 0
+
+
 def test_the_executor_calls_each_function_through_its_own_prototype():
     import ctypes
 
