@@ -82,8 +82,8 @@ def _record(function: Any, arguments: tuple) -> RecordedCall:
             reals.append(float(value))
         elif value is None and code == _POINTER:
             ints.append(0)
-        elif isinstance(value, int):  # bool included
-            ints.append(int(value))
+        elif isinstance(value, int):  # bool included; held as int64, the unsigned in two's complement
+            ints.append(int(value) - (1 << 64) if value >= 1 << 63 else int(value))
         else:
             raise TypeError(f"kernel {function.__name__} got {type(value).__name__} {value!r}, which a replay "
                             "cannot pass again")
