@@ -41,7 +41,8 @@ class EngineConfig:
     means the model's own limit (capped by what the KV cache can hold);
     ``kv_cache_memory_bytes`` None means a default budget on CPU and
     ``gpu_memory_utilization`` of the GPU on CUDA. ``enforce_eager`` turns off the
-    CUDA graphs that decode steps replay on a GPU. ``max_num_batched_tokens`` None
+    CUDA graphs that decode steps replay on a GPU, and on CPU the recorded decode steps
+    (engine/cpu/decode_programs.py). ``max_num_batched_tokens`` None
     means a per-device default (DEFAULT_TOKEN_BUDGETS), filled in by the engine once it
     knows its device (``with_token_budget``). ``reasoning_parser`` ("qwen3",
     "deepseek_r1" or "openai_gptoss", vLLM's names) splits a reasoning model's thinking

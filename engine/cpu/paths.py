@@ -134,9 +134,10 @@ def path_settings() -> dict[str, bool]:
     return settings
 
 
-def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> CpuPaths:
+def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int, enforce_eager: bool = False) -> CpuPaths:
     """Decide every CPU path for a model of ``dtype`` and ``shape`` on this host, and
-    log the decision once."""
+    log the decision once. ``enforce_eager`` (the engine's option) keeps decode steps
+    from being recorded and replayed (decode_programs), as it keeps CUDA graphs off."""
     host = host_cpu()
     settings = path_settings()
     packed_dtype, copies_why = _packed_dtype(host, dtype, shape, rows_hint, settings.get("packed_linears"))
@@ -164,6 +165,8 @@ def choose_cpu_paths(dtype: torch.dtype, shape: ModelShape, rows_hint: int) -> C
         how = f" {copies_why or why}" if capable and name == "packed_linears" and packed_dtype is not None else ""
         if setting is False:  # the user's choice is the reason, whatever the host could do
             taken, why = False, "turned off by SHARDLINE_CPU_PATHS"
+        elif name == "decode_programs" and enforce_eager:
+            taken, why = False, "turned off by enforce_eager"
         elif not capable:
             taken = False
         elif setting is True or measure is None:

@@ -232,7 +232,7 @@ def choose_host_paths(config: EngineConfig, loaded: LoadedModel, spec: KVCacheSp
     if first_attention is None:  # recurrent layers only (Mamba, RWKV, xLSTM): their kernels' path alone
         return choose_recurrent_paths(loaded.dtype)
     shape = ModelShape.of(loaded.model, num_heads, first_attention.num_kv_heads, first_attention.head_dim)
-    return choose_cpu_paths(loaded.dtype, shape, token_budget(config))
+    return choose_cpu_paths(loaded.dtype, shape, token_budget(config), enforce_eager=config.enforce_eager)
 
 
 def engine_preparation(config: EngineConfig, loaded: LoadedModel, cpu_paths: CpuPaths | None,

@@ -133,6 +133,16 @@ def test_a_torch_result_python_reads_leaves_the_size_unrecorded(tmp_path, monkey
         "the layers compute aten.is_nonzero.default"}
 
 
+@taken_unless_forced_off("decode_programs")  # else that is the reason given
+def test_enforce_eager_records_nothing(tmp_path):
+    llm = LLM(str(build_tiny_model(tmp_path, "llama")), dtype="float32", enforce_eager=True)
+    paths = llm.llm_engine.cpu_paths
+    decoder = llm.llm_engine.model.model
+    llm.close()
+    assert not paths.decode_programs and ("decode_programs", "turned off by enforce_eager") in paths.reasons
+    assert getattr(decoder, "programs", None) is None
+
+
 def doubled_norm_tokens(llm: LLM, how: str) -> list[list[int]]:
     """Tokens after the first layer's second norm weight is doubled into new storage
     (``how``: "storage", the parameter's data replaced; "parameter", a new parameter
