@@ -102,7 +102,9 @@ class CallRecorder:
     ``paused`` (other threads' calls are not this recording's). ``error`` says why the
     recording cannot be replayed (a call that returns a status, an argument a replay
     cannot pass), else None. One records at a time in a process: entering while another
-    is active raises RecorderBusy (the caller runs without recording)."""
+    is active raises RecorderBusy (the caller runs without recording). The functions
+    watched are those declared when it is entered: a library first loaded while it is
+    active goes unseen (decode_record.py's check of a record finds such a call missing)."""
 
     _lock = threading.Lock()  # held by the active recorder
 

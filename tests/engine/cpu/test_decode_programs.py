@@ -12,7 +12,7 @@ from shardline import LLM, SamplingParams
 from shardline.engine.cpu import layers as cpu_layers
 from shardline.engine.cpu.fused_decoder import FusedDecoder
 from shardline.engine.kernels import programs
-from shardline.engine.kernels.cpu_fused import add_, kv_write, rms_norm
+from shardline.engine.kernels.cpu_fused import add_, fused_kernels_available, kv_write, rms_norm
 from shardline.engine.kernels.programs import CallProgram, CallRecorder, executor_source_for, signature_codes
 from shardline.engine.model.tiny import build_tiny_model
 
@@ -20,6 +20,13 @@ from .paths_taken import taken_unless_forced_off
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine keeps its torch ops")
+
+@pytest.fixture(autouse=True)
+def fused_kernels_loaded():
+    """The fused kernels' library loaded before a test records: a recorder watches the
+    functions declared when it starts (as an engine's warm steps load them)."""
+    assert fused_kernels_available(torch.float32)
+
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46], [70, 71]]
 MAX_TOKENS = [20, 14, 10, 6]  # requests finish apart: 4 or more steps each of 4, 3, 2 and 1 rows
