@@ -10,6 +10,7 @@ import transformers
 
 from shardline import LLM, SamplingParams
 from shardline.engine.cpu import layers as cpu_layers
+from shardline.engine.cpu.decode_programs import DecodePrograms
 from shardline.engine.cpu.fused_decoder import FusedDecoder
 from shardline.engine.kernels import programs
 from shardline.engine.kernels.cpu_fused import add_, fused_kernels_available, kv_write, rms_norm
@@ -54,6 +55,16 @@ def eager_tokens(model_dir: str, monkeypatch: pytest.MonkeyPatch, **options) -> 
     return tokens
 
 
+def run_recorded(model_dir: str) -> tuple[list[list[int]], DecodePrograms]:
+    """generate's tokens on a fresh float32 engine, and its decoder's programs after."""
+    llm = LLM(model_dir, dtype="float32")
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    llm.close()
+    return tokens, programs_
+
+
 @taken_unless_forced_off("fused_kernels", "decode_programs")
 @pytest.mark.parametrize("arch, config, options", [
     ("llama", {}, dict(dtype="float32")),
@@ -91,11 +102,7 @@ def test_a_kernel_call_the_recorder_misses_leaves_the_size_unrecorded(tmp_path, 
     expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
     monkeypatch.setattr(programs, "DECLARED",
                         [function for function in programs.DECLARED if not function.__name__.startswith("add_rows")])
-    llm = LLM(model_dir, dtype="float32")
-    tokens = generate(llm)
-    programs_ = decoder_of(llm).programs
-    assert programs_ is not None
-    llm.close()
+    tokens, programs_ = run_recorded(model_dir)
     assert tokens == expected
     assert programs_.replays == 0 and not programs_._programs
     assert set(programs_._refused.values()) == {"a replay did not give the step's own outputs"}
@@ -108,13 +115,9 @@ def test_torch_operations_between_attention_calls_are_replayed_too(tmp_path, mon
     model_dir = str(build_tiny_model(tmp_path, "llama"))
     expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
     monkeypatch.setattr(cpu_layers, "_add_residual", lambda out, residual: out.add_(residual))
-    llm = LLM(model_dir, dtype="float32")
-    tokens = generate(llm)
-    programs_ = decoder_of(llm).programs
-    assert programs_ is not None
+    tokens, programs_ = run_recorded(model_dir)
     program = programs_._programs[(1, torch.float32, torch.get_num_threads())]
     steps = [str(item.func) for items in program.stretches for item in items if not isinstance(item, tuple)]
-    llm.close()
     assert tokens == expected
     assert programs_.replays >= 7 and not programs_._refused
     assert steps == ["aten.add_.Tensor"] * len(program.cuts)
@@ -129,11 +132,7 @@ def test_a_torch_result_python_reads_leaves_the_size_unrecorded(tmp_path, monkey
         return out if bool(residual.isnan().any()) else out.add_(residual)
 
     monkeypatch.setattr(cpu_layers, "_add_residual", add_unless_nan)
-    llm = LLM(model_dir, dtype="float32")
-    tokens = generate(llm)
-    programs_ = decoder_of(llm).programs
-    assert programs_ is not None
-    llm.close()
+    tokens, programs_ = run_recorded(model_dir)
     assert tokens == expected
     assert programs_.replays == 0 and not programs_._programs
     assert {why.split(" in torch")[0] for why in programs_._refused.values()} == {
