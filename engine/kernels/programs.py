@@ -72,7 +72,7 @@ def _record(function: Any, arguments: tuple) -> RecordedCall:
     argtypes = function.argtypes
     if argtypes is None or len(argtypes) != len(arguments):
         raise TypeError(f"kernel {function.__name__} was called without its declared signature")
-    codes = "".join(_code(argtype) for argtype in argtypes)
+    codes = signature_codes(argtypes)
     ints: list[int] = []
     reals: list[float] = []
     for code, value in zip(codes, arguments, strict=True):
@@ -146,7 +146,7 @@ class CallRecorder:
         return result
 
 
-def _executor_source(signatures: list[str]) -> str:
+def executor_source_for(signatures: list[str]) -> str:
     """C source of ``program_run(steps, count, ints, reals)``: steps are rows of four
     int64 (the function's address, its signature's index in ``signatures``, the offsets
     of its arguments in ``ints`` and ``reals``), each called through its own prototype."""
@@ -203,7 +203,7 @@ def _executor(signatures: tuple[str, ...]) -> Callable[..., None] | None:
     """The built executor for these signatures (None where it cannot be built)."""
     library = _EXECUTORS.get(signatures)
     if library is None:
-        source = _executor_source(list(signatures))
+        source = executor_source_for(list(signatures))
         path = cache_dir() / "programs" / f"program_{hashlib.sha256(source.encode()).hexdigest()[:16]}.c"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,11 +213,6 @@ def _executor(signatures: tuple[str, ...]) -> Callable[..., None] | None:
         library = _EXECUTORS[signatures] = NativeLibrary(path, _declare_executor, "decode steps call each kernel")
     loaded = library.load()
     return None if loaded is None else loaded.program_run
-
-
-def executor_available() -> bool:
-    """Whether a program executor builds here (a C compiler that builds the kernels)."""
-    return _executor((_POINTER,)) is not None
 
 
 class CallProgram:
@@ -249,11 +244,6 @@ class CallProgram:
         """Replay calls [start, stop)."""
         if stop > start:
             self._run(self._steps + 32 * start, stop - start, self._ints, self._reals)
-
-
-def executor_source_for(signatures: list[str]) -> str:
-    """The generated executor's source (for the tests)."""
-    return _executor_source(signatures)
 
 
 def signature_codes(argtypes: list) -> str:
