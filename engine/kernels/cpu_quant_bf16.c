@@ -7,9 +7,10 @@
  *
  * Exactness: every int8, fp8 and 4-bit code is a bfloat16 value exactly, and a product of two bfloat16 values
  * is exact in float32, so the sums are those of the float32 kernel up to their order.
- * The scales multiply the float32 sums of their block (W8) or group (W4) once; a W4
- * zero point enters as zero * scale * (the group's sum of x), so the codes stay exact
- * whatever the zero (x's group sums are float32).
+ * The scales multiply the float32 sums of their block (W8) or group (W4) once. A
+ * symmetric W4 weight's codes are taken as code - 8 (exact); a W4 zero point enters as
+ * zero * scale * (the group's sum of x), so the codes stay exact whatever the zero (x's
+ * group sums are float32).
  *
  * Built for every target; without AVX512_BF16 (and AVX512BW) quant_bf16_dot() is 0 and
  * the launcher keeps the float32 kernel. Layouts: as cpu_quant.c's, x bfloat16 only;
@@ -320,7 +321,8 @@ static inline __attribute__((always_inline)) void w8_scaled_tile(
     }
 }
 
-/* result[r][m] = sum_k w4(n_r, k) * x[m][k]; x_sums[m][g]: x's sum over group g. */
+/* result[r][m] = sum_k w4(n_r, k) * x[m][k]; x_sums[m][g]: x's sum over group g, NULL
+ * for symmetric weights (the table's codes are code - 8, zero_rows unused). */
 static inline __attribute__((always_inline)) void w4_tile(
     const uint16_t *const x[DMT], const float *const x_sums[DMT], const uint8_t *const w[DR],
     const float *const scale_rows[DR], const float *const zero_rows[DR], int64_t K, int64_t group,
@@ -370,12 +372,12 @@ static inline __attribute__((always_inline)) void w4_tile(
         }
     }
     for (int r = 0; r < DR; r++) lane_sums(acc[r], mt, result[r]);
-    /* The zero points' term after the products, so its sums hold no register through them. */
-    for (int r = 0; r < DR; r++)
+    /* The zero points' term after the products, so its sums hold no register through them;
+     * none where the table already centres the codes (symmetric weights: x_sums NULL). */
+    for (int r = 0; x_sums && r < DR; r++)
         for (int m = 0; m < mt; m++) {
             float shift = 0.0f;  /* sum over groups of zero * scale * the group's sum of x */
-            for (int64_t g = 0; g < K / group; g++)
-                shift += (zero_rows[r] ? zero_rows[r][g] : 8.0f) * scale_rows[r][g] * x_sums[m][g];
+            for (int64_t g = 0; g < K / group; g++) shift += zero_rows[r][g] * scale_rows[r][g] * x_sums[m][g];
             result[r][m] -= shift;
         }
 }
@@ -588,8 +590,9 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
                                                  out_stride, N, K, num_threads))
         return;
     const int64_t groups = K / group, blocks = (N + DR - 1) / DR;
-    group_sums(x, x_stride, rows, group, K, x_sums);
-    const __m512i table = w4_table(0.0f);
+    /* Symmetric weights (zero 8) take code - 8 from the table, so no zero term. */
+    if (zeros) group_sums(x, x_stride, rows, group, K, x_sums);
+    const __m512i table = w4_table(zeros ? 0.0f : 8.0f);
     /* Groups of whole runs of 64: the codes 64 at a time (w4_run_bytes), x reordered to match. */
     uint16_t *ordered = group % 64 == 0 ? malloc((size_t)(rows * K) * sizeof(uint16_t)) : NULL;
     for (int64_t m = 0; ordered && m < rows; m++) w4_run_order(x + m * x_stride, K, ordered + m * K);
@@ -613,8 +616,8 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
             const int count = (int)min64(rows - m0, DMT_BLOCKED);
             tile_x_rows(x, x_stride, m0, rows, x_rows);
             for (int m = 0; m < DMT; m++) sum_rows[m] = x_sums + min64(m0 + m, rows - 1) * groups;
-#define W4_TILE(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, 0, ROWS, result)
-#define W4_RUNS(ROWS) w4_tile(x_rows, sum_rows, w, scale_rows, zero_rows, K, group, table, 1, ROWS, result)
+#define W4_TILE(ROWS) w4_tile(x_rows, zeros ? sum_rows : NULL, w, scale_rows, zero_rows, K, group, table, 0, ROWS, result)
+#define W4_RUNS(ROWS) w4_tile(x_rows, zeros ? sum_rows : NULL, w, scale_rows, zero_rows, K, group, table, 1, ROWS, result)
             if (runs) BY_ROWS(W4_RUNS, count);
             else BY_ROWS(W4_TILE, count);
             store_tile(result, n0, m0, count, N, bias, out, out_stride);
