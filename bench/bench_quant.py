@@ -24,7 +24,9 @@ per-channel scales and int8 zero points, weight-only), not run by default. For e
 the resident weight bytes (every tensor the engine's model holds, oneDNN's packed
 copies included), decode-heavy throughput (a few short prompts, many
 output tokens) and prefill throughput (long prompts, one output token), with ratios to
-bfloat16. Runs are interleaved round by round and the best of each compared.
+bfloat16. Runs are interleaved round by round and the best of each compared; the
+ratios round by round (median and range) follow, since this host's slow phases move
+bfloat16's memory-bound linears and the quantized compute-bound tiles differently.
 
     python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
                                 [--cpu-time] [--seqs 1,4,16,32,64] [--kv-cache-mib 512]
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -244,14 +247,26 @@ def model_mode(args: argparse.Namespace) -> None:
     for name in engines:
         decode, prefill = min(seconds[("decode", name)]), min(seconds[("prefill", name)])
         held, packed = memory[name]
+        decode_runs, prefill_runs = (", ".join(f"{s:.2f}" for s in seconds[(workload, name)])
+                                     for workload in ("decode", "prefill"))
         print(f"{name:17s} weights {held / 2**20:6.1f} MiB ({held / base_held:.0%} of bf16's; with oneDNN's packed "
               f"copies {(held + packed) / 2**20:6.1f} MiB, {(held + packed) / (base_held + base_packed):.0%})  "
-              f"decode {decode_tokens / decode:6.1f} tok/s ({base_decode / decode:.2f}x, runs "
-              f"{', '.join(f'{s:.2f}' for s in seconds[('decode', name)])} s)  "
-              f"prefill {prefill_tokens / prefill:6.1f} tok/s ({base_prefill / prefill:.2f}x, runs "
-              f"{', '.join(f'{s:.2f}' for s in seconds[('prefill', name)])} s)")
+              f"decode {decode_tokens / decode:6.1f} tok/s ({base_decode / decode:.2f}x"
+              f"{rounds(seconds, 'decode', name)}, runs {decode_runs} s)  "
+              f"prefill {prefill_tokens / prefill:6.1f} tok/s ({base_prefill / prefill:.2f}x"
+              f"{rounds(seconds, 'prefill', name)}, runs {prefill_runs} s)")
     if sweep:
         print_sweep(sweep, list(engines), seconds, args.output_len)
+
+
+def rounds(seconds: dict[tuple[str, str], list[float]], workload: str, name: str) -> str:
+    """The ratios to bf16 round by round (each round's bf16 run over this variant's, run
+    just after it), as their median and range: a slow phase of the host that spans a
+    round moves both of its runs, where the best of each may come from different ones."""
+    if name == "bf16":
+        return ""
+    ratios = sorted(base / run for base, run in zip(seconds[(workload, "bf16")], seconds[(workload, name)]))
+    return f"; rounds median {statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x"
 
 
 def print_sweep(sweep: list[int], names: list[str], seconds: dict[tuple[str, str], list[float]],
