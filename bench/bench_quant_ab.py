@@ -31,7 +31,6 @@ from shardline.engine.kernels import cpu_quant, native
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "cpu_quant_bf16.c"
-W8_NO_DIGITS = cpu_quant.W8_NO_DIGITS
 FORMATS = ("int4", "int4 zeros", "int8", "fp8")
 
 
@@ -59,16 +58,20 @@ def base_kernels(revision: str, out_dir: Path) -> Path:
 
 
 def weights(kind: str, rows: int, cols: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One random weight of ``kind`` in the kernels' layout (a W4 weight's zero points
+    under "zeros" where it has them)."""
     if kind.startswith("int4"):
         groups = (rows, cols // 128)
-        zeros = torch.randint(0, 16, groups, generator=generator).float() if kind == "int4 zeros" else None
-        return {"packed": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
-                "scales": torch.rand(groups, generator=generator) * 1e-2, **({"zeros": zeros} if zeros is not None
-                                                                              else {})}
-    codes = (torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=generator).view(torch.uint8)
-             if kind == "int8" else (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn)
-             .view(torch.uint8))
-    return {"codes": codes.contiguous(), "scale": torch.rand(rows, 1, generator=generator) * 1e-3}
+        layer = {"packed": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
+                 "scales": torch.rand(groups, generator=generator) * 1e-2}
+        if kind == "int4 zeros":
+            layer["zeros"] = torch.randint(0, 16, groups, generator=generator).float()
+        return layer
+    if kind == "int8":
+        codes = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=generator)
+    else:
+        codes = (torch.randn(rows, cols, generator=generator) * 100).to(torch.float8_e4m3fn)
+    return {"codes": codes.view(torch.uint8).contiguous(), "scale": torch.rand(rows, 1, generator=generator) * 1e-3}
 
 
 def call(library: ctypes.CDLL, kind: str, x: torch.Tensor, layer: dict[str, torch.Tensor], out: torch.Tensor,
@@ -81,7 +84,7 @@ def call(library: ctypes.CDLL, kind: str, x: torch.Tensor, layer: dict[str, torc
                                layer["scales"].data_ptr(), None if zeros is None else zeros.data_ptr(), 128, None,
                                out.data_ptr(), n, n, cols, 1)
         return
-    codes = int(kind == "fp8") | W8_NO_DIGITS  # the bfloat16 tiles at every row count
+    codes = int(kind == "fp8") | cpu_quant.W8_NO_DIGITS  # the bfloat16 tiles at every row count
     library.w8_linear_bf16(x.data_ptr(), cols, rows, layer["codes"].data_ptr(), codes, layer["scale"].data_ptr(),
                            1, 1, cols, None, out.data_ptr(), n, n, cols, 1)
 
