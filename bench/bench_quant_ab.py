@@ -1,4 +1,4 @@
-"""The quantized decode kernels (kernels/cpu_quant_bf16.c) of a git revision against
+"""The quantized bfloat16 kernels (kernels/cpu_quant_bf16.c) of a git revision against
 the working tree's, side by side in one process: what a change to their tiles gains.
 
     python bench/bench_quant_ab.py [--base HEAD] [--rows 1,4,8] [--formats int4,int4 zeros,int8,fp8]
@@ -9,11 +9,13 @@ archive`` of engine/kernels at ``--base``, headers included) and called on the s
 weights: bench_quant's linear shapes (o_proj, gate and up packed together,
 down_proj) in ``--layers`` copies each, read in turn as a decode step reads them (from
 memory), x of each ``--rows`` in bfloat16, on one thread timed by its CPU time,
-interleaved round by round, best of ``--repeat``. Formats: "int4" (groups of 128,
+interleaved round by round, best of ``--repeat``. Each row count takes the kernel the
+launcher takes for it (kernels/cpu_quant.py): the decode tiles up to DECODE_MAX_ROWS,
+the register-blocked kernel (cpu_quant_blocked.h) above. Formats: "int4" (groups of 128,
 symmetric: no zero points), "int4 zeros" (groups of 128, integer zero points), "int8"
 and "fp8" (per-channel scales). Prints milliseconds per call of each side, base /
 tree, and whether the outputs are the same bits (else their largest difference).
-Needs AVX512_BF16 (the kernels' decode tiles) and git.
+Needs AVX512_BF16 (the kernels' bfloat16 tiles) and git.
 """
 
 from __future__ import annotations
@@ -78,15 +80,17 @@ def call(library: ctypes.CDLL, kind: str, x: torch.Tensor, layer: dict[str, torc
          sums: torch.Tensor) -> None:
     rows, cols = x.shape
     n = out.shape[1]
+    decode = rows <= cpu_quant.DECODE_MAX_ROWS
     if kind.startswith("int4"):
         zeros = layer.get("zeros")
-        library.w4_linear_bf16(x.data_ptr(), cols, rows, sums.data_ptr(), layer["packed"].data_ptr(),
-                               layer["scales"].data_ptr(), None if zeros is None else zeros.data_ptr(), 128, None,
-                               out.data_ptr(), n, n, cols, 1)
+        w4 = library.w4_linear_bf16 if decode else library.w4_blocked_bf16
+        w4(x.data_ptr(), cols, rows, sums.data_ptr(), layer["packed"].data_ptr(), layer["scales"].data_ptr(),
+           None if zeros is None else zeros.data_ptr(), 128, None, out.data_ptr(), n, n, cols, 1)
         return
-    codes = int(kind == "fp8") | cpu_quant.W8_NO_DIGITS  # the bfloat16 tiles at every row count
-    library.w8_linear_bf16(x.data_ptr(), cols, rows, layer["codes"].data_ptr(), codes, layer["scale"].data_ptr(),
-                           1, 1, cols, None, out.data_ptr(), n, n, cols, 1)
+    codes = int(kind == "fp8") | (cpu_quant.W8_NO_DIGITS if decode else 0)  # bfloat16 tiles at every row count
+    w8 = library.w8_linear_bf16 if decode else library.w8_blocked_bf16
+    w8(x.data_ptr(), cols, rows, layer["codes"].data_ptr(), codes, layer["scale"].data_ptr(), 1, 1, cols, None,
+       out.data_ptr(), n, n, cols, 1)
 
 
 def ms_per_call(library: ctypes.CDLL, kind: str, x: torch.Tensor, layers: list[dict[str, torch.Tensor]],
