@@ -43,6 +43,7 @@ from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
 from ..kernels.cpu_small_linear import SmallLinearWeight, onednn_view, small_linear
+from ..kernels.onednn_rows import row_bucket, row_parts
 from ..surgery import called_on, probe_matches, replace
 from .protocols import GatedMLP
 
@@ -184,42 +185,6 @@ def pack_linears(model: nn.Module, rows_hint: int, dtypes: tuple[torch.dtype, ..
     for name, module in targets:
         replace(model, name, PackedLinear(module, rows_hint, packed_dtype, small_kernel))
     return len(targets)
-
-
-# oneDNN builds and caches a kernel per distinct row count (about 0.6 MB each, up to
-# its cache's 1024 entries per layer shape), and a continuous batch sees almost every
-# row count between 1 and its token budget: the cache would grow with the run. Rows
-# are padded with zeros to a bucket instead (FEW_ROWS, then its doubles up to SMALL_ROWS,
-# multiples of SMALL_ROWS up to LARGE_ROWS), and more than LARGE_ROWS rows run as two
-# calls, their largest multiple of LARGE_ROWS and the rest in its bucket (row_parts), so
-# each layer shape meets at most a few dozen row counts and a step pads fewer than
-# SMALL_ROWS rows. oneDNN's float32 rows do not depend on the other rows of the call
-# (tests/engine/cpu/test_cpu_linear.py checks it where it holds on the host), so the split
-# changes no row's product there. Few decode rows keep buckets of their own: oneDNN's
-# float32 linear is not bound by reading the weights there, and on an AVX-512 host one
-# decode step's linears ran about 1.6x longer on 16 rows than on 4; 1 and 2 rows ran no
-# faster than 4.
-FEW_ROWS = 4
-SMALL_ROWS = 16
-LARGE_ROWS = 256
-
-
-def row_bucket(rows: int) -> int:
-    """The padded row count oneDNN sees for one call of ``rows`` rows (see ``row_parts``)."""
-    if rows < SMALL_ROWS:
-        bucket = FEW_ROWS
-        while bucket < rows:
-            bucket *= 2
-        return bucket
-    step = SMALL_ROWS if rows <= LARGE_ROWS else LARGE_ROWS
-    return -(-rows // step) * step
-
-
-def row_parts(rows: int) -> tuple[int, ...]:
-    """The row counts of the calls ``rows`` rows run as, in order: one call, or past
-    LARGE_ROWS the largest multiple of LARGE_ROWS and the rest."""
-    rest = rows % LARGE_ROWS if rows > LARGE_ROWS else 0
-    return (rows - rest, rest) if rest else (rows,)
 
 
 def _needs_torch(x: torch.Tensor, weight: torch.Tensor) -> bool:

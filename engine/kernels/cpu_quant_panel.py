@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .native import NativeLibrary, declare
+from .onednn_rows import row_bucket, row_parts
 
 SOURCE = Path(__file__).with_name("cpu_quant_panel.c")
 # Packed panels kept at once (a model has a few panel shapes: each linear's full
@@ -43,9 +44,6 @@ MAX_PANELS = 16
 _UNIT_ELEMENTS = {torch.float32: 1, torch.bfloat16: 2}
 # Each dtype's bit in ``panel_vector_tiles()``: the dtypes a build fills in vector tiles.
 _VECTOR_TILE_BITS = {torch.float32: 1, torch.bfloat16: 2}
-# Rows of x padded with zeros to a multiple of this (of 4 x this past 4 x this rows):
-# oneDNN builds a kernel per distinct row count, and prefill steps see many counts.
-ROW_STEP = 64
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -188,20 +186,20 @@ class PackedPanel:
                               self.layout.block_rows, self.layout.padded_units, self._units.data_ptr(), threads)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, cols] @ panel.T (+ bias of the panel's dtype) -> [M, rows], x's rows
-        padded with zeros to ``padded_rows`` for oneDNN and the padding dropped."""
+        """x [M, cols] @ panel.T (+ bias of the panel's dtype) -> [M, rows]: oneDNN's
+        calls take the row counts the packed linears do (kernels/onednn_rows.py), each
+        padded with zeros to its bucket and the padding dropped."""
+        parts = [self._rows_matmul(part, bias) for part in x.split(row_parts(x.shape[0]))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _rows_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows or not x.is_contiguous():
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]) if padded != rows else x.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return out[:rows]
-
-
-def padded_rows(rows: int) -> int:
-    """The row count oneDNN sees for ``rows`` rows of x (see ``ROW_STEP``)."""
-    step = ROW_STEP if rows <= 4 * ROW_STEP else 4 * ROW_STEP
-    return -(-rows // step) * step
+        bucket = row_bucket(rows)
+        if bucket != rows:
+            x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
+        elif not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[:rows]
 
 
 class _Panels(threading.local):

@@ -78,7 +78,7 @@ def test_engine_packs_linears_on_cpu(tiny_llama_dir):
 def test_row_counts_fall_into_few_buckets():
     """oneDNN caches a kernel per row count: a continuous batch's row counts (any number
     up to the token budget) must reach it as a few dozen, or its memory grows with the run."""
-    from shardline.engine.cpu.linear import row_bucket
+    from shardline.engine.kernels.onednn_rows import row_bucket
 
     buckets = {row_bucket(rows) for rows in range(1, 8193)}
     assert len(buckets) <= 50
@@ -90,7 +90,7 @@ def test_row_counts_fall_into_few_buckets():
 def test_a_step_past_large_rows_pads_fewer_than_small_rows():
     """Past LARGE_ROWS a step runs its multiple of LARGE_ROWS and the rest as two calls:
     the row counts oneDNN meets stay few, and a step pads fewer than SMALL_ROWS rows."""
-    from shardline.engine.cpu.linear import LARGE_ROWS, SMALL_ROWS, row_bucket, row_parts
+    from shardline.engine.kernels.onednn_rows import LARGE_ROWS, SMALL_ROWS, row_bucket, row_parts
 
     assert row_parts(600) == (512, 88) and row_parts(512) == (512,) and row_parts(200) == (200,)
     seen = set()

@@ -20,6 +20,7 @@ from shardline.engine.kernels.cpu_quant import (
     w8_blocks,
 )
 from shardline.engine.kernels.cpu_quant_panel import PackedPanel, find_layout, packed_panels_available
+from shardline.engine.kernels.onednn_rows import SMALL_ROWS, row_bucket, row_parts
 from shardline.engine.kernels.quant_reference import dequantize_w4, dequantize_w8, quantized_linear_reference
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -186,6 +187,29 @@ def test_prefill_rows_take_the_packed_panels_and_match_the_reference(dtype, rows
     expected = quantized_linear_reference(x, dequantize_w4(packed, scales, None, 128), None)
     out = cpu_w4_linear(x, packed, scales, None, 128)
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 260, 600])
+def test_panel_rows_reach_onednn_as_the_packed_linears_do(monkeypatch, dtype, rows):
+    """A panel's matmul takes kernels/onednn_rows.py's calls (past LARGE_ROWS its
+    multiple of LARGE_ROWS and the rest, each padded to its bucket), so a step a few
+    rows past a multiple of LARGE_ROWS pads fewer than SMALL_ROWS rows, not a whole
+    LARGE_ROWS; the parts come back in order."""
+    panel = panel_for(64, 64, dtype)
+    weight = (torch.randn(64, 64, generator=generator(12)) * 40).round().clamp(-127, 127).to(torch.int8)
+    panel.fill_w8(weight, torch.ones(1, 1), (64, 64), 0, threads=1)
+    seen: list[int] = []
+    rows_matmul = PackedPanel._rows_matmul
+    monkeypatch.setattr(PackedPanel, "_rows_matmul",
+                        lambda self, x, bias: (seen.append(x.shape[0]), rows_matmul(self, x, bias))[1])
+    x = torch.randn(rows, 64, generator=generator(13)).to(dtype)
+    out = panel.matmul(x, None)
+    assert seen == list(row_parts(rows))
+    assert sum(row_bucket(part) for part in seen) - rows < SMALL_ROWS
+    expected = (x.double() @ weight.double().t()).to(dtype)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
 def test_the_probed_layout_is_checked_element_by_element():
