@@ -626,6 +626,7 @@ void w4_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, float *x_
     free(ordered);
 }
 
+#include "cpu_quant_wide.h"     /* w8_wide_linear */
 #include "cpu_quant_blocked.h"  /* w8_blocked_bf16, w4_blocked_bf16 */
 
 #else

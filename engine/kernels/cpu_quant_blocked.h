@@ -268,6 +268,10 @@ void w8_blocked_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, const ui
     if (amx_w8_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bk, bias, out, out_stride, N, K,
                       num_threads))
         return;  /* up to 16 rows: the weight rows as AMX tiles, no panel transposed */
+    if (rows <= WIDE_MAX_ROWS && K <= WIDE_MAX_K && bk >= K &&  /* one scale per weight row: no panel */
+        w8_wide_linear(x, x_stride, rows, weight, fp8, scale, scale_cols, bn, bias, out, out_stride, N, K,
+                       num_threads))
+        return;
     const quant_weight w = {weight, fp8, scale, NULL, scale_cols, bn, min64(bk, K)};
     blocked_rows(&w, x, x_stride, rows, NULL, bias, out, out_stride, N, K, num_threads);
 }

@@ -29,9 +29,10 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gc
               pytest.mark.usefixtures("kernel_target")]  # each build target in turn
 
 DTYPES = [torch.float32, torch.bfloat16]
-# Each remainder of the kernels' tiles of x rows, both sides of DECODE_MAX_ROWS and
-# TILE_MAX_ROWS, and a prefill's many.
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 13, 32, 33, 40, TILE_MAX_ROWS,
+# Each remainder of the kernels' tiles of x rows, both sides of DECODE_MAX_ROWS, of the
+# wide decode tile's instances (cpu_quant_wide.h: 12 and 16 rows) and of TILE_MAX_ROWS,
+# and a prefill's many.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 12, 13, 16, 17, 32, 33, 40, TILE_MAX_ROWS,
         TILE_MAX_ROWS + 1, 300]
 
 
