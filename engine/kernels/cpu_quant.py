@@ -13,7 +13,10 @@ one row of x through integer byte products on x in fixed point (cpu_quant_digits
 each as exact as the float32 reference's sums; 4-bit groups of whole runs of 64
 columns decode a run's codes by two table permutes, x reordered to match. There, up to ``TILE_MAX_ROWS``
 rows take its register-blocked kernel (cpu_quant_blocked.h), which decodes a panel of
-weight rows once per thread and multiplies it by every row of x. Above it (prefill), a panel of weight rows at a
+weight rows once per thread and multiplies it by every row of x; W8 weights with one
+scale per row and K up to 1024 take its wide decode tile (cpu_quant_wide.h) for up to
+16 rows (fp8: 12), each weight row decoded once in registers against every row of x,
+no panel transposed. Above it (prefill), a panel of weight rows at a
 time is dequantized to x's dtype (float32 where oneDNN has no matmul of x's 16-bit
 dtype: ``panel_dtype``), straight into oneDNN's blocked weight layout where
 cpu_quant_panel.py finds it (from ``PACKED_MIN_ROWS`` rows: float32 panels on AVX2 and
@@ -21,7 +24,8 @@ AVX-512 builds, bfloat16 ones on AVX-512) and multiplied by oneDNN's packed line
 else into a plain scratch multiplied by torch's matmul, so
 the prefill's speed stays that of the 16-bit matmul. A bfloat16 panel rounds each
 dequantized weight to bfloat16 once (as transformers' own dequantizing loaders do);
-the decode path and float32 activations keep the float32 weight.
+the decode path and float32 activations keep the float32 weight. oneDNN's calls take
+the row counts of the packed linears (kernels/onednn_rows.py).
 
 x is float32, bfloat16 or float16 (``cpu_quant_available(dtype)``), the output of
 x's dtype. Without a C compiler the library does not build and
