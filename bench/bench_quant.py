@@ -23,8 +23,9 @@ bfloat16, among them "int8 asymmetric" (compressed-tensors ``symmetric: false``:
 per-channel scales and int8 zero points, weight-only), not run by default. For each:
 the resident weight bytes (every tensor the engine's model holds, oneDNN's packed
 copies included), decode-heavy throughput (a few short prompts, many
-output tokens) and prefill throughput (long prompts, one output token), with ratios to
-bfloat16. Runs are interleaved round by round and the best of each compared; the
+output tokens; with its prompts' prefill step, timed alone too, as a share of the run
+and the decode steps' ratio without it) and prefill throughput (long prompts, one
+output token), with ratios to bfloat16. Runs are interleaved round by round and the best of each compared; the
 ratios round by round (median and range) follow, since this host's slow phases move
 bfloat16's memory-bound linears and the quantized compute-bound tiles differently.
 
@@ -225,7 +226,10 @@ def model_mode(args: argparse.Namespace) -> None:
         gc.collect()
     decode_prompts = random_prompts(args.decode_prompts, 8, 24, args.vocab, seed=1)
     prefill_prompts = random_prompts(args.prefill_prompts, args.prefill_len, args.prefill_len, args.vocab, seed=2)
-    workloads = {"decode": (decode_prompts, args.output_len), "prefill": (prefill_prompts, 1)}
+    # "decode prompts": the decode workload's own prompts with one output token, the
+    # prefill step its run includes, so the decode steps' share can be told apart.
+    workloads = {"decode": (decode_prompts, args.output_len), "decode prompts": (decode_prompts, 1),
+                 "prefill": (prefill_prompts, 1)}
     sweep = [int(count) for count in args.seqs.split(",")] if args.seqs else []
     for count in sweep:
         workloads[f"decode x{count}"] = (random_prompts(count, 8, 24, args.vocab, seed=3), args.output_len)
@@ -253,10 +257,25 @@ def model_mode(args: argparse.Namespace) -> None:
               f"copies {(held + packed) / 2**20:6.1f} MiB, {(held + packed) / (base_held + base_packed):.0%})  "
               f"decode {decode_tokens / decode:6.1f} tok/s ({base_decode / decode:.2f}x"
               f"{rounds(seconds, 'decode', name)}, runs {decode_runs} s)  "
+              f"{decode_steps(seconds, name)}  "
               f"prefill {prefill_tokens / prefill:6.1f} tok/s ({base_prefill / prefill:.2f}x"
               f"{rounds(seconds, 'prefill', name)}, runs {prefill_runs} s)")
     if sweep:
         print_sweep(sweep, list(engines), seconds, args.output_len)
+
+
+def decode_steps(seconds: dict[tuple[str, str], list[float]], name: str) -> str:
+    """The decode workload's prompts' prefill (its best run with one output token) as a
+    share of its best run, and the decode steps' ratio to bf16 without it."""
+    def parts(variant: str) -> tuple[float, float]:
+        return min(seconds[("decode", variant)]), min(seconds[("decode prompts", variant)])
+
+    whole, prompts = parts(name)
+    line = f"(its prompts' prefill {prompts:.3f} s, {prompts / whole:.0%} of the run"
+    base_whole, base_prompts = parts("bf16")
+    if name != "bf16" and whole > prompts and base_whole > base_prompts:
+        line += f"; decode steps alone {(base_whole - base_prompts) / (whole - prompts):.2f}x"
+    return line + ")"
 
 
 def rounds(seconds: dict[tuple[str, str], list[float]], workload: str, name: str) -> str:
