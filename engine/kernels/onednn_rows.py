@@ -11,9 +11,8 @@ so each layer shape meets at most a few dozen row counts and a step pads fewer t
 SMALL_ROWS rows. oneDNN's float32 rows do not depend on the other rows of the call
 (tests/engine/cpu/test_cpu_linear.py checks it where it holds on the host), so the split
 changes no row's product there. Few decode rows keep buckets of their own: oneDNN's
-float32 linear is not bound by reading the weights there, and on an AVX-512 host one
-decode step's linears ran about 1.6x longer on 16 rows than on 4; 1 and 2 rows ran no
-faster than 4.
+float32 linear is not bound by reading the weights there, so padding 4 rows to 16 would
+lengthen a decode step's linears, while 1 and 2 rows run no faster than 4.
 """
 
 from __future__ import annotations
