@@ -205,8 +205,8 @@ static void block_scales(const quant_weight *weight, int64_t n0, int64_t N, int6
     }
 }
 
-/* out[m][n0 ..] = bfloat16(sums + bias), 16 columns a vector (a scalar loop here was a
- * sixth of a call at K = 1024: one rounding per output against K / 32 products). */
+/* out[m][n0 ..] = bfloat16(sums + bias), 16 columns a vector: each output's rounding
+ * weighs against only K / 32 products, so a scalar loop is a visible share of a call. */
 static void store_outputs(const float *sums, int64_t rows, int64_t n0, int64_t N, const float *bias,
                           uint16_t *out, int64_t out_stride) {
     const int64_t columns = min64(NB, N - n0), whole = columns / 16 * 16;
