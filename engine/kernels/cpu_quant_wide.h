@@ -1,7 +1,7 @@
 /* The wide decode tile of cpu_quant_bf16.c: W8 weights with one scale per weight row
  * (per channel or per tensor) times DECODE_MAX_ROWS + 1 .. WIDE_MAX_ROWS rows of
- * bfloat16 x (fp8: WIDE_FP8_MAX_ROWS). Part of cpu_quant_bf16.c (included there after its decode tiles; not a
- * library of its own).
+ * bfloat16 x (fp8: WIDE_FP8_MAX_ROWS). Part of cpu_quant_bf16.c (included there after
+ * its decode tiles; not a library of its own).
  *
  * The register-blocked kernel (cpu_quant_blocked.h) decodes each weight once into a
  * panel transposed into the dot product's pair order and multiplies every row of x by
@@ -27,8 +27,8 @@
 #define SHARDLINE_CPU_QUANT_WIDE_H
 
 #define WIDE_MAX_ROWS 16
-/* fp8 codes decoded by their byte tables (fp8_codes32) hold four more registers: with
- * 16 accumulators the loop spills and ran no faster than the blocked kernel. */
+/* fp8 codes are decoded by their byte tables (fp8_codes32), which hold registers of
+ * their own: with 16 accumulators as well the loop ran slower than the blocked kernel. */
 #define WIDE_FP8_MAX_ROWS 12
 #define WIDE_MAX_K 1024  /* x's rows: WIDE_MAX_ROWS x WIDE_MAX_K x 2 bytes = 32 KiB, in L1 */
 /* elements between the rows of x's copy: not a power of two, so the rows' lines at one
