@@ -43,7 +43,7 @@ from torch import nn
 
 from ..kernels.cpu_fused import fused_kernels_available, silu_mul
 from ..kernels.cpu_small_linear import SmallLinearWeight, onednn_view, small_linear
-from ..kernels.onednn_rows import row_bucket, row_parts
+from ..kernels.onednn_rows import by_row_parts, padded_rows
 from ..surgery import called_on, probe_matches, replace
 from .protocols import GatedMLP
 
@@ -197,11 +197,7 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     # A decode step calls this for every linear, mostly on 2-D x of the packed dtype:
     # no reshapes or casts there.
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    parts = row_parts(flat.shape[0])
-    if len(parts) == 1:
-        out = _rows_matmul(flat, packed, bias)
-    else:
-        out = torch.cat([_rows_matmul(part, packed, bias) for part in flat.split(parts)])
+    out = by_row_parts(flat, lambda part: _rows_matmul(part, packed, bias))
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
@@ -214,13 +210,7 @@ def _rows_matmul(flat: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | 
         if packed.takes(rows):  # no padding
             return small_linear(flat if flat.dtype == packed.dtype else flat.to(packed.dtype), packed.kernel, bias)
         packed = packed.onednn
-    bucket = row_bucket(rows)
-    if bucket != rows or flat.dtype != packed.dtype:
-        padded = flat.new_empty(bucket, flat.shape[1], dtype=packed.dtype)
-        padded[:rows] = flat
-        padded[rows:].zero_()
-        flat = padded
-    return onednn_linear(flat, packed, bias)[:rows]
+    return onednn_linear(padded_rows(flat, packed.dtype), packed, bias)[:rows]
 
 
 def onednn_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .native import NativeLibrary, declare
-from .onednn_rows import row_bucket, row_parts
+from .onednn_rows import by_row_parts, padded_rows
 
 SOURCE = Path(__file__).with_name("cpu_quant_panel.c")
 # Packed panels kept at once (a model has a few panel shapes: each linear's full
@@ -189,17 +189,11 @@ class PackedPanel:
         """x [M, cols] @ panel.T (+ bias of the panel's dtype) -> [M, rows]: oneDNN's
         calls take the row counts the packed linears do (kernels/onednn_rows.py), each
         padded with zeros to its bucket and the padding dropped."""
-        parts = [self._rows_matmul(part, bias) for part in x.split(row_parts(x.shape[0]))]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return by_row_parts(x, lambda part: self._rows_matmul(part, bias))
 
     def _rows_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0]
-        bucket = row_bucket(rows)
-        if bucket != rows:
-            x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
-        elif not x.is_contiguous():
-            x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[:rows]
+        padded = padded_rows(x, x.dtype).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(padded, self.packed, bias, "none", [], "")[:x.shape[0]]
 
 
 class _Panels(threading.local):

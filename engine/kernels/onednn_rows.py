@@ -17,6 +17,10 @@ lengthen a decode step's linears, while 1 and 2 rows run no faster than 4.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 FEW_ROWS = 4
 SMALL_ROWS = 16
 LARGE_ROWS = 256
@@ -38,3 +42,25 @@ def row_parts(rows: int) -> tuple[int, ...]:
     LARGE_ROWS the largest multiple of LARGE_ROWS and the rest."""
     rest = rows % LARGE_ROWS if rows > LARGE_ROWS else 0
     return (rows - rest, rest) if rest else (rows,)
+
+
+def by_row_parts(flat: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``matmul`` over flat [rows, in] as the calls ``row_parts`` gives, their results
+    concatenated in order."""
+    parts = row_parts(flat.shape[0])
+    if len(parts) == 1:
+        return matmul(flat)
+    return torch.cat([matmul(part) for part in flat.split(parts)])
+
+
+def padded_rows(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """flat [rows, in] with zero rows added up to ``row_bucket(rows)``, in ``dtype`` (one
+    copy; flat itself where it is already both)."""
+    rows = flat.shape[0]
+    bucket = row_bucket(rows)
+    if bucket == rows and flat.dtype == dtype:
+        return flat
+    padded = flat.new_empty(bucket, flat.shape[1], dtype=dtype)
+    padded[:rows] = flat
+    padded[rows:].zero_()
+    return padded
