@@ -4,7 +4,8 @@ and the per-rank cache spec (the refusals made before any rank starts: verdict.p
 The split follows the model's tensor-parallel plan where transformers gives one
 (``base_model_tp_plan``: "colwise", "rowwise", "packed_colwise", "moe_tp_experts",
 "embedding_rowwise", "rowwise_split_input" resolved by what feeds it, and the styles
-that keep a module whole), and shape rules where
+that keep a module whole; the experts modules its ``base_model_ep_plan`` dispatches to
+as "moe_tp_experts"), and shape rules where
 it names nothing: q/k/v (and MLA's q_b_proj, kv_b_proj) and gate/up column-wise, o/down
 row-wise, and an attention's out_proj or Wo row-wise where q/k/v_proj sit beside it; a
 fused query-key-value projection by heads in its attention's layout (fused.py).
@@ -71,6 +72,8 @@ PLAN_STYLES = {
     "embedding_rowwise": EMBEDDING, "colwise_gather_output": WHOLE, "replicated_with_grad_allreduce": WHOLE,
     "replicate": WHOLE, "mla_kv_a_proj": WHOLE, "embedding_colwise": WHOLE, "rowwise_split_input": SPLIT_INPUT,
 }
+# The expert-parallel plan's style for an experts module (base_model_ep_plan).
+EP_EXPERTS = "ep_dispatch_experts"
 # Shape rules for the names a plan leaves out (or a model without a plan).
 ATTENTION_COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
 SHAPE_RULES = {**dict.fromkeys(ATTENTION_COLUMN, COLUMN), "o_proj": ROW,
@@ -108,6 +111,11 @@ def plan_rules(model: nn.Module) -> list[tuple[re.Pattern[str], str]]:
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if isinstance(config, transformers.PretrainedConfig) else None
     plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    # The experts modules the expert-parallel plan dispatches to (transformers from 5.25
+    # names them there only) are split tensor-parallel, as the plan's "moe_tp_experts".
+    ep_plan = getattr(text_config, "base_model_ep_plan", None) or {}
+    plan.update({key: "moe_tp_experts" for key, style in ep_plan.items()
+                 if style == EP_EXPERTS and key not in plan})
     rules = []
     for key, style in plan.items():
         if style not in PLAN_STYLES:

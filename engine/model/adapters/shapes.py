@@ -199,7 +199,7 @@ class FalconAttention(PagedAttentionAdapter):
         return bool(self._config.alibi)
 
     def position_bias_for(self, call, query):
-        if call.get("alibi") is None:
+        if not self._config.alibi:
             return None
         ctx = self._scope.ctx
         assert ctx is not None, "position_bias_for is asked inside a step"
@@ -230,7 +230,7 @@ class FalconAttention(PagedAttentionAdapter):
         else:
             qkv = fused.view(tokens, self.num_heads, 3, self.head_dim)
             query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        if call.get("alibi") is None:
+        if not self._config.alibi:
             query, key = _apply_rotary(self.original, query, key, call["position_embeddings"], self.head_dim)
         return query, key, value
 
