@@ -126,6 +126,11 @@ OVERRIDES: dict[str, dict] = {
     # keys tie at the top-k boundary only by accident; glm_moe_dsa's layers alternate running the
     # indexer and reusing its selection (full, shared, full, ...).
     **{name: dict(index_n_heads=8) for name in ("deepseek_v32", "axk2", "hy_v4")},
+    # Two indexed layers, the second reading the first's keys and values, beside sliding
+    # ones; index heads within key head 0's query heads, pools of 4 compressed blocks.
+    "kolibri1_1": dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention"] * 2,
+                       index_num_heads=2, index_pool_size=16, index_compression=4, index_num_local_tokens=4,
+                       index_num_sink_tokens=2, mlp_only_layers=[0], mlp_only_intermediate_size=64),
     "glm_moe_dsa": dict(index_n_heads=8, index_topk_freq=2, index_skip_topk_offset=1),
     # Its three attention layer types, with blocks of 4 (CSA) and 8 (HCA) tokens so that short prompts
     # pool several, and 8 indexer heads (no ties at the top-k boundary, as above).

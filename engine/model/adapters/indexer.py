@@ -36,7 +36,8 @@ Rotate = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.T
 class IndexerLayout:
     """Where one type's indexer departs from deepseek_v32's.
 
-    rotation: how its rotary part turns ("half" or "interleave", as latent layouts name it).
+    rotation: how its rotary part turns ("half", "interleave" or "own", as latent layouts
+    name it).
     rope_last: the rotary part is each index head's last qk_rope_head_dim numbers, not its
     first (hy_v4).
     scale_on_weights: the softmax scale multiplies the head weights instead of each

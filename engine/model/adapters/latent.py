@@ -55,7 +55,8 @@ class LatentLayout:
     """Where one model type's latent attention departs from deepseek_v3's.
 
     rotation: "config" (the config's rope_interleave picks apply_rotary_pos_emb_interleave
-    or apply_rotary_pos_emb), "interleave", "half" (apply_rotary_pos_emb), "complex"
+    or apply_rotary_pos_emb), "interleave", "half" (apply_rotary_pos_emb), "own" (the
+    one of the two its modeling file defines), "complex"
     (deepseek_v2's apply_rotary_emb on complex frequencies) or "none".
     lora_scales: the query scaled by the layer's mla_scale_q_lora and the latent by its
     mla_scale_kv_lora before the rotation (the latent is cached scaled).
@@ -104,8 +105,8 @@ LATENT_LAYOUTS: dict[str, LatentLayout] = {
     "glm_moe_dsa": LatentLayout("GlmMoeDsaAttention", rotation="interleave", indexer=IndexerLayout("interleave"),
                                 returns_selection=True),
     "axk2": LatentLayout("AXK2Attention", rotation="interleave", indexer=IndexerLayout("half"), query_gate=True),
-    "hy_v4": LatentLayout("HYV4Attention", rotation="half", returns_selection=True, head_gate=True, sinks=True,
-                          indexer=IndexerLayout("half", rope_last=True, scale_on_weights=True)),
+    "hy_v4": LatentLayout("HYV4Attention", rotation="own", returns_selection=True, head_gate=True, sinks=True,
+                          indexer=IndexerLayout("own", rope_last=True, scale_on_weights=True)),
     # Indexed layers beside sliding-window layers of their own latent sizes (each layer's
     # sizes are its module's; a layer's window is its module's sliding_window).
     "dots3_note_text": LatentLayout("Dots3NoteTextAttention", modeling="dots3_note", rotation="interleave",
@@ -331,6 +332,19 @@ PositionEmbeddings = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
 Rotation = Callable[[torch.Tensor, torch.Tensor, PositionEmbeddings], tuple[torch.Tensor, torch.Tensor]]
 
 
+ROTATIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+
+
+def _own_rotation(modeling: ModuleType) -> Callable:
+    """The one rotation function of ``ROTATIONS`` the modeling file defines (hy_v4's is
+    the half rotation in some transformers releases, the interleaved one in others)."""
+    defined = [name for name in ROTATIONS if callable(getattr(modeling, name, None))]
+    if len(defined) != 1:
+        raise UnsupportedAttentionError(f"{modeling.__name__} defines {defined or 'none'} of {list(ROTATIONS)}; "
+                                        "its latent attention's rotation is not known")
+    return getattr(modeling, defined[0])
+
+
 def _rotation(modeling: ModuleType, kind: str, config: transformers.PretrainedConfig) -> Rotation:
     """The layer's rotation of (q [1, H, T, dr], k [1, 1, T, dr]) by the call's
     position_embeddings, as its modeling file's own function."""
@@ -343,8 +357,11 @@ def _rotation(modeling: ModuleType, kind: str, config: transformers.PretrainedCo
             assert isinstance(freqs, torch.Tensor), "deepseek_v2's position embeddings are complex frequencies"
             return rotate_complex(q, k, freqs.to(q.device))
         return rotate_by_frequencies
-    interleave = kind == "interleave" or (kind == "config" and bool(getattr(config, "rope_interleave", False)))
-    rotate = getattr(modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb")
+    if kind == "own":
+        rotate = _own_rotation(modeling)
+    else:
+        interleave = kind == "interleave" or (kind == "config" and bool(getattr(config, "rope_interleave", False)))
+        rotate = getattr(modeling, "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb")
 
     def rotate_by_cos_sin(q: torch.Tensor, k: torch.Tensor, cos_sin: PositionEmbeddings):
         assert isinstance(cos_sin, tuple), "the position embeddings are (cos, sin)"
