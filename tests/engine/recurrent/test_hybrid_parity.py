@@ -121,7 +121,8 @@ def test_chunked_preempted_and_forked_requests_match_transformers(hybrid_case):
     _, model_dir, prompts, expected, engine_options, attends = hybrid_case
     llm = _engine(model_dir, engine_options)
     if attends:  # a model without attention layers keeps no KV: its blocks are free, nothing preempts
-        assert llm.llm_engine.scheduler.config.num_blocks == NUM_BLOCKS
+        # at most NUM_BLOCKS: prefix caching's state snapshots take their slots from the blocks' budget
+        assert 0 < llm.llm_engine.scheduler.config.num_blocks <= NUM_BLOCKS
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, n=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [[want, want] for want in expected]
