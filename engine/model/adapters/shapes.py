@@ -163,14 +163,16 @@ class FalconAttention(PagedAttentionAdapter):
 
     ALiBi: the reference is transformers' SDPA attention, its default for falcon and
     the original Falcon-RW math: scores q.k / sqrt(D) + alibi / sqrt(D), the bias added
-    once, through the mask FalconModel builds. Its eager attention adds the bias in its
-    scores and again in that mask, twice. The model's build_alibi_tensor rounds each
+    once, through the mask FalconModel builds. Before transformers 5.25 the layer is
+    also passed ``alibi``, and its eager attention adds the bias in its scores and
+    again in that mask, twice. The model's build_alibi_tensor rounds each
     slope to bfloat16 and its product with the key position to bfloat16 again, so the
     bias is not slope * position: the layer attends with the model's own values as a
     bias table by key position (AttentionOptions.position_bias), [H, L] divided as
     FalconModel divides them, which the torch attention path takes. Outside a step (the
-    load check's reference runs the model eager) the original is given a zero bias for
-    its scores, so it adds the mask's bias once, as its SDPA attention does."""
+    load check's reference runs the model eager) an ``alibi`` passed to the original is
+    zeroed, so it adds the mask's bias once, as its SDPA attention does. Whether the
+    layer uses ALiBi or rotary embeddings is its config's ``alibi``."""
 
     query_key_value: nn.Module
     dense: nn.Module
