@@ -22,12 +22,12 @@ quantized-checkpoint tests' builder; ``--variants`` picks the formats run beside
 bfloat16, among them "int8 asymmetric" (compressed-tensors ``symmetric: false``:
 per-channel scales and int8 zero points, weight-only), not run by default. For each:
 the resident weight bytes (every tensor the engine's model holds, oneDNN's packed
-copies included), decode-heavy throughput (a few short prompts, many
-output tokens; with its prompts' prefill step, timed alone too, as a share of the run
-and the decode steps' ratio without it) and prefill throughput (long prompts, one
-output token), with ratios to bfloat16. Runs are interleaved round by round and the best of each compared; the
-ratios round by round (median and range) follow, since this host's slow phases move
-bfloat16's memory-bound linears and the quantized compute-bound tiles differently.
+copies included), decode-heavy throughput (a few short prompts, many output tokens;
+with its prompts' prefill step, timed alone too, as a share of the run and the decode
+steps' ratio without it) and prefill throughput (long prompts, one output token), with
+ratios to bfloat16. Runs are interleaved round by round and the best of each compared;
+the ratios round by round (median and range) follow, since this host's slow phases
+move bfloat16's memory-bound linears and the quantized compute-bound tiles differently.
 
     python bench/bench_quant.py [--mode model|kernel] [--hidden 1024] [--layers 12] [--repeat 2]
                                 [--cpu-time] [--seqs 1,4,16,32,64] [--kv-cache-mib 512]
