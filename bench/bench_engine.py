@@ -316,9 +316,9 @@ def sweep(args: argparse.Namespace) -> None:
             others = {path: engine_without(model_dir, args.dtype, path) for path in args.without}
             for engine in (llm, *others.values()):
                 engine.generate({"prompt_token_ids": [5] * 16}, SamplingParams(max_tokens=2), use_tqdm=False)
+            if args.profile:  # once per engine: its wrappers stay for the later shapes (a second would nest)
+                profile = time_lm_head(llm, profile or StepProfile(clock))
             for shape in (s for s in shapes if s.vocab_size == vocab_size):
-                if args.profile:  # installed once: its wrappers stay for the later shapes
-                    profile = time_lm_head(llm, profile or StepProfile(clock))
                 rows.append(sweep_shape(shape, hf_model, llm, args, profile, others))
             for engine in (llm, *others.values()):
                 engine.close()
