@@ -235,16 +235,20 @@ static inline __attribute__((always_inline)) void steps_per(const call_t *call, 
 }
 
 /* Steps p0 .. p1 with the tile's share of the next chunk prefetched, per_step lines
- * (1 or 4) at every step from the start of its share, or none where ``count`` is 0.
- * A share is so rounded up: past it lie the next tile's lines (fetched twice) or
- * lines further on, which no fetch can fault on. Two rates, not one per share: each
- * is an instance of every tile, and the build's time grows with them. */
+ * (1-4) at every step from the start of its share, or none where ``count`` is 0.
+ * The rate is the share over the chunk's steps, rounded up: each tile's requests
+ * spread over its whole run, so the chunk's tiles keep the next chunk's lines coming
+ * evenly while they multiply; a higher rate front-loads them into the first tiles,
+ * which then wait on the memory system's queues. A share is so rounded up: past it
+ * lie the next tile's lines (fetched twice) or lines further on, which no fetch can
+ * fault on. At most 4 a step: each rate is an instance of every tile, and the build's
+ * time grows with them. */
 static inline __attribute__((always_inline)) void tile_steps(const call_t *call, int64_t m0, int rows, int nv,
                                                              const char *w, int64_t p0, int64_t p1, ahead_t ahead,
                                                              int bf16, vf acc[MAX_MR][MAX_NV]) {
     switch (ahead.count > 0 ? (int)ahead.per_step : 0) {
 #define PER(N) case N: steps_per(call, m0, rows, nv, w, p0, p1, ahead.lines, N, bf16, acc); break;
-        PER(0) PER(1) PER(4)
+        PER(0) PER(1) PER(2) PER(3) PER(4)
 #undef PER
     }
 }
@@ -284,7 +288,8 @@ static inline __attribute__((always_inline)) void run_sub_block(const call_t *ca
     const int64_t share = (next.count + tiles - 1) / tiles;
     for (int64_t t = 0; t * mr < rows; t++) {
         const int64_t done = min64((first + t) * share, next.count);
-        const ahead_t ahead = {next.lines + 64 * done, share > p1 - p0 ? 4 : 1, min64(share, next.count - done)};
+        const ahead_t ahead = {next.lines + 64 * done, min64((share + p1 - p0 - 1) / (p1 - p0), 4),
+                                min64(share, next.count - done)};
         /* One instance per row count, so each keeps its accumulators in registers. */
         switch ((int)min64(rows - t * mr, mr)) {
 #define TILE(ROWS) case ROWS: run_tile(call, g0 + t * mr, ROWS, nv, w, b * call->bn + s, p0, p1, ahead, \
