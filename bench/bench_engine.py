@@ -7,7 +7,10 @@ static batched generate (left padding), optionally its continuous batching
 fp32 matmul peak shardline's arithmetic reaches, and its roofline share: the
 tokens/s shardline achieves over the tokens/s the host's roofline allows (each step
 at least its bytes over the measured memory bandwidth and its arithmetic over the
-matmul peak; bench/roofline.py).
+matmul peak; bench/roofline.py). Beside it, the bound of a run whose decode steps read
+the KV cache after their linears' arithmetic instead of during it, as one thread
+running the attention and the linears in turn does: how much of the roofline such a
+run can reach at all, and how close shardline's run comes to that bound.
 
     python bench/bench_engine.py [--num-prompts 64] [--output-len 128] [--continuous]
                                  [--skip-hf] [--profile] [--dtype bfloat16] [--repeat 2]
@@ -29,7 +32,8 @@ tokens, 32-512 output tokens; SWEEP_SHAPES) against transformers' static generat
 and prints, per shape, both sides' tokens/s, the ratio and the roofline share, and the
 ratio a run at the roofline would reach (transformers' seconds over the roofline's: a
 shape whose ceiling is below a goal cannot meet it on that host, whatever the engine
-does short of cutting arithmetic the roofline counts).
+does short of cutting arithmetic the roofline counts), and the share a run whose
+decode steps do not overlap their KV reads with their arithmetic reaches at best.
 
 Each side runs ``--repeat`` times, interleaved round by round (transformers, then
 shardline), and the best runs are compared: this machine's speed swings between
@@ -284,6 +288,9 @@ def default_run(args: argparse.Namespace) -> None:
     print(f"roofline share (best shardline run): {output_tokens / ours:.1f} output tok/s achieved of "
           f"{output_tokens / bound.seconds:.1f} the roofline allows ({100 * bound.seconds / ours:.1f}%; "
           f"bound {bound.seconds:.2f} s: {bound.describe()})")
+    print(f"one thread in turn (each decode step's KV reads after its linears, not overlapped): bound "
+          f"{bound.in_turn_s:.2f} s, {100 * bound.seconds / bound.in_turn_s:.1f}% of the roofline at best, "
+          f"the run at {100 * bound.in_turn_s / ours:.1f}% of this bound")
     if profile is not None:
         print_profile(profile, results["shardline"][-1])
 
@@ -329,16 +336,19 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"{args.dtype}, {torch.get_num_threads()} threads, {args.repeat} interleaved round(s), best of each; "
           + limits.describe())
     print(f"{'shape':52s} {'transformers':>12s} {'shardline':>10s} {'ratio':>6s} {'roofline':>9s} {'share':>6s} "
-          f"{'ceiling':>7s}")
+          f"{'ceiling':>7s} {'in turn':>7s}")
     for shape, hf_seconds, ours, bound in rows:
         tokens = shape.num_prompts * shape.output_len
-        bound_seconds = bound(limits).seconds
+        host_bound = bound(limits)
+        bound_seconds = host_bound.seconds
         theirs = ((f"{tokens / hf_seconds:12.1f}", f"{hf_seconds / ours:5.2f}x", f"{hf_seconds / bound_seconds:6.2f}x")
                   if hf_seconds else (f"{'-':>12s}", f"{'-':>6s}", f"{'-':>7s}"))
         print(f"{shape.describe():52s} {theirs[0]} {tokens / ours:10.1f} {theirs[1]} "
-              f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}% {theirs[2]}")
+              f"{tokens / bound_seconds:9.1f} {100 * bound_seconds / ours:5.1f}% {theirs[2]} "
+              f"{100 * bound_seconds / host_bound.in_turn_s:6.1f}%")
     print("(output tok/s; roofline: the tok/s the host's roofline allows; share: achieved over allowed; "
-          "ceiling: the ratio a run at the roofline would reach)")
+          "ceiling: the ratio a run at the roofline would reach; in turn: the share a run reaches at best "
+          "whose decode steps read the KV cache after their linears' arithmetic, not overlapping the two)")
 
 
 def sweep_shape(shape: Workload, hf_model, llm: LLM, args: argparse.Namespace, installed: StepProfile | None,

@@ -10,6 +10,13 @@ of at most ``max_num_seqs``, each decode step reading every weight once plus the
 and values of every sequence's context (its prompt and the tokens decoded so far).
 The first output token comes from the prefill, so a sequence decodes ``output_len - 1``
 steps. Embedding rows, norms and KV writes are left out: the bound stays a lower bound.
+
+The roofline lets a decode step's reads of the KV cache overlap the linears'
+arithmetic. A thread that runs the attention and the linears one after the other
+cannot: its bound (``in_turn_s``) gives each decode step its KV bytes over the
+bandwidth plus the larger of its weight bytes over the bandwidth and its arithmetic
+over the peak. The ratio of the two bounds is the roofline share such a run reaches
+with every part at its own limit.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class Roofline:
     decode_memory_s: float  # decode steps bound by their reads
     decode_compute_s: float  # decode steps bound by their arithmetic
     decode_bytes: int  # bytes every decode step together reads
+    in_turn_s: float  # the whole run with each decode step's KV reads after its linears, not overlapped
 
     @property
     def seconds(self) -> float:
@@ -110,7 +118,7 @@ def roofline(shape: ModelShape, prompt_lens: list[int], output_len: int, max_num
     """The bound of generating ``output_len`` tokens after each prompt (see the module
     docstring); ``bandwidth`` in bytes/s, ``peak_flops`` in FLOP/s."""
     prefill_s = sum(shape.prefill_flops(n) for n in prompt_lens) / peak_flops
-    memory_s = compute_s = 0.0
+    memory_s = compute_s = in_turn_s = 0.0
     decode_bytes = 0
     for start in range(0, len(prompt_lens), max_num_seqs):
         wave = prompt_lens[start : start + max_num_seqs]
@@ -121,7 +129,9 @@ def roofline(shape: ModelShape, prompt_lens: list[int], output_len: int, max_num
                 memory_s += read / bandwidth
             else:
                 compute_s += flops / peak_flops
-    return Roofline(prefill_s, memory_s, compute_s, decode_bytes)
+            kv_read = read - shape.weight_bytes
+            in_turn_s += kv_read / bandwidth + max(shape.weight_bytes / bandwidth, flops / peak_flops)
+    return Roofline(prefill_s, memory_s, compute_s, decode_bytes, prefill_s + in_turn_s)
 
 
 def memory_bandwidth(clock, size_bytes: int = 512 << 20, repeats: int = 4) -> dict[str, float]:
