@@ -114,6 +114,14 @@ def _bf16_dot_library() -> ctypes.CDLL | None:
     return library if library is not None and library.quant_bf16_dot() else None
 
 
+def bfloat16_tiles_ready() -> bool:
+    """Whether bfloat16 x of up to TILE_MAX_ROWS rows takes cpu_quant_bf16.c's
+    dot-product kernels here (built with AVX512_BF16): each output column summed alone,
+    in the kernel's own order. Elsewhere, past DECODE_MAX_ROWS rows, x goes through the
+    prefill panels, whose matmul may order a column's sums by the output's width."""
+    return _bf16_dot_library() is not None
+
+
 def amx_tiles_ready() -> bool:
     """Whether bfloat16 x's kernels multiply through AMX tiles here (cpu_quant_amx.h:
     built with AMX-BF16, the tiles granted by the OS and allowed)."""

@@ -1,7 +1,9 @@
 """Stacked quantized groups (engine/quantization/stacked.py): a group of quantized
 linears on one input (q, k, v; gate, up) run as one call gives each part's own output,
-bit for bit where the kernel computes each output column alone (the decode kernels, the
-W8A8 integer kernel), within float32 rounding in the prefill panels and the torch path;
+bit for bit where the kernel computes each output column alone (the decode kernels,
+bfloat16's dot-product tiles), within float32 rounding in the prefill panels (torch's or
+oneDNN's matmul, which may order a column's sums by the output's width: MKL's AVX2
+sgemm does) and the torch path;
 the parts become views of the stacked tensors (no second copy); parts that disagree
 stay separate; and in an engine every Llama-family layer runs its groups stacked."""
 
@@ -15,7 +17,7 @@ import torch
 
 from shardline import LLM
 from shardline.engine.kernels.cpu_fused import fused_kernels_available
-from shardline.engine.kernels.cpu_quant import cpu_quant_available
+from shardline.engine.kernels.cpu_quant import DECODE_MAX_ROWS, TILE_MAX_ROWS, bfloat16_tiles_ready, cpu_quant_available
 from shardline.engine.model.tiny import build_tiny_model
 from shardline.engine.quantization.formats import pack_int4
 from shardline.engine.quantization.linear import QuantizedLinear
@@ -74,6 +76,13 @@ def _parts(build: Part, seed: int = 0) -> list[QuantizedLinear]:
     return [build(rows, generator) for rows in SIZES]
 
 
+def _columns_alone(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the C kernels compute each output column of ``rows`` rows of x alone here:
+    the decode kernels, and bfloat16 x's dot-product tiles where they are built; more
+    rows go through the prefill panels."""
+    return rows <= DECODE_MAX_ROWS or (dtype == torch.bfloat16 and rows <= TILE_MAX_ROWS and bfloat16_tiles_ready())
+
+
 def _x(rows: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
 
@@ -91,7 +100,7 @@ def test_a_stacked_group_gives_each_parts_output(name, dtype):
         expected = [part(x) for part in separate]
         outputs = stacked(x).split(list(SIZES), dim=-1)
         for output, own, alone in zip(outputs, expected, [part(x) for part in parts], strict=True):
-            if rows <= 64 and stacked.zero is None:  # each column computed alone: bit for bit
+            if _columns_alone(rows, dtype) and stacked.zero is None:  # bit for bit
                 assert torch.equal(output, own), (rows, (output.float() - own.float()).abs().max())
             else:
                 torch.testing.assert_close(output, own, rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-4)
