@@ -239,10 +239,10 @@ static inline __attribute__((always_inline)) void steps_per(const call_t *call, 
  * The rate is the share over the chunk's steps, rounded up: each tile's requests
  * spread over its whole run, so the chunk's tiles keep the next chunk's lines coming
  * evenly while they multiply, where a higher rate issues them all from the first
- * tiles and leaves the rest of the chunk's run without requests. A share is so
- * rounded up: past it lie the next tile's lines (fetched twice) or lines further on,
- * which no fetch can fault on. At most 4 a step: each rate is an instance of every
- * tile, and the build's time grows with them. */
+ * tiles and leaves the rest of the chunk's run without requests. Rounded up, a
+ * tile's requests reach past its share: there lie the next tile's lines (fetched
+ * twice) or lines further on, which no fetch can fault on. At most 4 a step: each
+ * rate is an instance of every tile, and the build's time grows with them. */
 static inline __attribute__((always_inline)) void tile_steps(const call_t *call, int64_t m0, int rows, int nv,
                                                              const char *w, int64_t p0, int64_t p1, ahead_t ahead,
                                                              int bf16, vf acc[MAX_MR][MAX_NV]) {
