@@ -30,8 +30,10 @@
  * run on its dot-product instruction, float32 sums: Q.K^T on pairs of head elements
  * (queries and keys as stored), P.V on pairs of keys (the probabilities rounded to
  * bfloat16 as torch's bfloat16 attention rounds them before its P.V matmul; the
- * block's values interleaved by key pairs once per item). Without it, keys and values
- * are widened to float32 once per block and item and take the float32 path.
+ * block's values interleaved by key pairs once per item). Where the target and host
+ * have AMX-BF16 too, both products run as tile multiplies instead
+ * (cpu_prefill_blocks.h). Without AVX512_BF16, keys and values are widened to float32
+ * once per block and item and take the float32 path.
  *
  * Layouts (asserted by the Python launcher, kernels/cpu_prefill_attention.py):
  *   q:               [T, H, D], D contiguous, strides q_stride_t, q_stride_h (elements)
@@ -168,6 +170,13 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int whole = kb >= span[1] && kb + KB - 1 <= span[2];
             const int64_t used = span[3] - kb + 1 < KB ? span[3] - kb + 1 : KB;  /* keys up to the last seen */
             vf s[KB];
+#if PREFILL_AMX
+            if (bf16 && c->amx) {
+                block_scores_amx(c, w, r, s, used, D);
+                block_values_amx(w, r, block_softmax(c, w, r, s, kb, whole, bf16), used, Dv);
+                continue;
+            }
+#endif
             block_scores(c, w, r, s, used, D, bf16);
             const vf correction = block_softmax(c, w, r, s, kb, whole, bf16);
             block_values(w, r, correction, used, Dv, bf16);
@@ -298,10 +307,16 @@ static inline __attribute__((always_inline)) int prefill_attention(
         }
         _Pragma("omp barrier")
         if (!failed) {
+#if PREFILL_AMX
+            if (bf16 && c->amx) prefill_tiles_configure();
+#endif
             _Pragma("omp for schedule(dynamic, 1)")
             for (int64_t item = 0; item < count; item++)
                 attend_item(c, &w, &tiles[item], block_tables, table_stride, query_start_loc, seq_lens, tokens, D,
                             Dv, bf16);
+#if PREFILL_AMX
+            if (bf16 && c->amx) _tile_release();
+#endif
         }
         free_scratch(&w);
     }
@@ -324,7 +339,8 @@ int NAME(const T *q, int64_t q_stride_t, int64_t q_stride_h, const T *k_cache, c
         .v_row_stride = num_kv_heads * head_dim_v, .num_heads = num_heads,                        \
         .group = num_heads / num_kv_heads, .window = window, .chunk = chunk,                      \
         .scale = (float)scale, .softcap = (float)softcap, .sinks = sinks, .alibi = alibi,         \
-        .key_limits = key_limits};                                                                \
+        .key_limits = key_limits,                                                                 \
+        .amx = PREFILL_AMX && (BF16) && head_dim % 32 == 0 && amx_ready()};                       \
     return prefill_attention(&c, block_tables, table_stride, query_start_loc, seq_lens, requests, \
                              num_requests, num_kv_heads, head_dim, head_dim_v, num_threads, BF16); \
 }
@@ -333,3 +349,7 @@ DEFINE_ENTRY(prefill_attention_f32, float, 0)
 DEFINE_ENTRY(prefill_attention_bf16, uint16_t, 1)
 
 int64_t prefill_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
+
+/* Whether bfloat16 calls multiply through AMX tiles here, and allowing them or not (tests). */
+int prefill_amx_ready(void) { return PREFILL_AMX && amx_ready(); }
+void prefill_amx_allow(int allowed) { __atomic_store_n(&amx_allowed, allowed, __ATOMIC_RELAXED); }

@@ -31,6 +31,8 @@ def _declare(library: ctypes.CDLL) -> None:
     # The common arguments, then key_limits (int64 [T] or NULL); returns 0, or -1: no scratch memory.
     declare(library, _FUNCTIONS.values(), [*PAGED_ATTENTION_ARGTYPES, ctypes.c_void_p], ctypes.c_int)
     declare(library, ("prefill_attention_max_head_dim",), None, ctypes.c_int64)
+    declare(library, ("prefill_amx_ready",), [], ctypes.c_int)
+    declare(library, ("prefill_amx_allow",), [ctypes.c_int], None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "prefill chunks attend through SDPA")
@@ -40,6 +42,21 @@ DTYPES = tuple(_FUNCTIONS)
 def load_library() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None when it cannot be built."""
     return _LIBRARY.load()
+
+
+def amx_tiles_ready() -> bool:
+    """Whether bfloat16 calls multiply through AMX tiles here (cpu_prefill_blocks.h:
+    built with AMX-BF16, the tiles granted by the OS and allowed)."""
+    library = _LIBRARY.load()
+    return library is not None and bool(library.prefill_amx_ready())
+
+
+def allow_amx_tiles(allowed: bool) -> None:
+    """Let bfloat16 calls take AMX tiles where the host has them (the default), or not:
+    the dot-product path then runs, as on a host without AMX (tests check both)."""
+    library = _LIBRARY.load()
+    if library is not None:
+        library.prefill_amx_allow(int(allowed))
 
 
 def prefill_kernel_available(k_cache: torch.Tensor, num_heads: int, value_head_dim: int | None = None) -> bool:

@@ -1,7 +1,22 @@
 /* The per-block steps of the CPU prefill attention (cpu_prefill_attention.c, whose
  * header comment describes the layout of rows, keys and values): a key block's cache
  * slots, its keys and values brought into the item's buffers, the rows' scores
- * (Q.K^T), the online-softmax step and the output's update (P.V). */
+ * (Q.K^T), the online-softmax step and the output's update (P.V).
+ *
+ * bfloat16 on builds and hosts with AMX-BF16 (PREFILL_AMX, the call's `amx`): both
+ * products run as tile multiplies in the transposed orientation the rows already
+ * have, so the softmax and the output stay as they are:
+ *   S^T = K . Q^T: A the block's keys as stored (16 keys x 32 head elements a tile),
+ *          B the row vector's queries (qt: pairs of head elements x 16 rows), C 16
+ *          keys' scores for the 16 rows, each C row one vector s[j];
+ *   out^T += V^T . P^T: A the block's values transposed (16 columns x 32 keys, built
+ *          once per item and block), B the probabilities (p: pairs of keys x 16 rows,
+ *          bfloat16 as the dot-product path rounds them), C 16 output columns of the
+ *          16 rows (acc), loaded, multiplied into and stored back (a rescale by the
+ *          softmax's correction runs on acc first, in vectors).
+ * Products of bfloat16 values are exact and summed in float32, as the dot-product
+ * instruction sums them; only the order of the sums differs. Head sizes that are
+ * not whole runs of 32 elements take the dot-product path. */
 #ifndef SHARDLINE_CPU_PREFILL_BLOCKS_H
 #define SHARDLINE_CPU_PREFILL_BLOCKS_H
 
@@ -9,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #if defined(__AVX__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -18,6 +34,8 @@
 #define CB VL           /* output columns in registers at a time in P.V */
 #define TILE_ROWS 128   /* query rows (tokens x heads of a KV head) an item aims at */
 #define MAX_HEAD_DIM 256
+/* Tile multiplies for bfloat16 (above): AMX-BF16 with 16-lane vectors, one a tile row. */
+#define PREFILL_AMX (HAVE_AMX_BF16 && DOT_BF16 && VL == 16)
 
 /* What every item of a call shares. */
 struct call {
@@ -27,6 +45,7 @@ struct call {
     float scale, softcap;
     const double *sinks, *alibi;
     const int64_t *key_limits;  /* [T] the last key each packed query row sees, or NULL: its own */
+    int amx;  /* bfloat16 products as tile multiplies (PREFILL_AMX; the tiles granted, D a multiple of 32) */
 };
 
 /* Per-thread scratch, sized for the largest tile of a call. */
@@ -38,7 +57,8 @@ struct scratch {
     int64_t *span; /* [vectors][4] lowest and highest first, lowest and highest last */
     vf *p;        /* [KB] the block's probabilities (pairs of bf16 with dot) */
     float *keys;  /* [KB][D] the block's keys (bf16 as stored with dot) */
-    float *values; /* [KB][Dv] the block's values (widened from bf16 without dot); key pairs with dot */
+    float *values; /* [KB][Dv] the block's values (widened from bf16 without dot); key pairs with dot;
+                    * with amx [Dv][KB] bf16, transposed */
 };
 
 /* The first key position a query at `position` sees (its window and its chunk). */
@@ -91,6 +111,19 @@ static inline __attribute__((always_inline)) void load_block(
     if (dot) {
         for (int j = 0; j < KB; j++)
             memcpy((uint16_t *)w->keys + j * D, (const uint16_t *)c->k_cache + key_row[j], (size_t)D * 2);
+#if PREFILL_AMX
+        if (c->amx) {  /* row d of V^T: value d of keys 0 .. KB - 1, a 32-bit pair of keys a lane */
+            for (int64_t d = 0; d < Dv; d += VL) {
+                vf pairs[VL];  /* pairs[j / 2] lane i: value d + i of keys j and j + 1 */
+                for (int j = 0; j < KB; j += 2)
+                    pairs[j / 2] = (vf)(((vu)loadv(c->v_cache, value_row[j] + d, 1) >> 16)
+                                        | (vu)loadv(c->v_cache, value_row[j + 1] + d, 1));
+                transpose(pairs);
+                for (int i = 0; i < VL; i++) memcpy(&w->values[(d + i) * (KB / 2)], &pairs[i], sizeof(vf));
+            }
+            return;
+        }
+#endif
         for (int j = 0; j < KB; j += 2)  /* lane d of pair j / 2: value d of keys j and j + 1 */
             for (int64_t d = 0; d < Dv; d += VL) {
                 const vu low = (vu)loadv(c->v_cache, value_row[j] + d, 1) >> 16;
@@ -128,6 +161,67 @@ static inline __attribute__((always_inline)) void prefetch_block(
         for (int64_t b = 0; b < Dv * element; b += 64) __builtin_prefetch(value + b);
     }
 }
+
+#if PREFILL_AMX
+/* Every tile 16 rows of 64 bytes: 0, 4 the scores of the block's two halves (C); 1, 3
+ * their keys (A); 2 the queries (B); 5 the output's columns (C); 6 the values (A); 7
+ * the probabilities (B). Loaded by each thread before its items. */
+static inline void prefill_tiles_configure(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(8, rows, bytes);
+}
+
+/* block_scores through the tiles: s[j] the rows' scores for key kb + j (keys from
+ * `used` on -inf where a whole VL of them is past the rows' last key). */
+static inline __attribute__((always_inline)) void block_scores_amx(
+    const struct call *c, const struct scratch *w, int64_t r, vf s[KB], int64_t used, const int64_t D)
+{
+    float sums[KB][VL] __attribute__((aligned(64)));
+    const uint16_t *keys = (const uint16_t *)w->keys;  /* [KB][D] as stored */
+    const vf *qt = &w->qt[r * D];  /* pairs of head elements: D / 2 vectors of the rows */
+    const int second = used > VL;  /* the block's second VL keys are seen */
+    _tile_zero(0);
+    _tile_zero(4);
+    for (int64_t d = 0; d < D; d += 32) {
+        _tile_loadd(2, qt + d / 2, 64);
+        _tile_loadd(1, keys + d, D * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        if (second) {
+            _tile_loadd(3, keys + VL * D + d, D * 2);
+            _tile_dpbf16ps(4, 3, 2);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(4, sums[VL], 64);
+    for (int j = 0; j < KB; j++) {
+        vf sum;
+        memcpy(&sum, sums[j], sizeof sum);
+        s[j] = j < VL || second ? sum * c->scale : splat(-INFINITY);
+    }
+}
+
+/* block_values through the tiles: out^T += V^T . P^T over the block's keys (their
+ * probabilities 0 from `used` on), the output rescaled first. */
+static inline __attribute__((always_inline)) void block_values_amx(
+    const struct scratch *w, int64_t r, vf correction, int64_t used, const int64_t Dv)
+{
+    vf *acc = &w->acc[r * Dv];
+    int rescale = 0;  /* once the rows' maxima settle, most blocks leave them (factor 1) */
+    for (int lane = 0; lane < VL; lane++) rescale |= correction[lane] != 1.0f;
+    if (rescale)
+        for (int64_t col = 0; col < Dv; col++) acc[col] *= correction;
+    for (int64_t j = (used + 1) / 2; j < KB / 2; j++) w->p[j] = splat(0.0f);  /* keys no row sees */
+    _tile_loadd(7, w->p, 64);
+    const uint16_t *values = (const uint16_t *)w->values;  /* [Dv][KB] */
+    for (int64_t col = 0; col < Dv; col += VL) {
+        _tile_loadd(5, acc + col, 64);
+        _tile_loadd(6, values + col * KB, KB * 2);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_stored(5, acc + col, 64);
+    }
+}
+#endif
 
 /* s[j]: the rows' scores for key kb + j, VL keys (VL accumulators) at a time; keys
  * from `used` on are -inf where a whole VL of them is past the rows' last key. */

@@ -19,42 +19,11 @@
 #ifndef SHARDLINE_CPU_QUANT_AMX_H
 #define SHARDLINE_CPU_QUANT_AMX_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"  /* amx_ready, amx_load_config */
+
+#if HAVE_AMX_BF16
 
 #define AMX_ROWS 16  /* rows of x per tile multiply */
-
-static int amx_allowed = 1;  /* quant_amx_allow: tests run the other paths with it off */
-
-/* Whether this process may use the tile registers (asked once) and the tiles are allowed. */
-static int amx_ready(void) {
-    static int state = -1;  /* -1: not asked yet */
-    if (!__atomic_load_n(&amx_allowed, __ATOMIC_RELAXED)) return 0;
-    int ready = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (ready < 0) {
-        ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-        __atomic_store_n(&state, ready, __ATOMIC_RELEASE);
-    }
-    return ready;
-}
-
-/* Loads a palette-1 tile configuration: tile t has rows[t] rows of bytes[t] bytes. */
-static void amx_load_config(int tiles, const uint8_t *rows, const uint16_t *bytes) {
-    struct __attribute__((packed)) {
-        uint8_t palette, start;
-        uint8_t reserved[14];
-        uint16_t bytes[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < tiles; t++) {
-        config.rows[t] = rows[t];
-        config.bytes[t] = bytes[t];
-    }
-    _tile_loadconfig(&config);
-}
 
 /* Tiles 0-3: the NV sums (rows x 16 float32); 4: x (rows x 32 bfloat16); 5, 6: panel. */
 static void amx_configure(int rows) {
@@ -341,9 +310,6 @@ static int amx_w4_linear(const uint16_t *x, int64_t x_stride, int64_t rows, floa
 }
 
 #else
-
-static int amx_allowed = 0;
-static int amx_ready(void) { return 0; }
 
 static int amx_chunk_rows(const uint32_t *panel, int64_t k0, int64_t k1, const uint16_t *x, int64_t x_stride,
                           int64_t rows, const float *scale, const float *zero_scale, const float *x_sums,
