@@ -31,8 +31,10 @@
  *   out:     [M, N] rows out_stride apart, x's dtype
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 
 #if defined(__AVX2__)
@@ -338,6 +340,128 @@ static inline __attribute__((always_inline)) void small_linear(const call_t *cal
             run_group(call, b, nv, g0, min64(group_rows, M - g0), bf16);
 }
 
+#if HAVE_AMX_BF16 && VL == 16
+/* ---- bfloat16 through AMX tiles, where the build and host have AMX-BF16 ----
+ *
+ * A block's weights are already AMX's layout of B tiles: each step (a pair of k) holds
+ * BN outputs' pairs, so 16 steps by 16 outputs (64 bytes of each step) are one tile,
+ * read in place with the step's bytes as its stride. A tile of 16 rows of x by 32 k
+ * (read in place too) is the A side; four C tiles hold 16 rows by 64 outputs, started
+ * from the bias, and every tile multiply sums exact products of bfloat16 values in
+ * float32 (subnormal inputs and sums taken as zero) as the dot-product instruction
+ * does. The threads split the blocks, and every row tile of a block runs before the
+ * next block: the block is read from memory once, by its first row tile, which asks
+ * for the lines AHEAD_CHUNKS runs of 32 k ahead of those it multiplies (every other
+ * line: the L2's pair prefetch brings the rest), the next block's first ones near the
+ * end. A tile load waits for lines it misses, so the weights must be there before
+ * it: the hardware prefetchers alone left it waiting on most. Rows past the last whole
+ * 16 are copied into a zero-padded tile of x first, so every tile is 16 rows (one tile
+ * configuration a thread). One row runs on the vector kernel, which streams the
+ * weights as fast with fewer instructions; K must be whole runs of 32 and BN of 16. */
+#define AMX_ROWS 16
+#define AMX_MIN_ROWS 2
+#define AMX_GROUPS 4  /* C tiles: 16 outputs each */
+#define AHEAD_CHUNKS 3
+#define AHEAD_STRIDE 128
+
+/* Tiles 0-3: sums (C); 4: x (A); 5, 6: weights (B); all 16 rows of 64 bytes. */
+static void amx_configure(void) {
+    const uint8_t rows[7] = {16, 16, 16, 16, 16, 16, 16};
+    const uint16_t bytes[7] = {64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(7, rows, bytes);
+}
+
+/* 16 rows of x (x_bytes apart, from x) by outputs s .. s + 16 groups of block b, over
+ * all k, the first `rows` of them into out from row m0; with `fetch`, the weights'
+ * lines ahead are asked for (up to `end`, the packed weight's). */
+static inline __attribute__((always_inline)) void amx_row_tile(const call_t *call, int64_t b, int64_t s, int groups,
+                                                               const uint16_t *x, int64_t x_bytes, int64_t m0,
+                                                               int rows, const float *bias_lanes, int fetch,
+                                                               const char *end) {
+    const int64_t step_bytes = call->bn * 4, chunk_bytes = 16 * step_bytes;
+    const char *block = call->packed + b * call->block_bytes;
+    /* The sums start from the bias (one row read 16 times: stride 0), as the vector kernel's do. */
+    _tile_loadd(0, bias_lanes, 0);
+    _tile_loadd(1, bias_lanes + 16, 0);
+    _tile_loadd(2, bias_lanes + 32, 0);
+    _tile_loadd(3, bias_lanes + 48, 0);
+    for (int64_t k = 0; k < call->K; k += 32) {
+        const char *chunk = block + k / 2 * step_bytes, *wk = chunk + s * 4;
+        if (fetch) {
+            const char *ahead = chunk + AHEAD_CHUNKS * chunk_bytes;  /* past the block: the next one's */
+            for (int64_t byte = 0; byte < chunk_bytes && ahead + byte < end; byte += AHEAD_STRIDE)
+                __builtin_prefetch(ahead + byte, 0, PREFETCH_HINT);
+        }
+        _tile_loadd(4, x + k, x_bytes);
+        _tile_loadd(5, wk, step_bytes);
+        _tile_dpbf16ps(0, 4, 5);
+        if (groups > 1) {
+            _tile_loadd(6, wk + 64, step_bytes);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (groups > 2) {
+            _tile_loadd(5, wk + 128, step_bytes);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (groups > 3) {
+            _tile_loadd(6, wk + 192, step_bytes);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    float sums[AMX_ROWS][AMX_GROUPS * 16] __attribute__((aligned(64)));
+    const int64_t sums_bytes = sizeof sums[0];
+    _tile_stored(0, sums[0], sums_bytes);
+    _tile_stored(1, sums[0] + 16, sums_bytes);
+    _tile_stored(2, sums[0] + 32, sums_bytes);
+    _tile_stored(3, sums[0] + 48, sums_bytes);
+    for (int r = 0; r < rows; r++) {
+        vf acc[MAX_NV];
+        UNROLL for (int v = 0; v < AMX_GROUPS; v++) memcpy(&acc[v], sums[r] + 16 * v, sizeof(vf));
+        store_row(acc, groups, (uint16_t *)call->out + (m0 + r) * call->out_stride, b * call->bn + s, call->N, 1);
+    }
+}
+
+/* The bfloat16 call through the tiles; 0 (nothing written) where they do not take it. */
+static int small_linear_amx(const call_t *call, int num_threads) {
+    if (call->M < AMX_MIN_ROWS || call->K % 32 || call->bn % 16 || call->bn > MAX_BN || !amx_ready()) return 0;
+    const int64_t M = call->M, whole = M - M % AMX_ROWS, tail = M % AMX_ROWS;
+    uint16_t *padded = NULL;  /* the rows past the last whole 16, zero past M */
+    if (tail) {
+        padded = calloc((size_t)(AMX_ROWS * call->K), sizeof(uint16_t));
+        if (padded == NULL) return 0;
+        for (int64_t r = 0; r < tail; r++)
+            memcpy(padded + r * call->K, (const uint16_t *)call->x + (whole + r) * call->x_stride,
+                   (size_t)call->K * sizeof(uint16_t));
+    }
+    const char *end = call->packed + call->blocks * call->block_bytes;
+    _Pragma("omp parallel num_threads(num_threads) if (M * call->N * call->K >= PARALLEL_MIN_WORK)")
+    {
+        amx_configure();
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < call->blocks; b++) {
+            const int64_t bn = min64(call->bn, call->N - b * call->bn);
+            for (int64_t s = 0; s < bn; s += 16 * AMX_GROUPS) {
+                float bias_lanes[AMX_GROUPS * 16] __attribute__((aligned(64))) = {0};
+                for (int64_t j = 0; call->bias && j < AMX_GROUPS * 16 && b * call->bn + s + j < call->N; j++)
+                    bias_lanes[j] = call->bias[b * call->bn + s + j];
+                const int groups = (int)min64((bn - s + 15) / 16, AMX_GROUPS);
+                for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                    const int fetch = m0 == 0 && s == 0;  /* the block's first pass reads it from memory */
+                    if (m0 < whole)
+                        amx_row_tile(call, b, s, groups, (const uint16_t *)call->x + m0 * call->x_stride,
+                                     call->x_stride * 2, m0, AMX_ROWS, bias_lanes, fetch, end);
+                    else
+                        amx_row_tile(call, b, s, groups, padded, call->K * 2, m0, (int)tail, bias_lanes, fetch, end);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(padded);
+    return 1;
+}
+#endif
+
 /* The call's operands, with BN and the block's stride (elements) as the launcher passes them. */
 static inline call_t make_call(const void *x, int64_t x_stride, int64_t M, const void *packed, int64_t bn,
                                int64_t block_stride, const float *bias, void *out, int64_t out_stride, int64_t N,
@@ -358,8 +482,15 @@ void small_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, const uin
                        int64_t block_stride, const float *bias, uint16_t *out, int64_t out_stride, int64_t N,
                        int64_t K, int num_threads) {
     const call_t call = make_call(x, x_stride, M, packed, bn, block_stride, bias, out, out_stride, N, K, 1);
+#if HAVE_AMX_BF16 && VL == 16
+    if (small_linear_amx(&call, num_threads)) return;
+#endif
     small_linear(&call, 1, num_threads);
 }
 
 /* Whether this build multiplies bfloat16 pairs with AVX512_BF16's instruction. */
 int small_linear_dot_bf16(void) { return DOT_BF16; }
+
+/* Whether bfloat16 calls multiply through AMX tiles here, and allowing them or not (tests). */
+int small_linear_amx_ready(void) { return HAVE_AMX_BF16 && VL == 16 && amx_ready(); }
+void small_linear_amx_allow(int allowed) { __atomic_store_n(&amx_allowed, allowed, __ATOMIC_RELAXED); }

@@ -36,7 +36,8 @@ MAX_BLOCK = 128
 
 def _declare(library: ctypes.CDLL) -> None:
     declare(library, [f"small_linear_{suffix}" for suffix in _SUFFIXES.values()], _ARGTYPES, None)
-    declare(library, ["small_linear_vector", "small_linear_dot_bf16"], [], ctypes.c_int)
+    declare(library, ["small_linear_vector", "small_linear_dot_bf16", "small_linear_amx_ready"], [], ctypes.c_int)
+    declare(library, ["small_linear_amx_allow"], [_N], None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "linears stay on oneDNN")
@@ -50,6 +51,21 @@ def _library() -> ctypes.CDLL:
     library = _LIBRARY.load()
     assert library is not None, "call small_linear_available first"
     return library
+
+
+def amx_tiles_ready() -> bool:
+    """Whether bfloat16 calls multiply through AMX tiles here (cpu_small_linear.c: built
+    with AMX-BF16, the tiles granted by the OS and allowed)."""
+    library = _LIBRARY.load()
+    return library is not None and bool(library.small_linear_amx_ready())
+
+
+def allow_amx_tiles(allowed: bool) -> None:
+    """Let bfloat16 calls take AMX tiles where the host has them (the default), or not:
+    the vector kernel then runs, as on a host without AMX (tests check both)."""
+    library = _LIBRARY.load()
+    if library is not None:
+        library.small_linear_amx_allow(int(allowed))
 
 
 def vector_width() -> int:

@@ -10,6 +10,8 @@ import torch
 
 from shardline.engine.kernels import native
 from shardline.engine.kernels.cpu_small_linear import (
+    allow_amx_tiles,
+    amx_tiles_ready,
     onednn_view,
     pack_small_linear,
     small_linear,
@@ -119,3 +121,31 @@ def test_onednn_packed_weights_are_read_in_place_only_where_their_bytes_are_the_
         _check(small_linear(x, view, None), x, weight, None)
     if platform.machine() == "x86_64" and " avx512f" in Path("/proc/cpuinfo").read_text():
         assert viewed == 3  # oneDNN packs in blocks of 64 outputs there
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "no_amx"])
+def test_bfloat16_through_amx_tiles_and_without(tiles):
+    """Where the host grants AMX tiles, bfloat16 calls of 2 rows and more with K whole
+    runs of 32 multiply through them (16-row tiles, the rows past the last whole 16
+    padded); with the tiles disallowed the vector kernel runs the same calls, as on a
+    host without AMX. Blocks of 32, 64 and 128 outputs, outputs past N, bias or none."""
+    if tiles and not amx_tiles_ready():
+        pytest.skip("no AMX tiles for the small-batch kernel on this host")
+    allow_amx_tiles(tiles)
+    try:
+        assert amx_tiles_ready() == tiles
+        generator = torch.Generator().manual_seed(5)
+        width = 2 * vector_width()
+        for out_features, in_features in ((64, 64), (100, 96), (130, 512)):
+            weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+            bias = torch.randn(out_features, generator=generator).bfloat16()
+            for block in {width, 64, 128}:
+                packed = pack_small_linear(weight, block)
+                for rows in (1, 2, 3, 15, 16, 17, 33, 64, 97):
+                    wide = torch.full((rows, in_features + 3), float("nan"), dtype=torch.bfloat16)
+                    wide[:, :in_features] = torch.randn(rows, in_features, generator=generator).bfloat16()
+                    x = wide[:, :in_features]
+                    for b in (None, bias):
+                        _check(small_linear(x, packed, b), x, weight, b)
+    finally:
+        allow_amx_tiles(True)
