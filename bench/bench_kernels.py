@@ -15,7 +15,8 @@ peak measured in the same process (bench/common.py's peak_matmul_flops).
 heads (8 query heads over 4 KV heads of 64) and prompts: a decode step of its 64
 requests halfway through their outputs, and one of the sweep's long-outputs shape (16
 prompts of 32-128 tokens halfway through 512 outputs), each over 8 layers' caches
-(more than the last-level cache holds, as in the engine), with the block tables
+(more than the last-level cache holds, as in the engine) in float32 and in bfloat16,
+with the block tables
 shuffled and in the engine's order (each prompt's blocks in a row, then the decode
 blocks taken by the requests in turn, as bench_engine's run lays them out), and its
 64 prompts prefilled fresh. One thread, timed by its CPU time (best of --repeat), so runs on a
@@ -136,31 +137,35 @@ def engine_order_tables(prompts: list[int], lengths: list[int], block_size: int)
 
 def bench_cpu_decode(prompts: list[int], outputs_done: int, bandwidth: float, repeat: int) -> None:
     """The decode kernel on requests ``outputs_done`` tokens past their ``prompts``, over
-    8 layers' caches, its block tables shuffled and in the engine's order."""
+    8 layers' caches in float32 and in bfloat16, its block tables shuffled and in the
+    engine's order."""
     from shardline.engine.kernels.cpu_attention import decode_attention
 
     heads, kv_heads = LLAMA_BENCH_CONFIG["num_attention_heads"], LLAMA_BENCH_CONFIG["num_key_value_heads"]
     head_dim, block_size, layers = LLAMA_BENCH_CONFIG["hidden_size"] // heads, 16, 8
     scale = head_dim ** -0.5
     lengths = [n + outputs_done for n in prompts]
-    block_tables, caches = cpu_batch(lengths, heads, kv_heads, head_dim, block_size, layers)
-    query = torch.randn(len(lengths), heads, head_dim)
-    out = torch.empty_like(query)
+    block_tables, float_caches = cpu_batch(lengths, heads, kv_heads, head_dim, block_size, layers)
+    float_query = torch.randn(len(lengths), heads, head_dim)
     seq_lens, rows = torch.tensor(lengths), torch.arange(len(lengths))
-    k_cache, v_cache = caches[0]
-    decode_attention(query, k_cache, v_cache, block_tables, seq_lens, rows, rows, out, scale)
-    expected = paged_attention_reference(query, k_cache, v_cache, torch.cat([rows, rows[-1:] + 1]), seq_lens,
-                                         block_tables, scale)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    kv_bytes = 2 * sum(lengths) * kv_heads * head_dim * 4
-    for order, tables in (("shuffled", block_tables), ("engine order", engine_order_tables(prompts, lengths,
-                                                                                            block_size))):
-        seconds = best_cpu_seconds(lambda tables=tables: [
-            decode_attention(query, k, v, tables, seq_lens, rows, rows, out, scale) for k, v in caches],
-            repeat) / layers
-        label = f"decode {len(lengths)} x {sum(lengths) // len(lengths)} ctx, {order}"
-        print(f"{label:<34} {seconds * 1e3:8.2f} ms/layer {kv_bytes / seconds / 1e9:7.1f} GB/s of KV "
-              f"({100 * kv_bytes / seconds / bandwidth:3.0f}% of the read bandwidth)")
+    tables = (("shuffled", block_tables), ("engine order", engine_order_tables(prompts, lengths, block_size)))
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        caches = [(k.to(dtype), v.to(dtype)) for k, v in float_caches]
+        query = float_query.to(dtype)
+        out = torch.empty_like(query)
+        k_cache, v_cache = caches[0]
+        decode_attention(query, k_cache, v_cache, block_tables, seq_lens, rows, rows, out, scale)
+        expected = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(),
+                                             torch.cat([rows, rows[-1:] + 1]), seq_lens, block_tables, scale)
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+        kv_bytes = 2 * sum(lengths) * kv_heads * head_dim * dtype.itemsize
+        for order, order_tables in tables:
+            seconds = best_cpu_seconds(lambda order_tables=order_tables, query=query, out=out, caches=caches: [
+                decode_attention(query, k, v, order_tables, seq_lens, rows, rows, out, scale) for k, v in caches],
+                repeat) / layers
+            label = f"decode {len(lengths)} x {sum(lengths) // len(lengths)} ctx, {order}, {str(dtype)[6:]}"
+            print(f"{label:<44} {seconds * 1e3:8.2f} ms/layer {kv_bytes / seconds / 1e9:7.1f} GB/s of KV "
+                  f"({100 * kv_bytes / seconds / bandwidth:3.0f}% of the read bandwidth)")
 
 
 def bench_cpu(repeat: int) -> None:
@@ -193,7 +198,7 @@ def bench_cpu(repeat: int) -> None:
     seconds = best_cpu_seconds(lambda: prefill_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                                          seq_lens, requests, out, scale), repeat)
     flops = sum(n * (n + 1) // 2 for n in prompts) * heads * head_dim * 4  # causal: q.k and p.v
-    print(f"{'prefill 64 prompts fresh':<34} {seconds * 1e3:8.2f} ms/layer {flops / seconds / 1e9:7.1f} GFLOP/s")
+    print(f"{'prefill 64 prompts fresh':<44} {seconds * 1e3:8.2f} ms/layer {flops / seconds / 1e9:7.1f} GFLOP/s")
 
 
 def bench_prefill_sweep(repeat: int) -> None:
