@@ -367,8 +367,11 @@ static inline __attribute__((always_inline)) void vector_item(
 }
 
 /* Head sizes 64 and 128 take the chunked item (cpu_decode_chunked.h): float32 on every
- * build, bfloat16 on 8-lane ones (16-lane builds read bfloat16 as fast through the
- * vector item, whose scores use the dot-product instruction where the target has it).
+ * build, bfloat16 on 8-lane ones and, on 16-lane ones, past blocks of
+ * VECTOR_BF16_MAX_BLOCK keys. 16-lane builds read bfloat16 blocks of up to 16 keys as
+ * fast through the vector item, whose scores use the dot-product instruction where the
+ * target has it; its per-block softmax and its burst of prefetches per block grow with
+ * the block, and it falls behind the chunked item past that size.
  * Both items read a call's rows from memory in a decode step, which reads every
  * layer's weights between two calls of one layer; where a small call's rows are in
  * L2 instead (a benchmark repeating one call), the chunked item runs slower than the
@@ -377,7 +380,8 @@ static inline __attribute__((always_inline)) void vector_item(
 #include "cpu_decode_chunked.h"
 #define CHUNKED_ITEM(BF16, SIZE, ...) \
     ((BF16) ? chunked_item_##SIZE##_bf16(__VA_ARGS__) : chunked_item_##SIZE##_f32(__VA_ARGS__))
-#define TAKES_CHUNKED(BF16) (!(BF16) || VL == 8)
+#define VECTOR_BF16_MAX_BLOCK 16
+#define TAKES_CHUNKED(BF16, BLOCK_SIZE) (!(BF16) || VL == 8 || (BLOCK_SIZE) > VECTOR_BF16_MAX_BLOCK)
 /* A call reading at most this many bytes of keys and values counts as `cached` (the
  * chunked item then makes no L2 prefetches): half of the 2 MiB L2 of current x86
  * server cores, so its rows can all be there. */
@@ -394,7 +398,7 @@ static __attribute__((noinline)) void NAME(                                     
     int64_t window, float softcap, const double *sinks, const double *alibi, int64_t chunk,      \
     int cached)                                                                                 \
 {                                                                                               \
-    if (TAKES_CHUNKED(BF16) && head_dim == head_dim_v && (head_dim == 64 || head_dim == 128)) { \
+    if (TAKES_CHUNKED(BF16, block_size) && head_dim == head_dim_v && (head_dim == 64 || head_dim == 128)) { \
         if (head_dim == 64)                                                                     \
             CHUNKED_ITEM(BF16, 64, q, q_stride_t, q_stride_h, k_cache, v_cache, table, seq_len, query_row, \
                          out, h0, num_item_heads, group, num_heads, row_stride, block_size, scale, \

@@ -221,6 +221,17 @@ def test_contexts_past_one_chunk(num_heads, num_kv_heads, head_dim):
     check_contexts_past_one_chunk(torch.float32, 16, num_heads, num_kv_heads, head_dim)
 
 
+@each_target
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_bfloat16_items_by_block_size(head_dim, block_size):
+    """bfloat16 at head sizes 64 and 128 takes the vector item for blocks of up to 16
+    keys on 16-lane builds and the chunked one past them (on 8-lane builds, the chunked
+    one at every size): contexts of several chunks, windows, sinks, ALiBi and attention
+    chunks at each."""
+    check_contexts_past_one_chunk(torch.bfloat16, block_size, 8, 2, head_dim)
+
+
 @pytest.mark.slow
 @each_target
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
