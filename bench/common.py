@@ -87,8 +87,9 @@ class StepProfile:
     """Time of a CPU engine's steps by part (by ``clock``: the wall clock by default,
     or e.g. the thread's CPU time for a one-thread run): scheduling, batch preparation, the
     model forward (its attention split into decode, prefill, the last layer's sampled
-    rows, KV-cache writes and per-step planning), sampling, and output processing
-    (detokenization, stop checks, building outputs).
+    rows, KV-cache writes and per-step planning; decode steps replayed whole, their
+    attention included, apart), sampling, and output processing (detokenization, stop
+    checks, building outputs).
 
     Installed by wrapping functions (timing only, no behaviour change); the wrappers
     add a few microseconds per call, so profiled runs are slightly slower. Install it
@@ -97,6 +98,7 @@ class StepProfile:
 
     ATTENTION = ("decode attention", "prefill attention", "last layer, sampled rows", "kv cache writes",
                  "attention plans")
+    REPLAYED = "decode steps replayed whole"
 
     def __init__(self, clock=None) -> None:
         import time
@@ -105,6 +107,7 @@ class StepProfile:
         from shardline.engine.attention import backends as attention_backends
         from shardline.engine.attention import torch_path as torch_attention
         from shardline.engine.core import scheduler
+        from shardline.engine.cpu import decode_programs
         from shardline.engine.model import runner as model_runner
         from shardline.engine.sampling import output_processor, sampler
 
@@ -117,6 +120,16 @@ class StepProfile:
             return self._time(kind, attend, query, k_cache, v_cache, plan, *args)
 
         torch_attention._attend = attend_timed
+        # A decode step replayed whole runs its attention inside the replay's one C call:
+        # timed as a part of its own (other replays call the attention timed above).
+        replay = decode_programs.DecodePrograms._replay
+
+        def replay_timed(programs, program, *args):
+            if program.tables is None:
+                return replay(programs, program, *args)
+            return self._time(self.REPLAYED, replay, programs, program, *args)
+
+        decode_programs.DecodePrograms._replay = replay_timed
         wrapped = (
             (torch_attention, "_attend_decode", "decode attention"),
             (torch_attention, "_attend_fresh", "prefill attention"),
@@ -150,7 +163,9 @@ class StepProfile:
         rows = [("scheduling", get("scheduling", 0.0)), ("batch preparation", get("batch preparation", 0.0)),
                 ("model forward", forward)]
         rows += [(f"  {label}", get(label, 0.0)) for label in self.ATTENTION]
-        rows += [("  linears, norms, MLP, rest", forward - attention),
+        replayed = get(self.REPLAYED, 0.0)
+        rows += [(f"  {self.REPLAYED}", replayed),
+                 ("  linears, norms, MLP, rest", forward - attention - replayed),
                  ("sampling", get("sampling", 0.0)),
                  ("output processing", get("output processing", 0.0)),
                  ("rest of the engine steps", get("engine steps", 0.0) - get("scheduling", 0.0)

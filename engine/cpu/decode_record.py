@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kernels.programs import CallProgram, CallRecorder
+from .decode_attention_record import RecordedAttention, StepTables, write_back
 
 _ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                           torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
@@ -136,6 +137,11 @@ Item = tuple[int, int] | TorchStep
 
 @dataclass
 class Program:
+    """A recorded step. Without ``tables``: its stretches run around its cuts, each cut's
+    attention called from Python. With them, the attention calls are among the recorded
+    ones (cpu/decode_attention_record.py, one per cut in ``attended_calls``) and the one
+    stretch is the whole step; the cuts are kept for the record's check."""
+
     calls: CallProgram
     stretches: list[list[Item]]  # stretch i runs before cut i (the last one after the last cut)
     cuts: list[Cut]
@@ -145,6 +151,8 @@ class Program:
     out: torch.Tensor  # the last layer's output
     kept: list[torch.Tensor]
     held_bytes: int
+    tables: StepTables | None = None
+    attended_calls: list[RecordedAttention] | None = None
 
 
 def stretch_items(start: int, stop: int, steps: list[TorchStep]) -> list[Item]:
@@ -171,12 +179,27 @@ def run_stretch(calls: CallProgram, items: list[Item]) -> None:
 
 def replays_exactly(program: Program, result: torch.Tensor) -> bool:
     """Whether replaying the stretches, every kept tensor first overwritten, gives the
-    recorded step's queries, keys, values and output (see the module docstring)."""
+    recorded step's queries, keys, values and output (see the module docstring); with
+    the attention among the calls, its outputs too (overwritten first as well), and
+    where the replay wrote other keys and values than the step's, the step's are
+    written back."""
     expected = [(cut.query.clone(), cut.key.clone(), cut.value.clone()) for cut in program.cuts]
-    for tensor in program.kept:
+    folded = program.tables is not None
+    attended = [cut.attended.clone() for cut in program.cuts if cut.attended is not None] if folded else []
+    for tensor in [*program.kept, *(cut.attended for cut in program.cuts if folded and cut.attended is not None)]:
         tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
     for items in program.stretches:
         run_stretch(program.calls, items)
-    return torch.equal(program.out, result) and all(
+    exact = torch.equal(program.out, result) and all(
         torch.equal(cut.query, query) and torch.equal(cut.key, key) and torch.equal(cut.value, value)
         for cut, (query, key, value) in zip(program.cuts, expected, strict=True))
+    if folded:
+        assert program.tables is not None and program.attended_calls is not None
+        exact = exact and not int(program.tables.out_of_range) and len(attended) == len(program.cuts) and all(
+            cut.attended is not None and torch.equal(cut.attended, output)
+            for cut, output in zip(program.cuts, attended, strict=True))
+        program.tables.out_of_range.zero_()
+        if not exact:
+            for recorded, (_, key, value) in zip(program.attended_calls, expected, strict=True):
+                write_back(recorded, key, value)
+    return exact

@@ -7,7 +7,9 @@
  *   rotary:        q and k rotated in place by cos and sin ("rotate half": the pairs
  *                  are (i, i + D/2))
  *   kv_write:      a step's new keys and values copied into their paged cache slots
- *                  (bytes: any dtype), one call for both caches
+ *                  (bytes: any dtype), one call for both caches; kv_write_noting, the
+ *                  same with the count of slots out of range noted, not returned (a
+ *                  recorded decode step replays it: kernels/programs.py)
  *
  * Each computes in float32 and rounds where transformers' modules round, so bfloat16
  * results match theirs step for step: rms_norm rounds the normalized row before the
@@ -204,4 +206,17 @@ int64_t kv_write(const char *key, int64_t key_stride, const char *value, int64_t
         memcpy(v_cache + slots[t] * v_bytes, value + t * value_stride, (size_t)v_bytes);
     }
     return 0;
+}
+
+/* kv_write, returning nothing: where more slots than *out_of_range fall out of range
+ * (nothing written then), their count goes there, which the caller reads after the
+ * call, or after the replay of a recorded program that holds it (every layer's write
+ * of a step checks the same slots). */
+void kv_write_noting(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                     char *v_cache, int64_t num_slots, const int64_t *slots, int64_t tokens, int64_t k_bytes,
+                     int64_t v_bytes, int64_t *out_of_range) {
+    const int64_t count = kv_write(key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, tokens,
+                                   k_bytes, v_bytes);
+    if (count > *out_of_range)
+        *out_of_range = count;
 }

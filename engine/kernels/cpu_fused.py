@@ -27,12 +27,14 @@ _SIGNATURES = {
     "silu_mul": [_P, _I, _P, _I, _I, _I, _N],
     "rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _N],
 }
+_KV_WRITE = [_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I]
 
 
 def _declare(library: ctypes.CDLL) -> None:
     for name, argtypes in _SIGNATURES.items():
         declare(library, [f"{name}_{suffix}" for suffix in _SUFFIXES.values()], argtypes, None)
-    declare(library, ["kv_write"], [_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I], ctypes.c_int64)
+    declare(library, ["kv_write"], _KV_WRITE, ctypes.c_int64)
+    declare(library, ["kv_write_noting"], [*_KV_WRITE, _P], None)
 
 
 _LIBRARY = NativeLibrary(SOURCE, _declare, "decoder layers keep their torch elementwise ops")
@@ -159,15 +161,37 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     where ``kv_write_takes``). A slot out of range raises IndexError, nothing written."""
     library = _LIBRARY.load()
     assert library is not None, "call kv_write_takes first"
-    tokens, num_slots = key.shape[0], k_cache.shape[0] * k_cache.shape[1]
+    out_of_range = library.kv_write(*_kv_write_arguments(key, value, k_cache, v_cache, slot_mapping))
+    if out_of_range:
+        raise kv_slots_error(out_of_range, key.shape[0], k_cache)
+
+
+def kv_write_noting(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, out_of_range: torch.Tensor) -> None:
+    """``kv_write``, with the count of slots out of range (nothing written then) kept
+    in ``out_of_range`` ([1] int64) where it passes the count there, instead of raised:
+    a recorded decode step replays this call for each layer (engine/cpu/
+    decode_programs.py) and reads the count after."""
+    library = _LIBRARY.load()
+    assert library is not None, "call kv_write_takes first"
+    assert out_of_range.dtype == torch.int64 and out_of_range.numel() == 1 and out_of_range.is_cpu
+    library.kv_write_noting(*_kv_write_arguments(key, value, k_cache, v_cache, slot_mapping),
+                            out_of_range.data_ptr())
+
+
+def kv_slots_error(out_of_range: int, tokens: int, k_cache: torch.Tensor) -> IndexError:
+    """The error of a write whose slots fall outside the cache."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    return IndexError(f"{out_of_range} of {tokens} KV cache slots outside the cache's {num_slots}")
+
+
+def _kv_write_arguments(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[int, ...]:
     k_size, v_size = key.element_size(), value.element_size()
     # Contiguous caches: a slot's row is stride(1) elements.
-    out_of_range = library.kv_write(key.data_ptr(), key.stride(0) * k_size, value.data_ptr(),
-                                    value.stride(0) * v_size, k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
-                                    slot_mapping.data_ptr(), tokens, k_cache.stride(1) * k_size,
-                                    v_cache.stride(1) * v_size)
-    if out_of_range:
-        raise IndexError(f"{out_of_range} of {tokens} KV cache slots outside the cache's {num_slots}")
+    return (key.data_ptr(), key.stride(0) * k_size, value.data_ptr(), value.stride(0) * v_size, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[0] * k_cache.shape[1], slot_mapping.data_ptr(), key.shape[0],
+            k_cache.stride(1) * k_size, v_cache.stride(1) * v_size)
 
 
 # Plain-torch references: transformers' Llama-family formulas.

@@ -45,7 +45,7 @@ def decoder_of(llm: LLM) -> FusedDecoder:
     return decoder
 
 
-def eager_tokens(model_dir: str, monkeypatch: pytest.MonkeyPatch, **options) -> list[list[int]]:
+def eager_tokens(model_dir: str, monkeypatch: pytest.MonkeyPatch, **options: object) -> list[list[int]]:
     with monkeypatch.context() as patch:
         patch.setenv("SHARDLINE_CPU_PATHS", "decode_programs=off")
         llm = LLM(model_dir, **options)
@@ -72,7 +72,11 @@ def run_recorded(model_dir: str) -> tuple[list[list[int]], DecodePrograms]:
     ("llama", {}, dict(dtype="bfloat16", quantization="int8")),
     ("qwen2", {}, dict(dtype="float32", quantization="fp8")),  # q/k/v biases
     ("mistral", dict(sliding_window=8), dict(dtype="float32")),  # contexts past the window
-], ids=["llama-float32", "qwen3-bfloat16", "llama-bfloat16-int8", "qwen2-float32-fp8", "mistral-window-float32"])
+    # A full and a windowed layer: two cache groups, each with its own block tables.
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                   layer_types=["full_attention", "sliding_attention"]), dict(dtype="float32")),
+], ids=["llama-float32", "qwen3-bfloat16", "llama-bfloat16-int8", "qwen2-float32-fp8", "mistral-window-float32",
+        "qwen2-window-groups-float32"])
 def test_decode_steps_replay_and_give_the_eager_paths_tokens(tmp_path, monkeypatch, arch, config, options):
     model_dir = str(build_tiny_model(tmp_path, arch, **config))
     expected = eager_tokens(model_dir, monkeypatch, **options)
@@ -82,16 +86,114 @@ def test_decode_steps_replay_and_give_the_eager_paths_tokens(tmp_path, monkeypat
     assert programs_ is not None
     replays, refused = programs_.replays, dict(programs_._refused)
     sizes = sorted(key[0] for key in programs_._programs)
+    whole_steps = all(program.tables is not None for program in programs_._programs.values())
+    groups = {len(program.tables.tables) for program in programs_._programs.values() if program.tables}
+    cut_attention = dict(programs_._cut_attention)
     llm.close()
     assert tokens == expected
-    assert not refused
+    assert not refused and not cut_attention
     assert sizes == [1, 2, 3, 4] and replays >= 7
+    assert whole_steps  # each step's attention among the recorded calls: one C call a step
+    assert groups == {2 if "sliding_window" in config else 1}  # a windowed group: tables of its own
     if options["dtype"] == "float32" and "quantization" not in options:  # and the model's own greedy tokens
         reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        reference.generation_config.eos_token_id = None  # as ignore_eos: EOS may come and the run goes on
         for prompt, count, got in zip(PROMPTS, MAX_TOKENS, tokens, strict=True):
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=count, min_new_tokens=count,
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=count,
                                       do_sample=False)[0, len(prompt):].tolist()
             assert got == want
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_attention_cutting_the_record_gives_the_same_tokens(tmp_path, monkeypatch):
+    """With the attention left out of the records (as where its calls cannot be
+    recorded), each stretch between attention calls replays in one call."""
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    monkeypatch.setattr(DecodePrograms, "records_attention", False)
+    tokens, programs_ = run_recorded(model_dir)
+    programs = list(programs_._programs.values())
+    assert tokens == expected
+    assert len(programs) == 4 and programs_.replays >= 7 and not programs_._refused
+    assert all(program.tables is None and len(program.stretches) == len(program.cuts) + 1 for program in programs)
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_recorded_attention_that_differs_from_the_usual_path_cuts_the_record(tmp_path, monkeypatch):
+    """The recorded decode attention given another scale: its output differs from the
+    layer's usual one at the record, and each size is recorded again around its
+    attention calls."""
+    from shardline.engine.cpu import decode_attention_record
+
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32")
+    attend = decode_attention_record.decode_attention
+    monkeypatch.setattr(decode_attention_record, "decode_attention",
+                        lambda *args, **kwargs: attend(*args[:8], args[8] * 1.5, *args[9:], **kwargs))
+    tokens, programs_ = run_recorded(model_dir)
+    assert tokens == expected
+    assert sorted(key[0] for key in programs_._programs) == [1, 2, 3, 4] and programs_.replays >= 3
+    assert all(program.tables is None for program in programs_._programs.values())
+    assert set(programs_._cut_attention.values()) == {
+        "attention layer 0's recorded calls did not give its usual output"}
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_block_tables_past_the_buffers_width_record_the_size_again_wider(tmp_path, monkeypatch):
+    """Blocks of two tokens and buffers as narrow as the first recorded step's tables:
+    as contexts grow, each size's program is dropped and recorded again with tables
+    twice as wide, and the tokens stay the eager path's."""
+    from shardline.engine.cpu import decode_attention_record
+
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    expected = eager_tokens(model_dir, monkeypatch, dtype="float32", block_size=2)
+    monkeypatch.setattr(decode_attention_record, "MIN_WIDTH", 1)
+    llm = LLM(model_dir, dtype="float32", block_size=2)
+    tokens = generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    widths = dict(programs_._widths)
+    kept = {key[0]: program.tables.width for key, program in programs_._programs.items() if program.tables}
+    llm.close()
+    assert tokens == expected
+    assert widths and sorted(kept) == [1, 2, 3, 4]
+    assert all(kept[key[0]] >= width for key, width in widths.items() if key[0] in kept)
+
+
+@taken_unless_forced_off("fused_kernels", "decode_programs")
+def test_a_replayed_step_with_a_slot_outside_the_cache_raises_and_moved_caches_are_not_replayed(
+        tmp_path, monkeypatch):
+    """A replayed step's KV writes cannot raise inside the replay: they count the slots
+    out of range, and the replay raises after, as the usual path's write would. A step
+    over other caches than the record's is not replayed."""
+    from dataclasses import replace
+
+    model_dir = str(build_tiny_model(tmp_path, "llama"))
+    llm = LLM(model_dir, dtype="float32")
+    steps = []
+    forward = DecodePrograms.forward
+
+    def noting(self, hidden, position_embeddings, run_layers, ctx):
+        steps.append((hidden.clone(), tuple(table.clone() for table in position_embeddings), run_layers, ctx))
+        return forward(self, hidden, position_embeddings, run_layers, ctx)
+
+    monkeypatch.setattr(DecodePrograms, "forward", noting)
+    generate(llm)
+    programs_ = decoder_of(llm).programs
+    assert programs_ is not None
+    hidden, position_embeddings, run_layers, ctx = steps[-1]  # a step of one row, replayed
+    assert (1, torch.float32, torch.get_num_threads()) in programs_._programs
+    k_cache = ctx.kv_caches[0][0]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    outside = replace(ctx, slot_mapping=torch.tensor([num_slots]))
+    with torch.inference_mode():  # as the engine's steps run
+        with pytest.raises(IndexError, match=f"1 of 1 KV cache slots outside the cache's {num_slots}"):
+            forward(programs_, hidden, position_embeddings, run_layers, outside)
+        moved = replace(ctx, kv_caches=[(k.clone(), v.clone()) for k, v in ctx.kv_caches])
+        assert forward(programs_, hidden, position_embeddings, run_layers, moved) is None
+    dropped = (1, torch.float32, torch.get_num_threads()) not in programs_._programs
+    llm.close()
+    assert dropped
 
 
 @taken_unless_forced_off("fused_kernels", "decode_programs")

@@ -10,6 +10,7 @@ from shardline.engine.kernels.cpu_fused import (
     add_rms_norm_,
     fused_kernels_available,
     kv_write,
+    kv_write_noting,
     kv_write_takes,
     rms_norm,
     rms_norm_heads,
@@ -165,6 +166,23 @@ def test_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
     with pytest.raises(IndexError, match="1 of 2 KV cache slots outside the cache's 8"):
         kv_write(rows, rows, *caches, torch.tensor([3, 8]))
     assert not any(cache.any() for cache in caches)
+
+
+def test_kv_write_noting_writes_as_kv_write_and_keeps_the_largest_count_out_of_range():
+    """The replayable variant: the same writes; slots out of range write nothing and
+    their count is kept where it passes the counter's (each layer of a step checks the
+    same slots, so the counter holds one write's count)."""
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    expected = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    rows = torch.randn(2, 1, 8, generator=generator())
+    counter = torch.zeros(1, dtype=torch.int64)
+    kv_write_noting(rows, rows, *caches, torch.tensor([3, 6]), counter)
+    kv_write(rows, rows, *expected, torch.tensor([3, 6]))
+    assert int(counter) == 0 and all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+    kv_write_noting(rows * 2, rows * 2, *caches, torch.tensor([8, -1]), counter)
+    kv_write_noting(rows * 2, rows * 2, *caches, torch.tensor([1, 9]), counter)
+    assert int(counter) == 2  # the larger count, not the sum
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))  # nothing written
 
 
 def test_kv_write_does_not_take_what_it_cannot_copy_as_rows():
