@@ -47,6 +47,8 @@ def foldable(ctx: AttentionContext) -> str | None:
             return "the step's attention is not the native decode kernel's alone"
     if ctx.key_limits is not None:
         return "some query sees later keys"
+    if ctx.seq_lens.shape[0] != ctx.slot_mapping.shape[0]:
+        return "the step's requests are not one token each"
     return None
 
 
